@@ -1,0 +1,87 @@
+"""The public entry points: `shard` compiles a training step, `trace` only traces it."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.nn as nn
+
+from .batch import BatchSpec
+from .config import Config
+from .errors import FxShardError
+from .optim import AdamW, Optimizer, SGD
+from .program import InputKind, Program
+from .runtime import CompiledStep
+from .trace import trace as _trace
+
+
+def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None = None,
+          config: Config | None = None) -> Program:
+    """Trace `loss_fn(model, batch)`, its backward and the optimizer update into one Program.
+
+    Runs on fake tensors: nothing is computed and a model on the `meta` device allocates nothing.
+    """
+    _check_arguments(model, loss_fn, optimizer, config)
+    return _trace(model, loss_fn, example_batch, optimizer, config)
+
+
+def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None = None, mesh=None,
+          config: Config | None = None) -> CompiledStep:
+    """Compile one training step of `model` and return it as a callable `step(batch) -> metrics`.
+
+    The returned step owns the training state from here on: it starts from the model's current
+    parameters and buffers (the model itself is left unchanged) and `step.parameters()` reads them.
+    """
+    config = config or Config()
+    optimizer = optimizer or AdamW()
+    _check_arguments(model, loss_fn, optimizer, config)
+    if mesh is not None:
+        raise FxShardError(f"mesh={mesh!r}: only single-process steps (mesh=None) are supported so far")
+    if config.dump_dir is None and os.environ.get("FXSHARD_DUMP"):
+        config = _replace(config, dump_dir=os.environ["FXSHARD_DUMP"])
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(t.is_meta for t in tensors):
+        raise FxShardError(
+            "the model has parameters on the meta device; shard() needs real values: materialize it "
+            "first (model.to_empty(device=...) and initialize), or use fxshard.trace() to only trace it")
+    from fxshard.passes import run_pipeline
+
+    program = _trace(model, loss_fn, example_batch, optimizer, config)
+    programs = run_pipeline(program, mesh, config)
+    if config.dump_dir:
+        from .dump import dump_programs
+
+        dump_programs(programs, config.dump_dir)
+        if config.verbose:
+            print(f"fxshard: wrote graph dumps to {config.dump_dir}", file=sys.stderr)
+    batch_spec = BatchSpec.from_example(example_batch)
+    state = {}
+    for name, p in model.named_parameters():
+        state[InputKind.PARAM, name] = p.detach()
+        if p.requires_grad:
+            for slot, value in optimizer.init_state(p.detach()).items():
+                state[InputKind.OPT_STATE, f"{slot}/{name}"] = value
+    for name, b in model.named_buffers():
+        state[InputKind.BUFFER, name] = b.detach()
+    return CompiledStep(programs, state, batch_spec, optimizer, batch_spec.device)
+
+
+def _check_arguments(model, loss_fn, optimizer, config) -> None:
+    if not isinstance(model, nn.Module):
+        raise FxShardError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(loss_fn):
+        raise FxShardError(f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}")
+    if optimizer is not None and not isinstance(optimizer, (AdamW, SGD)):
+        raise FxShardError(
+            f"optimizer must be fxshard.optim.AdamW(...) or fxshard.optim.SGD(...), got "
+            f"{type(optimizer).__name__}; torch.optim optimizers run outside the graph")
+    if config is not None and not isinstance(config, Config):
+        raise FxShardError(f"config must be fxshard.Config(...), got {type(config).__name__}")
+
+
+def _replace(config: Config, **changes) -> Config:
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)

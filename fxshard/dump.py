@@ -1,0 +1,178 @@
+"""Graph dumps: the readable code, a per-node listing, a summary and a Graphviz file per program.
+
+Files are numbered in pipeline order (`00_traced`, `01_fsdp`, ...) so `diff 00_traced.nodes.txt
+01_fsdp.nodes.txt` shows what a pass did. `python -m fxshard.dump DIR` prints a dump's summaries.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter, defaultdict
+
+import torch
+import torch.fx as fx
+
+from . import meta
+from .program import InputKind, Program
+
+_PHASE_COLORS = {meta.FWD: "#cfe2ff", meta.BWD: "#ffd8cc", meta.OPTIM: "#d4f0d0"}
+
+
+def dump_programs(programs: list[Program], directory) -> list[str]:
+    return [path for index, program in enumerate(programs) for path in dump_program(program, directory, index)]
+
+
+def dump_program(program: Program, directory, index: int = 0) -> list[str]:
+    os.makedirs(directory, exist_ok=True)
+    stem = os.path.join(directory, f"{index:02d}_{program.name}")
+    files = {
+        f"{stem}.py": program.graph_module.print_readable(print_output=False, include_stride=False,
+                                                          include_device=False),
+        f"{stem}.nodes.txt": listing(program),
+        f"{stem}.summary.txt": summarize(program),
+        f"{stem}.dot": to_dot(program),
+    }
+    for path, text in files.items():
+        with open(path, "w") as handle:
+            handle.write(text)
+    return list(files)
+
+
+def _value(node: fx.Node):
+    return node.meta.get("val")
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _shape(value) -> str:
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).replace("torch.", "")
+        return f"{dtype}{list(value.shape)}"
+    if isinstance(value, (list, tuple)):
+        return "(" + ", ".join(_shape(v) for v in value) + ")"
+    return type(value).__name__ if value is not None else "-"
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", str(node.target)).replace(".default", "")
+    return node.op
+
+
+def _format_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def listing(program: Program) -> str:
+    """One line per node: name = op(inputs)  phase  layer  shape  [param]."""
+    lines = []
+    for node in program.graph.nodes:
+        if node.op == "output":
+            lines.append(f"output({', '.join(str(a) for a in node.args[0])})")
+            continue
+        inputs = ", ".join(n.name for n in node.all_input_nodes)
+        extra = f"  param={meta.param(node)}" if meta.param(node) else ""
+        lines.append(f"{node.name} = {_op_name(node)}({inputs})  [{meta.phase(node)} {meta.layer(node)}] "
+                     f"{_shape(_value(node))}{extra}")
+    return "\n".join(lines) + "\n"
+
+
+def saved_activation_bytes(program: Program) -> int:
+    """Bytes of forward values that the backward reads (what autograd would save)."""
+    return sum(_nbytes(_value(n)) for n in program.graph.nodes
+               if meta.phase(n) == meta.FWD and n.op != "placeholder"
+               and any(meta.phase(u) == meta.BWD for u in n.users))
+
+
+def summarize(program: Program) -> str:
+    nodes = [n for n in program.graph.nodes if n.op not in ("placeholder", "output")]
+    by_phase = Counter(meta.phase(n) for n in nodes)
+    lines = [f"Program {program.name!r}: {len(nodes)} nodes "
+             f"({', '.join(f'{p} {by_phase[p]}' for p in meta.PHASES)}); "
+             f"{len(program.inputs)} inputs, {len(program.outputs)} outputs"]
+    lines.append("")
+    lines.append(f"{'input kind':<12} {'count':>6} {'bytes':>12}")
+    placeholders = dict(zip(program.inputs, program.placeholders()))
+    for kind in InputKind:
+        specs = program.inputs_of(kind)
+        if specs:
+            size = sum(_nbytes(_value(placeholders[s])) for s in specs)
+            lines.append(f"{kind.value:<12} {len(specs):>6} {_format_bytes(size):>12}")
+    lines.append(f"{'activations':<12} {'':>6} {_format_bytes(saved_activation_bytes(program)):>12}"
+                 f"   (forward values read by the backward)")
+    lines.append("")
+    table: dict[str, Counter] = defaultdict(Counter)
+    for node in nodes:
+        table[meta.layer(node)][meta.phase(node)] += 1
+    lines.append(f"{'layer':<24} " + " ".join(f"{p:>6}" for p in meta.PHASES))
+    for layer_name in _layer_order(program):
+        counts = table.get(layer_name)
+        if counts:
+            lines.append(f"{layer_name:<24} " + " ".join(f"{counts[p]:>6}" for p in meta.PHASES))
+    lines.append("")
+    ops = Counter(_op_name(n) for n in nodes if n.op == "call_function")
+    lines.append("ops: " + ", ".join(f"{op} {count}" for op, count in ops.most_common(20)))
+    for key, value in program.notes.items():
+        lines.append(f"{key}: {value}")
+    return "\n".join(lines) + "\n"
+
+
+def _layer_order(program: Program) -> list[str]:
+    seen = []
+    for node in program.graph.nodes:
+        name = meta.layer(node)
+        if name is not None and name not in seen and meta.phase(node) == meta.FWD:
+            seen.append(name)
+    rest = sorted({meta.layer(n) for n in program.graph.nodes if meta.layer(n) is not None} - set(seen))
+    return seen + rest
+
+
+def to_dot(program: Program) -> str:
+    """Graphviz: one cluster per layer, nodes colored by phase."""
+    clusters: dict[str, list[str]] = defaultdict(list)
+    edges = []
+    for node in program.graph.nodes:
+        if node.op == "output":
+            continue
+        color = _PHASE_COLORS.get(meta.phase(node), "#eeeeee")
+        label = f"{node.name}\\n{_op_name(node)}\\n{_shape(_value(node))}"
+        clusters[meta.layer(node) or "?"].append(
+            f'    "{node.name}" [label="{label}", style=filled, fillcolor="{color}"];')
+        edges.extend(f'  "{source.name}" -> "{node.name}";' for source in node.all_input_nodes)
+    lines = [f'digraph "{program.name}" {{', "  node [shape=box, fontsize=9];"]
+    for index, (name, body) in enumerate(clusters.items()):
+        lines += [f"  subgraph cluster_{index} {{", f'    label="{name}";', *body, "  }"]
+    lines += edges + ["}"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1 or not os.path.isdir(argv[0]):
+        print("usage: python -m fxshard.dump DIR   (a folder written with Config(dump_dir=DIR))",
+              file=sys.stderr)
+        return 2
+    summaries = sorted(f for f in os.listdir(argv[0]) if f.endswith(".summary.txt"))
+    if not summaries:
+        print(f"{argv[0]} holds no *.summary.txt; is it a fxshard dump folder?", file=sys.stderr)
+        return 1
+    for name in summaries:
+        with open(os.path.join(argv[0], name)) as handle:
+            print(f"== {name[:-len('.summary.txt')]}")
+            print(handle.read())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Turn a tracer failure into an FxShardError that names the cause and the user's source line."""
+
+from __future__ import annotations
+
+import linecache
+import os
+import traceback
+
+import torch
+
+from .errors import FxShardError
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FXSHARD_DIR = os.path.dirname(os.path.abspath(__file__))
+_STDLIB_DIR = os.path.dirname(os.__file__)
+
+_CAUSES = {
+    "DataDependentOutputException":
+        "the model reads a tensor's value on the host (.item(), .tolist(), int(t), a tensor in an `if`)",
+    "GuardOnDataDependentSymNode":
+        "control flow depends on tensor values (data-dependent control flow)",
+    "DynamicOutputShapeException":
+        "an op's output shape depends on tensor values (nonzero, unique, masked_select, boolean indexing)",
+}
+_FIX = ("fxshard traces one static-shape graph; compute the value with tensor ops instead "
+        "(torch.where instead of `if`, masks instead of boolean indexing, fixed-size outputs)")
+
+
+def _chain(error: BaseException):
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def user_frame(error: BaseException) -> str | None:
+    """'file:line in function: source' of the deepest frame outside torch, fxshard's core and stdlib."""
+    best = None
+    for link in _chain(error):
+        for frame in traceback.extract_tb(link.__traceback__):
+            path = os.path.abspath(frame.filename)
+            if path.startswith((_TORCH_DIR, _FXSHARD_DIR, _STDLIB_DIR)) or path.startswith("<"):
+                continue
+            source = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+            best = f"{frame.filename}:{frame.lineno} in {frame.name}: {source}"
+    return best
+
+
+def explain_trace_failure(error: BaseException) -> FxShardError:
+    where = user_frame(error)
+    location = f"\n  at {where}" if where else ""
+    for link in _chain(error):
+        cause = _CAUSES.get(type(link).__name__)
+        if cause:
+            return FxShardError(f"cannot trace the training step: {cause}.{location}\n  {_FIX}")
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return FxShardError(
+        f"cannot trace the training step: {type(error).__name__}: {first_line}{location}\n"
+        f"  the model and loss_fn must run on fake tensors with static shapes; the chained "
+        f"exception above has torch's full message")

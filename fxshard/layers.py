@@ -1,0 +1,93 @@
+"""Which modules are layers, and the hooks that annotate their forward while tracing.
+
+A layer is a module whose forward (and, through aot_autograd's metadata link, whose backward) is
+tagged with its module path. Everything traced before the first layer runs is "pre", everything after
+a layer has run and outside any layer is "post". The model needs no edits: hooks do the tagging and
+are removed when tracing ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+
+import torch.fx.traceback as fx_traceback
+import torch.nn as nn
+
+from . import meta
+from .errors import FxShardError
+
+
+def find_layers(model: nn.Module, patterns: tuple[str, ...] | None = None) -> list[str]:
+    """Module paths of the layers, in registration order."""
+    if patterns is not None:
+        paths = [name for name, _ in model.named_modules() if name and
+                 any(fnmatch.fnmatchcase(name, p) for p in patterns)]
+        # A match nested in another match belongs to the outer one.
+        paths = [p for p in paths if not any(p.startswith(q + ".") for q in paths)]
+        if not paths:
+            raise FxShardError(
+                f"Config(layers={list(patterns)}) matched no module; module paths look like "
+                f"{[n for n, _ in model.named_modules() if n][:6]}")
+        return paths
+    best, best_size = None, 0
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) == 0:
+            continue
+        if len({type(child) for child in module}) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if size > best_size:
+            best, best_size = name, size
+    if best is None:
+        return []
+    container = model.get_submodule(best)
+    prefix = f"{best}." if best else ""
+    return [f"{prefix}{index}" for index in range(len(container))]
+
+
+@contextlib.contextmanager
+def annotate_layers(root: nn.Module, model: nn.Module, layer_paths: list[str]):
+    """While active, every op traced inside a layer's forward carries that layer's path.
+
+    `root` is the module whose call is one traced step (it wraps loss_fn): each call starts "pre".
+    aot_autograd runs it more than once (metadata pass, joint trace), so the state resets per call.
+    """
+    regions: list[contextlib.ExitStack] = []
+    open_layers: dict[int, contextlib.AbstractContextManager] = {}
+
+    def start_step(module, args):
+        region = contextlib.ExitStack()
+        region.enter_context(fx_traceback.annotate({meta.ANNOTATION_LAYER: meta.PRE}))
+        regions.append(region)
+
+    def end_step(module, args, output):
+        regions.pop().close()
+
+    def enter(path):
+        def pre_hook(module, args):
+            cm = fx_traceback.annotate({meta.ANNOTATION_LAYER: path})
+            cm.__enter__()
+            open_layers[id(module)] = cm
+        return pre_hook
+
+    def leave(module, args, output):
+        open_layers.pop(id(module)).__exit__(None, None, None)
+        # From here on, ops outside any layer are "post". The contexts nest properly: this one opens
+        # after the layer's own context closed, and the step's region closes them in reverse.
+        regions[-1].enter_context(fx_traceback.annotate({meta.ANNOTATION_LAYER: meta.POST}))
+
+    handles = [root.register_forward_pre_hook(start_step), root.register_forward_hook(end_step)]
+    for path in layer_paths:
+        module = model.get_submodule(path)
+        handles.append(module.register_forward_pre_hook(enter(path)))
+        handles.append(module.register_forward_hook(leave))
+    try:
+        yield
+    finally:  # a trace that failed midway leaves contexts open: close them innermost first
+        for cm in reversed(list(open_layers.values())):
+            cm.__exit__(None, None, None)
+        for region in reversed(regions):
+            region.close()
+        for handle in handles:
+            handle.remove()

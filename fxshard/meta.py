@@ -1,0 +1,25 @@
+"""Node-metadata keys, in one place. Passes read and write node.meta only through these."""
+
+PHASE = "fxshard_phase"   # "fwd" | "bwd" | "optim"
+LAYER = "fxshard_layer"   # "pre", "post", or a layer's module path such as "layers.3"
+PARAM = "fxshard_param"   # parameter name on parameter inputs, their gradients and updates
+
+FWD, BWD, OPTIM = "fwd", "bwd", "optim"
+PHASES = (FWD, BWD, OPTIM)
+PRE, POST = "pre", "post"
+
+# Key under torch.fx.traceback.annotate's "custom" dict that carries the layer during tracing.
+ANNOTATION_LAYER = "fxshard_layer"
+ANNOTATION_PARAM = "fxshard_param"
+
+
+def phase(node) -> str | None:
+    return node.meta.get(PHASE)
+
+
+def layer(node) -> str | None:
+    return node.meta.get(LAYER)
+
+
+def param(node) -> str | None:
+    return node.meta.get(PARAM)

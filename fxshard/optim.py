@@ -1,0 +1,104 @@
+"""Functional optimizers, traced into the program's `optim` phase.
+
+Each optimizer is a small frozen description plus three pure functions: `init_state(param)` gives
+the slots for one parameter, `scalars(lr, step)` the per-step values shared by all parameters (traced
+once), and `update(param, grad, state, scalars)` the new parameter and slots.
+The learning rate and the step count are 0-d tensors, program inputs, so a schedule changes them
+without retracing. Semantics match `torch.optim.AdamW` / `torch.optim.SGD` (single-tensor path).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Union
+
+import torch
+
+from .errors import FxShardError
+
+LearningRate = Union[float, Callable[[int], float]]
+
+
+def _check_lr(lr) -> None:
+    if not callable(lr) and not (isinstance(lr, (int, float)) and lr >= 0):
+        raise FxShardError(f"lr must be a non-negative float or a callable step -> float, got {lr!r}")
+
+
+@dataclass(frozen=True)
+class AdamW:
+    lr: LearningRate = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+
+    slots = ("exp_avg", "exp_avg_sq")
+
+    def __post_init__(self):
+        _check_lr(self.lr)
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise FxShardError(f"AdamW betas must lie in [0, 1), got {self.betas}")
+
+    def init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
+
+    def scalars(self, lr, step):
+        beta1, beta2 = self.betas
+        return {"decay": 1 - lr * self.weight_decay,
+                "step_size": lr / (1 - torch.pow(beta1, step)),
+                "bias_correction2_sqrt": torch.sqrt(1 - torch.pow(beta2, step))}
+
+    def update(self, param, grad, state, scalars):
+        beta1, beta2 = self.betas
+        param = param * scalars["decay"]
+        exp_avg = torch.lerp(state["exp_avg"], grad, 1 - beta1)
+        exp_avg_sq = torch.addcmul(state["exp_avg_sq"] * beta2, grad, grad, value=1 - beta2)
+        denom = exp_avg_sq.sqrt() / scalars["bias_correction2_sqrt"] + self.eps
+        param = param - scalars["step_size"] * (exp_avg / denom)
+        return param, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+
+@dataclass(frozen=True)
+class SGD:
+    lr: LearningRate = 1e-3
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+
+    def __post_init__(self):
+        _check_lr(self.lr)
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise FxShardError("SGD nesterov needs momentum > 0 and dampening == 0 (as torch.optim.SGD)")
+
+    @property
+    def slots(self) -> tuple[str, ...]:
+        return ("momentum_buffer",) if self.momentum else ()
+
+    def init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"momentum_buffer": torch.zeros_like(param)} if self.momentum else {}
+
+    def scalars(self, lr, step):
+        return {"lr": lr, "is_first_step": step == 1}
+
+    def update(self, param, grad, state, scalars):
+        d_p = grad + self.weight_decay * param if self.weight_decay else grad
+        new_state = {}
+        if self.momentum:
+            # torch.optim.SGD starts the buffer as a copy of the first gradient, undamped.
+            running = state["momentum_buffer"] * self.momentum + (1 - self.dampening) * d_p
+            buf = torch.where(scalars["is_first_step"], d_p, running)
+            new_state["momentum_buffer"] = buf
+            d_p = d_p + self.momentum * buf if self.nesterov else buf
+        return param - scalars["lr"] * d_p, new_state
+
+
+Optimizer = Union[AdamW, SGD]
+
+
+def lr_at(optimizer: Optimizer, step: int) -> float:
+    """The learning rate for 1-based `step`."""
+    lr = optimizer.lr(step) if callable(optimizer.lr) else optimizer.lr
+    if not isinstance(lr, (int, float)) or math.isnan(lr) or lr < 0:
+        raise FxShardError(f"the lr schedule returned {lr!r} at step {step}; it must return a float >= 0")
+    return float(lr)

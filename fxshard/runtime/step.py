@@ -1,0 +1,75 @@
+"""CompiledStep: owns the training state and replays the final Program once per step."""
+
+from __future__ import annotations
+
+import torch
+
+from ..batch import BatchSpec
+from ..errors import FxShardError
+from ..optim import Optimizer, lr_at
+from ..program import InputKind, OutputKind, Program
+
+
+class CompiledStep:
+    """`step(batch)` runs forward, backward and the optimizer update of the compiled program.
+
+    State (parameters, optimizer slots, buffers) lives here as plain tensors keyed by the names in
+    the program's signature; each call feeds them in and takes the updated ones back.
+    """
+
+    def __init__(self, programs: list[Program], state: dict[tuple[InputKind, str], torch.Tensor],
+                 batch_spec: BatchSpec, optimizer: Optimizer, device: torch.device):
+        self.programs = programs
+        self.program = programs[-1]
+        self.state = state
+        self.batch_spec = batch_spec
+        self.optimizer = optimizer
+        self.device = device
+        self.step_count = 0
+        self._lr_override: float | None = None
+        self._write_back = {OutputKind.PARAM: InputKind.PARAM, OutputKind.OPT_STATE: InputKind.OPT_STATE,
+                            OutputKind.BUFFER: InputKind.BUFFER}
+
+    def set_lr(self, lr: float) -> None:
+        """Use this learning rate from the next step on (overrides the optimizer's lr/schedule)."""
+        if not isinstance(lr, (int, float)) or lr < 0:
+            raise FxShardError(f"set_lr needs a float >= 0, got {lr!r}")
+        self._lr_override = float(lr)
+
+    @property
+    def lr(self) -> float:
+        return self._lr_override if self._lr_override is not None else lr_at(self.optimizer, self.step_count + 1)
+
+    def __call__(self, batch) -> dict[str, torch.Tensor]:
+        leaves = iter(self.batch_spec.flatten(batch))
+        lr = torch.tensor(self.lr, dtype=torch.float32, device=self.device)
+        step = torch.tensor(float(self.step_count + 1), dtype=torch.float32, device=self.device)
+        args = []
+        for spec in self.program.inputs:
+            if spec.kind is InputKind.BATCH:
+                args.append(next(leaves))
+            elif spec.kind is InputKind.LR:
+                args.append(lr)
+            elif spec.kind is InputKind.STEP:
+                args.append(step)
+            else:
+                args.append(self.state[spec.kind, spec.name])
+        results = self.program(*args)
+        metrics = {}
+        for spec, value in zip(self.program.outputs, results):
+            if spec.kind in self._write_back:
+                self.state[self._write_back[spec.kind], spec.name] = value
+            else:
+                metrics[spec.name] = value.detach()
+        self.step_count += 1
+        return metrics
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """Parameter name -> current full parameter tensor."""
+        return {name: value for (kind, name), value in self.state.items() if kind is InputKind.PARAM}
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return {name: value for (kind, name), value in self.state.items() if kind is InputKind.BUFFER}
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        return {name: value for (kind, name), value in self.state.items() if kind is InputKind.OPT_STATE}

@@ -1,0 +1,335 @@
+"""model + loss + optimizer -> Program: one joint forward+backward+optimizer graph in aten IR.
+
+Route (DESIGN.md): aot_autograd's `aot_export_joint_with_descriptors` under
+`torch.fx.traceback.preserve_node_meta()`, on fake tensors, with each layer's forward annotated; the
+backward nodes inherit their forward's annotation. The optimizer update is traced with make_fx on
+the same fake tensors and appended, so the program is one graph:
+
+    (params, opt_state, buffers, batch, lr, step) -> (loss, grad_norm, new params, new opt_state, new buffers)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from . import meta
+from .config import Config
+from .errors import FxShardError
+from .errors_trace import explain_trace_failure
+from .layers import annotate_layers, find_layers
+from .optim import AdamW, Optimizer
+from .program import Input, InputKind, Output, OutputKind, Program
+from .batch import BatchSpec
+
+
+class _LossStep(nn.Module):
+    """The module aot_autograd traces: loss_fn(model, batch) with the model's tensors passed in.
+
+    The model is held in a tuple so it is not a submodule: its tensors enter only as arguments.
+    functional_call swaps them in around a wrapper, because loss_fn may call any method of the model
+    (`model.loss(batch)`), not only its forward.
+    """
+
+    def __init__(self, model, loss_fn, batch_spec, param_names, buffer_names):
+        super().__init__()
+        self.target = (_Apply(model, loss_fn),)
+        self.batch_spec = batch_spec
+        self.names = [f"model.{n}" for n in [*param_names, *buffer_names]]
+
+    def forward(self, params, buffers, leaves):
+        tensors = dict(zip(self.names, [*params, *buffers]))
+        return torch.func.functional_call(self.target[0], tensors, (self.batch_spec.unflatten(leaves),))
+
+
+class _Apply(nn.Module):
+    def __init__(self, model, loss_fn):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, batch):
+        return self.loss_fn(self.model, batch)
+
+
+def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None = None,
+          config: Config | None = None) -> Program:
+    """Trace one training step into a Program, on fake tensors (no real compute, no weight memory)."""
+    config = config or Config()
+    optimizer = optimizer or AdamW()
+    started = time.perf_counter()
+    batch_spec = BatchSpec.from_example(example_batch)
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    if not any(p.requires_grad for p in params.values()):
+        raise FxShardError(
+            f"{type(model).__name__} has no trainable parameters ({len(params)} parameters, none with "
+            f"requires_grad=True); there is nothing to train")
+    device = batch_spec.device
+    layer_paths = find_layers(model, config.layers)
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    with fake_mode:
+        fake_params = [torch.empty(p.shape, dtype=p.dtype, device=device, requires_grad=p.requires_grad)
+                       for p in params.values()]
+        fake_buffers = [torch.empty(b.shape, dtype=b.dtype, device=device) for b in buffers.values()]
+        fake_leaves = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in batch_spec.leaves]
+
+    step_module = _LossStep(model, loss_fn, batch_spec, list(params), list(buffers))
+    try:
+        with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta(), \
+                annotate_layers(step_module.target[0], model, layer_paths):
+            joint = aot_export_joint_with_descriptors(
+                stack, step_module, (fake_params, fake_buffers, fake_leaves))
+            joint_gm = joint.graph_module
+    except FxShardError:
+        raise
+    except Exception as error:  # translate the tracer's failure into the user's terms
+        raise explain_trace_failure(error) from error
+
+    builder = _ProgramBuilder(params, buffers, batch_spec, optimizer, config, device, fake_mode)
+    program = builder.build(joint_gm)
+    program.notes["trace_seconds"] = round(time.perf_counter() - started, 3)
+    program.notes["layers"] = layer_paths
+    return program
+
+
+class _ProgramBuilder:
+    """Assembles the joint graph and the traced optimizer into one graph with a typed signature."""
+
+    def __init__(self, params, buffers, batch_spec, optimizer, config, device, fake_mode):
+        self.params = params
+        self.buffers = buffers
+        self.batch_spec = batch_spec
+        self.optimizer = optimizer
+        self.config = config
+        self.device = device
+        self.fake_mode = fake_mode
+        self.graph = fx.Graph()
+        self.root = nn.Module()
+        self.inputs: list[Input] = []
+
+    def placeholder(self, kind: InputKind, name: str, value: torch.Tensor, requires_grad=False,
+                    **node_meta) -> fx.Node:
+        node = self.graph.placeholder(_identifier(f"{kind.value}_{name}"))
+        node.meta["val"] = value
+        node.meta.update(node_meta)
+        self.inputs.append(Input(kind, name, tuple(value.shape), value.dtype, requires_grad))
+        return node
+
+    def build(self, joint_gm: fx.GraphModule) -> Program:
+        flat_inputs, tangents = _joint_placeholders(joint_gm)
+        with self.fake_mode:
+            param_nodes = {name: self.placeholder(InputKind.PARAM, name, flat_inputs[i].meta["val"],
+                                                  p.requires_grad, **{meta.PARAM: name})
+                           for i, (name, p) in enumerate(self.params.items())}
+            trainable = [name for name, p in self.params.items() if p.requires_grad]
+            state_nodes = {}
+            for name in trainable:
+                for slot, value in self.optimizer.init_state(param_nodes[name].meta["val"]).items():
+                    state_nodes[name, slot] = self.placeholder(
+                        InputKind.OPT_STATE, f"{slot}/{name}", value, **{meta.PARAM: name})
+            offset = len(self.params)
+            buffer_nodes = [self.placeholder(InputKind.BUFFER, name, flat_inputs[offset + i].meta["val"])
+                            for i, name in enumerate(self.buffers)]
+            offset += len(self.buffers)
+            batch_nodes = [self.placeholder(InputKind.BATCH, path, flat_inputs[offset + i].meta["val"])
+                           for i, path in enumerate(self.batch_spec.paths)]
+            lr = self.placeholder(InputKind.LR, "lr", torch.empty((), device=self.device))
+            step = self.placeholder(InputKind.STEP, "step", torch.empty((), device=self.device))
+
+        env = dict(zip(flat_inputs, [*param_nodes.values(), *buffer_nodes, *batch_nodes]))
+        loss, grads, mutations = self.copy_joint(joint_gm, env, tangents)
+        grad_nodes = {name: grads[i] for i, name in enumerate(self.params) if name in trainable}
+        for name, node in grad_nodes.items():
+            if node is None:
+                raise FxShardError(
+                    f"parameter {name!r} requires grad but the loss does not depend on it; freeze it "
+                    f"(requires_grad_(False)) or use it in the forward")
+            node.meta[meta.PARAM] = name
+        grad_norm, new_params, new_states = self.append_optimizer(
+            param_nodes, grad_nodes, state_nodes, lr, step)
+
+        outputs = [Output(OutputKind.LOSS, "loss"), Output(OutputKind.GRAD_NORM, "grad_norm")]
+        values = [loss, grad_norm]
+        for name, node in new_params.items():
+            outputs.append(Output(OutputKind.PARAM, name))
+            values.append(node)
+        for (name, slot), node in new_states.items():
+            outputs.append(Output(OutputKind.OPT_STATE, f"{slot}/{name}"))
+            values.append(node)
+        buffer_names = list(self.buffers)
+        for index, node in mutations.items():
+            outputs.append(Output(OutputKind.BUFFER, buffer_names[index - len(self.params)]))
+            values.append(node)
+        self.graph.output(tuple(values))
+        _assign_layers(self.graph, param_nodes)
+        self.graph.lint()
+        return Program(fx.GraphModule(self.root, self.graph), tuple(self.inputs), tuple(outputs))
+
+    def copy_joint(self, joint_gm, env, tangents):
+        """Copy the joint graph's nodes; the loss tangent becomes a constant 1."""
+        for tangent in tangents:
+            value = tangent.meta["val"]
+            if value.numel() != 1:
+                raise FxShardError(
+                    f"loss_fn must return a scalar tensor, got shape {tuple(value.shape)}; "
+                    f"reduce it (e.g. .mean()) inside loss_fn")
+            ones = self.graph.call_function(torch.ops.aten.full.default, ([], 1.0),
+                                            {"dtype": value.dtype, "device": value.device})
+            ones.meta.update({"val": value, meta.PHASE: meta.BWD, meta.LAYER: meta.POST})
+            env[tangent] = ones
+        for node in joint_gm.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                return self.read_joint_outputs(node, env, len(tangents))
+            if node.op == "get_attr":
+                setattr(self.root, node.target, getattr(joint_gm, node.target))
+            copy = self.graph.node_copy(node, lambda n: env[n])
+            custom = node.meta.get("custom") or {}
+            copy.meta[meta.PHASE] = meta.BWD if node.meta.get("partitioner_tag") == "is_backward" else meta.FWD
+            if meta.ANNOTATION_LAYER in custom:
+                copy.meta[meta.LAYER] = custom[meta.ANNOTATION_LAYER]
+            env[node] = copy
+        raise AssertionError("joint graph has no output node")
+
+    def read_joint_outputs(self, output_node, env, n_tangents):
+        loss, grads, mutations = None, {}, {}
+        for value, desc in zip(output_node.args[0], output_node.meta["desc"]):
+            if desc is None and value is None:  # the gradient slot of an input that needs none
+                continue
+            kind = type(desc).__name__
+            mapped = env[value] if isinstance(value, fx.Node) else None
+            if kind == "PlainAOTOutput":
+                if loss is not None:
+                    raise FxShardError("loss_fn must return one scalar tensor, it returned several outputs")
+                loss = mapped
+                if mapped is not None:
+                    loss_val = mapped.meta["val"]
+                    if loss_val.dim() != 0 and loss_val.numel() != 1 or not loss_val.is_floating_point():
+                        raise FxShardError(
+                            f"loss_fn must return a floating scalar tensor, got {loss_val.dtype} "
+                            f"of shape {tuple(loss_val.shape)}; reduce it (e.g. .mean()) inside loss_fn")
+            elif kind == "GradAOTOutput":
+                grads[desc.grad_of.idx] = mapped
+            elif kind == "InputMutationAOTOutput":
+                index = desc.mutated_input.idx
+                if index < len(self.params) or index >= len(self.params) + len(self.buffers):
+                    raise FxShardError(
+                        "the forward mutates a parameter or the batch in place; only buffers may be "
+                        "mutated (as BatchNorm's running statistics are)")
+                mutations[index] = mapped
+            else:
+                raise FxShardError(f"unsupported traced output {desc}; loss_fn must return one scalar")
+        if loss is None:
+            raise FxShardError("loss_fn returned no tensor; it must return a scalar loss tensor")
+        return loss, [grads.get(i) for i in range(len(self.params))], mutations
+
+    def append_optimizer(self, param_nodes, grad_nodes, state_nodes, lr, step):
+        """Trace clip + optimizer update with make_fx and inline it, phase "optim"."""
+        names = list(grad_nodes)
+        slots = {name: [slot for (n, slot) in state_nodes if n == name] for name in names}
+        optimizer, clip = self.optimizer, self.config.clip_grad_norm
+
+        def update(params, grads, states, lr, step):
+            norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
+            grad_norm = torch.linalg.vector_norm(norms)
+            if clip is not None:
+                coefficient = torch.clamp(clip / (grad_norm + 1e-6), max=1.0)
+                grads = [g * coefficient.to(g.dtype) for g in grads]
+            shared = optimizer.scalars(lr, step)
+            new_params, new_states = [], []
+            for name, p, g, s in zip(names, params, grads, states):
+                with fx_traceback.annotate({meta.ANNOTATION_PARAM: name}):
+                    new_p, new_s = optimizer.update(p, g, dict(zip(slots[name], s)), shared)
+                new_params.append(new_p)
+                new_states.append([new_s[slot] for slot in slots[name]])
+            return grad_norm, new_params, new_states
+
+        example = ([param_nodes[n].meta["val"] for n in names], [grad_nodes[n].meta["val"] for n in names],
+                   [[state_nodes[n, s].meta["val"] for s in slots[n]] for n in names],
+                   lr.meta["val"], step.meta["val"])
+        flat_example, spec = pytree.tree_flatten(example)
+        with fx_traceback.preserve_node_meta(), self.fake_mode:
+            optim_gm = make_fx(lambda *flat: pytree.tree_leaves(
+                update(*pytree.tree_unflatten(list(flat), spec))))(*flat_example)
+        sources = ([param_nodes[n] for n in names] + [grad_nodes[n] for n in names] +
+                   [state_nodes[n, s] for n in names for s in slots[n]] + [lr, step])
+        env = dict(zip([n for n in optim_gm.graph.nodes if n.op == "placeholder"], sources))
+        for node in optim_gm.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                shape = (0, [0] * len(names), [[0] * len(slots[n]) for n in names])
+                results = pytree.tree_unflatten([env[v] for v in node.args[0]], pytree.tree_structure(shape))
+                break
+            if node.op == "get_attr":
+                setattr(self.root, node.target, getattr(optim_gm, node.target))
+            copy = self.graph.node_copy(node, lambda n: env[n])
+            copy.meta[meta.PHASE] = meta.OPTIM
+            param_name = (node.meta.get("custom") or {}).get(meta.ANNOTATION_PARAM)
+            if param_name is not None:
+                copy.meta[meta.PARAM] = param_name
+            env[node] = copy
+        grad_norm, new_param_list, new_state_list = results
+        new_params = dict(zip(names, new_param_list))
+        for name, node in new_params.items():
+            node.meta[meta.PARAM] = name
+        new_states = {(n, s): node for n, nodes in zip(names, new_state_list)
+                      for s, node in zip(slots[n], nodes)}
+        return grad_norm, new_params, new_states
+
+
+def _joint_placeholders(joint_gm):
+    flat, tangents = {}, []
+    for node in joint_gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        desc = node.meta["desc"]
+        if type(desc).__name__ == "PlainAOTInput":
+            flat[desc.idx] = node
+        elif type(desc).__name__ == "TangentAOTInput":
+            tangents.append(node)
+        else:
+            raise FxShardError(f"unsupported traced input {desc}")
+    return [flat[i] for i in range(len(flat))], tangents
+
+
+def _assign_layers(graph: fx.Graph, param_nodes: dict[str, fx.Node]) -> None:
+    """Give every node a layer. Optimizer nodes take their parameter's layer; a parameter takes the
+    layer of its first forward use; an unannotated node (autograd's gradient sums) takes the layer
+    of its first annotated user, else of its inputs, else "post"."""
+    param_layer = {}
+    for name, node in param_nodes.items():
+        fwd_users = [u for u in node.users if meta.phase(u) == meta.FWD and meta.LAYER in u.meta]
+        param_layer[name] = meta.layer(fwd_users[0]) if fwd_users else meta.PRE
+        node.meta[meta.LAYER] = param_layer[name]
+    for node in reversed(graph.nodes):
+        if meta.LAYER in node.meta or node.op == "output":
+            continue
+        if meta.PARAM in node.meta and node.meta[meta.PARAM] in param_layer:
+            node.meta[meta.LAYER] = param_layer[node.meta[meta.PARAM]]
+            continue
+        annotated = [meta.layer(u) for u in node.users if meta.LAYER in u.meta]
+        if annotated:
+            node.meta[meta.LAYER] = annotated[0]
+    for node in graph.nodes:
+        if meta.LAYER not in node.meta and node.op != "output":
+            inputs = [meta.layer(i) for i in node.all_input_nodes if meta.LAYER in i.meta]
+            node.meta[meta.LAYER] = inputs[-1] if inputs else meta.POST
+        if node.op == "placeholder":
+            node.meta.setdefault(meta.PHASE, meta.FWD)
+
+
+def _identifier(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)

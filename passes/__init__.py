@@ -1,0 +1,30 @@
+"""The compiler pipeline: the ordered list of passes, each switched on by config and nothing else.
+
+A pass is `(program, mesh, config) -> program`, pure, with a docstring that states its invariant.
+Passes arrive with their features (FSDP, expert parallelism, fused grouped MLP, pipeline); until
+then the pipeline is empty and a step runs the traced program as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+from fxshard.program import Program
+
+
+class Pass(NamedTuple):
+    name: str
+    run: Callable  # (program, mesh, config) -> program
+    is_enabled: Callable  # (mesh, config) -> bool
+
+
+PIPELINE: list[Pass] = []
+
+
+def run_pipeline(program: Program, mesh, config, pipeline: list[Pass] | None = None) -> list[Program]:
+    """The traced program followed by the program after each enabled pass, in order."""
+    programs = [program]
+    for step in PIPELINE if pipeline is None else pipeline:
+        if step.is_enabled(mesh, config):
+            programs.append(step.run(programs[-1], mesh, config).replace(name=step.name))
+    return programs
