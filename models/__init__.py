@@ -1,0 +1,6 @@
+"""Reference models, written as plain nn.Modules: nothing in them exists to help the tracer."""
+
+from .gpt import GPT, GPTConfig
+from .moe_gpt import MoEGPT, MoEGPTConfig
+
+__all__ = ["GPT", "GPTConfig", "MoEGPT", "MoEGPTConfig"]

@@ -1,0 +1,137 @@
+"""MoEGPT: GPT with mixture-of-experts MLPs (top-k softmax router, optional shared expert).
+
+The experts run through `fxshard.ops.grouped_mm` on tokens sorted by expert, the primitive that the
+expert-parallel and fused-grouped-MLP passes rewrite. Every shape is static: routing sorts the T*k
+(token, expert) assignments, so no token is dropped on a single device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fxshard.ops import grouped_mm
+
+from .blocks import Attention, RMSNorm, SwiGLU, init_weights, rope_tables
+
+
+@dataclass(frozen=True)
+class MoEGPTConfig:
+    vocab_size: int = 64
+    d_model: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    n_expert: int = 4
+    top_k: int = 2
+    d_ff_expert: int = 64
+    d_ff_shared: int | None = 64      # None: no shared expert
+    normalize_top_k: bool = True      # renormalize the k routing weights to sum to 1
+    aux_loss_coef: float = 0.01       # load-balancing loss weight, per MoE layer
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "MoEGPTConfig":
+        presets = {
+            "tiny": cls(),
+            "small": cls(vocab_size=32000, d_model=768, n_layer=12, n_head=12, n_expert=8, top_k=2,
+                         d_ff_expert=1024, d_ff_shared=None),                                  # ~290M
+            "1b": cls(vocab_size=32000, d_model=1024, n_layer=16, n_head=16, n_expert=32, top_k=4,
+                      d_ff_expert=512, d_ff_shared=None),                                      # ~0.94B
+        }
+        if name not in presets:
+            raise ValueError(f"unknown MoEGPT preset {name!r}; choose from {sorted(presets)}")
+        return replace(presets[name], **overrides)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts stored as grouped weights: w1 [E, 2F, D] (gate rows, then up rows), w2 [E, D, F]."""
+
+    def __init__(self, n_expert: int, d_model: int, d_ff: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_expert, 2 * d_ff, d_model))
+        self.w2 = nn.Parameter(torch.empty(n_expert, d_model, d_ff))
+
+    def forward(self, tokens, offsets):
+        gate, up = grouped_mm(tokens, offsets, self.w1).chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate) * up, offsets, self.w2)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: MoEGPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.router = nn.Linear(cfg.d_model, cfg.n_expert, bias=False)
+        self.experts = GroupedExperts(cfg.n_expert, cfg.d_model, cfg.d_ff_expert)
+        self.shared = SwiGLU(cfg.d_model, cfg.d_ff_shared) if cfg.d_ff_shared else None
+
+    def forward(self, x):
+        """Returns (output, load-balancing loss)."""
+        batch, seq, width = x.shape
+        tokens = x.reshape(-1, width)
+        n_expert, k = self.cfg.n_expert, self.cfg.top_k
+        probs = F.softmax(self.router(tokens).float(), dim=-1)
+        weights, chosen = probs.topk(k, dim=-1)
+        if self.cfg.normalize_top_k:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        flat_expert = chosen.reshape(-1)
+        order = torch.argsort(flat_expert, stable=True)
+        token_of = order // k
+        counts = torch.zeros(n_expert, dtype=torch.long, device=x.device).scatter_add(
+            0, flat_expert, torch.ones_like(flat_expert))
+        offsets = counts.cumsum(0).to(torch.int32)
+        expert_out = self.experts(tokens.index_select(0, token_of), offsets)
+        expert_out = expert_out * weights.reshape(-1)[order].unsqueeze(-1).to(expert_out.dtype)
+        out = torch.zeros_like(tokens).index_add(0, token_of, expert_out)
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        # Switch-style balance loss: E * sum_e (fraction of assignments to e) * (mean probability of e).
+        aux = n_expert * (counts.float() / flat_expert.numel() * probs.mean(0)).sum()
+        return out.view(batch, seq, width), aux
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, cfg: MoEGPTConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg.d_model, cfg.n_head)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.moe = MoE(cfg)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        moe_out, aux = self.moe(self.mlp_norm(x))
+        return x + moe_out, aux
+
+
+class MoEGPT(nn.Module):
+    def __init__(self, cfg: MoEGPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(MoEBlock(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if not any(p.is_meta for p in self.parameters()):
+            init_weights(self, cfg.n_layer)
+
+    def forward_with_aux(self, idx):
+        """(logits, summed load-balancing loss of all MoE layers)."""
+        x = self.tok_emb(idx)
+        cos, sin = rope_tables(idx.shape[1], self.cfg.d_model // self.cfg.n_head, self.cfg.rope_theta, idx.device)
+        aux_total = x.new_zeros((), dtype=torch.float32)
+        for layer in self.layers:
+            x, aux = layer(x, cos, sin)
+            aux_total = aux_total + aux
+        return self.head(self.norm(x)), aux_total
+
+    def forward(self, idx):
+        return self.forward_with_aux(idx)[0]
+
+    def loss(self, batch):
+        logits, aux = self.forward_with_aux(batch["idx"])
+        ce = F.cross_entropy(logits.flatten(0, 1).float(), batch["tgt"].flatten())
+        return ce + self.cfg.aux_loss_coef * aux
