@@ -1,0 +1,63 @@
+"""Helpers for tests: eager reference training, parity measurement, and (below) the SPMD simulator."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from . import optim as fx_optim
+
+
+def torch_optimizer(optimizer, params):
+    """The torch.optim optimizer with the same semantics as an fxshard.optim description."""
+    params = [p for p in params if p.requires_grad]
+    lr = optimizer.lr if not callable(optimizer.lr) else optimizer.lr(1)
+    if isinstance(optimizer, fx_optim.AdamW):
+        return torch.optim.AdamW(params, lr=lr, betas=optimizer.betas, eps=optimizer.eps,
+                                 weight_decay=optimizer.weight_decay, foreach=False)
+    return torch.optim.SGD(params, lr=lr, momentum=optimizer.momentum, weight_decay=optimizer.weight_decay,
+                           dampening=optimizer.dampening, nesterov=optimizer.nesterov, foreach=False)
+
+
+@dataclass
+class Parity:
+    """Worst relative differences between an fxshard run and eager PyTorch."""
+
+    losses: list[tuple[float, float]]
+    max_loss_rel: float
+    max_param_rel: float
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = b.detach().abs().max().item()
+    return (a.detach() - b.detach()).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+def eager_parity(model: nn.Module, loss_fn, batches, optimizer, config=None) -> Parity:
+    """Train a copy of `model` eagerly and through `fxshard.shard` on the same batches; compare."""
+    from .api import shard
+
+    reference = copy.deepcopy(model)
+    step = shard(model, loss_fn, batches[0], optimizer=optimizer, config=config)
+    torch_opt = torch_optimizer(optimizer, reference.parameters())
+    losses, worst = [], 0.0
+    for index, batch in enumerate(batches):
+        if callable(optimizer.lr):
+            for group in torch_opt.param_groups:
+                group["lr"] = optimizer.lr(index + 1)
+        metrics = step(batch)
+        torch_opt.zero_grad()
+        eager_loss = loss_fn(reference, batch)
+        eager_loss.backward()
+        clip = config.clip_grad_norm if config is not None else None
+        if clip is not None:
+            nn.utils.clip_grad_norm_([p for p in reference.parameters() if p.requires_grad], clip)
+        torch_opt.step()
+        losses.append((metrics["loss"].item(), eager_loss.item()))
+        worst = max(worst, abs(losses[-1][0] - losses[-1][1]) / max(abs(losses[-1][1]), 1e-12))
+    params = step.parameters()
+    param_rel = max(relative(params[name], p) for name, p in reference.named_parameters())
+    return Parity(losses, worst, param_rel)

@@ -1,0 +1,116 @@
+"""Models not written for fxshard, in the style of common open-source code, train with parity."""
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxshard
+from fxshard.testing import eager_parity
+
+ADAMW = fxshard.optim.AdamW(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+class GPT2Block(nn.Module):
+    """nanoGPT/HF-GPT2 style: LayerNorm, fused c_attn, a registered causal-mask buffer, tanh GELU."""
+
+    def __init__(self, width, heads, block_size):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.c_attn, self.c_proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.c_fc, self.mlp_proj = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.heads = heads
+        self.register_buffer("bias", torch.tril(torch.ones(block_size, block_size)).view(1, 1, block_size, block_size))
+
+    def attention(self, x):
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
+        att = F.softmax(att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf")), dim=-1)
+        return self.c_proj((att @ v).transpose(1, 2).contiguous().view(b, t, c))
+
+    def forward(self, x):
+        x = x + self.attention(self.ln_1(x))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class GPT2(nn.Module):
+    """Tied token embedding and LM head, learned positions, a frozen position table after init."""
+
+    def __init__(self, vocab=40, width=32, heads=4, layers=2, block_size=16):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, width), nn.Embedding(block_size, width)
+        self.h = nn.ModuleList(GPT2Block(width, heads, block_size) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+        self.wpe.weight.requires_grad_(False)
+
+    def forward(self, idx, targets):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+class ConvNet(nn.Module):
+    """A small CNN with BatchNorm (mutated running-statistics buffers) and ReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.stages = nn.Sequential(*[nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+                                      for _ in range(2)])
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.fc(self.stages(self.stem(x)).mean((2, 3)))
+
+
+def test_gpt2_style_model_with_tied_and_frozen_weights():
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 40, (2, 16), generator=generator),
+                torch.randint(0, 40, (2, 16), generator=generator)) for _ in range(10)]
+    model = GPT2()
+    adamw = eager_parity(model, lambda m, b: m(*b), batches, ADAMW)
+    assert adamw.max_loss_rel < 1e-5, adamw.losses
+    # The key half of c_attn.bias has an exactly-zero true gradient (softmax ignores a per-query
+    # constant), so both runs see rounding noise there and Adam scales noise to full-size steps:
+    # compare parameters under SGD, where an update is proportional to its gradient.
+    sgd = eager_parity(model, lambda m, b: m(*b), batches, fxshard.optim.SGD(lr=0.01, momentum=0.9))
+    assert sgd.max_loss_rel < 1e-5, sgd.losses
+    assert sgd.max_param_rel < 1e-4
+    program = fxshard.trace(model, lambda m, b: m(*b), batches[0], optimizer=ADAMW)
+    trainable = [i.name for i in program.inputs_of(fxshard.InputKind.PARAM) if i.requires_grad]
+    assert "wte.weight" in trainable and "lm_head.weight" not in trainable  # tied: one parameter
+    assert "wpe.weight" not in trainable
+    assert program.notes["layers"] == ["h.0", "h.1"]
+
+
+def test_convnet_with_batchnorm_buffers_updates_running_stats():
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(4, 3, 8, 8, generator=generator), "y": torch.randint(0, 10, (4,), generator=generator)}
+               for _ in range(6)]
+    model = ConvNet()
+    loss_fn = lambda m, b: F.cross_entropy(m(b["x"]), b["y"])  # noqa: E731
+    step = fxshard.shard(model, loss_fn, batches[0], optimizer=fxshard.optim.SGD(lr=0.1, momentum=0.9))
+    reference = ConvNet()
+    reference.load_state_dict(model.state_dict())
+    torch_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for batch in batches:
+        metrics = step(batch)
+        torch_opt.zero_grad()
+        loss = loss_fn(reference, batch)
+        loss.backward()
+        torch_opt.step()
+        assert metrics["loss"].item() == pytest.approx(loss.item(), rel=1e-5)
+    for name, buffer in reference.named_buffers():
+        assert torch.allclose(step.buffers()[name].float(), buffer.float(), rtol=1e-5, atol=1e-6), name
+    assert step.buffers()["stages.0.1.num_batches_tracked"].item() == len(batches)
