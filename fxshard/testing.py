@@ -1,4 +1,5 @@
-"""Helpers for tests: eager reference training, parity measurement, and (below) the SPMD simulator."""
+"""Helpers for tests: eager reference training, parity measurement, and the SPMD simulator
+(`fxshard.spmd.simulate`, re-exported here)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from . import optim as fx_optim
+from .spmd import simulate  # noqa: F401  (part of the testing API)
 
 
 def torch_optimizer(optimizer, params):

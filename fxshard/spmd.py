@@ -1,0 +1,163 @@
+"""SPMD simulator: run per-rank programs for N ranks inside one process.
+
+Each rank's graph runs as a generator that pauses at every functional collective
+(`torch.ops._c10d_functional.*`). When every member of that collective's group is paused on it, the
+simulator combines their tensors the way the real collective would and resumes them. Ranks may run
+different graphs (pipeline stages), as long as their collectives match; a rank waiting on a group
+whose other members never arrive is reported as a deadlock with each rank's pending collective.
+
+    outputs = simulate([gm] * 4, [rank_inputs(r) for r in range(4)], groups={"dp": [0, 1, 2, 3]})
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from .errors import FxShardError
+
+_c10d = torch.ops._c10d_functional
+
+_REDUCE = {
+    "sum": lambda ts: torch.stack(ts).sum(0),
+    "avg": lambda ts: torch.stack(ts).sum(0) / len(ts),
+    "max": lambda ts: torch.stack(ts).amax(0),
+    "min": lambda ts: torch.stack(ts).amin(0),
+    "product": lambda ts: torch.stack(ts).prod(0),
+}
+
+
+@dataclass
+class Collective:
+    """One rank's call of a collective, paused until its group is complete."""
+
+    op: str
+    tensor: torch.Tensor
+    group: str
+    reduce_op: str | None = None
+    output_split_sizes: Sequence[int] | None = None
+    input_split_sizes: Sequence[int] | None = None
+    src: int | None = None
+
+    def __str__(self):
+        return f"{self.op}({tuple(self.tensor.shape)}, group={self.group})"
+
+
+def _request(node: fx.Node, args, kwargs) -> Collective | None:
+    target = node.target
+    if target is _c10d.all_gather_into_tensor.default:
+        tensor, _, group = args
+        return Collective("all_gather_into_tensor", tensor, str(group))
+    if target is _c10d.reduce_scatter_tensor.default:
+        tensor, reduce_op, _, group = args
+        return Collective("reduce_scatter_tensor", tensor, str(group), reduce_op=reduce_op)
+    if target is _c10d.all_reduce.default:
+        tensor, reduce_op, group = args
+        return Collective("all_reduce", tensor, str(group), reduce_op=reduce_op)
+    if target is _c10d.all_to_all_single.default:
+        tensor, output_splits, input_splits, group = args
+        return Collective("all_to_all_single", tensor, str(group), output_split_sizes=output_splits,
+                          input_split_sizes=input_splits)
+    if target is _c10d.broadcast.default:
+        tensor, src, group = args
+        return Collective("broadcast", tensor, str(group), src=src)
+    if getattr(target, "namespace", None) == "_c10d_functional" and target is not _c10d.wait_tensor.default:
+        raise FxShardError(f"the SPMD simulator does not implement {target}; add it to fxshard/spmd.py")
+    return None
+
+
+def _run_rank(gm: fx.GraphModule, inputs: Sequence[Any]):
+    """Generator: yields a Collective at each collective node and expects its result back."""
+    env: dict[fx.Node, Any] = {}
+    feed = iter(inputs)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = next(feed)
+        elif node.op == "get_attr":
+            value = gm
+            for part in node.target.split("."):
+                value = getattr(value, part)
+            env[node] = value
+        elif node.op == "call_function":
+            args = fx.node.map_arg(node.args, env.__getitem__)
+            kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+            if node.target is _c10d.wait_tensor.default:
+                env[node] = args[0]
+                continue
+            request = _request(node, args, kwargs)
+            env[node] = (yield request) if request is not None else node.target(*args, **kwargs)
+        elif node.op == "output":
+            return fx.node.map_arg(node.args[0], env.__getitem__)
+        else:
+            raise FxShardError(f"the SPMD simulator runs flat graphs; found {node.op} node {node.name}")
+
+
+def combine(requests: list[Collective]) -> list[torch.Tensor]:
+    """The per-member results of one collective, given each member's request in group order."""
+    op = requests[0].op
+    tensors = [r.tensor for r in requests]
+    size = len(requests)
+    if op == "all_gather_into_tensor":
+        gathered = torch.cat(tensors, dim=0)
+        return [gathered.clone() for _ in requests]
+    if op == "all_reduce":
+        reduced = _REDUCE[requests[0].reduce_op](tensors)
+        return [reduced.clone() for _ in requests]
+    if op == "reduce_scatter_tensor":
+        return [chunk.clone() for chunk in _REDUCE[requests[0].reduce_op](tensors).chunk(size, dim=0)]
+    if op == "broadcast":
+        return [tensors[requests[0].src].clone() for _ in requests]
+    if op == "all_to_all_single":
+        pieces = []
+        for request in requests:
+            splits = request.input_split_sizes or [request.tensor.shape[0] // size] * size
+            pieces.append(request.tensor.split(list(splits), dim=0))
+        return [torch.cat([pieces[source][dest] for source in range(size)], dim=0) for dest in range(size)]
+    raise AssertionError(op)
+
+
+def _check_matching(group: str, requests: list[Collective]) -> None:
+    kinds = {(r.op, r.reduce_op, r.tensor.dtype) for r in requests}
+    if len(kinds) != 1:
+        raise FxShardError(f"mismatched collectives on group {group!r}: " + ", ".join(map(str, requests)))
+
+
+def simulate(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[Any]],
+             groups: dict[str, Sequence[int]]) -> list[Any]:
+    """Run rank r's `graphs[r]` on `inputs[r]`; `groups` maps each group name to its global ranks
+    in group-rank order. Returns each rank's outputs."""
+    if len(graphs) != len(inputs):
+        raise FxShardError(f"{len(graphs)} graphs but {len(inputs)} input lists: give one per rank")
+    runners = [_run_rank(gm, args) for gm, args in zip(graphs, inputs)]
+    pending: dict[int, Collective] = {}
+    outputs: dict[int, Any] = {}
+
+    def advance(rank: int, value=None):
+        try:
+            pending[rank] = runners[rank].send(value)
+        except StopIteration as done:
+            outputs[rank] = done.value
+
+    for rank in range(len(runners)):
+        advance(rank)
+    while pending:
+        progressed = False
+        for group, members in groups.items():
+            members = list(members)
+            if not all(pending.get(m) is not None and pending[m].group == group for m in members):
+                continue
+            requests = [pending.pop(m) for m in members]
+            _check_matching(group, requests)
+            for member, result in zip(members, combine(requests)):
+                advance(member, result)
+            progressed = True
+        if not progressed:
+            unknown = {r.group for r in pending.values()} - set(groups)
+            if unknown:
+                raise FxShardError(f"collectives name groups {sorted(unknown)} that `groups` does not define")
+            waiting = "; ".join(f"rank {rank}: {request}" for rank, request in sorted(pending.items()))
+            raise FxShardError(f"deadlock: no group has all its members at a collective ({waiting})")
+    return [outputs[rank] for rank in range(len(runners))]
