@@ -122,7 +122,7 @@ def summarize(program: Program) -> str:
             lines.append(f"{layer_name:<24} " + " ".join(f"{counts[p]:>6}" for p in meta.PHASES))
     lines.append("")
     ops = Counter(_op_name(n) for n in nodes if n.op == "call_function")
-    lines.append("ops: " + ", ".join(f"{op} {count}" for op, count in ops.most_common(20)))
+    lines.append("ops: " + ", ".join(f"{op} {count}" for op, count in ops.most_common()))
     for key, value in program.notes.items():
         lines.append(f"{key}: {value}")
     return "\n".join(lines) + "\n"

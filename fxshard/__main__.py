@@ -1,0 +1,3 @@
+from .dump import main
+
+raise SystemExit(main())

@@ -1,0 +1,20 @@
+"""The README's main job runs and learns."""
+
+import importlib.util
+import pathlib
+
+
+def load_train():
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train.py"
+    spec = importlib.util.spec_from_file_location("train_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_train_example_loss_falls(tmp_path, capsys):
+    result = load_train().main(["--steps", "150", "--log-every", "50", "--dump", str(tmp_path)])
+    assert result["last_loss"] < 0.5 * result["first_loss"], result
+    out = capsys.readouterr().out
+    assert "step 150 loss" in out and "done: 150 steps" in out
+    assert (tmp_path / "00_traced.summary.txt").exists()
