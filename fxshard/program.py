@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ class InputKind(enum.Enum):
     BATCH = "batch"          # one leaf of the batch pytree
     LR = "lr"                # learning rate, a 0-d float32 tensor
     STEP = "step"            # optimizer step count (1-based), a 0-d float32 tensor
+    COORD = "coord"          # this rank's index along a mesh axis (name = axis), a [1] int64 tensor
 
 
 class OutputKind(enum.Enum):
@@ -65,6 +67,54 @@ class Output:
 
 
 @dataclass(frozen=True)
+class FlatMember:
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class FlatUnit:
+    """A unit's parameters laid end to end in one flat buffer, zero-padded to split evenly over
+    `world` ranks: rank r's shard is elements [r * shard_numel, (r + 1) * shard_numel)."""
+
+    name: str
+    members: tuple[FlatMember, ...]
+    dtype: torch.dtype
+    world: int
+
+    @property
+    def numel(self) -> int:
+        return sum(m.numel for m in self.members)
+
+    @property
+    def shard_numel(self) -> int:
+        return -(-self.numel // self.world)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world
+
+    @property
+    def padding(self) -> int:
+        return self.padded_numel - self.numel
+
+    def flatten(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        parts = [tensors[m.name].detach().reshape(-1).to(self.dtype) for m in self.members]
+        return torch.cat(parts + [parts[0].new_zeros(self.padding)])
+
+    def shard(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
+        return flat[rank * self.shard_numel:(rank + 1) * self.shard_numel].clone()
+
+    def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {m.name: flat[m.offset:m.offset + m.numel].view(m.shape) for m in self.members}
+
+
+@dataclass(frozen=True)
 class Program:
     """One traced training step: `graph_module(*inputs) -> outputs`, both described by the signature.
 
@@ -74,6 +124,8 @@ class Program:
     graph_module: fx.GraphModule
     inputs: tuple[Input, ...]
     outputs: tuple[Output, ...]
+    train: "TrainSpec | None" = None           # what the optim phase does (optimizer, clipping)
+    units: tuple["FlatUnit", ...] = ()         # flat parameter buffers, once a pass made them
     name: str = "traced"
     notes: dict = field(default_factory=dict)  # free-form facts a pass wants in the dump
 

@@ -17,10 +17,8 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
-import torch.utils._pytree as pytree
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import meta
 from .config import Config
@@ -28,6 +26,7 @@ from .errors import FxShardError
 from .errors_trace import explain_trace_failure
 from .layers import annotate_layers, find_layers
 from .optim import AdamW, Optimizer
+from .optimizer_graph import TrainSpec, append_update
 from .program import Input, InputKind, Output, OutputKind, Program
 from .batch import BatchSpec
 
@@ -110,8 +109,8 @@ class _ProgramBuilder:
         self.params = params
         self.buffers = buffers
         self.batch_spec = batch_spec
+        self.train = TrainSpec(optimizer, config.clip_grad_norm)
         self.optimizer = optimizer
-        self.config = config
         self.device = device
         self.fake_mode = fake_mode
         self.graph = fx.Graph()
@@ -174,7 +173,7 @@ class _ProgramBuilder:
         self.graph.output(tuple(values))
         _assign_layers(self.graph, param_nodes)
         self.graph.lint()
-        return Program(fx.GraphModule(self.root, self.graph), tuple(self.inputs), tuple(outputs))
+        return Program(fx.GraphModule(self.root, self.graph), tuple(self.inputs), tuple(outputs), train=self.train)
 
     def copy_joint(self, joint_gm, env, tangents):
         """Copy the joint graph's nodes; the loss tangent becomes a constant 1."""
@@ -236,58 +235,9 @@ class _ProgramBuilder:
         return loss, [grads.get(i) for i in range(len(self.params))], mutations
 
     def append_optimizer(self, param_nodes, grad_nodes, state_nodes, lr, step):
-        """Trace clip + optimizer update with make_fx and inline it, phase "optim"."""
         names = list(grad_nodes)
-        slots = {name: [slot for (n, slot) in state_nodes if n == name] for name in names}
-        optimizer, clip = self.optimizer, self.config.clip_grad_norm
-
-        def update(params, grads, states, lr, step):
-            norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
-            grad_norm = torch.linalg.vector_norm(norms)
-            if clip is not None:
-                coefficient = torch.clamp(clip / (grad_norm + 1e-6), max=1.0)
-                grads = [g * coefficient.to(g.dtype) for g in grads]
-            shared = optimizer.scalars(lr, step)
-            new_params, new_states = [], []
-            for name, p, g, s in zip(names, params, grads, states):
-                with fx_traceback.annotate({meta.ANNOTATION_PARAM: name}):
-                    new_p, new_s = optimizer.update(p, g, dict(zip(slots[name], s)), shared)
-                new_params.append(new_p)
-                new_states.append([new_s[slot] for slot in slots[name]])
-            return grad_norm, new_params, new_states
-
-        example = ([param_nodes[n].meta["val"] for n in names], [grad_nodes[n].meta["val"] for n in names],
-                   [[state_nodes[n, s].meta["val"] for s in slots[n]] for n in names],
-                   lr.meta["val"], step.meta["val"])
-        flat_example, spec = pytree.tree_flatten(example)
-        with fx_traceback.preserve_node_meta(), self.fake_mode:
-            optim_gm = make_fx(lambda *flat: pytree.tree_leaves(
-                update(*pytree.tree_unflatten(list(flat), spec))))(*flat_example)
-        sources = ([param_nodes[n] for n in names] + [grad_nodes[n] for n in names] +
-                   [state_nodes[n, s] for n in names for s in slots[n]] + [lr, step])
-        env = dict(zip([n for n in optim_gm.graph.nodes if n.op == "placeholder"], sources))
-        for node in optim_gm.graph.nodes:
-            if node.op == "placeholder":
-                continue
-            if node.op == "output":
-                shape = (0, [0] * len(names), [[0] * len(slots[n]) for n in names])
-                results = pytree.tree_unflatten([env[v] for v in node.args[0]], pytree.tree_structure(shape))
-                break
-            if node.op == "get_attr":
-                setattr(self.root, node.target, getattr(optim_gm, node.target))
-            copy = self.graph.node_copy(node, lambda n: env[n])
-            copy.meta[meta.PHASE] = meta.OPTIM
-            param_name = (node.meta.get("custom") or {}).get(meta.ANNOTATION_PARAM)
-            if param_name is not None:
-                copy.meta[meta.PARAM] = param_name
-            env[node] = copy
-        grad_norm, new_param_list, new_state_list = results
-        new_params = dict(zip(names, new_param_list))
-        for name, node in new_params.items():
-            node.meta[meta.PARAM] = name
-        new_states = {(n, s): node for n, nodes in zip(names, new_state_list)
-                      for s, node in zip(slots[n], nodes)}
-        return grad_norm, new_params, new_states
+        return append_update(self.graph, self.train, self.fake_mode, names, [param_nodes[n] for n in names],
+                             [grad_nodes[n] for n in names], state_nodes, lr, step)
 
 
 def _joint_placeholders(joint_gm):

@@ -1,0 +1,57 @@
+"""Small graph-building helpers shared by the tracer and the passes.
+
+`inline` is the workhorse: write a piece of program as a plain PyTorch function (functional
+collectives included, with symbolic group names such as "dp"), and it is traced with make_fx on the
+fake values of its input nodes and copied into the graph at the current insertion point.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from . import meta
+
+
+def fake_mode_of(graph: fx.Graph):
+    for node in graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and hasattr(value, "fake_mode"):
+            return value.fake_mode
+    raise AssertionError("graph carries no fake values; was it traced by fxshard.trace?")
+
+
+def inline(graph: fx.Graph, fn: Callable, inputs: Sequence[fx.Node], *, fake_mode, phase: str,
+           layer: str | None = None, extra_meta: dict | None = None) -> list[fx.Node]:
+    """Trace `fn(*input values) -> sequence of tensors` and insert its nodes; return the output nodes.
+
+    Nodes get `phase`, `layer` (if given) and `extra_meta`; a node traced under
+    `torch.fx.traceback.annotate({meta.ANNOTATION_PARAM: name})` also gets that parameter name.
+    """
+    values = [node.meta["val"] for node in inputs]
+    with fx_traceback.preserve_node_meta(), fake_mode:
+        traced = make_fx(lambda *args: list(fn(*args)))(*values)
+    env = dict(zip([n for n in traced.graph.nodes if n.op == "placeholder"], inputs))
+    for node in traced.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            return [env[value] for value in node.args[0]]
+        if node.op == "get_attr":
+            raise AssertionError(f"inlined code created a constant tensor ({node.target}); build it "
+                                 f"from the inputs instead")
+        copy = graph.node_copy(node, lambda n: env[n])
+        copy.meta.pop("custom", None)
+        copy.meta[meta.PHASE] = phase
+        if layer is not None:
+            copy.meta[meta.LAYER] = layer
+        param_name = (node.meta.get("custom") or {}).get(meta.ANNOTATION_PARAM)
+        if param_name is not None:
+            copy.meta[meta.PARAM] = param_name
+        copy.meta.update(extra_meta or {})
+        env[node] = copy
+    raise AssertionError("traced function has no output")

@@ -1,0 +1,70 @@
+"""The optimizer phase of a program: gradient norm, optional clipping, then the update per tensor.
+
+Built from data (a TrainSpec) so that passes which change what the optimizer sees (FSDP's flat
+shards) rebuild the phase with the same code the tracer used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+
+from . import meta
+from .graph import inline
+from .optim import Optimizer
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """What the optimizer phase does: the optimizer and the gradient-norm clip."""
+
+    optimizer: Optimizer
+    clip_grad_norm: float | None = None
+
+
+def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, names: list[str], params: list[fx.Node],
+                  grads: list[fx.Node], states: dict[tuple[str, str], fx.Node], lr: fx.Node, step: fx.Node,
+                  norm_group: str | None = None):
+    """Insert the optimizer phase at the graph's insertion point.
+
+    `names[i]` names the tensor `params[i]` (a parameter, or a flat unit shard); with `norm_group`,
+    the squared gradient norm is summed over that group first (each rank holds part of the gradients).
+    Returns (grad_norm, {name: new tensor}, {(name, slot): new state}).
+    """
+    slots = [[slot for (owner, slot) in states if owner == name] for name in names]
+    optimizer, clip = spec.optimizer, spec.clip_grad_norm
+    count = len(names)
+
+    def update(*flat):
+        params, grads = flat[:count], flat[count:2 * count]
+        state_values, (lr, step) = flat[2 * count:-2], flat[-2:]
+        squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+        if norm_group is not None:
+            squares = torch.ops._c10d_functional.wait_tensor(
+                torch.ops._c10d_functional.all_reduce(squares, "sum", norm_group))
+        grad_norm = squares.sqrt()
+        if clip is not None:
+            coefficient = torch.clamp(clip / (grad_norm + 1e-6), max=1.0)
+            grads = [g * coefficient.to(g.dtype) for g in grads]
+        shared = optimizer.scalars(lr, step)
+        new_params, new_states, position = [], [], 0
+        for name, p, g, own_slots in zip(names, params, grads, slots):
+            state = dict(zip(own_slots, state_values[position:position + len(own_slots)]))
+            position += len(own_slots)
+            with fx_traceback.annotate({meta.ANNOTATION_PARAM: name}):
+                new_p, new_s = optimizer.update(p, g, state, shared)
+            new_params.append(new_p)
+            new_states.extend(new_s[slot] for slot in own_slots)
+        return [grad_norm, *new_params, *new_states]
+
+    state_nodes = [states[name, slot] for name, own in zip(names, slots) for slot in own]
+    outputs = inline(graph, update, [*params, *grads, *state_nodes, lr, step], fake_mode=fake_mode,
+                     phase=meta.OPTIM)
+    grad_norm, new_params, new_state_list = outputs[0], outputs[1:1 + count], outputs[1 + count:]
+    for name, node in zip(names, new_params):
+        node.meta[meta.PARAM] = name
+    keys = [(name, slot) for name, own in zip(names, slots) for slot in own]
+    return grad_norm, dict(zip(names, new_params)), dict(zip(keys, new_state_list))
