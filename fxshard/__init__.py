@@ -8,7 +8,8 @@ from . import meta, optim
 from .api import shard, trace
 from .config import Config
 from .errors import FxShardError
+from .mesh import Mesh
 from .program import Input, InputKind, Output, OutputKind, Placement, Program
 
-__all__ = ["shard", "trace", "Config", "FxShardError", "Program", "Input", "InputKind", "Output",
+__all__ = ["shard", "trace", "Config", "Mesh", "FxShardError", "Program", "Input", "InputKind", "Output",
            "OutputKind", "Placement", "optim", "meta"]

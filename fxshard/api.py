@@ -12,8 +12,10 @@ from .batch import BatchSpec
 from .config import Config
 from .errors import FxShardError
 from .optim import AdamW, Optimizer, SGD
-from .program import InputKind, Program
+from .mesh import Mesh
+from .program import Program
 from .runtime import CompiledStep
+from .runtime.state import initial_state
 from .trace import trace as _trace
 
 
@@ -37,8 +39,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     config = config or Config()
     optimizer = optimizer or AdamW()
     _check_arguments(model, loss_fn, optimizer, config)
-    if mesh is not None:
-        raise FxShardError(f"mesh={mesh!r}: only single-process steps (mesh=None) are supported so far")
+    groups, coords = _process_groups(mesh, example_batch)
     if config.dump_dir is None and os.environ.get("FXSHARD_DUMP"):
         config = _replace(config, dump_dir=os.environ["FXSHARD_DUMP"])
     tensors = [*model.parameters(), *model.buffers()]
@@ -57,15 +58,29 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
         if config.verbose:
             print(f"fxshard: wrote graph dumps to {config.dump_dir}", file=sys.stderr)
     batch_spec = BatchSpec.from_example(example_batch)
-    state = {}
-    for name, p in model.named_parameters():
-        state[InputKind.PARAM, name] = p.detach()
-        if p.requires_grad:
-            for slot, value in optimizer.init_state(p.detach()).items():
-                state[InputKind.OPT_STATE, f"{slot}/{name}"] = value
-    for name, b in model.named_buffers():
-        state[InputKind.BUFFER, name] = b.detach()
-    return CompiledStep(programs, state, batch_spec, optimizer, batch_spec.device)
+    state = initial_state(programs[-1], model, optimizer, coords)
+    return CompiledStep(programs, state, batch_spec, optimizer, batch_spec.device, groups)
+
+
+def _process_groups(mesh: Mesh | None, example_batch):
+    """Axis -> this rank's process group, and axis -> this rank's index along it."""
+    if mesh is None:
+        return {}, {}
+    if not isinstance(mesh, Mesh):
+        raise FxShardError(f"mesh must be fxshard.Mesh(dp=...), got {type(mesh).__name__}")
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise FxShardError(
+            f"{mesh} needs torch.distributed initialized with {mesh.size} processes: launch with "
+            f"`torchrun --nproc-per-node {mesh.size} ...` (or examples/train.py --dp {mesh.dp})")
+    if dist.get_world_size() != mesh.size:
+        raise FxShardError(f"{mesh} has {mesh.size} ranks but the process group has {dist.get_world_size()}; "
+                           f"make them agree")
+    device_type = BatchSpec.from_example(example_batch).device.type
+    device_mesh = init_device_mesh(device_type, (mesh.dp,), mesh_dim_names=("dp",))
+    return {"dp": device_mesh.get_group("dp")}, {"dp": device_mesh.get_local_rank("dp")}
 
 
 def _check_arguments(model, loss_fn, optimizer, config) -> None:

@@ -23,3 +23,7 @@ def layer(node) -> str | None:
 
 def param(node) -> str | None:
     return node.meta.get(PARAM)
+
+# Set by passes on the collectives they insert, for the dumps.
+UNIT = "fxshard_unit"            # the FSDP unit a collective moves
+COMM_BYTES = "fxshard_comm_bytes"  # bytes one rank sends into the collective

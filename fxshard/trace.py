@@ -176,17 +176,24 @@ class _ProgramBuilder:
         return Program(fx.GraphModule(self.root, self.graph), tuple(self.inputs), tuple(outputs), train=self.train)
 
     def copy_joint(self, joint_gm, env, tangents):
-        """Copy the joint graph's nodes; the loss tangent becomes a constant 1."""
+        """Copy the joint graph's nodes; the loss tangent becomes a constant 1, created just before
+        its first use so that the backward starts where the forward ends."""
         for tangent in tangents:
             value = tangent.meta["val"]
             if value.numel() != 1:
                 raise FxShardError(
                     f"loss_fn must return a scalar tensor, got shape {tuple(value.shape)}; "
                     f"reduce it (e.g. .mean()) inside loss_fn")
-            ones = self.graph.call_function(torch.ops.aten.full.default, ([], 1.0),
-                                            {"dtype": value.dtype, "device": value.device})
-            ones.meta.update({"val": value, meta.PHASE: meta.BWD, meta.LAYER: meta.POST})
-            env[tangent] = ones
+
+        def lookup(node):
+            if node not in env and node in tangents:
+                value = node.meta["val"]
+                ones = self.graph.call_function(torch.ops.aten.full.default, ([], 1.0),
+                                                {"dtype": value.dtype, "device": value.device})
+                ones.meta.update({"val": value, meta.PHASE: meta.BWD, meta.LAYER: meta.POST})
+                env[node] = ones
+            return env[node]
+
         for node in joint_gm.graph.nodes:
             if node.op == "placeholder":
                 continue
@@ -194,7 +201,7 @@ class _ProgramBuilder:
                 return self.read_joint_outputs(node, env, len(tangents))
             if node.op == "get_attr":
                 setattr(self.root, node.target, getattr(joint_gm, node.target))
-            copy = self.graph.node_copy(node, lambda n: env[n])
+            copy = self.graph.node_copy(node, lookup)
             custom = node.meta.get("custom") or {}
             copy.meta[meta.PHASE] = meta.BWD if node.meta.get("partitioner_tag") == "is_backward" else meta.FWD
             if meta.ANNOTATION_LAYER in custom:

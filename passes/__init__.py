@@ -1,8 +1,7 @@
 """The compiler pipeline: the ordered list of passes, each switched on by config and nothing else.
 
 A pass is `(program, mesh, config) -> program`, pure, with a docstring that states its invariant.
-Passes arrive with their features (FSDP, expert parallelism, fused grouped MLP, pipeline); until
-then the pipeline is empty and a step runs the traced program as it is.
+Passes arrive with their features (expert parallelism, fused grouped MLP and pipeline follow).
 """
 
 from __future__ import annotations
@@ -11,6 +10,8 @@ from typing import Callable, NamedTuple
 
 from fxshard.program import Program
 
+from .fsdp import FSDPConfig, fsdp
+
 
 class Pass(NamedTuple):
     name: str
@@ -18,7 +19,11 @@ class Pass(NamedTuple):
     is_enabled: Callable  # (mesh, config) -> bool
 
 
-PIPELINE: list[Pass] = []
+PIPELINE: list[Pass] = [
+    Pass("fsdp",
+         lambda program, mesh, config: fsdp(program, FSDPConfig(mesh.dp, config.sharding, config.fsdp_prefetch)),
+         lambda mesh, config: mesh is not None),
+]
 
 
 def run_pipeline(program: Program, mesh, config, pipeline: list[Pass] | None = None) -> list[Program]:

@@ -1,34 +1,51 @@
-"""CompiledStep: owns the training state and replays the final Program once per step."""
+"""CompiledStep: owns one rank's training state and replays the final Program once per step."""
 
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
 from ..batch import BatchSpec
 from ..errors import FxShardError
 from ..optim import Optimizer, lr_at
 from ..program import InputKind, OutputKind, Program
+from .state import State, full_parameters
+
+_WRITE_BACK = {OutputKind.PARAM: InputKind.PARAM, OutputKind.OPT_STATE: InputKind.OPT_STATE,
+               OutputKind.BUFFER: InputKind.BUFFER}
+
+
+def bind_groups(program: Program, group_names: dict[str, str]) -> fx.GraphModule:
+    """A copy of the program's graph whose collectives name real process groups instead of mesh axes."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(program.graph, {}))
+    for node in graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional":
+            node.args = tuple(group_names.get(a, a) if isinstance(a, str) else a for a in node.args)
+    return fx.GraphModule(program.graph_module, graph)
 
 
 class CompiledStep:
     """`step(batch)` runs forward, backward and the optimizer update of the compiled program.
 
     State (parameters, optimizer slots, buffers) lives here as plain tensors keyed by the names in
-    the program's signature; each call feeds them in and takes the updated ones back.
+    the program's signature; each call feeds them in and takes the updated ones back. On a mesh,
+    `groups` maps each axis to this rank's process group along it.
     """
 
-    def __init__(self, programs: list[Program], state: dict[tuple[InputKind, str], torch.Tensor],
-                 batch_spec: BatchSpec, optimizer: Optimizer, device: torch.device):
+    def __init__(self, programs: list[Program], state: State, batch_spec: BatchSpec, optimizer: Optimizer,
+                 device: torch.device, groups: dict | None = None):
         self.programs = programs
         self.program = programs[-1]
         self.state = state
         self.batch_spec = batch_spec
         self.optimizer = optimizer
         self.device = device
+        self.groups = groups or {}
         self.step_count = 0
         self._lr_override: float | None = None
-        self._write_back = {OutputKind.PARAM: InputKind.PARAM, OutputKind.OPT_STATE: InputKind.OPT_STATE,
-                            OutputKind.BUFFER: InputKind.BUFFER}
+        self._run = (bind_groups(self.program, {axis: g.group_name for axis, g in self.groups.items()})
+                     if self.groups else self.program.graph_module)
 
     def set_lr(self, lr: float) -> None:
         """Use this learning rate from the next step on (overrides the optimizer's lr/schedule)."""
@@ -54,19 +71,27 @@ class CompiledStep:
                 args.append(step)
             else:
                 args.append(self.state[spec.kind, spec.name])
-        results = self.program(*args)
+        results = self._run(*args)
         metrics = {}
         for spec, value in zip(self.program.outputs, results):
-            if spec.kind in self._write_back:
-                self.state[self._write_back[spec.kind], spec.name] = value
+            if spec.kind in _WRITE_BACK:
+                self.state[_WRITE_BACK[spec.kind], spec.name] = value
             else:
                 metrics[spec.name] = value.detach()
         self.step_count += 1
         return metrics
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        """Parameter name -> current full parameter tensor."""
-        return {name: value for (kind, name), value in self.state.items() if kind is InputKind.PARAM}
+        """Parameter name -> current full parameter tensor (all-gathered where sharded)."""
+        return full_parameters(self.program, self.state, self._gather)
+
+    def _gather(self, shard: torch.Tensor, axis: str) -> torch.Tensor:
+        import torch.distributed as dist
+
+        group = self.groups[axis]
+        out = shard.new_empty(shard.numel() * dist.get_world_size(group))
+        dist.all_gather_into_tensor(out, shard.contiguous(), group=group)
+        return out
 
     def buffers(self) -> dict[str, torch.Tensor]:
         return {name: value for (kind, name), value in self.state.items() if kind is InputKind.BUFFER}

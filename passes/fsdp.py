@@ -1,0 +1,346 @@
+"""FSDP: shard parameters, gradients and optimizer state over the data-parallel axis, in the graph.
+
+Parameters are grouped into units (one per layer, plus "pre" and "post"), each laid out as one flat
+buffer padded to split evenly over the `world` ranks (`FlatUnit`), so a unit costs one all-gather
+and one reduce-scatter. Strategies, with Megatron's names:
+
+    no_shard            full params and state; gradients all-reduced (DDP)
+    optim               ZeRO-1: state sharded; gradients reduce-scattered; each rank updates its
+                        shard, the updated shards are all-gathered into the full params
+    optim_grads         ZeRO-2: as optim; in one step without accumulation the two programs coincide
+    optim_grads_params  ZeRO-3: params stay sharded; all-gathered before the forward uses a unit and
+                        again before the backward does (the forward's copy is dead by then)
+
+Overlap is graph order: a unit's all-gather is issued `prefetch` units ahead of its first use and
+waited on just before it; a unit's reduce-scatter is issued as soon as its last gradient exists and
+waited on only when the optimizer phase starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from fxshard import meta
+from fxshard.errors import FxShardError
+from fxshard.graph import fake_mode_of, inline
+from fxshard.optimizer_graph import append_update
+from fxshard.program import (REPLICATED, FlatMember, FlatUnit, Input, InputKind, Output, OutputKind, Placement,
+                             Program)
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+_c10d = torch.ops._c10d_functional
+# Ops that only re-view or cast a parameter: the backward recomputes them from its own all-gather
+# instead of keeping the forward's gathered copy alive.
+_CHEAP = {torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+          torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.aten.expand.default,
+          torch.ops.aten.slice.Tensor, torch.ops.aten.unsqueeze.default, torch.ops.aten.select.int,
+          torch.ops.aten._to_copy.default, torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    world: int
+    strategy: str = "optim_grads_params"
+    prefetch: int = 1
+    axis: str = "dp"
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise FxShardError(f"sharding={self.strategy!r} is not one of {STRATEGIES}")
+        if self.prefetch < 0:
+            raise FxShardError(f"fsdp_prefetch must be >= 0, got {self.prefetch}")
+
+    @property
+    def shards_params(self) -> bool:
+        return self.strategy == "optim_grads_params"
+
+    @property
+    def shards_optimizer(self) -> bool:
+        return self.strategy != "no_shard"
+
+
+def fsdp(program: Program, cfg: FSDPConfig) -> Program:
+    """Shard `program` over `cfg.world` data-parallel ranks.
+
+    Invariant: run on every rank with that rank's local batch, the result returns the mean over
+    ranks of `program`'s loss on each local batch, and leaves on every rank the full parameters that
+    `program`'s update would produce from the gradient of that mean. For a batch-mean loss with
+    equal local batches this is exactly one device training on the concatenated batch; terms with
+    batch statistics (MoE load balancing, BatchNorm) are per local batch, as in any data parallelism.
+    """
+    units = group_into_units(program, cfg.world)
+    return _Rewrite(program, units, cfg).run()
+
+
+def group_into_units(program: Program, world: int) -> list[FlatUnit]:
+    """One unit per (layer, dtype) of trainable parameters, in order of first appearance."""
+    members: dict[tuple[str, torch.dtype], list[tuple[str, tuple[int, ...]]]] = {}
+    for spec, node in zip(program.inputs, program.placeholders()):
+        if spec.kind is InputKind.PARAM and spec.requires_grad:
+            members.setdefault((meta.layer(node), spec.dtype), []).append((spec.name, spec.shape))
+    dtypes_per_layer = {}
+    for layer_name, dtype in members:
+        dtypes_per_layer.setdefault(layer_name, []).append(dtype)
+    units = []
+    for (layer_name, dtype), params in members.items():
+        name = layer_name if len(dtypes_per_layer[layer_name]) == 1 else f"{layer_name}:{dtype}".replace("torch.", "")
+        offsets, flat = [], 0
+        for param_name, shape in params:
+            offsets.append(FlatMember(param_name, shape, flat))
+            flat += offsets[-1].numel
+        units.append(FlatUnit(name, tuple(offsets), dtype, world))
+    return units
+
+
+class _Rewrite:
+    """Builds the per-rank graph in one walk over the single-device graph."""
+
+    def __init__(self, program: Program, units: list[FlatUnit], cfg: FSDPConfig):
+        self.program, self.units, self.cfg = program, units, cfg
+        self.old = program.graph
+        self.graph = fx.Graph()
+        self.fake = fake_mode_of(self.old)
+        self.unit_of = {m.name: unit for unit in units for m in unit.members}
+        self.old_placeholders = dict(zip([i.name for i in program.inputs], program.placeholders()))
+        self.member_of_node = {self.old_placeholders[name]: name for name in self.unit_of}
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.inputs: list[Input] = []
+        self.views: dict[str, dict[str, fx.Node]] = {}   # phase -> param name -> view node
+        self.remat: dict[fx.Node, fx.Node] = {}
+
+    # ---- inputs -------------------------------------------------------------------------------
+    def placeholder(self, spec: Input, value: torch.Tensor, layer=None, unit=None) -> fx.Node:
+        node = self.graph.placeholder("".join(c if c.isalnum() else "_" for c in f"{spec.kind.value}_{spec.name}"))
+        node.meta.update({"val": value, meta.PHASE: meta.FWD, meta.LAYER: layer or meta.PRE})
+        if unit is not None:
+            node.meta[meta.UNIT] = unit
+        self.inputs.append(spec)
+        return node
+
+    def make_inputs(self):
+        cfg = self.cfg
+        shard_param = Placement("sharded", cfg.axis) if cfg.shards_params else REPLICATED
+        shard_state = Placement("sharded", cfg.axis) if cfg.shards_optimizer else REPLICATED
+        self.unit_inputs, self.state_inputs, seen = {}, {}, set()
+        for spec in self.program.inputs:
+            old = self.old_placeholders[spec.name]
+            owner = spec.name.split("/", 1)[1] if spec.kind is InputKind.OPT_STATE else spec.name
+            unit = self.unit_of.get(owner)
+            if unit is None:
+                self.env[old] = self.placeholder(spec, old.meta["val"], meta.layer(old))
+                continue
+            size = unit.shard_numel if (cfg.shards_params or spec.kind is InputKind.OPT_STATE and
+                                        cfg.shards_optimizer) else unit.padded_numel
+            with self.fake:
+                value = torch.empty(size, dtype=unit.dtype, device=old.meta["val"].device)
+            layer = meta.layer(self.old_placeholders[unit.members[0].name])
+            if spec.kind is InputKind.PARAM and unit.name not in seen:
+                seen.add(unit.name)
+                self.unit_inputs[unit.name] = self.placeholder(
+                    Input(InputKind.PARAM, f"unit/{unit.name}", (size,), unit.dtype, True, shard_param),
+                    value, layer, unit.name)
+            elif spec.kind is InputKind.OPT_STATE:
+                slot = spec.name.split("/", 1)[0]
+                if (unit.name, slot) not in self.state_inputs:
+                    self.state_inputs[unit.name, slot] = self.placeholder(
+                        Input(InputKind.OPT_STATE, f"{slot}/unit/{unit.name}", (size,), unit.dtype, False,
+                              shard_state), value, layer, unit.name)
+        self.coord = None
+        if cfg.shards_optimizer and not cfg.shards_params:
+            with self.fake:
+                value = torch.zeros(1, dtype=torch.long)
+            self.coord = self.placeholder(Input(InputKind.COORD, cfg.axis, (1,), torch.long), value)
+
+    # ---- collectives --------------------------------------------------------------------------
+    def collective_meta(self, unit: FlatUnit, phase: str, nbytes: int) -> dict:
+        layer = meta.layer(self.old_placeholders[unit.members[0].name])
+        return {meta.UNIT: unit.name, meta.COMM_BYTES: nbytes, meta.PHASE: phase, meta.LAYER: layer}
+
+    def issue_all_gather(self, unit: FlatUnit, phase: str, shard: fx.Node | None = None) -> fx.Node:
+        world, axis = self.cfg.world, self.cfg.axis
+        shard = self.unit_inputs[unit.name] if shard is None else shard
+        info = self.collective_meta(unit, phase, unit.shard_numel * shard.meta["val"].element_size())
+        (gathered,) = inline(self.graph, lambda s: [_c10d.all_gather_into_tensor(s, world, axis)], [shard],
+                             fake_mode=self.fake, phase=phase, extra_meta=info)
+        return gathered
+
+    def wait_and_view(self, unit: FlatUnit, issued: fx.Node | None, flat: fx.Node, phase: str) -> None:
+        """Wait for `issued` (if a collective), then view each member out of the flat buffer."""
+        members = unit.members
+
+        def views(full):
+            if issued is not None:
+                full = _c10d.wait_tensor(full)
+            return [full[m.offset:m.offset + m.numel].view(m.shape) for m in members]
+
+        info = self.collective_meta(unit, phase, 0)
+        info.pop(meta.COMM_BYTES)
+        nodes = inline(self.graph, views, [issued if issued is not None else flat], fake_mode=self.fake,
+                       phase=phase, extra_meta=info)
+        for member, node in zip(members, nodes):
+            node.meta[meta.PARAM] = member.name
+            self.views.setdefault(phase, {})[member.name] = node
+
+    def issue_gradient_reduction(self, unit: FlatUnit, grads: list[fx.Node]) -> fx.Node:
+        world, axis, padding = self.cfg.world, self.cfg.axis, unit.padding
+        shards = self.cfg.shards_optimizer
+
+        def reduce(*grads):
+            flat = F.pad(torch.cat([g.reshape(-1) for g in grads]), (0, padding))
+            if shards:
+                return [_c10d.reduce_scatter_tensor(flat, "avg", world, axis)]
+            return [_c10d.all_reduce(flat, "avg", axis)]
+
+        element = grads[0].meta["val"].element_size()
+        info = self.collective_meta(unit, meta.BWD, unit.padded_numel * element)
+        (issued,) = inline(self.graph, reduce, grads, fake_mode=self.fake, phase=meta.BWD, extra_meta=info)
+        return issued
+
+    def wait(self, issued: fx.Node, phase: str, layer: str) -> fx.Node:
+        (done,) = inline(self.graph, lambda t: [_c10d.wait_tensor(t)], [issued], fake_mode=self.fake,
+                         phase=phase, layer=layer, extra_meta={k: issued.meta[k] for k in (meta.UNIT,)
+                                                              if k in issued.meta})
+        return done
+
+    # ---- the schedule -------------------------------------------------------------------------
+    def derived_units(self) -> dict[fx.Node, set[str]]:
+        """For each forward node computed from parameters by cheap ops only: the units it reads."""
+        derived: dict[fx.Node, set[str]] = {}
+        for node in self.old.nodes:
+            if node in self.member_of_node:
+                derived[node] = {self.unit_of[self.member_of_node[node]].name}
+            elif (meta.phase(node) == meta.FWD and node.op == "call_function" and node.target in _CHEAP
+                  and node.all_input_nodes and all(i in derived for i in node.all_input_nodes)):
+                derived[node] = set().union(*(derived[i] for i in node.all_input_nodes))
+        return derived
+
+    def plan_gathers(self):
+        """(issue_before, wait_before): old node -> [(unit, phase)] to emit just before copying it."""
+        issue_before, wait_before = {}, {}
+        if not self.cfg.shards_params:
+            return issue_before, wait_before
+        derived = self.derived_units()
+        first_use: dict[str, dict[str, fx.Node]] = {meta.FWD: {}, meta.BWD: {}}
+        first_node = {}
+        for node in self.old.nodes:
+            phase = meta.phase(node)
+            if phase not in first_use or node.op == "placeholder":
+                continue
+            first_node.setdefault(phase, node)
+            needed = set()
+            for source in node.all_input_nodes:
+                if source in self.member_of_node or (phase == meta.BWD and source in derived):
+                    needed |= derived[source]
+            for unit_name in needed:
+                first_use[phase].setdefault(unit_name, node)
+        units = {u.name: u for u in self.units}
+        for phase, uses in first_use.items():
+            order = list(uses)  # dict order is first-use order
+            for index, unit_name in enumerate(order):
+                anchor = uses[order[index - self.cfg.prefetch]] if index >= self.cfg.prefetch else first_node[phase]
+                issue_before.setdefault(anchor, []).append((units[unit_name], phase))
+                wait_before.setdefault(uses[unit_name], []).append((units[unit_name], phase))
+        self.derived = derived
+        return issue_before, wait_before
+
+    def lookup(self, node: fx.Node, phase: str) -> fx.Node:
+        if node in self.member_of_node:
+            return self.views[phase if self.cfg.shards_params else meta.FWD][self.member_of_node[node]]
+        if self.cfg.shards_params and phase == meta.BWD and node in getattr(self, "derived", {}):
+            if node not in self.remat:  # recompute the view/cast from the backward's own all-gather
+                copy = self.graph.node_copy(node, lambda n: self.lookup(n, meta.BWD))
+                copy.meta[meta.PHASE] = meta.BWD
+                self.remat[node] = copy
+            return self.remat[node]
+        return self.env[node]
+
+    # ---- the walk -----------------------------------------------------------------------------
+    def run(self) -> Program:
+        self.make_inputs()
+        if not self.cfg.shards_params:
+            for unit in self.units:
+                self.wait_and_view(unit, None, self.unit_inputs[unit.name], meta.FWD)
+        issue_before, wait_before = self.plan_gathers()
+        old_output = next(n for n in self.old.nodes if n.op == "output")
+        old_values = list(old_output.args[0])
+        loss_node = old_values[0]
+        grad_nodes = {meta.param(n): n for n in self.old.nodes if meta.phase(n) == meta.BWD and meta.param(n)}
+        last_grad = {}
+        for unit in self.units:
+            positions = [grad_nodes[m.name] for m in unit.members]
+            last_grad[max(positions, key=self._position)] = unit
+        issued_gathers, reductions = {}, {}
+        loss_reduce = None
+        for node in self.old.nodes:
+            if node.op in ("placeholder", "output") or meta.phase(node) == meta.OPTIM:
+                continue
+            phase = meta.phase(node)
+            for unit, unit_phase in issue_before.get(node, []):
+                issued_gathers[unit.name, unit_phase] = self.issue_all_gather(unit, unit_phase)
+            for unit, unit_phase in wait_before.get(node, []):
+                self.wait_and_view(unit, issued_gathers.pop((unit.name, unit_phase)), None, unit_phase)
+            copy = self.graph.node_copy(node, lambda n: self.lookup(n, phase))
+            self.env[node] = copy
+            if node is loss_node:
+                (loss_reduce,) = inline(self.graph, lambda t: [_c10d.all_reduce(t, "avg", self.cfg.axis)], [copy],
+                                        fake_mode=self.fake, phase=meta.FWD, layer=meta.POST)
+            if node in last_grad:
+                unit = last_grad[node]
+                reductions[unit.name] = self.issue_gradient_reduction(
+                    unit, [self.env[grad_nodes[m.name]] for m in unit.members])
+        return self.finish(old_values, loss_reduce, reductions)
+
+    def _position(self, node):
+        if not hasattr(self, "_positions"):
+            self._positions = {n: i for i, n in enumerate(self.old.nodes)}
+        return self._positions[node]
+
+    def finish(self, old_values, loss_reduce, reductions) -> Program:
+        cfg = self.cfg
+        grads = [self.wait(reductions[u.name], meta.OPTIM, meta.layer(reductions[u.name])) for u in self.units]
+        params = [self.own_shard(unit) for unit in self.units]
+        names = [unit.name for unit in self.units]
+        states = {key: node for key, node in self.state_inputs.items()}
+        lr, step = (self.env[self.old_placeholders[name]] for name in ("lr", "step"))
+        grad_norm, new_params, new_states = append_update(
+            self.graph, self.program.train, self.fake, names, params, grads, states, lr, step,
+            norm_group=cfg.axis if cfg.shards_optimizer else None)
+        outputs, values = [Output(OutputKind.LOSS, "loss"), Output(OutputKind.GRAD_NORM, "grad_norm")], []
+        values += [self.wait(loss_reduce, meta.OPTIM, meta.POST), grad_norm]
+        for unit in self.units:
+            new = new_params[unit.name]
+            if cfg.shards_optimizer and not cfg.shards_params:
+                new = self.wait(self.issue_all_gather(unit, meta.OPTIM, new), meta.OPTIM, new.meta.get(meta.LAYER))
+            placement = Placement("sharded", cfg.axis) if cfg.shards_params else REPLICATED
+            outputs.append(Output(OutputKind.PARAM, f"unit/{unit.name}", placement))
+            values.append(new)
+        for (unit_name, slot), node in new_states.items():
+            placement = Placement("sharded", cfg.axis) if cfg.shards_optimizer else REPLICATED
+            outputs.append(Output(OutputKind.OPT_STATE, f"{slot}/unit/{unit_name}", placement))
+            values.append(node)
+        for spec, value in zip(self.program.outputs, old_values):
+            if spec.kind is OutputKind.BUFFER:
+                outputs.append(spec)
+                values.append(self.env[value])
+        self.graph.output(tuple(values))
+        self.graph.lint()
+        gm = fx.GraphModule(self.program.graph_module, self.graph)
+        notes = dict(self.program.notes, fsdp=f"{cfg.strategy}, world {cfg.world}, prefetch {cfg.prefetch}, "
+                                              f"{len(self.units)} units")
+        return self.program.replace(graph_module=gm, inputs=tuple(self.inputs), outputs=tuple(outputs),
+                                    units=tuple(self.units), notes=notes)
+
+    def own_shard(self, unit: FlatUnit) -> fx.Node:
+        """The tensor this rank's optimizer updates: the shard, or for ZeRO-1/2 its slice of the full flat."""
+        flat = self.unit_inputs[unit.name]
+        if self.cfg.shards_params or not self.cfg.shards_optimizer:
+            return flat
+        world, size = self.cfg.world, unit.shard_numel
+        (shard,) = inline(self.graph, lambda full, coord: [full.view(world, size).index_select(0, coord).view(size)],
+                          [flat, self.coord], fake_mode=self.fake, phase=meta.OPTIM,
+                          layer=meta.layer(flat), extra_meta={meta.UNIT: unit.name})
+        return shard
