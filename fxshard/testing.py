@@ -63,3 +63,58 @@ def eager_parity(model: nn.Module, loss_fn, batches, optimizer, config=None) -> 
     params = step.parameters()
     param_rel = max(relative(params[name], p) for name, p in reference.named_parameters())
     return Parity(losses, worst, param_rel)
+
+
+class SimulatedRanks:
+    """Train a per-rank Program on N simulated ranks in this process (the SPMD simulator runs the
+    collectives). The counterpart of CompiledStep for property tests: fast, deterministic, no spawning."""
+
+    def __init__(self, program, model: nn.Module, optimizer, mesh):
+        from .runtime.state import initial_state
+
+        self.program, self.optimizer, self.mesh = program, optimizer, mesh
+        self.world = mesh.size
+        self.states = [initial_state(program, model, optimizer, {"dp": rank}) for rank in range(self.world)]
+        self.step_count = 0
+
+    def step(self, local_batches, lr: float | None = None) -> list[dict[str, torch.Tensor]]:
+        from .optim import lr_at
+        from .program import InputKind, OutputKind
+
+        self.step_count += 1
+        lr = lr_at(self.optimizer, self.step_count) if lr is None else lr
+        inputs = []
+        for rank, batch in enumerate(local_batches):
+            leaves = iter(torch.utils._pytree.tree_leaves(batch))
+            args = []
+            for spec in self.program.inputs:
+                if spec.kind is InputKind.BATCH:
+                    args.append(next(leaves))
+                elif spec.kind is InputKind.LR:
+                    args.append(torch.tensor(lr))
+                elif spec.kind is InputKind.STEP:
+                    args.append(torch.tensor(float(self.step_count)))
+                else:
+                    args.append(self.states[rank][spec.kind, spec.name])
+            inputs.append(args)
+        outputs = simulate([self.program.graph_module] * self.world, inputs, self.mesh.groups())
+        kinds = {OutputKind.PARAM: InputKind.PARAM, OutputKind.OPT_STATE: InputKind.OPT_STATE,
+                 OutputKind.BUFFER: InputKind.BUFFER}
+        metrics = []
+        for rank, results in enumerate(outputs):
+            metrics.append({})
+            for spec, value in zip(self.program.outputs, results):
+                if spec.kind in kinds:
+                    self.states[rank][kinds[spec.kind], spec.name] = value
+                else:
+                    metrics[rank][spec.name] = value
+        return metrics
+
+    def parameters(self, rank: int = 0) -> dict[str, torch.Tensor]:
+        """Full parameters as `rank` sees them (sharded inputs concatenated over all ranks)."""
+        from .runtime.state import full_parameters
+
+        def gather(spec, shard):
+            return torch.cat([state[spec.kind, spec.name] for state in self.states])
+
+        return full_parameters(self.program, self.states[rank], gather)

@@ -43,7 +43,7 @@ def initial_state(program: Program, model: nn.Module, optimizer, coords: dict[st
 
 
 def full_parameters(program: Program, state: State, gather) -> dict[str, torch.Tensor]:
-    """Parameter name -> full tensor; `gather(shard, axis)` concatenates a sharded tensor's shards."""
+    """Parameter name -> full tensor; `gather(spec, shard)` concatenates the shards of a sharded input."""
     result = {}
     for spec in program.inputs:
         if spec.kind is not InputKind.PARAM:
@@ -53,7 +53,7 @@ def full_parameters(program: Program, state: State, gather) -> dict[str, torch.T
         if unit is None:
             result[spec.name] = value
             continue
-        flat = gather(value, spec.placement.axis) if spec.placement.kind == "sharded" else value
+        flat = gather(spec, value) if spec.placement.kind == "sharded" else value
         result.update({name: tensor.clone() for name, tensor in unit.unflatten(flat).items()})
     return result
 

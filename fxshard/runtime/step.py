@@ -85,10 +85,10 @@ class CompiledStep:
         """Parameter name -> current full parameter tensor (all-gathered where sharded)."""
         return full_parameters(self.program, self.state, self._gather)
 
-    def _gather(self, shard: torch.Tensor, axis: str) -> torch.Tensor:
+    def _gather(self, spec, shard: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
-        group = self.groups[axis]
+        group = self.groups[spec.placement.axis]
         out = shard.new_empty(shard.numel() * dist.get_world_size(group))
         dist.all_gather_into_tensor(out, shard.contiguous(), group=group)
         return out
