@@ -6,6 +6,7 @@ random half is unpredictable and ignored.
 
     python examples/train.py                       # MoEGPT tiny on CPU, 300 steps
     python examples/train.py --model gpt --steps 100 --dump dumps/
+    python examples/train.py --dp 2                # 2 local processes (gloo on CPU, NCCL on GPU), ZeRO-3
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import math
 import time
 
 import torch
+import torch.distributed as dist
 
 import fxshard
+from fxshard.launch import run_local
 from fxshard.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig
 
 MODELS = {"moe_gpt": (MoEGPT, MoEGPTConfig), "gpt": (GPT, GPTConfig)}
@@ -29,7 +32,7 @@ def parse_args(argv=None):
     parser.add_argument("--model", choices=sorted(MODELS), default="moe_gpt")
     parser.add_argument("--preset", default="tiny", help="model size preset: tiny, small, 1b")
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
     parser.add_argument("--copy-len", type=int, default=8, help="tokens to copy; sequence length 2n+1")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=20, help="linear warm-up steps, then cosine decay")
@@ -37,6 +40,9 @@ def parse_args(argv=None):
     parser.add_argument("--dump", metavar="DIR", help="write the graph dumps here")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=1)
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks (spawns local processes)")
+    parser.add_argument("--sharding", default="optim_grads_params",
+                        choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
     return parser.parse_args(argv)
 
 
@@ -60,41 +66,57 @@ def lr_schedule(base_lr, warmup, total):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if args.steps < 1 or args.batch_size < 1 or args.copy_len < 1:
-        raise SystemExit("--steps, --batch-size and --copy-len must be >= 1")
+    if args.steps < 1 or args.batch_size < 1 or args.copy_len < 1 or args.dp < 1:
+        raise SystemExit("--steps, --batch-size, --copy-len and --dp must be >= 1")
+    if args.dp == 1:
+        return train(args)
+    backend = "nccl" if args.device.startswith("cuda") else "gloo"
+    return run_local(train, args.dp, args, backend=backend)[0]
+
+
+def train(args) -> dict:
+    """One rank's training loop; with --dp every rank draws the same global batch and keeps its rows."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    device = f"cuda:{rank}" if args.device == "cuda" and world > 1 else args.device
+    say = print if rank == 0 else (lambda *a, **k: None)
     torch.manual_seed(args.seed)
     model_cls, config_cls = MODELS[args.model]
-    model = model_cls(config_cls.preset(args.preset)).to(args.device)
+    model = model_cls(config_cls.preset(args.preset)).to(device)
     generator = torch.Generator().manual_seed(args.seed + 1)
     vocab = model.cfg.vocab_size
-    example = copy_batch(generator, args.batch_size, args.copy_len, vocab, args.device)
-    print(f"model {args.model} {args.preset}: {sum(p.numel() for p in model.parameters()):,} parameters, "
-          f"batch {args.batch_size}x{2 * args.copy_len}, device {args.device}")
+
+    def next_batch():
+        batch = copy_batch(generator, args.batch_size * world, args.copy_len, vocab, device)
+        return {k: v[rank * args.batch_size:(rank + 1) * args.batch_size] for k, v in batch.items()}
+
+    example = next_batch()
+    say(f"model {args.model} {args.preset}: {sum(p.numel() for p in model.parameters()):,} parameters, "
+        f"batch {args.batch_size}x{2 * args.copy_len} per rank, {world} rank(s), device {device}")
 
     started = time.perf_counter()
     step = fxshard.shard(
         model, lambda m, batch: m.loss(batch), example,
         optimizer=fxshard.optim.AdamW(lr=lr_schedule(args.lr, args.warmup, args.steps), betas=(0.9, 0.95),
                                       eps=1e-8, weight_decay=0.1),
-        config=fxshard.Config(dump_dir=args.dump))
-    compile_seconds = time.perf_counter() - started
-    print(f"compiled in {compile_seconds:.1f}s: {repr(step.program)}")
+        mesh=fxshard.Mesh(dp=world) if world > 1 else None,
+        config=fxshard.Config(dump_dir=args.dump if rank == 0 else None, sharding=args.sharding))
+    say(f"compiled in {time.perf_counter() - started:.1f}s: {repr(step.program)}")
     if args.dump:
-        print(f"graph dumps in {args.dump} (python -m fxshard.dump {args.dump})")
+        say(f"graph dumps in {args.dump} (python -m fxshard.dump {args.dump})")
 
     losses = []
     started = time.perf_counter()
     for index in range(1, args.steps + 1):
-        metrics = step(copy_batch(generator, args.batch_size, args.copy_len, vocab, args.device))
+        metrics = step(next_batch())
         losses.append(metrics["loss"].item())
         if index % args.log_every == 0 or index == args.steps:
-            print(f"step {index} loss {losses[-1]:.4f} grad_norm {metrics['grad_norm'].item():.3f}", flush=True)
+            say(f"step {index} loss {losses[-1]:.4f} grad_norm {metrics['grad_norm'].item():.3f}", flush=True)
     seconds = time.perf_counter() - started
     first = sum(losses[:10]) / len(losses[:10])
     last = sum(losses[-10:]) / len(losses[-10:])
-    tokens = args.steps * args.batch_size * 2 * args.copy_len
-    print(f"done: {args.steps} steps in {seconds:.1f}s ({tokens / seconds:,.0f} tokens/s); "
-          f"mean loss of first 10 steps {first:.3f} -> last 10 steps {last:.3f}")
+    tokens = args.steps * args.batch_size * world * 2 * args.copy_len
+    say(f"done: {args.steps} steps in {seconds:.1f}s ({tokens / seconds:,.0f} tokens/s over {world} rank(s)); "
+        f"mean loss of first 10 steps {first:.3f} -> last 10 steps {last:.3f}")
     return {"first_loss": first, "last_loss": last, "seconds": seconds}
 
 

@@ -83,6 +83,8 @@ def listing(program: Program) -> str:
             continue
         inputs = ", ".join(n.name for n in node.all_input_nodes)
         extra = f"  param={meta.param(node)}" if meta.param(node) else ""
+        if meta.COMM_BYTES in node.meta:
+            extra += f"  unit={node.meta.get(meta.UNIT)} bytes={node.meta[meta.COMM_BYTES]}"
         lines.append(f"{node.name} = {_op_name(node)}({inputs})  [{meta.phase(node)} {meta.layer(node)}] "
                      f"{_shape(_value(node))}{extra}")
     return "\n".join(lines) + "\n"
@@ -120,12 +122,32 @@ def summarize(program: Program) -> str:
         counts = table.get(layer_name)
         if counts:
             lines.append(f"{layer_name:<24} " + " ".join(f"{counts[p]:>6}" for p in meta.PHASES))
+    lines.extend(_collectives_table(program))
     lines.append("")
     ops = Counter(_op_name(n) for n in nodes if n.op == "call_function")
     lines.append("ops: " + ", ".join(f"{op} {count}" for op, count in ops.most_common()))
     for key, value in program.notes.items():
         lines.append(f"{key}: {value}")
     return "\n".join(lines) + "\n"
+
+
+def _collectives_table(program: Program) -> list[str]:
+    """Every collective a pass inserted: position, op, unit, phase, bytes; then totals per op."""
+    rows, totals = [], Counter()
+    for position, node in enumerate(program.graph.nodes):
+        if meta.COMM_BYTES not in node.meta:
+            continue
+        op = _op_name(node)
+        totals[op] += node.meta[meta.COMM_BYTES]
+        rows.append(f"{position:>8} {op:<24} {node.meta.get(meta.UNIT, '-'):<20} {meta.phase(node):<6} "
+                    f"{_format_bytes(node.meta[meta.COMM_BYTES]):>12}")
+    if not rows:
+        return []
+    lines = ["", f"{'position':>8} {'collective':<24} {'unit':<20} {'phase':<6} {'bytes/rank':>12}", *rows]
+    lines.append("collective bytes per step (per rank): " + ", ".join(
+        f"{op} {_format_bytes(size)}" for op, size in totals.items()) +
+        f"; total {_format_bytes(sum(totals.values()))}")
+    return lines
 
 
 def _layer_order(program: Program) -> list[str]:

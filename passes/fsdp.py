@@ -156,16 +156,15 @@ class _Rewrite:
             self.coord = self.placeholder(Input(InputKind.COORD, cfg.axis, (1,), torch.long), value)
 
     # ---- collectives --------------------------------------------------------------------------
-    def collective_meta(self, unit: FlatUnit, phase: str, nbytes: int) -> dict:
-        layer = meta.layer(self.old_placeholders[unit.members[0].name])
-        return {meta.UNIT: unit.name, meta.COMM_BYTES: nbytes, meta.PHASE: phase, meta.LAYER: layer}
+    def unit_meta(self, unit: FlatUnit) -> dict:
+        return {meta.UNIT: unit.name, meta.LAYER: meta.layer(self.old_placeholders[unit.members[0].name])}
 
     def issue_all_gather(self, unit: FlatUnit, phase: str, shard: fx.Node | None = None) -> fx.Node:
         world, axis = self.cfg.world, self.cfg.axis
         shard = self.unit_inputs[unit.name] if shard is None else shard
-        info = self.collective_meta(unit, phase, unit.shard_numel * shard.meta["val"].element_size())
         (gathered,) = inline(self.graph, lambda s: [_c10d.all_gather_into_tensor(s, world, axis)], [shard],
-                             fake_mode=self.fake, phase=phase, extra_meta=info)
+                             fake_mode=self.fake, phase=phase, extra_meta=self.unit_meta(unit))
+        gathered.meta[meta.COMM_BYTES] = unit.shard_numel * shard.meta["val"].element_size()
         return gathered
 
     def wait_and_view(self, unit: FlatUnit, issued: fx.Node | None, flat: fx.Node, phase: str) -> None:
@@ -177,10 +176,8 @@ class _Rewrite:
                 full = _c10d.wait_tensor(full)
             return [full[m.offset:m.offset + m.numel].view(m.shape) for m in members]
 
-        info = self.collective_meta(unit, phase, 0)
-        info.pop(meta.COMM_BYTES)
         nodes = inline(self.graph, views, [issued if issued is not None else flat], fake_mode=self.fake,
-                       phase=phase, extra_meta=info)
+                       phase=phase, extra_meta=self.unit_meta(unit))
         for member, node in zip(members, nodes):
             node.meta[meta.PARAM] = member.name
             self.views.setdefault(phase, {})[member.name] = node
@@ -195,9 +192,9 @@ class _Rewrite:
                 return [_c10d.reduce_scatter_tensor(flat, "avg", world, axis)]
             return [_c10d.all_reduce(flat, "avg", axis)]
 
-        element = grads[0].meta["val"].element_size()
-        info = self.collective_meta(unit, meta.BWD, unit.padded_numel * element)
-        (issued,) = inline(self.graph, reduce, grads, fake_mode=self.fake, phase=meta.BWD, extra_meta=info)
+        (issued,) = inline(self.graph, reduce, grads, fake_mode=self.fake, phase=meta.BWD,
+                           extra_meta=self.unit_meta(unit))
+        issued.meta[meta.COMM_BYTES] = unit.padded_numel * grads[0].meta["val"].element_size()
         return issued
 
     def wait(self, issued: fx.Node, phase: str, layer: str) -> fx.Node:
@@ -288,6 +285,7 @@ class _Rewrite:
             if node is loss_node:
                 (loss_reduce,) = inline(self.graph, lambda t: [_c10d.all_reduce(t, "avg", self.cfg.axis)], [copy],
                                         fake_mode=self.fake, phase=meta.FWD, layer=meta.POST)
+                loss_reduce.meta[meta.COMM_BYTES] = copy.meta["val"].element_size()
             if node in last_grad:
                 unit = last_grad[node]
                 reductions[unit.name] = self.issue_gradient_reduction(

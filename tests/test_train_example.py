@@ -18,3 +18,15 @@ def test_train_example_loss_falls(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "step 150 loss" in out and "done: 150 steps" in out
     assert (tmp_path / "00_traced.summary.txt").exists()
+
+
+def test_train_example_with_two_data_parallel_processes():
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train.py"
+    result = subprocess.run([sys.executable, str(script), "--dp", "2", "--steps", "40", "--log-every", "20"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 rank(s)" in result.stdout and "Program('fsdp'" in result.stdout
+    assert "step 40 loss" in result.stdout and "done: 40 steps" in result.stdout
