@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from .errors import FxShardError
 
 
@@ -18,12 +20,18 @@ class Config:
     sharding: on a mesh, what FSDP shards over `dp` (Megatron's names): "no_shard" (DDP), "optim"
         (ZeRO-1), "optim_grads" (ZeRO-2), "optim_grads_params" (ZeRO-3).
     fsdp_prefetch: issue a unit's all-gather this many units ahead of its first use.
+    param_dtype: compute with parameters cast to this dtype (e.g. torch.bfloat16); masters and
+        optimizer state keep the model's dtype. Under ZeRO-3 the cast happens on the shard, before the
+        all-gather. None: no cast.
+    reduce_dtype: gradients are cast to this dtype before they are reduced (None: param_dtype's).
     """
 
     dump_dir: str | None = None
     layers: tuple[str, ...] | None = None
     clip_grad_norm: float | None = None
     sharding: str = "optim_grads_params"
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
     fsdp_prefetch: int = 1
     verbose: bool = False
 
@@ -37,5 +45,9 @@ class Config:
             raise FxShardError(f"sharding={self.sharding!r}; choose one of {strategies}")
         if not isinstance(self.fsdp_prefetch, int) or self.fsdp_prefetch < 0:
             raise FxShardError(f"fsdp_prefetch must be an int >= 0, got {self.fsdp_prefetch!r}")
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise FxShardError(f"{name} must be a floating torch.dtype such as torch.bfloat16, got {value!r}")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise FxShardError(f"clip_grad_norm must be > 0 or None, got {self.clip_grad_norm!r}")

@@ -40,6 +40,7 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, names: list[str],
 
     def update(*flat):
         params, grads = flat[:count], flat[count:2 * count]
+        grads = [g.to(p.dtype) for p, g in zip(params, grads)]  # reduced in reduce_dtype, applied in the master's
         state_values, (lr, step) = flat[2 * count:-2], flat[-2:]
         squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
         if norm_group is not None:

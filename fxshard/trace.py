@@ -78,8 +78,8 @@ def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     with fake_mode:
-        fake_params = [torch.empty(p.shape, dtype=p.dtype, device=device, requires_grad=p.requires_grad)
-                       for p in params.values()]
+        fake_params = [torch.empty(p.shape, dtype=_compute_dtype(p, config), device=device,
+                                   requires_grad=p.requires_grad) for p in params.values()]
         fake_buffers = [torch.empty(b.shape, dtype=b.dtype, device=device) for b in buffers.values()]
         fake_leaves = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in batch_spec.leaves]
 
@@ -110,6 +110,7 @@ class _ProgramBuilder:
         self.buffers = buffers
         self.batch_spec = batch_spec
         self.train = TrainSpec(optimizer, config.clip_grad_norm)
+        self.reduce_dtype = config.reduce_dtype or config.param_dtype
         self.optimizer = optimizer
         self.device = device
         self.fake_mode = fake_mode
@@ -128,9 +129,9 @@ class _ProgramBuilder:
     def build(self, joint_gm: fx.GraphModule) -> Program:
         flat_inputs, tangents = _joint_placeholders(joint_gm)
         with self.fake_mode:
-            param_nodes = {name: self.placeholder(InputKind.PARAM, name, flat_inputs[i].meta["val"],
-                                                  p.requires_grad, **{meta.PARAM: name})
-                           for i, (name, p) in enumerate(self.params.items())}
+            param_nodes = {name: self.placeholder(InputKind.PARAM, name, torch.empty(
+                                p.shape, dtype=p.dtype, device=self.device), p.requires_grad, **{meta.PARAM: name})
+                           for name, p in self.params.items()}
             trainable = [name for name, p in self.params.items() if p.requires_grad]
             state_nodes = {}
             for name in trainable:
@@ -146,7 +147,11 @@ class _ProgramBuilder:
             lr = self.placeholder(InputKind.LR, "lr", torch.empty((), device=self.device))
             step = self.placeholder(InputKind.STEP, "step", torch.empty((), device=self.device))
 
-        env = dict(zip(flat_inputs, [*param_nodes.values(), *buffer_nodes, *batch_nodes]))
+        # Mixed precision: the forward and backward see each parameter cast to its compute dtype;
+        # gradients are cast to the reduce dtype where they appear; masters and state keep theirs.
+        compute = [self.cast(node, flat.meta["val"].dtype, meta.FWD)
+                   for node, flat in zip(param_nodes.values(), flat_inputs)]
+        env = dict(zip(flat_inputs, [*compute, *buffer_nodes, *batch_nodes]))
         loss, grads, mutations = self.copy_joint(joint_gm, env, tangents)
         grad_nodes = {name: grads[i] for i, name in enumerate(self.params) if name in trainable}
         for name, node in grad_nodes.items():
@@ -154,6 +159,10 @@ class _ProgramBuilder:
                 raise FxShardError(
                     f"parameter {name!r} requires grad but the loss does not depend on it; freeze it "
                     f"(requires_grad_(False)) or use it in the forward")
+            reduce_dtype = self.reduce_dtype or node.meta["val"].dtype
+            if node.meta["val"].dtype != reduce_dtype:
+                with self.graph.inserting_after(node):
+                    node = grad_nodes[name] = self.cast(node, reduce_dtype, meta.BWD)
             node.meta[meta.PARAM] = name
         grad_norm, new_params, new_states = self.append_optimizer(
             param_nodes, grad_nodes, state_nodes, lr, step)
@@ -174,6 +183,14 @@ class _ProgramBuilder:
         _assign_layers(self.graph, param_nodes)
         self.graph.lint()
         return Program(fx.GraphModule(self.root, self.graph), tuple(self.inputs), tuple(outputs), train=self.train)
+
+    def cast(self, node: fx.Node, dtype: torch.dtype, phase: str) -> fx.Node:
+        if node.meta["val"].dtype == dtype:
+            return node
+        cast = self.graph.call_function(torch.ops.aten._to_copy.default, (node,), {"dtype": dtype})
+        with self.fake_mode:
+            cast.meta.update({"val": node.meta["val"].to(dtype), meta.PHASE: phase})
+        return cast
 
     def copy_joint(self, joint_gm, env, tangents):
         """Copy the joint graph's nodes; the loss tangent becomes a constant 1, created just before
@@ -247,6 +264,12 @@ class _ProgramBuilder:
                              [grad_nodes[n] for n in names], state_nodes, lr, step)
 
 
+def _compute_dtype(param: torch.Tensor, config: Config) -> torch.dtype:
+    if config.param_dtype is not None and param.is_floating_point():
+        return config.param_dtype
+    return param.dtype
+
+
 def _joint_placeholders(joint_gm):
     flat, tangents = {}, []
     for node in joint_gm.graph.nodes:
@@ -266,10 +289,19 @@ def _assign_layers(graph: fx.Graph, param_nodes: dict[str, fx.Node]) -> None:
     """Give every node a layer. Optimizer nodes take their parameter's layer; a parameter takes the
     layer of its first forward use; an unannotated node (autograd's gradient sums) takes the layer
     of its first annotated user, else of its inputs, else "post"."""
+    def first_layer(node, depth=0):  # looks through unannotated casts to the first annotated use
+        for user in node.users:
+            if meta.phase(user) != meta.FWD:
+                continue
+            if meta.LAYER in user.meta:
+                return meta.layer(user)
+            if depth < 4 and (found := first_layer(user, depth + 1)) is not None:
+                return found
+        return None
+
     param_layer = {}
     for name, node in param_nodes.items():
-        fwd_users = [u for u in node.users if meta.phase(u) == meta.FWD and meta.LAYER in u.meta]
-        param_layer[name] = meta.layer(fwd_users[0]) if fwd_users else meta.PRE
+        param_layer[name] = first_layer(node) or meta.PRE
         node.meta[meta.LAYER] = param_layer[name]
     for node in reversed(graph.nodes):
         if meta.LAYER in node.meta or node.op == "output":

@@ -107,10 +107,31 @@ class _Rewrite:
         self.unit_of = {m.name: unit for unit in units for m in unit.members}
         self.old_placeholders = dict(zip([i.name for i in program.inputs], program.placeholders()))
         self.member_of_node = {self.old_placeholders[name]: name for name in self.unit_of}
+        self.compute_dtype = self.hoist_casts() if cfg.shards_params else {}
         self.env: dict[fx.Node, fx.Node] = {}
         self.inputs: list[Input] = []
         self.views: dict[str, dict[str, fx.Node]] = {}   # phase -> param name -> view node
         self.remat: dict[fx.Node, fx.Node] = {}
+
+    def hoist_casts(self) -> dict[str, torch.dtype]:
+        """Units whose every parameter is only used through one cast (mixed precision) are gathered
+        already cast: the cast runs on the shard, before the all-gather, and moves fewer bytes. The
+        cast nodes then stand for the parameters (they are the nodes the views replace)."""
+        dtypes = {}
+        for unit in self.units:
+            casts = []
+            for member in unit.members:
+                users = [u for u in self.old_placeholders[member.name].users if meta.phase(u) != meta.OPTIM]
+                if (len(users) != 1 or users[0].target is not torch.ops.aten._to_copy.default
+                        or set(users[0].kwargs) != {"dtype"}):
+                    break
+                casts.append(users[0])
+            if len(casts) == len(unit.members) and len({c.kwargs["dtype"] for c in casts}) == 1:
+                dtypes[unit.name] = casts[0].kwargs["dtype"]
+                for member, cast in zip(unit.members, casts):
+                    del self.member_of_node[self.old_placeholders[member.name]]
+                    self.member_of_node[cast] = member.name
+        return dtypes
 
     # ---- inputs -------------------------------------------------------------------------------
     def placeholder(self, spec: Input, value: torch.Tensor, layer=None, unit=None) -> fx.Node:
@@ -161,10 +182,16 @@ class _Rewrite:
 
     def issue_all_gather(self, unit: FlatUnit, phase: str, shard: fx.Node | None = None) -> fx.Node:
         world, axis = self.cfg.world, self.cfg.axis
-        shard = self.unit_inputs[unit.name] if shard is None else shard
-        (gathered,) = inline(self.graph, lambda s: [_c10d.all_gather_into_tensor(s, world, axis)], [shard],
-                             fake_mode=self.fake, phase=phase, extra_meta=self.unit_meta(unit))
-        gathered.meta[meta.COMM_BYTES] = unit.shard_numel * shard.meta["val"].element_size()
+        dtype = None
+        if shard is None:  # gathering the parameters for compute: in their compute dtype
+            shard, dtype = self.unit_inputs[unit.name], self.compute_dtype.get(unit.name)
+
+        def gather(s):
+            return [_c10d.all_gather_into_tensor(s if dtype is None else s.to(dtype), world, axis)]
+
+        (gathered,) = inline(self.graph, gather, [shard], fake_mode=self.fake, phase=phase,
+                             extra_meta=self.unit_meta(unit))
+        gathered.meta[meta.COMM_BYTES] = unit.shard_numel * gathered.meta["val"].element_size()
         return gathered
 
     def wait_and_view(self, unit: FlatUnit, issued: fx.Node | None, flat: fx.Node, phase: str) -> None:
@@ -225,7 +252,7 @@ class _Rewrite:
         first_node = {}
         for node in self.old.nodes:
             phase = meta.phase(node)
-            if phase not in first_use or node.op == "placeholder":
+            if phase not in first_use or node.op == "placeholder" or node in self.member_of_node:
                 continue
             first_node.setdefault(phase, node)
             needed = set()
@@ -274,6 +301,8 @@ class _Rewrite:
         loss_reduce = None
         for node in self.old.nodes:
             if node.op in ("placeholder", "output") or meta.phase(node) == meta.OPTIM:
+                continue
+            if node in self.member_of_node:  # a hoisted cast: the gathered views replace it
                 continue
             phase = meta.phase(node)
             for unit, unit_phase in issue_before.get(node, []):
