@@ -24,6 +24,8 @@ class Config:
         optimizer state keep the model's dtype. Under ZeRO-3 the cast happens on the shard, before the
         all-gather. None: no cast.
     reduce_dtype: gradients are cast to this dtype before they are reduced (None: param_dtype's).
+    microbatches: split each step's batch into this many microbatches along dim 0 and accumulate their
+        gradients before one reduction and one update (the loss is their mean).
     """
 
     dump_dir: str | None = None
@@ -32,6 +34,7 @@ class Config:
     sharding: str = "optim_grads_params"
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    microbatches: int = 1
     fsdp_prefetch: int = 1
     verbose: bool = False
 
@@ -49,5 +52,7 @@ class Config:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
                 raise FxShardError(f"{name} must be a floating torch.dtype such as torch.bfloat16, got {value!r}")
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise FxShardError(f"microbatches must be an int >= 1, got {self.microbatches!r}")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise FxShardError(f"clip_grad_norm must be > 0 or None, got {self.clip_grad_norm!r}")

@@ -32,7 +32,8 @@ def inline(graph: fx.Graph, fn: Callable, inputs: Sequence[fx.Node], *, fake_mod
     Nodes get `phase`, `layer` (if given) and `extra_meta`; a node traced under
     `torch.fx.traceback.annotate({meta.ANNOTATION_PARAM: name})` also gets that parameter name.
     """
-    values = [node.meta["val"] for node in inputs]
+    with fake_mode:  # fresh values: copied nodes share their `val`, and make_fx keys inputs by identity
+        values = [_fresh(node.meta["val"]) for node in inputs]
     with fx_traceback.preserve_node_meta(), fake_mode:
         traced = make_fx(lambda *args: list(fn(*args)))(*values)
     env = dict(zip([n for n in traced.graph.nodes if n.op == "placeholder"], inputs))
@@ -55,3 +56,9 @@ def inline(graph: fx.Graph, fn: Callable, inputs: Sequence[fx.Node], *, fake_mod
         copy.meta.update(extra_meta or {})
         env[node] = copy
     raise AssertionError("traced function has no output")
+
+
+def _fresh(value):
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+    return value

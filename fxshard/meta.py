@@ -3,6 +3,7 @@
 PHASE = "fxshard_phase"   # "fwd" | "bwd" | "optim"
 LAYER = "fxshard_layer"   # "pre", "post", or a layer's module path such as "layers.3"
 PARAM = "fxshard_param"   # parameter name on parameter inputs, their gradients and updates
+MICROBATCH = "fxshard_microbatch"  # which microbatch's forward/backward a node belongs to (0-based)
 
 FWD, BWD, OPTIM = "fwd", "bwd", "optim"
 PHASES = (FWD, BWD, OPTIM)
@@ -23,6 +24,10 @@ def layer(node) -> str | None:
 
 def param(node) -> str | None:
     return node.meta.get(PARAM)
+
+
+def microbatch(node) -> int:
+    return node.meta.get(MICROBATCH, 0)
 
 # Set by passes on the collectives they insert, for the dumps.
 UNIT = "fxshard_unit"            # the FSDP unit a collective moves

@@ -24,6 +24,7 @@ from . import meta
 from .config import Config
 from .errors import FxShardError
 from .errors_trace import explain_trace_failure
+from .graph import inline
 from .layers import annotate_layers, find_layers
 from .optim import AdamW, Optimizer
 from .optimizer_graph import TrainSpec, append_update
@@ -81,7 +82,8 @@ def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
         fake_params = [torch.empty(p.shape, dtype=_compute_dtype(p, config), device=device,
                                    requires_grad=p.requires_grad) for p in params.values()]
         fake_buffers = [torch.empty(b.shape, dtype=b.dtype, device=device) for b in buffers.values()]
-        fake_leaves = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in batch_spec.leaves]
+        fake_leaves = [torch.empty(_microbatch_shape(s, config.microbatches), dtype=s.dtype, device=device)
+                       for s in batch_spec.leaves]
 
     step_module = _LossStep(model, loss_fn, batch_spec, list(params), list(buffers))
     try:
@@ -111,6 +113,7 @@ class _ProgramBuilder:
         self.batch_spec = batch_spec
         self.train = TrainSpec(optimizer, config.clip_grad_norm)
         self.reduce_dtype = config.reduce_dtype or config.param_dtype
+        self.microbatches = config.microbatches
         self.optimizer = optimizer
         self.device = device
         self.fake_mode = fake_mode
@@ -142,8 +145,8 @@ class _ProgramBuilder:
             buffer_nodes = [self.placeholder(InputKind.BUFFER, name, flat_inputs[offset + i].meta["val"])
                             for i, name in enumerate(self.buffers)]
             offset += len(self.buffers)
-            batch_nodes = [self.placeholder(InputKind.BATCH, path, flat_inputs[offset + i].meta["val"])
-                           for i, path in enumerate(self.batch_spec.paths)]
+            batch_nodes = [self.placeholder(InputKind.BATCH, leaf.path, torch.empty(
+                               leaf.shape, dtype=leaf.dtype, device=self.device)) for leaf in self.batch_spec.leaves]
             lr = self.placeholder(InputKind.LR, "lr", torch.empty((), device=self.device))
             step = self.placeholder(InputKind.STEP, "step", torch.empty((), device=self.device))
 
@@ -151,19 +154,22 @@ class _ProgramBuilder:
         # gradients are cast to the reduce dtype where they appear; masters and state keep theirs.
         compute = [self.cast(node, flat.meta["val"].dtype, meta.FWD)
                    for node, flat in zip(param_nodes.values(), flat_inputs)]
-        env = dict(zip(flat_inputs, [*compute, *buffer_nodes, *batch_nodes]))
-        loss, grads, mutations = self.copy_joint(joint_gm, env, tangents)
-        grad_nodes = {name: grads[i] for i, name in enumerate(self.params) if name in trainable}
+        losses, grad_nodes, buffers = [], {}, list(buffer_nodes)
+        for microbatch in range(self.microbatches):
+            env = dict(zip(flat_inputs, [*compute, *buffers, *self.slice_batch(batch_nodes, microbatch)]))
+            loss, grads, mutations = self.copy_joint(joint_gm, env, tangents, microbatch)
+            losses.append(loss)
+            for index, node in mutations.items():  # the next microbatch sees the updated buffers
+                buffers[index - len(self.params)] = node
+            for i, name in enumerate(self.params):
+                if name in trainable:
+                    grad_nodes[name] = self.accumulate(name, grad_nodes.get(name), grads[i])
         for name, node in grad_nodes.items():
-            if node is None:
-                raise FxShardError(
-                    f"parameter {name!r} requires grad but the loss does not depend on it; freeze it "
-                    f"(requires_grad_(False)) or use it in the forward")
-            reduce_dtype = self.reduce_dtype or node.meta["val"].dtype
-            if node.meta["val"].dtype != reduce_dtype:
-                with self.graph.inserting_after(node):
-                    node = grad_nodes[name] = self.cast(node, reduce_dtype, meta.BWD)
             node.meta[meta.PARAM] = name
+        mutations = {len(self.params) + i: node for i, node in enumerate(buffers) if node is not buffer_nodes[i]}
+        if len(losses) > 1:
+            (loss,) = inline(self.graph, lambda *ls: [sum(ls) / len(ls)], losses, fake_mode=self.fake_mode,
+                             phase=meta.FWD, layer=meta.POST)
         grad_norm, new_params, new_states = self.append_optimizer(
             param_nodes, grad_nodes, state_nodes, lr, step)
 
@@ -184,6 +190,30 @@ class _ProgramBuilder:
         self.graph.lint()
         return Program(fx.GraphModule(self.root, self.graph), tuple(self.inputs), tuple(outputs), train=self.train)
 
+    def slice_batch(self, batch_nodes: list[fx.Node], microbatch: int) -> list[fx.Node]:
+        if self.microbatches == 1:
+            return batch_nodes
+        rows = [node.meta["val"].shape[0] // self.microbatches for node in batch_nodes]
+        return inline(self.graph, lambda *leaves: [leaf[microbatch * r:(microbatch + 1) * r]
+                                                   for leaf, r in zip(leaves, rows)],
+                      batch_nodes, fake_mode=self.fake_mode, phase=meta.FWD, layer=meta.PRE,
+                      extra_meta={meta.MICROBATCH: microbatch})
+
+    def accumulate(self, name: str, total: fx.Node | None, grad: fx.Node | None) -> fx.Node:
+        """Cast a microbatch's gradient to the reduce dtype and add it to the running sum, right
+        where it appears (the loss tangent of 1/microbatches already averages)."""
+        if grad is None:
+            raise FxShardError(
+                f"parameter {name!r} requires grad but the loss does not depend on it; freeze it "
+                f"(requires_grad_(False)) or use it in the forward")
+        dtype = self.reduce_dtype or grad.meta["val"].dtype
+        with self.graph.inserting_before(grad.next):
+            if total is None:
+                return self.cast(grad, dtype, meta.BWD)
+            (total,) = inline(self.graph, lambda t, g: [t + g.to(dtype)], [total, grad], fake_mode=self.fake_mode,
+                              phase=meta.BWD, extra_meta={meta.MICROBATCH: meta.microbatch(grad)})
+            return total
+
     def cast(self, node: fx.Node, dtype: torch.dtype, phase: str) -> fx.Node:
         if node.meta["val"].dtype == dtype:
             return node
@@ -192,9 +222,9 @@ class _ProgramBuilder:
             cast.meta.update({"val": node.meta["val"].to(dtype), meta.PHASE: phase})
         return cast
 
-    def copy_joint(self, joint_gm, env, tangents):
-        """Copy the joint graph's nodes; the loss tangent becomes a constant 1, created just before
-        its first use so that the backward starts where the forward ends."""
+    def copy_joint(self, joint_gm, env, tangents, microbatch: int = 0):
+        """Copy the joint graph's nodes; the loss tangent becomes a constant 1/microbatches, created
+        just before its first use so that the backward starts where the forward ends."""
         for tangent in tangents:
             value = tangent.meta["val"]
             if value.numel() != 1:
@@ -205,9 +235,10 @@ class _ProgramBuilder:
         def lookup(node):
             if node not in env and node in tangents:
                 value = node.meta["val"]
-                ones = self.graph.call_function(torch.ops.aten.full.default, ([], 1.0),
+                ones = self.graph.call_function(torch.ops.aten.full.default, ([], 1.0 / self.microbatches),
                                                 {"dtype": value.dtype, "device": value.device})
-                ones.meta.update({"val": value, meta.PHASE: meta.BWD, meta.LAYER: meta.POST})
+                ones.meta.update({"val": value, meta.PHASE: meta.BWD, meta.LAYER: meta.POST,
+                                  meta.MICROBATCH: microbatch})
                 env[node] = ones
             return env[node]
 
@@ -223,6 +254,7 @@ class _ProgramBuilder:
             copy.meta[meta.PHASE] = meta.BWD if node.meta.get("partitioner_tag") == "is_backward" else meta.FWD
             if meta.ANNOTATION_LAYER in custom:
                 copy.meta[meta.LAYER] = custom[meta.ANNOTATION_LAYER]
+            copy.meta[meta.MICROBATCH] = microbatch
             env[node] = copy
         raise AssertionError("joint graph has no output node")
 
@@ -262,6 +294,14 @@ class _ProgramBuilder:
         names = list(grad_nodes)
         return append_update(self.graph, self.train, self.fake_mode, names, [param_nodes[n] for n in names],
                              [grad_nodes[n] for n in names], state_nodes, lr, step)
+
+
+def _microbatch_shape(leaf, microbatches: int) -> tuple[int, ...]:
+    if not leaf.shape or leaf.shape[0] % microbatches:
+        raise FxShardError(
+            f"Config(microbatches={microbatches}) splits every batch leaf along dim 0, but {leaf.path} has "
+            f"shape {leaf.shape}; use a batch size divisible by {microbatches}")
+    return (leaf.shape[0] // microbatches, *leaf.shape[1:])
 
 
 def _compute_dtype(param: torch.Tensor, config: Config) -> torch.dtype:

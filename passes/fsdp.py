@@ -33,6 +33,7 @@ from fxshard.program import (REPLICATED, FlatMember, FlatUnit, Input, InputKind,
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 _c10d = torch.ops._c10d_functional
+ALL = (meta.FWD, 0)  # the one region of strategies that keep full parameters
 # Ops that only re-view or cast a parameter: the backward recomputes them from its own all-gather
 # instead of keeping the forward's gathered copy alive.
 _CHEAP = {torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
@@ -110,8 +111,9 @@ class _Rewrite:
         self.compute_dtype = self.hoist_casts() if cfg.shards_params else {}
         self.env: dict[fx.Node, fx.Node] = {}
         self.inputs: list[Input] = []
-        self.views: dict[str, dict[str, fx.Node]] = {}   # phase -> param name -> view node
-        self.remat: dict[fx.Node, fx.Node] = {}
+        # A region is (phase, microbatch): each gets its own all-gather under ZeRO-3.
+        self.views: dict[tuple, dict[str, fx.Node]] = {}   # region -> param name -> view node
+        self.remat: dict[tuple, fx.Node] = {}              # (forward node, region) -> recomputed copy
 
     def hoist_casts(self) -> dict[str, torch.dtype]:
         """Units whose every parameter is only used through one cast (mixed precision) are gathered
@@ -181,6 +183,7 @@ class _Rewrite:
         return {meta.UNIT: unit.name, meta.LAYER: meta.layer(self.old_placeholders[unit.members[0].name])}
 
     def issue_all_gather(self, unit: FlatUnit, phase: str, shard: fx.Node | None = None) -> fx.Node:
+        """All-gather `shard` (default: the unit's parameter shard, cast to its compute dtype)."""
         world, axis = self.cfg.world, self.cfg.axis
         dtype = None
         if shard is None:  # gathering the parameters for compute: in their compute dtype
@@ -194,8 +197,9 @@ class _Rewrite:
         gathered.meta[meta.COMM_BYTES] = unit.shard_numel * gathered.meta["val"].element_size()
         return gathered
 
-    def wait_and_view(self, unit: FlatUnit, issued: fx.Node | None, flat: fx.Node, phase: str) -> None:
+    def wait_and_view(self, unit: FlatUnit, issued: fx.Node | None, flat: fx.Node, region: tuple) -> None:
         """Wait for `issued` (if a collective), then view each member out of the flat buffer."""
+        phase = region[0]
         members = unit.members
 
         def views(full):
@@ -207,7 +211,7 @@ class _Rewrite:
                        phase=phase, extra_meta=self.unit_meta(unit))
         for member, node in zip(members, nodes):
             node.meta[meta.PARAM] = member.name
-            self.views.setdefault(phase, {})[member.name] = node
+            self.views.setdefault(region, {})[member.name] = node
 
     def issue_gradient_reduction(self, unit: FlatUnit, grads: list[fx.Node]) -> fx.Node:
         world, axis, padding = self.cfg.world, self.cfg.axis, unit.padding
@@ -243,51 +247,52 @@ class _Rewrite:
         return derived
 
     def plan_gathers(self):
-        """(issue_before, wait_before): old node -> [(unit, phase)] to emit just before copying it."""
+        """(issue_before, wait_before): old node -> [(unit, region)] to emit just before copying it.
+
+        Every (region, unit) that reads parameters is one gather, in order of first use; the gather
+        is issued at the first use of the one `prefetch` places earlier and waited on at its own."""
         issue_before, wait_before = {}, {}
         if not self.cfg.shards_params:
             return issue_before, wait_before
-        derived = self.derived_units()
-        first_use: dict[str, dict[str, fx.Node]] = {meta.FWD: {}, meta.BWD: {}}
-        first_node = {}
+        self.derived = derived = self.derived_units()
+        first_use: dict[tuple, fx.Node] = {}   # (region, unit name) -> node, in first-use order
+        first_node = None
         for node in self.old.nodes:
             phase = meta.phase(node)
-            if phase not in first_use or node.op == "placeholder" or node in self.member_of_node:
+            if phase not in (meta.FWD, meta.BWD) or node.op == "placeholder" or node in self.member_of_node:
                 continue
-            first_node.setdefault(phase, node)
-            needed = set()
+            first_node = first_node or node
+            region = (phase, meta.microbatch(node))
             for source in node.all_input_nodes:
                 if source in self.member_of_node or (phase == meta.BWD and source in derived):
-                    needed |= derived[source]
-            for unit_name in needed:
-                first_use[phase].setdefault(unit_name, node)
+                    for unit_name in sorted(derived[source]):
+                        first_use.setdefault((region, unit_name), node)
         units = {u.name: u for u in self.units}
-        for phase, uses in first_use.items():
-            order = list(uses)  # dict order is first-use order
-            for index, unit_name in enumerate(order):
-                anchor = uses[order[index - self.cfg.prefetch]] if index >= self.cfg.prefetch else first_node[phase]
-                issue_before.setdefault(anchor, []).append((units[unit_name], phase))
-                wait_before.setdefault(uses[unit_name], []).append((units[unit_name], phase))
-        self.derived = derived
+        events = list(first_use)
+        for index, (region, unit_name) in enumerate(events):
+            anchor = first_use[events[index - self.cfg.prefetch]] if index >= self.cfg.prefetch else first_node
+            issue_before.setdefault(anchor, []).append((units[unit_name], region))
+            wait_before.setdefault(first_use[region, unit_name], []).append((units[unit_name], region))
         return issue_before, wait_before
 
-    def lookup(self, node: fx.Node, phase: str) -> fx.Node:
+    def lookup(self, node: fx.Node, region: tuple) -> fx.Node:
         if node in self.member_of_node:
-            return self.views[phase if self.cfg.shards_params else meta.FWD][self.member_of_node[node]]
-        if self.cfg.shards_params and phase == meta.BWD and node in getattr(self, "derived", {}):
-            if node not in self.remat:  # recompute the view/cast from the backward's own all-gather
-                copy = self.graph.node_copy(node, lambda n: self.lookup(n, meta.BWD))
+            return self.views[region if self.cfg.shards_params else ALL][self.member_of_node[node]]
+        if self.cfg.shards_params and region[0] == meta.BWD and node in self.derived:
+            if (node, region) not in self.remat:  # recompute the view/cast from this region's all-gather
+                copy = self.graph.node_copy(node, lambda n: self.lookup(n, region))
                 copy.meta[meta.PHASE] = meta.BWD
-                self.remat[node] = copy
-            return self.remat[node]
+                self.remat[node, region] = copy
+            return self.remat[node, region]
         return self.env[node]
 
     # ---- the walk -----------------------------------------------------------------------------
     def run(self) -> Program:
         self.make_inputs()
+        self.derived = {}
         if not self.cfg.shards_params:
             for unit in self.units:
-                self.wait_and_view(unit, None, self.unit_inputs[unit.name], meta.FWD)
+                self.wait_and_view(unit, None, self.unit_inputs[unit.name], ALL)
         issue_before, wait_before = self.plan_gathers()
         old_output = next(n for n in self.old.nodes if n.op == "output")
         old_values = list(old_output.args[0])
@@ -304,12 +309,12 @@ class _Rewrite:
                 continue
             if node in self.member_of_node:  # a hoisted cast: the gathered views replace it
                 continue
-            phase = meta.phase(node)
-            for unit, unit_phase in issue_before.get(node, []):
-                issued_gathers[unit.name, unit_phase] = self.issue_all_gather(unit, unit_phase)
-            for unit, unit_phase in wait_before.get(node, []):
-                self.wait_and_view(unit, issued_gathers.pop((unit.name, unit_phase)), None, unit_phase)
-            copy = self.graph.node_copy(node, lambda n: self.lookup(n, phase))
+            region = (meta.phase(node), meta.microbatch(node))
+            for unit, unit_region in issue_before.get(node, []):
+                issued_gathers[unit.name, unit_region] = self.issue_all_gather(unit, unit_region[0])
+            for unit, unit_region in wait_before.get(node, []):
+                self.wait_and_view(unit, issued_gathers.pop((unit.name, unit_region)), None, unit_region)
+            copy = self.graph.node_copy(node, lambda n: self.lookup(n, region))
             self.env[node] = copy
             if node is loss_node:
                 (loss_reduce,) = inline(self.graph, lambda t: [_c10d.all_reduce(t, "avg", self.cfg.axis)], [copy],

@@ -80,3 +80,14 @@ def test_set_lr_changes_the_update_without_retracing():
     step(batch)
     assert any(not torch.equal(before[k], v) for k, v in step.parameters().items())
     assert step.program is program
+
+
+def test_gradient_accumulation_over_microbatches_matches_the_whole_batch():
+    torch.manual_seed(0)
+    parity = eager_parity(MoEGPT(MoEGPTConfig.preset("tiny", aux_loss_coef=0.0)), model_loss,
+                          token_batches(64, 6, 16, 5), ADAMW, config=fxshard.Config(microbatches=3))
+    assert parity.max_loss_rel < 1e-5, parity.losses
+    assert parity.max_param_rel < 1e-4
+    with pytest.raises(fxshard.FxShardError, match="divisible by 4"):
+        fxshard.trace(GPT(GPTConfig.preset("tiny")), model_loss, token_batches(64, 6, 8, 1)[0],
+                      config=fxshard.Config(microbatches=4))

@@ -17,7 +17,7 @@ c10d = torch.ops._c10d_functional
 
 
 def single_device_run(model, batches, optimizer, clip=None):
-    config = fxshard.Config(clip_grad_norm=clip)
+    config = fxshard.Config(clip_grad_norm=clip)  # no microbatches: the reference for accumulation too
     step = fxshard.shard(model, mse, batches[0], optimizer=optimizer, config=config)
     losses = [step(batch)["loss"] for batch in batches]
     return losses, step.parameters()
@@ -28,12 +28,13 @@ def split(batch, world):
     return [{k: v[r * rows:(r + 1) * rows] for k, v in batch.items()} for r in range(world)]
 
 
-def check_fsdp_matches(model, world, strategy, optimizer, steps=2, local_rows=2, clip=None, prefetch=1):
+def check_fsdp_matches(model, world, strategy, optimizer, steps=2, local_rows=2, clip=None, prefetch=1,
+                       microbatches=1):
     generator = torch.Generator().manual_seed(0)
     batches = [regression_batch(generator, world * local_rows) for _ in range(steps)]
     ref_losses, ref_params = single_device_run(model, batches, optimizer, clip)
     local = fxshard.trace(model, mse, split(batches[0], world)[0], optimizer=optimizer,
-                          config=fxshard.Config(clip_grad_norm=clip))
+                          config=fxshard.Config(clip_grad_norm=clip, microbatches=microbatches))
     program = fsdp(local, FSDPConfig(world, strategy, prefetch))
     ranks = SimulatedRanks(program, model, optimizer, fxshard.Mesh(dp=world))
     for batch, ref_loss in zip(batches, ref_losses):
@@ -51,11 +52,25 @@ def check_fsdp_matches(model, world, strategy, optimizer, steps=2, local_rows=2,
 
 
 @given(widths=widths, world=worlds, strategy=st.sampled_from(STRATEGIES), prefetch=st.integers(0, 2),
-       use_sgd=st.booleans())
-def test_every_strategy_matches_the_single_device_program(widths, world, strategy, prefetch, use_sgd):
+       use_sgd=st.booleans(), microbatches=st.sampled_from([1, 2]))
+def test_every_strategy_matches_the_single_device_program(widths, world, strategy, prefetch, use_sgd,
+                                                          microbatches):
     torch.manual_seed(0)
     optimizer = fxshard.optim.SGD(lr=0.1, momentum=0.9) if use_sgd else ADAMW
-    check_fsdp_matches(MLPStack(widths), world, strategy, optimizer, prefetch=prefetch)
+    check_fsdp_matches(MLPStack(widths), world, strategy, optimizer, prefetch=prefetch,
+                       local_rows=2 * microbatches, microbatches=microbatches)
+
+
+def test_accumulation_reduces_once_per_unit_and_gathers_once_per_microbatch():
+    torch.manual_seed(0)
+    program = check_fsdp_matches(MLPStack([4, 3]), 2, "optim_grads_params", ADAMW, local_rows=6, microbatches=3)
+    collectives = [n for n in program.graph.nodes if meta.COMM_BYTES in n.meta and meta.UNIT in n.meta]
+    for unit in program.units:
+        mine = [n for n in collectives if n.meta[meta.UNIT] == unit.name]
+        scatters = [n for n in mine if n.target is c10d.reduce_scatter_tensor.default]
+        gathers = [n for n in mine if n.target is c10d.all_gather_into_tensor.default]
+        assert len(scatters) == 1
+        assert len([g for g in gathers if meta.phase(g) == meta.FWD]) == 3  # one per microbatch
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
