@@ -59,7 +59,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
             print(f"fxshard: wrote graph dumps to {config.dump_dir}", file=sys.stderr)
     batch_spec = BatchSpec.from_example(example_batch)
     state = initial_state(programs[-1], model, optimizer, coords)
-    return CompiledStep(programs, state, batch_spec, optimizer, batch_spec.device, groups)
+    return CompiledStep(programs, state, batch_spec, optimizer, batch_spec.device, groups, config.cuda_graphs)
 
 
 def _process_groups(mesh: Mesh | None, example_batch):

@@ -26,6 +26,7 @@ class Config:
     reduce_dtype: gradients are cast to this dtype before they are reduced (None: param_dtype's).
     microbatches: split each step's batch into this many microbatches along dim 0 and accumulate their
         gradients before one reduction and one update (the loss is their mean).
+    cuda_graphs: after two eager warm-up steps, capture the whole step into one CUDA graph and replay it.
     """
 
     dump_dir: str | None = None
@@ -35,6 +36,7 @@ class Config:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     microbatches: int = 1
+    cuda_graphs: bool = False
     fsdp_prefetch: int = 1
     verbose: bool = False
 

@@ -34,7 +34,7 @@ class CompiledStep:
     """
 
     def __init__(self, programs: list[Program], state: State, batch_spec: BatchSpec, optimizer: Optimizer,
-                 device: torch.device, groups: dict | None = None):
+                 device: torch.device, groups: dict | None = None, cuda_graphs: bool = False):
         self.programs = programs
         self.program = programs[-1]
         self.state = state
@@ -46,6 +46,9 @@ class CompiledStep:
         self._lr_override: float | None = None
         self._run = (bind_groups(self.program, {axis: g.group_name for axis, g in self.groups.items()})
                      if self.groups else self.program.graph_module)
+        if cuda_graphs and device.type != "cuda":
+            raise FxShardError(f"Config(cuda_graphs=True) needs a CUDA device; the batch is on {device}")
+        self._replay = CudaGraphReplay() if cuda_graphs else None
 
     def set_lr(self, lr: float) -> None:
         """Use this learning rate from the next step on (overrides the optimizer's lr/schedule)."""
@@ -58,7 +61,18 @@ class CompiledStep:
         return self._lr_override if self._lr_override is not None else lr_at(self.optimizer, self.step_count + 1)
 
     def __call__(self, batch) -> dict[str, torch.Tensor]:
-        leaves = iter(self.batch_spec.flatten(batch))
+        leaves = self.batch_spec.flatten(batch)
+        if self._replay is not None and self._replay.is_captured:
+            metrics = self._replay.replay(leaves, self.lr, float(self.step_count + 1))
+            self.step_count += 1
+            return metrics
+        metrics = self._eager_step(leaves)
+        if self._replay is not None and self.step_count >= CudaGraphReplay.WARMUP_STEPS:
+            self._replay.capture(self)
+        return metrics
+
+    def _arguments(self, leaves):
+        leaves = iter(leaves)
         lr = torch.tensor(self.lr, dtype=torch.float32, device=self.device)
         step = torch.tensor(float(self.step_count + 1), dtype=torch.float32, device=self.device)
         args = []
@@ -71,7 +85,10 @@ class CompiledStep:
                 args.append(step)
             else:
                 args.append(self.state[spec.kind, spec.name])
-        results = self._run(*args)
+        return args
+
+    def _eager_step(self, leaves):
+        results = self._run(*self._arguments(leaves))
         metrics = {}
         for spec, value in zip(self.program.outputs, results):
             if spec.kind in _WRITE_BACK:
@@ -98,3 +115,53 @@ class CompiledStep:
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         return {name: value for (kind, name), value in self.state.items() if kind is InputKind.OPT_STATE}
+
+
+class CudaGraphReplay:
+    """Captures the whole step into one CUDA graph after a few eager warm-up steps, then replays it.
+
+    Inputs live at fixed addresses: the batch and the learning rate / step count are copied into
+    them before each replay, and the captured graph writes every updated state tensor back into its
+    input buffer (copy_), so the step's state stays where the graph reads it.
+    """
+
+    WARMUP_STEPS = 2
+
+    def __init__(self):
+        self.graph = None
+
+    @property
+    def is_captured(self) -> bool:
+        return self.graph is not None
+
+    def capture(self, step: CompiledStep) -> None:
+        program = step.program
+        leaves = [torch.zeros(leaf.shape, dtype=leaf.dtype, device=step.device) for leaf in step.batch_spec.leaves]
+        args = [a.clone() if spec.kind in (InputKind.LR, InputKind.STEP) else a
+                for spec, a in zip(program.inputs, step._arguments(leaves))]
+        inputs = {(spec.kind, spec.name): arg for spec, arg in zip(program.inputs, args)}
+        self.batch = [arg for spec, arg in zip(program.inputs, args) if spec.kind is InputKind.BATCH]
+        self.lr = next(a for s, a in zip(program.inputs, args) if s.kind is InputKind.LR)
+        self.step_number = next(a for s, a in zip(program.inputs, args) if s.kind is InputKind.STEP)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream), torch.cuda.graph(self.graph, stream=stream):
+            results = step._run(*args)
+            self.metrics = {}
+            for spec, value in zip(program.outputs, results):
+                if spec.kind in _WRITE_BACK:
+                    inputs[_WRITE_BACK[spec.kind], spec.name].copy_(value)
+                else:
+                    self.metrics[spec.name] = value
+        torch.cuda.current_stream().wait_stream(stream)
+        self.step = step
+        del results
+
+    def replay(self, leaves, lr: float, step_number: float) -> dict[str, torch.Tensor]:
+        for static, leaf in zip(self.batch, leaves):
+            static.copy_(leaf, non_blocking=True)
+        self.lr.fill_(lr)
+        self.step_number.fill_(step_number)
+        self.graph.replay()
+        return {name: value.clone() for name, value in self.metrics.items()}

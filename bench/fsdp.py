@@ -1,0 +1,198 @@
+"""FSDP benchmark: one GPU without communication vs FSDP2 (fully_shard, eager) vs fxshard, side by side.
+
+    python bench/fsdp.py --gpus 2 --batch 1 4 --model 1b --out bench/fsdp.json
+
+Every mode trains the same dense GPT (bf16 compute, fp32 master weights, fp32 gradient reduction,
+AdamW) at sequence length S on per-GPU batch B and reports ms/step, tokens/s/GPU, MFU, peak memory
+and the ratio to the single-GPU no-communication time of the same model and batch. Modes:
+
+    nocomm-eager    one GPU, plain PyTorch: bf16 copy of the weights, fp32 masters, fused AdamW
+    nocomm-fxshard  one GPU, fxshard without a mesh, CUDA graphs
+    fsdp2           N GPUs, torch.distributed.fsdp.fully_shard per block + root, eager
+    fxshard         N GPUs, fxshard ZeRO-3 (optim_grads_params), CUDA graphs
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import fxshard  # noqa: E402
+from fxshard.launch import run_local  # noqa: E402
+from fxshard.models import GPT, GPTConfig  # noqa: E402
+
+H200_BF16_DENSE_PEAK = 989e12
+
+
+def flops_per_token(cfg: GPTConfig, seq: int) -> float:
+    """Training FLOPs per token: 6 per matmul weight, plus causal attention (QK^T and AV: 2*S*d per
+    layer forward after the causal half, times 3 for forward and backward)."""
+    d, layers, ff, vocab = cfg.d_model, cfg.n_layer, cfg.d_ff, cfg.vocab_size
+    matmul_params = layers * (4 * d * d + 3 * d * ff) + d * vocab
+    return 6 * matmul_params + 6 * layers * seq * d
+
+
+def batch_for(cfg, batch, seq, device, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return {"idx": torch.randint(0, cfg.vocab_size, (batch, seq), generator=generator).to(device),
+            "tgt": torch.randint(0, cfg.vocab_size, (batch, seq), generator=generator).to(device)}
+
+
+def timed(step_fn, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        step_fn()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(iters):
+        step_fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) / iters * 1e3
+
+
+def build_model(cfg, device):
+    torch.manual_seed(0)
+    with torch.device(device):
+        return GPT(cfg)
+
+
+def run_eager_single(cfg, batch, seq, warmup, iters):
+    device = "cuda"
+    master = build_model(cfg, device)
+    low = build_model(cfg, device).to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(master.parameters(), lr=1e-4, fused=True)
+    data = batch_for(cfg, batch, seq, device)
+
+    def step():
+        with torch.no_grad():
+            for p16, p in zip(low.parameters(), master.parameters()):
+                p16.copy_(p)
+        loss = low.loss(data)
+        loss.backward()
+        for p16, p in zip(low.parameters(), master.parameters()):
+            p.grad = p16.grad.float()
+            p16.grad = None
+        optimizer.step()
+
+    torch.cuda.reset_peak_memory_stats()
+    return timed(step, warmup, iters), torch.cuda.max_memory_allocated()
+
+
+def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None):
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    device = f"cuda:{rank}"
+    torch.cuda.set_device(device)
+    model = build_model(cfg, device)
+    data = batch_for(cfg, batch, seq, device, seed=rank)
+    config = fxshard.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cuda_graphs=True,
+                            sharding="optim_grads_params")
+    step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=fxshard.optim.AdamW(lr=1e-4),
+                         mesh=mesh, config=config)
+    del model
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return timed(lambda: step(data), warmup, iters), torch.cuda.max_memory_allocated()
+
+
+def run_fsdp2(cfg, batch, seq, warmup, iters):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    rank = dist.get_rank()
+    device = f"cuda:{rank}"
+    torch.cuda.set_device(device)
+    model = build_model(cfg, device)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    data = batch_for(cfg, batch, seq, device, seed=rank)
+
+    def step():
+        loss = model.loss(data)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    torch.cuda.reset_peak_memory_stats()
+    return timed(step, warmup, iters), torch.cuda.max_memory_allocated()
+
+
+def distributed_mode(mode, cfg, batch, seq, warmup, iters):
+    if mode == "fsdp2":
+        result = run_fsdp2(cfg, batch, seq, warmup, iters)
+    else:
+        result = run_fxshard(cfg, batch, seq, warmup, iters, mesh=fxshard.Mesh(dp=dist.get_world_size()))
+    times = [None] * dist.get_world_size()
+    dist.all_gather_object(times, result)
+    return max(t for t, _ in times), max(m for _, m in times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="1b")
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--modes", nargs="+", default=["nocomm-eager", "nocomm-fxshard", "fsdp2", "fxshard"])
+    parser.add_argument("--out", default="bench/fsdp.json")
+    args = parser.parse_args()
+    cfg = GPTConfig.preset(args.model)
+    params = sum(p.numel() for p in build_model(cfg, "meta").parameters())
+    per_token = flops_per_token(cfg, args.seq)
+    rows = []
+    print(f"GPT {args.model}: {params / 1e9:.2f}B parameters, S={args.seq}, {torch.cuda.get_device_name()}, "
+          f"torch {torch.__version__}", flush=True)
+    header = f"{'mode':<16} {'gpus':>4} {'batch':>5} {'ms/step':>9} {'tok/s/gpu':>10} {'MFU':>6} {'peak GiB':>9} {'vs nocomm':>9}"
+    print(header, flush=True)
+    for batch in args.batch:
+        baseline = None
+        for mode in args.modes:
+            started = time.perf_counter()
+            try:
+                if mode == "nocomm-eager":
+                    ms, peak = run_eager_single(cfg, batch, args.seq, args.warmup, args.iters)
+                    gpus = 1
+                elif mode == "nocomm-fxshard":
+                    ms, peak = run_fxshard(cfg, batch, args.seq, args.warmup, args.iters)
+                    gpus = 1
+                else:
+                    gpus = args.gpus
+                    ms, peak = run_local(distributed_mode, gpus, mode, cfg, batch, args.seq, args.warmup,
+                                         args.iters, backend="nccl")[0]
+            except Exception as error:  # report and go on: one failing mode must not hide the others
+                print(f"{mode:<16} failed after {time.perf_counter() - started:.0f}s: "
+                      f"{type(error).__name__}: {str(error)[:300]}", flush=True)
+                continue
+            finally:
+                torch.cuda.empty_cache()
+            tokens = batch * args.seq
+            if mode.startswith("nocomm") and (baseline is None or ms < baseline):
+                baseline = ms
+            mfu = per_token * tokens / (ms / 1e3) / H200_BF16_DENSE_PEAK
+            row = {"mode": mode, "gpus": gpus, "batch": batch, "seq": args.seq, "ms_per_step": ms,
+                   "tokens_per_s_per_gpu": tokens / (ms / 1e3), "mfu": mfu, "peak_bytes": peak,
+                   "ratio_to_nocomm": ms / baseline if baseline else None}
+            rows.append(row)
+            ratio = f"{row['ratio_to_nocomm']:.2f}x" if baseline else "-"
+            print(f"{mode:<16} {gpus:>4} {batch:>5} {ms:>9.1f} {row['tokens_per_s_per_gpu']:>10.0f} "
+                  f"{mfu:>6.1%} {peak / 2**30:>9.1f} {ratio:>9}", flush=True)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as handle:
+        json.dump({"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+                   "torch": torch.__version__, "model": args.model, "params": params, "rows": rows}, handle, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
