@@ -4,12 +4,22 @@
     metrics = step(batch)
 """
 
-from . import meta, optim
-from .api import shard, trace
-from .config import Config
-from .errors import FxShardError
-from .mesh import Mesh
-from .program import Input, InputKind, Output, OutputKind, Placement, Program
+import os as _os
+
+# The repository keeps passes/ and models/ at its top level, installed as fxshard.passes and
+# fxshard.models (pyproject's package-dir). When fxshard is imported straight from a checkout (the
+# checkout on sys.path, no install, or an editable install whose finder loses to the checkout),
+# look for those subpackages beside this folder too.
+_checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if all(_os.path.isfile(_os.path.join(_checkout, d, "__init__.py")) for d in ("passes", "models")):
+    __path__.append(_checkout)  # noqa: F821 - a package's own __path__
+
+from . import meta, optim  # noqa: E402
+from .api import shard, trace  # noqa: E402
+from .config import Config  # noqa: E402
+from .errors import FxShardError  # noqa: E402
+from .mesh import Mesh  # noqa: E402
+from .program import Input, InputKind, Output, OutputKind, Placement, Program  # noqa: E402
 
 __all__ = ["shard", "trace", "Config", "Mesh", "FxShardError", "Program", "Input", "InputKind", "Output",
            "OutputKind", "Placement", "optim", "meta"]

@@ -174,8 +174,9 @@ class _Rewrite:
                               shard_state), value, layer, unit.name)
         self.coord = None
         if cfg.shards_optimizer and not cfg.shards_params:
+            device = next(iter(self.unit_inputs.values())).meta["val"].device
             with self.fake:
-                value = torch.zeros(1, dtype=torch.long)
+                value = torch.zeros(1, dtype=torch.long, device=device)
             self.coord = self.placeholder(Input(InputKind.COORD, cfg.axis, (1,), torch.long), value)
 
     # ---- collectives --------------------------------------------------------------------------
