@@ -15,6 +15,7 @@ from .optim import AdamW, Optimizer, SGD
 from .mesh import Mesh
 from .program import Program
 from .runtime import CompiledStep
+from .init import MetaInit
 from .runtime.state import initial_state
 from .trace import trace as _trace
 
@@ -47,10 +48,9 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     if config.dump_dir is None and os.environ.get("FXSHARD_DUMP"):
         config = _replace(config, dump_dir=os.environ["FXSHARD_DUMP"])
     tensors = [*model.parameters(), *model.buffers()]
-    if any(t.is_meta for t in tensors):
-        raise FxShardError(
-            "the model has parameters on the meta device; shard() needs real values: materialize it "
-            "first (model.to_empty(device=...) and initialize), or use fxshard.trace() to only trace it")
+    is_meta = any(t.is_meta for t in tensors)
+    if is_meta and not all(t.is_meta for t in tensors):
+        raise FxShardError("the model mixes meta-device and real tensors; build it wholly on one of them")
     from fxshard.passes import run_pipeline
 
     program = _trace(model, loss_fn, example_batch, optimizer, config)
@@ -62,7 +62,10 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
         if config.verbose:
             print(f"fxshard: wrote graph dumps to {config.dump_dir}", file=sys.stderr)
     batch_spec = BatchSpec.from_example(example_batch)
-    state = initial_state(programs[-1], model, optimizer, coords)
+    # A meta-device model is initialized here, per module and seeded by module path (fxshard.init):
+    # each rank materializes only its own shards.
+    source = MetaInit(model, config.seed, batch_spec.device) if is_meta else model
+    state = initial_state(programs[-1], source, optimizer, coords)
     return CompiledStep(programs, state, batch_spec, optimizer, batch_spec.device, groups, config.cuda_graphs)
 
 

@@ -27,6 +27,7 @@ class Config:
     microbatches: split each step's batch into this many microbatches along dim 0 and accumulate their
         gradients before one reduction and one update (the loss is their mean).
     cuda_graphs: after two eager warm-up steps, capture the whole step into one CUDA graph and replay it.
+    seed: initializes a model built on the meta device (fxshard.init: per module, seeded by its path).
     """
 
     dump_dir: str | None = None
@@ -37,6 +38,7 @@ class Config:
     reduce_dtype: torch.dtype | None = None
     microbatches: int = 1
     cuda_graphs: bool = False
+    seed: int = 0
     fsdp_prefetch: int = 1
     verbose: bool = False
 

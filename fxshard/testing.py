@@ -69,7 +69,8 @@ class SimulatedRanks:
     """Train a per-rank Program on N simulated ranks in this process (the SPMD simulator runs the
     collectives). The counterpart of CompiledStep for property tests: fast, deterministic, no spawning."""
 
-    def __init__(self, program, model: nn.Module, optimizer, mesh):
+    def __init__(self, program, model, optimizer, mesh):
+        """`model`: a model with real weights, or an fxshard.init.MetaInit for a meta-device one."""
         from .runtime.state import initial_state
 
         self.program, self.optimizer, self.mesh = program, optimizer, mesh

@@ -55,6 +55,10 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_expert, 2 * d_ff, d_model))
         self.w2 = nn.Parameter(torch.empty(n_expert, d_model, d_ff))
 
+    def reset_parameters(self, std: float = 0.02):
+        nn.init.normal_(self.w1, std=std)
+        nn.init.normal_(self.w2, std=std)
+
     def forward(self, tokens, offsets):
         gate, up = grouped_mm(tokens, offsets, self.w1).chunk(2, dim=-1)
         return grouped_mm(F.silu(gate) * up, offsets, self.w2)

@@ -16,29 +16,49 @@ def _unit(program: Program, name: str) -> FlatUnit | None:
     return next(u for u in program.units if u.name == name[len("unit/"):])
 
 
-def initial_state(program: Program, model: nn.Module, optimizer, coords: dict[str, int]) -> State:
-    """Parameters (whole, or this rank's slice of a flat unit), optimizer slots, buffers, coordinates."""
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
+class ModelTensors:
+    """Initial tensors read from a model with real weights."""
+
+    def __init__(self, model: nn.Module):
+        self.tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        self.device = next(model.parameters()).device
+
+    def tensors_named(self, names: set[str]) -> dict[str, torch.Tensor]:
+        return {name: self.tensors[name].detach() for name in names}
+
+    def unit_shard(self, unit: FlatUnit, rank: int | None) -> torch.Tensor:
+        flat = unit.flatten(self.tensors)
+        return flat if rank is None else unit.shard(flat, rank)
+
+
+def initial_state(program: Program, source, optimizer, coords: dict[str, int]) -> State:
+    """Parameters (whole, or this rank's slice of a flat unit), optimizer slots, buffers, coordinates.
+
+    `source` is a model with real weights, or an object with `tensors_named(names)`, `unit_shard(unit,
+    rank)` and `device` (fxshard.init.MetaInit for meta-device models)."""
+    if isinstance(source, nn.Module):
+        source = ModelTensors(source)
+    whole = {spec.name for spec in program.inputs
+             if spec.kind is InputKind.BUFFER or spec.kind is InputKind.PARAM and _unit(program, spec.name) is None}
+    tensors = source.tensors_named(whole)
     state: State = {}
     for spec in program.inputs:
         if spec.kind is InputKind.PARAM:
             unit = _unit(program, spec.name)
             if unit is None:
-                value = params[spec.name].detach()
+                value = tensors[spec.name]
             else:
-                flat = unit.flatten(params)
                 rank = coords.get(spec.placement.axis, 0) if spec.placement.kind == "sharded" else None
-                value = flat if rank is None else unit.shard(flat, rank)
+                value = source.unit_shard(unit, rank)
             state[spec.kind, spec.name] = value
         elif spec.kind is InputKind.OPT_STATE:
             slot, owner = spec.name.split("/", 1)
-            template = torch.empty(spec.shape, dtype=spec.dtype, device=_device(model))
+            template = torch.empty(spec.shape, dtype=spec.dtype, device=source.device)
             state[spec.kind, spec.name] = optimizer.init_state(template)[slot]
         elif spec.kind is InputKind.BUFFER:
-            state[spec.kind, spec.name] = buffers[spec.name].detach()
+            state[spec.kind, spec.name] = tensors[spec.name]
         elif spec.kind is InputKind.COORD:
-            state[spec.kind, spec.name] = torch.tensor([coords[spec.name]], device=_device(model))
+            state[spec.kind, spec.name] = torch.tensor([coords[spec.name]], device=source.device)
     return state
 
 
@@ -56,7 +76,3 @@ def full_parameters(program: Program, state: State, gather) -> dict[str, torch.T
         flat = gather(spec, value) if spec.placement.kind == "sharded" else value
         result.update({name: tensor.clone() for name, tensor in unit.unflatten(flat).items()})
     return result
-
-
-def _device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device

@@ -1,0 +1,97 @@
+"""Rank-independent initialization of a model built on the `meta` device.
+
+Rule: every module that owns parameters or buffers directly initializes them with its own
+`reset_parameters()` (PyTorch's convention), under a random seed derived from (seed, module path).
+A tensor's values therefore depend only on the seed and where it lives in the model, never on the
+rank or on what else was initialized first. A rank that needs only its shard of a flat unit
+materializes one module at a time, keeps the slice that falls in its shard and drops the rest, so
+peak memory is the rank's shards plus the largest single module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from .errors import FxShardError
+from .program import FlatUnit
+
+
+def module_seed(seed: int, path: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{path}".encode()).digest()[:8], "little") % (2**63)
+
+
+def _owned_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[str], list[str]]]:
+    """(path, module, canonical parameter names it owns, buffer names it owns). A tied parameter is
+    owned by the module where named_parameters() first meets it."""
+    canonical = {id(p): name for name, p in model.named_parameters()}
+    for path, module in model.named_modules():
+        prefix = f"{path}." if path else ""
+        params = [prefix + n for n, p in module.named_parameters(recurse=False) if canonical.get(id(p)) == prefix + n]
+        buffers = [prefix + n for n, _ in module.named_buffers(recurse=False)]
+        if params or buffers:
+            yield path, module, params, buffers
+
+
+def _materialize(model: nn.Module, path: str, module: nn.Module, seed: int, device) -> dict[str, torch.Tensor]:
+    """One module's own tensors, initialized on `device`; the model's module stays on meta."""
+    if not hasattr(module, "reset_parameters"):
+        raise FxShardError(
+            f"module {path or type(model).__name__!r} ({type(module).__name__}) owns parameters but has no "
+            f"reset_parameters(); a model built on the meta device is initialized module by module with "
+            f"reset_parameters(): add one, or build the model on a real device")
+    device = torch.device(device)
+    module.to_empty(device=device, recurse=False)
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(module_seed(seed, path))
+            with torch.no_grad():
+                module.reset_parameters()
+        prefix = f"{path}." if path else ""
+        return {prefix + n: t.detach() for n, t in [*module.named_parameters(recurse=False),
+                                                           *module.named_buffers(recurse=False)]}
+    finally:
+        module.to_empty(device="meta", recurse=False)
+
+
+class MetaInit:
+    """Initial tensors of a meta-device model: whole (`param`, `buffer`) or one rank's unit shard."""
+
+    def __init__(self, model: nn.Module, seed: int, device):
+        self.model, self.seed, self.device = model, seed, torch.device(device)
+        self._buffers = None
+
+    def materialize_all(self) -> dict[str, torch.Tensor]:
+        tensors = {}
+        for path, module, _, _ in _owned_modules(self.model):
+            tensors.update(_materialize(self.model, path, module, self.seed, self.device))
+        return tensors
+
+    def tensors_named(self, names: set[str]) -> dict[str, torch.Tensor]:
+        """Only the named parameters/buffers, materializing only the modules that own them."""
+        found = {}
+        for path, module, params, buffers in _owned_modules(self.model):
+            if names & {*params, *buffers}:
+                values = _materialize(self.model, path, module, self.seed, self.device)
+                found.update({k: v for k, v in values.items() if k in names})
+        return found
+
+    def unit_shard(self, unit: FlatUnit, rank: int | None) -> torch.Tensor:
+        """The unit's flat buffer (rank None) or rank's shard of it, one module at a time."""
+        start, stop = (0, unit.padded_numel) if rank is None else (rank * unit.shard_numel,
+                                                                    (rank + 1) * unit.shard_numel)
+        out = torch.zeros(stop - start, dtype=unit.dtype, device=self.device)
+        wanted = {m.name: m for m in unit.members if m.offset < stop and m.offset + m.numel > start}
+        for path, module, params, _ in _owned_modules(self.model):
+            if not wanted.keys() & set(params):
+                continue
+            values = _materialize(self.model, path, module, self.seed, self.device)
+            for name in set(params) & wanted.keys():
+                member = wanted[name]
+                low, high = max(start, member.offset), min(stop, member.offset + member.numel)
+                flat = values[name].reshape(-1).to(unit.dtype)
+                out[low - start:high - start] = flat[low - member.offset:high - member.offset]
+        return out
