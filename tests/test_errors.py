@@ -103,10 +103,11 @@ def test_non_tensor_batch_leaf_and_bad_arguments_are_rejected():
         fxshard.optim.AdamW(lr=-1.0)
 
 
-def test_meta_model_cannot_be_stepped_but_can_be_traced():
+def test_half_meta_model_is_rejected_and_a_meta_model_traces():
     with torch.device("meta"):
         model = nn.Linear(4, 4)
-    with pytest.raises(FxShardError, match="meta device"):
-        fxshard.shard(model, mean_loss, torch.randn(2, 4))
+    half = nn.Sequential(model, nn.Linear(4, 4))
+    with pytest.raises(FxShardError, match="mixes meta-device and real"):
+        fxshard.shard(half, mean_loss, torch.randn(2, 4))
     program = fxshard.trace(model, mean_loss, torch.randn(2, 4))
     assert program.inputs_of(fxshard.InputKind.PARAM)[0].shape == (4, 4)
