@@ -6,6 +6,7 @@ Files are numbered in pipeline order (`00_traced`, `01_fsdp`, ...) so `diff 00_t
 
 from __future__ import annotations
 
+import operator
 import os
 import sys
 from collections import Counter, defaultdict
@@ -97,6 +98,34 @@ def saved_activation_bytes(program: Program) -> int:
                and any(meta.phase(u) == meta.BWD for u in n.users))
 
 
+def _is_view(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return node.target is operator.getitem
+    return any(r.alias_info is not None for r in schema.returns)
+
+
+def peak_live_bytes(program: Program) -> int:
+    """Peak bytes of live tensors while the graph runs in order: all inputs, plus every produced
+    tensor from its node until its last use (views cost nothing; multi-output nodes count once).
+    This is the per-rank memory the program asks for, before allocator effects."""
+    nodes = list(program.graph.nodes)
+    last_use = {}
+    for index, node in enumerate(nodes):
+        for source in node.all_input_nodes:
+            last_use[source] = index
+    inputs = sum(_nbytes(_value(n)) for n in nodes if n.op == "placeholder")
+    live, peak, frees = 0, 0, defaultdict(list)
+    for index, node in enumerate(nodes):
+        if node.op in ("call_function", "call_module") and not _is_view(node):
+            size = _nbytes(_value(node))
+            live += size
+            frees[last_use.get(node, index)].append(size)
+        peak = max(peak, live)
+        live -= sum(frees.pop(index, []))
+    return inputs + peak
+
+
 def summarize(program: Program) -> str:
     nodes = [n for n in program.graph.nodes if n.op not in ("placeholder", "output")]
     by_phase = Counter(meta.phase(n) for n in nodes)
@@ -113,6 +142,8 @@ def summarize(program: Program) -> str:
             lines.append(f"{kind.value:<12} {len(specs):>6} {_format_bytes(size):>12}")
     lines.append(f"{'activations':<12} {'':>6} {_format_bytes(saved_activation_bytes(program)):>12}"
                  f"   (forward values read by the backward)")
+    lines.append(f"{'peak live':<12} {'':>6} {_format_bytes(peak_live_bytes(program)):>12}"
+                 f"   (inputs + live intermediates, per rank)")
     lines.append("")
     table: dict[str, Counter] = defaultdict(Counter)
     for node in nodes:

@@ -154,3 +154,19 @@ def test_zero3_holds_a_quarter_of_the_state_per_rank():
     padding = sum(u.padding for u in per_rank.units) * 4 * 3  # params + two Adam slots, fp32
     assert state_bytes(per_rank) <= state_bytes(single) / 4 + padding
     assert state_bytes(per_rank) >= state_bytes(single) / 4
+
+
+def test_peak_memory_per_rank_falls_with_zero3(capsys):
+    from fxshard.dump import peak_live_bytes
+
+    torch.manual_seed(0)
+    batch = {"idx": torch.zeros(2, 8, dtype=torch.long), "tgt": torch.zeros(2, 8, dtype=torch.long)}
+    single = fxshard.trace(GPT(GPTConfig.preset("tiny")), lambda m, b: m.loss(b), batch)
+    peaks = {"single": peak_live_bytes(single)}
+    for strategy in ("no_shard", "optim_grads_params"):
+        peaks[strategy] = peak_live_bytes(fsdp(single, FSDPConfig(4, strategy)))
+    with capsys.disabled():
+        print("\nGPT tiny, world 4, per-rank peak live bytes (program accounting): " +
+              ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in peaks.items()))
+    assert peaks["optim_grads_params"] < 0.6 * peaks["no_shard"]
+    assert peaks["no_shard"] >= peaks["single"] * 0.95
