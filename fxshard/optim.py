@@ -49,12 +49,12 @@ class AdamW:
                 "bias_correction2_sqrt": torch.sqrt(1 - torch.pow(beta2, step))}
 
     def update(self, param, grad, state, scalars):
+        from .ops.adamw import adamw_update  # one node per tensor; fused on CUDA
+
         beta1, beta2 = self.betas
-        param = param * scalars["decay"]
-        exp_avg = torch.lerp(state["exp_avg"], grad, 1 - beta1)
-        exp_avg_sq = torch.addcmul(state["exp_avg_sq"] * beta2, grad, grad, value=1 - beta2)
-        denom = exp_avg_sq.sqrt() / scalars["bias_correction2_sqrt"] + self.eps
-        param = param - scalars["step_size"] * (exp_avg / denom)
+        param, exp_avg, exp_avg_sq = adamw_update(
+            param, grad, state["exp_avg"], state["exp_avg_sq"], scalars["decay"], scalars["step_size"],
+            scalars["bias_correction2_sqrt"], beta1, beta2, self.eps)
         return param, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 

@@ -44,3 +44,12 @@ def test_gradcheck_in_double():
     offsets = torch.tensor([2, 2, 7], dtype=torch.int32)
     assert torch.autograd.gradcheck(lambda a, w: grouped_mm(a, offsets, w), (x, weight))
     torch.library.opcheck(torch.ops.fxshard.grouped_mm.default, (x.detach(), offsets, weight.detach()))
+
+
+def test_adamw_update_op_schema_and_fake():
+    from fxshard.ops.adamw import adamw_update
+
+    tensors = [torch.randn(5) for _ in range(3)] + [torch.rand(5)]
+    scalars = [torch.tensor(v) for v in (0.99, 1e-2, 0.5)]
+    torch.library.opcheck(torch.ops.fxshard.adamw_update.default, (*tensors, *scalars, 0.9, 0.95, 1e-8))
+    assert all(o.shape == (5,) for o in adamw_update(*tensors, *scalars, 0.9, 0.95, 1e-8))

@@ -1,0 +1,38 @@
+"""Triton kernel for fxshard::adamw_update (imported only on CUDA)."""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _adamw_kernel(param_ptr, grad_ptr, m_ptr, v_ptr, out_p, out_m, out_v, decay_ptr, step_size_ptr, bc2_ptr,
+                  n, beta1, beta2, eps, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    p = tl.load(param_ptr + offsets, mask=mask)
+    g = tl.load(grad_ptr + offsets, mask=mask)
+    m = tl.load(m_ptr + offsets, mask=mask)
+    v = tl.load(v_ptr + offsets, mask=mask)
+    decay = tl.load(decay_ptr)
+    step_size = tl.load(step_size_ptr)
+    bc2 = tl.load(bc2_ptr)
+    p = p * decay
+    m = m + (1 - beta1) * (g - m)
+    v = v * beta2 + (1 - beta2) * g * g
+    denom = tl.sqrt(v) / bc2 + eps
+    p = p - step_size * (m / denom)
+    tl.store(out_p + offsets, p, mask=mask)
+    tl.store(out_m + offsets, m, mask=mask)
+    tl.store(out_v + offsets, v, mask=mask)
+
+
+def fused_adamw(param, grad, exp_avg, exp_avg_sq, decay, step_size, bc2, beta1, beta2, eps):
+    out_p, out_m, out_v = torch.empty_like(param), torch.empty_like(exp_avg), torch.empty_like(exp_avg_sq)
+    n = param.numel()
+    if n:
+        block = 1024
+        _adamw_kernel[(triton.cdiv(n, block),)](param, grad, exp_avg, exp_avg_sq, out_p, out_m, out_v,
+                                                decay.float(), step_size.float(), bc2.float(), n,
+                                                beta1, beta2, eps, BLOCK=block)
+    return out_p, out_m, out_v

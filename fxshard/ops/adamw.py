@@ -1,0 +1,41 @@
+"""`fxshard::adamw_update`: one AdamW step on one tensor, a single graph node.
+
+The reference implementation is the elementwise formula of torch.optim.AdamW (single-tensor path);
+on CUDA, contiguous fp32 tensors take one fused Triton kernel that reads param, grad and both moments
+once and writes them once (the unfused chain makes ~10 passes over each tensor).
+Per-step scalars (decay = 1 - lr*wd, step_size = lr / bias_correction1, bias_correction2_sqrt)
+are 0-d tensors, so a schedule changes them without retracing or recapturing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def adamw_reference(param, grad, exp_avg, exp_avg_sq, decay, step_size, bias_correction2_sqrt,
+                    beta1: float, beta2: float, eps: float):
+    param = param * decay
+    exp_avg = torch.lerp(exp_avg, grad, 1 - beta1)
+    exp_avg_sq = torch.addcmul(exp_avg_sq * beta2, grad, grad, value=1 - beta2)
+    denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
+    return param - step_size * (exp_avg / denom), exp_avg, exp_avg_sq
+
+
+@torch.library.custom_op("fxshard::adamw_update", mutates_args=())
+def adamw_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, decay: Tensor,
+                 step_size: Tensor, bias_correction2_sqrt: Tensor, beta1: float, beta2: float,
+                 eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    tensors = (param, grad, exp_avg, exp_avg_sq)
+    if param.is_cuda and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
+        from ._triton_adamw import fused_adamw
+
+        return fused_adamw(*tensors, decay, step_size, bias_correction2_sqrt, beta1, beta2, eps)
+    return tuple(t.contiguous() for t in adamw_reference(*tensors, decay, step_size, bias_correction2_sqrt,
+                                                         beta1, beta2, eps))
+
+
+@adamw_update.register_fake
+def _adamw_update_fake(param, grad, exp_avg, exp_avg_sq, decay, step_size, bias_correction2_sqrt,
+                       beta1, beta2, eps):
+    return torch.empty_like(param), torch.empty_like(exp_avg), torch.empty_like(exp_avg_sq)
