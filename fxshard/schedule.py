@@ -1,0 +1,287 @@
+"""Pipeline schedules as data: per-rank action lists, their generators, and a simulator.
+
+An action is one short token: `F1:3` (forward of chunk 1, microbatch 3), `B1:3` (its input
+gradient, or the whole backward when W is not split off), `W1:3` (weight gradient), `SF1:3>2` /
+`RF1:3<0` (send / receive of chunk 1's microbatch-3 activation to / from rank 2 / 0), `SB…`/`RB…`
+for activation gradients, and `OPT`. Chunk c lives on rank c mod P (P×V chunks for V virtual stages).
+
+Generators: `gpipe`, `one_f_one_b`, `interleaved_one_f_one_b` (Megatron's order). `simulate` checks
+a schedule without running a model (every dependency satisfied, no deadlock) and reports makespan,
+bubble fraction and peak live activations per rank.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import networkx as nx
+
+from .errors import FxShardError
+
+COMPUTE = ("F", "B", "W")
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str                # F, B, W, SF, RF, SB, RB, OPT
+    chunk: int = -1
+    mb: int = -1
+    peer: int | None = None  # the other rank of a send / receive
+
+    def __str__(self) -> str:
+        if self.kind == "OPT":
+            return "OPT"
+        token = f"{self.kind}{self.chunk}:{self.mb}"
+        if self.peer is not None:
+            token += (">" if self.kind.startswith("S") else "<") + str(self.peer)
+        return token
+
+    @classmethod
+    def parse(cls, token: str) -> "Action":
+        if token == "OPT":
+            return cls("OPT")
+        peer = None
+        for mark in "<>":
+            if mark in token:
+                token, peer_text = token.split(mark)
+                peer = int(peer_text)
+        kind = next(k for k in ("SF", "RF", "SB", "RB", "F", "B", "W") if token.startswith(k))
+        chunk, mb = token[len(kind):].split(":")
+        return cls(kind, int(chunk), int(mb), peer)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """`ranks[r]` is rank r's ordered actions; P ranks, V chunks per rank, M microbatches."""
+
+    ranks: tuple[tuple[Action, ...], ...]
+    stages: int
+    virtual: int
+    microbatches: int
+    name: str = ""
+
+    @property
+    def chunks(self) -> int:
+        return self.stages * self.virtual
+
+    def rank_of(self, chunk: int) -> int:
+        return chunk % self.stages
+
+    def __str__(self) -> str:
+        return "\n".join(f"rank {r}: " + " ".join(map(str, actions)) for r, actions in enumerate(self.ranks))
+
+    def to_json(self) -> str:
+        return json.dumps({"name": self.name, "stages": self.stages, "virtual": self.virtual,
+                           "microbatches": self.microbatches,
+                           "ranks": [[str(a) for a in actions] for actions in self.ranks]})
+
+    @classmethod
+    def from_json(cls, text: str) -> "Schedule":
+        data = json.loads(text)
+        return cls(tuple(tuple(Action.parse(t) for t in actions) for actions in data["ranks"]),
+                   data["stages"], data["virtual"], data["microbatches"], data["name"])
+
+
+def _check(stages: int, virtual: int, microbatches: int) -> None:
+    if stages < 1 or virtual < 1 or microbatches < 1:
+        raise FxShardError(f"pipeline sizes must be >= 1, got P={stages}, V={virtual}, M={microbatches}")
+
+
+def add_communication(order: list[list[Action]], stages: int, virtual: int, microbatches: int,
+                      name: str) -> Schedule:
+    """Insert the receive before and the send after every compute action whose neighbour chunk lives
+    on another rank, and the optimizer step at the end."""
+    chunks = stages * virtual
+    ranks = []
+    for rank, actions in enumerate(order):
+        out = []
+        for action in actions:
+            c, mb = action.chunk, action.mb
+            if action.kind == "F" and c > 0 and (c - 1) % stages != rank:
+                out.append(Action("RF", c, mb, (c - 1) % stages))
+            if action.kind == "B" and c < chunks - 1 and (c + 1) % stages != rank:
+                out.append(Action("RB", c, mb, (c + 1) % stages))
+            out.append(action)
+            if action.kind == "F" and c < chunks - 1 and (c + 1) % stages != rank:
+                out.append(Action("SF", c, mb, (c + 1) % stages))
+            if action.kind == "B" and c > 0 and (c - 1) % stages != rank:
+                out.append(Action("SB", c, mb, (c - 1) % stages))
+        out.append(Action("OPT"))
+        ranks.append(tuple(out))
+    return Schedule(tuple(ranks), stages, virtual, microbatches, name)
+
+
+def gpipe(stages: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """All forwards (chunk by chunk), then all backwards in reverse."""
+    _check(stages, virtual, microbatches)
+    order = []
+    for rank in range(stages):
+        local = [v * stages + rank for v in range(virtual)]
+        order.append([Action("F", c, mb) for c in local for mb in range(microbatches)] +
+                     [Action("B", c, mb) for c in reversed(local) for mb in range(microbatches)])
+    return add_communication(order, stages, virtual, microbatches, "gpipe")
+
+
+def one_f_one_b(stages: int, microbatches: int) -> Schedule:
+    """Rank r runs P-r-1 warm-up forwards, then alternates one forward and one backward."""
+    _check(stages, 1, microbatches)
+    order = []
+    for rank in range(stages):
+        warmup = min(stages - rank - 1, microbatches)
+        actions = [Action("F", rank, mb) for mb in range(warmup)]
+        for mb in range(microbatches - warmup):
+            actions += [Action("F", rank, warmup + mb), Action("B", rank, mb)]
+        actions += [Action("B", rank, mb) for mb in range(microbatches - warmup, microbatches)]
+        order.append(actions)
+    return add_communication(order, stages, 1, microbatches, "1f1b")
+
+
+def interleaved_one_f_one_b(stages: int, microbatches: int, virtual: int) -> Schedule:
+    """Megatron's interleaved 1F1B: microbatches advance through a rank's V chunks in groups of P;
+    warm-up (P-r-1)*2 + (V-1)*P forwards, then 1F1B, then the remaining backwards."""
+    _check(stages, virtual, microbatches)
+    if virtual > 1 and microbatches % stages:
+        raise FxShardError(f"interleaved 1F1B needs microbatches ({microbatches}) divisible by the "
+                           f"pipeline size ({stages}); use M in {[stages * k for k in range(1, 5)]}")
+    total = microbatches * virtual
+
+    def unit(k: int, forward: bool) -> tuple[int, int]:
+        group = k // stages
+        v = group % virtual if forward else virtual - 1 - group % virtual
+        return v, (group // virtual) * stages + k % stages
+
+    order = []
+    for rank in range(stages):
+        def forward(k):
+            v, mb = unit(k, True)
+            return Action("F", v * stages + rank, mb)
+
+        def backward(k):
+            v, mb = unit(k, False)
+            return Action("B", v * stages + rank, mb)
+
+        warmup = min((stages - rank - 1) * 2 + (virtual - 1) * stages, total) if virtual > 1 else \
+            min(stages - rank - 1, total)
+        actions = [forward(k) for k in range(warmup)]
+        for k in range(total - warmup):
+            actions += [forward(warmup + k), backward(k)]
+        actions += [backward(k) for k in range(total - warmup, total)]
+        order.append(actions)
+    return add_communication(order, stages, virtual, microbatches, f"interleaved-1f1b(V={virtual})")
+
+
+@dataclass
+class Simulation:
+    makespan: float
+    bubble: list[float]            # idle fraction of the makespan, per rank
+    peak_activations: list[int]    # most forwards whose backward has not run yet, per rank
+    start: dict                    # (rank, index) -> start time
+    end: dict
+
+    @property
+    def bubble_fraction(self) -> float:
+        return sum(self.bubble) / len(self.bubble)
+
+
+def simulate(schedule: Schedule, cost: dict[str, float] | None = None) -> Simulation:
+    """Check `schedule` and time it. `cost[kind]` is the time of one action of a stage (split over
+    its V chunks); communication is free and sends never block; a receive waits for its send."""
+    cost = {"F": 1.0, "B": 2.0, "W": 0.0, **(cost or {})}
+    graph = nx.DiGraph()
+    where: dict[Action, tuple[int, int]] = {}
+    for rank, actions in enumerate(schedule.ranks):
+        for index, action in enumerate(actions):
+            key = (action.kind, action.chunk, action.mb, rank if action.kind == "OPT" else None)
+            if key in where:
+                raise FxShardError(f"{action} appears twice (rank {rank} and rank {where[key][0]})")
+            where[key] = (rank, index)
+            graph.add_node((rank, index), action=action)
+            if index:
+                graph.add_edge((rank, index - 1), (rank, index))
+    chunks = schedule.chunks
+
+    def need(node, kind, chunk, mb, why):
+        source = where.get((kind, chunk, mb, None))
+        if source is None:
+            raise FxShardError(f"{graph.nodes[node]['action']} on rank {node[0]} needs {kind}{chunk}:{mb} "
+                               f"({why}), which no rank runs")
+        graph.add_edge(source, node)
+
+    for node, data in list(graph.nodes(data=True)):
+        action, rank = data["action"], node[0]
+        c, mb = action.chunk, action.mb
+        if action.kind in COMPUTE and schedule.rank_of(c) != rank:
+            raise FxShardError(f"{action} runs on rank {rank}, but chunk {c} lives on rank {schedule.rank_of(c)}")
+        if action.kind == "F" and c > 0:
+            if schedule.rank_of(c - 1) != rank:
+                need(node, "RF", c, mb, "its input activation")
+            else:
+                need(node, "F", c - 1, mb, "its input activation")
+        elif action.kind == "B":
+            need(node, "F", c, mb, "its own forward")
+            if c < chunks - 1:
+                if schedule.rank_of(c + 1) != rank:
+                    need(node, "RB", c, mb, "the output gradient")
+                else:
+                    need(node, "B", c + 1, mb, "the output gradient")
+        elif action.kind == "W":
+            need(node, "B", c, mb, "its input-gradient pass")
+        elif action.kind == "RF":
+            need(node, "SF", c - 1, mb, "the matching send")
+        elif action.kind == "RB":
+            need(node, "SB", c + 1, mb, "the matching send")
+        elif action.kind == "SF":
+            need(node, "F", c, mb, "the value it sends")
+        elif action.kind == "SB":
+            need(node, "B", c, mb, "the value it sends")
+    expected = {(k, c, mb) for k in ("F", "B") for c in range(chunks) for mb in range(schedule.microbatches)}
+    present = {(k, c, mb) for (k, c, mb, _) in where if k in ("F", "B")}
+    if present != expected:
+        missing = sorted(expected - present)[:5]
+        raise FxShardError(f"schedule misses compute actions, e.g. {missing}")
+    if not nx.is_directed_acyclic_graph(graph):
+        cycle = nx.find_cycle(graph)
+        raise FxShardError("deadlock: " + " -> ".join(f"r{r}:{graph.nodes[(r, i)]['action']}" for (r, i), _ in cycle))
+    start, end = {}, {}
+    for node in nx.topological_sort(graph):
+        action = graph.nodes[node]["action"]
+        duration = cost.get(action.kind, 0.0) / schedule.virtual if action.kind in COMPUTE else 0.0
+        start[node] = max((end[p] for p in graph.predecessors(node)), default=0.0)
+        end[node] = start[node] + duration
+    makespan = max(end.values())
+    bubble, peaks = [], []
+    for rank, actions in enumerate(schedule.ranks):
+        busy = sum(end[rank, i] - start[rank, i] for i in range(len(actions)))
+        bubble.append(1 - busy / makespan if makespan else 0.0)
+        live = peak = 0
+        for action in actions:
+            live += action.kind == "F"
+            live -= action.kind == "B"
+            peak = max(peak, live)
+        peaks.append(peak)
+    return Simulation(makespan, bubble, peaks, start, end)
+
+
+_COLORS = {"F": "#6fa8dc", "B": "#e69138", "W": "#93c47d"}
+
+
+def to_svg(schedule: Schedule, simulation: Simulation, scale: float = 24.0) -> str:
+    """A timeline: one lane per rank, one block per compute action, labelled with its microbatch."""
+    lane, width = 28, simulation.makespan * scale + 70
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" '
+             f'height="{lane * len(schedule.ranks) + 30}" font-family="monospace" font-size="10">',
+             f'<text x="4" y="{lane * len(schedule.ranks) + 20}">{schedule.name}: makespan '
+             f'{simulation.makespan:g}, bubble {simulation.bubble_fraction:.1%}</text>']
+    for rank, actions in enumerate(schedule.ranks):
+        y = rank * lane + 4
+        parts.append(f'<text x="2" y="{y + 16}">r{rank}</text>')
+        for index, action in enumerate(actions):
+            if action.kind not in _COLORS:
+                continue
+            x0, x1 = simulation.start[rank, index] * scale + 30, simulation.end[rank, index] * scale + 30
+            parts.append(f'<rect x="{x0:.1f}" y="{y}" width="{max(x1 - x0, 1):.1f}" height="{lane - 6}" '
+                         f'fill="{_COLORS[action.kind]}" stroke="#333"><title>{action}</title></rect>')
+            parts.append(f'<text x="{x0 + 2:.1f}" y="{y + 15}">{action.kind}{action.mb}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,72 @@
+"""Pipeline schedules: every generated schedule is valid, and the simulator reproduces the closed forms."""
+
+import pytest
+from hypothesis import given, strategies as st
+
+from fxshard import FxShardError
+from fxshard.schedule import (Action, Schedule, gpipe, interleaved_one_f_one_b, one_f_one_b, simulate,
+                              to_svg)
+
+EQUAL = {"F": 1.0, "B": 1.0}
+
+
+@given(stages=st.integers(1, 8), microbatches=st.integers(1, 16))
+def test_1f1b_is_valid_bounded_by_p_and_has_the_known_bubble(stages, microbatches):
+    result = simulate(one_f_one_b(stages, microbatches), EQUAL)
+    assert max(result.peak_activations) <= stages  # bounded by P, not by M
+    assert result.peak_activations[0] == min(stages, microbatches)
+    expected = (stages - 1) / (microbatches + stages - 1)
+    assert all(bubble == pytest.approx(expected) for bubble in result.bubble)
+
+
+@given(stages=st.integers(1, 8), microbatches=st.integers(1, 16))
+def test_gpipe_has_the_same_bubble_but_holds_every_microbatch(stages, microbatches):
+    result = simulate(gpipe(stages, microbatches), EQUAL)
+    assert result.bubble_fraction == pytest.approx((stages - 1) / (microbatches + stages - 1))
+    assert result.peak_activations == [microbatches] * stages
+
+
+@given(stages=st.integers(1, 8), virtual=st.integers(1, 4), groups=st.integers(1, 4))
+def test_interleaved_1f1b_divides_the_bubble_by_v(stages, virtual, groups):
+    microbatches = stages * groups
+    result = simulate(interleaved_one_f_one_b(stages, microbatches, virtual), EQUAL)
+    expected = (stages - 1) / (virtual * microbatches + stages - 1)
+    assert result.bubble_fraction == pytest.approx(expected)
+
+
+def test_interleaved_needs_microbatches_divisible_by_p():
+    with pytest.raises(FxShardError, match="divisible"):
+        interleaved_one_f_one_b(4, 6, 2)
+
+
+def test_a_receive_order_that_deadlocks_is_rejected():
+    schedule = one_f_one_b(2, 2)
+    rank1 = list(schedule.ranks[1])
+    # rank 0 waits for a gradient before sending the activation that gradient needs
+    rank0 = list(schedule.ranks[0])
+    receive = next(a for a in rank0 if a.kind == "RB")
+    rank0.remove(receive)
+    rank0.insert(0, receive)
+    broken = Schedule((tuple(rank0), tuple(rank1)), 2, 1, 2, "broken")
+    with pytest.raises(FxShardError, match="deadlock"):
+        simulate(broken)
+
+
+def test_a_missing_action_is_rejected():
+    schedule = one_f_one_b(2, 2)
+    rank1 = tuple(a for a in schedule.ranks[1] if str(a) != "B1:1")
+    with pytest.raises(FxShardError, match="needs B1:1"):
+        simulate(Schedule((schedule.ranks[0], rank1), 2, 1, 2, "missing"))
+    rank1 = tuple(a for a in schedule.ranks[1] if a.mb != 1 or a.kind not in ("B", "SB"))
+    rank0 = tuple(a for a in schedule.ranks[0] if a.mb != 1 or a.kind not in ("B", "RB"))
+    with pytest.raises(FxShardError, match="misses"):
+        simulate(Schedule((rank0, rank1), 2, 1, 2, "missing"))
+
+
+def test_schedules_print_serialize_and_draw():
+    schedule = interleaved_one_f_one_b(2, 4, 2)
+    assert str(schedule).splitlines()[0].startswith("rank 0: F0:0 SF0:0>1 F0:1 SF0:1>1 RF2:0<1 F2:0")
+    assert Schedule.from_json(schedule.to_json()) == schedule
+    assert str(Action.parse("SF1:3>2")) == "SF1:3>2" and Action.parse("OPT") == Action("OPT")
+    svg = to_svg(schedule, simulate(schedule))
+    assert svg.startswith("<svg") and svg.count("<rect") == 2 * 2 * 4 * 2
