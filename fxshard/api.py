@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -46,7 +47,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
                            "run eagerly (cuda_graphs=False)")
     groups, coords = _process_groups(mesh, example_batch)
     if config.dump_dir is None and os.environ.get("FXSHARD_DUMP"):
-        config = _replace(config, dump_dir=os.environ["FXSHARD_DUMP"])
+        config = dataclasses.replace(config, dump_dir=os.environ["FXSHARD_DUMP"])
     tensors = [*model.parameters(), *model.buffers()]
     is_meta = any(t.is_meta for t in tensors)
     if is_meta and not all(t.is_meta for t in tensors):
@@ -102,8 +103,3 @@ def _check_arguments(model, loss_fn, optimizer, config) -> None:
     if config is not None and not isinstance(config, Config):
         raise FxShardError(f"config must be fxshard.Config(...), got {type(config).__name__}")
 
-
-def _replace(config: Config, **changes) -> Config:
-    import dataclasses
-
-    return dataclasses.replace(config, **changes)

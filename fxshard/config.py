@@ -8,6 +8,9 @@ import torch
 
 from .errors import FxShardError
 
+# FSDP strategies, Megatron's names (ZeRO: none, 1, 2, 3); passes/fsdp.py documents each.
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
 
 @dataclass(frozen=True)
 class Config:
@@ -47,9 +50,8 @@ class Config:
             if isinstance(self.layers, str):
                 object.__setattr__(self, "layers", (self.layers,))
             object.__setattr__(self, "layers", tuple(self.layers))
-        strategies = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-        if self.sharding not in strategies:
-            raise FxShardError(f"sharding={self.sharding!r}; choose one of {strategies}")
+        if self.sharding not in SHARDING_STRATEGIES:
+            raise FxShardError(f"sharding={self.sharding!r}; choose one of {SHARDING_STRATEGIES}")
         if not isinstance(self.fsdp_prefetch, int) or self.fsdp_prefetch < 0:
             raise FxShardError(f"fsdp_prefetch must be an int >= 0, got {self.fsdp_prefetch!r}")
         for name in ("param_dtype", "reduce_dtype"):

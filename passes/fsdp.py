@@ -25,13 +25,14 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from fxshard import meta
+from fxshard.config import SHARDING_STRATEGIES
 from fxshard.errors import FxShardError
 from fxshard.graph import fake_mode_of, inline
 from fxshard.optimizer_graph import append_update
 from fxshard.program import (REPLICATED, FlatMember, FlatUnit, Input, InputKind, Output, OutputKind, Placement,
                              Program)
 
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+STRATEGIES = SHARDING_STRATEGIES
 _c10d = torch.ops._c10d_functional
 ALL = (meta.FWD, 0)  # the one region of strategies that keep full parameters
 # Ops that only re-view or cast a parameter: the backward recomputes them from its own all-gather
@@ -114,6 +115,7 @@ class _Rewrite:
         # A region is (phase, microbatch): each gets its own all-gather under ZeRO-3.
         self.views: dict[tuple, dict[str, fx.Node]] = {}   # region -> param name -> view node
         self.remat: dict[tuple, fx.Node] = {}              # (forward node, region) -> recomputed copy
+        self.derived: dict[fx.Node, set[str]] = {}         # set by plan_gathers under ZeRO-3
 
     def hoist_casts(self) -> dict[str, torch.dtype]:
         """Units whose every parameter is only used through one cast (mixed precision) are gathered
@@ -231,8 +233,8 @@ class _Rewrite:
 
     def wait(self, issued: fx.Node, phase: str, layer: str) -> fx.Node:
         (done,) = inline(self.graph, lambda t: [_c10d.wait_tensor(t)], [issued], fake_mode=self.fake,
-                         phase=phase, layer=layer, extra_meta={k: issued.meta[k] for k in (meta.UNIT,)
-                                                              if k in issued.meta})
+                         phase=phase, layer=layer,
+                         extra_meta={meta.UNIT: issued.meta[meta.UNIT]} if meta.UNIT in issued.meta else None)
         return done
 
     # ---- the schedule -------------------------------------------------------------------------
@@ -290,7 +292,6 @@ class _Rewrite:
     # ---- the walk -----------------------------------------------------------------------------
     def run(self) -> Program:
         self.make_inputs()
-        self.derived = {}
         if not self.cfg.shards_params:
             for unit in self.units:
                 self.wait_and_view(unit, None, self.unit_inputs[unit.name], ALL)
@@ -299,10 +300,9 @@ class _Rewrite:
         old_values = list(old_output.args[0])
         loss_node = old_values[0]
         grad_nodes = {meta.param(n): n for n in self.old.nodes if meta.phase(n) == meta.BWD and meta.param(n)}
-        last_grad = {}
-        for unit in self.units:
-            positions = [grad_nodes[m.name] for m in unit.members]
-            last_grad[max(positions, key=self._position)] = unit
+        position = {n: i for i, n in enumerate(self.old.nodes)}
+        last_grad = {max((grad_nodes[m.name] for m in unit.members), key=position.get): unit
+                     for unit in self.units}
         issued_gathers, reductions = {}, {}
         loss_reduce = None
         for node in self.old.nodes:
@@ -326,11 +326,6 @@ class _Rewrite:
                 reductions[unit.name] = self.issue_gradient_reduction(
                     unit, [self.env[grad_nodes[m.name]] for m in unit.members])
         return self.finish(old_values, loss_reduce, reductions)
-
-    def _position(self, node):
-        if not hasattr(self, "_positions"):
-            self._positions = {n: i for i, n in enumerate(self.old.nodes)}
-        return self._positions[node]
 
     def finish(self, old_values, loss_reduce, reductions) -> Program:
         cfg = self.cfg

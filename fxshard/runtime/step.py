@@ -155,7 +155,6 @@ class CudaGraphReplay:
                 else:
                     self.metrics[spec.name] = value
         torch.cuda.current_stream().wait_stream(stream)
-        self.step = step
         del results
 
     def replay(self, leaves, lr: float, step_number: float) -> dict[str, torch.Tensor]:
