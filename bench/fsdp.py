@@ -47,7 +47,10 @@ def batch_for(cfg, batch, seq, device, seed=0):
             "tgt": torch.randint(0, cfg.vocab_size, (batch, seq), generator=generator).to(device)}
 
 
-def timed(step_fn, warmup: int, iters: int) -> float:
+PROFILE_DIR = os.environ.get("FXSHARD_BENCH_PROFILE")  # set by --profile DIR
+
+
+def timed(step_fn, warmup: int, iters: int, label: str = "") -> float:
     started = time.perf_counter()
     for _ in range(warmup):
         step_fn()
@@ -58,7 +61,26 @@ def timed(step_fn, warmup: int, iters: int) -> float:
     for _ in range(iters):
         step_fn()
     torch.cuda.synchronize()
-    return (time.perf_counter() - started) / iters * 1e3
+    ms = (time.perf_counter() - started) / iters * 1e3
+    if PROFILE_DIR and label:  # every rank steps (collectives), rank 0 writes
+        profile(step_fn, os.path.join(PROFILE_DIR, f"{label}.txt"))
+    return ms
+
+
+def profile(step_fn, path, steps=2):
+    """GPU kernel time per op over `steps` steps, the top 45 by total CUDA time, into `path`."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step_fn()
+        torch.cuda.synchronize()
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as handle:
+        handle.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70))
 
 
 def build_model(cfg, device):
@@ -86,7 +108,7 @@ def run_eager_single(cfg, batch, seq, warmup, iters):
         optimizer.step()
 
     torch.cuda.reset_peak_memory_stats()
-    return timed(step, warmup, iters), torch.cuda.max_memory_allocated()
+    return timed(step, warmup, iters, f"nocomm-eager_b{batch}"), torch.cuda.max_memory_allocated()
 
 
 def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None):
@@ -106,7 +128,8 @@ def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None):
     del model
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    return timed(lambda: step(data), warmup, iters), torch.cuda.max_memory_allocated()
+    label = f"fxshard{dist.get_world_size()}_b{batch}" if mesh is not None else f"nocomm-fxshard_b{batch}"
+    return timed(lambda: step(data), warmup, iters, label), torch.cuda.max_memory_allocated()
 
 
 def run_fsdp2(cfg, batch, seq, warmup, iters):
@@ -130,7 +153,7 @@ def run_fsdp2(cfg, batch, seq, warmup, iters):
         optimizer.zero_grad(set_to_none=True)
 
     torch.cuda.reset_peak_memory_stats()
-    return timed(step, warmup, iters), torch.cuda.max_memory_allocated()
+    return timed(step, warmup, iters, f"fsdp2_{dist.get_world_size()}_b{batch}"), torch.cuda.max_memory_allocated()
 
 
 def distributed_mode(mode, cfg, batch, seq, warmup, iters):
@@ -153,7 +176,12 @@ def main():
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--modes", nargs="+", default=["nocomm-eager", "nocomm-fxshard", "fsdp2", "fxshard"])
     parser.add_argument("--out", default="bench/fsdp.json")
+    parser.add_argument("--profile", metavar="DIR", help="after timing, write a kernel-time table per mode here")
     args = parser.parse_args()
+    if args.profile:  # the environment carries it into the spawned ranks
+        os.environ["FXSHARD_BENCH_PROFILE"] = args.profile
+        global PROFILE_DIR
+        PROFILE_DIR = args.profile
     cfg = GPTConfig.preset(args.model)
     params = sum(p.numel() for p in build_model(cfg, "meta").parameters())
     per_token = flops_per_token(cfg, args.seq)

@@ -72,7 +72,7 @@ def _nccl_train(model_name, batches, cuda_graphs):
 @pytest.mark.multigpu
 @pytest.mark.parametrize("model_name, cuda_graphs", [("gpt", False), ("moe_gpt", False)])
 def test_fsdp_over_nccl_matches_single_device_eager(model_name, cuda_graphs):
-    world = 2
+    world = 4 if torch.cuda.device_count() >= 4 else 2
     batches = cuda_batches(10, rows=2 * world, device="cpu")
     per_rank = run_local(_nccl_train, world, model_name, batches, cuda_graphs, backend="nccl")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -108,3 +108,18 @@ def test_fused_adamw_kernel_matches_the_reference():
     reference = adamw_reference(*tensors, *scalars, 0.9, 0.95, 1e-8)
     for ours, expected in zip(fused, reference):
         assert torch.allclose(ours, expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+def test_in_place_fused_adamw_kernel_matches_the_functional_one():
+    from fxshard.ops.adamw import adamw_update, adamw_update_
+
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    tensors = [torch.randn(10007, device="cuda", generator=generator) for _ in range(3)]
+    tensors.append(torch.rand(10007, device="cuda", generator=generator))
+    scalars = [torch.tensor(v, device="cuda") for v in (0.999, 1e-3, 0.3)]
+    expected = adamw_update(*tensors, *scalars, 0.9, 0.95, 1e-8)
+    param, grad, exp_avg, exp_avg_sq = (t.clone() for t in tensors)
+    adamw_update_(param, grad, exp_avg, exp_avg_sq, *scalars, 0.9, 0.95, 1e-8)
+    for ours, want in zip((param, exp_avg, exp_avg_sq), expected):
+        assert torch.equal(ours, want)

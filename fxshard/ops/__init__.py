@@ -1,7 +1,7 @@
 """fxshard's custom ops: each has a reference implementation that runs anywhere, a fake (meta)
 implementation for tracing and an autograd formula, so it traces into one readable graph node."""
 
-from .adamw import adamw_update
+from .adamw import adamw_update, adamw_update_
 from .grouped_mm import grouped_mm, grouped_mm_wgrad
 
-__all__ = ["adamw_update", "grouped_mm", "grouped_mm_wgrad"]
+__all__ = ["adamw_update", "adamw_update_", "grouped_mm", "grouped_mm_wgrad"]

@@ -27,8 +27,12 @@ def _adamw_kernel(param_ptr, grad_ptr, m_ptr, v_ptr, out_p, out_m, out_v, decay_
     tl.store(out_v + offsets, v, mask=mask)
 
 
-def fused_adamw(param, grad, exp_avg, exp_avg_sq, decay, step_size, bc2, beta1, beta2, eps):
-    out_p, out_m, out_v = torch.empty_like(param), torch.empty_like(exp_avg), torch.empty_like(exp_avg_sq)
+def fused_adamw(param, grad, exp_avg, exp_avg_sq, decay, step_size, bc2, beta1, beta2, eps, out=None):
+    """New (param, exp_avg, exp_avg_sq); written into `out` when given (which may be the inputs: each
+    element is read before it is written, by the same program instance)."""
+    if out is None:
+        out = torch.empty_like(param), torch.empty_like(exp_avg), torch.empty_like(exp_avg_sq)
+    out_p, out_m, out_v = out
     n = param.numel()
     if n:
         block = 1024

@@ -35,6 +35,24 @@ def adamw_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tenso
                                                          beta1, beta2, eps))
 
 
+@torch.library.custom_op("fxshard::adamw_update_", mutates_args=("param", "exp_avg", "exp_avg_sq"))
+def adamw_update_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, decay: Tensor,
+                  step_size: Tensor, bias_correction2_sqrt: Tensor, beta1: float, beta2: float,
+                  eps: float) -> None:
+    """The same step written into `param`, `exp_avg` and `exp_avg_sq`: what the runtime lowers
+    `adamw_update` to when nothing reads the old values afterwards (fxshard.runtime.reinplace)."""
+    tensors = (param, grad, exp_avg, exp_avg_sq)
+    if param.is_cuda and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
+        from ._triton_adamw import fused_adamw
+
+        fused_adamw(*tensors, decay, step_size, bias_correction2_sqrt, beta1, beta2, eps,
+                    out=(param, exp_avg, exp_avg_sq))
+        return
+    new = adamw_reference(*tensors, decay, step_size, bias_correction2_sqrt, beta1, beta2, eps)
+    for target, value in zip((param, exp_avg, exp_avg_sq), new):
+        target.copy_(value)
+
+
 @adamw_update.register_fake
 def _adamw_update_fake(param, grad, exp_avg, exp_avg_sq, decay, step_size, bias_correction2_sqrt,
                        beta1, beta2, eps):

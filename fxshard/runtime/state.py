@@ -24,7 +24,8 @@ class ModelTensors:
         self.device = next(model.parameters()).device
 
     def tensors_named(self, names: set[str]) -> dict[str, torch.Tensor]:
-        return {name: self.tensors[name].detach() for name in names}
+        # copies: the runtime updates its state in place, and the user's model must stay as it was
+        return {name: self.tensors[name].detach().clone() for name in names}
 
     def unit_shard(self, unit: FlatUnit, rank: int | None) -> torch.Tensor:
         flat = unit.flatten(self.tensors)
@@ -71,7 +72,7 @@ def full_parameters(program: Program, state: State, gather) -> dict[str, torch.T
         value = state[spec.kind, spec.name]
         unit = _unit(program, spec.name)
         if unit is None:
-            result[spec.name] = value
+            result[spec.name] = value.clone()  # a snapshot: the state is updated in place
             continue
         flat = gather(spec, value) if spec.placement.kind == "sharded" else value
         result.update({name: tensor.clone() for name, tensor in unit.unflatten(flat).items()})

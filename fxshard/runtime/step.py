@@ -9,6 +9,7 @@ from ..batch import BatchSpec
 from ..errors import FxShardError
 from ..optim import Optimizer, lr_at
 from ..program import InputKind, OutputKind, Program
+from .reinplace import reinplace
 from .state import State, full_parameters
 
 _WRITE_BACK = {OutputKind.PARAM: InputKind.PARAM, OutputKind.OPT_STATE: InputKind.OPT_STATE,
@@ -44,8 +45,10 @@ class CompiledStep:
         self.groups = groups or {}
         self.step_count = 0
         self._lr_override: float | None = None
-        self._run = (bind_groups(self.program, {axis: g.group_name for axis, g in self.groups.items()})
-                     if self.groups else self.program.graph_module)
+        run = (bind_groups(self.program, {axis: g.group_name for axis, g in self.groups.items()})
+               if self.groups else self.program.graph_module)
+        # optimizer updates write into the state tensors they read (see runtime/reinplace.py)
+        self._run, self.in_place_updates = reinplace(run)
         if cuda_graphs and device.type != "cuda":
             raise FxShardError(f"Config(cuda_graphs=True) needs a CUDA device; the batch is on {device}")
         self._replay = CudaGraphReplay() if cuda_graphs else None
@@ -151,7 +154,9 @@ class CudaGraphReplay:
             self.metrics = {}
             for spec, value in zip(program.outputs, results):
                 if spec.kind in _WRITE_BACK:
-                    inputs[_WRITE_BACK[spec.kind], spec.name].copy_(value)
+                    target = inputs[_WRITE_BACK[spec.kind], spec.name]
+                    if value is not target:  # updated in place already
+                        target.copy_(value)
                 else:
                     self.metrics[spec.name] = value
         torch.cuda.current_stream().wait_stream(stream)

@@ -1,0 +1,62 @@
+"""Lowering for execution: functional optimizer updates become in-place ones where that is safe.
+
+The traced program is functional: `fxshard::adamw_update(p, g, m, v, ...)` returns new tensors, and
+the runtime makes them the next step's state. Under CUDA graphs the state must stay at fixed
+addresses, so each new tensor would be copied back into its input: for AdamW that is three extra
+full passes over parameters and moments every step (~5 ms per step for a 1B model on an H200).
+`reinplace` rewrites such a node into `fxshard::adamw_update_`, which writes into its inputs.
+
+Invariant: the lowered graph computes the same outputs as the program's graph, where an output that
+was the new value of an input is now that input itself, updated. A node is rewritten only when its
+parameter and moments are graph inputs (placeholders) that every other reader reads before it, in
+graph order: the eager runtime executes nodes in that order, so no reader sees an updated value.
+The lowering runs after every pass and is not a pass: passes and dumps keep the functional form.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..ops.adamw import adamw_update, adamw_update_  # noqa: F401  (registers both ops)
+
+_FUNCTIONAL = torch.ops.fxshard.adamw_update.default
+_IN_PLACE = torch.ops.fxshard.adamw_update_.default
+_MUTATED = {0: "param", 2: "exp_avg", 3: "exp_avg_sq"}  # argument position -> name; outputs 0, 1, 2
+
+
+def reinplace(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, int]:
+    """A copy of `graph_module` with every safe AdamW update done in place; and how many were."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(graph_module.graph, {}))
+    order = {node: position for position, node in enumerate(graph.nodes)}
+    rewritten = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _FUNCTIONAL or node.kwargs:
+            continue
+        targets = [node.args[position] for position in _MUTATED]
+        if not all(_last_read_by(target, node, order) for target in targets):
+            continue
+        if len(set(targets)) != len(targets):
+            continue
+        with graph.inserting_before(node):
+            graph.call_function(_IN_PLACE, node.args)
+        for user in list(node.users):
+            if user.target is not operator.getitem:
+                break
+            user.replace_all_uses_with(targets[user.args[1]])
+            graph.erase_node(user)
+        else:
+            graph.erase_node(node)
+            rewritten += 1
+            continue
+        raise AssertionError(f"{node.name}: a user of adamw_update that is not a getitem: {list(node.users)}")
+    graph.lint()
+    return fx.GraphModule(graph_module, graph), rewritten
+
+
+def _last_read_by(value: fx.Node, node: fx.Node, order: dict[fx.Node, int]) -> bool:
+    return (isinstance(value, fx.Node) and value.op == "placeholder"
+            and all(order[user] < order[node] for user in value.users if user is not node))

@@ -1,0 +1,76 @@
+"""The runtime's in-place lowering of optimizer updates (fxshard/runtime/reinplace.py)."""
+
+import torch
+
+import fxshard
+from fxshard.models import GPT, GPTConfig
+from fxshard.runtime.reinplace import reinplace
+
+ADAMW = fxshard.optim.AdamW(lr=1e-2, weight_decay=0.1)
+
+
+def _batch(seed):
+    generator = torch.Generator().manual_seed(seed)
+    return {"idx": torch.randint(0, 32, (2, 8), generator=generator),
+            "tgt": torch.randint(0, 32, (2, 8), generator=generator)}
+
+
+def _model():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=32, d_model=16, n_layer=2, n_head=2, d_ff=32))
+
+
+def test_every_adamw_update_is_lowered_and_outputs_alias_their_inputs():
+    program = fxshard.trace(_model(), lambda m, b: m.loss(b), _batch(0), optimizer=ADAMW)
+    lowered, count = reinplace(program.graph_module)
+    functional = [n for n in program.graph.nodes if n.target is torch.ops.fxshard.adamw_update.default]
+    assert count == len(functional) == sum(1 for _ in _model().parameters())
+    targets = {n.target for n in lowered.graph.nodes}
+    assert torch.ops.fxshard.adamw_update.default not in targets
+    assert torch.ops.fxshard.adamw_update_.default in targets
+    # the lowered graph, run on copies of the inputs, returns those inputs updated to the functional values
+    args = [torch.randn(spec.shape, dtype=spec.dtype) if spec.dtype.is_floating_point else
+            torch.randint(0, 32, spec.shape) for spec in program.inputs]
+    for index, spec in enumerate(program.inputs):
+        if spec.kind.name in ("LR", "STEP"):
+            args[index] = torch.tensor(1e-2 if spec.kind.name == "LR" else 3.0)
+        elif spec.name.startswith("exp_avg_sq"):
+            args[index] = args[index].abs()
+    expected = program.graph_module(*[a.clone() for a in args])
+    copies = [a.clone() for a in args]
+    actual = lowered(*copies)
+    for spec, want, got in zip(program.outputs, expected, actual):
+        assert torch.equal(want, got), spec.name
+        if spec.kind.name in ("PARAM", "OPT_STATE"):
+            assert any(got is c for c in copies), f"{spec.name} is not its input, updated"
+
+
+def test_a_reader_after_the_update_keeps_the_functional_form():
+    program = fxshard.trace(_model(), lambda m, b: m.loss(b), _batch(0), optimizer=ADAMW)
+    graph_module = program.graph_module
+    graph = graph_module.graph
+    update = next(n for n in graph.nodes if n.target is torch.ops.fxshard.adamw_update.default)
+    param = update.args[0]
+    output = next(n for n in graph.nodes if n.op == "output")
+    with graph.inserting_before(output):
+        late_read = graph.call_function(torch.ops.aten.mul.Tensor, (param, 2.0))
+    output.args = ((*output.args[0], late_read),)
+    lowered, count = reinplace(torch.fx.GraphModule(graph_module, graph))
+    assert count == sum(1 for _ in _model().parameters()) - 1
+    kept = [n for n in lowered.graph.nodes if n.target is torch.ops.fxshard.adamw_update.default]
+    assert [n.args[0].name for n in kept] == [param.name]
+
+
+def test_shard_leaves_the_users_model_unchanged_and_parameters_are_snapshots():
+    model = _model()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    step = fxshard.shard(model, lambda m, b: m.loss(b), _batch(0), optimizer=ADAMW)
+    step(_batch(0))
+    snapshot = step.parameters()
+    kept = {name: value.clone() for name, value in snapshot.items()}
+    step(_batch(1))
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    for name, value in snapshot.items():
+        assert torch.equal(value, kept[name]), name
+    assert any(not torch.equal(kept[name], value) for name, value in step.parameters().items())
