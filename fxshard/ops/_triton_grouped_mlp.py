@@ -1,0 +1,123 @@
+"""Triton kernels for fxshard::grouped_mlp's CUDA backend (imported only on CUDA).
+
+Activation forward/backward over [T, H] rows (gated: gate columns [0, F), linear columns [F, 2F)),
+computed in fp32, stored in the input dtype, with rows at or past offsets[-1] written as zero; and
+`zero_tail_`, which zeroes those rows of a GEMM output in place. The derivatives are written out
+here and checked against autograd on the PyTorch definitions (tests/test_gpu.py).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+_CODES = {"swiglu": 0, "geglu": 1, "quick_geglu": 2, "gelu": 3, "relu": 4}
+_GATED = (0, 1, 2)
+
+
+@triton.jit
+def _gelu_tanh(g):
+    inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
+    dt = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g * g)
+    return 0.5 * g * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * dt
+
+
+@triton.jit
+def _act_kernel(h_ptr, grad_ptr, out_ptr, out2_ptr, offsets_ptr, n_experts, rows, width, limit,
+                CODE: tl.constexpr, GATED: tl.constexpr, BACKWARD: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """width = F (the activation's output width). Forward: out[r, c] = act. Backward: out = d/d gate
+    (or d/d h), out2 = d/d linear half (gated only); both [T, 2F] halves of one grad_h tensor."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    end = tl.load(offsets_ptr + n_experts - 1)
+    in_bounds = (r[:, None] < rows) & (c[None, :] < width)
+    live = in_bounds & (r[:, None] < end)
+    h_width = 2 * width if GATED else width
+    r64 = r.to(tl.int64)
+    g = tl.load(h_ptr + r64[:, None] * h_width + c[None, :], mask=live, other=0.0).to(tl.float32)
+    if GATED:
+        u = tl.load(h_ptr + r64[:, None] * h_width + width + c[None, :], mask=live, other=0.0).to(tl.float32)
+    if CODE == 0:  # swiglu
+        s = tl.sigmoid(g)
+        f = g * s
+        df = s * (1.0 + g * (1.0 - s))
+    elif CODE == 1:  # geglu (tanh gelu)
+        f, df = _gelu_tanh(g)
+    elif CODE == 2:  # quick_geglu, clamped
+        pass_g = g <= limit
+        pass_u = (u >= -limit) & (u <= limit)
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        s = tl.sigmoid(1.702 * g)
+        f = g * s
+        df = tl.where(pass_g, s + 1.702 * g * s * (1.0 - s), 0.0)
+        u = u + 1.0
+    elif CODE == 3:  # gelu (erf)
+        f = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
+        df = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476)) + g * tl.exp(-0.5 * g * g) * 0.3989422804014327
+    else:  # relu
+        f = tl.maximum(g, 0.0)
+        df = tl.where(g > 0.0, 1.0, 0.0)
+    if BACKWARD:
+        grad = tl.load(grad_ptr + r64[:, None] * width + c[None, :], mask=live, other=0.0).to(tl.float32)
+        if GATED:
+            d_gate = grad * u * df
+            d_up = grad * f
+            if CODE == 2:
+                d_up = tl.where(pass_u, d_up, 0.0)
+            tl.store(out_ptr + r64[:, None] * h_width + c[None, :], d_gate.to(out_ptr.dtype.element_ty),
+                     mask=in_bounds)
+            tl.store(out2_ptr + r64[:, None] * h_width + width + c[None, :], d_up.to(out_ptr.dtype.element_ty),
+                     mask=in_bounds)
+        else:
+            tl.store(out_ptr + r64[:, None] * h_width + c[None, :], (grad * df).to(out_ptr.dtype.element_ty),
+                     mask=in_bounds)
+    else:
+        value = f
+        if GATED:
+            value = f * u
+        tl.store(out_ptr + r64[:, None] * width + c[None, :], value.to(out_ptr.dtype.element_ty), mask=in_bounds)
+
+
+def _launch(h, grad, out, offsets, name, limit, backward):
+    code = _CODES[name]
+    gated = code in _GATED
+    rows, width = h.shape[0], h.shape[1] // (2 if gated else 1)
+    block_r, block_c = 16, 128
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(width, block_c))
+    if rows and width:
+        _act_kernel[grid](h, grad if grad is not None else h, out, out, offsets, offsets.shape[0], rows, width,
+                          float(limit), CODE=code, GATED=gated, BACKWARD=backward, BLOCK_R=block_r,
+                          BLOCK_C=block_c)
+    return out
+
+
+def activation_forward(h, offsets, name, limit):
+    gated = _CODES[name] in _GATED
+    out = h.new_empty(h.shape[0], h.shape[1] // (2 if gated else 1))
+    return _launch(h.contiguous(), None, out, offsets, name, limit, backward=False)
+
+
+def activation_backward(h, grad, offsets, name, limit):
+    return _launch(h.contiguous(), grad.contiguous(), torch.empty_like(h), offsets, name, limit, backward=True)
+
+
+@triton.jit
+def _zero_tail_kernel(out_ptr, offsets_ptr, n_experts, rows, width, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    first = tl.program_id(0) * BLOCK_R
+    end = tl.load(offsets_ptr + n_experts - 1)
+    if first + BLOCK_R > end:
+        r = first + tl.arange(0, BLOCK_R)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = (r[:, None] >= end) & (r[:, None] < rows) & (c[None, :] < width)
+        zeros = tl.zeros((BLOCK_R, BLOCK_C), dtype=out_ptr.dtype.element_ty)
+        tl.store(out_ptr + r.to(tl.int64)[:, None] * width + c[None, :], zeros, mask=mask)
+
+
+def zero_tail_(out, offsets):
+    rows, width = out.shape
+    if rows and width:
+        grid = (triton.cdiv(rows, 32), triton.cdiv(width, 128))
+        _zero_tail_kernel[grid](out, offsets, offsets.shape[0], rows, width, BLOCK_R=32, BLOCK_C=128)
+    return out
