@@ -30,6 +30,8 @@ class Config:
     microbatches: split each step's batch into this many microbatches along dim 0 and accumulate their
         gradients before one reduction and one update (the loss is their mean).
     cuda_graphs: after two eager warm-up steps, capture the whole step into one CUDA graph and replay it.
+    fuse_grouped_mlp: rewrite each MoE expert MLP (grouped GEMM -> activation -> grouped GEMM, forward
+        and backward) into the fused `fxshard::grouped_mlp` op (passes/fuse_grouped_mlp.py).
     seed: initializes a model built on the meta device (fxshard.init: per module, seeded by its path).
     """
 
@@ -44,6 +46,7 @@ class Config:
     seed: int = 0
     fsdp_prefetch: int = 1
     verbose: bool = False
+    fuse_grouped_mlp: bool = False
 
     def __post_init__(self):
         if self.layers is not None:

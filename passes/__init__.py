@@ -1,7 +1,7 @@
 """The compiler pipeline: the ordered list of passes, each switched on by config and nothing else.
 
 A pass is `(program, mesh, config) -> program`, pure, with a docstring that states its invariant.
-Passes arrive with their features (expert parallelism, fused grouped MLP and pipeline follow).
+Passes arrive with their features (expert parallelism and pipeline follow).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Callable, NamedTuple
 from fxshard.program import Program
 
 from .fsdp import FSDPConfig, fsdp
+from .fuse_grouped_mlp import fuse_grouped_mlp
 
 
 class Pass(NamedTuple):
@@ -20,6 +21,10 @@ class Pass(NamedTuple):
 
 
 PIPELINE: list[Pass] = [
+    # before sharding: it rewrites one device's math, and FSDP then shards whatever ops it finds
+    Pass("fuse_grouped_mlp",
+         lambda program, mesh, config: fuse_grouped_mlp(program),
+         lambda mesh, config: config.fuse_grouped_mlp),
     Pass("fsdp",
          lambda program, mesh, config: fsdp(program, FSDPConfig(mesh.dp, config.sharding, config.fsdp_prefetch)),
          lambda mesh, config: mesh is not None),

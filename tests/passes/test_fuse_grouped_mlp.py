@@ -1,0 +1,170 @@
+"""The fuse_grouped_mlp pass: fuses exactly the expert MLPs it should, and changes no result."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, strategies as st
+
+import fxshard
+from fxshard.models import MoEGPT, MoEGPTConfig
+from fxshard.ops import grouped_mm
+from fxshard.ops.grouped_mlp_backends import ACTIVATIONS
+from fxshard.passes import fuse_grouped_mlp
+from fxshard.testing import eager_parity
+
+ADAMW = fxshard.optim.AdamW(lr=1e-2, weight_decay=0.1)
+FUSED_OPS = {torch.ops.fxshard.grouped_mlp_fwd.default, torch.ops.fxshard.grouped_mlp_dgrad.default,
+             torch.ops.fxshard.grouped_mlp_wgrad.default}
+
+# Look-alikes: each is an expert MLP the pass must leave alone.
+LOOK_ALIKES = {
+    "tanh_glu": lambda h, f: torch.tanh(h[:, :f]) * h[:, f:],
+    "silu_times_sigmoid": lambda h, f: F.silu(h[:, :f]) * torch.sigmoid(h[:, f:]),
+    "swapped_halves": lambda h, f: F.silu(h[:, f:]) * h[:, :f],
+    "exact_gelu_glu": lambda h, f: F.gelu(h[:, :f]) * h[:, f:],       # geglu is tanh-approximated
+    "quick_geglu_other_alpha": lambda h, f: h[:, :f] * torch.sigmoid(1.5 * h[:, :f]) * (h[:, f:] + 1),
+    "silu_non_gated_on_gated_width": lambda h, f: F.silu(h)[:, :f],
+}
+
+
+class Experts(nn.Module):
+    """Routes tokens round-robin to E experts (static offsets) and runs `mlp(h) -> a` between GEMMs."""
+
+    def __init__(self, d_model, d_ff, experts, kind, extra):
+        super().__init__()
+        width = 2 * d_ff if kind in LOOK_ALIKES or ACTIVATIONS[kind].gated else d_ff
+        self.w1 = nn.Parameter(torch.randn(experts, width, d_model) * 0.3)
+        self.w2 = nn.Parameter(torch.randn(experts, d_model, d_ff) * 0.3)
+        self.b1 = nn.Parameter(torch.randn(width) * 0.1) if extra == "bias" else None
+        self.kind, self.extra, self.d_ff = kind, extra, d_ff
+
+    def forward(self, x):
+        tokens = x.shape[0]
+        experts = self.w1.shape[0]
+        counts = torch.full((experts,), tokens // experts, dtype=torch.int32)
+        counts[0] += tokens % experts
+        offsets = counts.cumsum(0).to(torch.int32)
+        h = grouped_mm(x, offsets, self.w1)
+        if self.b1 is not None:
+            h = h + self.b1
+        if self.kind in ACTIVATIONS:
+            a = ACTIVATIONS[self.kind].torch(h, 7.0)
+        else:
+            a = LOOK_ALIKES[self.kind](h, self.d_ff)
+        second = offsets.flip(0).cumsum(0).to(torch.int32) if self.extra == "other_offsets" else offsets
+        y = grouped_mm(a, second, self.w2)
+        if self.extra == "reads_h":
+            y = y + h[:, :1]
+        if self.extra == "reads_a":
+            y = y + a.mean()
+        return y
+
+
+class Net(nn.Module):
+    def __init__(self, d_model, d_ff, experts, kind, extra, layers):
+        super().__init__()
+        self.inp = nn.Linear(3, d_model)
+        self.layers = nn.ModuleList(Experts(d_model, d_ff, experts, kind, extra) for _ in range(layers))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def mse(model, batch):
+    return (model(batch["x"]) ** 2).mean()
+
+
+def run_both(model, rows, microbatches=1):
+    generator = torch.Generator().manual_seed(1)
+    batch = {"x": torch.randn(rows, 3, generator=generator)}
+    program = fxshard.trace(model, mse, batch, optimizer=ADAMW, config=fxshard.Config(microbatches=microbatches))
+    fused = fuse_grouped_mlp(program)
+    args = []
+    for spec, node in zip(program.inputs, program.placeholders()):
+        value = node.meta["val"]
+        if spec.kind.name == "LR":
+            args.append(torch.tensor(1e-2))
+        elif spec.kind.name == "STEP":
+            args.append(torch.tensor(3.0))
+        elif spec.kind.name == "BATCH":
+            args.append(batch["x"])
+        elif spec.kind.name == "PARAM":
+            args.append(dict(model.named_parameters())[spec.name].detach().clone())
+        else:
+            args.append(torch.rand(value.shape, generator=generator))
+    return program, fused, program.graph_module(*args), fused.graph_module(*args)
+
+
+def count_fused(program):
+    return sum(1 for n in program.graph.nodes if n.target is torch.ops.fxshard.grouped_mlp_fwd.default)
+
+
+@given(activation=st.sampled_from(sorted(ACTIVATIONS)), experts=st.integers(1, 4), d_model=st.integers(2, 6),
+       d_ff=st.integers(1, 5), layers=st.integers(1, 2), microbatches=st.sampled_from([1, 2]),
+       rows=st.integers(4, 9))
+def test_matching_expert_mlps_are_fused_and_results_are_unchanged(activation, experts, d_model, d_ff, layers,
+                                                                  microbatches, rows):
+    torch.manual_seed(0)
+    model = Net(d_model, d_ff, experts, activation, None, layers)
+    rows = rows * microbatches
+    original, fused, expected, actual = run_both(model, rows, microbatches)
+    assert count_fused(fused) == layers * microbatches
+    for n in fused.graph.nodes:  # no unfused grouped GEMM is left
+        assert n.target not in (torch.ops.fxshard.grouped_mm.default, torch.ops.fxshard.grouped_mm_wgrad.default)
+    wgrads = [n for n in fused.graph.nodes if n.target is torch.ops.fxshard.grouped_mlp_wgrad.default]
+    assert len(wgrads) == layers * microbatches  # the weight gradient runs once per fused MLP
+    for ours, want in zip(actual, expected):
+        torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-6)
+
+
+@given(kind=st.sampled_from(sorted(LOOK_ALIKES)), experts=st.integers(1, 3), d_ff=st.integers(1, 4))
+def test_look_alike_activations_are_left_alone(kind, experts, d_ff):
+    torch.manual_seed(0)
+    _, fused, expected, actual = run_both(Net(4, d_ff, experts, kind, None, 1), 6)
+    assert count_fused(fused) == 0
+    for ours, want in zip(actual, expected):
+        assert torch.equal(ours, want)
+
+
+@given(extra=st.sampled_from(["reads_h", "reads_a", "bias", "other_offsets"]),
+       activation=st.sampled_from(["swiglu", "relu"]), experts=st.integers(1, 3))
+def test_extra_consumers_biases_and_mismatched_offsets_block_the_fusion(extra, activation, experts):
+    torch.manual_seed(0)
+    _, fused, expected, actual = run_both(Net(4, 3, experts, activation, extra, 1), 6)
+    assert count_fused(fused) == 0
+    for ours, want in zip(actual, expected):
+        assert torch.equal(ours, want)
+
+
+def test_moe_gpt_trains_the_same_fused_for_10_steps():
+    torch.manual_seed(0)
+    cfg = MoEGPTConfig.preset("tiny")
+    generator = torch.Generator().manual_seed(0)
+    batches = [{"idx": torch.randint(0, 64, (4, 32), generator=generator),
+                "tgt": torch.randint(0, 64, (4, 32), generator=generator)} for _ in range(10)]
+    optimizer = fxshard.optim.AdamW(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    model = MoEGPT(cfg)
+    fused = eager_parity(model, lambda m, b: m.loss(b), batches, optimizer,
+                         config=fxshard.Config(fuse_grouped_mlp=True))
+    assert fused.max_loss_rel < 1e-5, fused.losses
+    assert fused.max_param_rel < 1e-4
+    step = fxshard.shard(model, lambda m, b: m.loss(b), batches[0], optimizer=optimizer,
+                         config=fxshard.Config(fuse_grouped_mlp=True))
+    assert step.programs[1].name == "fuse_grouped_mlp"
+    assert count_fused(step.programs[1]) == cfg.n_layer
+
+
+def test_the_dump_shows_the_fused_ops(tmp_path):
+    torch.manual_seed(0)
+    model = MoEGPT(MoEGPTConfig.preset("tiny"))
+    batch = {"idx": torch.zeros(2, 8, dtype=torch.long), "tgt": torch.zeros(2, 8, dtype=torch.long)}
+    fxshard.shard(model, lambda m, b: m.loss(b), batch, config=fxshard.Config(fuse_grouped_mlp=True,
+                                                                             dump_dir=str(tmp_path)))
+    text = next(tmp_path.glob("*fuse_grouped_mlp*.py")).read_text()
+    assert text.count("grouped_mlp_fwd") >= 2 and "grouped_mlp_wgrad" in text
+    summary = next(tmp_path.glob("*fuse_grouped_mlp*summary*")).read_text()
+    assert "layers.0: swiglu" in summary
