@@ -1,0 +1,146 @@
+"""Grouped expert MLP benchmark: per-expert loop vs unfused torch._grouped_mm + eager activation vs
+fxshard's fused op, forward and forward+backward, bf16, side by side in one process.
+
+    python bench/grouped_mlp.py --out bench/grouped_mlp.json
+
+Each shape routes T tokens to E experts at random (fixed seed; some imbalance, as in training) and
+runs a SwiGLU expert MLP: fc1 [E, 2F, D], fc2 [E, D, F]. Reported per mode: ms, TFLOP/s (forward
+2*T*D*3F FLOPs, forward+backward 3x that), and the peak memory the call adds on top of its inputs.
+The dense 8192^3 bf16 matmul rate of the same GPU is measured first, as the ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from fxshard.ops.grouped_mlp import grouped_mlp  # noqa: E402
+from fxshard.ops.grouped_mlp_backends import BACKENDS  # noqa: E402
+
+SHAPES = [(8, 16384, 2048, 1408), (64, 65536, 2048, 768)]  # (E, T, D, F)
+
+
+def cuda_time_ms(fn, warmup=3, iters=10) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def peak_added_bytes(fn) -> int:
+    fn()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def dense_rate() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = cuda_time_ms(lambda: a @ b, warmup=5, iters=20)
+    return 2 * 8192 ** 3 / (ms / 1e3) / 1e12
+
+
+def problem(experts, tokens, d_model, d_ff, seed=0):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    choice = torch.randint(0, experts, (tokens,), device="cuda", generator=generator)
+    counts = torch.bincount(choice, minlength=experts)
+    offsets = counts.cumsum(0).to(torch.int32)
+    x = torch.randn(tokens, d_model, device="cuda", dtype=torch.bfloat16, generator=generator)
+    w1 = torch.randn(experts, 2 * d_ff, d_model, device="cuda", dtype=torch.bfloat16, generator=generator) * 0.02
+    w2 = torch.randn(experts, d_model, d_ff, device="cuda", dtype=torch.bfloat16, generator=generator) * 0.02
+    grad = torch.randn(tokens, d_model, device="cuda", dtype=torch.bfloat16, generator=generator)
+    return x, offsets, w1.requires_grad_(), w2.requires_grad_(), grad
+
+
+def loop_mlp(x, offsets, w1, w2):
+    outs, start = [], 0
+    for expert, end in enumerate(offsets.tolist()):
+        gate, up = (x[start:end] @ w1[expert].t()).chunk(2, dim=-1)
+        outs.append((F.silu(gate) * up) @ w2[expert].t())
+        start = end
+    return torch.cat(outs)
+
+
+def unfused_mlp(x, offsets, w1, w2):
+    gate, up = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
+    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
+
+
+def fused_mlp(x, offsets, w1, w2):
+    return grouped_mlp(x, offsets, w1, w2, activation="swiglu")
+
+
+MODES = {"loop": loop_mlp, "unfused": unfused_mlp, "fused": fused_mlp}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench/grouped_mlp.json")
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args()
+    assert BACKENDS["cuda"].supports(torch.zeros(8, 8, device="cuda", dtype=torch.bfloat16)), "needs sm90+ bf16"
+    ceiling = dense_rate()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: dense bf16 8192^3 matmul "
+          f"{ceiling:.0f} TFLOP/s", flush=True)
+    print(f"{'E':>3} {'T':>6} {'D':>5} {'F':>5} {'mode':<8} {'fwd ms':>8} {'fwd TF/s':>9} {'f+b ms':>8} "
+          f"{'f+b TF/s':>9} {'f+b %dense':>10} {'peak MiB':>9}", flush=True)
+    rows = []
+    for experts, tokens, d_model, d_ff in SHAPES:
+        x, offsets, w1, w2, grad = problem(experts, tokens, d_model, d_ff)
+        x.requires_grad_()
+        flops = 2 * tokens * d_model * 3 * d_ff
+        results = {}
+        for mode, fn in MODES.items():
+            with torch.no_grad():
+                forward_ms = cuda_time_ms(lambda: fn(x, offsets, w1, w2), iters=args.iters)
+
+            def train():
+                out = fn(x, offsets, w1, w2)
+                torch.autograd.grad(out, (x, w1, w2), grad)
+
+            train_ms = cuda_time_ms(train, iters=args.iters)
+            peak = peak_added_bytes(train)
+            results[mode] = (fn(x, offsets, w1, w2).detach().float(), train_ms)
+            row = {"experts": experts, "tokens": tokens, "d_model": d_model, "d_ff": d_ff, "mode": mode,
+                   "forward_ms": forward_ms, "forward_tflops": flops / forward_ms / 1e9,
+                   "train_ms": train_ms, "train_tflops": 3 * flops / train_ms / 1e9, "peak_bytes": peak}
+            row["train_fraction_of_dense"] = row["train_tflops"] / ceiling
+            rows.append(row)
+            print(f"{experts:>3} {tokens:>6} {d_model:>5} {d_ff:>5} {mode:<8} {forward_ms:>8.3f} "
+                  f"{row['forward_tflops']:>9.0f} {train_ms:>8.3f} {row['train_tflops']:>9.0f} "
+                  f"{row['train_fraction_of_dense']:>10.1%} {peak / 2**20:>9.0f}", flush=True)
+        reference = results["loop"][0]
+        for mode, (out, _) in results.items():
+            error = (out - reference).abs().max().item() / reference.abs().max().item()
+            print(f"    {mode}: max |out - loop| / max |loop| = {error:.2e}", flush=True)
+        speedup = results["unfused"][1] / results["fused"][1]
+        print(f"    fused vs unfused forward+backward: {speedup:.2f}x", flush=True)
+        del x, w1, w2, grad, results
+        torch.cuda.empty_cache()
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as handle:
+        json.dump({"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+                   "torch": torch.__version__, "dense_tflops": ceiling, "rows": rows}, handle, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
