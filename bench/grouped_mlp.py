@@ -4,8 +4,10 @@ fxshard's fused op, forward and forward+backward, bf16, side by side in one proc
     python bench/grouped_mlp.py --out bench/grouped_mlp.json
 
 Each shape routes T tokens to E experts at random (fixed seed; some imbalance, as in training) and
-runs a SwiGLU expert MLP: fc1 [E, 2F, D], fc2 [E, D, F]. Reported per mode: ms, TFLOP/s (forward
-2*T*D*3F FLOPs, forward+backward 3x that), and the peak memory the call adds on top of its inputs.
+runs a SwiGLU expert MLP: fc1 [E, 2F, D], fc2 [E, D, F]. Reported per mode: forward ms (eager),
+forward+backward ms eager and replayed from a CUDA graph (no launch gaps: how fxshard runs a step;
+TFLOP/s and the ratios use it), TFLOP/s (forward 2*T*D*3F FLOPs, forward+backward 3x that), the
+peak memory a forward+backward adds on top of its inputs, and what a forward keeps for its backward.
 The dense 8192^3 bf16 matmul rate of the same GPU is measured first, as the ceiling.
 """
 
@@ -39,6 +41,42 @@ def cuda_time_ms(fn, warmup=3, iters=10) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def graphed(fn):
+    """`fn` captured into a CUDA graph (after warm-up on a side stream); returns its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def saved_bytes(fn) -> int:
+    """Memory a forward leaves allocated for its backward (what grows with the number of layers)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - base - out.numel() * out.element_size()
+    del out
+    return held
+
+
+def profile_table(fn, path):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    with open(path, "w") as handle:
+        handle.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90))
 
 
 def peak_added_bytes(fn) -> int:
@@ -88,20 +126,46 @@ def fused_mlp(x, offsets, w1, w2):
     return grouped_mlp(x, offsets, w1, w2, activation="swiglu")
 
 
-MODES = {"loop": loop_mlp, "unfused": unfused_mlp, "fused": fused_mlp}
+class _GemmsOnly(torch.autograd.Function):
+    """The six grouped GEMMs of forward+backward and nothing else: the floor for any implementation
+    built on torch._grouped_mm (not an MLP: the activation is skipped, fc2 reads fc1's gate half)."""
+
+    @staticmethod
+    def forward(ctx, x, offsets, w1, w2):
+        h = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
+        a = h[:, :w2.shape[2]].contiguous()
+        ctx.save_for_backward(x, offsets, w1, w2, a)
+        return torch._grouped_mm(a, w2.transpose(-2, -1), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, offsets, w1, w2, a = ctx.saved_tensors
+        grad_a = torch._grouped_mm(grad, w2, offs=offsets)
+        grad_h = torch.cat([grad_a, grad_a], dim=-1)
+        grad_x = torch._grouped_mm(grad_h, w1, offs=offsets)
+        return (grad_x, None, torch._grouped_mm(grad_h.t(), x, offs=offsets),
+                torch._grouped_mm(grad.t(), a, offs=offsets))
+
+
+def gemms_only(x, offsets, w1, w2):
+    return _GemmsOnly.apply(x, offsets, w1, w2)
+
+
+MODES = {"loop": loop_mlp, "unfused": unfused_mlp, "fused": fused_mlp, "gemms-only": gemms_only}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench/grouped_mlp.json")
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--profile", metavar="DIR", help="kernel-time tables of forward+backward, first shape")
     args = parser.parse_args()
     assert BACKENDS["cuda"].supports(torch.zeros(8, 8, device="cuda", dtype=torch.bfloat16)), "needs sm90+ bf16"
     ceiling = dense_rate()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: dense bf16 8192^3 matmul "
           f"{ceiling:.0f} TFLOP/s", flush=True)
-    print(f"{'E':>3} {'T':>6} {'D':>5} {'F':>5} {'mode':<8} {'fwd ms':>8} {'fwd TF/s':>9} {'f+b ms':>8} "
-          f"{'f+b TF/s':>9} {'f+b %dense':>10} {'peak MiB':>9}", flush=True)
+    print(f"{'E':>3} {'T':>6} {'D':>5} {'F':>5} {'mode':<10} {'fwd ms':>8} {'fwd TF/s':>9} {'f+b ms':>8} {'graphed':>8} "
+          f"{'f+b TF/s':>9} {'f+b %dense':>10} {'peak MiB':>9} {'saved MiB':>9}", flush=True)
     rows = []
     for experts, tokens, d_model, d_ff in SHAPES:
         x, offsets, w1, w2, grad = problem(experts, tokens, d_model, d_ff)
@@ -117,22 +181,33 @@ def main():
                 torch.autograd.grad(out, (x, w1, w2), grad)
 
             train_ms = cuda_time_ms(train, iters=args.iters)
+            # GPU time without launch gaps, as fxshard replays a step (the loop syncs on the host: eager only)
+            graph_ms = cuda_time_ms(graphed(train), iters=args.iters) if mode != "loop" else train_ms
             peak = peak_added_bytes(train)
-            results[mode] = (fn(x, offsets, w1, w2).detach().float(), train_ms)
+            saved = saved_bytes(lambda: fn(x, offsets, w1, w2))
+            if args.profile and (experts, tokens, d_model, d_ff) == SHAPES[0]:
+                os.makedirs(args.profile, exist_ok=True)
+                profile_table(train, os.path.join(args.profile, f"{mode}.txt"))
+            results[mode] = (fn(x, offsets, w1, w2).detach().float(), graph_ms)
             row = {"experts": experts, "tokens": tokens, "d_model": d_model, "d_ff": d_ff, "mode": mode,
                    "forward_ms": forward_ms, "forward_tflops": flops / forward_ms / 1e9,
-                   "train_ms": train_ms, "train_tflops": 3 * flops / train_ms / 1e9, "peak_bytes": peak}
+                   "train_eager_ms": train_ms, "train_ms": graph_ms, "train_tflops": 3 * flops / graph_ms / 1e9,
+                   "peak_bytes": peak,
+                   "saved_bytes": saved}
             row["train_fraction_of_dense"] = row["train_tflops"] / ceiling
             rows.append(row)
-            print(f"{experts:>3} {tokens:>6} {d_model:>5} {d_ff:>5} {mode:<8} {forward_ms:>8.3f} "
-                  f"{row['forward_tflops']:>9.0f} {train_ms:>8.3f} {row['train_tflops']:>9.0f} "
-                  f"{row['train_fraction_of_dense']:>10.1%} {peak / 2**20:>9.0f}", flush=True)
+            print(f"{experts:>3} {tokens:>6} {d_model:>5} {d_ff:>5} {mode:<10} {forward_ms:>8.3f} "
+                  f"{row['forward_tflops']:>9.0f} {train_ms:>8.3f} {graph_ms:>8.3f} {row['train_tflops']:>9.0f} "
+                  f"{row['train_fraction_of_dense']:>10.1%} {peak / 2**20:>9.0f} {saved / 2**20:>9.0f}", flush=True)
         reference = results["loop"][0]
         for mode, (out, _) in results.items():
+            if mode == "gemms-only":
+                continue
             error = (out - reference).abs().max().item() / reference.abs().max().item()
             print(f"    {mode}: max |out - loop| / max |loop| = {error:.2e}", flush=True)
         speedup = results["unfused"][1] / results["fused"][1]
-        print(f"    fused vs unfused forward+backward: {speedup:.2f}x", flush=True)
+        print(f"    fused vs unfused forward+backward: {speedup:.2f}x; the GEMMs alone take "
+              f"{results['gemms-only'][1] / results['fused'][1]:.0%} of the fused time", flush=True)
         del x, w1, w2, grad, results
         torch.cuda.empty_cache()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

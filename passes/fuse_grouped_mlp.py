@@ -252,8 +252,8 @@ def _rewrite(graph: fx.Graph, g: _Group, fake) -> None:
         return grouped_mlp_fwd(x, offsets, w1, w2, None, None, activation, limit)
 
     def backward(grad_y, h, x, offsets, w1, w2):
-        grad_x, grad_h = grouped_mlp_dgrad(grad_y, h, offsets, w1, w2, activation, limit)
-        grad_w1, grad_w2, _, _ = grouped_mlp_wgrad(grad_y, grad_h, x, h, offsets, activation, limit, False)
+        grad_x, grad_h, act = grouped_mlp_dgrad(grad_y, h, offsets, w1, w2, activation, limit)
+        grad_w1, grad_w2, _, _ = grouped_mlp_wgrad(grad_y, grad_h, x, act, offsets, False)
         return grad_x, grad_w1, grad_w2
 
     with graph.inserting_before(g.y):

@@ -23,11 +23,11 @@ def _gelu_tanh(g):
 
 
 @triton.jit
-def _act_kernel(h_ptr, grad_ptr, out_ptr, out2_ptr, offsets_ptr, n_experts, rows, width, limit,
+def _act_kernel(h_ptr, grad_ptr, out_ptr, act_ptr, offsets_ptr, n_experts, rows, width, limit,
                 CODE: tl.constexpr, GATED: tl.constexpr, BACKWARD: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """width = F (the activation's output width). Forward: out[r, c] = act. Backward: out = d/d gate
-    (or d/d h), out2 = d/d linear half (gated only); both [T, 2F] halves of one grad_h tensor."""
+    """width = F (the activation's output width). Forward: out [T, F] = act. Backward: out [T, H] =
+    grad_h (gated: d/d gate in columns [0, F), d/d linear half in [F, 2F)) and act_ptr [T, F] = act."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     end = tl.load(offsets_ptr + n_experts - 1)
@@ -68,26 +68,26 @@ def _act_kernel(h_ptr, grad_ptr, out_ptr, out2_ptr, offsets_ptr, n_experts, rows
                 d_up = tl.where(pass_u, d_up, 0.0)
             tl.store(out_ptr + r64[:, None] * h_width + c[None, :], d_gate.to(out_ptr.dtype.element_ty),
                      mask=in_bounds)
-            tl.store(out2_ptr + r64[:, None] * h_width + width + c[None, :], d_up.to(out_ptr.dtype.element_ty),
+            tl.store(out_ptr + r64[:, None] * h_width + width + c[None, :], d_up.to(out_ptr.dtype.element_ty),
                      mask=in_bounds)
         else:
             tl.store(out_ptr + r64[:, None] * h_width + c[None, :], (grad * df).to(out_ptr.dtype.element_ty),
                      mask=in_bounds)
-    else:
-        value = f
-        if GATED:
-            value = f * u
-        tl.store(out_ptr + r64[:, None] * width + c[None, :], value.to(out_ptr.dtype.element_ty), mask=in_bounds)
+    value = f
+    if GATED:
+        value = f * u
+    target = act_ptr if BACKWARD else out_ptr
+    tl.store(target + r64[:, None] * width + c[None, :], value.to(target.dtype.element_ty), mask=in_bounds)
 
 
-def _launch(h, grad, out, offsets, name, limit, backward):
+def _launch(h, grad, out, act, offsets, name, limit, backward):
     code = _CODES[name]
     gated = code in _GATED
     rows, width = h.shape[0], h.shape[1] // (2 if gated else 1)
     block_r, block_c = 16, 128
     grid = (triton.cdiv(rows, block_r), triton.cdiv(width, block_c))
     if rows and width:
-        _act_kernel[grid](h, grad if grad is not None else h, out, out, offsets, offsets.shape[0], rows, width,
+        _act_kernel[grid](h, grad if grad is not None else h, out, act if act is not None else out, offsets, offsets.shape[0], rows, width,
                           float(limit), CODE=code, GATED=gated, BACKWARD=backward, BLOCK_R=block_r,
                           BLOCK_C=block_c)
     return out
@@ -96,11 +96,16 @@ def _launch(h, grad, out, offsets, name, limit, backward):
 def activation_forward(h, offsets, name, limit):
     gated = _CODES[name] in _GATED
     out = h.new_empty(h.shape[0], h.shape[1] // (2 if gated else 1))
-    return _launch(h.contiguous(), None, out, offsets, name, limit, backward=False)
+    return _launch(h.contiguous(), None, out, None, offsets, name, limit, backward=False)
 
 
 def activation_backward(h, grad, offsets, name, limit):
-    return _launch(h.contiguous(), grad.contiguous(), torch.empty_like(h), offsets, name, limit, backward=True)
+    """(grad_h, act): the derivative and the recomputed activation, one pass over h."""
+    gated = _CODES[name] in _GATED
+    act = h.new_empty(h.shape[0], h.shape[1] // (2 if gated else 1))
+    grad_h = _launch(h.contiguous(), grad.contiguous(), torch.empty_like(h), act, offsets, name, limit,
+                     backward=True)
+    return grad_h, act
 
 
 @triton.jit

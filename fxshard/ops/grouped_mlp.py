@@ -14,11 +14,13 @@ experts: g' = min(g, limit), u' = clamp(u, -limit, limit), g'*sigmoid(1.702 g')*
 non-gated `gelu` (exact erf) and `relu`.
 
 Three graph nodes, so a scheduler can place them independently:
-    grouped_mlp_fwd    -> (out, h)        h: fc1's output (pre-activation, bias added), saved
-    grouped_mlp_dgrad  -> (grad_x, grad_h)
+    grouped_mlp_fwd    -> (out, h)        h: fc1's output (pre-activation, bias added), saved;
+                                          its rows past offsets[-1] are unspecified
+    grouped_mlp_dgrad  -> (grad_x, grad_h, act)   act: the activation, recomputed from h
     grouped_mlp_wgrad  -> (grad_w1, grad_w2, grad_b1, grad_b2)  (bias grads are [0] without bias)
-The backward saves x and h only; the activation output is recomputed from h in the weight-gradient
-part (an unfused graph keeps the gate's activation and the F-wide product alive as well).
+The forward keeps x and h only for the backward (an unfused graph keeps the gate's activation and
+the F-wide product alive as well); the data-gradient part recomputes the activation in the same
+kernel pass that differentiates it and hands it to the weight-gradient part.
 Where the kernels run is a backend's choice (`fxshard.ops.grouped_mlp_backends`).
 """
 
@@ -53,7 +55,7 @@ def grouped_mlp_fwd(x: Tensor, offsets: Tensor, w1: Tensor, w2: Tensor, b1: Opti
                     b2: Optional[Tensor], activation: str, limit: float) -> tuple[Tensor, Tensor]:
     _check(x, offsets, w1, w2, activation)
     backend = backend_for(x, w1, w2)
-    h = backend.gemm(x, offsets, w1)
+    h = backend.gemm(x, offsets, w1, zero_tail=False)  # the activation kernels mask rows past the end
     if b1 is not None:
         h = h + _bias_rows(b1, offsets, x.shape[0])
     out = backend.gemm(backend.act(h, offsets, activation, limit), offsets, w2)
@@ -70,24 +72,24 @@ def _fwd_fake(x, offsets, w1, w2, b1, b2, activation, limit):
 
 @torch.library.custom_op("fxshard::grouped_mlp_dgrad", mutates_args=())
 def grouped_mlp_dgrad(grad_out: Tensor, h: Tensor, offsets: Tensor, w1: Tensor, w2: Tensor, activation: str,
-                      limit: float) -> tuple[Tensor, Tensor]:
+                      limit: float) -> tuple[Tensor, Tensor, Tensor]:
     backend = backend_for(grad_out, w1, w2)
-    grad_act = backend.gemm(grad_out, offsets, w2.transpose(1, 2))
-    grad_h = backend.act_backward(h, grad_act, offsets, activation, limit)
-    return backend.gemm(grad_h, offsets, w1.transpose(1, 2)), grad_h
+    grad_act = backend.gemm(grad_out, offsets, w2.transpose(1, 2), zero_tail=False)  # masked by act_backward
+    grad_h, act = backend.act_backward(h, grad_act, offsets, activation, limit)
+    return backend.gemm(grad_h, offsets, w1.transpose(1, 2)), grad_h, act
 
 
 @grouped_mlp_dgrad.register_fake
 def _dgrad_fake(grad_out, h, offsets, w1, w2, activation, limit):
-    return grad_out.new_empty(grad_out.shape[0], w1.shape[2]), torch.empty_like(h)
+    return (grad_out.new_empty(grad_out.shape[0], w1.shape[2]), torch.empty_like(h),
+            h.new_empty(h.shape[0], w2.shape[2]))
 
 
 @torch.library.custom_op("fxshard::grouped_mlp_wgrad", mutates_args=())
-def grouped_mlp_wgrad(grad_out: Tensor, grad_h: Tensor, x: Tensor, h: Tensor, offsets: Tensor, activation: str,
-                      limit: float, with_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def grouped_mlp_wgrad(grad_out: Tensor, grad_h: Tensor, x: Tensor, act: Tensor, offsets: Tensor,
+                      with_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     backend = backend_for(x, grad_h, grad_out)
     experts = offsets.shape[0]
-    act = backend.act(h, offsets, activation, limit)  # recomputed, not saved
     grad_w1 = backend.gemm_wgrad(grad_h, x, offsets, experts)
     grad_w2 = backend.gemm_wgrad(grad_out, act, offsets, experts)
     if not with_bias:
@@ -96,10 +98,10 @@ def grouped_mlp_wgrad(grad_out: Tensor, grad_h: Tensor, x: Tensor, h: Tensor, of
 
 
 @grouped_mlp_wgrad.register_fake
-def _wgrad_fake(grad_out, grad_h, x, h, offsets, activation, limit, with_bias):
+def _wgrad_fake(grad_out, grad_h, x, act, offsets, with_bias):
     experts = offsets.shape[0]
     w1 = grad_h.new_empty(experts, grad_h.shape[1], x.shape[1])
-    w2 = grad_out.new_empty(experts, grad_out.shape[1], h.shape[1] // (2 if ACTIVATIONS[activation].gated else 1))
+    w2 = grad_out.new_empty(experts, grad_out.shape[1], act.shape[1])
     if not with_bias:
         return w1, w2, grad_h.new_empty(0), grad_out.new_empty(0)
     return w1, w2, grad_h.new_empty(experts, grad_h.shape[1]), grad_out.new_empty(experts, grad_out.shape[1])
@@ -127,9 +129,8 @@ def _backward(ctx, grad_out, grad_h_output):
         raise RuntimeError("grouped_mlp_fwd's h output is for the backward only; do not differentiate through it")
     if grad_out is None:
         return (None,) * 8
-    grad_x, grad_h = grouped_mlp_dgrad(grad_out, h, offsets, w1, w2, ctx.activation, ctx.limit)
-    grad_w1, grad_w2, grad_b1, grad_b2 = grouped_mlp_wgrad(grad_out, grad_h, x, h, offsets, ctx.activation,
-                                                           ctx.limit, ctx.with_bias)
+    grad_x, grad_h, act = grouped_mlp_dgrad(grad_out, h, offsets, w1, w2, ctx.activation, ctx.limit)
+    grad_w1, grad_w2, grad_b1, grad_b2 = grouped_mlp_wgrad(grad_out, grad_h, x, act, offsets, ctx.with_bias)
     wants = ctx.needs_input_grad
     return (grad_x if wants[0] else None, None, grad_w1 if wants[2] else None, grad_w2 if wants[3] else None,
             grad_b1 if wants[4] else None, grad_b2 if wants[5] else None, None, None)

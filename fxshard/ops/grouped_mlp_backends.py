@@ -2,10 +2,12 @@
 
 A backend is four functions over tokens sorted by expert (see grouped_mlp.py for the layout):
 
-    gemm(x, offsets, w)              [T, out]: x[rows of e] @ w[e].T, zero past offsets[-1]
+    gemm(x, offsets, w, zero_tail=True)  [T, out]: x[rows of e] @ w[e].T, zero past offsets[-1]
+                                     (zero_tail=False: rows past it unspecified, for a consumer
+                                     that masks them itself)
     gemm_wgrad(grad, x, offsets, E)  [E, out, in]: grad[rows of e].T @ x[rows of e]
     act(h, offsets, name, limit)     the activation, zero past offsets[-1]
-    act_backward(h, grad, offsets, name, limit)   d act / d h applied to grad
+    act_backward(h, grad, offsets, name, limit)   (d act / d h applied to grad, act), one pass
 
 plus `supports(*tensors)`. `backend_for` takes the first registered backend that supports the
 call, or the one named by FXSHARD_GROUPED_MLP_BACKEND. Registered here: `cuda` (torch._grouped_mm
@@ -16,6 +18,7 @@ TransformerEngine's grouped linear would register as one more backend where it i
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -101,7 +104,7 @@ class ReferenceBackend:
     def supports(self, *tensors) -> bool:
         return True
 
-    def gemm(self, x, offsets, w):
+    def gemm(self, x, offsets, w, zero_tail=True):
         out = x.new_zeros(x.shape[0], w.shape[1])
         start = 0
         for expert, end in enumerate(offsets.tolist()):
@@ -125,7 +128,9 @@ class ReferenceBackend:
 
     def act_backward(self, h, grad, offsets, name, limit):
         wide = torch.promote_types(h.dtype, torch.float32)
-        return ACTIVATIONS[name].backward(h.to(wide), grad.to(wide), limit).to(h.dtype)
+        spec = ACTIVATIONS[name]
+        return (spec.backward(h.to(wide), grad.to(wide), limit).to(h.dtype),
+                spec.torch(h.to(wide), limit).to(h.dtype))
 
 
 class CudaBackend:
@@ -137,13 +142,13 @@ class CudaBackend:
     def supports(self, *tensors) -> bool:
         if not all(t.is_cuda and t.dtype == torch.bfloat16 for t in tensors):
             return False
-        if not hasattr(torch, "_grouped_mm") or torch.cuda.get_device_capability(tensors[0].device) < (9, 0):
+        if not _has_grouped_gemm(tensors[0].device.index or 0):
             return False
         return all(s % 8 == 0 for t in tensors for s in t.shape[-1:])  # 16-byte rows for the GEMM
 
-    def gemm(self, x, offsets, w):
+    def gemm(self, x, offsets, w, zero_tail=True):
         out = torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
-        return _zero_tail(out, offsets)
+        return _zero_tail(out, offsets) if zero_tail else out
 
     def gemm_wgrad(self, grad, x, offsets, experts):
         return torch._grouped_mm(grad.t(), x, offs=offsets)
@@ -157,6 +162,11 @@ class CudaBackend:
         from ._triton_grouped_mlp import activation_backward
 
         return activation_backward(h, grad, offsets, name, limit)
+
+
+@functools.lru_cache(maxsize=None)
+def _has_grouped_gemm(device_index: int) -> bool:
+    return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def _zero_tail(out: Tensor, offsets: Tensor) -> Tensor:
