@@ -68,7 +68,8 @@ class SwiGLU(nn.Module):
 def init_weights(model: nn.Module, n_layer: int, std: float = 0.02) -> None:
     """Normal(0, std) for matrices, residual output projections scaled by 1/sqrt(2 n_layer)."""
     for name, p in model.named_parameters():
-        if p.dim() < 2:
+        if p.dim() < 2 or name.split(".")[-1].startswith("bias"):
             continue
-        scale = 1 / math.sqrt(2 * n_layer) if name.endswith(("proj.weight", "down.weight", "w2")) else 1.0
+        residual_out = name.endswith(("proj.weight", "down.weight")) or ".experts.fc2.weight" in name
+        scale = 1 / math.sqrt(2 * n_layer) if residual_out else 1.0
         nn.init.normal_(p, mean=0.0, std=std * scale)

@@ -13,9 +13,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fxshard.checkpoint import ExpertLayout
 from fxshard.ops import grouped_mm
 
 from .blocks import Attention, RMSNorm, SwiGLU, init_weights, rope_tables
+from .grouped_linear import GroupedLinear
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,8 @@ class MoEGPTConfig:
     d_ff_shared: int | None = 64      # None: no shared expert
     normalize_top_k: bool = True      # renormalize the k routing weights to sum to 1
     aux_loss_coef: float = 0.01       # load-balancing loss weight, per MoE layer
+    expert_weights: str = "grouped"   # "grouped" ([E, out, in] parameters) or "indexed" (weight0...)
+    glu_interleave_size: int | None = None  # fc1 rows stored GLU-interleaved in blocks of this size
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
 
@@ -48,20 +52,19 @@ class MoEGPTConfig:
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts stored as grouped weights: w1 [E, 2F, D] (gate rows, then up rows), w2 [E, D, F]."""
+    """E SwiGLU experts: fc1 [E, 2F, D] (gate rows, then up rows), fc2 [E, D, F], in any storage
+    layout (models.GroupedLinear); the forward always sees grouped, plain-row weights."""
 
-    def __init__(self, n_expert: int, d_model: int, d_ff: int):
+    def __init__(self, n_expert: int, d_model: int, d_ff: int, layout: str = "grouped",
+                 glu_interleave_size: int | None = None):
         super().__init__()
-        self.w1 = nn.Parameter(torch.empty(n_expert, 2 * d_ff, d_model))
-        self.w2 = nn.Parameter(torch.empty(n_expert, d_model, d_ff))
-
-    def reset_parameters(self, std: float = 0.02):
-        nn.init.normal_(self.w1, std=std)
-        nn.init.normal_(self.w2, std=std)
+        self.fc1 = GroupedLinear(n_expert, d_model, 2 * d_ff, layout=ExpertLayout(layout, glu_interleave_size),
+                                 glu=True, init_std=0.02)
+        self.fc2 = GroupedLinear(n_expert, d_ff, d_model, layout=ExpertLayout(layout), init_std=0.02)
 
     def forward(self, tokens, offsets):
-        gate, up = grouped_mm(tokens, offsets, self.w1).chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, offsets, self.w2)
+        gate, up = grouped_mm(tokens, offsets, self.fc1.weight_grouped()).chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate) * up, offsets, self.fc2.weight_grouped())
 
 
 class MoE(nn.Module):
@@ -69,7 +72,8 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.router = nn.Linear(cfg.d_model, cfg.n_expert, bias=False)
-        self.experts = GroupedExperts(cfg.n_expert, cfg.d_model, cfg.d_ff_expert)
+        self.experts = GroupedExperts(cfg.n_expert, cfg.d_model, cfg.d_ff_expert, cfg.expert_weights,
+                                      cfg.glu_interleave_size)
         self.shared = SwiGLU(cfg.d_model, cfg.d_ff_shared) if cfg.d_ff_shared else None
 
     def forward(self, x):

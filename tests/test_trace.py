@@ -47,7 +47,7 @@ def test_backward_nodes_inherit_their_forward_layer(moe_program):
 
 def test_parameters_their_gradients_and_updates_are_named(moe_program):
     names = {i.name for i in moe_program.inputs_of(InputKind.PARAM)}
-    assert "layers.0.moe.experts.w1" in names
+    assert "layers.0.moe.experts.fc1.weight" in names
     gradients = {meta.param(n) for n in moe_program.graph.nodes if meta.phase(n) == meta.BWD and meta.param(n)}
     assert gradients == names
     updated = {o.name for o in moe_program.outputs_of(OutputKind.PARAM)}
