@@ -1,0 +1,325 @@
+"""Stage split: cut a traced Program at layer boundaries into pipeline chunks.
+
+The input is the program of one microbatch. Its layers (`pre`, the model's blocks, `post`) are
+dealt into `chunks` contiguous groups — balanced by parameter count, or as `stage_layers` says —
+with `pre` (embedding) in the first chunk and `post` (head and loss) in the last. Every forward and
+backward node belongs to its layer's chunk; the optimizer phase is left out (the runtime updates
+each rank's parameters after all microbatches).
+
+Each `Chunk` has two graphs with explicit boundaries:
+
+    forward   (params, batch leaves, received activations) -> (sent activations, saved values[, loss])
+    backward  (params, batch leaves, saved values, received gradients) -> (sent gradients, parameter gradients)
+
+`sent` of chunk c is every forward value made in chunks <= c that a later chunk reads (an activation
+a later chunk needs passes through the chunks between: point-to-point only ever goes c -> c+1); the
+backward's sent gradients likewise flow c -> c-1. A parameter read by several chunks (tied
+embedding and head) gets a partial gradient from each; the runtime sums them before the update.
+
+Invariant: running the chunks' forwards in order and then their backwards in reverse order, passing
+each chunk's sent values to its neighbour, gives the loss and the parameter gradients (partials
+summed) of the input program's forward and backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from fxshard import meta
+from fxshard.errors import FxShardError
+from fxshard.program import InputKind, Program
+
+_ADD = torch.ops.aten.add.Tensor
+_CAST = torch.ops.aten._to_copy.default
+
+
+@dataclass(frozen=True)
+class Chunk:
+    index: int
+    layers: tuple[str, ...]
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    params: tuple[str, ...]       # parameters (and read-only buffers) both graphs take first, in this order
+    batch: tuple[int, ...]        # indices of the batch leaves both graphs take next
+    recv: tuple[str, ...]         # activations received from chunk index-1 (forward inputs, after the batch)
+    send: tuple[str, ...]         # activations sent to chunk index+1 (forward outputs, first)
+    saved: tuple[str, ...]        # forward outputs after `send`, backward inputs after the batch
+    has_loss: bool                # the forward's last output is the loss
+    grad_recv: tuple[str, ...]    # gradients received from chunk index+1 (backward inputs, last)
+    grad_send: tuple[str, ...]    # gradients sent to chunk index-1 (backward outputs, first)
+    grads: tuple[str, ...]        # parameters whose (partial) gradient follows, in this order
+
+    @property
+    def forward_outputs(self) -> tuple[str, ...]:
+        """Names of the forward's outputs before the loss: sent values, then saved values not sent."""
+        return self.send + tuple(s for s in self.saved if s not in self.send)
+
+
+@dataclass(frozen=True)
+class PipelineProgram:
+    chunks: tuple[Chunk, ...]
+    source: Program
+    layers: tuple[tuple[str, ...], ...]
+
+    def summary(self) -> str:
+        lines = []
+        for c in self.chunks:
+            lines.append(f"chunk {c.index}: layers {', '.join(c.layers)}; {len(c.params)} params; "
+                         f"recv {len(c.recv)} send {len(c.send)} saved {len(c.saved)}; "
+                         f"grad recv {len(c.grad_recv)} send {len(c.grad_send)}; "
+                         f"forward {_count(c.forward)} nodes, backward {_count(c.backward)} nodes")
+        return "\n".join(lines)
+
+
+def _count(gm: fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function")
+
+
+def assign_layers(layers: list[str], chunks: int, param_bytes: dict[str, int],
+                  stage_layers: list[int] | None = None) -> list[list[str]]:
+    """Blocks dealt into `chunks` contiguous groups; `pre` joins the first, `post` the last."""
+    if chunks < 1:
+        raise FxShardError(f"a pipeline needs at least one chunk, got {chunks}")
+    if chunks > max(len(layers), 1):
+        raise FxShardError(f"{chunks} pipeline chunks (stages x virtual stages) but the model has only "
+                           f"{len(layers)} layers to cut between; use fewer stages or virtual stages")
+    if stage_layers is not None:
+        if len(stage_layers) != chunks or sum(stage_layers) != len(layers) or min(stage_layers) < 1:
+            raise FxShardError(f"stage_layers={list(stage_layers)} must give {chunks} positive layer counts "
+                               f"summing to the model's {len(layers)} layers")
+        counts = list(stage_layers)
+    else:
+        counts = _balanced(layers, chunks, param_bytes)
+    groups, start = [], 0
+    for count in counts:
+        groups.append(layers[start:start + count])
+        start += count
+    groups[0] = [meta.PRE, *groups[0]]
+    groups[-1] = [*groups[-1], meta.POST]
+    return groups
+
+
+def _balanced(layers, chunks, param_bytes) -> list[int]:
+    """Contiguous counts minimizing the largest chunk's parameter bytes (each chunk >= 1 layer)."""
+    weights = [max(param_bytes.get(layer, 0), 1) for layer in layers]
+    n = len(layers)
+    # best[k][i]: minimal largest-chunk weight splitting layers[:i] into k chunks
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(chunks + 1)]
+    cut = [[0] * (n + 1) for _ in range(chunks + 1)]
+    best[0][0] = 0
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    for k in range(1, chunks + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    counts, i = [], n
+    for k in range(chunks, 0, -1):
+        j = cut[k][i]
+        counts.append(i - j)
+        i = j
+    return counts[::-1]
+
+
+def split_stages(program: Program, chunks: int, stage_layers: list[int] | None = None) -> PipelineProgram:
+    """Cut `program` (one microbatch, as traced) into `chunks` pipeline chunks. See the module docstring."""
+    graph = program.graph
+    if any(meta.microbatch(n) for n in graph.nodes):
+        raise FxShardError("split_stages takes the program of one microbatch; the pipeline runtime "
+                           "feeds microbatches itself (leave Config(microbatches) to the schedule)")
+    if program.outputs_of(_output_kind("BUFFER")):
+        raise FxShardError("the model updates buffers in its forward (e.g. BatchNorm statistics); "
+                           "pipeline parallelism does not support buffer updates yet")
+    layers = [layer for layer in program.notes.get("layers", [])]
+    placeholders = dict(zip(program.placeholders(), program.inputs))
+    param_bytes: dict[str, int] = {}
+    for node, spec in placeholders.items():
+        if spec.kind is InputKind.PARAM:
+            value = node.meta["val"]
+            param_bytes[meta.layer(node)] = param_bytes.get(meta.layer(node), 0) + value.numel() * value.element_size()
+    groups = assign_layers(layers, chunks, param_bytes, stage_layers)
+    chunk_of_layer = {layer: c for c, group in enumerate(groups) for layer in group}
+    return _Splitter(program, groups, chunk_of_layer).run()
+
+
+def _output_kind(name):
+    from fxshard.program import OutputKind
+
+    return OutputKind[name]
+
+
+class _Splitter:
+    def __init__(self, program: Program, groups, chunk_of_layer):
+        self.program, self.groups, self.chunk_of_layer = program, groups, chunk_of_layer
+        self.graph = program.graph
+        self.order = {n: i for i, n in enumerate(self.graph.nodes)}
+        self.specs = dict(zip(program.placeholders(), program.inputs))
+
+    def chunk(self, node: fx.Node) -> int:
+        layer = meta.layer(node)
+        if layer not in self.chunk_of_layer:
+            raise FxShardError(f"node {node.name} belongs to layer {layer!r}, which no pipeline chunk holds")
+        return self.chunk_of_layer[layer]
+
+    def run(self) -> PipelineProgram:
+        count = len(self.groups)
+        self.gradient_parts = self.find_gradient_parts()
+        combine = {n for parts in self.gradient_parts.values() for n in parts["tree"]}
+        fwd = [[] for _ in range(count)]
+        bwd = [[] for _ in range(count)]
+        for node in self.graph.nodes:
+            if node.op != "call_function" or node in combine:
+                continue
+            phase = meta.phase(node)
+            if phase == meta.FWD:
+                fwd[self.chunk(node)].append(node)
+            elif phase == meta.BWD:
+                bwd[self.chunk(node)].append(node)
+        where = {n: ("fwd", c) for c, nodes in enumerate(fwd) for n in nodes}
+        where.update({n: ("bwd", c) for c, nodes in enumerate(bwd) for n in nodes})
+        loss = self.program.output_nodes()[0]
+        # forward values a later chunk reads (its forward or its backward); backward values an earlier chunk reads
+        last_reader: dict[fx.Node, int] = {}
+        first_reader: dict[fx.Node, int] = {}
+        for node, (phase, c) in where.items():
+            for source in node.all_input_nodes:
+                if source not in where:
+                    continue
+                source_phase, source_chunk = where[source]
+                if source_phase == "fwd" and c > source_chunk:
+                    last_reader[source] = max(last_reader.get(source, c), c)
+                elif source_phase == "fwd" and c < source_chunk:
+                    raise FxShardError(f"{node.name} (chunk {c}) reads {source.name} made by the forward of a "
+                                       f"later chunk {source_chunk}: layers do not run in pipeline order")
+                elif source_phase == "bwd" and phase == "bwd" and c < source_chunk:
+                    first_reader[source] = min(first_reader.get(source, c), c)
+                elif source_phase == "bwd" and c > source_chunk:
+                    raise FxShardError(f"{node.name} (chunk {c}) reads the gradient {source.name} of an "
+                                       f"earlier chunk {source_chunk}: the backward does not run in reverse order")
+        sends = [[n for n in self.graph.nodes if n in last_reader and where[n][1] <= c < last_reader[n]]
+                 for c in range(count)]
+        grad_sends = [[n for n in self.graph.nodes if n in first_reader and first_reader[n] < c <= where[n][1]]
+                      for c in range(count)]
+        result = []
+        for c in range(count):
+            result.append(self.build_chunk(c, fwd[c], bwd[c], sends, grad_sends, loss))
+        return PipelineProgram(tuple(result), self.program, tuple(tuple(g) for g in self.groups))
+
+    def find_gradient_parts(self):
+        """Parameter name -> {"parts": {chunk: [contributing nodes]}, "tree": nodes that only sum them,
+        "cast": dtype to cast each partial to, or None}."""
+        parts = {}
+        for node in self.graph.nodes:
+            if meta.phase(node) != meta.OPTIM:
+                continue
+            for source in node.all_input_nodes:
+                if meta.phase(source) == meta.BWD and meta.param(source) and meta.param(source) not in parts:
+                    parts[meta.param(source)] = self.decompose(source)
+        return parts
+
+    def decompose(self, grad: fx.Node):
+        cast, top = None, grad
+        if grad.target is _CAST and len(grad.users) >= 1:
+            cast, top = grad.kwargs.get("dtype"), grad.args[0]
+        tree, leaves = [], []
+
+        def walk(node, is_top):
+            mixed = node.target is _ADD and (is_top or len(node.users) == 1) and \
+                len({self.chunk_of_subtree(a) for a in node.args[:2] if isinstance(a, fx.Node)}) > 1
+            if mixed:
+                tree.append(node)
+                for a in node.args[:2]:
+                    walk(a, False)
+            else:
+                leaves.append(node)
+
+        walk(top, True)
+        if not tree:  # one chunk computes the whole gradient
+            return {"parts": {self.chunk(grad): [grad]}, "tree": [], "cast": None}
+        if cast is not None:
+            tree.append(grad)
+        by_chunk: dict[int, list[fx.Node]] = {}
+        for leaf in leaves:
+            by_chunk.setdefault(self.chunk(leaf), []).append(leaf)
+        return {"parts": by_chunk, "tree": tree, "cast": cast}
+
+    def chunk_of_subtree(self, node: fx.Node) -> int | None:
+        return self.chunk(node) if node.op == "call_function" else None
+
+    def build_chunk(self, c, fwd_nodes, bwd_nodes, sends, grad_sends, loss) -> Chunk:
+        recv = sends[c - 1] if c > 0 else []
+        send = sends[c]
+        grad_recv = grad_sends[c + 1] if c + 1 < len(sends) else []
+        grad_send = grad_sends[c]
+        fwd_set, recv_set = set(fwd_nodes), set(recv)
+        bwd_set, grad_recv_set = set(bwd_nodes), set(grad_recv)
+        grads = {name: info for name, info in self.gradient_parts.items() if c in info["parts"]}
+        extra_bwd_outputs = [n for info in grads.values() for n in info["parts"][c]]
+        # saved: forward-side values this chunk's backward (or its gradient outputs) reads
+        saved = []
+        for node in [*bwd_nodes, *extra_bwd_outputs]:
+            for source in ([node] if node in fwd_set or node in recv_set else node.all_input_nodes):
+                if (source in fwd_set or source in recv_set) and source not in saved:
+                    saved.append(source)
+        saved.sort(key=self.order.get)
+        external = [n for n in self.program.placeholders()
+                    if any(u in fwd_set or u in bwd_set for u in n.users) or n in extra_bwd_outputs]
+        params = [n for n in external if self.specs[n].kind in (InputKind.PARAM, InputKind.BUFFER)]
+        batch = [n for n in external if self.specs[n].kind is InputKind.BATCH]
+        other = [n for n in external if n not in params and n not in batch]
+        if other:
+            raise FxShardError(f"chunk {c} reads {[self.specs[n].name for n in other]}, which only the "
+                               f"optimizer may read")
+        has_loss = loss in fwd_set
+        forward = self.subgraph(fwd_nodes, [*params, *batch, *recv],
+                                [*send, *[s for s in saved if s not in send], *([loss] if has_loss else [])])
+        partials = []
+        for name, info in grads.items():
+            partials.append((name, info["parts"][c], info["cast"]))
+        backward = self.subgraph(bwd_nodes, [*params, *batch, *saved, *grad_recv],
+                                 [*grad_send], partials=partials)
+        placeholders = self.program.placeholders()
+        leaves = [n for n in placeholders if self.specs[n].kind is InputKind.BATCH]
+        return Chunk(c, tuple(self.groups[c]), forward, backward,
+                     tuple(self.specs[n].name for n in params), tuple(leaves.index(n) for n in batch),
+                     tuple(n.name for n in recv), tuple(n.name for n in send), tuple(n.name for n in saved),
+                     has_loss, tuple(n.name for n in grad_recv), tuple(n.name for n in grad_send),
+                     tuple(name for name, _, _ in partials))
+
+    def subgraph(self, nodes, inputs, outputs, partials=()) -> fx.GraphModule:
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for node in inputs:
+            if node in env:
+                continue
+            placeholder = graph.placeholder(node.name)
+            placeholder.meta.update(node.meta)
+            env[node] = placeholder
+        for node in nodes:
+            if node in env:
+                continue
+            missing = [i for i in node.all_input_nodes if i not in env]
+            if missing:
+                raise FxShardError(f"pipeline split: {node.name} ({meta.layer(node)}) reads "
+                                   f"{[m.name for m in missing]} that its chunk neither makes nor receives")
+            env[node] = graph.node_copy(node, env.get)
+        results = [env[n] for n in outputs]
+        for name, contributions, cast in partials:
+            values = [env[n] for n in contributions]
+            total = values[0]
+            for value in values[1:]:
+                total = graph.call_function(_ADD, (total, value))
+            if cast is not None:
+                total = graph.call_function(_CAST, (total,), {"dtype": cast})
+            results.append(total)
+        graph.output(tuple(results))
+        graph.eliminate_dead_code()
+        graph.lint()
+        return fx.GraphModule(self.program.graph_module, graph)
