@@ -48,6 +48,8 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     groups, coords = _process_groups(mesh, example_batch)
     if config.dump_dir is None and os.environ.get("FXSHARD_DUMP"):
         config = dataclasses.replace(config, dump_dir=os.environ["FXSHARD_DUMP"])
+    if mesh is not None and mesh.pp > 1:
+        return _shard_pipeline(model, loss_fn, example_batch, optimizer, mesh, config, groups, coords)
     tensors = [*model.parameters(), *model.buffers()]
     is_meta = any(t.is_meta for t in tensors)
     if is_meta and not all(t.is_meta for t in tensors):
@@ -87,8 +89,60 @@ def _process_groups(mesh: Mesh | None, example_batch):
         raise FxShardError(f"{mesh} has {mesh.size} ranks but the process group has {dist.get_world_size()}; "
                            f"make them agree")
     device_type = BatchSpec.from_example(example_batch).device.type
-    device_mesh = init_device_mesh(device_type, (mesh.dp,), mesh_dim_names=("dp",))
-    return {"dp": device_mesh.get_group("dp")}, {"dp": device_mesh.get_local_rank("dp")}
+    if mesh.pp == 1:
+        device_mesh = init_device_mesh(device_type, (mesh.dp,), mesh_dim_names=("dp",))
+        return {"dp": device_mesh.get_group("dp")}, {"dp": device_mesh.get_local_rank("dp")}
+    device_mesh = init_device_mesh(device_type, (mesh.pp, mesh.dp), mesh_dim_names=("pp", "dp"))  # dp fastest
+    return ({axis: device_mesh.get_group(axis) for axis in ("pp", "dp")},
+            {axis: device_mesh.get_local_rank(axis) for axis in ("pp", "dp")})
+
+
+def _shard_pipeline(model, loss_fn, example_batch, optimizer, mesh, config, groups, coords):
+    """Mesh(pp=P, dp=N): trace one microbatch, cut it into P*V chunks, run them on a schedule."""
+    from fxshard.passes import fuse_grouped_mlp
+    from fxshard.passes.pipeline import split_stages
+
+    from . import schedule as schedules
+    from .runtime.pipeline import PipelineStep
+
+    if mesh.dp > 1 and config.sharding != "no_shard":
+        raise FxShardError(f"{mesh} with sharding={config.sharding!r}: pipeline stages replicate over dp so far; "
+                           f"use Config(sharding='no_shard') (gradients all-reduced over dp)")
+    if config.cuda_graphs:
+        raise FxShardError("Config(cuda_graphs=True) does not run pipelines yet; leave it off with Mesh(pp>1)")
+    microbatches, stages, virtual = config.microbatches, mesh.pp, config.virtual_stages
+    batch_spec = BatchSpec.from_example(example_batch)
+    rows = batch_spec.leaves[0].shape[0] if batch_spec.leaves[0].shape else 0
+    if any(not leaf.shape or leaf.shape[0] != rows for leaf in batch_spec.leaves) or rows % microbatches:
+        raise FxShardError(f"Config(microbatches={microbatches}) splits the batch into pipeline microbatches along "
+                           f"dim 0; every batch leaf needs the same first dimension divisible by {microbatches}")
+    first = torch.utils._pytree.tree_map(
+        lambda t: t[:rows // microbatches] if isinstance(t, torch.Tensor) else t, example_batch)
+    if config.schedule == "gpipe":
+        schedule = schedules.gpipe(stages, microbatches, virtual)
+    elif config.schedule == "1f1b" and virtual == 1:
+        schedule = schedules.one_f_one_b(stages, microbatches)
+    else:
+        schedule = schedules.interleaved_one_f_one_b(stages, microbatches, virtual)
+    program = _trace(model, loss_fn, first, optimizer, dataclasses.replace(config, microbatches=1))
+    programs = [program]
+    if config.fuse_grouped_mlp:
+        programs.append(fuse_grouped_mlp(program).replace(name="fuse_grouped_mlp"))
+    pipeline = split_stages(programs[-1], schedule.chunks, config.stage_layers)
+    if config.dump_dir and coords["pp"] == 0 and coords["dp"] == 0:
+        from .dump import dump_pipeline, dump_programs
+
+        dump_programs(programs, config.dump_dir)
+        dump_pipeline(pipeline, schedule, config.dump_dir)
+    tensors = [*model.parameters(), *model.buffers()]
+    names = [*dict(model.named_parameters()), *dict(model.named_buffers())]
+    source = MetaInit(model, config.seed, batch_spec.device) if any(t.is_meta for t in tensors) else None
+    if source is not None:
+        values = source.tensors_named(set(names))
+    else:
+        values = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    return PipelineStep(pipeline, schedule, mesh, coords, groups, values, optimizer, batch_spec, microbatches,
+                        batch_spec.device)
 
 
 def _check_arguments(model, loss_fn, optimizer, config) -> None:

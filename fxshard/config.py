@@ -10,6 +10,7 @@ from .errors import FxShardError
 
 # FSDP strategies, Megatron's names (ZeRO: none, 1, 2, 3); passes/fsdp.py documents each.
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class Config:
     cuda_graphs: after two eager warm-up steps, capture the whole step into one CUDA graph and replay it.
     fuse_grouped_mlp: rewrite each MoE expert MLP (grouped GEMM -> activation -> grouped GEMM, forward
         and backward) into the fused `fxshard::grouped_mlp` op (passes/fuse_grouped_mlp.py).
+    schedule: with Mesh(pp=P): "1f1b" (default), "interleaved-1f1b" or "gpipe"; `microbatches` is the
+        number of pipeline microbatches M, `virtual_stages` V chunks per rank (interleaved: M % P == 0).
+    stage_layers: layers per pipeline chunk (P*V counts); default: balanced by parameter bytes.
     seed: initializes a model built on the meta device (fxshard.init: per module, seeded by its path).
     """
 
@@ -47,6 +51,9 @@ class Config:
     fsdp_prefetch: int = 1
     verbose: bool = False
     fuse_grouped_mlp: bool = False
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    stage_layers: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.layers is not None:
@@ -63,5 +70,13 @@ class Config:
                 raise FxShardError(f"{name} must be a floating torch.dtype such as torch.bfloat16, got {value!r}")
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise FxShardError(f"microbatches must be an int >= 1, got {self.microbatches!r}")
+        if self.schedule not in PIPELINE_SCHEDULES:
+            raise FxShardError(f"schedule={self.schedule!r}; choose one of {PIPELINE_SCHEDULES}")
+        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
+            raise FxShardError(f"virtual_stages must be an int >= 1, got {self.virtual_stages!r}")
+        if self.virtual_stages > 1 and self.schedule == "1f1b":
+            object.__setattr__(self, "schedule", "interleaved-1f1b")
+        if self.stage_layers is not None:
+            object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise FxShardError(f"clip_grad_norm must be > 0 or None, got {self.clip_grad_norm!r}")

@@ -126,3 +126,160 @@ def run_local(pipeline, schedule: Schedule, params: dict[str, torch.Tensor],
             waiting = {r.rank: str(r.actions[r.position]) for r in ranks if not r.done}
             raise FxShardError(f"pipeline schedule {schedule.name} deadlocked; waiting: {waiting}")
     return ranks
+
+
+class PipelineStep:
+    """`step(batch)` on one rank of a Mesh(pp=P, dp=N): this rank's chunks run the schedule over the
+    M microbatches of its data-parallel batch with point-to-point sends and receives, then
+
+      1. gradients of parameters held by several stages (tied embedding and head) are summed
+         across those stages, and averaged over the data-parallel ranks;
+      2. the loss (mean over microbatches, on the last stage) is shared with every stage and
+         averaged over data-parallel ranks;
+      3. the optimizer updates this rank's parameters; the gradient norm is one all-reduce of a
+         scalar over the pipeline (a tied parameter counted once).
+
+    Every rank of one pipeline calls `step` with the same batch (the first stage reads the inputs,
+    the last the targets). `parameters()` returns the parameters of this rank's chunks.
+    """
+
+    def __init__(self, pipeline, schedule: Schedule, mesh, coords: dict[str, int], groups: dict,
+                 params: dict[str, torch.Tensor], optimizer, batch_spec, microbatches: int, device):
+        import torch.distributed as dist
+
+        from ..graph import fake_mode_of
+
+        self.pipeline, self.schedule, self.mesh = pipeline, schedule, mesh
+        self.pp_rank, self.dp_rank = coords["pp"], coords["dp"]
+        self.groups, self.optimizer, self.batch_spec = groups, optimizer, batch_spec
+        self.microbatches, self.device = microbatches, device
+        self.step_count = 0
+        self.local_chunks = [c for c in pipeline.chunks if schedule.rank_of(c.index) == self.pp_rank]
+        names = list(dict.fromkeys(n for c in self.local_chunks for n in c.params))
+        self.params = {n: params[n].detach().clone() for n in names}
+        self.trainable = list(dict.fromkeys(n for c in self.local_chunks for n in c.grads))
+        self.states = {(n, slot): value for n in self.trainable
+                       for slot, value in optimizer.init_state(self.params[n]).items()}
+        # stages that hold each trained parameter; one process group per set shared by several stages
+        holders: dict[str, list[int]] = {}
+        for chunk in pipeline.chunks:
+            for name in chunk.grads:
+                stage = schedule.rank_of(chunk.index)
+                if stage not in holders.setdefault(name, []):
+                    holders[name].append(stage)
+        self.shared_groups = {}
+        for stages in sorted({tuple(sorted(s)) for s in holders.values() if len(s) > 1}):
+            for dp in range(mesh.dp):  # every rank creates every group, in the same order
+                group = dist.new_group([mesh.rank_of(p, dp) for p in stages])
+                if dp == self.dp_rank and self.pp_rank in stages:
+                    for name, held in holders.items():
+                        if tuple(sorted(held)) == stages:
+                            self.shared_groups[name] = group
+        not_in_norm = frozenset(n for n in self.trainable if min(holders[n]) != self.pp_rank)
+        self._update = _optimizer_graph(pipeline.source, self.trainable, self.states, not_in_norm,
+                                        "pp" if mesh.pp > 1 else None, fake_mode_of(pipeline.source.graph))
+        if mesh.pp > 1:
+            from .step import bind_group_names
+            self._update = bind_group_names(self._update, {"pp": groups["pp"].group_name})
+        self._shapes = _message_shapes(pipeline)
+
+    def __call__(self, batch) -> dict[str, torch.Tensor]:
+        import torch.distributed as dist
+
+        from ..optim import lr_at
+
+        leaves = self.batch_spec.flatten(batch)
+        rows = leaves[0].shape[0] // self.microbatches
+        microbatches = [[leaf[m * rows:(m + 1) * rows] for leaf in leaves] for m in range(self.microbatches)]
+        executor = RankExecutor(self.pp_rank, self.pipeline, self.schedule, self.params, microbatches)
+        pending = []
+
+        def send(action, values):
+            peer = self.mesh.rank_of(action.peer, self.dp_rank)
+            ops = [dist.P2POp(dist.isend, v.contiguous(), peer) for v in values]
+            pending.extend(dist.batch_isend_irecv(ops) if ops else [])
+
+        def receive(action):
+            peer = self.mesh.rank_of(action.peer, self.dp_rank)
+            source = action.chunk - 1 if action.kind == "RF" else action.chunk + 1
+            buffers = [torch.empty(shape, dtype=dtype, device=self.device)
+                       for shape, dtype in self._shapes[action.kind[1], source]]
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, b, peer) for b in buffers]) if buffers else []:
+                work.wait()
+            return buffers
+
+        while not executor.done:
+            executor.step(receive, send)
+        for work in pending:
+            work.wait()
+        grads = {}
+        for name in self.trainable:
+            grad = executor.grads[name] / self.microbatches
+            if name in self.shared_groups:
+                dist.all_reduce(grad, group=self.shared_groups[name])
+            if self.mesh.dp > 1:
+                dist.all_reduce(grad, op=dist.ReduceOp.AVG, group=self.groups["dp"])
+            grads[name] = grad.to(self.params[name].dtype)  # reduced in reduce_dtype, applied in the master's
+        is_last = self.pp_rank == self.schedule.rank_of(len(self.pipeline.chunks) - 1)
+        loss = (torch.stack([executor.losses[m] for m in range(self.microbatches)]).mean().float() if is_last
+                else torch.zeros((), device=self.device))
+        if self.mesh.pp > 1:
+            dist.all_reduce(loss, group=self.groups["pp"])
+        if self.mesh.dp > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.groups["dp"])
+        self.step_count += 1
+        lr = torch.tensor(lr_at(self.optimizer, self.step_count), device=self.device)
+        step = torch.tensor(float(self.step_count), device=self.device)
+        outputs = self._update(*[self.params[n] for n in self.trainable], *[grads[n] for n in self.trainable],
+                               *self.states.values(), lr, step)
+        grad_norm, new = outputs[0], list(outputs[1:])
+        for name in self.trainable:
+            self.params[name] = new.pop(0)
+        for key in self.states:
+            self.states[key] = new.pop(0)
+        return {"loss": loss.detach(), "grad_norm": grad_norm.detach()}
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters (its chunks'), as tensors it will not change."""
+        from ..program import InputKind
+
+        kinds = {spec.name: spec.kind for spec in self.pipeline.source.inputs}
+        return {name: value.clone() for name, value in self.params.items() if kinds[name] is InputKind.PARAM}
+
+
+def _optimizer_graph(program, names, states, not_in_norm, norm_group, fake):
+    """(params..., grads..., states..., lr, step) -> (grad_norm, new params..., new states...)."""
+    import torch.fx as fx
+
+    from ..optimizer_graph import append_update
+
+    graph = fx.Graph()
+    values = {spec.name: node.meta["val"] for spec, node in zip(program.inputs, program.placeholders())}
+
+    def placeholder(name, value):
+        node = graph.placeholder(f"in_{len(graph.nodes)}")
+        node.meta["val"] = value
+        return node
+
+    params = [placeholder(n, values[n]) for n in names]
+    with fake:
+        grads = [placeholder(f"grad/{n}", torch.empty_like(values[n])) for n in names]
+        state_nodes = {key: placeholder("/".join(key), torch.empty_like(values[key[0]])) for key in states}
+        device = values[names[0]].device
+        lr = placeholder("lr", torch.empty((), device=device))
+        step = placeholder("step", torch.empty((), device=device))
+    grad_norm, new_params, new_states = append_update(graph, program.train, fake, names, params, grads, state_nodes,
+                                                      lr, step, norm_group=norm_group, not_in_norm=not_in_norm)
+    graph.output((grad_norm, *[new_params[n] for n in names], *[new_states[k] for k in states]))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _message_shapes(pipeline) -> dict[tuple[str, int], list[tuple[tuple[int, ...], torch.dtype]]]:
+    """("F", c) -> shapes of chunk c's sent activations; ("B", c) -> of its sent gradients."""
+    shapes = {}
+    for chunk in pipeline.chunks:
+        for kind, gm, count in (("F", chunk.forward, len(chunk.send)), ("B", chunk.backward, len(chunk.grad_send))):
+            output = next(n for n in gm.graph.nodes if n.op == "output")
+            values = [node.meta["val"] for node in output.args[0][:count]]
+            shapes[kind, chunk.index] = [(tuple(v.shape), v.dtype) for v in values]
+    return shapes

@@ -18,12 +18,16 @@ _WRITE_BACK = {OutputKind.PARAM: InputKind.PARAM, OutputKind.OPT_STATE: InputKin
 
 def bind_groups(program: Program, group_names: dict[str, str]) -> fx.GraphModule:
     """A copy of the program's graph whose collectives name real process groups instead of mesh axes."""
+    return bind_group_names(program.graph_module, group_names)
+
+
+def bind_group_names(graph_module: fx.GraphModule, group_names: dict[str, str]) -> fx.GraphModule:
     graph = fx.Graph()
-    graph.output(graph.graph_copy(program.graph, {}))
+    graph.output(graph.graph_copy(graph_module.graph, {}))
     for node in graph.nodes:
         if node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional":
             node.args = tuple(group_names.get(a, a) if isinstance(a, str) else a for a in node.args)
-    return fx.GraphModule(program.graph_module, graph)
+    return fx.GraphModule(graph_module, graph)
 
 
 class CompiledStep:

@@ -1,0 +1,97 @@
+"""Pipeline parallelism on real processes (gloo): schedules over the stage split train like one
+device on the same global batch (loss = mean over microbatches, and over data-parallel ranks)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fxshard
+from fxshard.launch import run_local
+from fxshard.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig
+from fxshard.testing import relative, torch_optimizer
+from test_foreign_models import GPT2
+
+ADAMW = fxshard.optim.AdamW(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+STEPS, ROWS, SEQ = 10, 8, 16
+MODELS = {
+    "gpt2": lambda: GPT(GPTConfig.preset("tiny")),
+    "gpt4": lambda: GPT(GPTConfig.preset("tiny", n_layer=4)),
+    "moe": lambda: MoEGPT(MoEGPTConfig.preset("tiny")),
+    "tied": lambda: GPT2(vocab=64, layers=2),
+}
+LOSSES = {"tied": lambda m, b: m(b["idx"], b["tgt"])}
+# GPT2's attention key bias has an exactly-zero true gradient (softmax is shift-invariant), which
+# AdamW turns into noise-sized updates: that model's parameters are compared under SGD with momentum
+OPTIMIZERS = {"tied": fxshard.optim.SGD(lr=0.05, momentum=0.9)}
+
+# (model, Mesh pp, dp, schedule, virtual stages, microbatches)
+WORLD_2 = [("gpt2", 2, 1, "1f1b", 1, 4), ("gpt4", 2, 1, "interleaved-1f1b", 2, 4),
+           ("moe", 2, 1, "1f1b", 1, 8), ("tied", 2, 1, "1f1b", 1, 4), ("gpt4", 2, 1, "interleaved-1f1b", 2, 8)]
+WORLD_4 = [("gpt4", 4, 1, "1f1b", 1, 8), ("gpt4", 2, 2, "1f1b", 1, 4), ("gpt4", 4, 1, "1f1b", 1, 4)]
+
+
+def loss_fn(name):
+    return LOSSES.get(name, lambda m, b: m.loss(b))
+
+
+def batches(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [{"idx": torch.randint(0, 64, (ROWS, SEQ), generator=generator),
+             "tgt": torch.randint(0, 64, (ROWS, SEQ), generator=generator)} for _ in range(STEPS)]
+
+
+def train(configs, data):
+    rank = dist.get_rank()
+    results = []
+    for name, pp, dp, schedule, virtual, microbatches in configs:
+        mesh = fxshard.Mesh(pp=pp, dp=dp)
+        dp_rank = mesh.coords(rank)["dp"]
+        rows = ROWS // dp
+        local = [{k: v[dp_rank * rows:(dp_rank + 1) * rows] for k, v in b.items()} for b in data]
+        torch.manual_seed(0)
+        step = fxshard.shard(MODELS[name](), loss_fn(name), local[0], optimizer=OPTIMIZERS.get(name, ADAMW), mesh=mesh,
+                             config=fxshard.Config(schedule=schedule, virtual_stages=virtual,
+                                                   microbatches=microbatches, sharding="no_shard"))
+        losses = [step(b)["loss"].item() for b in local]
+        results.append((losses, step.parameters()))
+    return results
+
+
+def eager(name, dp, microbatches, data):
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    optimizer = torch_optimizer(OPTIMIZERS.get(name, ADAMW), model.parameters())
+    pieces = dp * microbatches
+    rows = ROWS // pieces
+    losses = []
+    for batch in data:
+        optimizer.zero_grad()
+        loss = sum(loss_fn(name)(model, {k: v[i * rows:(i + 1) * rows] for k, v in batch.items()})
+                   for i in range(pieces)) / pieces
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, dict(model.named_parameters())
+
+
+@pytest.mark.parametrize("world, configs", [(2, WORLD_2), (4, WORLD_4)], ids=["world2", "world4"])
+def test_pipeline_schedules_train_like_one_device(world, configs):
+    data = batches()
+    per_rank = run_local(train, world, configs, data, backend="gloo")
+    for index, (name, pp, dp, schedule, virtual, microbatches) in enumerate(configs):
+        ref_losses, ref_params = eager(name, dp, microbatches, data)
+        label = f"{name} pp={pp} dp={dp} {schedule} V={virtual} M={microbatches}"
+        seen = set()
+        for rank in range(world):
+            losses, params = per_rank[rank][index]
+            for ours, want in zip(losses, ref_losses):
+                assert abs(ours - want) <= 1e-5 * abs(want), (label, rank, losses, ref_losses)
+            # MoEGPT at one row per microbatch: the losses agree to 1e-5, but after 10 AdamW steps some
+            # parameters differ by ~3e-4 relative: the 8 microbatch gradients are summed in a different
+            # order than eager's one backward of the summed loss, and Adam's 1/sqrt(v) amplifies that for
+            # elements whose gradient is near zero
+            tolerance = 1e-3 if name == "moe" and microbatches == 8 else 1e-4
+            for pname, value in params.items():
+                assert relative(value, ref_params[pname]) < tolerance, (label, rank, pname)
+                seen.add(pname)
+        assert seen == {n for n, p in ref_params.items()} , (label, set(ref_params) - seen)
