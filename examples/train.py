@@ -7,6 +7,7 @@ random half is unpredictable and ignored.
     python examples/train.py                       # MoEGPT tiny on CPU, 300 steps
     python examples/train.py --model gpt --steps 100 --dump dumps/
     python examples/train.py --dp 2                # 2 local processes (gloo on CPU, NCCL on GPU), ZeRO-3
+    python examples/train.py --pp 2 --dp 2         # 4 processes: 2 pipeline stages (1F1B) x 2 data-parallel
 """
 
 from __future__ import annotations
@@ -41,8 +42,12 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=1)
     parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks (spawns local processes)")
-    parser.add_argument("--sharding", default="optim_grads_params",
-                        choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
+    parser.add_argument("--sharding", default=None, choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+                        help="default: optim_grads_params, or no_shard with --pp > 1")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (multiplies the processes)")
+    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "interleaved-1f1b", "gpipe"])
+    parser.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches (with --pp > 1)")
+    parser.add_argument("--virtual-stages", type=int, default=1, help="chunks per pipeline rank (interleaved)")
     return parser.parse_args(argv)
 
 
@@ -66,19 +71,24 @@ def lr_schedule(base_lr, warmup, total):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if args.steps < 1 or args.batch_size < 1 or args.copy_len < 1 or args.dp < 1:
-        raise SystemExit("--steps, --batch-size, --copy-len and --dp must be >= 1")
-    if args.dp == 1:
+    if min(args.steps, args.batch_size, args.copy_len, args.dp, args.pp, args.microbatches) < 1:
+        raise SystemExit("--steps, --batch-size, --copy-len, --dp, --pp and --microbatches must be >= 1")
+    if args.sharding is None:
+        args.sharding = "no_shard" if args.pp > 1 else "optim_grads_params"
+    if args.dp * args.pp == 1:
         return train(args)
     backend = "nccl" if args.device.startswith("cuda") else "gloo"
-    return run_local(train, args.dp, args, backend=backend)[0]
+    return run_local(train, args.dp * args.pp, args, backend=backend)[-1]  # the last stage reports
 
 
 def train(args) -> dict:
-    """One rank's training loop; with --dp every rank draws the same global batch and keeps its rows."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    device = f"cuda:{rank}" if args.device == "cuda" and world > 1 else args.device
-    say = print if rank == 0 else (lambda *a, **k: None)
+    """One rank's training loop; every rank draws the same global batch and keeps its data-parallel rows
+    (the ranks of one pipeline keep the same rows)."""
+    rank, processes = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    device = f"cuda:{rank}" if args.device == "cuda" and processes > 1 else args.device
+    mesh = fxshard.Mesh(pp=args.pp, dp=args.dp) if processes > 1 else None
+    rank_dp, world = (mesh.coords(rank)["dp"], args.dp) if mesh else (0, 1)
+    say = print if rank == processes - 1 else (lambda *a, **k: None)
     torch.manual_seed(args.seed)
     model_cls, config_cls = MODELS[args.model]
     model = model_cls(config_cls.preset(args.preset)).to(device)
@@ -87,20 +97,23 @@ def train(args) -> dict:
 
     def next_batch():
         batch = copy_batch(generator, args.batch_size * world, args.copy_len, vocab, device)
-        return {k: v[rank * args.batch_size:(rank + 1) * args.batch_size] for k, v in batch.items()}
+        return {k: v[rank_dp * args.batch_size:(rank_dp + 1) * args.batch_size] for k, v in batch.items()}
 
     example = next_batch()
     say(f"model {args.model} {args.preset}: {sum(p.numel() for p in model.parameters()):,} parameters, "
-        f"batch {args.batch_size}x{2 * args.copy_len} per rank, {world} rank(s), device {device}")
+        f"batch {args.batch_size}x{2 * args.copy_len} per data-parallel rank, {mesh or 'one device'}, device {device}")
 
     started = time.perf_counter()
     step = fxshard.shard(
         model, lambda m, batch: m.loss(batch), example,
         optimizer=fxshard.optim.AdamW(lr=lr_schedule(args.lr, args.warmup, args.steps), betas=(0.9, 0.95),
                                       eps=1e-8, weight_decay=0.1),
-        mesh=fxshard.Mesh(dp=world) if world > 1 else None,
-        config=fxshard.Config(dump_dir=args.dump if rank == 0 else None, sharding=args.sharding))
-    say(f"compiled in {time.perf_counter() - started:.1f}s: {repr(step.program)}")
+        mesh=mesh,
+        config=fxshard.Config(dump_dir=args.dump if rank == 0 else None, sharding=args.sharding,
+                              schedule=args.schedule, virtual_stages=args.virtual_stages,
+                              microbatches=args.microbatches if args.pp > 1 else 1))
+    compiled = repr(step.program) if hasattr(step, "program") else step.schedule.name + " pipeline"
+    say(f"compiled in {time.perf_counter() - started:.1f}s: {compiled}")
     if args.dump:
         say(f"graph dumps in {args.dump} (python -m fxshard.dump {args.dump})")
 
@@ -115,7 +128,7 @@ def train(args) -> dict:
     first = sum(losses[:10]) / len(losses[:10])
     last = sum(losses[-10:]) / len(losses[-10:])
     tokens = args.steps * args.batch_size * world * 2 * args.copy_len
-    say(f"done: {args.steps} steps in {seconds:.1f}s ({tokens / seconds:,.0f} tokens/s over {world} rank(s)); "
+    say(f"done: {args.steps} steps in {seconds:.1f}s ({tokens / seconds:,.0f} tokens/s over {processes} process(es)); "
         f"mean loss of first 10 steps {first:.3f} -> last 10 steps {last:.3f}")
     return {"first_loss": first, "last_loss": last, "seconds": seconds}
 

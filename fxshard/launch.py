@@ -22,6 +22,8 @@ def _worker(rank, nprocs, port, backend, out_dir, fn, args):
                       WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank))
     if backend == "nccl":
         torch.cuda.set_device(rank)
+    else:  # N processes share the host's cores: oversubscribed intra-op threads slow every rank down
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
     dist.init_process_group(backend, rank=rank, world_size=nprocs)
     try:
         result = fn(*args)

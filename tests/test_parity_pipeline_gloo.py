@@ -95,3 +95,39 @@ def test_pipeline_schedules_train_like_one_device(world, configs):
                 assert relative(value, ref_params[pname]) < tolerance, (label, rank, pname)
                 seen.add(pname)
         assert seen == {n for n, p in ref_params.items()} , (label, set(ref_params) - seen)
+
+
+def pipeline_errors():
+    """Each bad pipeline configuration's FxShardError message (runs on every rank)."""
+    data = batches()[0]
+    cases = {
+        "microbatches": fxshard.Config(schedule="interleaved-1f1b", virtual_stages=2, microbatches=3,
+                                       sharding="no_shard"),
+        "chunks": fxshard.Config(virtual_stages=2, microbatches=2, sharding="no_shard"),
+        "zero3": fxshard.Config(microbatches=2),
+    }
+    meshes = {"microbatches": fxshard.Mesh(pp=2), "chunks": fxshard.Mesh(pp=2), "zero3": fxshard.Mesh(pp=2)}
+    messages = {}
+    for case, config in cases.items():
+        model = MODELS["gpt2"]() if case != "microbatches" else MODELS["gpt4"]()
+        try:
+            fxshard.shard(model, loss_fn("gpt2"), {k: v[:6] for k, v in data.items()}, mesh=meshes[case],
+                          config=config)
+        except fxshard.FxShardError as error:
+            messages[case] = str(error)
+    return messages
+
+
+def test_bad_pipeline_configurations_are_explained():
+    messages = run_local(pipeline_errors, 2, backend="gloo")[0]
+    assert "divisible" in messages["microbatches"]
+    assert "4 pipeline chunks" in messages["chunks"] and "only 2 layers" in messages["chunks"]
+    assert set(messages) == {"microbatches", "chunks"}, messages  # dp=1: the sharding strategy does not matter
+
+
+def test_mesh_and_config_reject_bad_pipeline_sizes():
+    with pytest.raises(fxshard.FxShardError, match="pp must be an int >= 1"):
+        fxshard.Mesh(pp=0)
+    with pytest.raises(fxshard.FxShardError, match="schedule="):
+        fxshard.Config(schedule="zero-bubble")
+    assert fxshard.Mesh(pp=2, dp=3).coords(4) == {"pp": 1, "dp": 1}

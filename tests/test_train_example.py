@@ -28,5 +28,21 @@ def test_train_example_with_two_data_parallel_processes():
     result = subprocess.run([sys.executable, str(script), "--dp", "2", "--steps", "40", "--log-every", "20"],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "2 rank(s)" in result.stdout and "Program('fsdp'" in result.stdout
+    assert "Mesh(dp=2)" in result.stdout and "Program('fsdp'" in result.stdout
     assert "step 40 loss" in result.stdout and "done: 40 steps" in result.stdout
+
+
+def test_train_example_with_two_stages_times_two_data_parallel(tmp_path):
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train.py"
+    result = subprocess.run([sys.executable, str(script), "--pp", "2", "--dp", "2", "--steps", "60", "--log-every",
+                             "30", "--dump", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Mesh(pp=2, dp=2)" in result.stdout and "1f1b pipeline" in result.stdout
+    assert "done: 60 steps" in result.stdout
+    first, last = result.stdout.split("mean loss of first 10 steps ")[1].split(" -> last 10 steps ")
+    assert float(last) < float(first), result.stdout
+    assert "rank 1: RF1:0<0 F1:0 B1:0" in (tmp_path / "pipeline.txt").read_text()
+    assert (tmp_path / "pipeline.svg").read_text().startswith("<svg")
