@@ -186,7 +186,8 @@ class Simulation:
 
 def simulate(schedule: Schedule, cost: dict[str, float] | None = None) -> Simulation:
     """Check `schedule` and time it. `cost[kind]` is the time of one action of a stage (split over
-    its V chunks); communication is free and sends never block; a receive waits for its send."""
+    its V chunks); `cost[f"{kind}{chunk}"]`, where given, is one chunk's own time (measured costs).
+    Communication is free and sends never block; a receive waits for its send."""
     cost = {"F": 1.0, "B": 2.0, "W": 0.0, **(cost or {})}
     graph = nx.DiGraph()
     where: dict[Action, tuple[int, int]] = {}
@@ -246,7 +247,13 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None) -> Simula
     start, end = {}, {}
     for node in nx.topological_sort(graph):
         action = graph.nodes[node]["action"]
-        duration = cost.get(action.kind, 0.0) / schedule.virtual if action.kind in COMPUTE else 0.0
+        own = f"{action.kind}{action.chunk}"
+        if action.kind not in COMPUTE:
+            duration = 0.0
+        elif own in cost:
+            duration = cost[own]
+        else:
+            duration = cost.get(action.kind, 0.0) / schedule.virtual
         start[node] = max((end[p] for p in graph.predecessors(node)), default=0.0)
         end[node] = start[node] + duration
     makespan = max(end.values())

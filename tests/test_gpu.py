@@ -161,3 +161,53 @@ def test_cuda_grouped_mlp_backend_is_as_accurate_as_the_reference(activation, mo
         ours_error, ref_error = [(t - exact).abs().max().item() / scale for t in (ours, ref)]
         assert ours_error <= max(2 * ref_error, 1e-2), (name, ours_error, ref_error)
     assert not fast[0][sum(counts):].any() and not fast[1][sum(counts):].any(), "rows past the last offset"
+
+
+def _nccl_pipeline(configs, data):
+    rank = dist.get_rank()
+    device = f"cuda:{rank}"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    results = []
+    for pp, dp, schedule, virtual, microbatches in configs:
+        mesh = fxshard.Mesh(pp=pp, dp=dp)
+        dp_rank = mesh.coords(rank)["dp"]
+        rows = data[0]["idx"].shape[0] // dp
+        local = [{k: v[dp_rank * rows:(dp_rank + 1) * rows].to(device) for k, v in b.items()} for b in data]
+        torch.manual_seed(0)
+        model = GPT(GPTConfig.preset("tiny", n_layer=4)).to(device)
+        step = fxshard.shard(model, model_loss, local[0], optimizer=ADAMW, mesh=mesh,
+                             config=fxshard.Config(schedule=schedule, virtual_stages=virtual,
+                                                   microbatches=microbatches, sharding="no_shard"))
+        losses = [step(b)["loss"].item() for b in local]
+        results.append((losses, {k: v.cpu() for k, v in step.parameters().items()}))
+    return results
+
+
+@pytest.mark.multigpu
+def test_pipeline_over_nccl_matches_single_device_eager():
+    world = 4 if torch.cuda.device_count() >= 4 else 2
+    configs = [(2, world // 2, "1f1b", 1, 4), (2, world // 2, "interleaved-1f1b", 2, 4)]
+    if world == 4:
+        configs.append((4, 1, "1f1b", 1, 8))
+    data = cuda_batches(10, rows=8, device="cpu")
+    per_rank = run_local(_nccl_pipeline, world, configs, data, backend="nccl")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for index, (pp, dp, schedule, virtual, microbatches) in enumerate(configs):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig.preset("tiny", n_layer=4)).cuda()
+        optimizer = torch_optimizer(ADAMW, model.parameters())
+        pieces, ref_losses = dp * microbatches, []
+        for batch in data:
+            optimizer.zero_grad()
+            rows = batch["idx"].shape[0] // pieces
+            loss = sum(model.loss({k: v[i * rows:(i + 1) * rows].cuda() for k, v in batch.items()})
+                       for i in range(pieces)) / pieces
+            loss.backward()
+            optimizer.step()
+            ref_losses.append(loss.item())
+        for rank in range(world):
+            losses, params = per_rank[rank][index]
+            for ours, eager in zip(losses, ref_losses):
+                assert abs(ours - eager) / abs(eager) < 1e-5, (pp, dp, schedule, rank, losses, ref_losses)
+            for name, value in params.items():
+                assert relative(value, dict(model.named_parameters())[name].cpu()) < 1e-4, (pp, schedule, name)

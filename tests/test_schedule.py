@@ -70,3 +70,13 @@ def test_schedules_print_serialize_and_draw():
     assert str(Action.parse("SF1:3>2")) == "SF1:3>2" and Action.parse("OPT") == Action("OPT")
     svg = to_svg(schedule, simulate(schedule))
     assert svg.startswith("<svg") and svg.count("<rect") == 2 * 2 * 4 * 2
+
+
+def test_per_chunk_costs_override_the_per_kind_cost():
+    from fxshard.schedule import gpipe, simulate
+
+    schedule = gpipe(2, 2)
+    uniform = simulate(schedule, {"F": 1.0, "B": 1.0})
+    slow_last = simulate(schedule, {"F": 1.0, "B": 1.0, "F1": 3.0, "B1": 3.0})
+    assert slow_last.makespan > uniform.makespan
+    assert slow_last.bubble[0] > slow_last.bubble[1]  # the fast stage waits on the slow one
