@@ -105,9 +105,6 @@ def _shard_pipeline(model, loss_fn, example_batch, optimizer, mesh, config, grou
     from . import schedule as schedules
     from .runtime.pipeline import PipelineStep
 
-    if mesh.dp > 1 and config.sharding != "no_shard":
-        raise FxShardError(f"{mesh} with sharding={config.sharding!r}: pipeline stages replicate over dp so far; "
-                           f"use Config(sharding='no_shard') (gradients all-reduced over dp)")
     if config.cuda_graphs:
         raise FxShardError("Config(cuda_graphs=True) does not run pipelines yet; leave it off with Mesh(pp>1)")
     microbatches, stages, virtual = config.microbatches, mesh.pp, config.virtual_stages
@@ -142,7 +139,7 @@ def _shard_pipeline(model, loss_fn, example_batch, optimizer, mesh, config, grou
     else:
         values = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     return PipelineStep(pipeline, schedule, mesh, coords, groups, values, optimizer, batch_spec, microbatches,
-                        batch_spec.device)
+                        batch_spec.device, config.sharding)
 
 
 def _check_arguments(model, loss_fn, optimizer, config) -> None:

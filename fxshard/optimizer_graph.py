@@ -27,11 +27,12 @@ class TrainSpec:
 
 def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, names: list[str], params: list[fx.Node],
                   grads: list[fx.Node], states: dict[tuple[str, str], fx.Node], lr: fx.Node, step: fx.Node,
-                  norm_group: str | None = None, not_in_norm: frozenset[str] = frozenset()):
+                  norm_group: str | tuple[str, ...] | None = None, not_in_norm: frozenset[str] = frozenset()):
     """Insert the optimizer phase at the graph's insertion point.
 
-    `names[i]` names the tensor `params[i]` (a parameter, or a flat unit shard); with `norm_group`,
-    the squared gradient norm is summed over that group first (each rank holds part of the gradients);
+    `names[i]` names the tensor `params[i]` (a parameter, or a flat unit shard); with `norm_group`
+    (one mesh axis or several), the squared gradient norm is summed over those groups first (each rank
+    holds part of the gradients);
     names in `not_in_norm` are left out of this rank's part (another rank counts them: tied weights).
     Returns (grad_norm, {name: new tensor}, {(name, slot): new state}).
     """
@@ -45,9 +46,9 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, names: list[str],
         state_values, (lr, step) = flat[2 * count:-2], flat[-2:]
         counted = [g for name, g in zip(names, grads) if name not in not_in_norm] or [grads[0] * 0]
         squares = torch.stack([g.float().pow(2).sum() for g in counted]).sum()
-        if norm_group is not None:
+        for group in (norm_group,) if isinstance(norm_group, str) else (norm_group or ()):
             squares = torch.ops._c10d_functional.wait_tensor(
-                torch.ops._c10d_functional.all_reduce(squares, "sum", norm_group))
+                torch.ops._c10d_functional.all_reduce(squares, "sum", group))
         grad_norm = squares.sqrt()
         if clip is not None:
             coefficient = torch.clamp(clip / (grad_norm + 1e-6), max=1.0)

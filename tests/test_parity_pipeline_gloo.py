@@ -24,10 +24,12 @@ LOSSES = {"tied": lambda m, b: m(b["idx"], b["tgt"])}
 # AdamW turns into noise-sized updates: that model's parameters are compared under SGD with momentum
 OPTIMIZERS = {"tied": fxshard.optim.SGD(lr=0.05, momentum=0.9)}
 
-# (model, Mesh pp, dp, schedule, virtual stages, microbatches)
+# (model, Mesh pp, dp, schedule, virtual stages, microbatches[, sharding over dp])
 WORLD_2 = [("gpt2", 2, 1, "1f1b", 1, 4), ("gpt4", 2, 1, "interleaved-1f1b", 2, 4),
            ("moe", 2, 1, "1f1b", 1, 8), ("tied", 2, 1, "1f1b", 1, 4), ("gpt4", 2, 1, "interleaved-1f1b", 2, 8)]
-WORLD_4 = [("gpt4", 4, 1, "1f1b", 1, 8), ("gpt4", 2, 2, "1f1b", 1, 4), ("gpt4", 4, 1, "1f1b", 1, 4)]
+WORLD_4 = [("gpt4", 4, 1, "1f1b", 1, 8), ("gpt4", 2, 2, "1f1b", 1, 4), ("gpt4", 4, 1, "1f1b", 1, 4),
+           ("gpt4", 2, 2, "1f1b", 1, 4, "optim_grads_params"), ("tied", 2, 2, "interleaved-1f1b", 1, 4, "optim"),
+           ("moe", 2, 2, "1f1b", 1, 2, "optim_grads_params")]
 
 
 def loss_fn(name):
@@ -43,7 +45,7 @@ def batches(seed=0):
 def train(configs, data):
     rank = dist.get_rank()
     results = []
-    for name, pp, dp, schedule, virtual, microbatches in configs:
+    for name, pp, dp, schedule, virtual, microbatches, *sharding in configs:
         mesh = fxshard.Mesh(pp=pp, dp=dp)
         dp_rank = mesh.coords(rank)["dp"]
         rows = ROWS // dp
@@ -51,7 +53,8 @@ def train(configs, data):
         torch.manual_seed(0)
         step = fxshard.shard(MODELS[name](), loss_fn(name), local[0], optimizer=OPTIMIZERS.get(name, ADAMW), mesh=mesh,
                              config=fxshard.Config(schedule=schedule, virtual_stages=virtual,
-                                                   microbatches=microbatches, sharding="no_shard"))
+                                                   microbatches=microbatches,
+                                                   sharding=sharding[0] if sharding else "no_shard"))
         losses = [step(b)["loss"].item() for b in local]
         results.append((losses, step.parameters()))
     return results
@@ -78,9 +81,9 @@ def eager(name, dp, microbatches, data):
 def test_pipeline_schedules_train_like_one_device(world, configs):
     data = batches()
     per_rank = run_local(train, world, configs, data, backend="gloo")
-    for index, (name, pp, dp, schedule, virtual, microbatches) in enumerate(configs):
+    for index, (name, pp, dp, schedule, virtual, microbatches, *sharding) in enumerate(configs):
         ref_losses, ref_params = eager(name, dp, microbatches, data)
-        label = f"{name} pp={pp} dp={dp} {schedule} V={virtual} M={microbatches}"
+        label = f"{name} pp={pp} dp={dp} {schedule} V={virtual} M={microbatches} {sharding}"
         seen = set()
         for rank in range(world):
             losses, params = per_rank[rank][index]

@@ -20,10 +20,11 @@ from ..schedule import Action, Schedule
 class RankExecutor:
     """One rank's chunks and state for one step: stashes, received values, gradient sums, losses."""
 
-    def __init__(self, rank: int, pipeline, schedule: Schedule, params: dict[str, torch.Tensor],
+    def __init__(self, rank: int, pipeline, schedule: Schedule, params_of: Callable,
                  microbatches: list[list[torch.Tensor]]):
+        """`params_of(chunk)` -> the tensors of `chunk.params`, in order (gathered where sharded)."""
         self.rank, self.pipeline, self.schedule = rank, pipeline, schedule
-        self.params = params
+        self.params_of = params_of
         self.microbatches = microbatches
         self.inbox: dict[tuple[str, int, int], list[torch.Tensor]] = {}   # ("F"|"B", chunk, mb) -> values
         self.outbox: dict[tuple[str, int, int], list[torch.Tensor]] = {}
@@ -74,7 +75,7 @@ class RankExecutor:
         chunk = self.pipeline.chunks[c]
         received = self._neighbour_values("F", c - 1, mb, c) if c > 0 else []
         leaves = [self.microbatches[mb][i] for i in chunk.batch]
-        outputs = list(chunk.forward(*[self.params[n] for n in chunk.params], *leaves, *received))
+        outputs = list(chunk.forward(*self.params_of(chunk), *leaves, *received))
         if chunk.has_loss:
             self.losses[mb] = outputs.pop()
         values = dict(zip(chunk.recv, received))
@@ -88,8 +89,8 @@ class RankExecutor:
         received = self._neighbour_values("B", c + 1, mb, c) if c + 1 < len(self.pipeline.chunks) else []
         saved = self.stash.pop((c, mb))
         leaves = [self.microbatches[mb][i] for i in chunk.batch]
-        outputs = list(chunk.backward(*[self.params[n] for n in chunk.params], *leaves,
-                                      *[saved[n] for n in chunk.saved], *received))
+        outputs = list(chunk.backward(*self.params_of(chunk), *leaves, *[saved[n] for n in chunk.saved],
+                                      *received))
         sent, grads = outputs[:len(chunk.grad_send)], outputs[len(chunk.grad_send):]
         for name, grad in zip(chunk.grads, grads):
             self.grads[name] = grad if name not in self.grads else self.grads[name] + grad
@@ -103,7 +104,8 @@ def run_local(pipeline, schedule: Schedule, params: dict[str, torch.Tensor],
     (losses per microbatch on the last chunk's rank, gradient sums per rank)."""
     if schedule.chunks != len(pipeline.chunks):
         raise FxShardError(f"the schedule has {schedule.chunks} chunks, the pipeline program {len(pipeline.chunks)}")
-    ranks = [RankExecutor(r, pipeline, schedule, params, microbatches) for r in range(schedule.stages)]
+    ranks = [RankExecutor(r, pipeline, schedule, lambda chunk: [params[n] for n in chunk.params], microbatches)
+             for r in range(schedule.stages)]
     mail: dict[tuple[str, int, int, int], list[torch.Tensor]] = {}  # (kind, chunk, mb, to) -> values
 
     def sender(rank):
@@ -133,18 +135,27 @@ class PipelineStep:
     M microbatches of its data-parallel batch with point-to-point sends and receives, then
 
       1. gradients of parameters held by several stages (tied embedding and head) are summed
-         across those stages, and averaged over the data-parallel ranks;
-      2. the loss (mean over microbatches, on the last stage) is shared with every stage and
+         across those stages;
+      2. over the N data-parallel ranks, gradients are all-reduced (`no_shard`) or reduce-scattered
+         into flat units, one per (chunk, dtype) plus one per shared parameter (`optim`,
+         `optim_grads`, `optim_grads_params`: the optimizer state lives in shards);
+      3. the loss (mean over microbatches, on the last stage) is shared with every stage and
          averaged over data-parallel ranks;
-      3. the optimizer updates this rank's parameters; the gradient norm is one all-reduce of a
-         scalar over the pipeline (a tied parameter counted once).
+      4. the optimizer updates this rank's parameters (or its shards, which `optim` and
+         `optim_grads` then all-gather); the gradient norm is one all-reduce of a scalar per mesh
+         axis (a tied parameter counted once).
+
+    Under `optim_grads_params` parameters stay sharded between actions: each forward and backward of
+    a chunk all-gathers the chunk's units first and drops them after (no prefetch yet).
 
     Every rank of one pipeline calls `step` with the same batch (the first stage reads the inputs,
-    the last the targets). `parameters()` returns the parameters of this rank's chunks.
+    the last the targets). `parameters()` returns the parameters of this rank's chunks; under
+    `optim_grads_params` it all-gathers, so every data-parallel rank must call it.
     """
 
     def __init__(self, pipeline, schedule: Schedule, mesh, coords: dict[str, int], groups: dict,
-                 params: dict[str, torch.Tensor], optimizer, batch_spec, microbatches: int, device):
+                 params: dict[str, torch.Tensor], optimizer, batch_spec, microbatches: int, device,
+                 sharding: str = "no_shard"):
         import torch.distributed as dist
 
         from ..graph import fake_mode_of
@@ -153,13 +164,13 @@ class PipelineStep:
         self.pp_rank, self.dp_rank = coords["pp"], coords["dp"]
         self.groups, self.optimizer, self.batch_spec = groups, optimizer, batch_spec
         self.microbatches, self.device = microbatches, device
+        self.sharded = sharding != "no_shard" and mesh.dp > 1
+        self.shards_params = self.sharded and sharding == "optim_grads_params"
         self.step_count = 0
         self.local_chunks = [c for c in pipeline.chunks if schedule.rank_of(c.index) == self.pp_rank]
         names = list(dict.fromkeys(n for c in self.local_chunks for n in c.params))
         self.params = {n: params[n].detach().clone() for n in names}
         self.trainable = list(dict.fromkeys(n for c in self.local_chunks for n in c.grads))
-        self.states = {(n, slot): value for n in self.trainable
-                       for slot, value in optimizer.init_state(self.params[n]).items()}
         # stages that hold each trained parameter; one process group per set shared by several stages
         holders: dict[str, list[int]] = {}
         for chunk in pipeline.chunks:
@@ -175,13 +186,49 @@ class PipelineStep:
                     for name, held in holders.items():
                         if tuple(sorted(held)) == stages:
                             self.shared_groups[name] = group
-        not_in_norm = frozenset(n for n in self.trainable if min(holders[n]) != self.pp_rank)
-        self._update = _optimizer_graph(pipeline.source, self.trainable, self.states, not_in_norm,
-                                        "pp" if mesh.pp > 1 else None, fake_mode_of(pipeline.source.graph))
-        if mesh.pp > 1:
-            from .step import bind_group_names
-            self._update = bind_group_names(self._update, {"pp": groups["pp"].group_name})
+        counted_elsewhere = {n for n in self.trainable if min(holders[n]) != self.pp_rank}
+        if self.sharded:
+            self.units = _units(self.local_chunks, self.trainable, self.params, set(self.shared_groups), mesh.dp)
+            tensors = {u.name: u.shard(u.flatten(self.params), self.dp_rank) for u in self.units}
+            if self.shards_params:
+                for unit in self.units:
+                    for member in unit.members:
+                        del self.params[member.name]
+            self.shards = tensors
+            update_names = [u.name for u in self.units]
+            not_in_norm = frozenset(u.name for u in self.units if u.members[0].name in counted_elsewhere
+                                    and u.name.startswith("shared/"))
+        else:
+            tensors = {n: self.params[n] for n in self.trainable}
+            update_names = list(self.trainable)
+            not_in_norm = frozenset(counted_elsewhere)
+        self.states = {(n, slot): value for n in update_names
+                       for slot, value in optimizer.init_state(tensors[n]).items()}
+        axes = tuple(axis for axis, size in (("pp", mesh.pp), ("dp", mesh.dp if self.sharded else 1)) if size > 1)
+        update = _optimizer_graph(pipeline.source.train, {n: tensors[n] for n in update_names}, self.states,
+                                  not_in_norm, axes, fake_mode_of(pipeline.source.graph))
+        from .step import bind_group_names
+
+        self._update_names = update_names
+        self._update = bind_group_names(update, {axis: groups[axis].group_name for axis in axes})
         self._shapes = _message_shapes(pipeline)
+
+    def _params_of(self, chunk) -> list[torch.Tensor]:
+        if not self.shards_params:
+            return [self.params[n] for n in chunk.params]
+        values = dict(self.params)
+        wanted = set(chunk.params)
+        for unit in self.units:
+            if any(m.name in wanted for m in unit.members):
+                values.update(unit.unflatten(self._gather(self.shards[unit.name])))
+        return [values[n] for n in chunk.params]
+
+    def _gather(self, shard: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        out = shard.new_empty(shard.numel() * self.mesh.dp)
+        dist.all_gather_into_tensor(out, shard.contiguous(), group=self.groups["dp"])
+        return out
 
     def __call__(self, batch) -> dict[str, torch.Tensor]:
         import torch.distributed as dist
@@ -191,7 +238,7 @@ class PipelineStep:
         leaves = self.batch_spec.flatten(batch)
         rows = leaves[0].shape[0] // self.microbatches
         microbatches = [[leaf[m * rows:(m + 1) * rows] for leaf in leaves] for m in range(self.microbatches)]
-        executor = RankExecutor(self.pp_rank, self.pipeline, self.schedule, self.params, microbatches)
+        executor = RankExecutor(self.pp_rank, self.pipeline, self.schedule, self._params_of, microbatches)
         pending = []
 
         def send(action, values):
@@ -217,9 +264,22 @@ class PipelineStep:
             grad = executor.grads[name] / self.microbatches
             if name in self.shared_groups:
                 dist.all_reduce(grad, group=self.shared_groups[name])
-            if self.mesh.dp > 1:
-                dist.all_reduce(grad, op=dist.ReduceOp.AVG, group=self.groups["dp"])
-            grads[name] = grad.to(self.params[name].dtype)  # reduced in reduce_dtype, applied in the master's
+            grads[name] = grad
+        if self.sharded:
+            update_grads = []
+            for unit in self.units:
+                flat = unit.flatten(grads).to(next(iter(grads.values())).dtype)
+                shard = flat.new_empty(unit.shard_numel)
+                dist.reduce_scatter_tensor(shard, flat, op=dist.ReduceOp.AVG, group=self.groups["dp"])
+                update_grads.append(shard.to(self.shards[unit.name].dtype))
+            update_params = [self.shards[u.name] for u in self.units]
+        else:
+            update_grads = []
+            for name in self.trainable:
+                if self.mesh.dp > 1:
+                    dist.all_reduce(grads[name], op=dist.ReduceOp.AVG, group=self.groups["dp"])
+                update_grads.append(grads[name].to(self.params[name].dtype))  # reduced in reduce_dtype
+            update_params = [self.params[n] for n in self.trainable]
         is_last = self.pp_rank == self.schedule.rank_of(len(self.pipeline.chunks) - 1)
         loss = (torch.stack([executor.losses[m] for m in range(self.microbatches)]).mean().float() if is_last
                 else torch.zeros((), device=self.device))
@@ -230,46 +290,78 @@ class PipelineStep:
         self.step_count += 1
         lr = torch.tensor(lr_at(self.optimizer, self.step_count), device=self.device)
         step = torch.tensor(float(self.step_count), device=self.device)
-        outputs = self._update(*[self.params[n] for n in self.trainable], *[grads[n] for n in self.trainable],
-                               *self.states.values(), lr, step)
+        outputs = self._update(*update_params, *update_grads, *self.states.values(), lr, step)
         grad_norm, new = outputs[0], list(outputs[1:])
-        for name in self.trainable:
-            self.params[name] = new.pop(0)
+        for name in self._update_names:
+            if self.sharded:
+                self.shards[name] = new.pop(0)
+            else:
+                self.params[name] = new.pop(0)
         for key in self.states:
             self.states[key] = new.pop(0)
+        if self.sharded and not self.shards_params:
+            for unit in self.units:
+                self.params.update(unit.unflatten(self._gather(self.shards[unit.name])))
         return {"loss": loss.detach(), "grad_norm": grad_norm.detach()}
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters (its chunks'), as tensors it will not change."""
         from ..program import InputKind
 
+        values = dict(self.params)
+        if self.shards_params:
+            for unit in self.units:
+                values.update(unit.unflatten(self._gather(self.shards[unit.name])))
         kinds = {spec.name: spec.kind for spec in self.pipeline.source.inputs}
-        return {name: value.clone() for name, value in self.params.items() if kinds[name] is InputKind.PARAM}
+        return {name: value.clone() for name, value in values.items() if kinds[name] is InputKind.PARAM}
 
 
-def _optimizer_graph(program, names, states, not_in_norm, norm_group, fake):
+def _units(local_chunks, trainable, params, shared: set[str], world: int):
+    """Flat units over the data-parallel ranks: one per (first local chunk, dtype) of a trained
+    parameter, and one per parameter shared with another stage (its norm is counted once)."""
+    from ..program import FlatMember, FlatUnit
+
+    groups: dict[str, list[str]] = {}
+    for chunk in local_chunks:
+        for name in chunk.grads:
+            if any(name in members for members in groups.values()):
+                continue
+            key = f"shared/{name}" if name in shared else f"chunk{chunk.index}:{params[name].dtype}".replace("torch.", "")
+            groups.setdefault(key, []).append(name)
+    units = []
+    for key, names in groups.items():
+        members, offset = [], 0
+        for name in names:
+            members.append(FlatMember(name, tuple(params[name].shape), offset))
+            offset += params[name].numel()
+        units.append(FlatUnit(key, tuple(members), params[names[0]].dtype, world))
+    return units
+
+
+def _optimizer_graph(train, tensors: dict[str, torch.Tensor], states, not_in_norm, norm_axes, fake):
     """(params..., grads..., states..., lr, step) -> (grad_norm, new params..., new states...)."""
     import torch.fx as fx
 
     from ..optimizer_graph import append_update
 
     graph = fx.Graph()
-    values = {spec.name: node.meta["val"] for spec, node in zip(program.inputs, program.placeholders())}
+    names = list(tensors)
 
-    def placeholder(name, value):
+    def placeholder(value):
         node = graph.placeholder(f"in_{len(graph.nodes)}")
         node.meta["val"] = value
         return node
 
-    params = [placeholder(n, values[n]) for n in names]
     with fake:
-        grads = [placeholder(f"grad/{n}", torch.empty_like(values[n])) for n in names]
-        state_nodes = {key: placeholder("/".join(key), torch.empty_like(values[key[0]])) for key in states}
-        device = values[names[0]].device
-        lr = placeholder("lr", torch.empty((), device=device))
-        step = placeholder("step", torch.empty((), device=device))
-    grad_norm, new_params, new_states = append_update(graph, program.train, fake, names, params, grads, state_nodes,
-                                                      lr, step, norm_group=norm_group, not_in_norm=not_in_norm)
+        fakes = {n: torch.empty(t.shape, dtype=t.dtype, device=t.device) for n, t in tensors.items()}
+        params = [placeholder(fakes[n]) for n in names]
+        grads = [placeholder(torch.empty_like(fakes[n])) for n in names]
+        state_nodes = {key: placeholder(torch.empty_like(fakes[key[0]])) for key in states}
+        device = fakes[names[0]].device
+        lr = placeholder(torch.empty((), device=device))
+        step = placeholder(torch.empty((), device=device))
+    grad_norm, new_params, new_states = append_update(graph, train, fake, names, params, grads, state_nodes, lr, step,
+                                                      norm_group=norm_axes, not_in_norm=not_in_norm)
     graph.output((grad_norm, *[new_params[n] for n in names], *[new_states[k] for k in states]))
     return fx.GraphModule(torch.nn.Module(), graph)
 
