@@ -18,18 +18,22 @@ MODELS = {
     "gpt4": lambda: GPT(GPTConfig.preset("tiny", n_layer=4)),
     "moe": lambda: MoEGPT(MoEGPTConfig.preset("tiny")),
     "tied": lambda: GPT2(vocab=64, layers=2),
+    "gpt8": lambda: GPT(GPTConfig.preset("tiny", n_layer=8, d_model=32)),
+    "moe4": lambda: MoEGPT(MoEGPTConfig.preset("tiny", n_layer=4)),
+    "tied8": lambda: GPT2(vocab=64, layers=8),
 }
-LOSSES = {"tied": lambda m, b: m(b["idx"], b["tgt"])}
+LOSSES = {"tied": lambda m, b: m(b["idx"], b["tgt"]), "tied8": lambda m, b: m(b["idx"], b["tgt"])}
 # GPT2's attention key bias has an exactly-zero true gradient (softmax is shift-invariant), which
 # AdamW turns into noise-sized updates: that model's parameters are compared under SGD with momentum
-OPTIMIZERS = {"tied": fxshard.optim.SGD(lr=0.05, momentum=0.9)}
+OPTIMIZERS = {"tied": fxshard.optim.SGD(lr=0.05, momentum=0.9), "tied8": fxshard.optim.SGD(lr=0.05, momentum=0.9)}
 
 # (model, Mesh pp, dp, schedule, virtual stages, microbatches[, sharding over dp])
 WORLD_2 = [("gpt2", 2, 1, "1f1b", 1, 4), ("gpt4", 2, 1, "interleaved-1f1b", 2, 4),
            ("moe", 2, 1, "1f1b", 1, 8), ("tied", 2, 1, "1f1b", 1, 4), ("gpt4", 2, 1, "interleaved-1f1b", 2, 8)]
 WORLD_4 = [("gpt4", 4, 1, "1f1b", 1, 8), ("gpt4", 2, 2, "1f1b", 1, 4), ("gpt4", 4, 1, "1f1b", 1, 4),
            ("gpt4", 2, 2, "1f1b", 1, 4, "optim_grads_params"), ("tied", 2, 2, "interleaved-1f1b", 1, 4, "optim"),
-           ("moe", 2, 2, "1f1b", 1, 2, "optim_grads_params")]
+           ("moe", 2, 2, "1f1b", 1, 2, "optim_grads_params"), ("gpt8", 4, 1, "interleaved-1f1b", 2, 8),
+           ("moe4", 4, 1, "1f1b", 1, 4), ("tied8", 4, 1, "interleaved-1f1b", 2, 4)]
 
 
 def loss_fn(name):
