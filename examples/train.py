@@ -44,6 +44,8 @@ def parse_args(argv=None):
     parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks (spawns local processes)")
     parser.add_argument("--sharding", default=None, choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
                         help="default: optim_grads_params, or no_shard with --pp > 1")
+    parser.add_argument("--capacity-factor", type=float, default=None,
+                        help="MoE expert capacity factor (default: dropless); drops are reported per step")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (multiplies the processes)")
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "interleaved-1f1b", "gpipe"])
     parser.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches (with --pp > 1)")
@@ -91,7 +93,8 @@ def train(args) -> dict:
     say = print if rank == processes - 1 else (lambda *a, **k: None)
     torch.manual_seed(args.seed)
     model_cls, config_cls = MODELS[args.model]
-    model = model_cls(config_cls.preset(args.preset)).to(device)
+    overrides = {"capacity_factor": args.capacity_factor} if args.model == "moe_gpt" else {}
+    model = model_cls(config_cls.preset(args.preset, **overrides)).to(device)
     generator = torch.Generator().manual_seed(args.seed + 1)
     vocab = model.cfg.vocab_size
 
@@ -105,7 +108,8 @@ def train(args) -> dict:
 
     started = time.perf_counter()
     step = fxshard.shard(
-        model, lambda m, batch: m.loss(batch), example,
+        model, (lambda m, batch: m.loss_and_metrics(batch)) if args.model == "moe_gpt" else (lambda m, b: m.loss(b)),
+        example,
         optimizer=fxshard.optim.AdamW(lr=lr_schedule(args.lr, args.warmup, args.steps), betas=(0.9, 0.95),
                                       eps=1e-8, weight_decay=0.1),
         mesh=mesh,
@@ -123,7 +127,8 @@ def train(args) -> dict:
         metrics = step(next_batch())
         losses.append(metrics["loss"].item())
         if index % args.log_every == 0 or index == args.steps:
-            say(f"step {index} loss {losses[-1]:.4f} grad_norm {metrics['grad_norm'].item():.3f}", flush=True)
+            dropped = f" dropped {metrics['moe_dropped_tokens'].item()}" if "moe_dropped_tokens" in metrics else ""
+            say(f"step {index} loss {losses[-1]:.4f} grad_norm {metrics['grad_norm'].item():.3f}{dropped}", flush=True)
     seconds = time.perf_counter() - started
     first = sum(losses[:10]) / len(losses[:10])
     last = sum(losses[-10:]) / len(losses[-10:])

@@ -33,6 +33,7 @@ class OutputKind(enum.Enum):
     PARAM = "param"          # the updated parameter
     OPT_STATE = "opt_state"  # the updated optimizer slot
     BUFFER = "buffer"        # the new value of a buffer the forward mutated
+    METRIC = "metric"        # a scalar loss_fn reported next to the loss ((loss, {name: value}))
 
 
 @dataclass(frozen=True)

@@ -46,9 +46,21 @@ class _LossStep(nn.Module):
         self.batch_spec = batch_spec
         self.names = [f"model.{n}" for n in [*param_names, *buffer_names]]
 
+    metric_names: tuple[str, ...] = ()
+
     def forward(self, params, buffers, leaves):
         tensors = dict(zip(self.names, [*params, *buffers]))
-        return torch.func.functional_call(self.target[0], tensors, (self.batch_spec.unflatten(leaves),))
+        result = torch.func.functional_call(self.target[0], tensors, (self.batch_spec.unflatten(leaves),))
+        if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
+            loss, metrics = result
+            self.metric_names = tuple(sorted(metrics))
+            for name in self.metric_names:
+                value = metrics[name]
+                if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                    raise FxShardError(f"loss_fn's metric {name!r} must be a one-element tensor, got "
+                                       f"{type(value).__name__} {getattr(value, 'shape', '')}")
+            return (loss, *[metrics[name].detach().reshape(()) for name in self.metric_names])
+        return result
 
 
 class _Apply(nn.Module):
@@ -98,6 +110,7 @@ def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
         raise explain_trace_failure(error) from error
 
     builder = _ProgramBuilder(params, buffers, batch_spec, optimizer, config, device, fake_mode)
+    builder.metric_names = step_module.metric_names
     program = builder.build(joint_gm)
     program.notes["trace_seconds"] = round(time.perf_counter() - started, 3)
     program.notes["layers"] = layer_paths
@@ -120,6 +133,7 @@ class _ProgramBuilder:
         self.graph = fx.Graph()
         self.root = nn.Module()
         self.inputs: list[Input] = []
+        self.metric_names: tuple[str, ...] = ()
 
     def placeholder(self, kind: InputKind, name: str, value: torch.Tensor, requires_grad=False,
                     **node_meta) -> fx.Node:
@@ -154,11 +168,12 @@ class _ProgramBuilder:
         # gradients are cast to the reduce dtype where they appear; masters and state keep theirs.
         compute = [self.cast(node, flat.meta["val"].dtype, meta.FWD)
                    for node, flat in zip(param_nodes.values(), flat_inputs)]
-        losses, grad_nodes, buffers = [], {}, list(buffer_nodes)
+        losses, metrics, grad_nodes, buffers = [], [], {}, list(buffer_nodes)
         for microbatch in range(self.microbatches):
             env = dict(zip(flat_inputs, [*compute, *buffers, *self.slice_batch(batch_nodes, microbatch)]))
-            loss, grads, mutations = self.copy_joint(joint_gm, env, tangents, microbatch)
+            loss, metric_values, grads, mutations = self.copy_joint(joint_gm, env, tangents, microbatch)
             losses.append(loss)
+            metrics.append(metric_values)
             for index, node in mutations.items():  # the next microbatch sees the updated buffers
                 buffers[index - len(self.params)] = node
             for i, name in enumerate(self.params):
@@ -170,11 +185,19 @@ class _ProgramBuilder:
         if len(losses) > 1:
             (loss,) = inline(self.graph, lambda *ls: [sum(ls) / len(ls)], losses, fake_mode=self.fake_mode,
                              phase=meta.FWD, layer=meta.POST)
+        metric_totals = list(metrics[0])
+        if len(metrics) > 1 and metric_totals:  # metrics are summed over microbatches
+            metric_totals = inline(self.graph, lambda *ms: [sum(ms[i::len(metrics[0])]) for i in range(len(metrics[0]))],
+                                   [m for per_mb in metrics for m in per_mb], fake_mode=self.fake_mode,
+                                   phase=meta.FWD, layer=meta.POST)
         grad_norm, new_params, new_states = self.append_optimizer(
             param_nodes, grad_nodes, state_nodes, lr, step)
 
         outputs = [Output(OutputKind.LOSS, "loss"), Output(OutputKind.GRAD_NORM, "grad_norm")]
         values = [loss, grad_norm]
+        for name, node in zip(self.metric_names, metric_totals):
+            outputs.append(Output(OutputKind.METRIC, name))
+            values.append(node)
         for name, node in new_params.items():
             outputs.append(Output(OutputKind.PARAM, name))
             values.append(node)
@@ -259,15 +282,18 @@ class _ProgramBuilder:
         raise AssertionError("joint graph has no output node")
 
     def read_joint_outputs(self, output_node, env, n_tangents):
-        loss, grads, mutations = None, {}, {}
+        loss, grads, mutations, metrics = None, {}, {}, []
         for value, desc in zip(output_node.args[0], output_node.meta["desc"]):
             if desc is None and value is None:  # the gradient slot of an input that needs none
                 continue
             kind = type(desc).__name__
             mapped = env[value] if isinstance(value, fx.Node) else None
-            if kind == "PlainAOTOutput":
-                if loss is not None:
-                    raise FxShardError("loss_fn must return one scalar tensor, it returned several outputs")
+            if kind == "PlainAOTOutput" and loss is not None:
+                if len(metrics) >= len(self.metric_names):
+                    raise FxShardError("loss_fn must return one scalar tensor, or (loss, {name: scalar}); "
+                                       "it returned several outputs")
+                metrics.append(mapped)
+            elif kind == "PlainAOTOutput":
                 loss = mapped
                 if mapped is not None:
                     loss_val = mapped.meta["val"]
@@ -288,7 +314,7 @@ class _ProgramBuilder:
                 raise FxShardError(f"unsupported traced output {desc}; loss_fn must return one scalar")
         if loss is None:
             raise FxShardError("loss_fn returned no tensor; it must return a scalar loss tensor")
-        return loss, [grads.get(i) for i in range(len(self.params))], mutations
+        return loss, metrics, [grads.get(i) for i in range(len(self.params))], mutations
 
     def append_optimizer(self, param_nodes, grad_nodes, state_nodes, lr, step):
         names = list(grad_nodes)

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fxshard import moe
 from fxshard.checkpoint import ExpertLayout
 from fxshard.ops import grouped_mm
 
@@ -34,6 +35,7 @@ class MoEGPTConfig:
     aux_loss_coef: float = 0.01       # load-balancing loss weight, per MoE layer
     expert_weights: str = "grouped"   # "grouped" ([E, out, in] parameters) or "indexed" (weight0...)
     glu_interleave_size: int | None = None  # fc1 rows stored GLU-interleaved in blocks of this size
+    capacity_factor: float | None = None    # None: dropless; else fxshard.moe's per-expert capacity
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
 
@@ -77,7 +79,7 @@ class MoE(nn.Module):
         self.shared = SwiGLU(cfg.d_model, cfg.d_ff_shared) if cfg.d_ff_shared else None
 
     def forward(self, x):
-        """Returns (output, load-balancing loss)."""
+        """Returns (output, load-balancing loss, dropped assignments)."""
         batch, seq, width = x.shape
         tokens = x.reshape(-1, width)
         n_expert, k = self.cfg.n_expert, self.cfg.top_k
@@ -85,20 +87,17 @@ class MoE(nn.Module):
         weights, chosen = probs.topk(k, dim=-1)
         if self.cfg.normalize_top_k:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        flat_expert = chosen.reshape(-1)
-        order = torch.argsort(flat_expert, stable=True)
-        token_of = order // k
-        counts = torch.zeros(n_expert, dtype=torch.long, device=x.device).scatter_add(
-            0, flat_expert, torch.ones_like(flat_expert))
-        offsets = counts.cumsum(0).to(torch.int32)
-        expert_out = self.experts(tokens.index_select(0, token_of), offsets)
-        expert_out = expert_out * weights.reshape(-1)[order].unsqueeze(-1).to(expert_out.dtype)
-        out = torch.zeros_like(tokens).index_add(0, token_of, expert_out)
+        routed = moe.dispatch(tokens, chosen, n_expert, self.cfg.capacity_factor)
+        out = moe.combine(self.experts(routed.rows, routed.offsets), routed, weights, tokens.shape[0])
         if self.shared is not None:
             out = out + self.shared(tokens)
-        # Switch-style balance loss: E * sum_e (fraction of assignments to e) * (mean probability of e).
+        # Switch-style balance loss over all assignments (before any drop):
+        # E * sum_e (fraction of assignments to e) * (mean probability of e).
+        flat_expert = chosen.reshape(-1)
+        counts = torch.zeros(n_expert, dtype=torch.long, device=x.device).scatter_add(
+            0, flat_expert, torch.ones_like(flat_expert))
         aux = n_expert * (counts.float() / flat_expert.numel() * probs.mean(0)).sum()
-        return out.view(batch, seq, width), aux
+        return out.view(batch, seq, width), aux, routed.dropped
 
 
 class MoEBlock(nn.Module):
@@ -111,8 +110,8 @@ class MoEBlock(nn.Module):
 
     def forward(self, x, cos, sin):
         x = x + self.attn(self.attn_norm(x), cos, sin)
-        moe_out, aux = self.moe(self.mlp_norm(x))
-        return x + moe_out, aux
+        moe_out, aux, dropped = self.moe(self.mlp_norm(x))
+        return x + moe_out, aux, dropped
 
 
 class MoEGPT(nn.Module):
@@ -127,19 +126,26 @@ class MoEGPT(nn.Module):
             init_weights(self, cfg.n_layer)
 
     def forward_with_aux(self, idx):
-        """(logits, summed load-balancing loss of all MoE layers)."""
+        """(logits, summed load-balancing loss of all MoE layers, dropped assignments of all layers)."""
         x = self.tok_emb(idx)
         cos, sin = rope_tables(idx.shape[1], self.cfg.d_model // self.cfg.n_head, self.cfg.rope_theta, idx.device)
         aux_total = x.new_zeros((), dtype=torch.float32)
+        dropped_total = torch.zeros((), dtype=torch.long, device=idx.device)
         for layer in self.layers:
-            x, aux = layer(x, cos, sin)
+            x, aux, dropped = layer(x, cos, sin)
             aux_total = aux_total + aux
-        return self.head(self.norm(x)), aux_total
+            dropped_total = dropped_total + dropped
+        return self.head(self.norm(x)), aux_total, dropped_total
 
     def forward(self, idx):
         return self.forward_with_aux(idx)[0]
 
     def loss(self, batch):
-        logits, aux = self.forward_with_aux(batch["idx"])
+        return self.loss_and_metrics(batch)[0]
+
+    def loss_and_metrics(self, batch):
+        """(loss, {"moe_dropped_tokens": assignments dropped over capacity, all layers}): a loss_fn
+        for fxshard.shard that also reports drops in the step's metrics."""
+        logits, aux, dropped = self.forward_with_aux(batch["idx"])
         ce = F.cross_entropy(logits.flatten(0, 1).float(), batch["tgt"].flatten())
-        return ce + self.cfg.aux_loss_coef * aux
+        return ce + self.cfg.aux_loss_coef * aux, {"moe_dropped_tokens": dropped}

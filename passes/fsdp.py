@@ -69,7 +69,8 @@ def fsdp(program: Program, cfg: FSDPConfig) -> Program:
     """Shard `program` over `cfg.world` data-parallel ranks.
 
     Invariant: run on every rank with that rank's local batch, the result returns the mean over
-    ranks of `program`'s loss on each local batch, and leaves on every rank the full parameters that
+    ranks of `program`'s loss on each local batch (and the sum over ranks of each reported metric,
+    such as MoE dropped tokens), and leaves on every rank the full parameters that
     `program`'s update would produce from the gradient of that mean. For a batch-mean loss with
     equal local batches this is exactly one device training on the concatenated batch; terms with
     batch statistics (MoE load balancing, BatchNorm) are per local batch, as in any data parallelism.
@@ -354,6 +355,11 @@ class _Rewrite:
             if spec.kind is OutputKind.BUFFER:
                 outputs.append(spec)
                 values.append(self.env[value])
+            elif spec.kind is OutputKind.METRIC:  # reported metrics are summed over the ranks
+                (total,) = inline(self.graph, lambda t: [_c10d.wait_tensor(_c10d.all_reduce(t, "sum", cfg.axis))],
+                                  [self.env[value]], fake_mode=self.fake, phase=meta.OPTIM, layer=meta.POST)
+                outputs.append(spec)
+                values.append(total)
         self.graph.output(tuple(values))
         self.graph.lint()
         gm = fx.GraphModule(self.program.graph_module, self.graph)

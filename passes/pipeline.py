@@ -16,6 +16,9 @@ a later chunk needs passes through the chunks between: point-to-point only ever 
 backward's sent gradients likewise flow c -> c-1. A parameter read by several chunks (tied
 embedding and head) gets a partial gradient from each; the runtime sums them before the update.
 
+Metrics a loss_fn reports next to the loss ((loss, {name: value})) are not carried through the
+chunks yet: a pipelined step reports loss and grad_norm only.
+
 Invariant: running the chunks' forwards in order and then their backwards in reverse order, passing
 each chunk's sent values to its neighbour, gives the loss and the parameter gradients (partials
 summed) of the input program's forward and backward.

@@ -1,0 +1,74 @@
+"""The MoE token-routing primitive: dispatch tokens to experts (sorted, with a capacity) and combine.
+
+Single-device semantics, static shapes, what `models.MoEGPT` uses and what the expert-parallel pass
+is to rewrite (dispatch -> all-to-all -> experts -> all-to-all -> combine):
+
+    dispatch(tokens [T, D], chosen [T, k], n_experts, capacity_factor)
+        -> Dispatch(rows [T*k, D] sorted by expert, offsets [E] int32 (kept rows per expert,
+           cumulative), order [T*k], dropped [] int64, capacity int | None)
+    combine(expert_out [T*k, D], dispatch, weights [T, k], tokens=T) -> [T, D]
+
+Capacity rule (deterministic, the same on one device and under expert parallelism): with
+`capacity_factor=None` nothing is dropped (dropless). Otherwise each expert keeps at most
+C = ceil(capacity_factor * T * k / E) of the assignments it receives from this call's T tokens —
+the first C in assignment order (token by token, and within a token in top-k order) — and drops
+the rest. A dropped assignment contributes nothing to its token's output (the token keeps its other
+experts, and the residual). Dropped rows are sorted past offsets[-1], where grouped GEMMs write
+zeros. The router's load-balancing loss is computed from the assignments before dropping.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .errors import FxShardError
+
+
+@dataclass
+class Dispatch:
+    rows: Tensor      # [T*k, D] tokens sorted by expert; kept rows first
+    offsets: Tensor   # [E] int32: cumulative kept rows per expert
+    order: Tensor     # [T*k]: assignment index (token * k + slot) of each row
+    kept: Tensor      # [T*k] bool, in row order: the row is within its expert's capacity
+    dropped: Tensor   # [] int64: assignments over capacity
+    capacity: int | None
+
+
+def capacity_of(tokens: int, top_k: int, n_experts: int, capacity_factor: float | None) -> int | None:
+    if capacity_factor is None:
+        return None
+    if not capacity_factor > 0:
+        raise FxShardError(f"moe capacity_factor must be > 0 or None (dropless), got {capacity_factor!r}")
+    return max(1, math.ceil(capacity_factor * tokens * top_k / n_experts))
+
+
+def dispatch(tokens: Tensor, chosen: Tensor, n_experts: int, capacity_factor: float | None = None) -> Dispatch:
+    count, top_k = chosen.shape
+    flat_expert = chosen.reshape(-1)
+    capacity = capacity_of(count, top_k, n_experts, capacity_factor)
+    if capacity is None:
+        keep = torch.ones_like(flat_expert, dtype=torch.bool)
+    else:
+        one_hot = torch.nn.functional.one_hot(flat_expert, n_experts)
+        position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # rank of the assignment within its expert
+        keep = position < capacity
+    sort_key = torch.where(keep, flat_expert, torch.full_like(flat_expert, n_experts))  # dropped sort last
+    order = torch.argsort(sort_key, stable=True)
+    kept_counts = torch.zeros(n_experts, dtype=torch.long, device=tokens.device).scatter_add(
+        0, flat_expert, keep.long())
+    offsets = kept_counts.cumsum(0).to(torch.int32)
+    rows = tokens.index_select(0, order // top_k)
+    return Dispatch(rows, offsets, order, keep[order], (~keep).sum(), capacity)
+
+
+def combine(expert_out: Tensor, routed: Dispatch, weights: Tensor, tokens: int) -> Tensor:
+    """Each token's weighted sum of its kept experts' outputs (dropped rows weigh zero)."""
+    top_k = weights.shape[1]
+    row_weights = weights.reshape(-1)[routed.order] * routed.kept
+    scaled = expert_out * row_weights.unsqueeze(-1).to(expert_out.dtype)
+    out = expert_out.new_zeros(tokens, expert_out.shape[1])
+    return out.index_add(0, routed.order // top_k, scaled)
