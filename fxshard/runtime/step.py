@@ -134,8 +134,9 @@ class CudaGraphReplay:
 
     WARMUP_STEPS = 2
 
-    def __init__(self):
+    def __init__(self, capture_error_mode: str = "global"):
         self.graph = None
+        self.capture_error_mode = capture_error_mode
 
     @property
     def is_captured(self) -> bool:
@@ -153,7 +154,8 @@ class CudaGraphReplay:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream), torch.cuda.graph(self.graph, stream=stream):
+        with torch.cuda.stream(stream), torch.cuda.graph(self.graph, stream=stream,
+                                                         capture_error_mode=self.capture_error_mode):
             results = step._run(*args)
             self.metrics = {}
             for spec, value in zip(program.outputs, results):
