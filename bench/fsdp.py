@@ -7,9 +7,9 @@ AdamW) at sequence length S on per-GPU batch B and reports ms/step, tokens/s/GPU
 and the ratio to the single-GPU no-communication time of the same model and batch. Modes:
 
     nocomm-eager    one GPU, plain PyTorch: bf16 copy of the weights, fp32 masters, fused AdamW
-    nocomm-fxshard  one GPU, fxshard without a mesh, CUDA graphs
+    nocomm-fxshard  one GPU, fxshard without a mesh, CUDA graphs (--eager-replay: without)
     fsdp2           N GPUs, torch.distributed.fsdp.fully_shard per block + root, eager
-    fxshard         N GPUs, fxshard ZeRO-3 (optim_grads_params), eager graph replay
+    fxshard         N GPUs, fxshard ZeRO-3 (optim_grads_params), CUDA graphs (--eager-replay: without)
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def batch_for(cfg, batch, seq, device, seed=0):
 
 
 PROFILE_DIR = os.environ.get("FXSHARD_BENCH_PROFILE")  # set by --profile DIR
+CUDA_GRAPHS = os.environ.get("FXSHARD_BENCH_EAGER") != "1"  # --eager-replay sets it: fxshard modes replay the FX graph
 
 
 def timed(step_fn, warmup: int, iters: int, label: str = "") -> float:
@@ -117,8 +118,7 @@ def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None):
     torch.cuda.set_device(device)
     model = build_model(cfg, device)
     data = batch_for(cfg, batch, seq, device, seed=rank)
-    # CUDA graphs on one GPU; with a mesh they are not supported yet (the NCCL replays hang)
-    config = fxshard.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cuda_graphs=mesh is None,
+    config = fxshard.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cuda_graphs=CUDA_GRAPHS,
                             sharding="optim_grads_params")
     started = time.perf_counter()
     step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=fxshard.optim.AdamW(lr=1e-4),
@@ -177,7 +177,12 @@ def main():
     parser.add_argument("--modes", nargs="+", default=["nocomm-eager", "nocomm-fxshard", "fsdp2", "fxshard"])
     parser.add_argument("--out", default="bench/fsdp.json")
     parser.add_argument("--profile", metavar="DIR", help="after timing, write a kernel-time table per mode here")
+    parser.add_argument("--eager-replay", action="store_true", help="fxshard modes without CUDA graphs")
     args = parser.parse_args()
+    if args.eager_replay:
+        os.environ["FXSHARD_BENCH_EAGER"] = "1"
+        global CUDA_GRAPHS
+        CUDA_GRAPHS = False
     if args.profile:  # the environment carries it into the spawned ranks
         os.environ["FXSHARD_BENCH_PROFILE"] = args.profile
         global PROFILE_DIR

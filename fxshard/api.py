@@ -41,10 +41,6 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     config = config or Config()
     optimizer = optimizer or AdamW()
     _check_arguments(model, loss_fn, optimizer, config)
-    if config.cuda_graphs and mesh is not None:
-        # Seen on 2x H200, torch 2.11: capture completes, then the replays' NCCL collectives hang.
-        raise FxShardError("Config(cuda_graphs=True) works on one GPU (mesh=None) so far; with a mesh, "
-                           "run eagerly (cuda_graphs=False)")
     groups, coords = _process_groups(mesh, example_batch)
     if config.dump_dir is None and os.environ.get("FXSHARD_DUMP"):
         config = dataclasses.replace(config, dump_dir=os.environ["FXSHARD_DUMP"])

@@ -30,7 +30,8 @@ class Config:
     reduce_dtype: gradients are cast to this dtype before they are reduced (None: param_dtype's).
     microbatches: split each step's batch into this many microbatches along dim 0 and accumulate their
         gradients before one reduction and one update (the loss is their mean).
-    cuda_graphs: after two eager warm-up steps, capture the whole step into one CUDA graph and replay it.
+    cuda_graphs: after two eager warm-up steps, capture the whole step into one CUDA graph and replay it
+        (collectives included; not with Mesh(pp>1) yet).
     fuse_grouped_mlp: rewrite each MoE expert MLP (grouped GEMM -> activation -> grouped GEMM, forward
         and backward) into the fused `fxshard::grouped_mlp` op (passes/fuse_grouped_mlp.py).
     schedule: with Mesh(pp=P): "1f1b" (default), "interleaved-1f1b" or "gpipe"; `microbatches` is the

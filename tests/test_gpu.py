@@ -211,3 +211,39 @@ def test_pipeline_over_nccl_matches_single_device_eager():
                 assert abs(ours - eager) / abs(eager) < 1e-5, (pp, dp, schedule, rank, losses, ref_losses)
             for name, value in params.items():
                 assert relative(value, dict(model.named_parameters())[name].cpu()) < 1e-4, (pp, schedule, name)
+
+
+def _graphed_and_eager_over_nccl(batches):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = f"cuda:{rank}"
+    local = [{k: v[rank * 2:(rank + 1) * 2].to(device) for k, v in b.items()} for b in batches]
+    results = []
+    for cuda_graphs in (False, True):
+        torch.manual_seed(0)
+        model = MoEGPT(MoEGPTConfig.preset("tiny")).to(device)
+        step = fxshard.shard(model, model_loss, local[0], optimizer=ADAMW, mesh=fxshard.Mesh(dp=world),
+                             config=fxshard.Config(cuda_graphs=cuda_graphs, param_dtype=torch.bfloat16,
+                                                   reduce_dtype=torch.float32))
+        losses = [step(b)["loss"].item() for b in local]
+        results.append((losses, step._replay is not None and step._replay.is_captured,
+                        {k: v.cpu() for k, v in step.parameters().items()}))
+    return results
+
+
+@pytest.mark.multigpu
+def test_cuda_graph_replay_with_a_mesh_is_bit_identical_to_eager_replay():
+    world = 4 if torch.cuda.device_count() >= 4 else 2
+    per_rank = run_local(_graphed_and_eager_over_nccl, world, cuda_batches(6, rows=2 * world, device="cpu"),
+                         backend="nccl")
+    for (eager_losses, _, eager_params), (graphed_losses, captured, graphed_params) in per_rank:
+        assert captured
+        assert graphed_losses == eager_losses
+        for name, value in eager_params.items():
+            assert torch.equal(value, graphed_params[name]), name
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_refuse_expert_ops_that_read_offsets_on_the_host():
+    model = MoEGPT(MoEGPTConfig.preset("tiny")).cuda()  # fp32 experts: the reference backend
+    with pytest.raises(fxshard.FxShardError, match="cannot be captured"):
+        fxshard.shard(model, model_loss, cuda_batches(1)[0], config=fxshard.Config(cuda_graphs=True))

@@ -100,6 +100,7 @@ class ReferenceBackend:
     derivative in PyTorch."""
 
     name = "reference"
+    host_sync = True  # reads the offsets on the host: cannot be captured in a CUDA graph
 
     def supports(self, *tensors) -> bool:
         return True
@@ -151,7 +152,10 @@ class CudaBackend:
         return _zero_tail(out, offsets) if zero_tail else out
 
     def gemm_wgrad(self, grad, x, offsets, experts):
+        # experts with no rows get zeros (checked: tests/test_gpu.py, zero-token experts)
         return torch._grouped_mm(grad.t(), x, offs=offsets)
+
+    host_sync = False
 
     def act(self, h, offsets, name, limit):
         from ._triton_grouped_mlp import activation_forward

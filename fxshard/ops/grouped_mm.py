@@ -7,8 +7,9 @@
 
 The backward is two separate graph nodes, the data gradient (`grouped_mm` again, on the transposed
 weight) and the weight gradient (`grouped_mm_wgrad`), so schedulers can place them independently.
-The reference implementation loops over experts on the host; fast GPU backends come with the
-fused-grouped-MLP work.
+Where it runs is the grouped-MLP backend registry's choice (fxshard.ops.grouped_mlp_backends): on
+a Hopper GPU in bf16, `torch._grouped_mm` with no host synchronization (so it can be captured in a
+CUDA graph); elsewhere the reference loop over experts on the host (it reads the offsets there).
 """
 
 from __future__ import annotations
@@ -17,20 +18,11 @@ import torch
 from torch import Tensor
 
 
-def _row_ranges(offsets: Tensor):
-    start = 0
-    for expert, end in enumerate(offsets.tolist()):
-        yield expert, start, end
-        start = end
-
-
 @torch.library.custom_op("fxshard::grouped_mm", mutates_args=())
 def grouped_mm(x: Tensor, offsets: Tensor, weight: Tensor) -> Tensor:
-    out = x.new_zeros(x.shape[0], weight.shape[1])
-    for expert, start, end in _row_ranges(offsets):
-        if end > start:
-            out[start:end] = x[start:end] @ weight[expert].t()
-    return out
+    from .grouped_mlp_backends import backend_for
+
+    return backend_for(x, weight).gemm(x, offsets, weight).contiguous()
 
 
 @grouped_mm.register_fake
@@ -41,11 +33,9 @@ def _grouped_mm_fake(x, offsets, weight):
 @torch.library.custom_op("fxshard::grouped_mm_wgrad", mutates_args=())
 def grouped_mm_wgrad(grad_out: Tensor, x: Tensor, offsets: Tensor, n_experts: int) -> Tensor:
     """[E, out, in]: grad_weight[e] = grad_out[rows of e].T @ x[rows of e] (zero for empty experts)."""
-    grad_weight = grad_out.new_zeros(n_experts, grad_out.shape[1], x.shape[1])
-    for expert, start, end in _row_ranges(offsets):
-        if end > start:
-            grad_weight[expert] = grad_out[start:end].t() @ x[start:end]
-    return grad_weight
+    from .grouped_mlp_backends import backend_for
+
+    return backend_for(grad_out, x).gemm_wgrad(grad_out, x, offsets, n_experts)
 
 
 @grouped_mm_wgrad.register_fake

@@ -55,6 +55,8 @@ class CompiledStep:
         self._run, self.in_place_updates = reinplace(run)
         if cuda_graphs and device.type != "cuda":
             raise FxShardError(f"Config(cuda_graphs=True) needs a CUDA device; the batch is on {device}")
+        if cuda_graphs:
+            _check_capturable(self.program)
         self._replay = CudaGraphReplay() if cuda_graphs else None
 
     def set_lr(self, lr: float) -> None:
@@ -122,6 +124,28 @@ class CompiledStep:
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         return {name: value for (kind, name), value in self.state.items() if kind is InputKind.OPT_STATE}
+
+
+_EXPERT_OPS = ("grouped_mm", "grouped_mm_wgrad", "grouped_mlp_fwd", "grouped_mlp_dgrad", "grouped_mlp_wgrad")
+
+
+def _check_capturable(program: Program) -> None:
+    """Refuse, on every rank alike and before any capture, a program with an op that syncs with the
+    host (a capture would fail on one rank and leave the others waiting in a collective)."""
+    from ..ops.grouped_mlp_backends import backend_for
+
+    for node in program.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "namespace", None) == "fxshard" and \
+                node.target._opname in _EXPERT_OPS:
+            tensors = [a.meta["val"] for a in node.args if isinstance(a, fx.Node) and a.meta["val"].is_floating_point()]
+            backend = backend_for(*tensors)
+            if getattr(backend, "host_sync", False):
+                dtypes = sorted({str(t.dtype) for t in tensors})
+                raise FxShardError(
+                    f"Config(cuda_graphs=True): {node.name} ({node.target._opname}, {', '.join(dtypes)}) runs on the "
+                    f"'{backend.name}' grouped-GEMM backend, which reads expert offsets on the host and cannot be "
+                    f"captured; use bf16 expert compute on an sm90+ GPU (Config(param_dtype=torch.bfloat16), "
+                    f"widths divisible by 8) or cuda_graphs=False")
 
 
 class CudaGraphReplay:
