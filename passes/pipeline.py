@@ -16,8 +16,8 @@ a later chunk needs passes through the chunks between: point-to-point only ever 
 backward's sent gradients likewise flow c -> c-1. A parameter read by several chunks (tied
 embedding and head) gets a partial gradient from each; the runtime sums them before the update.
 
-Metrics a loss_fn reports next to the loss ((loss, {name: value})) are not carried through the
-chunks yet: a pipelined step reports loss and grad_norm only.
+Metrics a loss_fn reports next to the loss ((loss, {name: value})) are outputs of the forward of
+the chunk that computes them, after the loss; the runtime sums them over microbatches and stages.
 
 Invariant: running the chunks' forwards in order and then their backwards in reverse order, passing
 each chunk's sent values to its neighbour, gives the loss and the parameter gradients (partials
@@ -50,7 +50,8 @@ class Chunk:
     recv: tuple[str, ...]         # activations received from chunk index-1 (forward inputs, after the batch)
     send: tuple[str, ...]         # activations sent to chunk index+1 (forward outputs, first)
     saved: tuple[str, ...]        # forward outputs after `send`, backward inputs after the batch
-    has_loss: bool                # the forward's last output is the loss
+    has_loss: bool                # the forward's outputs end with the loss, then `metrics`
+    metrics: tuple[str, ...]      # reported metrics this chunk's forward computes (last outputs)
     grad_recv: tuple[str, ...]    # gradients received from chunk index+1 (backward inputs, last)
     grad_send: tuple[str, ...]    # gradients sent to chunk index-1 (backward outputs, first)
     grads: tuple[str, ...]        # parameters whose (partial) gradient follows, in this order
@@ -188,6 +189,8 @@ class _Splitter:
         where = {n: ("fwd", c) for c, nodes in enumerate(fwd) for n in nodes}
         where.update({n: ("bwd", c) for c, nodes in enumerate(bwd) for n in nodes})
         loss = self.program.output_nodes()[0]
+        self.metric_nodes = {node: spec.name for spec, node in zip(self.program.outputs, self.program.output_nodes())
+                             if spec.kind.name == "METRIC"}
         # forward values a later chunk reads (its forward or its backward); backward values an earlier chunk reads
         last_reader: dict[fx.Node, int] = {}
         first_reader: dict[fx.Node, int] = {}
@@ -281,8 +284,9 @@ class _Splitter:
             raise FxShardError(f"chunk {c} reads {[self.specs[n].name for n in other]}, which only the "
                                f"optimizer may read")
         has_loss = loss in fwd_set
+        metrics = [n for n in self.metric_nodes if n in fwd_set]
         forward = self.subgraph(fwd_nodes, [*params, *batch, *recv],
-                                [*send, *[s for s in saved if s not in send], *([loss] if has_loss else [])])
+                                [*send, *[s for s in saved if s not in send], *([loss] if has_loss else []), *metrics])
         partials = []
         for name, info in grads.items():
             partials.append((name, info["parts"][c], info["cast"]))
@@ -293,7 +297,8 @@ class _Splitter:
         return Chunk(c, tuple(self.groups[c]), forward, backward,
                      tuple(self.specs[n].name for n in params), tuple(leaves.index(n) for n in batch),
                      tuple(n.name for n in recv), tuple(n.name for n in send), tuple(n.name for n in saved),
-                     has_loss, tuple(n.name for n in grad_recv), tuple(n.name for n in grad_send),
+                     has_loss, tuple(self.metric_nodes[n] for n in metrics),
+                     tuple(n.name for n in grad_recv), tuple(n.name for n in grad_send),
                      tuple(name for name, _, _ in partials))
 
     def subgraph(self, nodes, inputs, outputs, partials=()) -> fx.GraphModule:

@@ -138,3 +138,24 @@ def test_mesh_and_config_reject_bad_pipeline_sizes():
     with pytest.raises(fxshard.FxShardError, match="schedule="):
         fxshard.Config(schedule="zero-bubble")
     assert fxshard.Mesh(pp=2, dp=3).coords(4) == {"pp": 1, "dp": 1}
+
+
+def pipeline_drops(data):
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = MoEGPT(MoEGPTConfig.preset("tiny", n_layer=4, capacity_factor=0.5))
+    step = fxshard.shard(model, lambda m, b: m.loss_and_metrics(b), data, mesh=fxshard.Mesh(pp=2),
+                         config=fxshard.Config(microbatches=4, sharding="no_shard"))
+    return step(data)["moe_dropped_tokens"].item(), rank
+
+
+def test_pipeline_reports_metrics_summed_over_microbatches_and_stages():
+    data = batches()[0]
+    results = run_local(pipeline_drops, 2, data, backend="gloo")
+    torch.manual_seed(0)
+    model = MoEGPT(MoEGPTConfig.preset("tiny", n_layer=4, capacity_factor=0.5))
+    rows = ROWS // 4
+    expected = sum(model.loss_and_metrics({k: v[i * rows:(i + 1) * rows] for k, v in data.items()})[1]
+                   ["moe_dropped_tokens"].item() for i in range(4))
+    assert expected > 0
+    assert [r[0] for r in results] == [expected, expected]

@@ -31,6 +31,7 @@ class RankExecutor:
         self.stash: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.grads: dict[str, torch.Tensor] = {}
         self.losses: dict[int, torch.Tensor] = {}
+        self.metrics: dict[str, torch.Tensor] = {}   # reported metrics, summed over microbatches
         self.position = 0
 
     @property
@@ -76,6 +77,9 @@ class RankExecutor:
         received = self._neighbour_values("F", c - 1, mb, c) if c > 0 else []
         leaves = [self.microbatches[mb][i] for i in chunk.batch]
         outputs = list(chunk.forward(*self.params_of(chunk), *leaves, *received))
+        for name in reversed(chunk.metrics):
+            value = outputs.pop()
+            self.metrics[name] = self.metrics[name] + value if name in self.metrics else value
         if chunk.has_loss:
             self.losses[mb] = outputs.pop()
         values = dict(zip(chunk.recv, received))
@@ -287,6 +291,17 @@ class PipelineStep:
             dist.all_reduce(loss, group=self.groups["pp"])
         if self.mesh.dp > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.groups["dp"])
+        reported = {}
+        for spec in self.pipeline.source.outputs:
+            if spec.kind.name != "METRIC":
+                continue
+            value = executor.metrics.get(spec.name)
+            value = value.clone() if value is not None else torch.zeros((), dtype=spec_dtype(self.pipeline, spec.name),
+                                                                         device=self.device)
+            for axis in ("pp", "dp"):
+                if getattr(self.mesh, axis) > 1:
+                    dist.all_reduce(value, group=self.groups[axis])
+            reported[spec.name] = value
         self.step_count += 1
         lr = torch.tensor(lr_at(self.optimizer, self.step_count), device=self.device)
         step = torch.tensor(float(self.step_count), device=self.device)
@@ -302,7 +317,7 @@ class PipelineStep:
         if self.sharded and not self.shards_params:
             for unit in self.units:
                 self.params.update(unit.unflatten(self._gather(self.shards[unit.name])))
-        return {"loss": loss.detach(), "grad_norm": grad_norm.detach()}
+        return {"loss": loss.detach(), "grad_norm": grad_norm.detach(), **reported}
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters (its chunks'), as tensors it will not change."""
@@ -314,6 +329,14 @@ class PipelineStep:
                 values.update(unit.unflatten(self._gather(self.shards[unit.name])))
         kinds = {spec.name: spec.kind for spec in self.pipeline.source.inputs}
         return {name: value.clone() for name, value in values.items() if kinds[name] is InputKind.PARAM}
+
+
+def spec_dtype(pipeline, metric: str) -> torch.dtype:
+    """The dtype of a reported metric, from the traced program."""
+    for spec, node in zip(pipeline.source.outputs, pipeline.source.output_nodes()):
+        if spec.name == metric:
+            return node.meta["val"].dtype
+    raise KeyError(metric)
 
 
 def _units(local_chunks, trainable, params, shared: set[str], world: int):
