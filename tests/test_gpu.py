@@ -247,3 +247,19 @@ def test_cuda_graphs_refuse_expert_ops_that_read_offsets_on_the_host():
     model = MoEGPT(MoEGPTConfig.preset("tiny")).cuda()  # fp32 experts: the reference backend
     with pytest.raises(fxshard.FxShardError, match="cannot be captured"):
         fxshard.shard(model, model_loss, cuda_batches(1)[0], config=fxshard.Config(cuda_graphs=True))
+
+
+@pytest.mark.gpu
+def test_fused_grouped_mlp_in_bf16_replays_in_a_cuda_graph_like_eager():
+    torch.manual_seed(0)
+    model = MoEGPT(MoEGPTConfig.preset("tiny")).cuda()
+    batches = cuda_batches(6)
+    results = []
+    for cuda_graphs in (False, True):
+        step = fxshard.shard(copy.deepcopy(model), model_loss, batches[0], optimizer=ADAMW,
+                             config=fxshard.Config(fuse_grouped_mlp=True, cuda_graphs=cuda_graphs,
+                                                   param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        assert any(n.target is torch.ops.fxshard.grouped_mlp_fwd.default for n in step.program.graph.nodes)
+        results.append([step(b)["loss"].item() for b in batches])
+    assert results[0] == results[1]
+    assert results[0][-1] < results[0][0]
