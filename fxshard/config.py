@@ -10,7 +10,7 @@ from .errors import FxShardError
 
 # FSDP strategies, Megatron's names (ZeRO: none, 1, 2, 3); passes/fsdp.py documents each.
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
+PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zb-h1")
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,8 @@ class Config:
         (collectives included; not with Mesh(pp>1) yet).
     fuse_grouped_mlp: rewrite each MoE expert MLP (grouped GEMM -> activation -> grouped GEMM, forward
         and backward) into the fused `fxshard::grouped_mlp` op (passes/fuse_grouped_mlp.py).
-    schedule: with Mesh(pp=P): "1f1b" (default), "interleaved-1f1b" or "gpipe"; `microbatches` is the
+    schedule: with Mesh(pp=P): "1f1b" (default), "interleaved-1f1b", "gpipe" or "zb-h1" (zero bubble:
+        weight gradients split off and delayed into the bubbles); `microbatches` is the
         number of pipeline microbatches M, `virtual_stages` V chunks per rank (interleaved: M % P == 0).
     stage_layers: layers per pipeline chunk (P*V counts); default: balanced by parameter bytes.
     seed: initializes a model built on the meta device (fxshard.init: per module, seeded by its path).

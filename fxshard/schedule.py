@@ -5,7 +5,7 @@ gradient, or the whole backward when W is not split off), `W1:3` (weight gradien
 `RF1:3<0` (send / receive of chunk 1's microbatch-3 activation to / from rank 2 / 0), `SB…`/`RB…`
 for activation gradients, and `OPT`. Chunk c lives on rank c mod P (P×V chunks for V virtual stages).
 
-Generators: `gpipe`, `one_f_one_b`, `interleaved_one_f_one_b` (Megatron's order). `simulate` checks
+Generators: `gpipe`, `one_f_one_b`, `interleaved_one_f_one_b` (Megatron's order), `zero_bubble_h1`. `simulate` checks
 a schedule without running a model (every dependency satisfied, no deadlock) and reports makespan,
 bubble fraction and peak live activations per rank.
 """
@@ -171,6 +171,56 @@ def interleaved_one_f_one_b(stages: int, microbatches: int, virtual: int) -> Sch
     return add_communication(order, stages, virtual, microbatches, f"interleaved-1f1b(V={virtual})")
 
 
+def zero_bubble_h1(stages: int, microbatches: int) -> Schedule:
+    """A ZB-H1-style schedule (Qi et al., "Zero Bubble Pipeline Parallelism"): 1F1B's order of F and
+    B, with each backward split into B (input gradient, which the previous stage waits for) and W
+    (weight gradient, which nobody waits for). A rank runs a pending W whenever its next F or B
+    would otherwise wait, and keeps at most P - r - 1 W's pending so its live activations stay
+    within 1F1B's bound. Built greedily under unit costs (F = B = W = 1, communication free)."""
+    _check(stages, 1, microbatches)
+    plans = [[a for a in one_f_one_b(stages, microbatches).ranks[r] if a.kind in ("F", "B")] for r in range(stages)]
+    done: dict[tuple[str, int, int], float] = {}
+    clock, position = [0.0] * stages, [0] * stages
+    pending: list[list[int]] = [[] for _ in range(stages)]
+    order: list[list[Action]] = [[] for _ in range(stages)]
+
+    def ready_at(rank: int) -> float:
+        action = plans[rank][position[rank]]
+        c, mb = action.chunk, action.mb
+        needs = [("F", c - 1, mb)] if action.kind == "F" and c > 0 else []
+        if action.kind == "B":
+            needs = [("F", c, mb)] + ([("B", c + 1, mb)] if c + 1 < stages else [])
+        times = [done.get(key) for key in needs]
+        return float("inf") if None in times else max(times, default=0.0)
+
+    while any(position[r] < len(plans[r]) for r in range(stages)):
+        choices = []
+        for rank in range(stages):
+            if position[rank] >= len(plans[rank]):
+                continue
+            start = max(clock[rank], ready_at(rank))
+            must_drain = len(pending[rank]) > max(stages - rank - 1, 0)
+            if pending[rank] and (start > clock[rank] or must_drain):
+                choices.append((clock[rank], rank, "W"))
+            elif start < float("inf"):
+                choices.append((start, rank, "next"))
+        start, rank, what = min(choices)
+        if what == "W":
+            mb = pending[rank].pop(0)
+            order[rank].append(Action("W", rank, mb))
+        else:
+            action = plans[rank][position[rank]]
+            position[rank] += 1
+            order[rank].append(action)
+            done[action.kind, action.chunk, action.mb] = start + 1.0
+            if action.kind == "B":
+                pending[rank].append(action.mb)
+        clock[rank] = start + 1.0
+    for rank in range(stages):
+        order[rank] += [Action("W", rank, mb) for mb in pending[rank]]
+    return add_communication(order, stages, 1, microbatches, "zb-h1")
+
+
 @dataclass
 class Simulation:
     makespan: float
@@ -261,10 +311,11 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None) -> Simula
     for rank, actions in enumerate(schedule.ranks):
         busy = sum(end[rank, i] - start[rank, i] for i in range(len(actions)))
         bubble.append(1 - busy / makespan if makespan else 0.0)
+        frees = "W" if any(a.kind == "W" for a in actions) else "B"  # activations live until the weight gradient
         live = peak = 0
         for action in actions:
             live += action.kind == "F"
-            live -= action.kind == "B"
+            live -= action.kind == frees
             peak = max(peak, live)
         peaks.append(peak)
     return Simulation(makespan, bubble, peaks, start, end)

@@ -55,6 +55,11 @@ class Chunk:
     grad_recv: tuple[str, ...]    # gradients received from chunk index+1 (backward inputs, last)
     grad_send: tuple[str, ...]    # gradients sent to chunk index-1 (backward outputs, first)
     grads: tuple[str, ...]        # parameters whose (partial) gradient follows, in this order
+    # The backward split for schedules with W actions (zero bubble): `backward_input` computes the
+    # sent gradients and `carry` (values the weight part needs), `backward_weight` the rest.
+    backward_input: fx.GraphModule | None = None   # (params, batch, saved, grad_recv) -> (grad_send, carry)
+    backward_weight: fx.GraphModule | None = None  # (params, batch, saved, grad_recv, carry) -> param grads
+    carry: tuple[str, ...] = ()
 
     @property
     def forward_outputs(self) -> tuple[str, ...]:
@@ -294,12 +299,13 @@ class _Splitter:
                                  [*grad_send], partials=partials)
         placeholders = self.program.placeholders()
         leaves = [n for n in placeholders if self.specs[n].kind is InputKind.BATCH]
+        backward_input, backward_weight, carry = split_weight_gradients(backward, len(grad_send))
         return Chunk(c, tuple(self.groups[c]), forward, backward,
                      tuple(self.specs[n].name for n in params), tuple(leaves.index(n) for n in batch),
                      tuple(n.name for n in recv), tuple(n.name for n in send), tuple(n.name for n in saved),
                      has_loss, tuple(self.metric_nodes[n] for n in metrics),
                      tuple(n.name for n in grad_recv), tuple(n.name for n in grad_send),
-                     tuple(name for name, _, _ in partials))
+                     tuple(name for name, _, _ in partials), backward_input, backward_weight, carry)
 
     def subgraph(self, nodes, inputs, outputs, partials=()) -> fx.GraphModule:
         graph = fx.Graph()
@@ -331,3 +337,50 @@ class _Splitter:
         graph.eliminate_dead_code()
         graph.lint()
         return fx.GraphModule(self.program.graph_module, graph)
+
+
+def split_weight_gradients(backward: fx.GraphModule, sent: int):
+    """Split a chunk's backward into the input-gradient part (what the previous chunk waits for) and
+    the weight-gradient part (which a zero-bubble schedule runs later).
+
+    Invariant: backward_weight(*inputs, *backward_input(*inputs)[sent:]) followed by the first `sent`
+    outputs of backward_input gives backward(*inputs). Returns (input part, weight part, carry names).
+    """
+    graph = backward.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    results = list(output.args[0])
+    sent_nodes, grad_nodes = results[:sent], results[sent:]
+
+    def ancestors(nodes):
+        seen, stack = set(), [n for n in nodes if isinstance(n, fx.Node)]
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+        return seen
+
+    input_part = ancestors(sent_nodes)
+    weight_part = ancestors(grad_nodes) - input_part
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    carry = [n for n in graph.nodes if n in input_part and n.op != "placeholder"
+             and any(u in weight_part for u in n.users)]
+    carry += [n for n in grad_nodes if n in input_part and n.op != "placeholder" and n not in carry]
+
+    def build(nodes, inputs, outputs):
+        new = fx.Graph()
+        env = {}
+        for node in inputs:
+            env[node] = new.placeholder(node.name)
+            env[node].meta.update(node.meta)
+        for node in graph.nodes:
+            if node in nodes and node.op != "placeholder" and node not in env:
+                env[node] = new.node_copy(node, env.get)
+        new.output(tuple(env[n] for n in outputs))
+        new.lint()
+        return fx.GraphModule(backward, new)
+
+    input_graph = build(input_part, placeholders, [*sent_nodes, *carry])
+    weight_graph = build(weight_part, [*placeholders, *carry], grad_nodes)
+    return input_graph, weight_graph, tuple(n.name for n in carry)

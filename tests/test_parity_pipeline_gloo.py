@@ -28,7 +28,7 @@ LOSSES = {"tied": lambda m, b: m(b["idx"], b["tgt"]), "tied8": lambda m, b: m(b[
 OPTIMIZERS = {"tied": fxshard.optim.SGD(lr=0.05, momentum=0.9), "tied8": fxshard.optim.SGD(lr=0.05, momentum=0.9)}
 
 # (model, Mesh pp, dp, schedule, virtual stages, microbatches[, sharding over dp])
-WORLD_2 = [("gpt2", 2, 1, "1f1b", 1, 4), ("gpt4", 2, 1, "interleaved-1f1b", 2, 4),
+WORLD_2 = [("gpt2", 2, 1, "1f1b", 1, 4), ("moe", 2, 1, "zb-h1", 1, 4), ("gpt4", 2, 1, "interleaved-1f1b", 2, 4),
            ("moe", 2, 1, "1f1b", 1, 8), ("tied", 2, 1, "1f1b", 1, 4), ("gpt4", 2, 1, "interleaved-1f1b", 2, 8)]
 WORLD_4 = [("gpt4", 4, 1, "1f1b", 1, 8), ("gpt4", 2, 2, "1f1b", 1, 4), ("gpt4", 4, 1, "1f1b", 1, 4),
            ("gpt4", 2, 2, "1f1b", 1, 4, "optim_grads_params"), ("tied", 2, 2, "interleaved-1f1b", 1, 4, "optim"),

@@ -80,3 +80,19 @@ def test_per_chunk_costs_override_the_per_kind_cost():
     slow_last = simulate(schedule, {"F": 1.0, "B": 1.0, "F1": 3.0, "B1": 3.0})
     assert slow_last.makespan > uniform.makespan
     assert slow_last.bubble[0] > slow_last.bubble[1]  # the fast stage waits on the slow one
+
+
+@given(stages=st.integers(1, 6), microbatches=st.integers(1, 12))
+def test_zero_bubble_h1_is_valid_and_fills_1f1b_bubbles_with_weight_gradients(stages, microbatches):
+    from fxshard.schedule import one_f_one_b, simulate, zero_bubble_h1
+
+    schedule = zero_bubble_h1(stages, microbatches)
+    kinds = [a.kind for actions in schedule.ranks for a in actions]
+    assert kinds.count("W") == kinds.count("B") == stages * microbatches
+    split = simulate(schedule, {"F": 1.0, "B": 1.0, "W": 1.0})   # B + W cost what 1F1B's B costs
+    whole = simulate(one_f_one_b(stages, microbatches), {"F": 1.0, "B": 2.0})
+    assert split.makespan <= whole.makespan
+    if stages > 1 and microbatches >= stages:
+        assert split.bubble_fraction < whole.bubble_fraction
+    for rank, peak in enumerate(split.peak_activations):  # live until W: at most one above 1F1B's bound
+        assert peak <= min(stages - rank, microbatches) + 1

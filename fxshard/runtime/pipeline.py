@@ -33,6 +33,9 @@ class RankExecutor:
         self.losses: dict[int, torch.Tensor] = {}
         self.metrics: dict[str, torch.Tensor] = {}   # reported metrics, summed over microbatches
         self.position = 0
+        # with W actions (zero bubble) B runs the input-gradient part and W the weight-gradient part
+        self.split_backward = any(a.kind == "W" for a in schedule.ranks[rank])
+        self.weight_inputs: dict[tuple[int, int], list[torch.Tensor]] = {}
 
     @property
     def actions(self) -> tuple[Action, ...]:
@@ -58,6 +61,8 @@ class RankExecutor:
             self.forward(c, mb)
         elif kind == "B":
             self.backward(c, mb)
+        elif kind == "W":
+            self.weight_gradient(c, mb)
         elif kind != "OPT":
             raise FxShardError(f"the pipeline runtime does not run {kind} actions yet")
         self.position += 1
@@ -93,13 +98,26 @@ class RankExecutor:
         received = self._neighbour_values("B", c + 1, mb, c) if c + 1 < len(self.pipeline.chunks) else []
         saved = self.stash.pop((c, mb))
         leaves = [self.microbatches[mb][i] for i in chunk.batch]
-        outputs = list(chunk.backward(*self.params_of(chunk), *leaves, *[saved[n] for n in chunk.saved],
-                                      *received))
-        sent, grads = outputs[:len(chunk.grad_send)], outputs[len(chunk.grad_send):]
-        for name, grad in zip(chunk.grads, grads):
-            self.grads[name] = grad if name not in self.grads else self.grads[name] + grad
+        inputs = [*self.params_of(chunk), *leaves, *[saved[n] for n in chunk.saved], *received]
+        if self.split_backward:
+            outputs = list(chunk.backward_input(*inputs))
+            sent = outputs[:len(chunk.grad_send)]
+            # W reads the same inputs (activations stay alive until it runs) and the carried values
+            self.weight_inputs[c, mb] = [*inputs[len(chunk.params):], *outputs[len(chunk.grad_send):]]
+        else:
+            outputs = list(chunk.backward(*inputs))
+            sent = outputs[:len(chunk.grad_send)]
+            self._add_grads(chunk, outputs[len(chunk.grad_send):])
         if c > 0:
             self.outbox["B", c, mb] = sent
+
+    def weight_gradient(self, c: int, mb: int) -> None:
+        chunk = self.pipeline.chunks[c]
+        self._add_grads(chunk, chunk.backward_weight(*self.params_of(chunk), *self.weight_inputs.pop((c, mb))))
+
+    def _add_grads(self, chunk, grads) -> None:
+        for name, grad in zip(chunk.grads, grads):
+            self.grads[name] = grad if name not in self.grads else self.grads[name] + grad
 
 
 def run_local(pipeline, schedule: Schedule, params: dict[str, torch.Tensor],

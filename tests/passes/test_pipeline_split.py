@@ -49,10 +49,10 @@ def check_pipeline(model, loss_fn, microbatches, schedule, stage_layers=None):
 
 
 @given(layers=st.integers(1, 4), stages=st.integers(1, 3), virtual=st.integers(1, 2), rounds=st.integers(1, 2),
-       kind=st.sampled_from(["gpipe", "1f1b", "interleaved"]), data=st.data())
+       kind=st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1"]), data=st.data())
 def test_every_schedule_over_the_split_computes_eager_losses_and_gradients(layers, stages, virtual, rounds,
                                                                           kind, data):
-    if kind == "1f1b":
+    if kind in ("1f1b", "zb-h1"):
         virtual = 1
     if stages * virtual > layers:
         virtual = 1
@@ -60,7 +60,8 @@ def test_every_schedule_over_the_split_computes_eager_losses_and_gradients(layer
     microbatches = stages * rounds
     schedule = {"gpipe": lambda: schedules.gpipe(stages, microbatches, virtual),
                 "1f1b": lambda: schedules.one_f_one_b(stages, microbatches),
-                "interleaved": lambda: schedules.interleaved_one_f_one_b(stages, microbatches, virtual)}[kind]()
+                "interleaved": lambda: schedules.interleaved_one_f_one_b(stages, microbatches, virtual),
+                "zb-h1": lambda: schedules.zero_bubble_h1(stages, microbatches)}[kind]()
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=24, d_model=16, n_layer=layers, n_head=2, d_ff=24))
     check_pipeline(model, model_loss, token_microbatches(24, microbatches), schedule)
@@ -94,3 +95,11 @@ def test_layers_are_balanced_by_parameter_bytes_or_set_by_stage_layers():
         assign_layers(layers, 6, sizes)
     with pytest.raises(fxshard.FxShardError, match="stage_layers"):
         assign_layers(layers, 2, sizes, [1, 1])
+
+
+def test_zero_bubble_runs_the_weight_gradients_split_off_the_backward():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=24, d_model=16, n_layer=3, n_head=2, d_ff=24))
+    pipeline = check_pipeline(model, model_loss, token_microbatches(24, 3), schedules.zero_bubble_h1(3, 3))
+    middle = pipeline.chunks[1]
+    assert middle.carry and len(middle.backward_weight.graph.nodes) > 0
