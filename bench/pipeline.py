@@ -28,7 +28,7 @@ from fxshard.models import GPT, GPTConfig  # noqa: E402
 from fxshard.runtime import pipeline as runtime  # noqa: E402
 from fxshard.schedule import simulate  # noqa: E402
 
-SCHEDULES = {"1f1b": ("1f1b", 1), "interleaved-v2": ("interleaved-1f1b", 2)}
+SCHEDULES = {"1f1b": ("1f1b", 1), "interleaved-v2": ("interleaved-1f1b", 2), "zb-h1": ("zb-h1", 1)}
 
 
 class Timeline:
@@ -82,6 +82,8 @@ def run(name, microbatches, batch, seq, steps, warmup):
     original = runtime.RankExecutor.forward, runtime.RankExecutor.backward
     runtime.RankExecutor.forward = timeline.wrap(original[0], "F")
     runtime.RankExecutor.backward = timeline.wrap(original[1], "B")
+    weight = runtime.RankExecutor.weight_gradient
+    runtime.RankExecutor.weight_gradient = timeline.wrap(weight, "W")
     try:
         for _ in range(warmup):
             step(data)
@@ -95,6 +97,7 @@ def run(name, microbatches, batch, seq, steps, warmup):
             spans.append(timeline.spans())
     finally:
         runtime.RankExecutor.forward, runtime.RankExecutor.backward = original
+        runtime.RankExecutor.weight_gradient = weight
     gathered = [None] * world
     dist.all_gather_object(gathered, spans)
     peak = torch.cuda.max_memory_allocated()

@@ -186,7 +186,7 @@ def _nccl_pipeline(configs, data):
 @pytest.mark.multigpu
 def test_pipeline_over_nccl_matches_single_device_eager():
     world = 4 if torch.cuda.device_count() >= 4 else 2
-    configs = [(2, world // 2, "1f1b", 1, 4), (2, world // 2, "interleaved-1f1b", 2, 4)]
+    configs = [(2, world // 2, "1f1b", 1, 4), (2, world // 2, "interleaved-1f1b", 2, 4), (2, world // 2, "zb-h1", 1, 4)]
     if world == 4:
         configs.append((4, 1, "1f1b", 1, 8))
     data = cuda_batches(10, rows=8, device="cpu")
