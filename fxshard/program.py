@@ -87,6 +87,7 @@ class FlatUnit:
     members: tuple[FlatMember, ...]
     dtype: torch.dtype
     world: int
+    trainable: bool = True   # False: frozen parameters, gathered for use, never reduced or updated
 
     @property
     def numel(self) -> int:

@@ -75,27 +75,29 @@ def fsdp(program: Program, cfg: FSDPConfig) -> Program:
     equal local batches this is exactly one device training on the concatenated batch; terms with
     batch statistics (MoE load balancing, BatchNorm) are per local batch, as in any data parallelism.
     """
-    units = group_into_units(program, cfg.world)
+    units = group_into_units(program, cfg.world, include_frozen=cfg.shards_params)
     return _Rewrite(program, units, cfg).run()
 
 
-def group_into_units(program: Program, world: int) -> list[FlatUnit]:
-    """One unit per (layer, dtype) of trainable parameters, in order of first appearance."""
-    members: dict[tuple[str, torch.dtype], list[tuple[str, tuple[int, ...]]]] = {}
+def group_into_units(program: Program, world: int, include_frozen: bool = False) -> list[FlatUnit]:
+    """One unit per (layer, dtype) of trainable parameters, in order of first appearance; with
+    `include_frozen` (ZeRO-3), frozen parameters get units of their own (gathered, never reduced)."""
+    members: dict[tuple[str, torch.dtype, bool], list[tuple[str, tuple[int, ...]]]] = {}
     for spec, node in zip(program.inputs, program.placeholders()):
-        if spec.kind is InputKind.PARAM and spec.requires_grad:
-            members.setdefault((meta.layer(node), spec.dtype), []).append((spec.name, spec.shape))
-    dtypes_per_layer = {}
-    for layer_name, dtype in members:
-        dtypes_per_layer.setdefault(layer_name, []).append(dtype)
+        if spec.kind is InputKind.PARAM and (spec.requires_grad or include_frozen):
+            members.setdefault((meta.layer(node), spec.dtype, spec.requires_grad), []).append((spec.name, spec.shape))
+    groups_per_layer = {}
+    for layer_name, dtype, trainable in members:
+        groups_per_layer.setdefault(layer_name, []).append(dtype)
     units = []
-    for (layer_name, dtype), params in members.items():
-        name = layer_name if len(dtypes_per_layer[layer_name]) == 1 else f"{layer_name}:{dtype}".replace("torch.", "")
+    for (layer_name, dtype, trainable), params in members.items():
+        name = layer_name if len(groups_per_layer[layer_name]) == 1 else f"{layer_name}:{dtype}".replace("torch.", "")
+        name += "" if trainable else ":frozen"
         offsets, flat = [], 0
         for param_name, shape in params:
             offsets.append(FlatMember(param_name, shape, flat))
             flat += offsets[-1].numel
-        units.append(FlatUnit(name, tuple(offsets), dtype, world))
+        units.append(FlatUnit(name, tuple(offsets), dtype, world, trainable))
     return units
 
 
@@ -167,7 +169,7 @@ class _Rewrite:
             if spec.kind is InputKind.PARAM and unit.name not in seen:
                 seen.add(unit.name)
                 self.unit_inputs[unit.name] = self.placeholder(
-                    Input(InputKind.PARAM, f"unit/{unit.name}", (size,), unit.dtype, True, shard_param),
+                    Input(InputKind.PARAM, f"unit/{unit.name}", (size,), unit.dtype, unit.trainable, shard_param),
                     value, layer, unit.name)
             elif spec.kind is InputKind.OPT_STATE:
                 slot = spec.name.split("/", 1)[0]
@@ -303,7 +305,7 @@ class _Rewrite:
         grad_nodes = {meta.param(n): n for n in self.old.nodes if meta.phase(n) == meta.BWD and meta.param(n)}
         position = {n: i for i, n in enumerate(self.old.nodes)}
         last_grad = {max((grad_nodes[m.name] for m in unit.members), key=position.get): unit
-                     for unit in self.units}
+                     for unit in self.units if unit.trainable}
         issued_gathers, reductions = {}, {}
         loss_reduce = None
         for node in self.old.nodes:
@@ -330,9 +332,10 @@ class _Rewrite:
 
     def finish(self, old_values, loss_reduce, reductions) -> Program:
         cfg = self.cfg
-        grads = [self.wait(reductions[u.name], meta.OPTIM, meta.layer(reductions[u.name])) for u in self.units]
-        params = [self.own_shard(unit) for unit in self.units]
-        names = [unit.name for unit in self.units]
+        trained = [unit for unit in self.units if unit.trainable]
+        grads = [self.wait(reductions[u.name], meta.OPTIM, meta.layer(reductions[u.name])) for u in trained]
+        params = [self.own_shard(unit) for unit in trained]
+        names = [unit.name for unit in trained]
         states = {key: node for key, node in self.state_inputs.items()}
         lr, step = (self.env[self.old_placeholders[name]] for name in ("lr", "step"))
         grad_norm, new_params, new_states = append_update(
@@ -340,7 +343,7 @@ class _Rewrite:
             norm_group=cfg.axis if cfg.shards_optimizer else None)
         outputs, values = [Output(OutputKind.LOSS, "loss"), Output(OutputKind.GRAD_NORM, "grad_norm")], []
         values += [self.wait(loss_reduce, meta.OPTIM, meta.POST), grad_norm]
-        for unit in self.units:
+        for unit in trained:
             new = new_params[unit.name]
             if cfg.shards_optimizer and not cfg.shards_params:
                 new = self.wait(self.issue_all_gather(unit, meta.OPTIM, new), meta.OPTIM, new.meta.get(meta.LAYER))

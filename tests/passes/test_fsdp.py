@@ -170,3 +170,30 @@ def test_peak_memory_per_rank_falls_with_zero3(capsys):
               ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in peaks.items()))
     assert peaks["optim_grads_params"] < 0.6 * peaks["no_shard"]
     assert peaks["no_shard"] >= peaks["single"] * 0.95
+
+
+@given(widths=widths, world=worlds, strategy=st.sampled_from(STRATEGIES), data=st.data())
+def test_frozen_parameters_are_sharded_under_zero3_and_never_change(widths, world, strategy, data):
+    torch.manual_seed(0)
+    model = MLPStack(widths)
+    names = [name for name, _ in model.named_parameters()]
+    frozen = data.draw(st.sets(st.sampled_from(names), max_size=len(names) - 1), label="frozen")
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    program = check_fsdp_matches(model, world, strategy, ADAMW)
+    frozen_units = [u for u in program.units if not u.trainable]
+    if strategy == "optim_grads_params":
+        assert {m.name for u in frozen_units for m in u.members} == frozen
+        shard_inputs = {i.name: i for i in program.inputs}
+        for unit in frozen_units:
+            spec = shard_inputs[f"unit/{unit.name}"]
+            assert spec.placement.kind == "sharded" and spec.shape == (unit.shard_numel,)
+            assert not any(o.name == f"unit/{unit.name}" for o in program.outputs)  # never updated
+    else:
+        assert not frozen_units
+    # (check_fsdp_matches compared every parameter after training, frozen ones included);
+    # the frozen shards also gather back into exactly the model's tensors
+    ranks_params = SimulatedRanks(program, model, ADAMW, fxshard.Mesh(dp=world)).parameters(0)
+    for name in frozen:
+        assert torch.equal(ranks_params[name], before[name])
