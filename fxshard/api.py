@@ -134,8 +134,9 @@ def _shard_pipeline(model, loss_fn, example_batch, optimizer, mesh, config, grou
     tensors = [*model.parameters(), *model.buffers()]
     names = [*dict(model.named_parameters()), *dict(model.named_buffers())]
     source = MetaInit(model, config.seed, batch_spec.device) if any(t.is_meta for t in tensors) else None
-    if source is not None:
-        values = source.tensors_named(set(names))
+    if source is not None:  # a meta-device model: this rank materializes its own chunks' tensors only
+        local = {n for c in pipeline.chunks if schedule.rank_of(c.index) == coords["pp"] for n in c.params}
+        values = source.tensors_named(local & set(names))
     else:
         values = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     return PipelineStep(pipeline, schedule, mesh, coords, groups, values, optimizer, batch_spec, microbatches,

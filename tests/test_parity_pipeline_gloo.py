@@ -159,3 +159,28 @@ def test_pipeline_reports_metrics_summed_over_microbatches_and_stages():
                    ["moe_dropped_tokens"].item() for i in range(4))
     assert expected > 0
     assert [r[0] for r in results] == [expected, expected]
+
+
+def meta_pipeline(data):
+    with torch.device("meta"):
+        model = GPT(GPTConfig.preset("tiny", n_layer=4))
+    step = fxshard.shard(model, loss_fn("gpt4"), data[0], optimizer=ADAMW, mesh=fxshard.Mesh(pp=2),
+                         config=fxshard.Config(microbatches=4, seed=3))
+    losses = [step(b)["loss"].item() for b in data[:3]]
+    return losses, sorted(step.parameters())
+
+
+def test_meta_device_model_materializes_only_its_stage_and_trains_like_one_device():
+    data = batches()
+    per_rank = run_local(meta_pipeline, 2, data, backend="gloo")
+    with torch.device("meta"):
+        model = GPT(GPTConfig.preset("tiny", n_layer=4))
+    single = fxshard.shard(model, loss_fn("gpt4"), data[0], optimizer=ADAMW,
+                           config=fxshard.Config(microbatches=4, seed=3))
+    expected = [single(b)["loss"].item() for b in data[:3]]
+    first_stage, last_stage = per_rank[0][1], per_rank[1][1]
+    assert "tok_emb.weight" in first_stage and "tok_emb.weight" not in last_stage
+    assert "head.weight" in last_stage and "head.weight" not in first_stage
+    for losses, _ in per_rank:
+        for ours, want in zip(losses, expected):
+            assert abs(ours - want) <= 1e-5 * abs(want), (losses, expected)
