@@ -208,7 +208,6 @@ def main():
         speedup = results["unfused"][1] / results["fused"][1]
         print(f"    fused vs unfused forward+backward: {speedup:.2f}x; the GEMMs alone take "
               f"{results['gemms-only'][1] / results['fused'][1]:.0%} of the fused time", flush=True)
-        del x, w1, w2, grad, results
         torch.cuda.empty_cache()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as handle:

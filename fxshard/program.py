@@ -10,9 +10,13 @@ import enum
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
+
+if TYPE_CHECKING:
+    from .optimizer_graph import TrainSpec
 
 from . import meta
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
 

@@ -270,7 +270,7 @@ class _Splitter:
         grad_recv = grad_sends[c + 1] if c + 1 < len(sends) else []
         grad_send = grad_sends[c]
         fwd_set, recv_set = set(fwd_nodes), set(recv)
-        bwd_set, grad_recv_set = set(bwd_nodes), set(grad_recv)
+        bwd_set = set(bwd_nodes)
         grads = {name: info for name, info in self.gradient_parts.items() if c in info["parts"]}
         extra_bwd_outputs = [n for info in grads.values() for n in info["parts"][c]]
         # saved: forward-side values this chunk's backward (or its gradient outputs) reads
