@@ -97,14 +97,19 @@ def test_fsdp_over_nccl_matches_single_device_eager(model_name, cuda_graphs):
                 assert relative(params[name], p.cpu()) < 1e-4, (strategy, name)
 
 
+def _adamw_inputs(seed):
+    """(param, grad, exp_avg, exp_avg_sq) of an odd length, and (decay, step_size, bias_correction2_sqrt)."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    tensors = [torch.randn(10007, device="cuda", generator=generator) for _ in range(3)]
+    tensors.append(torch.rand(10007, device="cuda", generator=generator))
+    return tensors, [torch.tensor(v, device="cuda") for v in (0.999, 1e-3, 0.3)]
+
+
 @pytest.mark.gpu
 def test_fused_adamw_kernel_matches_the_reference():
     from fxshard.ops.adamw import adamw_reference, adamw_update
 
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    tensors = [torch.randn(10007, device="cuda", generator=generator) for _ in range(3)]
-    tensors.append(torch.rand(10007, device="cuda", generator=generator))
-    scalars = [torch.tensor(v, device="cuda") for v in (0.999, 1e-3, 0.3)]
+    tensors, scalars = _adamw_inputs(seed=0)
     fused = adamw_update(*tensors, *scalars, 0.9, 0.95, 1e-8)
     reference = adamw_reference(*tensors, *scalars, 0.9, 0.95, 1e-8)
     for ours, expected in zip(fused, reference):
@@ -115,10 +120,7 @@ def test_fused_adamw_kernel_matches_the_reference():
 def test_in_place_fused_adamw_kernel_matches_the_functional_one():
     from fxshard.ops.adamw import adamw_update, adamw_update_
 
-    generator = torch.Generator(device="cuda").manual_seed(1)
-    tensors = [torch.randn(10007, device="cuda", generator=generator) for _ in range(3)]
-    tensors.append(torch.rand(10007, device="cuda", generator=generator))
-    scalars = [torch.tensor(v, device="cuda") for v in (0.999, 1e-3, 0.3)]
+    tensors, scalars = _adamw_inputs(seed=1)
     expected = adamw_update(*tensors, *scalars, 0.9, 0.95, 1e-8)
     param, grad, exp_avg, exp_avg_sq = (t.clone() for t in tensors)
     adamw_update_(param, grad, exp_avg, exp_avg_sq, *scalars, 0.9, 0.95, 1e-8)
