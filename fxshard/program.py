@@ -93,6 +93,16 @@ class FlatUnit:
     world: int
     trainable: bool = True   # False: frozen parameters, gathered for use, never reduced or updated
 
+    @classmethod
+    def laid_out(cls, name: str, params: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, world: int,
+                 trainable: bool = True) -> "FlatUnit":
+        """The unit holding `params` ((name, shape) pairs) end to end, in this order."""
+        members, offset = [], 0
+        for param_name, shape in params:
+            members.append(FlatMember(param_name, tuple(shape), offset))
+            offset += members[-1].numel
+        return cls(name, tuple(members), dtype, world, trainable)
+
     @property
     def numel(self) -> int:
         return sum(m.numel for m in self.members)

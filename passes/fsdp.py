@@ -29,7 +29,7 @@ from fxshard.config import SHARDING_STRATEGIES
 from fxshard.errors import FxShardError
 from fxshard.graph import fake_mode_of, inline
 from fxshard.optimizer_graph import append_update
-from fxshard.program import (REPLICATED, FlatMember, FlatUnit, Input, InputKind, Output, OutputKind, Placement,
+from fxshard.program import (REPLICATED, FlatUnit, Input, InputKind, Output, OutputKind, Placement,
                              Program)
 
 STRATEGIES = SHARDING_STRATEGIES
@@ -93,11 +93,7 @@ def group_into_units(program: Program, world: int, include_frozen: bool = False)
     for (layer_name, dtype, trainable), params in members.items():
         name = layer_name if len(groups_per_layer[layer_name]) == 1 else f"{layer_name}:{dtype}".replace("torch.", "")
         name += "" if trainable else ":frozen"
-        offsets, flat = [], 0
-        for param_name, shape in params:
-            offsets.append(FlatMember(param_name, shape, flat))
-            flat += offsets[-1].numel
-        units.append(FlatUnit(name, tuple(offsets), dtype, world, trainable))
+        units.append(FlatUnit.laid_out(name, params, dtype, world, trainable))
     return units
 
 

@@ -246,11 +246,9 @@ class PipelineStep:
         return [values[n] for n in chunk.params]
 
     def _gather(self, shard: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
+        from .state import gather_shard
 
-        out = shard.new_empty(shard.numel() * self.mesh.dp)
-        dist.all_gather_into_tensor(out, shard.contiguous(), group=self.groups["dp"])
-        return out
+        return gather_shard(shard, self.groups["dp"])
 
     def __call__(self, batch) -> dict[str, torch.Tensor]:
         import torch.distributed as dist
@@ -360,7 +358,7 @@ def spec_dtype(pipeline, metric: str) -> torch.dtype:
 def _units(local_chunks, trainable, params, shared: set[str], world: int):
     """Flat units over the data-parallel ranks: one per (first local chunk, dtype) of a trained
     parameter, and one per parameter shared with another stage (its norm is counted once)."""
-    from ..program import FlatMember, FlatUnit
+    from ..program import FlatUnit
 
     groups: dict[str, list[str]] = {}
     for chunk in local_chunks:
@@ -369,14 +367,8 @@ def _units(local_chunks, trainable, params, shared: set[str], world: int):
                 continue
             key = f"shared/{name}" if name in shared else f"chunk{chunk.index}:{params[name].dtype}".replace("torch.", "")
             groups.setdefault(key, []).append(name)
-    units = []
-    for key, names in groups.items():
-        members, offset = [], 0
-        for name in names:
-            members.append(FlatMember(name, tuple(params[name].shape), offset))
-            offset += params[name].numel()
-        units.append(FlatUnit(key, tuple(members), params[names[0]].dtype, world))
-    return units
+    return [FlatUnit.laid_out(key, [(n, params[n].shape) for n in names], params[names[0]].dtype, world)
+            for key, names in groups.items()]
 
 
 def _optimizer_graph(train, tensors: dict[str, torch.Tensor], states, not_in_norm, norm_axes, fake):

@@ -63,6 +63,15 @@ def initial_state(program: Program, source, optimizer, coords: dict[str, int]) -
     return state
 
 
+def gather_shard(shard: torch.Tensor, group) -> torch.Tensor:
+    """The concatenation of every rank's `shard` over `group` (a process group), on this rank."""
+    import torch.distributed as dist
+
+    out = shard.new_empty(shard.numel() * dist.get_world_size(group))
+    dist.all_gather_into_tensor(out, shard.contiguous(), group=group)
+    return out
+
+
 def full_parameters(program: Program, state: State, gather) -> dict[str, torch.Tensor]:
     """Parameter name -> full tensor; `gather(spec, shard)` concatenates the shards of a sharded input."""
     result = {}

@@ -10,7 +10,7 @@ from ..errors import FxShardError
 from ..optim import Optimizer, lr_at
 from ..program import InputKind, OutputKind, Program
 from .reinplace import reinplace
-from .state import State, full_parameters
+from .state import State, full_parameters, gather_shard
 
 _WRITE_BACK = {OutputKind.PARAM: InputKind.PARAM, OutputKind.OPT_STATE: InputKind.OPT_STATE,
                OutputKind.BUFFER: InputKind.BUFFER}
@@ -112,12 +112,7 @@ class CompiledStep:
         return full_parameters(self.program, self.state, self._gather)
 
     def _gather(self, spec, shard: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        group = self.groups[spec.placement.axis]
-        out = shard.new_empty(shard.numel() * dist.get_world_size(group))
-        dist.all_gather_into_tensor(out, shard.contiguous(), group=group)
-        return out
+        return gather_shard(shard, self.groups[spec.placement.axis])
 
     def buffers(self) -> dict[str, torch.Tensor]:
         return {name: value for (kind, name), value in self.state.items() if kind is InputKind.BUFFER}
