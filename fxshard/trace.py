@@ -185,11 +185,13 @@ class _ProgramBuilder:
         if len(losses) > 1:
             (loss,) = inline(self.graph, lambda *ls: [sum(ls) / len(ls)], losses, fake_mode=self.fake_mode,
                              phase=meta.FWD, layer=meta.POST)
-        metric_totals = list(metrics[0])
-        if len(metrics) > 1 and metric_totals:  # metrics are summed over microbatches
-            metric_totals = inline(self.graph, lambda *ms: [sum(ms[i::len(metrics[0])]) for i in range(len(metrics[0]))],
-                                   [m for per_mb in metrics for m in per_mb], fake_mode=self.fake_mode,
-                                   phase=meta.FWD, layer=meta.POST)
+        metric_totals = []  # each metric summed over microbatches
+        for per_microbatch in zip(*metrics):
+            total = per_microbatch[0]
+            if len(per_microbatch) > 1:
+                (total,) = inline(self.graph, lambda *values: [sum(values)], list(per_microbatch),
+                                  fake_mode=self.fake_mode, phase=meta.FWD, layer=meta.POST)
+            metric_totals.append(total)
         grad_norm, new_params, new_states = self.append_optimizer(
             param_nodes, grad_nodes, state_nodes, lr, step)
 

@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from fxshard import meta
 from fxshard.errors import FxShardError
-from fxshard.program import InputKind, Program
+from fxshard.program import InputKind, OutputKind, Program
 
 _ADD = torch.ops.aten.add.Tensor
 _CAST = torch.ops.aten._to_copy.default
@@ -143,7 +143,7 @@ def split_stages(program: Program, chunks: int, stage_layers: list[int] | None =
     if any(meta.microbatch(n) for n in graph.nodes):
         raise FxShardError("split_stages takes the program of one microbatch; the pipeline runtime "
                            "feeds microbatches itself (leave Config(microbatches) to the schedule)")
-    if program.outputs_of(_output_kind("BUFFER")):
+    if program.outputs_of(OutputKind.BUFFER):
         raise FxShardError("the model updates buffers in its forward (e.g. BatchNorm statistics); "
                            "pipeline parallelism does not support buffer updates yet")
     layers = [layer for layer in program.notes.get("layers", [])]
@@ -156,12 +156,6 @@ def split_stages(program: Program, chunks: int, stage_layers: list[int] | None =
     groups = assign_layers(layers, chunks, param_bytes, stage_layers)
     chunk_of_layer = {layer: c for c, group in enumerate(groups) for layer in group}
     return _Splitter(program, groups, chunk_of_layer).run()
-
-
-def _output_kind(name):
-    from fxshard.program import OutputKind
-
-    return OutputKind[name]
 
 
 class _Splitter:
@@ -195,7 +189,7 @@ class _Splitter:
         where.update({n: ("bwd", c) for c, nodes in enumerate(bwd) for n in nodes})
         loss = self.program.output_nodes()[0]
         self.metric_nodes = {node: spec.name for spec, node in zip(self.program.outputs, self.program.output_nodes())
-                             if spec.kind.name == "METRIC"}
+                             if spec.kind is OutputKind.METRIC}
         # forward values a later chunk reads (its forward or its backward); backward values an earlier chunk reads
         last_reader: dict[fx.Node, int] = {}
         first_reader: dict[fx.Node, int] = {}
@@ -237,13 +231,13 @@ class _Splitter:
 
     def decompose(self, grad: fx.Node):
         cast, top = None, grad
-        if grad.target is _CAST and len(grad.users) >= 1:
+        if grad.target is _CAST:  # the reduce-dtype cast: split what it casts, cast each part
             cast, top = grad.kwargs.get("dtype"), grad.args[0]
         tree, leaves = [], []
 
         def walk(node, is_top):
             mixed = node.target is _ADD and (is_top or len(node.users) == 1) and \
-                len({self.chunk_of_subtree(a) for a in node.args[:2] if isinstance(a, fx.Node)}) > 1
+                len({self.chunk(a) for a in node.args[:2] if isinstance(a, fx.Node) and a.op == "call_function"}) > 1
             if mixed:
                 tree.append(node)
                 for a in node.args[:2]:
@@ -260,9 +254,6 @@ class _Splitter:
         for leaf in leaves:
             by_chunk.setdefault(self.chunk(leaf), []).append(leaf)
         return {"parts": by_chunk, "tree": tree, "cast": cast}
-
-    def chunk_of_subtree(self, node: fx.Node) -> int | None:
-        return self.chunk(node) if node.op == "call_function" else None
 
     def build_chunk(self, c, fwd_nodes, bwd_nodes, sends, grad_sends, loss) -> Chunk:
         recv = sends[c - 1] if c > 0 else []

@@ -95,6 +95,15 @@ ACTIVATIONS = {a.name: a for a in (
 )}
 
 
+def _expert_rows(offsets: Tensor):
+    """(expert, row slice) for every expert with rows, read on the host."""
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):
+        if end > start:
+            yield expert, slice(start, end)
+        start = end
+
+
 class ReferenceBackend:
     """Runs anywhere: one matmul per expert on the host's view of the offsets; the activation and its
     derivative in PyTorch."""
@@ -107,20 +116,14 @@ class ReferenceBackend:
 
     def gemm(self, x, offsets, w, zero_tail=True):
         out = x.new_zeros(x.shape[0], w.shape[1])
-        start = 0
-        for expert, end in enumerate(offsets.tolist()):
-            if end > start:
-                out[start:end] = x[start:end] @ w[expert].t()
-            start = end
+        for expert, rows in _expert_rows(offsets):
+            out[rows] = x[rows] @ w[expert].t()
         return out
 
     def gemm_wgrad(self, grad, x, offsets, experts):
         result = grad.new_zeros(experts, grad.shape[1], x.shape[1])
-        start = 0
-        for expert, end in enumerate(offsets.tolist()):
-            if end > start:
-                result[expert] = grad[start:end].t() @ x[start:end]
-            start = end
+        for expert, rows in _expert_rows(offsets):
+            result[expert] = grad[rows].t() @ x[rows]
         return result
 
     def act(self, h, offsets, name, limit):  # computed in fp32 at least, as the kernels do

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from ..errors import FxShardError
+from ..program import FlatUnit, InputKind, OutputKind
 from ..schedule import Action, Schedule
 
 
@@ -309,10 +310,10 @@ class PipelineStep:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.groups["dp"])
         reported = {}
         for spec in self.pipeline.source.outputs:
-            if spec.kind.name != "METRIC":
+            if spec.kind is not OutputKind.METRIC:
                 continue
             value = executor.metrics.get(spec.name)
-            value = value.clone() if value is not None else torch.zeros((), dtype=spec_dtype(self.pipeline, spec.name),
+            value = value.clone() if value is not None else torch.zeros((), dtype=_metric_dtype(self.pipeline, spec.name),
                                                                          device=self.device)
             for axis in ("pp", "dp"):
                 if getattr(self.mesh, axis) > 1:
@@ -337,8 +338,6 @@ class PipelineStep:
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """This rank's parameters (its chunks'), as tensors it will not change."""
-        from ..program import InputKind
-
         values = dict(self.params)
         if self.shards_params:
             for unit in self.units:
@@ -347,7 +346,7 @@ class PipelineStep:
         return {name: value.clone() for name, value in values.items() if kinds[name] is InputKind.PARAM}
 
 
-def spec_dtype(pipeline, metric: str) -> torch.dtype:
+def _metric_dtype(pipeline, metric: str) -> torch.dtype:
     """The dtype of a reported metric, from the traced program."""
     for spec, node in zip(pipeline.source.outputs, pipeline.source.output_nodes()):
         if spec.name == metric:
@@ -358,8 +357,6 @@ def spec_dtype(pipeline, metric: str) -> torch.dtype:
 def _units(local_chunks, trainable, params, shared: set[str], world: int):
     """Flat units over the data-parallel ranks: one per (first local chunk, dtype) of a trained
     parameter, and one per parameter shared with another stage (its norm is counted once)."""
-    from ..program import FlatUnit
-
     groups: dict[str, list[str]] = {}
     for chunk in local_chunks:
         for name in chunk.grads:
