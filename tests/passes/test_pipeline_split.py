@@ -11,6 +11,7 @@ from fxshard import schedule as schedules
 from fxshard.batch import BatchSpec
 from fxshard.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig
 from fxshard.passes.pipeline import assign_layers, split_stages
+from fxshard.program import InputKind, OutputKind
 from fxshard.runtime.pipeline import run_local
 
 
@@ -24,8 +25,25 @@ def token_microbatches(vocab, count, rows=2, seq=8, seed=0):
              "tgt": torch.randint(0, vocab, (rows, seq), generator=generator)} for _ in range(count)]
 
 
+def unsplit_program_run(program, params, leaves):
+    """The un-rewritten program on one microbatch: (loss, {param: gradient}). Traced with plain SGD at
+    lr 1, so each gradient is the parameter minus its update."""
+    args = []
+    batch = iter(leaves)
+    for spec in program.inputs:
+        if spec.kind is InputKind.BATCH:
+            args.append(next(batch))
+        elif spec.kind in (InputKind.LR, InputKind.STEP):
+            args.append(torch.tensor(1.0))
+        else:
+            args.append(params[spec.name])
+    outputs = dict(zip([(o.kind, o.name) for o in program.outputs], program.graph_module(*args)))
+    grads = {name: params[name] - value for (kind, name), value in outputs.items() if kind is OutputKind.PARAM}
+    return outputs[OutputKind.LOSS, "loss"], grads
+
+
 def check_pipeline(model, loss_fn, microbatches, schedule, stage_layers=None):
-    program = fxshard.trace(model, loss_fn, microbatches[0])
+    program = fxshard.trace(model, loss_fn, microbatches[0], optimizer=fxshard.optim.SGD(lr=1.0))
     pipeline = split_stages(program, schedule.chunks, stage_layers)
     params = {name: p.detach() for name, p in model.named_parameters()}
     params.update({name: b for name, b in model.named_buffers()})
@@ -45,6 +63,15 @@ def check_pipeline(model, loss_fn, microbatches, schedule, stage_layers=None):
         if p.requires_grad:
             scale = max(p.grad.abs().max().item(), 1e-6)
             assert (grads[name] / len(microbatches) - p.grad).abs().max().item() <= 1e-5 * scale, name
+    # and against the program the split was cut from, microbatch by microbatch
+    unsplit = [unsplit_program_run(program, params, mb_leaves) for mb_leaves in leaves]
+    for index, (loss, _) in enumerate(unsplit):
+        assert abs(losses[index].item() - loss.item()) <= 1e-5 * abs(loss.item())
+    for name, expected in unsplit[0][1].items():
+        total = sum(g[name] for _, g in unsplit)
+        # each program gradient is param - (param - grad): rounded at the parameter's magnitude
+        tolerance = 1e-5 * total.abs().max().item() + 1e-6 * params[name].abs().max().item()
+        assert (grads[name] - total).abs().max().item() <= tolerance, name
     return pipeline
 
 
