@@ -85,6 +85,11 @@ def _process_groups(mesh: Mesh | None, example_batch):
         raise FxShardError(f"{mesh} has {mesh.size} ranks but the process group has {dist.get_world_size()}; "
                            f"make them agree")
     device_type = BatchSpec.from_example(example_batch).device.type
+    if mesh.ep > 1:  # ep groups of consecutive ranks; edp: the ranks that own the same experts
+        device_mesh = init_device_mesh(device_type, (mesh.edp, mesh.ep), mesh_dim_names=("edp", "ep"))
+        groups = {axis: device_mesh.get_group(axis) for axis in ("edp", "ep")}
+        groups["dp"] = dist.group.WORLD
+        return groups, mesh.coords(dist.get_rank())
     if mesh.pp == 1:
         device_mesh = init_device_mesh(device_type, (mesh.dp,), mesh_dim_names=("dp",))
         return {"dp": device_mesh.get_group("dp")}, {"dp": device_mesh.get_local_rank("dp")}

@@ -38,6 +38,12 @@ class Config:
         weight gradients split off and delayed into the bubbles); `microbatches` is the
         number of pipeline microbatches M, `virtual_stages` V chunks per rank (interleaved: M % P == 0).
     stage_layers: layers per pipeline chunk (P*V counts); default: balanced by parameter bytes.
+    moe_capacity_factor: bound every `fxshard.moe.dispatch` call to ceil(factor * tokens * top_k /
+        experts) assignments per expert (per call, i.e. per rank and microbatch; fxshard/moe.py gives
+        the drop rule); None leaves each call's own setting (MoEGPT: dropless unless its config says).
+        Under expert parallelism it also sizes the all-to-all buffers (dropless pads to the worst case).
+    ep_overlap: with Mesh(ep>1), split each MoE layer's expert rows into `ep_chunks` chunks so one
+        chunk's all-to-alls run while another chunk's experts compute (passes/ep.py).
     seed: initializes a model built on the meta device (fxshard.init: per module, seeded by its path).
     """
 
@@ -56,6 +62,9 @@ class Config:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     stage_layers: tuple[int, ...] | None = None
+    moe_capacity_factor: float | None = None
+    ep_overlap: bool = False
+    ep_chunks: int = 2
 
     def __post_init__(self):
         if self.layers is not None:
@@ -80,5 +89,11 @@ class Config:
             object.__setattr__(self, "schedule", "interleaved-1f1b")
         if self.stage_layers is not None:
             object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
+        if self.moe_capacity_factor is not None and not (isinstance(self.moe_capacity_factor, (int, float))
+                                                         and self.moe_capacity_factor > 0):
+            raise FxShardError(f"moe_capacity_factor must be a number > 0 or None (dropless), got "
+                               f"{self.moe_capacity_factor!r}")
+        if not isinstance(self.ep_chunks, int) or self.ep_chunks < 1:
+            raise FxShardError(f"ep_chunks must be an int >= 1, got {self.ep_chunks!r}")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise FxShardError(f"clip_grad_norm must be > 0 or None, got {self.clip_grad_norm!r}")

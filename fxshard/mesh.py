@@ -1,5 +1,10 @@
-"""Mesh: the shape of the device grid, by named axis: `pp` (pipeline stages) and `dp` (data parallel);
-`ep` follows. Ranks are laid out with dp varying fastest: rank = pp_index * dp + dp_index."""
+"""Mesh: the shape of the device grid, by named axis: `pp` (pipeline stages), `dp` (data parallel)
+and `ep` (expert parallel, inside dp).
+
+Ranks are laid out with dp varying fastest: rank = pp_index * dp + dp_index. With `ep=K`, the dp
+ranks of a stage form dp/K expert-parallel groups of K consecutive ranks: ep_index = dp_index % K,
+and `edp` (expert data parallel) = dp_index // K names the replicas of the same experts.
+"""
 
 from __future__ import annotations
 
@@ -10,36 +15,69 @@ from .errors import FxShardError
 
 @dataclass(frozen=True)
 class Mesh:
-    """`Mesh(dp=N)`: N data-parallel ranks; `Mesh(pp=P, dp=N)`: P pipeline stages of N ranks each.
+    """`Mesh(dp=N)`: N data-parallel ranks; `Mesh(pp=P, dp=N)`: P pipeline stages of N ranks each;
+    `Mesh(dp=N, ep=K)`: the N ranks split into N/K groups of K that share their MoE experts (each owns
+    E/K of them); non-expert parameters are data-parallel over all N ranks, expert parameters over
+    the N/K ranks that own the same experts (axis `edp`).
     Passes see only the sizes and the axis names; the runtime binds each axis name to a real
     process group (built with torch.distributed.device_mesh)."""
 
     dp: int = 1
     pp: int = 1
+    ep: int = 1
 
     def __post_init__(self):
-        for axis in ("dp", "pp"):
+        for axis in ("dp", "pp", "ep"):
             value = getattr(self, axis)
             if not isinstance(value, int) or value < 1:
                 raise FxShardError(f"Mesh({axis}={value!r}): {axis} must be an int >= 1")
+        if self.dp % self.ep:
+            raise FxShardError(f"Mesh(dp={self.dp}, ep={self.ep}): ep must divide dp (expert-parallel groups are "
+                               f"made of data-parallel ranks); choose ep among the divisors of {self.dp}")
+        if self.ep > 1 and self.pp > 1:
+            raise FxShardError(f"Mesh(pp={self.pp}, ep={self.ep}): expert parallelism inside pipeline stages is not "
+                               f"supported yet; use Mesh(dp=..., ep=...) or Mesh(pp=..., dp=...)")
 
     @property
     def size(self) -> int:
         return self.dp * self.pp
 
     @property
+    def edp(self) -> int:
+        return self.dp // self.ep
+
+    @property
     def axes(self) -> dict[str, int]:
-        return {"pp": self.pp, "dp": self.dp}
+        return {"pp": self.pp, "dp": self.dp, "ep": self.ep, "edp": self.edp}
 
     def coords(self, rank: int) -> dict[str, int]:
-        return {"pp": rank // self.dp, "dp": rank % self.dp}
+        dp_index = rank % self.dp
+        coords = {"pp": rank // self.dp, "dp": dp_index}
+        if self.ep > 1:
+            coords.update(ep=dp_index % self.ep, edp=dp_index // self.ep)
+        return coords
 
     def rank_of(self, pp: int, dp: int) -> int:
         return pp * self.dp + dp
 
     def groups(self) -> dict[str, list[int]]:
-        """Axis name -> the global ranks of rank 0's group along it (for the SPMD simulator)."""
-        return {"dp": list(range(self.dp)), "pp": [self.rank_of(p, 0) for p in range(self.pp)]}
+        """Axis name -> the global ranks of rank 0's group along it."""
+        return {axis: groups[0] for axis, groups in self.all_groups().items()}
+
+    def all_groups(self) -> dict[str, list[list[int]]]:
+        """Axis name -> every group along it, each as global ranks in group-rank order (what the SPMD
+        simulator needs)."""
+        stages = range(self.pp)
+        result = {"dp": [[self.rank_of(p, d) for d in range(self.dp)] for p in stages],
+                  "pp": [[self.rank_of(p, d) for p in stages] for d in range(self.dp)]}
+        if self.ep > 1:
+            result["ep"] = [[self.rank_of(p, g * self.ep + e) for e in range(self.ep)]
+                            for p in stages for g in range(self.edp)]
+            result["edp"] = [[self.rank_of(p, g * self.ep + e) for g in range(self.edp)]
+                             for p in stages for e in range(self.ep)]
+        return result
 
     def __str__(self) -> str:
-        return f"Mesh(dp={self.dp})" if self.pp == 1 else f"Mesh(pp={self.pp}, dp={self.dp})"
+        parts = ([f"pp={self.pp}"] if self.pp > 1 else []) + [f"dp={self.dp}"] + \
+            ([f"ep={self.ep}"] if self.ep > 1 else [])
+        return f"Mesh({', '.join(parts)})"

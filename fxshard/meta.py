@@ -32,3 +32,8 @@ def microbatch(node) -> int:
 # Set by passes on the collectives they insert, for the dumps.
 UNIT = "fxshard_unit"            # the FSDP unit a collective moves
 COMM_BYTES = "fxshard_comm_bytes"  # bytes one rank sends into the collective
+# Set by the expert-parallel pass on the nodes of each MoE layer it rewrites: which piece of the layer
+# a node belongs to ("route": the all-to-all plan, "dispatch", "experts", "combine"), and which
+# token-row chunk (ep_overlap); the pieces a combined fwd/bwd schedule would interleave.
+MOE_PIECE = "fxshard_moe_piece"
+MOE_CHUNK = "fxshard_moe_chunk"

@@ -15,10 +15,16 @@ the first C in assignment order (token by token, and within a token in top-k ord
 the rest. A dropped assignment contributes nothing to its token's output (the token keeps its other
 experts, and the residual). Dropped rows are sorted past offsets[-1], where grouped GEMMs write
 zeros. The router's load-balancing loss is computed from the assignments before dropping.
+`fxshard.Config(moe_capacity_factor=f)` overrides the factor of every call while `shard` traces.
+
+While tracing, the nodes of a dispatch carry its static facts (experts, top_k, tokens, capacity) in
+their metadata (`node.meta["custom"]["fxshard_moe"]`): the expert-parallel pass sizes its
+all-to-all buffers from them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -26,6 +32,22 @@ import torch
 from torch import Tensor
 
 from .errors import FxShardError
+
+ANNOTATION = "fxshard_moe"
+_capacity_override: list[float] = []  # innermost last; set by capacity_factor_override
+
+
+@contextlib.contextmanager
+def capacity_factor_override(capacity_factor: float | None):
+    """Every dispatch inside uses `capacity_factor` (None: leaves each call's own)."""
+    if capacity_factor is None:
+        yield
+        return
+    _capacity_override.append(capacity_factor)
+    try:
+        yield
+    finally:
+        _capacity_override.pop()
 
 
 @dataclass
@@ -48,8 +70,17 @@ def capacity_of(tokens: int, top_k: int, n_experts: int, capacity_factor: float 
 
 def dispatch(tokens: Tensor, chosen: Tensor, n_experts: int, capacity_factor: float | None = None) -> Dispatch:
     count, top_k = chosen.shape
-    flat_expert = chosen.reshape(-1)
+    if _capacity_override:
+        capacity_factor = _capacity_override[-1]
     capacity = capacity_of(count, top_k, n_experts, capacity_factor)
+    facts = {"experts": n_experts, "top_k": top_k, "tokens": count, "capacity": capacity}
+    with torch.fx.traceback.annotate({ANNOTATION: facts}):
+        return _dispatch(tokens, chosen, n_experts, capacity)
+
+
+def _dispatch(tokens: Tensor, chosen: Tensor, n_experts: int, capacity: int | None) -> Dispatch:
+    top_k = chosen.shape[1]
+    flat_expert = chosen.reshape(-1)
     if capacity is None:
         keep = torch.ones_like(flat_expert, dtype=torch.bool)
     else:

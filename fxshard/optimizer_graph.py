@@ -27,16 +27,22 @@ class TrainSpec:
 
 def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, names: list[str], params: list[fx.Node],
                   grads: list[fx.Node], states: dict[tuple[str, str], fx.Node], lr: fx.Node, step: fx.Node,
-                  norm_group: str | tuple[str, ...] | None = None, not_in_norm: frozenset[str] = frozenset()):
+                  norm_group: str | tuple[str, ...] | dict | None = None,
+                  not_in_norm: frozenset[str] = frozenset()):
     """Insert the optimizer phase at the graph's insertion point.
 
     `names[i]` names the tensor `params[i]` (a parameter, or a flat unit shard); with `norm_group`
     (one mesh axis or several), the squared gradient norm is summed over those groups first (each rank
-    holds part of the gradients);
+    holds part of the gradients), or a dict giving each name its own;
     names in `not_in_norm` are left out of this rank's part (another rank counts them: tied weights).
     Returns (grad_norm, {name: new tensor}, {(name, slot): new state}).
     """
     slots = [[slot for (owner, slot) in states if owner == name] for name in names]
+
+    def groups_of(name: str) -> tuple[str, ...]:
+        group = norm_group.get(name, ()) if isinstance(norm_group, dict) else norm_group
+        return (group,) if isinstance(group, str) else tuple(group or ())
+
     optimizer, clip = spec.optimizer, spec.clip_grad_norm
     count = len(names)
 
@@ -44,11 +50,17 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, names: list[str],
         params, grads = flat[:count], flat[count:2 * count]
         grads = [g.to(p.dtype) for p, g in zip(params, grads)]  # reduced in reduce_dtype, applied in the master's
         state_values, (lr, step) = flat[2 * count:-2], flat[-2:]
-        counted = [g for name, g in zip(names, grads) if name not in not_in_norm] or [grads[0] * 0]
-        squares = torch.stack([g.float().pow(2).sum() for g in counted]).sum()
-        for group in (norm_group,) if isinstance(norm_group, str) else (norm_group or ()):
-            squares = torch.ops._c10d_functional.wait_tensor(
-                torch.ops._c10d_functional.all_reduce(squares, "sum", group))
+        # every rank reduces every group, even one it has nothing to count for (collectives must match)
+        by_groups: dict[tuple[str, ...], list] = {groups_of(name): [] for name in names}
+        for name, g in zip(names, grads):
+            if name not in not_in_norm:
+                by_groups[groups_of(name)].append(g)
+        squares = grads[0].new_zeros((), dtype=torch.float32)
+        for groups, counted in by_groups.items():
+            part = torch.stack([g.float().pow(2).sum() for g in counted or [grads[0] * 0]]).sum()
+            for group in groups:
+                part = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(part, "sum", group))
+            squares = squares + part
         grad_norm = squares.sqrt()
         if clip is not None:
             coefficient = torch.clamp(clip / (grad_norm + 1e-6), max=1.0)

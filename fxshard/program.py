@@ -85,23 +85,30 @@ class FlatMember:
 @dataclass(frozen=True)
 class FlatUnit:
     """A unit's parameters laid end to end in one flat buffer, zero-padded to split evenly over
-    `world` ranks: rank r's shard is elements [r * shard_numel, (r + 1) * shard_numel)."""
+    `world` ranks of mesh axis `axis`: rank r's shard is elements [r * shard_numel, (r + 1) * shard_numel).
+    A unit on axis "edp" holds expert parameters: its members are this rank's experts (dim 0 split
+    over "ep"), replicated or sharded over the ranks that own the same experts."""
 
     name: str
     members: tuple[FlatMember, ...]
     dtype: torch.dtype
     world: int
     trainable: bool = True   # False: frozen parameters, gathered for use, never reduced or updated
+    axis: str = "dp"
+
+    @property
+    def experts(self) -> bool:
+        return self.axis == "edp"
 
     @classmethod
     def laid_out(cls, name: str, params: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, world: int,
-                 trainable: bool = True) -> "FlatUnit":
+                 trainable: bool = True, axis: str = "dp") -> "FlatUnit":
         """The unit holding `params` ((name, shape) pairs) end to end, in this order."""
         members, offset = [], 0
         for param_name, shape in params:
             members.append(FlatMember(param_name, tuple(shape), offset))
             offset += members[-1].numel
-        return cls(name, tuple(members), dtype, world, trainable)
+        return cls(name, tuple(members), dtype, world, trainable, axis)
 
     @property
     def numel(self) -> int:

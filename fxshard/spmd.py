@@ -7,6 +7,9 @@ different graphs (pipeline stages), as long as their collectives match; a rank w
 whose other members never arrive is reported as a deadlock with each rank's pending collective.
 
     outputs = simulate([gm] * 4, [rank_inputs(r) for r in range(4)], groups={"dp": [0, 1, 2, 3]})
+
+A group name may stand for several disjoint groups (every expert-parallel group is called "ep"):
+give it a list of rank lists, e.g. `{"ep": [[0, 1], [2, 3]]}` (`Mesh.all_groups()` builds them).
 """
 
 from __future__ import annotations
@@ -126,9 +129,11 @@ def _check_matching(group: str, requests: list[Collective]) -> None:
 
 
 def simulate(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[Any]],
-             groups: dict[str, Sequence[int]]) -> list[Any]:
+             groups: dict[str, Sequence[int] | Sequence[Sequence[int]]]) -> list[Any]:
     """Run rank r's `graphs[r]` on `inputs[r]`; `groups` maps each group name to its global ranks
-    in group-rank order. Returns each rank's outputs."""
+    in group-rank order (or to a list of such lists). Returns each rank's outputs."""
+    groups = {name: [list(g) for g in members] if members and not isinstance(members[0], int) else [list(members)]
+              for name, members in groups.items()}
     if len(graphs) != len(inputs):
         raise FxShardError(f"{len(graphs)} graphs but {len(inputs)} input lists: give one per rank")
     runners = [_run_rank(gm, args) for gm, args in zip(graphs, inputs)]
@@ -145,15 +150,15 @@ def simulate(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[Any]],
         advance(rank)
     while pending:
         progressed = False
-        for group, members in groups.items():
-            members = list(members)
-            if not all(pending.get(m) is not None and pending[m].group == group for m in members):
-                continue
-            requests = [pending.pop(m) for m in members]
-            _check_matching(group, requests)
-            for member, result in zip(members, combine(requests)):
-                advance(member, result)
-            progressed = True
+        for group, member_lists in groups.items():
+            for members in member_lists:
+                if not all(pending.get(m) is not None and pending[m].group == group for m in members):
+                    continue
+                requests = [pending.pop(m) for m in members]
+                _check_matching(group, requests)
+                for member, result in zip(members, combine(requests)):
+                    advance(member, result)
+                progressed = True
         if not progressed:
             unknown = {r.group for r in pending.values()} - set(groups)
             if unknown:

@@ -75,7 +75,7 @@ class SimulatedRanks:
 
         self.program, self.optimizer, self.mesh = program, optimizer, mesh
         self.world = mesh.size
-        self.states = [initial_state(program, model, optimizer, {"dp": rank}) for rank in range(self.world)]
+        self.states = [initial_state(program, model, optimizer, mesh.coords(rank)) for rank in range(self.world)]
         self.step_count = 0
 
     def step(self, local_batches, lr: float | None = None) -> list[dict[str, torch.Tensor]]:
@@ -98,7 +98,7 @@ class SimulatedRanks:
                 else:
                     args.append(self.states[rank][spec.kind, spec.name])
             inputs.append(args)
-        outputs = simulate([self.program.graph_module] * self.world, inputs, self.mesh.groups())
+        outputs = simulate([self.program.graph_module] * self.world, inputs, self.mesh.all_groups())
         kinds = {OutputKind.PARAM: InputKind.PARAM, OutputKind.OPT_STATE: InputKind.OPT_STATE,
                  OutputKind.BUFFER: InputKind.BUFFER}
         metrics = []
@@ -113,9 +113,22 @@ class SimulatedRanks:
 
     def parameters(self, rank: int = 0) -> dict[str, torch.Tensor]:
         """Full parameters as `rank` sees them (sharded inputs concatenated over all ranks)."""
-        from .runtime.state import full_parameters
+        from .runtime.state import expert_parameters, local_parameters
 
-        def gather(spec, shard):
-            return torch.cat([state[spec.kind, spec.name] for state in self.states])
+        groups = self.mesh.all_groups()
 
-        return full_parameters(self.program, self.states[rank], gather)
+        def members(r, axis):
+            return next(g for g in groups[axis] if r in g)
+
+        def local(r):
+            def gather(spec, shard):
+                return torch.cat([self.states[m][spec.kind, spec.name] for m in members(r, spec.placement.axis)])
+            return local_parameters(self.program, self.states[r], gather)
+
+        result = local(rank)
+        experts = expert_parameters(self.program)
+        if experts:
+            locals_ = {m: local(m) for m in members(rank, "ep")}
+            for name in experts:
+                result[name] = torch.cat([locals_[m][name] for m in members(rank, "ep")])
+        return result

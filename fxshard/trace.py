@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from . import meta
+from . import meta, moe
 from .config import Config
 from .errors import FxShardError
 from .errors_trace import explain_trace_failure
@@ -100,7 +100,8 @@ def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     step_module = _LossStep(model, loss_fn, batch_spec, list(params), list(buffers))
     try:
         with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta(), \
-                annotate_layers(step_module.target[0], model, layer_paths):
+                annotate_layers(step_module.target[0], model, layer_paths), \
+                moe.capacity_factor_override(config.moe_capacity_factor):
             joint = aot_export_joint_with_descriptors(
                 stack, step_module, (fake_params, fake_buffers, fake_leaves))
             joint_gm = joint.graph_module

@@ -1,7 +1,7 @@
 """The compiler pipeline: the ordered list of passes, each switched on by config and nothing else.
 
 A pass is `(program, mesh, config) -> program`, pure, with a docstring that states its invariant.
-Passes arrive with their features (expert parallelism and pipeline follow).
+The pipeline pass (Mesh(pp>1)) runs from fxshard.api, on the program these produce.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from typing import Callable, NamedTuple
 
 from fxshard.program import Program
 
+from .ep import EPConfig, expert_parallel
 from .fsdp import FSDPConfig, fsdp
 from .fuse_grouped_mlp import fuse_grouped_mlp
 
@@ -25,8 +26,14 @@ PIPELINE: list[Pass] = [
     Pass("fuse_grouped_mlp",
          lambda program, mesh, config: fuse_grouped_mlp(program),
          lambda mesh, config: config.fuse_grouped_mlp),
+    # per-rank expert computation and all-to-alls; FSDP then shards experts over edp, the rest over dp
+    Pass("ep",
+         lambda program, mesh, config: expert_parallel(
+             program, EPConfig(mesh.ep, config.ep_chunks if config.ep_overlap else 1)),
+         lambda mesh, config: mesh is not None and mesh.ep > 1),
     Pass("fsdp",
-         lambda program, mesh, config: fsdp(program, FSDPConfig(mesh.dp, config.sharding, config.fsdp_prefetch)),
+         lambda program, mesh, config: fsdp(program, FSDPConfig(mesh.dp, config.sharding, config.fsdp_prefetch,
+                                                                ep=mesh.ep)),
          lambda mesh, config: mesh is not None),
 ]
 

@@ -14,6 +14,11 @@ and one reduce-scatter. Strategies, with Megatron's names:
 Overlap is graph order: a unit's all-gather is issued `prefetch` units ahead of its first use and
 waited on just before it; a unit's reduce-scatter is issued as soon as its last gradient exists and
 waited on only when the optimizer phase starts.
+
+After the expert-parallel pass (Mesh(dp=N, ep=K)), expert parameters (placed `sharded(ep)`: this
+rank's E/K experts) form units of their own on axis `edp`, the N/K ranks that own the same experts;
+their gradients, which already sum the ep group's contributions, are divided by K and averaged over
+`edp`, which makes them the mean over all N ranks like every other gradient.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class FSDPConfig:
     strategy: str = "optim_grads_params"
     prefetch: int = 1
     axis: str = "dp"
+    ep: int = 1              # expert-parallel group size (units of `sharded(ep)` parameters go on "edp")
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -75,25 +81,29 @@ def fsdp(program: Program, cfg: FSDPConfig) -> Program:
     equal local batches this is exactly one device training on the concatenated batch; terms with
     batch statistics (MoE load balancing, BatchNorm) are per local batch, as in any data parallelism.
     """
-    units = group_into_units(program, cfg.world, include_frozen=cfg.shards_params)
+    units = group_into_units(program, cfg.world, include_frozen=cfg.shards_params, ep=cfg.ep)
     return _Rewrite(program, units, cfg).run()
 
 
-def group_into_units(program: Program, world: int, include_frozen: bool = False) -> list[FlatUnit]:
+def group_into_units(program: Program, world: int, include_frozen: bool = False, ep: int = 1) -> list[FlatUnit]:
     """One unit per (layer, dtype) of trainable parameters, in order of first appearance; with
-    `include_frozen` (ZeRO-3), frozen parameters get units of their own (gathered, never reduced)."""
-    members: dict[tuple[str, torch.dtype, bool], list[tuple[str, tuple[int, ...]]]] = {}
+    `include_frozen` (ZeRO-3), frozen parameters get units of their own (gathered, never reduced);
+    expert parameters (placed sharded(ep)) get units of their own over the `world // ep` ranks of `edp`."""
+    members: dict[tuple[str, torch.dtype, bool, bool], list[tuple[str, tuple[int, ...]]]] = {}
     for spec, node in zip(program.inputs, program.placeholders()):
         if spec.kind is InputKind.PARAM and (spec.requires_grad or include_frozen):
-            members.setdefault((meta.layer(node), spec.dtype, spec.requires_grad), []).append((spec.name, spec.shape))
-    groups_per_layer = {}
-    for layer_name, dtype, trainable in members:
-        groups_per_layer.setdefault(layer_name, []).append(dtype)
+            experts = spec.placement == Placement("sharded", "ep")
+            members.setdefault((meta.layer(node), spec.dtype, spec.requires_grad, experts), []).append(
+                (spec.name, spec.shape))
+    dtypes_per_layer = {}
+    for layer_name, dtype, _, _ in members:
+        dtypes_per_layer.setdefault(layer_name, set()).add(dtype)
     units = []
-    for (layer_name, dtype, trainable), params in members.items():
-        name = layer_name if len(groups_per_layer[layer_name]) == 1 else f"{layer_name}:{dtype}".replace("torch.", "")
-        name += "" if trainable else ":frozen"
-        units.append(FlatUnit.laid_out(name, params, dtype, world, trainable))
+    for (layer_name, dtype, trainable, experts), params in members.items():
+        name = layer_name if len(dtypes_per_layer[layer_name]) == 1 else f"{layer_name}:{dtype}".replace("torch.", "")
+        name += (":experts" if experts else "") + ("" if trainable else ":frozen")
+        units.append(FlatUnit.laid_out(name, params, dtype, world // ep if experts else world, trainable,
+                                       "edp" if experts else "dp"))
     return units
 
 
@@ -147,8 +157,6 @@ class _Rewrite:
 
     def make_inputs(self):
         cfg = self.cfg
-        shard_param = Placement("sharded", cfg.axis) if cfg.shards_params else REPLICATED
-        shard_state = Placement("sharded", cfg.axis) if cfg.shards_optimizer else REPLICATED
         self.unit_inputs, self.state_inputs, seen = {}, {}, set()
         for spec in self.program.inputs:
             old = self.old_placeholders[spec.name]
@@ -162,6 +170,8 @@ class _Rewrite:
             with self.fake:
                 value = torch.empty(size, dtype=unit.dtype, device=old.meta["val"].device)
             layer = meta.layer(self.old_placeholders[unit.members[0].name])
+            shard_param = Placement("sharded", unit.axis) if cfg.shards_params else REPLICATED
+            shard_state = Placement("sharded", unit.axis) if cfg.shards_optimizer else REPLICATED
             if spec.kind is InputKind.PARAM and unit.name not in seen:
                 seen.add(unit.name)
                 self.unit_inputs[unit.name] = self.placeholder(
@@ -173,12 +183,13 @@ class _Rewrite:
                     self.state_inputs[unit.name, slot] = self.placeholder(
                         Input(InputKind.OPT_STATE, f"{slot}/unit/{unit.name}", (size,), unit.dtype, False,
                               shard_state), value, layer, unit.name)
-        self.coord = None
+        self.coords = {}  # ZeRO-1/2: each unit axis's coordinate picks this rank's slice
         if cfg.shards_optimizer and not cfg.shards_params:
             device = next(iter(self.unit_inputs.values())).meta["val"].device
-            with self.fake:
-                value = torch.zeros(1, dtype=torch.long, device=device)
-            self.coord = self.placeholder(Input(InputKind.COORD, cfg.axis, (1,), torch.long), value)
+            for axis in dict.fromkeys(unit.axis for unit in self.units):
+                with self.fake:
+                    value = torch.zeros(1, dtype=torch.long, device=device)
+                self.coords[axis] = self.placeholder(Input(InputKind.COORD, axis, (1,), torch.long), value)
 
     # ---- collectives --------------------------------------------------------------------------
     def unit_meta(self, unit: FlatUnit) -> dict:
@@ -186,7 +197,7 @@ class _Rewrite:
 
     def issue_all_gather(self, unit: FlatUnit, phase: str, shard: fx.Node | None = None) -> fx.Node:
         """All-gather `shard` (default: the unit's parameter shard, cast to its compute dtype)."""
-        world, axis = self.cfg.world, self.cfg.axis
+        world, axis = unit.world, unit.axis
         dtype = None
         if shard is None:  # gathering the parameters for compute: in their compute dtype
             shard, dtype = self.unit_inputs[unit.name], self.compute_dtype.get(unit.name)
@@ -216,11 +227,14 @@ class _Rewrite:
             self.views.setdefault(region, {})[member.name] = node
 
     def issue_gradient_reduction(self, unit: FlatUnit, grads: list[fx.Node]) -> fx.Node:
-        world, axis, padding = self.cfg.world, self.cfg.axis, unit.padding
+        world, axis, padding = unit.world, unit.axis, unit.padding
         shards = self.cfg.shards_optimizer
+        scale = 1 / self.cfg.ep if unit.experts else None  # expert grads already sum their ep group
 
         def reduce(*grads):
             flat = F.pad(torch.cat([g.reshape(-1) for g in grads]), (0, padding))
+            if scale is not None:
+                flat = flat * scale
             if shards:
                 return [_c10d.reduce_scatter_tensor(flat, "avg", world, axis)]
             return [_c10d.all_reduce(flat, "avg", axis)]
@@ -336,18 +350,19 @@ class _Rewrite:
         lr, step = (self.env[self.old_placeholders[name]] for name in ("lr", "step"))
         grad_norm, new_params, new_states = append_update(
             self.graph, self.program.train, self.fake, names, params, grads, states, lr, step,
-            norm_group=cfg.axis if cfg.shards_optimizer else None)
+            norm_group=self.norm_groups(trained))
         outputs, values = [Output(OutputKind.LOSS, "loss"), Output(OutputKind.GRAD_NORM, "grad_norm")], []
         values += [self.wait(loss_reduce, meta.OPTIM, meta.POST), grad_norm]
         for unit in trained:
             new = new_params[unit.name]
             if cfg.shards_optimizer and not cfg.shards_params:
                 new = self.wait(self.issue_all_gather(unit, meta.OPTIM, new), meta.OPTIM, new.meta.get(meta.LAYER))
-            placement = Placement("sharded", cfg.axis) if cfg.shards_params else REPLICATED
+            placement = Placement("sharded", unit.axis) if cfg.shards_params else REPLICATED
             outputs.append(Output(OutputKind.PARAM, f"unit/{unit.name}", placement))
             values.append(new)
+        axis_of = {unit.name: unit.axis for unit in trained}
         for (unit_name, slot), node in new_states.items():
-            placement = Placement("sharded", cfg.axis) if cfg.shards_optimizer else REPLICATED
+            placement = Placement("sharded", axis_of[unit_name]) if cfg.shards_optimizer else REPLICATED
             outputs.append(Output(OutputKind.OPT_STATE, f"{slot}/unit/{unit_name}", placement))
             values.append(node)
         for spec, value in zip(self.program.outputs, old_values):
@@ -367,13 +382,23 @@ class _Rewrite:
         return self.program.replace(graph_module=gm, inputs=tuple(self.inputs), outputs=tuple(outputs),
                                     units=tuple(self.units), notes=notes)
 
+    def norm_groups(self, units: list[FlatUnit]):
+        """Over which groups each unit's squared gradient norm is summed: where its gradient is split.
+        Sharded, the units partition all parameters over `dp` (expert shards over edp x ep = dp too);
+        replicated, only expert units are split (over `ep`)."""
+        if self.cfg.shards_optimizer:
+            return self.cfg.axis
+        if not any(unit.experts for unit in units):
+            return None
+        return {unit.name: ("ep",) if unit.experts else () for unit in units}
+
     def own_shard(self, unit: FlatUnit) -> fx.Node:
         """The tensor this rank's optimizer updates: the shard, or for ZeRO-1/2 its slice of the full flat."""
         flat = self.unit_inputs[unit.name]
         if self.cfg.shards_params or not self.cfg.shards_optimizer:
             return flat
-        world, size = self.cfg.world, unit.shard_numel
+        world, size = unit.world, unit.shard_numel
         (shard,) = inline(self.graph, lambda full, coord: [full.view(world, size).index_select(0, coord).view(size)],
-                          [flat, self.coord], fake_mode=self.fake, phase=meta.OPTIM,
+                          [flat, self.coords[unit.axis]], fake_mode=self.fake, phase=meta.OPTIM,
                           layer=meta.layer(flat), extra_meta={meta.UNIT: unit.name})
         return shard

@@ -32,6 +32,35 @@ class ModelTensors:
         return flat if rank is None else unit.shard(flat, rank)
 
 
+class ExpertSlices:
+    """A source whose expert parameters are cut to this rank's experts (dim 0 split over `ep`)."""
+
+    def __init__(self, source, experts: dict[str, int], ep_index: int):
+        self.source, self.experts, self.ep_index = source, experts, ep_index  # experts: name -> local count
+        self.device = source.device
+
+    def tensors_named(self, names: set[str]) -> dict[str, torch.Tensor]:
+        tensors = self.source.tensors_named(names)
+        for name, local in self.experts.items():
+            if name in tensors:
+                tensors[name] = tensors[name][self.ep_index * local:(self.ep_index + 1) * local].clone()
+        return tensors
+
+    def unit_shard(self, unit: FlatUnit, rank: int | None) -> torch.Tensor:
+        if not unit.experts:
+            return self.source.unit_shard(unit, rank)
+        flat = unit.flatten(self.tensors_named({m.name for m in unit.members}))
+        return flat if rank is None else unit.shard(flat, rank)
+
+
+def expert_parameters(program: Program) -> dict[str, int]:
+    """Parameter name -> this rank's number of experts, for parameters split over `ep` along dim 0."""
+    experts = {spec.name: spec.shape[0] for spec in program.inputs
+               if spec.kind is InputKind.PARAM and spec.placement.kind == "sharded" and spec.placement.axis == "ep"}
+    experts.update({m.name: m.shape[0] for unit in program.units if unit.experts for m in unit.members})
+    return experts
+
+
 def initial_state(program: Program, source, optimizer, coords: dict[str, int]) -> State:
     """Parameters (whole, or this rank's slice of a flat unit), optimizer slots, buffers, coordinates.
 
@@ -39,6 +68,9 @@ def initial_state(program: Program, source, optimizer, coords: dict[str, int]) -
     rank)` and `device` (fxshard.init.MetaInit for meta-device models)."""
     if isinstance(source, nn.Module):
         source = ModelTensors(source)
+    experts = expert_parameters(program)
+    if experts:
+        source = ExpertSlices(source, experts, coords["ep"])
     whole = {spec.name for spec in program.inputs
              if spec.kind is InputKind.BUFFER or spec.kind is InputKind.PARAM and _unit(program, spec.name) is None}
     tensors = source.tensors_named(whole)
@@ -64,16 +96,26 @@ def initial_state(program: Program, source, optimizer, coords: dict[str, int]) -
 
 
 def gather_shard(shard: torch.Tensor, group) -> torch.Tensor:
-    """The concatenation of every rank's `shard` over `group` (a process group), on this rank."""
+    """The concatenation along dim 0 of every rank's `shard` over `group` (a process group), on this rank."""
     import torch.distributed as dist
 
-    out = shard.new_empty(shard.numel() * dist.get_world_size(group))
+    out = shard.new_empty((shard.shape[0] * dist.get_world_size(group), *shard.shape[1:]))
     dist.all_gather_into_tensor(out, shard.contiguous(), group=group)
     return out
 
 
 def full_parameters(program: Program, state: State, gather) -> dict[str, torch.Tensor]:
-    """Parameter name -> full tensor; `gather(spec, shard)` concatenates the shards of a sharded input."""
+    """Parameter name -> full tensor; `gather(axis, tensor)` concatenates, along dim 0, the tensors
+    that the ranks of this rank's group along mesh axis `axis` hold (shards, or expert slices)."""
+    result = local_parameters(program, state, lambda spec, shard: gather(spec.placement.axis, shard))
+    for name in expert_parameters(program):  # each rank holds its own experts: concatenate over ep
+        result[name] = gather("ep", result[name].contiguous())
+    return result
+
+
+def local_parameters(program: Program, state: State, gather) -> dict[str, torch.Tensor]:
+    """Parameter name -> this rank's tensor: flat units whole (`gather(spec, shard)` concatenates a
+    sharded one over its axis), expert parameters still this rank's experts only."""
     result = {}
     for spec in program.inputs:
         if spec.kind is not InputKind.PARAM:

@@ -111,8 +111,8 @@ class CompiledStep:
         """Parameter name -> current full parameter tensor (all-gathered where sharded)."""
         return full_parameters(self.program, self.state, self._gather)
 
-    def _gather(self, spec, shard: torch.Tensor) -> torch.Tensor:
-        return gather_shard(shard, self.groups[spec.placement.axis])
+    def _gather(self, axis: str, shard: torch.Tensor) -> torch.Tensor:
+        return gather_shard(shard, self.groups[axis])
 
     def buffers(self) -> dict[str, torch.Tensor]:
         return {name: value for (kind, name), value in self.state.items() if kind is InputKind.BUFFER}

@@ -1,0 +1,621 @@
+"""Expert parallelism: each MoE layer's experts computed where they live, tokens moved by all-to-all.
+
+On `Mesh(dp=N, ep=K)` the K ranks of an expert-parallel group each own E/K consecutive experts.
+The pass finds every MoE layer by its expert ops (`fxshard::grouped_mm` / `grouped_mm_wgrad`, or the
+fused `grouped_mlp_*`), whose offsets come from `fxshard.moe.dispatch`, and moves the *expert
+region* — the expert ops and the row-wise ops between them (activation, its backward) — from the
+rank that routed the tokens to the rank that owns the experts:
+
+    route    from the layer's offsets: each row's destination rank and (ep_overlap) chunk, its slot
+             in a fixed-size per-destination buffer, and (one small all-to-all) how many rows of
+             each local expert every source sends
+    dispatch every row-space tensor entering the region (the sorted tokens; in the backward the
+             gradient of the expert output) is packed into [K, B, ...] and sent: all_to_all_single
+    experts  the region's ops run on the received rows, sorted by local expert, with the local
+             experts' weights [E/K, ...] and local offsets
+    combine  every row-space tensor leaving the region goes back by all_to_all_single and is
+             unpacked into the original row order (rows that were dropped or routed nowhere: zero)
+
+in the forward and the backward alike (the backward's region is its own expert ops: the gradient
+enters by dispatch, the data gradient leaves by combine, weight gradients stay local). Buffers are
+static: B = the most rows one source can send one destination (dropless: min(T*min(k, E/K), ...);
+with a capacity C: at most E/K * C), so the step has static shapes and replays in a CUDA graph.
+
+Overlap (`chunks` > 1, Config(ep_overlap=True)): each expert's rows are dealt round-robin into
+`chunks` chunks; every chunk has its own dispatch / experts / combine, all dispatches are issued
+first, and chunk c's experts run while chunk c+1's dispatch and chunk c-1's combine are in flight
+(`wait_tensor` placed at the last moment). Nodes carry `meta.MOE_PIECE` and `meta.MOE_CHUNK`.
+
+Invariant: run on the K ranks of an expert-parallel group, each rank's program computes the same
+loss and metrics as the input program on that rank's batch, the same gradients for the non-expert
+parameters, and, for each of its local experts, the sum over the group's ranks of the gradients
+the input program computes on their batches. Its optimizer phase applies those local gradients;
+the FSDP pass that follows on every mesh turns them into the data-parallel update (expert
+gradients averaged over `edp` and divided by K), so that the composition trains exactly like the
+input program on the concatenated batch (mean loss, per-rank routing, capacity and balance loss).
+Expert parameters become inputs of shape [E/K, ...] placed `sharded(ep)`. Routing statistics are
+added as metrics: `moe/<layer>/tokens_per_expert` ([E], kept rows) and `moe/<layer>/dropped`.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from fxshard import meta, moe
+from fxshard.errors import FxShardError
+from fxshard.graph import fake_mode_of, inline
+from fxshard.optimizer_graph import append_update
+from fxshard.program import Input, InputKind, Output, OutputKind, Placement, Program
+
+_c10d = torch.ops._c10d_functional
+_aten = torch.ops.aten
+EP = Placement("sharded", "ep")
+
+
+@dataclass(frozen=True)
+class EPConfig:
+    ep: int
+    chunks: int = 1   # > 1: the ep_overlap split
+    axis: str = "ep"
+
+    def __post_init__(self):
+        if self.ep < 1 or self.chunks < 1:
+            raise FxShardError(f"expert parallelism needs ep >= 1 and chunks >= 1, got {self}")
+
+
+def _expert_ops():
+    """op -> (argument roles, output roles): "row" (one row per routed token, sorted by expert),
+    "offsets", "weight" ([E, ...] expert tensors), "experts" (the int E), None (anything else)."""
+    ops = torch.ops.fxshard
+    return {
+        ops.grouped_mm.default: (("row", "offsets", "weight"), ("row",)),
+        ops.grouped_mm_wgrad.default: (("row", "row", "offsets", "experts"), ("weight",)),
+        ops.grouped_mlp_fwd.default: (("row", "offsets", "weight", "weight", "weight", "weight", None, None),
+                                      ("row", "row")),
+        ops.grouped_mlp_dgrad.default: (("row", "row", "offsets", "weight", "weight", None, None),
+                                        ("row", "row", "row")),
+        ops.grouped_mlp_wgrad.default: (("row", "row", "row", "row", "offsets", None),
+                                        ("weight", "weight", "weight", "weight")),
+    }
+
+
+# Ops that act on each row (or each expert) on its own, given the dimension they act along.
+_VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.expand.default}
+_ALONG_DIM = {_aten.split.Tensor: 2, _aten.split_with_sizes.default: 2, _aten.chunk.default: 2,
+              _aten.slice.Tensor: 1, _aten.narrow.default: 1, _aten.select.int: 1, _aten.unsqueeze.default: 1,
+              _aten.squeeze.dim: 1, _aten.index_select.default: 1, _aten.cat.default: 1}
+_PLAIN = {_aten._to_copy.default, _aten.clone.default, _aten.alias.default, _aten.detach.default,
+          operator.getitem}
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+def _first_tensor(value):
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (list, tuple)):
+        return next((v for v in value if isinstance(v, torch.Tensor)), None)
+    return None
+
+
+def _keeps_dim0(node: fx.Node) -> bool:
+    """True when output element [i, ...] reads only input elements [i, ...] (dim 0 is carried along)."""
+    target = node.target
+    out = _first_tensor(_val(node))
+    if out is None or out.dim() == 0:
+        return False
+    if target in _PLAIN:
+        return True
+    if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
+        return True
+    source = _first_tensor(_val(node.args[0][0] if target is _aten.cat.default else node.args[0]))
+    if source is None:
+        return False
+    if target in _ALONG_DIM:
+        position = _ALONG_DIM[target]
+        dim = node.args[position] if len(node.args) > position else node.kwargs.get("dim", 0)
+        if target is _aten.unsqueeze.default:
+            return dim % (source.dim() + 1) != 0
+        return dim % source.dim() != 0
+    if target in _VIEWS:
+        return source.dim() >= 1 and out.shape[0] == source.shape[0]
+    if target in (_aten.transpose.int, _aten.permute.default):
+        dims = node.args[1:3] if target is _aten.transpose.int else node.args[1]
+        return all(d % source.dim() != 0 for d in dims)
+    return False
+
+
+@dataclass(eq=False)
+class _Layer:
+    """One MoE call (one layer, one microbatch): its offsets node and static facts."""
+
+    offsets: fx.Node
+    name: str
+    experts: int
+    top_k: int
+    tokens: int
+    capacity: int | None
+    rows: int
+    local: int = 0            # experts per rank
+    buffer: int = 0           # rows per destination per chunk
+    region: list[fx.Node] = field(default_factory=list)   # expert-region nodes, graph order
+
+
+def expert_parallel(program: Program, cfg: EPConfig) -> Program:
+    """Rewrite every MoE layer of `program` for `cfg.ep` expert-parallel ranks (module docstring)."""
+    if cfg.ep == 1:
+        return program
+    return _Rewrite(program, cfg).run()
+
+
+class _Rewrite:
+    def __init__(self, program: Program, cfg: EPConfig):
+        self.program, self.cfg = program, cfg
+        self.old = program.graph
+        self.fake = fake_mode_of(self.old)
+        self.position = {n: i for i, n in enumerate(self.old.nodes)}
+        self.roles = _expert_ops()
+        self.find_layers()
+        self.find_expert_tensors()
+
+    # ---- analysis ------------------------------------------------------------------------------
+    def find_layers(self):
+        seeds = [n for n in self.old.nodes if n.op == "call_function" and n.target in self.roles]
+        if not seeds:
+            raise FxShardError(
+                f"Mesh(ep={self.cfg.ep}) but the program has no expert ops: expert parallelism rewrites MoE layers "
+                f"whose experts run through fxshard.ops.grouped_mm (or the fused grouped MLP) on tokens routed "
+                f"by fxshard.moe.dispatch, as fxshard.models.MoEGPT does; use ep=1 for this model")
+        self.layers: dict[fx.Node, _Layer] = {}
+        self.layer_of: dict[fx.Node, _Layer] = {}
+        for seed in seeds:
+            arg_roles, _ = self.roles[seed.target]
+            offsets = seed.args[arg_roles.index("offsets")]
+            layer = self.layers.get(offsets)
+            if layer is None:
+                facts = (offsets.meta.get("custom") or {}).get(moe.ANNOTATION)
+                if facts is None:
+                    raise FxShardError(
+                        f"{seed.name} ({seed.target}) takes offsets that fxshard.moe.dispatch did not compute; "
+                        f"expert parallelism needs tokens routed by fxshard.moe.dispatch (it reads the capacity "
+                        f"and top-k from there)")
+                experts = facts["experts"]
+                if experts % self.cfg.ep:
+                    raise FxShardError(f"Mesh(ep={self.cfg.ep}) must divide the number of experts; MoE layer "
+                                       f"{meta.layer(offsets)} has {experts}")
+                rows = next(_val(a).shape[0] for a, r in zip(seed.args, arg_roles) if r == "row")
+                name = meta.layer(offsets) or "moe"
+                if meta.microbatch(offsets):
+                    name += f"/mb{meta.microbatch(offsets)}"
+                layer = self.layers[offsets] = _Layer(offsets, name, experts, facts["top_k"], facts["tokens"],
+                                                      facts["capacity"], rows)
+                self.size_buffers(layer)
+            self.layer_of[seed] = layer
+        # The expert region: expert ops, their tuple items, and the row-wise ops between two expert ops.
+        downstream = set(self.layer_of)
+        for node in self.old.nodes:
+            if node in downstream or node.op != "call_function" or meta.phase(node) == meta.OPTIM:
+                continue
+            if any(i in downstream for i in node.all_input_nodes) and (
+                    node.target is operator.getitem and node.args[0] in self.layer_of or _keeps_dim0(node)):
+                downstream.add(node)
+        upstream = set(self.layer_of)
+        for node in reversed(self.old.nodes):
+            if node in upstream and node not in self.layer_of or node in self.layer_of:
+                for source in node.all_input_nodes:
+                    if source.op == "call_function" and source in downstream and _keeps_dim0(source):
+                        upstream.add(source)
+        region = set(self.layer_of) | {n for n in downstream if n.target is operator.getitem and
+                                       n.args[0] in self.layer_of} | (downstream & upstream)
+        for node in self.old.nodes:
+            if node in region and node not in self.layer_of:
+                owners = {self.layer_of[i] for i in node.all_input_nodes if i in self.layer_of}
+                if len(owners) != 1:
+                    raise FxShardError(f"{node.name} mixes the expert computations of several MoE layers; "
+                                       f"expert parallelism cannot split it")
+                self.layer_of[node] = owners.pop()
+        for node in self.old.nodes:
+            if node in self.layer_of:
+                self.layer_of[node].region.append(node)
+        self.region = region
+
+    def size_buffers(self, layer: _Layer):
+        """Rows one source sends one destination, per chunk: an upper bound, so nothing is ever lost."""
+        k, chunks = self.cfg.ep, self.cfg.chunks
+        layer.local = local = layer.experts // k
+        per_expert = layer.tokens if layer.capacity is None else min(layer.tokens, layer.capacity)
+        total = min(layer.rows, layer.tokens * min(layer.top_k, local), local * per_expert)
+        # Chunk c takes rows c, c+n, ... of each expert: at most ceil(count_e / n) per expert.
+        layer.buffer = max(1, min(total, local * math.ceil(per_expert / chunks),
+                                  (total + local * (chunks - 1)) // chunks))
+
+    def find_expert_tensors(self):
+        """Expert-space nodes (dim 0 = experts): the expert parameters, what is computed from them
+        for the expert ops, the weight gradients and what is computed from those."""
+        self.expert_params: dict[str, int] = {}   # name -> experts
+        placeholders = dict(zip(self.program.placeholders(), self.program.inputs))
+        weights: dict[fx.Node, int] = {}
+        stack = []
+        for seed in (n for n in self.region if n.op == "call_function" and n.target in self.roles):
+            arg_roles, _ = self.roles[seed.target]
+            stack += [(a, self.layer_of[seed].experts) for a, r in zip(seed.args, arg_roles)
+                      if r == "weight" and isinstance(a, fx.Node)]
+        while stack:
+            node, experts = stack.pop()
+            if node in weights:
+                continue
+            weights[node] = experts
+            if node.op == "placeholder":
+                spec = placeholders[node]
+                if spec.kind is not InputKind.PARAM:
+                    raise FxShardError(f"expert weights must be parameters; {spec.name} is {spec.kind.value}")
+                self.expert_params[spec.name] = experts
+                continue
+            if not _keeps_dim0(node) or meta.phase(node) == meta.OPTIM:
+                raise FxShardError(
+                    f"expert parallelism splits expert weights along dim 0, but {node.name} ({node.target}) mixes "
+                    f"experts on the way from a parameter to an expert op (an indexed expert layout stacks "
+                    f"per-expert parameters: use expert_weights='grouped')")
+            stack += [(i, experts) for i in node.all_input_nodes if _first_tensor(_val(i)) is not None
+                      and _first_tensor(_val(i)).dim() >= 1 and _first_tensor(_val(i)).shape[0] == experts]
+        # Everything downstream of an expert parameter or a weight gradient, outside the region.
+        self.expert_nodes: dict[fx.Node, int] = dict(weights)
+        for node in self.old.nodes:
+            if node.op != "call_function" or meta.phase(node) == meta.OPTIM:
+                continue
+            if node in self.region:
+                if node.target in self.roles and "weight" in self.roles[node.target][1]:
+                    self.expert_nodes[node] = self.layer_of[node].experts
+                elif node.target is operator.getitem and node.args[0] in self.expert_nodes:
+                    self.expert_nodes[node] = self.expert_nodes[node.args[0]]
+                continue
+            sources = [i for i in node.all_input_nodes if i in self.expert_nodes]
+            if sources and node not in self.expert_nodes:
+                if not _keeps_dim0(node):
+                    raise FxShardError(
+                        f"{node.name} ({node.target}) reads expert weights (or their gradients) across experts; "
+                        f"expert parallelism keeps only E/K experts per rank and cannot compute it")
+                self.expert_nodes[node] = self.expert_nodes[sources[0]]
+
+    # ---- building ------------------------------------------------------------------------------
+    def run(self) -> Program:
+        self.graph = fx.Graph()
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.chunk_env: dict[tuple[fx.Node, int], fx.Node] = {}
+        self.plans: dict[int, dict] = {}
+        self.sent: dict[tuple[fx.Node, int], fx.Node] = {}      # (entry, chunk) -> issued all-to-all
+        self.received: dict[tuple[fx.Node, int], fx.Node] = {}  # (entry, chunk) -> rows, expert order
+        self.returned: dict[tuple[fx.Node, int], fx.Node] = {}  # (exit, chunk) -> issued all-to-all
+        self.exits: dict[fx.Node, fx.Node] = {}
+        self.emitted_parts: set[tuple[int, str]] = set()
+        self.inputs: list[Input] = []
+        for spec, node in zip(self.program.inputs, self.program.placeholders()):
+            self.env[node] = self.placeholder(spec, node)
+        for node in self.old.nodes:
+            if node.op not in ("placeholder", "output") and meta.phase(node) != meta.OPTIM:
+                self.emit(node)
+        return self.finish()
+
+    def placeholder(self, spec: Input, old: fx.Node) -> fx.Node:
+        owner = spec.name.split("/", 1)[1] if spec.kind is InputKind.OPT_STATE else spec.name
+        new = self.graph.node_copy(old)
+        if owner in self.expert_params and spec.kind in (InputKind.PARAM, InputKind.OPT_STATE):
+            local = spec.shape[0] // self.cfg.ep
+            spec = Input(spec.kind, spec.name, (local, *spec.shape[1:]), spec.dtype, spec.requires_grad, EP)
+            with self.fake:
+                new.meta["val"] = old.meta["val"].new_empty((local, *spec.shape[1:]))
+        self.inputs.append(spec)
+        return new
+
+    def emit(self, node: fx.Node) -> fx.Node:
+        """Copy `node` (and first, anything it needs that is not copied yet)."""
+        if node in self.env:
+            return self.env[node]
+        if node in self.region:
+            self.emit_region(self.layer_of[node], meta.phase(node))
+            return self.env.get(node)
+        for source in node.all_input_nodes:
+            if source not in self.env and source not in self.region:
+                self.emit(source)
+        copy = self.copy(node, self.lookup, self.sizes_for(node))
+        self.env[node] = copy
+        return copy
+
+    def lookup(self, node: fx.Node) -> fx.Node:
+        """A node outside the region reads a region value: the combined (or summed) result."""
+        if node in self.region:
+            if node not in self.exits:
+                self.emit_region(self.layer_of[node], meta.phase(node))
+                self.exits[node] = self.finish_exit(node)
+            return self.exits[node]
+        return self.env[node] if node in self.env else self.emit(node)
+
+    def sizes_for(self, node: fx.Node) -> dict[int, int]:
+        if node in self.expert_nodes:
+            experts = self.expert_nodes[node]
+            return {experts: experts // self.cfg.ep}
+        return {}
+
+    def copy(self, node: fx.Node, lookup, sizes: dict[int, int], extra_meta: dict | None = None) -> fx.Node:
+        """node_copy, with leading sizes in view-like arguments (and the expert count) remapped, and a
+        fresh fake value."""
+        new = self.graph.node_copy(node, lookup)
+        if sizes:
+            if node.target in _VIEWS or node.target in (_aten.new_zeros.default, _aten.new_empty.default,
+                                                        _aten.new_full.default):
+                shape = list(new.args[1])
+                if shape and shape[0] in sizes:
+                    shape[0] = sizes[shape[0]]
+                new.args = (new.args[0], shape, *new.args[2:])
+            if node.target is torch.ops.fxshard.grouped_mm_wgrad.default:
+                new.args = (*new.args[:3], sizes.get(new.args[3], new.args[3]))
+        if sizes and new.op == "call_function":  # elsewhere shapes are unchanged
+            args, kwargs = fx.node.map_arg((new.args, new.kwargs), lambda n: n.meta["val"])
+            with self.fake:
+                new.meta["val"] = new.target(*args, **kwargs)
+        new.meta.update(extra_meta or {})
+        return new
+
+    # ---- one MoE layer's region (one phase) ----------------------------------------------------
+    def emit_region(self, layer: _Layer, phase: str):
+        key = (id(layer), phase)
+        if key in self.emitted_parts:
+            return
+        self.emitted_parts.add(key)
+        nodes = [n for n in layer.region if meta.phase(n) == phase]
+        outside = [i for n in nodes for i in n.all_input_nodes if i not in self.region]
+        for source in sorted(set(outside), key=self.position.get):
+            self.emit(source)
+        for source in {i for n in nodes for i in n.all_input_nodes if i in self.region and meta.phase(i) != phase}:
+            self.emit_region(self.layer_of[source], meta.phase(source))
+        plan = self.plan(layer)
+        entries = self.entries(layer, nodes)
+        for chunk in range(self.cfg.chunks):
+            for entry in entries:
+                self.send(layer, entry, chunk, phase)
+        for chunk in range(self.cfg.chunks):
+            for node in nodes:
+                def lookup(source, chunk=chunk):
+                    if source in self.region:
+                        return self.chunk_env[source, chunk]
+                    if source is layer.offsets:
+                        return plan["local_offsets"][chunk]
+                    if source in entries:
+                        return self.receive(layer, source, chunk, phase)
+                    return self.env[source]
+
+                sizes = {layer.rows: self.cfg.ep * layer.buffer}
+                if node in self.expert_nodes:
+                    sizes[layer.experts] = layer.local
+                copy = self.copy(node, lookup, sizes, self.piece(layer, "experts", chunk))
+                if self.cfg.chunks > 1:
+                    copy.meta.pop(meta.PARAM, None)  # a partial weight gradient; their sum is the gradient
+                self.chunk_env[node, chunk] = copy
+                if self.is_exit(node) and node not in self.expert_nodes:
+                    self.send_back(layer, node, chunk, phase)
+
+    def is_exit(self, node: fx.Node) -> bool:
+        return any(user not in self.region for user in node.users)
+
+    def entries(self, layer: _Layer, nodes: list[fx.Node]) -> list[fx.Node]:
+        """Row-space values computed outside the region that the region's nodes read as rows."""
+        entries = []
+        for node in nodes:
+            roles = self.roles[node.target][0] if node.target in self.roles else None
+            out = _first_tensor(_val(node))
+            for position, arg in enumerate(node.args):
+                for source in (arg if isinstance(arg, (list, tuple)) else [arg]):
+                    if not isinstance(source, fx.Node) or source in self.region or source in entries:
+                        continue
+                    value = _first_tensor(_val(source))
+                    is_row = (roles[position] == "row" if roles is not None else
+                              value is not None and out is not None and value.dim() == out.dim() and
+                              value.dim() >= 1 and value.shape[0] == layer.rows)
+                    if is_row:
+                        entries.append(source)
+        return entries
+
+    def piece(self, layer: _Layer, piece: str, chunk: int | None = None) -> dict:
+        extra = {meta.MOE_PIECE: piece, meta.UNIT: f"{layer.name}:{piece}"}
+        if chunk is not None:
+            extra[meta.MOE_CHUNK] = chunk
+            if self.cfg.chunks > 1:
+                extra[meta.UNIT] += f"[{chunk}]"
+        return extra
+
+    def inline(self, layer: _Layer, fn, inputs, phase: str, piece: str, chunk: int | None = None):
+        return inline(self.graph, fn, inputs, fake_mode=self.fake, phase=phase, layer=meta.layer(layer.offsets),
+                      extra_meta={**self.piece(layer, piece, chunk), meta.MICROBATCH: meta.microbatch(layer.offsets)})
+
+    def plan(self, layer: _Layer) -> dict:
+        """The layer's routing plan, built once from its offsets (see the module docstring)."""
+        if id(layer) in self.plans:
+            return self.plans[id(layer)]
+        k, chunks, local, buffer, rows, experts = (self.cfg.ep, self.cfg.chunks, layer.local, layer.buffer,
+                                                   layer.rows, layer.experts)
+        axis = self.cfg.axis
+
+        def route(offsets):
+            ends = offsets.long()
+            row = torch.arange(rows, device=offsets.device)
+            expert = torch.searchsorted(ends, row, right=True)               # experts: routed nowhere
+            valid = expert < experts
+            starts = torch.cat([ends.new_zeros(1), ends])[expert.clamp(max=experts - 1)]
+            chunk = torch.where(valid, (row - starts) % chunks, 0)
+            dest = expert // local                                           # k for rows routed nowhere
+            group = torch.where(valid, dest * chunks + chunk, k * chunks)    # one group per (dest, chunk)
+            order = torch.argsort(group, stable=True)
+            sizes = torch.zeros(k * chunks + 1, dtype=torch.long, device=offsets.device).scatter_add(
+                0, group, torch.ones_like(group))
+            first = sizes.cumsum(0) - sizes
+            position = torch.empty_like(row).scatter(0, order, row - first[group[order]])
+            slot = torch.where(valid, (chunk * k + dest) * buffer + position, chunks * k * buffer)
+            # counts[dest, chunk, local expert]: what each destination receives, exchanged up front
+            per_expert = torch.zeros(k * chunks * local + 1, dtype=torch.long, device=offsets.device).scatter_add(
+                0, torch.where(valid, (dest * chunks + chunk) * local + expert % local, k * chunks * local),
+                torch.ones_like(row))[:-1]
+            received = _c10d.wait_tensor(_c10d.all_to_all_single(per_expert, [chunks * local] * k,
+                                                                 [chunks * local] * k, axis))
+            received = received.view(k, chunks, local)
+            sources, local_order, local_offsets, inverse = [], [], [], []
+            place = torch.arange(buffer, device=offsets.device).expand(k, buffer)
+            for c in range(chunks):
+                # rows this chunk sends: slot -> source row (rows never filled point at row 0: unread)
+                source = torch.zeros(k * buffer + 1, dtype=torch.long, device=offsets.device).scatter(
+                    0, torch.where(chunk == c, slot - c * k * buffer, k * buffer).clamp(max=k * buffer), row)
+                sources.append(source[:-1])
+                counts = received[:, c, :]                                   # [source rank, local expert]
+                owner = torch.searchsorted(counts.cumsum(1), place.contiguous(), right=True)  # local: padding
+                key = (owner * k + torch.arange(k, device=offsets.device).unsqueeze(1)) * buffer + place
+                order_c = torch.argsort(key.reshape(-1))
+                local_order.append(order_c)
+                inverse.append(torch.empty_like(order_c).scatter(0, order_c, torch.arange(
+                    k * buffer, device=offsets.device)))
+                local_offsets.append(counts.sum(0).cumsum(0).to(offsets.dtype))
+            tokens_per_expert = ends - torch.cat([ends.new_zeros(1), ends[:-1]])
+            dropped = rows - ends[-1]
+            return [slot, *sources, *local_order, *inverse, *local_offsets, tokens_per_expert, dropped]
+
+        out = self.inline(layer, route, [self.env[layer.offsets]], meta.phase(layer.offsets), "route")
+        for node in out:
+            if node.target is _c10d.all_to_all_single.default:
+                node.meta[meta.COMM_BYTES] = k * chunks * local * 8
+        n = chunks
+        plan = {"slot": out[0], "sources": out[1:1 + n], "local_order": out[1 + n:1 + 2 * n],
+                "inverse": out[1 + 2 * n:1 + 3 * n], "local_offsets": out[1 + 3 * n:1 + 4 * n],
+                "tokens_per_expert": out[1 + 4 * n], "dropped": out[2 + 4 * n]}
+        self.plans[id(layer)] = plan
+        return plan
+
+    def send(self, layer: _Layer, entry: fx.Node, chunk: int, phase: str):
+        if (entry, chunk) in self.sent:
+            return
+        k, buffer, axis = self.cfg.ep, layer.buffer, self.cfg.axis
+
+        def dispatch(values, sources):
+            packed = values.index_select(0, sources)
+            return [_c10d.all_to_all_single(packed, [buffer] * k, [buffer] * k, axis)]
+
+        (issued,) = self.inline(layer, dispatch, [self.env[entry], self.plans[id(layer)]["sources"][chunk]], phase,
+                                "dispatch", chunk)
+        value = issued.meta["val"]
+        issued.meta[meta.COMM_BYTES] = value.numel() * value.element_size()
+        self.sent[entry, chunk] = issued
+
+    def receive(self, layer: _Layer, entry: fx.Node, chunk: int, phase: str) -> fx.Node:
+        if (entry, chunk) not in self.received:
+            (rows,) = self.inline(layer, lambda sent, order: [_c10d.wait_tensor(sent).index_select(0, order)],
+                                  [self.sent[entry, chunk], self.plans[id(layer)]["local_order"][chunk]], phase,
+                                  "dispatch", chunk)
+            self.received[entry, chunk] = rows
+        return self.received[entry, chunk]
+
+    def send_back(self, layer: _Layer, node: fx.Node, chunk: int, phase: str):
+        k, buffer, axis = self.cfg.ep, layer.buffer, self.cfg.axis
+
+        def combine(values, inverse):
+            return [_c10d.all_to_all_single(values.index_select(0, inverse), [buffer] * k, [buffer] * k, axis)]
+
+        (issued,) = self.inline(layer, combine, [self.chunk_env[node, chunk], self.plans[id(layer)]["inverse"][chunk]],
+                                phase, "combine", chunk)
+        value = issued.meta["val"]
+        issued.meta[meta.COMM_BYTES] = value.numel() * value.element_size()
+        self.returned[node, chunk] = issued
+
+    def finish_exit(self, node: fx.Node) -> fx.Node:
+        """The full-size value of a region node, for a reader outside the region."""
+        layer, chunks = self.layer_of[node], self.cfg.chunks
+        phase = meta.phase(node)
+        if node in self.expert_nodes:  # weight gradients: the chunks' partial sums
+            parts = [self.chunk_env[node, c] for c in range(chunks)]
+            if chunks == 1:
+                return parts[0]
+            (total,) = self.inline(layer, lambda *p: [sum(p[1:], p[0])], parts, phase, "experts")
+            if meta.param(node):
+                total.meta[meta.PARAM] = meta.param(node)
+            return total
+
+        def unpack(slot, *returned):
+            values = [_c10d.wait_tensor(r) for r in returned]
+            padded = torch.cat([*values, values[0].new_zeros(1, *values[0].shape[1:])])
+            return [padded.index_select(0, slot)]
+
+        (full,) = self.inline(layer, unpack, [self.plans[id(layer)]["slot"],
+                                              *[self.returned[node, c] for c in range(chunks)]], phase, "combine")
+        return full
+
+    # ---- the optimizer phase and the signature -------------------------------------------------
+    def finish(self) -> Program:
+        old_output = next(n for n in self.old.nodes if n.op == "output")
+        old_values = list(old_output.args[0])
+        trainable = [s for s in self.program.inputs if s.kind is InputKind.PARAM and s.requires_grad]
+        grads = {meta.param(n): n for n in self.old.nodes if meta.phase(n) == meta.BWD and meta.param(n)}
+        placeholders = dict(zip([i.name for i in self.program.inputs], self.program.placeholders()))
+        names = [s.name for s in trainable]
+        params = [self.env[placeholders[name]] for name in names]
+        grad_nodes = [self.lookup(grads[name]) for name in names]
+        states = {tuple(s.name.split("/", 1)[::-1]): self.env[placeholders[s.name]]
+                  for s in self.program.inputs if s.kind is InputKind.OPT_STATE}
+        lr, step = (self.env[placeholders[name]] for name in ("lr", "step"))
+        grad_norm, new_params, new_states = append_update(self.graph, self.program.train, self.fake, names, params,
+                                                          grad_nodes, states, lr, step)
+        outputs, values = [], []
+        for spec, value in zip(self.program.outputs, old_values):
+            if spec.kind is OutputKind.LOSS or spec.kind is OutputKind.METRIC or spec.kind is OutputKind.BUFFER:
+                outputs.append(spec)
+                values.append(self.lookup(value))
+            elif spec.kind is OutputKind.GRAD_NORM:
+                outputs.append(spec)
+                values.append(grad_norm)
+            elif spec.kind is OutputKind.PARAM:
+                outputs.append(Output(spec.kind, spec.name, EP if spec.name in self.expert_params else spec.placement))
+                values.append(new_params[spec.name])
+            elif spec.kind is OutputKind.OPT_STATE:
+                slot, owner = spec.name.split("/", 1)
+                outputs.append(Output(spec.kind, spec.name, EP if owner in self.expert_params else spec.placement))
+                values.append(new_states[owner, slot])
+        outputs_by_layer: dict[str, list] = {}
+        for layer in self.layers.values():
+            if not layer.region or id(layer) not in self.plans:
+                continue
+            name = meta.layer(layer.offsets) or "moe"
+            plan = self.plans[id(layer)]
+            outputs_by_layer.setdefault(name, []).append((plan["tokens_per_expert"], plan["dropped"]))
+        for name, parts in outputs_by_layer.items():
+            for index, metric in ((0, "tokens_per_expert"), (1, "dropped")):
+                total = parts[0][index]
+                for part in parts[1:]:
+                    total = self.graph.call_function(_aten.add.Tensor, (total, part[index]))
+                    total.meta.update({"val": parts[0][index].meta["val"], meta.PHASE: meta.OPTIM,
+                                       meta.LAYER: name})
+                outputs.append(Output(OutputKind.METRIC, f"moe/{name}/{metric}"))
+                values.append(total)
+        self.graph.output(tuple(values))
+        self.graph.lint()
+        gm = fx.GraphModule(self.program.graph_module, self.graph)
+        notes = dict(self.program.notes, ep=self.describe())
+        return self.program.replace(graph_module=gm, inputs=tuple(self.inputs), outputs=tuple(outputs), notes=notes)
+
+    def describe(self) -> str:
+        """Per MoE layer, for the dump: experts, capacity, buffer rows and the bytes each all-to-all moves."""
+        k, chunks = self.cfg.ep, self.cfg.chunks
+        lines = [f"ep={k}, {chunks} chunk(s) per layer{' (ep_overlap)' if chunks > 1 else ''}"]
+        for layer in self.layers.values():
+            sizes = {}
+            for node in self.graph.nodes:
+                if node.meta.get(meta.UNIT, "").startswith(layer.name + ":") and meta.COMM_BYTES in node.meta:
+                    piece = f"{meta.phase(node)} {node.meta[meta.MOE_PIECE]}"
+                    sizes[piece] = sizes.get(piece, 0) + node.meta[meta.COMM_BYTES]
+            traffic = ", ".join(f"{piece} {size / 2**20:.2f} MiB" for piece, size in sizes.items())
+            capacity = "dropless" if layer.capacity is None else f"capacity {layer.capacity}/expert"
+            lines.append(f"  {layer.name}: {layer.experts} experts ({layer.local}/rank), top-{layer.top_k}, "
+                         f"{layer.tokens} tokens -> {layer.rows} rows, {capacity}, buffer {layer.buffer} rows x {k} "
+                         f"ranks x {chunks} chunk(s); all-to-all per rank: {traffic}")
+        return "\n".join(lines)
