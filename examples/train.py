@@ -8,6 +8,7 @@ random half is unpredictable and ignored.
     python examples/train.py --model gpt --steps 100 --dump dumps/
     python examples/train.py --dp 2                # 2 local processes (gloo on CPU, NCCL on GPU), ZeRO-3
     python examples/train.py --pp 2 --dp 2         # 4 processes: 2 pipeline stages (1F1B) x 2 data-parallel
+    python examples/train.py --dp 4 --ep 2         # 4 processes, MoE experts split over pairs of ranks
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def parse_args(argv=None):
                         help="default: optim_grads_params, or no_shard with --pp > 1")
     parser.add_argument("--capacity-factor", type=float, default=None,
                         help="MoE expert capacity factor (default: dropless); drops are reported per step")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel group size (divides --dp)")
+    parser.add_argument("--ep-overlap", action="store_true", help="split MoE layers' expert rows into chunks "
+                        "so all-to-alls overlap expert compute")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (multiplies the processes)")
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "interleaved-1f1b", "gpipe"])
     parser.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches (with --pp > 1)")
@@ -73,8 +77,10 @@ def lr_schedule(base_lr, warmup, total):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if min(args.steps, args.batch_size, args.copy_len, args.dp, args.pp, args.microbatches) < 1:
-        raise SystemExit("--steps, --batch-size, --copy-len, --dp, --pp and --microbatches must be >= 1")
+    if min(args.steps, args.batch_size, args.copy_len, args.dp, args.pp, args.ep, args.microbatches) < 1:
+        raise SystemExit("--steps, --batch-size, --copy-len, --dp, --ep, --pp and --microbatches must be >= 1")
+    if args.dp % args.ep or (args.ep > 1 and (args.pp > 1 or args.model != "moe_gpt")):
+        raise SystemExit("--ep must divide --dp, and needs --model moe_gpt without --pp")
     if args.sharding is None:
         args.sharding = "no_shard" if args.pp > 1 else "optim_grads_params"
     if args.dp * args.pp == 1:
@@ -88,7 +94,7 @@ def train(args) -> dict:
     (the ranks of one pipeline keep the same rows)."""
     rank, processes = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     device = f"cuda:{rank}" if args.device == "cuda" and processes > 1 else args.device
-    mesh = fxshard.Mesh(pp=args.pp, dp=args.dp) if processes > 1 else None
+    mesh = fxshard.Mesh(pp=args.pp, dp=args.dp, ep=args.ep) if processes > 1 else None
     rank_dp, world = (mesh.coords(rank)["dp"], args.dp) if mesh else (0, 1)
     say = print if rank == processes - 1 else (lambda *a, **k: None)
     torch.manual_seed(args.seed)
@@ -114,7 +120,7 @@ def train(args) -> dict:
                                       eps=1e-8, weight_decay=0.1),
         mesh=mesh,
         config=fxshard.Config(dump_dir=args.dump if rank == 0 else None, sharding=args.sharding,
-                              schedule=args.schedule, virtual_stages=args.virtual_stages,
+                              schedule=args.schedule, virtual_stages=args.virtual_stages, ep_overlap=args.ep_overlap,
                               microbatches=args.microbatches if args.pp > 1 else 1))
     compiled = repr(step.program) if hasattr(step, "program") else step.schedule.name + " pipeline"
     say(f"compiled in {time.perf_counter() - started:.1f}s: {compiled}")
@@ -133,6 +139,9 @@ def train(args) -> dict:
     first = sum(losses[:10]) / len(losses[:10])
     last = sum(losses[-10:]) / len(losses[-10:])
     tokens = args.steps * args.batch_size * world * 2 * args.copy_len
+    routed = {name: value for name, value in metrics.items() if name.startswith("moe/")}
+    if routed:  # the expert-parallel pass reports each MoE layer's routing (summed over the ranks)
+        say("last step's routing: " + "; ".join(f"{name} {value.tolist()}" for name, value in routed.items()))
     say(f"done: {args.steps} steps in {seconds:.1f}s ({tokens / seconds:,.0f} tokens/s over {processes} process(es)); "
         f"mean loss of first 10 steps {first:.3f} -> last 10 steps {last:.3f}")
     return {"first_loss": first, "last_loss": last, "seconds": seconds}

@@ -266,3 +266,73 @@ def test_fused_grouped_mlp_in_bf16_replays_in_a_cuda_graph_like_eager():
         results.append([step(b)["loss"].item() for b in batches])
     assert results[0] == results[1]
     assert all(math.isfinite(loss) for loss in results[0])
+
+
+def _nccl_expert_parallel(meshes, batches):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = f"cuda:{rank}"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rows = batches[0]["idx"].shape[0] // world
+    local = [{k: v[rank * rows:(rank + 1) * rows].to(device) for k, v in b.items()} for b in batches]
+    results = []
+    for ep, strategy, overlap, capacity in meshes:
+        torch.manual_seed(0)
+        model = MoEGPT(MoEGPTConfig.preset("tiny", capacity_factor=capacity)).to(device)
+        step = fxshard.shard(model, lambda m, b: m.loss_and_metrics(b), local[0], optimizer=ADAMW,
+                             mesh=fxshard.Mesh(dp=world, ep=ep), config=fxshard.Config(sharding=strategy,
+                                                                                       ep_overlap=overlap))
+        losses = [step(b)["loss"].item() for b in local]
+        results.append((losses, {k: v.cpu() for k, v in step.parameters().items()}))
+    return results
+
+
+@pytest.mark.multigpu
+def test_expert_parallel_over_nccl_matches_single_device_eager():
+    world = 4 if torch.cuda.device_count() >= 4 else 2
+    meshes = [(world, "optim_grads_params", False, None), (world, "no_shard", True, 1.0), (2, "optim", True, None)]
+    batches = cuda_batches(10, rows=2 * world, device="cpu")
+    per_rank = run_local(_nccl_expert_parallel, world, meshes, batches, backend="nccl")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for index, (ep, strategy, overlap, capacity) in enumerate(meshes):
+        torch.manual_seed(0)
+        model = MoEGPT(MoEGPTConfig.preset("tiny", capacity_factor=capacity)).cuda()
+        optimizer = torch_optimizer(ADAMW, model.parameters())
+        ref_losses = []
+        for batch in batches:
+            optimizer.zero_grad()
+            loss = sum(model.loss({k: v[r * 2:(r + 1) * 2].cuda() for k, v in batch.items()}) for r in range(world))
+            (loss / world).backward()
+            optimizer.step()
+            ref_losses.append(loss.item() / world)
+        for rank in range(world):
+            losses, params = per_rank[rank][index]
+            for ours, eager in zip(losses, ref_losses):
+                assert abs(ours - eager) / abs(eager) < 1e-5, (ep, strategy, rank, losses, ref_losses)
+            for name, value in params.items():
+                assert relative(value, dict(model.named_parameters())[name].cpu()) < 1e-4, (ep, strategy, name)
+
+
+def _graphed_and_eager_expert_parallel(batches):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = f"cuda:{rank}"
+    local = [{k: v[rank * 2:(rank + 1) * 2].to(device) for k, v in b.items()} for b in batches]
+    results = []
+    for cuda_graphs in (False, True):
+        torch.manual_seed(0)
+        model = MoEGPT(MoEGPTConfig.preset("tiny", capacity_factor=1.0)).to(device)
+        step = fxshard.shard(model, model_loss, local[0], optimizer=ADAMW, mesh=fxshard.Mesh(dp=world, ep=world),
+                             config=fxshard.Config(cuda_graphs=cuda_graphs, param_dtype=torch.bfloat16,
+                                                   reduce_dtype=torch.float32, ep_overlap=True))
+        losses = [step(b)["loss"].item() for b in local]
+        results.append((losses, step._replay is not None and step._replay.is_captured))
+    return results
+
+
+@pytest.mark.multigpu
+def test_expert_parallel_replays_in_a_cuda_graph_like_eager():
+    world = 4 if torch.cuda.device_count() >= 4 else 2
+    per_rank = run_local(_graphed_and_eager_expert_parallel, world, cuda_batches(6, rows=2 * world, device="cpu"),
+                         backend="nccl")
+    for (eager_losses, _), (graphed_losses, captured) in per_rank:
+        assert captured
+        assert graphed_losses == eager_losses

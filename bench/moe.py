@@ -1,0 +1,204 @@
+"""Expert-parallel MoE benchmark: how much all-to-all time the ep_overlap split hides.
+
+    python bench/moe.py --gpus 4 --ep 4 --chunks 2 4 --out bench/moe.json
+
+One process group, every mode side by side on the same MoEGPT (bf16 compute, fp32 masters, AdamW,
+ZeRO-1 over dp; experts split over ep) and the same per-rank batch:
+
+    nocomm            the EP program with every all-to-all replaced by a local copy of its buffer:
+                      the same kernels on the same shapes, no token exchange (per-rank compute time)
+    ep                expert parallelism, no overlap
+    nocomm-overlapN   as nocomm, with the layers split into N chunks
+    ep-overlapN       Config(ep_overlap=True, ep_chunks=N)
+
+and, first, the expert MLPs alone on one GPU (grouped GEMMs + SwiGLU, forward and backward, the
+rows one rank's experts receive on average). Exposed all-to-all = ep - nocomm; hidden by overlap =
+1 - (ep-overlapN - nocomm) / (ep - nocomm). Also given against nocomm-overlapN, which charges the
+split's own compute cost (smaller GEMMs, more gathers) to the overlap rather than to communication.
+Steps replay from CUDA graphs unless --eager-replay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import fxshard  # noqa: E402
+from fxshard.launch import run_local  # noqa: E402
+from fxshard.models import MoEGPT, MoEGPTConfig  # noqa: E402
+from fxshard.runtime import CompiledStep  # noqa: E402
+
+_c10d = torch.ops._c10d_functional
+
+
+def model_config(args) -> MoEGPTConfig:
+    return MoEGPTConfig(vocab_size=32000, d_model=args.hidden, n_layer=args.layers, n_head=args.hidden // 128,
+                        n_expert=args.experts, top_k=args.top_k, d_ff_expert=args.d_ff, d_ff_shared=None,
+                        capacity_factor=args.capacity_factor)
+
+
+def without_all_to_all(program):
+    """The program with each all_to_all_single replaced by a copy of its input (same shapes, no exchange)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(program.graph, {}))
+    for node in list(graph.nodes):
+        if node.target is _c10d.all_to_all_single.default:
+            with graph.inserting_before(node):
+                copy = graph.call_function(torch.ops.aten.clone.default, (node.args[0],))
+            copy.meta = dict(node.meta)
+            node.replace_all_uses_with(copy)
+            graph.erase_node(node)
+    return program.replace(graph_module=fx.GraphModule(program.graph_module, graph), name="nocomm")
+
+
+def timed(step_fn, warmup, iters) -> float:
+    for _ in range(warmup):
+        step_fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(iters):
+        step_fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) / iters * 1e3
+
+
+def expert_compute_alone(args) -> float:
+    """ms for every layer's expert MLP forward+backward on one GPU, at the rows one rank receives."""
+    from fxshard.ops import grouped_mm
+
+    local = args.experts // args.ep
+    rows = args.seq * args.top_k  # balanced routing: each rank's experts receive as many rows as it sends
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(rows, args.hidden, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
+    w1 = (torch.randn(local, 2 * args.d_ff, args.hidden, device="cuda", generator=gen) * 0.02).bfloat16().requires_grad_()
+    w2 = (torch.randn(local, args.hidden, args.d_ff, device="cuda", generator=gen) * 0.02).bfloat16().requires_grad_()
+    offsets = torch.linspace(rows / local, rows, local, device="cuda").round().to(torch.int32)
+
+    def step():
+        for _ in range(args.layers):
+            gate, up = grouped_mm(x, offsets, w1).chunk(2, dim=-1)
+            out = grouped_mm(torch.nn.functional.silu(gate) * up, offsets, w2)
+            out.backward(torch.ones_like(out))
+
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(args.iters):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) / args.iters * 1e3
+
+
+def run_modes(args):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank)
+    device = f"cuda:{rank}"
+    cfg = model_config(args)
+    generator = torch.Generator().manual_seed(rank)
+    data = {k: torch.randint(0, cfg.vocab_size, (1, args.seq), generator=generator).to(device) for k in ("idx", "tgt")}
+    results = {}
+    if rank == 0:
+        results["experts-alone"] = expert_compute_alone(args)
+        print(f"  experts alone (1 GPU): {results['experts-alone']:.2f} ms", flush=True)
+    dist.barrier()
+    for chunks in [1, *args.chunks]:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = MoEGPT(cfg)
+        config = fxshard.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, sharding="optim",
+                                cuda_graphs=not args.eager_replay, ep_overlap=chunks > 1, ep_chunks=max(chunks, 2))
+        started = time.perf_counter()
+        step = fxshard.shard(model, lambda m, b: m.loss_and_metrics(b), data, optimizer=fxshard.optim.AdamW(lr=1e-5),
+                             mesh=fxshard.Mesh(dp=world, ep=args.ep), config=config)
+        del model
+        if rank == 0:
+            print(f"  chunks={chunks}: compiled in {time.perf_counter() - started:.1f}s: {step.program!r}", flush=True)
+            if chunks == 1:
+                print("  " + step.program.notes["ep"].replace("\n", "\n  "), flush=True)
+        suffix = "" if chunks == 1 else f"-overlap{chunks}"
+        nocomm = CompiledStep([without_all_to_all(step.program)], step.state, step.batch_spec, step.optimizer,
+                              step.device, step.groups, not args.eager_replay)
+        for label, runner in ((f"nocomm{suffix}", nocomm), (f"ep{suffix}", step)):
+            torch.cuda.reset_peak_memory_stats()
+            ms = timed(lambda: runner(data), args.warmup, args.iters)
+            times = [None] * world
+            dist.all_gather_object(times, ms)
+            results[label] = max(times)
+            if rank == 0:
+                print(f"  {label}: {results[label]:.2f} ms/step (slowest rank; ranks {', '.join(f'{t:.2f}' for t in times)})"
+                      f", peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
+        metrics = step(data)
+        dropped = metrics["moe_dropped_tokens"].item()
+        if rank == 0:
+            print(f"  dropped assignments over capacity (all ranks, all layers): {dropped}", flush=True)
+        del step, nocomm
+        torch.cuda.empty_cache()
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", type=int, default=4)
+    parser.add_argument("--ep", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--d-ff", type=int, default=1024, help="each expert's hidden width")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=4096, help="tokens per rank per step (batch 1)")
+    parser.add_argument("--capacity-factor", type=float, default=1.0,
+                        help="buffers hold capacity_factor x the balanced load (dropless would pad each to the "
+                             "worst case, top_k x more rows than balanced); <= 0 means dropless")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--eager-replay", action="store_true")
+    parser.add_argument("--out", default="bench/moe.json")
+    args = parser.parse_args()
+    if args.capacity_factor <= 0:
+        args.capacity_factor = None
+    print(f"MoEGPT: {args.layers} layers, hidden {args.hidden}, {args.experts} experts x d_ff {args.d_ff}, "
+          f"top-{args.top_k}, S={args.seq} per rank, {args.gpus} GPUs, ep={args.ep}, capacity factor "
+          f"{args.capacity_factor}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"{'eager replay' if args.eager_replay else 'CUDA graphs'}", flush=True)
+    results = run_local(run_modes, args.gpus, args, backend="nccl")[0]
+    base, exposed = results["nocomm"], results["ep"] - results["nocomm"]
+    print(f"\n{'mode':<18} {'ms/step':>9} {'exposed a2a ms':>15} {'hidden vs ep':>13}")
+    rows = []
+    for label in ["nocomm", "ep", *[f"{kind}-overlap{c}" for c in args.chunks for kind in ("nocomm", "ep")]]:
+        ms = results[label]
+        row = {"mode": label, "ms_per_step": ms}
+        text = f"{label:<18} {ms:>9.2f}"
+        if label.startswith("ep"):
+            own_base = results["nocomm" + label[2:]]
+            row.update(exposed_ms=ms - base, exposed_vs_own_nocomm_ms=ms - own_base,
+                       hidden_fraction=1 - (ms - base) / exposed if exposed > 0 else None,
+                       hidden_fraction_vs_own_nocomm=1 - (ms - own_base) / exposed if exposed > 0 else None)
+            hidden = "-" if label == "ep" else f"{row['hidden_fraction']:.0%} ({row['hidden_fraction_vs_own_nocomm']:.0%})"
+            text += f" {ms - base:>15.2f} {hidden:>13}"
+        rows.append(row)
+        print(text)
+    print(f"expert MLPs alone, one GPU: {results['experts-alone']:.2f} ms/step"
+          f"\nhidden = 1 - (overlap - nocomm) / (ep - nocomm); in parentheses against nocomm with the same chunks")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as handle:
+        json.dump({"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+                   "torch": torch.__version__, "args": vars(args), "experts_alone_ms": results["experts-alone"],
+                   "rows": rows}, handle, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
