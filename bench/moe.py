@@ -73,6 +73,44 @@ def timed(step_fn, warmup, iters) -> float:
     return (time.perf_counter() - started) / iters * 1e3
 
 
+def profile(step_fn, path, steps=2) -> dict:
+    """Kernel time per op over `steps` steps into `path` (top 40), and from the kernel timeline: ms/step
+    of all-to-all kernels, and how much of that time other kernels ran alongside (overlap)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step_fn()
+        torch.cuda.synchronize()
+    with open(path, "w") as handle:
+        handle.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+    trace = path[:-4] + ".trace.json"
+    prof.export_chrome_trace(trace)
+    with open(trace) as handle:
+        kernels = [e for e in json.load(handle)["traceEvents"] if e.get("cat") == "kernel" and "dur" in e]
+    os.remove(trace)
+    is_a2a = [("AllToAll" in e["name"] or "SendRecv" in e["name"]) for e in kernels]
+    a2a = _union([(e["ts"], e["ts"] + e["dur"]) for e, flag in zip(kernels, is_a2a) if flag])
+    compute = _union([(e["ts"], e["ts"] + e["dur"]) for e, flag in zip(kernels, is_a2a)
+                      if not flag and not e["name"].startswith("nccl")])
+    busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
+    overlap = sum(max(0, min(b, d) - max(a, c)) for a, b in a2a for c, d in compute)
+    length = lambda spans: sum(b - a for a, b in spans) / steps / 1e3  # noqa: E731
+    return {"gpu_busy_ms": length(busy), "all_to_all_kernels_ms": length(a2a),
+            "all_to_all_overlapped_ms": overlap / steps / 1e3}
+
+
+def _union(spans):
+    merged = []
+    for start, stop in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], stop)
+        else:
+            merged.append([start, stop])
+    return merged
+
+
 def expert_compute_alone(args) -> float:
     """ms for every layer's expert MLP forward+backward on one GPU, at the rows one rank receives."""
     from fxshard.ops import grouped_mm
@@ -139,6 +177,14 @@ def run_modes(args):
             if rank == 0:
                 print(f"  {label}: {results[label]:.2f} ms/step (slowest rank; ranks {', '.join(f'{t:.2f}' for t in times)})"
                       f", peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
+            if args.profile:  # every rank steps (collectives); rank 0 reports
+                os.makedirs(args.profile, exist_ok=True)
+                kernels = profile(lambda: runner(data), os.path.join(args.profile, f"{label}.txt"))
+                if rank == 0:
+                    results[f"{label}-kernels"] = kernels
+                    print(f"  {label}: GPU busy {kernels['gpu_busy_ms']:.2f} ms/step; all-to-all kernels "
+                          f"{kernels['all_to_all_kernels_ms']:.2f} ms, of which {kernels['all_to_all_overlapped_ms']:.2f} "
+                          f"ms ran alongside compute", flush=True)
         metrics = step(data)
         dropped = metrics["moe_dropped_tokens"].item()
         if rank == 0:
@@ -165,6 +211,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--eager-replay", action="store_true")
+    parser.add_argument("--profile", metavar="DIR", help="after timing each mode, profile two steps: kernel table "
+                        "into DIR, all-to-all time and its overlap with compute printed")
     parser.add_argument("--out", default="bench/moe.json")
     args = parser.parse_args()
     if args.capacity_factor <= 0:
@@ -196,6 +244,7 @@ def main():
     with open(args.out, "w") as handle:
         json.dump({"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
                    "torch": torch.__version__, "args": vars(args), "experts_alone_ms": results["experts-alone"],
+                   "kernels": {k: v for k, v in results.items() if k.endswith("-kernels")},
                    "rows": rows}, handle, indent=1)
     print(f"wrote {args.out}")
 
