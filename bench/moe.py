@@ -74,11 +74,16 @@ def timed(step_fn, warmup, iters) -> float:
 
 
 def profile(step_fn, path, steps=2) -> dict:
-    """Kernel time per op over `steps` steps into `path` (top 40), and from the kernel timeline: ms/step
+    """On rank 0: kernel time per op over `steps` steps into `path` (top 40), and from the kernel timeline: ms/step
     of all-to-all kernels, and how much of that time other kernels ran alongside (overlap)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    if dist.get_rank() != 0:  # the other ranks step along (collectives), unprofiled
+        for _ in range(steps):
+            step_fn()
+        torch.cuda.synchronize()
+        return {}
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step_fn()
