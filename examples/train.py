@@ -142,6 +142,10 @@ def train(args) -> dict:
     routed = {name: value for name, value in metrics.items() if name.startswith("moe/")}
     if routed:  # the expert-parallel pass reports each MoE layer's routing (summed over the ranks)
         say("last step's routing: " + "; ".join(f"{name} {value.tolist()}" for name, value in routed.items()))
+        if args.dump and rank == processes - 1:
+            from fxshard.dump import dump_routing
+
+            say(f"routing of the last step in {dump_routing(routed, args.dump)}")
     say(f"done: {args.steps} steps in {seconds:.1f}s ({tokens / seconds:,.0f} tokens/s over {processes} process(es)); "
         f"mean loss of first 10 steps {first:.3f} -> last 10 steps {last:.3f}")
     return {"first_loss": first, "last_loss": last, "seconds": seconds}

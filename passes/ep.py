@@ -484,9 +484,10 @@ class _Rewrite:
             return [slot, *sources, *local_order, *inverse, *local_offsets, tokens_per_expert, dropped]
 
         out = self.inline(layer, route, [self.env[layer.offsets]], meta.phase(layer.offsets), "route")
-        for node in out:
+        for node in reversed(self.graph.nodes):  # the count exchange just inserted
             if node.target is _c10d.all_to_all_single.default:
                 node.meta[meta.COMM_BYTES] = k * chunks * local * 8
+                break
         n = chunks
         plan = {"slot": out[0], "sources": out[1:1 + n], "local_order": out[1 + n:1 + 2 * n],
                 "inverse": out[1 + 2 * n:1 + 3 * n], "local_offsets": out[1 + 3 * n:1 + 4 * n],

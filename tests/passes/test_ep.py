@@ -184,3 +184,24 @@ def test_bad_meshes_and_models_are_refused():
                                                         "tgt": torch.zeros(1, 8, dtype=torch.long)})
     with pytest.raises(fxshard.FxShardError, match="expert_weights='grouped'"):
         expert_parallel(program, EPConfig(2))
+
+
+def test_dumps_show_each_layers_all_to_alls_and_the_routing(tmp_path):
+    from fxshard.dump import dump_program, dump_routing
+
+    model, _, program = tiny_moe_program(ep=2, overlap=True, capacity=1.0)
+    dump_program(program.replace(name="ep"), tmp_path, 1)
+    summary = (tmp_path / "01_ep.summary.txt").read_text()
+    assert "layers.0: 4 experts (2/rank), top-2, 16 tokens -> 32 rows, capacity 8/expert" in summary
+    for piece in ("route", "dispatch[0]", "dispatch[1]", "combine[0]", "combine[1]"):
+        assert f"layers.1:{piece}" in summary, piece
+    ranks = SimulatedRanks(program, model, ADAMW, fxshard.Mesh(dp=2, ep=2))
+    metrics = ranks.step(batches_for(2, 1, rows=2, seq=8, vocab=64)[0])[0]
+    routing = (tmp_path / "routing.txt")
+    assert dump_routing(metrics, tmp_path) == str(routing)
+    rows = {line.split()[0]: line.split() for line in routing.read_text().splitlines()[1:]}
+    assert set(rows) == {"layers.0", "layers.1"}
+    for layer, fields in rows.items():  # per rank: 32 rows routed, some dropped at capacity 8 per expert
+        kept = sum(metrics[f"moe/{layer}/tokens_per_expert"]).item()
+        assert int(fields[1]) == kept and int(fields[2]) == metrics[f"moe/{layer}/dropped"].item()
+        assert kept + int(fields[2]) == 32
