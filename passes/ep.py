@@ -594,8 +594,8 @@ class _Rewrite:
                 total = parts[0][index]
                 for part in parts[1:]:
                     total = self.graph.call_function(_aten.add.Tensor, (total, part[index]))
-                    total.meta.update({"val": parts[0][index].meta["val"], meta.PHASE: meta.OPTIM,
-                                       meta.LAYER: name})
+                    total.meta.update({"val": parts[0][index].meta["val"], meta.PHASE: meta.FWD,
+                                       meta.LAYER: name})  # forward values: passes after this copy them
                 outputs.append(Output(OutputKind.METRIC, f"moe/{name}/{metric}"))
                 values.append(total)
         self.graph.output(tuple(values))
