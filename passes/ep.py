@@ -21,10 +21,14 @@ enters by dispatch, the data gradient leaves by combine, weight gradients stay l
 static: B = the most rows one source can send one destination (dropless: min(T*min(k, E/K), ...);
 with a capacity C: at most E/K * C), so the step has static shapes and replays in a CUDA graph.
 
-Overlap (`chunks` > 1, Config(ep_overlap=True)): each expert's rows are dealt round-robin into
-`chunks` chunks; every chunk has its own dispatch / experts / combine, all dispatches are issued
-first, and chunk c's experts run while chunk c+1's dispatch and chunk c-1's combine are in flight
-(`wait_tensor` placed at the last moment). Nodes carry `meta.MOE_PIECE` and `meta.MOE_CHUNK`.
+Overlap (`chunks` > 1, Config(ep_overlap=True)): every rank's local experts are split into
+`chunks` contiguous groups, and chunk c carries the rows routed to group c on every destination
+(so one token's k assignments usually travel in different chunks). Every chunk has its own
+dispatch / experts / combine; all dispatches are issued first, and chunk c's experts run while
+chunk c+1's dispatch and chunk c-1's combine are in flight (`wait_tensor` placed at the last
+moment). Splitting by experts rather than by rows of each expert keeps every expert's GEMM whole and
+gives each chunk the weight gradients of its own experts (no partial gradients to add up, in bf16
+or otherwise). Nodes carry `meta.MOE_PIECE` and `meta.MOE_CHUNK`.
 
 Invariant: run on the K ranks of an expert-parallel group, each rank's program computes the same
 loss and metrics as the input program on that rank's batch, the same gradients for the non-expert
@@ -144,6 +148,8 @@ class _Layer:
     capacity: int | None
     rows: int
     local: int = 0            # experts per rank
+    chunks: int = 1           # expert groups per rank (ep_overlap), at most `local`
+    bounds: tuple[int, ...] = (0,)  # local expert index where each chunk's group starts, then `local`
     buffer: int = 0           # rows per destination per chunk
     region: list[fx.Node] = field(default_factory=list)   # expert-region nodes, graph order
 
@@ -228,13 +234,13 @@ class _Rewrite:
 
     def size_buffers(self, layer: _Layer):
         """Rows one source sends one destination, per chunk: an upper bound, so nothing is ever lost."""
-        k, chunks = self.cfg.ep, self.cfg.chunks
-        layer.local = local = layer.experts // k
+        layer.local = local = layer.experts // self.cfg.ep
+        layer.chunks = chunks = min(self.cfg.chunks, local)
+        layer.bounds = tuple(math.ceil(c * local / chunks) for c in range(chunks)) + (local,)
+        widest = max(b - a for a, b in zip(layer.bounds, layer.bounds[1:]))
         per_expert = layer.tokens if layer.capacity is None else min(layer.tokens, layer.capacity)
-        total = min(layer.rows, layer.tokens * min(layer.top_k, local), local * per_expert)
-        # Chunk c takes rows c, c+n, ... of each expert: at most ceil(count_e / n) per expert.
-        layer.buffer = max(1, min(total, local * math.ceil(per_expert / chunks),
-                                  (total + local * (chunks - 1)) // chunks))
+        # each token reaches an expert at most once, and a capacity bounds each expert
+        layer.buffer = max(1, min(layer.rows, layer.tokens * min(layer.top_k, widest), widest * per_expert))
 
     def find_expert_tensors(self):
         """Expert-space nodes (dim 0 = experts): the expert parameters, what is computed from them
@@ -377,10 +383,10 @@ class _Rewrite:
             self.emit_region(self.layer_of[source], meta.phase(source))
         plan = self.plan(layer)
         entries = self.entries(layer, nodes)
-        for chunk in range(self.cfg.chunks):
+        for chunk in range(layer.chunks):
             for entry in entries:
                 self.send(layer, entry, chunk, phase)
-        for chunk in range(self.cfg.chunks):
+        for chunk in range(layer.chunks):
             for node in nodes:
                 def lookup(source, chunk=chunk):
                     if source in self.region:
@@ -389,17 +395,28 @@ class _Rewrite:
                         return plan["local_offsets"][chunk]
                     if source in entries:
                         return self.receive(layer, source, chunk, phase)
+                    if source in self.expert_nodes and layer.chunks > 1:
+                        return self.expert_slice(layer, source, chunk, phase)
                     return self.env[source]
 
                 sizes = {layer.rows: self.cfg.ep * layer.buffer}
                 if node in self.expert_nodes:
-                    sizes[layer.experts] = layer.local
+                    sizes[layer.experts] = layer.bounds[chunk + 1] - layer.bounds[chunk]
                 copy = self.copy(node, lookup, sizes, self.piece(layer, "experts", chunk))
-                if self.cfg.chunks > 1:
+                if layer.chunks > 1:
                     copy.meta.pop(meta.PARAM, None)  # a partial weight gradient; their sum is the gradient
                 self.chunk_env[node, chunk] = copy
                 if self.is_exit(node) and node not in self.expert_nodes:
                     self.send_back(layer, node, chunk, phase)
+
+    def expert_slice(self, layer: _Layer, source: fx.Node, chunk: int, phase: str) -> fx.Node:
+        """This chunk's experts of an expert-space value (a view of its rows along dim 0)."""
+        key = (source, chunk, "slice")
+        if key not in self.chunk_env:
+            low, high = layer.bounds[chunk], layer.bounds[chunk + 1]
+            (self.chunk_env[key],) = self.inline(layer, lambda w: [w[low:high]], [self.env[source]], phase,
+                                                 "experts", chunk)
+        return self.chunk_env[key]
 
     def is_exit(self, node: fx.Node) -> bool:
         return any(user not in self.region for user in node.users)
@@ -426,7 +443,7 @@ class _Rewrite:
         extra = {meta.MOE_PIECE: piece, meta.UNIT: f"{layer.name}:{piece}"}
         if chunk is not None:
             extra[meta.MOE_CHUNK] = chunk
-            if self.cfg.chunks > 1:
+            if layer.chunks > 1:
                 extra[meta.UNIT] += f"[{chunk}]"
         return extra
 
@@ -438,8 +455,9 @@ class _Rewrite:
         """The layer's routing plan, built once from its offsets (see the module docstring)."""
         if id(layer) in self.plans:
             return self.plans[id(layer)]
-        k, chunks, local, buffer, rows, experts = (self.cfg.ep, self.cfg.chunks, layer.local, layer.buffer,
+        k, chunks, local, buffer, rows, experts = (self.cfg.ep, layer.chunks, layer.local, layer.buffer,
                                                    layer.rows, layer.experts)
+        bounds = layer.bounds
         axis = self.cfg.axis
 
         def route(offsets):
@@ -447,8 +465,7 @@ class _Rewrite:
             row = torch.arange(rows, device=offsets.device)
             expert = torch.searchsorted(ends, row, right=True)               # experts: routed nowhere
             valid = expert < experts
-            starts = torch.cat([ends.new_zeros(1), ends])[expert.clamp(max=experts - 1)]
-            chunk = torch.where(valid, (row - starts) % chunks, 0)
+            chunk = torch.where(valid, expert % local * chunks // local, 0)  # the group of the row's expert
             dest = expert // local                                           # k for rows routed nowhere
             group = torch.where(valid, dest * chunks + chunk, k * chunks)    # one group per (dest, chunk)
             order = torch.argsort(group, stable=True)
@@ -457,13 +474,11 @@ class _Rewrite:
             first = sizes.cumsum(0) - sizes
             position = torch.empty_like(row).scatter(0, order, row - first[group[order]])
             slot = torch.where(valid, (chunk * k + dest) * buffer + position, chunks * k * buffer)
-            # counts[dest, chunk, local expert]: what each destination receives, exchanged up front
-            per_expert = torch.zeros(k * chunks * local + 1, dtype=torch.long, device=offsets.device).scatter_add(
-                0, torch.where(valid, (dest * chunks + chunk) * local + expert % local, k * chunks * local),
-                torch.ones_like(row))[:-1]
-            received = _c10d.wait_tensor(_c10d.all_to_all_single(per_expert, [chunks * local] * k,
-                                                                 [chunks * local] * k, axis))
-            received = received.view(k, chunks, local)
+            # counts[dest, local expert]: what each destination receives, exchanged up front
+            per_expert = torch.zeros(k * local + 1, dtype=torch.long, device=offsets.device).scatter_add(
+                0, torch.where(valid, expert, k * local), torch.ones_like(row))[:-1]
+            received = _c10d.wait_tensor(_c10d.all_to_all_single(per_expert, [local] * k, [local] * k, axis))
+            received = received.view(k, local)
             sources, local_order, local_offsets, inverse = [], [], [], []
             place = torch.arange(buffer, device=offsets.device).expand(k, buffer)
             for c in range(chunks):
@@ -471,7 +486,7 @@ class _Rewrite:
                 source = torch.zeros(k * buffer + 1, dtype=torch.long, device=offsets.device).scatter(
                     0, torch.where(chunk == c, slot - c * k * buffer, k * buffer).clamp(max=k * buffer), row)
                 sources.append(source[:-1])
-                counts = received[:, c, :]                                   # [source rank, local expert]
+                counts = received[:, bounds[c]:bounds[c + 1]]                # [source rank, chunk's expert]
                 owner = torch.searchsorted(counts.cumsum(1), place.contiguous(), right=True)  # local: padding
                 key = (owner * k + torch.arange(k, device=offsets.device).unsqueeze(1)) * buffer + place
                 order_c = torch.argsort(key.reshape(-1))
@@ -486,7 +501,7 @@ class _Rewrite:
         out = self.inline(layer, route, [self.env[layer.offsets]], meta.phase(layer.offsets), "route")
         for node in reversed(self.graph.nodes):  # the count exchange just inserted
             if node.target is _c10d.all_to_all_single.default:
-                node.meta[meta.COMM_BYTES] = k * chunks * local * 8
+                node.meta[meta.COMM_BYTES] = k * local * 8
                 break
         n = chunks
         plan = {"slot": out[0], "sources": out[1:1 + n], "local_order": out[1 + n:1 + 2 * n],
@@ -532,13 +547,14 @@ class _Rewrite:
 
     def finish_exit(self, node: fx.Node) -> fx.Node:
         """The full-size value of a region node, for a reader outside the region."""
-        layer, chunks = self.layer_of[node], self.cfg.chunks
+        layer = self.layer_of[node]
+        chunks = layer.chunks
         phase = meta.phase(node)
-        if node in self.expert_nodes:  # weight gradients: the chunks' partial sums
+        if node in self.expert_nodes:  # weight gradients: each chunk's experts, in order
             parts = [self.chunk_env[node, c] for c in range(chunks)]
             if chunks == 1:
                 return parts[0]
-            (total,) = self.inline(layer, lambda *p: [sum(p[1:], p[0])], parts, phase, "experts")
+            (total,) = self.inline(layer, lambda *p: [torch.cat(p)], parts, phase, "experts")
             if meta.param(node):
                 total.meta[meta.PARAM] = meta.param(node)
             return total
@@ -607,7 +623,7 @@ class _Rewrite:
     def describe(self) -> str:
         """Per MoE layer, for the dump: experts, capacity, buffer rows and the bytes each all-to-all moves."""
         k, chunks = self.cfg.ep, self.cfg.chunks
-        lines = [f"ep={k}, {chunks} chunk(s) per layer{' (ep_overlap)' if chunks > 1 else ''}"]
+        lines = [f"ep={k}, up to {chunks} chunk(s) per layer{' (ep_overlap)' if chunks > 1 else ''}"]
         for layer in self.layers.values():
             sizes = {}
             for node in self.graph.nodes:
@@ -618,5 +634,5 @@ class _Rewrite:
             capacity = "dropless" if layer.capacity is None else f"capacity {layer.capacity}/expert"
             lines.append(f"  {layer.name}: {layer.experts} experts ({layer.local}/rank), top-{layer.top_k}, "
                          f"{layer.tokens} tokens -> {layer.rows} rows, {capacity}, buffer {layer.buffer} rows x {k} "
-                         f"ranks x {chunks} chunk(s); all-to-all per rank: {traffic}")
+                         f"ranks x {layer.chunks} chunk(s); all-to-all per rank: {traffic}")
         return "\n".join(lines)
