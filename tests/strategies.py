@@ -31,3 +31,16 @@ def regression_batch(generator, rows):
 
 widths = st.lists(st.integers(1, 7), min_size=1, max_size=4)
 worlds = st.integers(1, 8)
+
+
+def token_batches(world, steps, local_batch=2, seq=16, vocab=64, seed=0):
+    """`steps` global batches of random tokens for `world` ranks of `local_batch` rows each."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (world * local_batch, seq)
+    return [{"idx": torch.randint(0, vocab, shape, generator=generator),
+             "tgt": torch.randint(0, vocab, shape, generator=generator)} for _ in range(steps)]
+
+
+def local_part(batch, rank, local_batch=2):
+    """Rank `rank`'s rows of a global batch."""
+    return {k: v[rank * local_batch:(rank + 1) * local_batch] for k, v in batch.items()}

@@ -52,6 +52,12 @@ def test_cuda_graph_replay_is_bit_identical_to_eager():
         assert torch.equal(value, graphed.parameters()[name]), name
 
 
+def _losses_and_parameters(step, batches):
+    """Train `step` on `batches`: the losses, then the final parameters on the host."""
+    losses = [step(b)["loss"].item() for b in batches]
+    return losses, {k: v.cpu() for k, v in step.parameters().items()}
+
+
 def _nccl_train(model_name, batches, cuda_graphs):
     rank, world = dist.get_rank(), dist.get_world_size()
     device = f"cuda:{rank}"
@@ -181,8 +187,7 @@ def _nccl_pipeline(configs, data):
         step = fxshard.shard(model, model_loss, local[0], optimizer=ADAMW, mesh=mesh,
                              config=fxshard.Config(schedule=schedule, virtual_stages=virtual,
                                                    microbatches=microbatches, sharding="no_shard"))
-        losses = [step(b)["loss"].item() for b in local]
-        results.append((losses, {k: v.cpu() for k, v in step.parameters().items()}))
+        results.append(_losses_and_parameters(step, local))
     return results
 
 
@@ -216,17 +221,19 @@ def test_pipeline_over_nccl_matches_single_device_eager():
                 assert relative(value, dict(model.named_parameters())[name].cpu()) < 1e-4, (pp, schedule, name)
 
 
-def _graphed_and_eager_over_nccl(batches):
+def _graphed_and_eager_over_nccl(batches, ep=1):
+    """MoEGPT tiny, bf16, ZeRO-3 over all ranks (with ep > 1: experts over ep, capacity, ep_overlap),
+    replayed eagerly and from a CUDA graph."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = f"cuda:{rank}"
     local = [{k: v[rank * 2:(rank + 1) * 2].to(device) for k, v in b.items()} for b in batches]
     results = []
     for cuda_graphs in (False, True):
         torch.manual_seed(0)
-        model = MoEGPT(MoEGPTConfig.preset("tiny")).to(device)
-        step = fxshard.shard(model, model_loss, local[0], optimizer=ADAMW, mesh=fxshard.Mesh(dp=world),
+        model = MoEGPT(MoEGPTConfig.preset("tiny", capacity_factor=1.0 if ep > 1 else None)).to(device)
+        step = fxshard.shard(model, model_loss, local[0], optimizer=ADAMW, mesh=fxshard.Mesh(dp=world, ep=ep),
                              config=fxshard.Config(cuda_graphs=cuda_graphs, param_dtype=torch.bfloat16,
-                                                   reduce_dtype=torch.float32))
+                                                   reduce_dtype=torch.float32, ep_overlap=ep > 1))
         losses = [step(b)["loss"].item() for b in local]
         results.append((losses, step._replay is not None and step._replay.is_captured,
                         {k: v.cpu() for k, v in step.parameters().items()}))
@@ -234,10 +241,11 @@ def _graphed_and_eager_over_nccl(batches):
 
 
 @pytest.mark.multigpu
-def test_cuda_graph_replay_with_a_mesh_is_bit_identical_to_eager_replay():
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["fsdp", "fsdp_ep_overlap"])
+def test_cuda_graph_replay_with_a_mesh_is_bit_identical_to_eager_replay(expert_parallel):
     world = 4 if torch.cuda.device_count() >= 4 else 2
     per_rank = run_local(_graphed_and_eager_over_nccl, world, cuda_batches(6, rows=2 * world, device="cpu"),
-                         backend="nccl")
+                         world if expert_parallel else 1, backend="nccl")
     for (eager_losses, _, eager_params), (graphed_losses, captured, graphed_params) in per_rank:
         assert captured
         assert graphed_losses == eager_losses
@@ -281,8 +289,7 @@ def _nccl_expert_parallel(meshes, batches):
         step = fxshard.shard(model, lambda m, b: m.loss_and_metrics(b), local[0], optimizer=ADAMW,
                              mesh=fxshard.Mesh(dp=world, ep=ep), config=fxshard.Config(sharding=strategy,
                                                                                        ep_overlap=overlap))
-        losses = [step(b)["loss"].item() for b in local]
-        results.append((losses, {k: v.cpu() for k, v in step.parameters().items()}))
+        results.append(_losses_and_parameters(step, local))
     return results
 
 
@@ -310,29 +317,3 @@ def test_expert_parallel_over_nccl_matches_single_device_eager():
                 assert abs(ours - eager) / abs(eager) < 1e-5, (ep, strategy, rank, losses, ref_losses)
             for name, value in params.items():
                 assert relative(value, dict(model.named_parameters())[name].cpu()) < 1e-4, (ep, strategy, name)
-
-
-def _graphed_and_eager_expert_parallel(batches):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = f"cuda:{rank}"
-    local = [{k: v[rank * 2:(rank + 1) * 2].to(device) for k, v in b.items()} for b in batches]
-    results = []
-    for cuda_graphs in (False, True):
-        torch.manual_seed(0)
-        model = MoEGPT(MoEGPTConfig.preset("tiny", capacity_factor=1.0)).to(device)
-        step = fxshard.shard(model, model_loss, local[0], optimizer=ADAMW, mesh=fxshard.Mesh(dp=world, ep=world),
-                             config=fxshard.Config(cuda_graphs=cuda_graphs, param_dtype=torch.bfloat16,
-                                                   reduce_dtype=torch.float32, ep_overlap=True))
-        losses = [step(b)["loss"].item() for b in local]
-        results.append((losses, step._replay is not None and step._replay.is_captured))
-    return results
-
-
-@pytest.mark.multigpu
-def test_expert_parallel_replays_in_a_cuda_graph_like_eager():
-    world = 4 if torch.cuda.device_count() >= 4 else 2
-    per_rank = run_local(_graphed_and_eager_expert_parallel, world, cuda_batches(6, rows=2 * world, device="cpu"),
-                         backend="nccl")
-    for (eager_losses, _), (graphed_losses, captured) in per_rank:
-        assert captured
-        assert graphed_losses == eager_losses

@@ -9,20 +9,10 @@ from fxshard.launch import run_local
 from fxshard.models import MoEGPT, MoEGPTConfig
 from fxshard.passes.fsdp import STRATEGIES
 from fxshard.testing import relative, torch_optimizer
+from strategies import local_part, token_batches
 
 ADAMW = fxshard.optim.AdamW(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-STEPS, LOCAL_BATCH, SEQ = 10, 2, 16
-
-
-def global_batches(world, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    shape = (world * LOCAL_BATCH, SEQ)
-    return [{"idx": torch.randint(0, 64, shape, generator=generator),
-             "tgt": torch.randint(0, 64, shape, generator=generator)} for _ in range(STEPS)]
-
-
-def local_part(batch, rank):
-    return {k: v[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH] for k, v in batch.items()}
+STEPS, LOCAL_BATCH, SEQ = 10, 2, 16  # local_part takes LOCAL_BATCH rows
 
 
 def model(capacity):
@@ -63,7 +53,7 @@ def eager_reference(capacity, batches, world):
 
 @pytest.mark.parametrize("world,ep,capacity", [(2, 2, None), (4, 2, 1.0), (4, 4, None)])
 def test_expert_parallel_matches_single_device_eager(world, ep, capacity):
-    batches = global_batches(world)
+    batches = token_batches(world, STEPS, LOCAL_BATCH, SEQ)
     per_rank = run_local(train_every_strategy, world, ep, capacity, batches, backend="gloo")
     ref_losses, ref_drops, ref_params = eager_reference(capacity, batches, world)
     for strategy in STRATEGIES:

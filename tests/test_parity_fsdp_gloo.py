@@ -9,21 +9,11 @@ from fxshard.launch import run_local
 from fxshard.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig
 from fxshard.passes.fsdp import STRATEGIES
 from fxshard.testing import relative, torch_optimizer
+from strategies import local_part, token_batches
 
 ADAMW = fxshard.optim.AdamW(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 MODELS = {"gpt": lambda: GPT(GPTConfig.preset("tiny")), "moe_gpt": lambda: MoEGPT(MoEGPTConfig.preset("tiny"))}
-STEPS, LOCAL_BATCH, SEQ = 10, 2, 16
-
-
-def global_batches(world, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    shape = (world * LOCAL_BATCH, SEQ)
-    return [{"idx": torch.randint(0, 64, shape, generator=generator),
-             "tgt": torch.randint(0, 64, shape, generator=generator)} for _ in range(STEPS)]
-
-
-def local_part(batch, rank):
-    return {k: v[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH] for k, v in batch.items()}
+STEPS, LOCAL_BATCH, SEQ = 10, 2, 16  # local_part takes LOCAL_BATCH rows
 
 
 def train_all_strategies(model_name, batches):
@@ -60,7 +50,7 @@ def eager_reference(model_name, batches, world):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("model_name", ["gpt", "moe_gpt"])
 def test_every_strategy_matches_single_device_eager(model_name, world):
-    batches = global_batches(world)
+    batches = token_batches(world, STEPS, LOCAL_BATCH, SEQ)
     per_rank = run_local(train_all_strategies, world, model_name, batches, backend="gloo")
     ref_losses, ref_params = eager_reference(model_name, batches, world)
     for strategy in STRATEGIES:
@@ -85,7 +75,7 @@ def train_meta_model_zero3(batches):
 
 def test_meta_model_with_microbatches_and_bf16_on_real_processes():
     world = 2
-    batches = global_batches(world)
+    batches = token_batches(world, STEPS, LOCAL_BATCH, SEQ)
     per_rank = run_local(train_meta_model_zero3, world, batches, backend="gloo")
     with torch.device("meta"):
         model = GPT(GPTConfig.preset("tiny"))

@@ -241,3 +241,25 @@ def test_ep_matches_plain_data_parallelism_across_features(variant):
     assert torch.allclose(ep_loss, loss, rtol=tolerance)
     for name, value in params.items():
         assert torch.allclose(ep_params[name], value, rtol=tolerance, atol=tolerance / 10), name
+
+
+def test_config_capacity_factor_overrides_every_dispatch_and_sizes_the_buffers():
+    sgd = fxshard.optim.SGD(lr=0.5)
+    local = batches_for(2, 1, rows=2, seq=8, vocab=64)[0]
+    results = []
+    for model_capacity, config_capacity in ((0.5, None), (None, 0.5)):
+        torch.manual_seed(0)
+        model = MoEGPT(MoEGPTConfig.preset("tiny", capacity_factor=model_capacity))
+        config = fxshard.Config(moe_capacity_factor=config_capacity)
+        mesh = fxshard.Mesh(dp=2, ep=2)
+        program = run_pipeline(fxshard.trace(model, loss_and_metrics, local[0], optimizer=sgd, config=config),
+                               mesh, config)[-1]
+        assert "capacity 4/expert, buffer 8 rows" in program.notes["ep"]  # ceil(0.5 * 16 * 2 / 4) = 4
+        metrics = SimulatedRanks(program, model, sgd, mesh).step(local)[0]
+        results.append((metrics["loss"], metrics["moe_dropped_tokens"]))
+    assert results[0][1] > 0 and results[0][1] == results[1][1]
+    assert torch.equal(results[0][0], results[1][0])
+    with pytest.raises(fxshard.FxShardError, match="moe_capacity_factor"):
+        fxshard.Config(moe_capacity_factor=0)
+    with pytest.raises(fxshard.FxShardError, match="not supported yet"):
+        fxshard.Mesh(pp=2, dp=2, ep=2)
