@@ -214,7 +214,7 @@ class _Rewrite:
                 downstream.add(node)
         upstream = set(self.layer_of)
         for node in reversed(self.old.nodes):
-            if node in upstream and node not in self.layer_of or node in self.layer_of:
+            if node in upstream:
                 for source in node.all_input_nodes:
                     if source.op == "call_function" and source in downstream and _keeps_dim0(source):
                         upstream.add(source)
@@ -320,13 +320,14 @@ class _Rewrite:
         self.inputs.append(spec)
         return new
 
-    def emit(self, node: fx.Node) -> fx.Node:
-        """Copy `node` (and first, anything it needs that is not copied yet)."""
+    def emit(self, node: fx.Node) -> fx.Node | None:
+        """Copy `node` (and first, anything it needs that is not copied yet). A region node is copied
+        with the rest of its layer's region, once per chunk (`chunk_env`): None then."""
         if node in self.env:
             return self.env[node]
         if node in self.region:
             self.emit_region(self.layer_of[node], meta.phase(node))
-            return self.env.get(node)
+            return None
         for source in node.all_input_nodes:
             if source not in self.env and source not in self.region:
                 self.emit(source)
