@@ -116,16 +116,7 @@ def _shard_pipeline(model, loss_fn, example_batch, optimizer, mesh, config, grou
                            f"dim 0; every batch leaf needs the same first dimension divisible by {microbatches}")
     first = torch.utils._pytree.tree_map(
         lambda t: t[:rows // microbatches] if isinstance(t, torch.Tensor) else t, example_batch)
-    if config.schedule == "gpipe":
-        schedule = schedules.gpipe(stages, microbatches, virtual)
-    elif config.schedule == "zb-h1":
-        if virtual != 1:
-            raise FxShardError("schedule='zb-h1' runs one chunk per rank; leave virtual_stages=1")
-        schedule = schedules.zero_bubble_h1(stages, microbatches)
-    elif config.schedule == "1f1b" and virtual == 1:
-        schedule = schedules.one_f_one_b(stages, microbatches)
-    else:
-        schedule = schedules.interleaved_one_f_one_b(stages, microbatches, virtual)
+    schedule = schedules.build(config.schedule, stages, microbatches, virtual)
     program = _trace(model, loss_fn, first, optimizer, dataclasses.replace(config, microbatches=1))
     programs = [program]
     if config.fuse_grouped_mlp:

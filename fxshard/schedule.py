@@ -221,6 +221,21 @@ def zero_bubble_h1(stages: int, microbatches: int) -> Schedule:
     return add_communication(order, stages, 1, microbatches, "zb-h1")
 
 
+def build(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """The schedule `Config(schedule=name)` names (fxshard.config.PIPELINE_SCHEDULES)."""
+    if name == "gpipe":
+        return gpipe(stages, microbatches, virtual)
+    if name == "zb-h1":
+        if virtual != 1:
+            raise FxShardError("schedule='zb-h1' runs one chunk per rank; leave virtual_stages=1")
+        return zero_bubble_h1(stages, microbatches)
+    if name == "1f1b" and virtual == 1:
+        return one_f_one_b(stages, microbatches)
+    if name in ("1f1b", "interleaved-1f1b"):
+        return interleaved_one_f_one_b(stages, microbatches, virtual)
+    raise FxShardError(f"unknown pipeline schedule {name!r}")
+
+
 @dataclass
 class Simulation:
     makespan: float

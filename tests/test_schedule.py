@@ -96,3 +96,13 @@ def test_zero_bubble_h1_is_valid_and_fills_1f1b_bubbles_with_weight_gradients(st
         assert split.bubble_fraction < whole.bubble_fraction
     for rank, peak in enumerate(split.peak_activations):  # live until W: at most one above 1F1B's bound
         assert peak <= min(stages - rank, microbatches) + 1
+
+
+def test_build_picks_the_generator_config_names():
+    from fxshard.schedule import build
+
+    assert build("1f1b", 2, 4) == one_f_one_b(2, 4)
+    assert build("1f1b", 2, 4, virtual=2) == interleaved_one_f_one_b(2, 4, 2)
+    assert build("gpipe", 2, 4) == gpipe(2, 4) != build("1f1b", 2, 4)
+    with pytest.raises(FxShardError, match="zb-h1"):
+        build("zb-h1", 2, 4, virtual=2)
