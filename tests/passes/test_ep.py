@@ -263,3 +263,59 @@ def test_config_capacity_factor_overrides_every_dispatch_and_sizes_the_buffers()
         fxshard.Config(moe_capacity_factor=0)
     with pytest.raises(fxshard.FxShardError, match="not supported yet"):
         fxshard.Mesh(pp=2, dp=2, ep=2)
+
+
+class ScaledExpertsMoE(torch.nn.Module):
+    """A user's MoE block, not MoEGPT's: GELU experts, and each row scaled by its routing weight
+    between fc1 and fc2 (inside the expert computation), combined with unit weights."""
+
+    def __init__(self, width=8, hidden=6, experts=4, top_k=2, capacity=None):
+        super().__init__()
+        from fxshard.models.grouped_linear import GroupedLinear
+
+        self.top_k, self.experts, self.capacity = top_k, experts, capacity
+        self.embed = torch.nn.Embedding(16, width)
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({
+            "router": torch.nn.Linear(width, experts, bias=False),
+            "fc1": GroupedLinear(experts, width, hidden), "fc2": GroupedLinear(experts, hidden, width)})
+            for _ in range(2))
+        self.head = torch.nn.Linear(width, 16)
+
+    def forward(self, idx):
+        from fxshard import moe
+        from fxshard.ops import grouped_mm
+
+        x = self.embed(idx).flatten(0, 1)
+        for block in self.blocks:
+            weights, chosen = torch.softmax(block["router"](x), -1).topk(self.top_k, dim=-1)
+            routed = moe.dispatch(x, chosen, self.experts, self.capacity)
+            scale = weights.reshape(-1)[routed.order].unsqueeze(-1)
+            hidden = torch.nn.functional.gelu(grouped_mm(routed.rows, routed.offsets, block["fc1"].weight_grouped()))
+            out = grouped_mm(hidden * scale, routed.offsets, block["fc2"].weight_grouped())
+            x = x + moe.combine(out, routed, torch.ones_like(weights), x.shape[0])
+        return self.head(x)
+
+
+@given(capacity=st.sampled_from([None, 1.0]), overlap=st.booleans(), mesh=st.sampled_from([(2, 2), (4, 2)]))
+def test_a_users_moe_block_gets_expert_parallelism_too(capacity, overlap, mesh):
+    world, ep = mesh
+    torch.manual_seed(0)
+    model = ScaledExpertsMoE(capacity=capacity)
+    sgd = fxshard.optim.SGD(lr=0.5)
+
+    def loss_fn(m, batch):
+        return torch.nn.functional.cross_entropy(m(batch["idx"]), batch["tgt"].flatten())
+
+    local = batches_for(world, 1, rows=2, seq=4, vocab=16)[0]
+    config = fxshard.Config(ep_overlap=overlap, layers=("blocks.*",))
+    traced = fxshard.trace(model, loss_fn, local[0], optimizer=sgd, config=config)
+    program = run_pipeline(traced, fxshard.Mesh(dp=world, ep=ep), config)[-1]
+    assert "ep" in program.notes
+    ranks = SimulatedRanks(program, model, sgd, fxshard.Mesh(dp=world, ep=ep))
+    loss = ranks.step(local)[0]["loss"]
+    singles = [SimulatedRanks(traced, model, sgd, fxshard.Mesh()) for _ in range(world)]
+    expected = [s.step([batch])[0]["loss"] for s, batch in zip(singles, local)]
+    assert torch.allclose(loss, sum(expected) / world, rtol=1e-5)
+    reference = [s.parameters() for s in singles]
+    for name, value in ranks.parameters().items():
+        assert torch.allclose(value, sum(r[name] for r in reference) / world, rtol=1e-5, atol=1e-6), name
