@@ -13,6 +13,7 @@ from fxshard.program import Program
 from .ep import EPConfig, expert_parallel
 from .fsdp import FSDPConfig, fsdp
 from .fuse_grouped_mlp import fuse_grouped_mlp
+from .interleave import interleave_microbatches
 
 
 class Pass(NamedTuple):
@@ -35,6 +36,10 @@ PIPELINE: list[Pass] = [
          lambda program, mesh, config: fsdp(program, FSDPConfig(mesh.dp, config.sharding, config.fsdp_prefetch,
                                                                 ep=mesh.ep)),
          lambda mesh, config: mesh is not None),
+    # last: reorders whatever the passes above produced; backward m runs alongside forward m+1
+    Pass("interleave",
+         lambda program, mesh, config: interleave_microbatches(program),
+         lambda mesh, config: mesh is not None and mesh.ep > 1 and config.ep_overlap and config.microbatches > 1),
 ]
 
 

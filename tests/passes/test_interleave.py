@@ -1,0 +1,71 @@
+"""The microbatch-interleaving pass: same values bit for bit, backward m alternating with forward m+1."""
+
+import torch
+from hypothesis import given, strategies as st
+
+import fxshard
+from fxshard import meta
+from fxshard.models import MoEGPT, MoEGPTConfig
+from fxshard.passes import run_pipeline
+from fxshard.passes.fsdp import STRATEGIES
+from fxshard.passes.interleave import interleave_microbatches
+from fxshard.testing import SimulatedRanks
+
+c10d = torch.ops._c10d_functional
+
+
+def batches(world, rows=4, seq=8):
+    generator = torch.Generator().manual_seed(0)
+    return [{"idx": torch.randint(0, 64, (rows, seq), generator=generator),
+             "tgt": torch.randint(0, 64, (rows, seq), generator=generator)} for _ in range(world)]
+
+
+@given(microbatches=st.sampled_from([2, 4]), chunks=st.sampled_from([1, 2]), sharding=st.sampled_from(STRATEGIES),
+       capacity=st.sampled_from([None, 1.0]))
+def test_interleaving_changes_the_order_not_the_values(microbatches, chunks, sharding, capacity):
+    torch.manual_seed(0)
+    model = MoEGPT(MoEGPTConfig.preset("tiny", capacity_factor=capacity))
+    sgd = fxshard.optim.SGD(lr=0.5, momentum=0.9)
+    mesh = fxshard.Mesh(dp=2, ep=2)
+    local = batches(2)
+    config = fxshard.Config(microbatches=microbatches, ep_overlap=True, ep_chunks=chunks, sharding=sharding)
+    programs = run_pipeline(fxshard.trace(model, lambda m, b: m.loss_and_metrics(b), local[0], optimizer=sgd,
+                                          config=config), mesh, config)
+    assert [p.name for p in programs][-2:] == ["fsdp", "interleave"]
+    before, after = programs[-2], programs[-1]
+    assert sorted(n.name for n in before.graph.nodes) == sorted(n.name for n in after.graph.nodes)
+    results = []
+    for program in (before, after):
+        ranks = SimulatedRanks(program, model, sgd, mesh)
+        metrics = [ranks.step(local) for _ in range(2)][-1]
+        results.append((metrics, ranks.parameters()))
+    (metrics, params), (metrics_after, params_after) = results
+    for rank in range(2):
+        for name, value in metrics[rank].items():
+            assert torch.equal(value, metrics_after[rank][name]), name
+    for name, value in params.items():
+        assert torch.equal(value, params_after[name]), name
+
+
+def test_backward_and_next_forward_alternate_at_each_all_to_all():
+    torch.manual_seed(0)
+    model = MoEGPT(MoEGPTConfig.preset("tiny"))
+    config = fxshard.Config(microbatches=2, ep_overlap=True, ep_chunks=1, sharding="no_shard")
+    program = run_pipeline(fxshard.trace(model, lambda m, b: m.loss_and_metrics(b), batches(1)[0], config=config),
+                           fxshard.Mesh(dp=2, ep=2), config)[-2]  # after FSDP, before interleaving
+    assert switches(interleave_microbatches(program)) >= 4 > switches(program)  # both layers, both directions
+
+
+def switches(program) -> int:
+    """How many all-to-alls of backward 0 or forward 1 are followed by compute of the other one."""
+    nodes = list(program.graph.nodes)
+    count = 0
+    for i, node in enumerate(nodes):
+        if node.target is not c10d.all_to_all_single.default or node.meta[meta.MOE_PIECE] == "route":
+            continue
+        kind = (meta.phase(node), meta.microbatch(node))
+        if kind in (("bwd", 0), ("fwd", 1)):
+            following = next(n for n in nodes[i + 1:] if n.op == "call_function" and meta.MOE_PIECE not in n.meta
+                             and meta.phase(n) in ("fwd", "bwd"))
+            count += (meta.phase(following), meta.microbatch(following)) not in (kind, ("fwd", 0))
+    return count
