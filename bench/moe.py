@@ -1,6 +1,7 @@
 """Expert-parallel MoE benchmark: how much all-to-all time the ep_overlap split hides.
 
     python bench/moe.py --gpus 4 --ep 4 --chunks 2 4 --out bench/moe.json
+    python bench/moe.py --gpus 4 --ep 4 --microbatches 2 --chunks 1 2   # + microbatch interleaving
 
 One process group, every mode side by side on the same MoEGPT (bf16 compute, fp32 masters, AdamW,
 ZeRO-1 over dp; experts split over ep) and the same per-rank batch:
@@ -9,7 +10,9 @@ ZeRO-1 over dp; experts split over ep) and the same per-rank batch:
                       the same kernels on the same shapes, no token exchange (per-rank compute time)
     ep                expert parallelism, no overlap
     nocomm-overlapN   as nocomm, with the layers split into N chunks
-    ep-overlapN       Config(ep_overlap=True, ep_chunks=N)
+    ep-overlapN       Config(ep_overlap=True, ep_chunks=N); with --microbatches M > 1 the step
+                      accumulates M microbatches and ep_overlap also interleaves microbatch m's
+                      backward with m+1's forward (passes/interleave.py); N=1: that alone
 
 and, first, the expert MLPs alone on one GPU (grouped GEMMs + SwiGLU, forward and backward, the
 rows one rank's experts receive on average). Exposed all-to-all = ep - nocomm; hidden by overlap =
@@ -117,7 +120,8 @@ def _union(spans):
 
 
 def expert_compute_alone(args) -> float:
-    """ms for every layer's expert MLP forward+backward on one GPU, at the rows one rank receives."""
+    """ms for every layer's (and microbatch's) expert MLP forward+backward on one GPU, at the rows one
+    rank receives."""
     from fxshard.ops import grouped_mm
 
     local = args.experts // args.ep
@@ -129,7 +133,7 @@ def expert_compute_alone(args) -> float:
     offsets = torch.linspace(rows / local, rows, local, device="cuda").round().to(torch.int32)
 
     def step():
-        for _ in range(args.layers):
+        for _ in range(args.layers * args.microbatches):
             gate, up = grouped_mm(x, offsets, w1).chunk(2, dim=-1)
             out = grouped_mm(torch.nn.functional.silu(gate) * up, offsets, w2)
             out.backward(torch.ones_like(out))
@@ -150,27 +154,29 @@ def run_modes(args):
     device = f"cuda:{rank}"
     cfg = model_config(args)
     generator = torch.Generator().manual_seed(rank)
-    data = {k: torch.randint(0, cfg.vocab_size, (1, args.seq), generator=generator).to(device) for k in ("idx", "tgt")}
+    data = {k: torch.randint(0, cfg.vocab_size, (args.microbatches, args.seq), generator=generator).to(device)
+            for k in ("idx", "tgt")}
     results = {}
     if rank == 0:
         results["experts-alone"] = expert_compute_alone(args)
         print(f"  experts alone (1 GPU): {results['experts-alone']:.2f} ms", flush=True)
     dist.barrier()
-    for chunks in [1, *args.chunks]:
+    for overlap, chunks in [(False, 1), *[(True, c) for c in args.chunks]]:
         torch.manual_seed(0)
         with torch.device(device):
             model = MoEGPT(cfg)
         config = fxshard.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, sharding="optim",
-                                cuda_graphs=not args.eager_replay, ep_overlap=chunks > 1, ep_chunks=max(chunks, 2))
+                                cuda_graphs=not args.eager_replay, ep_overlap=overlap, ep_chunks=chunks,
+                                microbatches=args.microbatches)
         started = time.perf_counter()
         step = fxshard.shard(model, lambda m, b: m.loss_and_metrics(b), data, optimizer=fxshard.optim.AdamW(lr=1e-5),
                              mesh=fxshard.Mesh(dp=world, ep=args.ep), config=config)
         del model
         if rank == 0:
-            print(f"  chunks={chunks}: compiled in {time.perf_counter() - started:.1f}s: {step.program!r}", flush=True)
-            if chunks == 1:
+            print(f"  ep_overlap={overlap}, chunks={chunks}: compiled in {time.perf_counter() - started:.1f}s: {step.program!r}", flush=True)
+            if not overlap:
                 print("  " + step.program.notes["ep"].replace("\n", "\n  "), flush=True)
-        suffix = "" if chunks == 1 else f"-overlap{chunks}"
+        suffix = f"-overlap{chunks}" if overlap else ""
         nocomm = CompiledStep([without_all_to_all(step.program)], step.state, step.batch_spec, step.optimizer,
                               step.device, step.groups, not args.eager_replay)
         for label, runner in ((f"nocomm{suffix}", nocomm), (f"ep{suffix}", step)):
@@ -208,7 +214,8 @@ def main():
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--d-ff", type=int, default=1024, help="each expert's hidden width")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=4096, help="tokens per rank per step (batch 1)")
+    parser.add_argument("--seq", type=int, default=4096, help="tokens per sequence; one sequence per microbatch")
+    parser.add_argument("--microbatches", type=int, default=1, help="gradient-accumulation microbatches per step")
     parser.add_argument("--capacity-factor", type=float, default=1.0,
                         help="buffers hold capacity_factor x the balanced load (dropless would pad each to the "
                              "worst case, top_k x more rows than balanced); <= 0 means dropless")
@@ -223,7 +230,7 @@ def main():
     if args.capacity_factor <= 0:
         args.capacity_factor = None
     print(f"MoEGPT: {args.layers} layers, hidden {args.hidden}, {args.experts} experts x d_ff {args.d_ff}, "
-          f"top-{args.top_k}, S={args.seq} per rank, {args.gpus} GPUs, ep={args.ep}, capacity factor "
+          f"top-{args.top_k}, S={args.seq} x {args.microbatches} microbatch(es) per rank, {args.gpus} GPUs, ep={args.ep}, capacity factor "
           f"{args.capacity_factor}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{'eager replay' if args.eager_replay else 'CUDA graphs'}", flush=True)
     results = run_local(run_modes, args.gpus, args, backend="nccl")[0]
