@@ -58,6 +58,7 @@ class Dispatch:
     kept: Tensor      # [T*k] bool, in row order: the row is within its expert's capacity
     dropped: Tensor   # [] int64: assignments over capacity
     capacity: int | None
+    rank_of: Tensor   # [T*k]: the row of each assignment (the inverse of `order`)
 
 
 def capacity_of(tokens: int, top_k: int, n_experts: int, capacity_factor: float | None) -> int | None:
@@ -97,8 +98,9 @@ def _dispatch(tokens: Tensor, chosen: Tensor, n_experts: int, capacity: int | No
     kept_counts = torch.zeros(n_experts, dtype=torch.long, device=tokens.device).scatter_add(
         0, flat_expert, keep.long())
     offsets = kept_counts.cumsum(0).to(torch.int32)
-    rows = tokens.index_select(0, order // top_k)
-    return Dispatch(rows, offsets, order, keep[order], (~keep).sum(), capacity)
+    rank_of = torch.empty_like(order).scatter(0, order, torch.arange(order.numel(), device=order.device))
+    rows = _Spread.apply(tokens, order, rank_of, top_k)
+    return Dispatch(rows, offsets, order, keep[order], (~keep).sum(), capacity, rank_of)
 
 
 def combine(expert_out: Tensor, routed: Dispatch, weights: Tensor, tokens: int) -> Tensor:
@@ -106,5 +108,38 @@ def combine(expert_out: Tensor, routed: Dispatch, weights: Tensor, tokens: int) 
     top_k = weights.shape[1]
     row_weights = weights.reshape(-1)[routed.order] * routed.kept
     scaled = expert_out * row_weights.unsqueeze(-1).to(expert_out.dtype)
-    out = expert_out.new_zeros(tokens, expert_out.shape[1])
-    return out.index_add(0, routed.order // top_k, scaled)
+    return _Gather.apply(scaled, routed.order, routed.rank_of, top_k)
+
+
+# Dispatch and combine move rows with gathers only, forward and backward: a token's k rows are
+# summed by a reduction over k, never by atomic adds into the token (which cost ~0.5 ms per call at
+# 32768 bf16 rows on an H200 and sum in a run-to-run varying order).
+class _Spread(torch.autograd.Function):
+    """tokens [T, D] -> rows [T*k, D]: row r is token order[r] // k. Backward: the adjoint gather."""
+
+    @staticmethod
+    def forward(ctx, tokens, order, rank_of, top_k):
+        ctx.save_for_backward(order, rank_of)
+        ctx.top_k = top_k
+        return tokens.index_select(0, order // top_k)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        order, rank_of = ctx.saved_tensors
+        return _Gather.apply(grad_rows, order, rank_of, ctx.top_k), None, None, None
+
+
+class _Gather(torch.autograd.Function):
+    """rows [T*k, D] -> tokens [T, D]: token t sums rows rank_of[t*k : t*k + k]. Backward: spread."""
+
+    @staticmethod
+    def forward(ctx, rows, order, rank_of, top_k):
+        ctx.save_for_backward(order, rank_of)
+        ctx.top_k = top_k
+        by_assignment = rows.index_select(0, rank_of)
+        return by_assignment.view(-1, top_k, rows.shape[1]).sum(1)
+
+    @staticmethod
+    def backward(ctx, grad_tokens):
+        order, rank_of = ctx.saved_tensors
+        return _Spread.apply(grad_tokens, order, rank_of, ctx.top_k), None, None, None
