@@ -633,6 +633,10 @@ class _Rewrite:
                     sizes[piece] = sizes.get(piece, 0) + node.meta[meta.COMM_BYTES]
             traffic = ", ".join(f"{piece} {size / 2**20:.2f} MiB" for piece, size in sizes.items())
             capacity = "dropless" if layer.capacity is None else f"capacity {layer.capacity}/expert"
+            padding = layer.buffer * layer.chunks * k / layer.rows  # buffer rows per balanced load
+            if layer.capacity is None and padding > 2:
+                capacity += (f" (buffers hold {padding:.0f}x the balanced load, all of it sent: "
+                             f"Config(moe_capacity_factor=...) bounds them)")
             lines.append(f"  {layer.name}: {layer.experts} experts ({layer.local}/rank), top-{layer.top_k}, "
                          f"{layer.tokens} tokens -> {layer.rows} rows, {capacity}, buffer {layer.buffer} rows x {k} "
                          f"ranks x {layer.chunks} chunk(s); all-to-all per rank: {traffic}")
