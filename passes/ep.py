@@ -382,7 +382,7 @@ class _Rewrite:
             self.emit(source)
         for source in {i for n in nodes for i in n.all_input_nodes if i in self.region and meta.phase(i) != phase}:
             self.emit_region(self.layer_of[source], meta.phase(source))
-        plan = self.plan(layer)
+        self.plan(layer)  # the sending side; the receiving side follows the dispatches
         entries = self.entries(layer, nodes)
         for chunk in range(layer.chunks):
             for entry in entries:
@@ -393,7 +393,7 @@ class _Rewrite:
                     if source in self.region:
                         return self.chunk_env[source, chunk]
                     if source is layer.offsets:
-                        return plan["local_offsets"][chunk]
+                        return self.receiving(layer, "local_offsets")[chunk]
                     if source in entries:
                         return self.receive(layer, source, chunk, phase)
                     if source in self.expert_nodes and layer.chunks > 1:
@@ -478,38 +478,54 @@ class _Rewrite:
             # counts[dest, local expert]: what each destination receives, exchanged up front
             per_expert = torch.zeros(k * local + 1, dtype=torch.long, device=offsets.device).scatter_add(
                 0, torch.where(valid, expert, k * local), torch.ones_like(row))[:-1]
-            received = _c10d.wait_tensor(_c10d.all_to_all_single(per_expert, [local] * k, [local] * k, axis))
-            received = received.view(k, local)
-            sources, local_order, local_offsets, inverse = [], [], [], []
-            place = torch.arange(buffer, device=offsets.device).expand(k, buffer)
+            counts = _c10d.all_to_all_single(per_expert, [local] * k, [local] * k, axis)  # waited on later
+            sources = []
             for c in range(chunks):
                 # rows this chunk sends: slot -> source row (rows never filled point at row 0: unread)
                 source = torch.zeros(k * buffer + 1, dtype=torch.long, device=offsets.device).scatter(
                     0, torch.where(chunk == c, slot - c * k * buffer, k * buffer).clamp(max=k * buffer), row)
                 sources.append(source[:-1])
-                counts = received[:, bounds[c]:bounds[c + 1]]                # [source rank, chunk's expert]
-                owner = torch.searchsorted(counts.cumsum(1), place.contiguous(), right=True)  # local: padding
-                key = (owner * k + torch.arange(k, device=offsets.device).unsqueeze(1)) * buffer + place
+            tokens_per_expert = ends - torch.cat([ends.new_zeros(1), ends[:-1]])
+            dropped = rows - ends[-1]
+            return [slot, *sources, counts, tokens_per_expert, dropped]
+
+        def arrange(counts, offsets):
+            """The receiving side, from the counts every source sent: per chunk, the order that sorts
+            the received rows by local expert, its inverse, and the local offsets."""
+            received = _c10d.wait_tensor(counts).view(k, local)
+            local_order, inverse, local_offsets = [], [], []
+            place = torch.arange(buffer, device=counts.device).expand(k, buffer)
+            for c in range(chunks):
+                counts_c = received[:, bounds[c]:bounds[c + 1]]              # [source rank, chunk's expert]
+                owner = torch.searchsorted(counts_c.cumsum(1), place.contiguous(), right=True)  # local: padding
+                key = (owner * k + torch.arange(k, device=counts.device).unsqueeze(1)) * buffer + place
                 order_c = torch.argsort(key.reshape(-1))
                 local_order.append(order_c)
                 inverse.append(torch.empty_like(order_c).scatter(0, order_c, torch.arange(
-                    k * buffer, device=offsets.device)))
-                local_offsets.append(counts.sum(0).cumsum(0).to(offsets.dtype))
-            tokens_per_expert = ends - torch.cat([ends.new_zeros(1), ends[:-1]])
-            dropped = rows - ends[-1]
-            return [slot, *sources, *local_order, *inverse, *local_offsets, tokens_per_expert, dropped]
+                    k * buffer, device=counts.device)))
+                local_offsets.append(counts_c.sum(0).cumsum(0).to(offsets.dtype))
+            return [*local_order, *inverse, *local_offsets]
 
-        out = self.inline(layer, route, [self.env[layer.offsets]], meta.phase(layer.offsets), "route")
-        for node in reversed(self.graph.nodes):  # the count exchange just inserted
-            if node.target is _c10d.all_to_all_single.default:
-                node.meta[meta.COMM_BYTES] = k * local * 8
-                break
+        phase = meta.phase(layer.offsets)
+        out = self.inline(layer, route, [self.env[layer.offsets]], phase, "route")
         n = chunks
-        plan = {"slot": out[0], "sources": out[1:1 + n], "local_order": out[1 + n:1 + 2 * n],
-                "inverse": out[1 + 2 * n:1 + 3 * n], "local_offsets": out[1 + 3 * n:1 + 4 * n],
-                "tokens_per_expert": out[1 + 4 * n], "dropped": out[2 + 4 * n]}
+        out[1 + n].meta[meta.COMM_BYTES] = k * local * 8
+        plan = {"slot": out[0], "sources": out[1:1 + n], "tokens_per_expert": out[2 + n], "dropped": out[3 + n]}
         self.plans[id(layer)] = plan
+
+        def receiving():  # inserted where first needed: after the layer's dispatches are issued
+            arranged = self.inline(layer, arrange, [out[1 + n], self.env[layer.offsets]], phase, "route")
+            plan.update(local_order=arranged[:n], inverse=arranged[n:2 * n], local_offsets=arranged[2 * n:])
+
+        plan["arrange"] = receiving
         return plan
+
+    def receiving(self, layer: _Layer, part: str) -> list[fx.Node]:
+        """The receiving side of the layer's plan (local_order, inverse or local_offsets), built on first use."""
+        plan = self.plans[id(layer)]
+        if part not in plan:
+            plan["arrange"]()
+        return plan[part]
 
     def send(self, layer: _Layer, entry: fx.Node, chunk: int, phase: str):
         if (entry, chunk) in self.sent:
@@ -528,8 +544,9 @@ class _Rewrite:
 
     def receive(self, layer: _Layer, entry: fx.Node, chunk: int, phase: str) -> fx.Node:
         if (entry, chunk) not in self.received:
+            order = self.receiving(layer, "local_order")[chunk]
             (rows,) = self.inline(layer, lambda sent, order: [_c10d.wait_tensor(sent).index_select(0, order)],
-                                  [self.sent[entry, chunk], self.plans[id(layer)]["local_order"][chunk]], phase,
+                                  [self.sent[entry, chunk], order], phase,
                                   "dispatch", chunk)
             self.received[entry, chunk] = rows
         return self.received[entry, chunk]
@@ -540,7 +557,7 @@ class _Rewrite:
         def combine(values, inverse):
             return [_c10d.all_to_all_single(values.index_select(0, inverse), [buffer] * k, [buffer] * k, axis)]
 
-        (issued,) = self.inline(layer, combine, [self.chunk_env[node, chunk], self.plans[id(layer)]["inverse"][chunk]],
+        (issued,) = self.inline(layer, combine, [self.chunk_env[node, chunk], self.receiving(layer, "inverse")[chunk]],
                                 phase, "combine", chunk)
         value = issued.meta["val"]
         issued.meta[meta.COMM_BYTES] = value.numel() * value.element_size()
