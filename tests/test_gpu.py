@@ -177,13 +177,13 @@ def _nccl_pipeline(configs, data):
     device = f"cuda:{rank}"
     torch.backends.cuda.matmul.allow_tf32 = False
     results = []
-    for pp, dp, schedule, virtual, microbatches in configs:
+    for pp, dp, schedule, virtual, microbatches, layers in configs:
         mesh = fxshard.Mesh(pp=pp, dp=dp)
         dp_rank = mesh.coords(rank)["dp"]
         rows = data[0]["idx"].shape[0] // dp
         local = [{k: v[dp_rank * rows:(dp_rank + 1) * rows].to(device) for k, v in b.items()} for b in data]
         torch.manual_seed(0)
-        model = GPT(GPTConfig.preset("tiny", n_layer=4)).to(device)
+        model = GPT(GPTConfig.preset("tiny", n_layer=layers)).to(device)
         step = fxshard.shard(model, model_loss, local[0], optimizer=ADAMW, mesh=mesh,
                              config=fxshard.Config(schedule=schedule, virtual_stages=virtual,
                                                    microbatches=microbatches, sharding="no_shard"))
@@ -194,15 +194,17 @@ def _nccl_pipeline(configs, data):
 @pytest.mark.multigpu
 def test_pipeline_over_nccl_matches_single_device_eager():
     world = 4 if torch.cuda.device_count() >= 4 else 2
-    configs = [(2, world // 2, "1f1b", 1, 4), (2, world // 2, "interleaved-1f1b", 2, 4), (2, world // 2, "zb-h1", 1, 4)]
+    # (pp, dp, schedule, virtual stages, microbatches, GPT layers)
+    configs = [(2, world // 2, "1f1b", 1, 4, 4), (2, world // 2, "interleaved-1f1b", 2, 4, 4),
+               (2, world // 2, "zb-h1", 1, 4, 4)]
     if world == 4:
-        configs.append((4, 1, "1f1b", 1, 8))
+        configs += [(4, 1, "1f1b", 1, 8, 4), (4, 1, "interleaved-1f1b", 2, 8, 8)]
     data = cuda_batches(10, rows=8, device="cpu")
     per_rank = run_local(_nccl_pipeline, world, configs, data, backend="nccl")
     torch.backends.cuda.matmul.allow_tf32 = False
-    for index, (pp, dp, schedule, virtual, microbatches) in enumerate(configs):
+    for index, (pp, dp, schedule, virtual, microbatches, layers) in enumerate(configs):
         torch.manual_seed(0)
-        model = GPT(GPTConfig.preset("tiny", n_layer=4)).cuda()
+        model = GPT(GPTConfig.preset("tiny", n_layer=layers)).cuda()
         optimizer = torch_optimizer(ADAMW, model.parameters())
         pieces, ref_losses = dp * microbatches, []
         for batch in data:
