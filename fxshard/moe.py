@@ -69,6 +69,22 @@ def capacity_of(tokens: int, top_k: int, n_experts: int, capacity_factor: float 
     return max(1, math.ceil(capacity_factor * tokens * top_k / n_experts))
 
 
+def rank_within(keys: Tensor, groups: int) -> Tensor:
+    """For each element of `keys` (ints in [0, groups)), how many earlier elements share its key: its
+    position within its group, in index order. A stable sort, not a cumulative sum over a one-hot
+    (that is a [len, groups] tensor, and 6 ms per call on an H200 at 32768 x 64)."""
+    by_key = torch.argsort(keys, stable=True)
+    sizes = torch.zeros(groups, dtype=torch.long, device=keys.device).scatter_add(0, keys, torch.ones_like(keys))
+    first = sizes.cumsum(0) - sizes
+    rank = torch.arange(keys.numel(), device=keys.device) - first[keys[by_key]]
+    return torch.empty_like(keys).scatter(0, by_key, rank)
+
+
+def inverse_permutation(order: Tensor) -> Tensor:
+    """`inverse[order[i]] = i`."""
+    return torch.empty_like(order).scatter(0, order, torch.arange(order.numel(), device=order.device))
+
+
 def dispatch(tokens: Tensor, chosen: Tensor, n_experts: int, capacity_factor: float | None = None) -> Dispatch:
     count, top_k = chosen.shape
     if _capacity_override:
@@ -84,21 +100,14 @@ def _dispatch(tokens: Tensor, chosen: Tensor, n_experts: int, capacity: int | No
     flat_expert = chosen.reshape(-1)
     if capacity is None:
         keep = torch.ones_like(flat_expert, dtype=torch.bool)
-    else:  # each assignment's rank among its expert's assignments, in assignment order (a stable sort:
-        # a cumulative sum over a [T*k, E] one-hot is 6 ms per call on an H200 at T*k=32768, E=64)
-        by_expert = torch.argsort(flat_expert, stable=True)
-        counts = torch.zeros(n_experts, dtype=torch.long, device=tokens.device).scatter_add(
-            0, flat_expert, torch.ones_like(flat_expert))
-        first = counts.cumsum(0) - counts
-        rank = torch.arange(flat_expert.numel(), device=tokens.device) - first[flat_expert[by_expert]]
-        position = torch.empty_like(flat_expert).scatter(0, by_expert, rank)
-        keep = position < capacity
+    else:  # the first `capacity` assignments of each expert, in assignment order
+        keep = rank_within(flat_expert, n_experts) < capacity
     sort_key = torch.where(keep, flat_expert, torch.full_like(flat_expert, n_experts))  # dropped sort last
     order = torch.argsort(sort_key, stable=True)
     kept_counts = torch.zeros(n_experts, dtype=torch.long, device=tokens.device).scatter_add(
         0, flat_expert, keep.long())
     offsets = kept_counts.cumsum(0).to(torch.int32)
-    rank_of = torch.empty_like(order).scatter(0, order, torch.arange(order.numel(), device=order.device))
+    rank_of = inverse_permutation(order)
     rows = _Spread.apply(tokens, order, rank_of, top_k)
     return Dispatch(rows, offsets, order, keep[order], (~keep).sum(), capacity, rank_of)
 

@@ -53,6 +53,7 @@ import torch.fx as fx
 from fxshard import meta, moe
 from fxshard.errors import FxShardError
 from fxshard.graph import fake_mode_of, inline
+from fxshard.ops.grouped_mlp_backends import expert_of_rows
 from fxshard.optimizer_graph import append_update
 from fxshard.program import Input, InputKind, Output, OutputKind, Placement, Program
 
@@ -336,7 +337,8 @@ class _Rewrite:
         return copy
 
     def lookup(self, node: fx.Node) -> fx.Node:
-        """A node outside the region reads a region value: the combined (or summed) result."""
+        """A node outside the region reads a region value: rows combined back, or a weight gradient
+        concatenated over the chunks."""
         if node in self.region:
             if node not in self.exits:
                 self.emit_region(self.layer_of[node], meta.phase(node))
@@ -405,7 +407,7 @@ class _Rewrite:
                     sizes[layer.experts] = layer.bounds[chunk + 1] - layer.bounds[chunk]
                 copy = self.copy(node, lookup, sizes, self.piece(layer, "experts", chunk))
                 if layer.chunks > 1:
-                    copy.meta.pop(meta.PARAM, None)  # a partial weight gradient; their sum is the gradient
+                    copy.meta.pop(meta.PARAM, None)  # one chunk's experts; their concatenation is the gradient
                 self.chunk_env[node, chunk] = copy
                 if self.is_exit(node) and node not in self.expert_nodes:
                     self.send_back(layer, node, chunk, phase)
@@ -464,16 +466,12 @@ class _Rewrite:
         def route(offsets):
             ends = offsets.long()
             row = torch.arange(rows, device=offsets.device)
-            expert = torch.searchsorted(ends, row, right=True)               # experts: routed nowhere
+            expert = expert_of_rows(offsets, rows)                           # experts: routed nowhere
             valid = expert < experts
             chunk = torch.where(valid, expert % local * chunks // local, 0)  # the group of the row's expert
             dest = expert // local                                           # k for rows routed nowhere
             group = torch.where(valid, dest * chunks + chunk, k * chunks)    # one group per (dest, chunk)
-            order = torch.argsort(group, stable=True)
-            sizes = torch.zeros(k * chunks + 1, dtype=torch.long, device=offsets.device).scatter_add(
-                0, group, torch.ones_like(group))
-            first = sizes.cumsum(0) - sizes
-            position = torch.empty_like(row).scatter(0, order, row - first[group[order]])
+            position = moe.rank_within(group, k * chunks + 1)
             slot = torch.where(valid, (chunk * k + dest) * buffer + position, chunks * k * buffer)
             # counts[dest, local expert]: what each destination receives, exchanged up front
             per_expert = torch.zeros(k * local + 1, dtype=torch.long, device=offsets.device).scatter_add(
@@ -501,8 +499,7 @@ class _Rewrite:
                 key = (owner * k + torch.arange(k, device=counts.device).unsqueeze(1)) * buffer + place
                 order_c = torch.argsort(key.reshape(-1))
                 local_order.append(order_c)
-                inverse.append(torch.empty_like(order_c).scatter(0, order_c, torch.arange(
-                    k * buffer, device=counts.device)))
+                inverse.append(moe.inverse_permutation(order_c))
                 local_offsets.append(counts_c.sum(0).cumsum(0).to(offsets.dtype))
             return [*local_order, *inverse, *local_offsets]
 
