@@ -52,6 +52,7 @@ class Placement:
 
 
 REPLICATED = Placement()
+EXPERT_SHARDED = Placement("sharded", "ep")  # this rank's experts: dim 0 split over the ep axis
 
 
 @dataclass(frozen=True)

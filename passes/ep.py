@@ -55,11 +55,10 @@ from fxshard.errors import FxShardError
 from fxshard.graph import fake_mode_of, inline
 from fxshard.ops.grouped_mlp_backends import expert_of_rows
 from fxshard.optimizer_graph import append_update
-from fxshard.program import Input, InputKind, Output, OutputKind, Placement, Program
+from fxshard.program import EXPERT_SHARDED, Input, InputKind, Output, OutputKind, Program
 
 _c10d = torch.ops._c10d_functional
 _aten = torch.ops.aten
-EP = Placement("sharded", "ep")
 
 
 @dataclass(frozen=True)
@@ -315,7 +314,8 @@ class _Rewrite:
         new = self.graph.node_copy(old)
         if owner in self.expert_params and spec.kind in (InputKind.PARAM, InputKind.OPT_STATE):
             local = spec.shape[0] // self.cfg.ep
-            spec = Input(spec.kind, spec.name, (local, *spec.shape[1:]), spec.dtype, spec.requires_grad, EP)
+            spec = Input(spec.kind, spec.name, (local, *spec.shape[1:]), spec.dtype, spec.requires_grad,
+                         EXPERT_SHARDED)
             with self.fake:
                 new.meta["val"] = old.meta["val"].new_empty((local, *spec.shape[1:]))
         self.inputs.append(spec)
@@ -607,11 +607,13 @@ class _Rewrite:
                 outputs.append(spec)
                 values.append(grad_norm)
             elif spec.kind is OutputKind.PARAM:
-                outputs.append(Output(spec.kind, spec.name, EP if spec.name in self.expert_params else spec.placement))
+                outputs.append(Output(spec.kind, spec.name,
+                                      EXPERT_SHARDED if spec.name in self.expert_params else spec.placement))
                 values.append(new_params[spec.name])
             elif spec.kind is OutputKind.OPT_STATE:
                 slot, owner = spec.name.split("/", 1)
-                outputs.append(Output(spec.kind, spec.name, EP if owner in self.expert_params else spec.placement))
+                outputs.append(Output(spec.kind, spec.name,
+                                      EXPERT_SHARDED if owner in self.expert_params else spec.placement))
                 values.append(new_states[owner, slot])
         outputs_by_layer: dict[str, list] = {}
         for layer in self.layers.values():

@@ -34,7 +34,7 @@ from fxshard.config import SHARDING_STRATEGIES
 from fxshard.errors import FxShardError
 from fxshard.graph import fake_mode_of, inline
 from fxshard.optimizer_graph import append_update
-from fxshard.program import (REPLICATED, FlatUnit, Input, InputKind, Output, OutputKind, Placement,
+from fxshard.program import (EXPERT_SHARDED, REPLICATED, FlatUnit, Input, InputKind, Output, OutputKind, Placement,
                              Program)
 
 STRATEGIES = SHARDING_STRATEGIES
@@ -92,7 +92,7 @@ def group_into_units(program: Program, world: int, include_frozen: bool = False,
     members: dict[tuple[str, torch.dtype, bool, bool], list[tuple[str, tuple[int, ...]]]] = {}
     for spec, node in zip(program.inputs, program.placeholders()):
         if spec.kind is InputKind.PARAM and (spec.requires_grad or include_frozen):
-            experts = spec.placement == Placement("sharded", "ep")
+            experts = spec.placement == EXPERT_SHARDED
             members.setdefault((meta.layer(node), spec.dtype, spec.requires_grad, experts), []).append(
                 (spec.name, spec.shape))
     dtypes_per_layer = {}

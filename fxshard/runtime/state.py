@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..program import FlatUnit, InputKind, Program
+from ..program import EXPERT_SHARDED, FlatUnit, InputKind, Program
 
 State = dict[tuple[InputKind, str], torch.Tensor]
 
@@ -56,7 +56,7 @@ class ExpertSlices:
 def expert_parameters(program: Program) -> dict[str, int]:
     """Parameter name -> this rank's number of experts, for parameters split over `ep` along dim 0."""
     experts = {spec.name: spec.shape[0] for spec in program.inputs
-               if spec.kind is InputKind.PARAM and spec.placement.kind == "sharded" and spec.placement.axis == "ep"}
+               if spec.kind is InputKind.PARAM and spec.placement == EXPERT_SHARDED}
     experts.update({m.name: m.shape[0] for unit in program.units if unit.experts for m in unit.members})
     return experts
 
