@@ -10,9 +10,12 @@ ZeRO-1 over dp; experts split over ep) and the same per-rank batch:
                       the same kernels on the same shapes, no token exchange (per-rank compute time)
     ep                expert parallelism, no overlap
     nocomm-overlapN   as nocomm, with the layers split into N chunks
-    ep-overlapN       Config(ep_overlap=True, ep_chunks=N); with --microbatches M > 1 the step
-                      accumulates M microbatches and ep_overlap also interleaves microbatch m's
-                      backward with m+1's forward (passes/interleave.py); N=1: that alone
+    ep-overlapN       Config(ep_overlap=True, ep_chunks=N): work that does not need an all-to-all
+                      is moved between its issue and its wait (passes/overlap.py: delayed weight
+                      gradients, the shared expert), and with N > 1 each layer's experts are split
+                      into N chunks; with --microbatches M > 1 the step accumulates M microbatches
+                      and microbatch m's backward is interleaved with m+1's forward
+                      (passes/interleave.py); N=1: no split
 
 and, first, the expert MLPs alone on one GPU (grouped GEMMs + SwiGLU, forward and backward, the
 rows one rank's experts receive on average). Exposed all-to-all = ep - nocomm; hidden by overlap =
@@ -46,7 +49,7 @@ _c10d = torch.ops._c10d_functional
 
 def model_config(args) -> MoEGPTConfig:
     return MoEGPTConfig(vocab_size=32000, d_model=args.hidden, n_layer=args.layers, n_head=args.hidden // 128,
-                        n_expert=args.experts, top_k=args.top_k, d_ff_expert=args.d_ff, d_ff_shared=None,
+                        n_expert=args.experts, top_k=args.top_k, d_ff_expert=args.d_ff, d_ff_shared=args.d_ff_shared,
                         capacity_factor=args.capacity_factor)
 
 
@@ -213,6 +216,8 @@ def main():
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--d-ff", type=int, default=1024, help="each expert's hidden width")
+    parser.add_argument("--d-ff-shared", type=int, default=None,
+                        help="a shared expert (dense SwiGLU every token passes) of this width; default none")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4096, help="tokens per sequence; one sequence per microbatch")
     parser.add_argument("--microbatches", type=int, default=1, help="gradient-accumulation microbatches per step")
@@ -230,7 +235,7 @@ def main():
     if args.capacity_factor <= 0:
         args.capacity_factor = None
     print(f"MoEGPT: {args.layers} layers, hidden {args.hidden}, {args.experts} experts x d_ff {args.d_ff}, "
-          f"top-{args.top_k}, S={args.seq} x {args.microbatches} microbatch(es) per rank, {args.gpus} GPUs, ep={args.ep}, capacity factor "
+          f"top-{args.top_k}, shared expert {args.d_ff_shared}, S={args.seq} x {args.microbatches} microbatch(es) per rank, {args.gpus} GPUs, ep={args.ep}, capacity factor "
           f"{args.capacity_factor}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{'eager replay' if args.eager_replay else 'CUDA graphs'}", flush=True)
     results = run_local(run_modes, args.gpus, args, backend="nccl")[0]

@@ -42,9 +42,11 @@ class Config:
         experts) assignments per expert (per call, i.e. per rank and microbatch; fxshard/moe.py gives
         the drop rule); None leaves each call's own setting (MoEGPT: dropless unless its config says).
         Under expert parallelism it also sizes the all-to-all buffers (dropless pads to the worst case).
-    ep_overlap: with Mesh(ep>1), split each MoE layer's experts into `ep_chunks` groups so one
-        chunk's all-to-alls run while another chunk's experts compute (passes/ep.py; ep_chunks=1: no
-        split), and with `microbatches` > 1 interleave microbatch m's backward with m+1's forward,
+    ep_overlap: with Mesh(ep>1), overlap the all-to-alls with compute: move work that does not
+        need an all-to-all between its issue and its wait (passes/overlap.py: the weight gradients of
+        the layer above, a shared expert), split each MoE layer's experts into `ep_chunks` groups so
+        one chunk's all-to-alls run while another chunk's experts compute (passes/ep.py; ep_chunks=1:
+        no split), and with `microbatches` > 1 interleave microbatch m's backward with m+1's forward,
         switching at each all-to-all (passes/interleave.py).
     seed: initializes a model built on the meta device (fxshard.init: per module, seeded by its path).
     """

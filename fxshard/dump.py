@@ -185,19 +185,34 @@ def summarize(program: Program) -> str:
     return "\n".join(lines) + "\n"
 
 
+_GEMMS = ("mm", "addmm", "bmm", "grouped_mm", "grouped_mm_wgrad", "grouped_mlp_fwd", "grouped_mlp_dgrad",
+          "grouped_mlp_wgrad", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+          "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_backward",
+          "_scaled_dot_product_efficient_attention_backward",
+          "_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
 def _collectives_table(program: Program) -> list[str]:
-    """Every collective a pass inserted: position, op, unit, phase, bytes; then totals per op."""
+    """Every collective a pass inserted: position, op, unit, phase, bytes, and what overlaps it (the
+    GEMM-class ops between its issue and its wait); then totals per op."""
+    nodes = list(program.graph.nodes)
+    position_of = {node: i for i, node in enumerate(nodes)}
     rows, totals = [], Counter()
-    for position, node in enumerate(program.graph.nodes):
+    for position, node in enumerate(nodes):
         if meta.COMM_BYTES not in node.meta:
             continue
         op = _op_name(node)
         totals[op] += node.meta[meta.COMM_BYTES]
+        waits = [position_of[u] for u in node.users if _op_name(u) == "wait_tensor"]
+        window = [_op_name(n) for n in nodes[position + 1:min(waits)]] if waits else []
+        gemms = sum(name in _GEMMS for name in window)
+        overlap = f"{gemms} GEMM{'s' if gemms != 1 else ''} / {len(window)} ops" if waits else "-"
         rows.append(f"{position:>8} {op:<24} {node.meta.get(meta.UNIT, '-'):<20} {meta.phase(node):<6} "
-                    f"{_format_bytes(node.meta[meta.COMM_BYTES]):>12}")
+                    f"{_format_bytes(node.meta[meta.COMM_BYTES]):>12}   {overlap}")
     if not rows:
         return []
-    lines = ["", f"{'position':>8} {'collective':<24} {'unit':<20} {'phase':<6} {'bytes/rank':>12}", *rows]
+    lines = ["", f"{'position':>8} {'collective':<24} {'unit':<20} {'phase':<6} {'bytes/rank':>12}   "
+                 f"overlaps (issue to wait)", *rows]
     lines.append("collective bytes per step (per rank): " + ", ".join(
         f"{op} {_format_bytes(size)}" for op, size in totals.items()) +
         f"; total {_format_bytes(sum(totals.values()))}")

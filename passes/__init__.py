@@ -14,6 +14,7 @@ from .ep import EPConfig, expert_parallel
 from .fsdp import FSDPConfig, fsdp
 from .fuse_grouped_mlp import fuse_grouped_mlp
 from .interleave import interleave_microbatches
+from .overlap import fill_ep_windows
 
 
 class Pass(NamedTuple):
@@ -36,6 +37,10 @@ PIPELINE: list[Pass] = [
          lambda program, mesh, config: fsdp(program, FSDPConfig(mesh.dp, config.sharding, config.fsdp_prefetch,
                                                                 ep=mesh.ep)),
          lambda mesh, config: mesh is not None),
+    # reorders: independent work (delayed weight gradients, a shared expert) into the all-to-all windows
+    Pass("overlap",
+         lambda program, mesh, config: fill_ep_windows(program),
+         lambda mesh, config: mesh is not None and mesh.ep > 1 and config.ep_overlap),
     # last: reorders whatever the passes above produced; backward m runs alongside forward m+1
     Pass("interleave",
          lambda program, mesh, config: interleave_microbatches(program),

@@ -31,7 +31,7 @@ def test_interleaving_changes_the_order_not_the_values(microbatches, chunks, sha
     config = fxshard.Config(microbatches=microbatches, ep_overlap=True, ep_chunks=chunks, sharding=sharding)
     programs = run_pipeline(fxshard.trace(model, lambda m, b: m.loss_and_metrics(b), local[0], optimizer=sgd,
                                           config=config), mesh, config)
-    assert [p.name for p in programs][-2:] == ["fsdp", "interleave"]
+    assert [p.name for p in programs][-3:] == ["fsdp", "overlap", "interleave"]
     before, after = programs[-2], programs[-1]
     assert sorted(n.name for n in before.graph.nodes) == sorted(n.name for n in after.graph.nodes)
     results = []
@@ -52,7 +52,7 @@ def test_backward_and_next_forward_alternate_at_each_all_to_all():
     model = MoEGPT(MoEGPTConfig.preset("tiny"))
     config = fxshard.Config(microbatches=2, ep_overlap=True, ep_chunks=1, sharding="no_shard")
     program = run_pipeline(fxshard.trace(model, lambda m, b: m.loss_and_metrics(b), batches(1)[0], config=config),
-                           fxshard.Mesh(dp=2, ep=2), config)[-2]  # after FSDP, before interleaving
+                           fxshard.Mesh(dp=2, ep=2), config)[-2]  # before interleaving
     assert switches(interleave_microbatches(program)) >= 4 > switches(program)  # both layers, both directions
 
 

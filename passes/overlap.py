@@ -1,0 +1,128 @@
+"""Fill the expert-parallel all-to-alls' windows with work that does not depend on them.
+
+A functional collective runs from its issue to its `wait_tensor`; whatever the graph orders between
+the two overlaps it. The EP pass issues each all-to-all as soon as its rows are packed and waits at
+the first use, but the traced order still puts independent work on the wrong side of the window:
+
+    backward  the weight gradients of the layer above (and a shared expert's backward) come before
+              the next MoE layer's dispatch is issued, so that dispatch has nothing to hide behind
+    forward   a shared expert's forward comes after the combine's wait
+
+This pass moves such work into the windows, per (phase, microbatch), at each EP all-to-all:
+
+    issue X   the nodes between the previous EP collective node and X that X does not need are moved
+              from before X to just after it (delayed weight gradients: Megatron's delay_wgrad_compute,
+              as a reordering)
+    wait W    the nodes between W and the next EP collective node that do not need W are moved from
+              after W to just before it
+
+FSDP's placements stand: no all-gather is issued later (nothing moves ahead of one, and what one
+reads stays before it), and no other collective's wait comes earlier (nothing moves from before one
+to after it). The pass decides where EP communication overlaps, nothing else.
+Gradient reductions (reduce-scatter / all-reduce issues) may be issued a little later, after the
+all-to-all they were ahead of.
+
+Invariant: the output graph has the same nodes with the same arguments in another topological order
+(a node moves only past nodes it neither reads nor feeds), so it computes the same values bit for
+bit; only EP all-to-alls gain compute between their issue and their wait.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fxshard import meta
+from fxshard.program import Program
+
+_c10d = torch.ops._c10d_functional
+
+
+def fill_ep_windows(program: Program) -> Program:
+    """Reorder `program` so that EP all-to-alls overlap the work that does not depend on them."""
+    order = [n for n in program.graph.nodes]
+    issues = [n for n in order if _is_ep_issue(n)]
+    moved = 0
+    for issue in issues:
+        moved += _delay_past_issue(order, issue)
+        for wait in [u for u in issue.users if u.target is _c10d.wait_tensor.default]:
+            moved += _hoist_before_wait(order, wait)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in order:
+        env[node] = graph.node_copy(node, env.__getitem__)
+    graph.lint()
+    notes = dict(program.notes, overlap=f"{moved} nodes moved to put independent work inside "
+                                        f"{len(issues)} expert-parallel all-to-all windows")
+    return program.replace(graph_module=fx.GraphModule(program.graph_module, graph), notes=notes)
+
+
+def _is_ep_issue(node: fx.Node) -> bool:
+    return node.target is _c10d.all_to_all_single.default and meta.MOE_PIECE in node.meta
+
+
+def _is_ep_node(node: fx.Node) -> bool:
+    return _is_ep_issue(node) or (node.target is _c10d.wait_tensor.default and _is_ep_issue(node.args[0]))
+
+
+def _segment(order: list[fx.Node], start: int, step: int, anchor: fx.Node) -> list[fx.Node]:
+    """Nodes next to order[start] (walking by `step`) up to the next EP collective node or the end of
+    the anchor's phase and microbatch, in graph order."""
+    key = (meta.phase(anchor), meta.microbatch(anchor))
+    segment, position = [], start + step
+    while 0 <= position < len(order):
+        node = order[position]
+        if node.op in ("placeholder", "output") or _is_ep_node(node) or (meta.phase(node), meta.microbatch(node)) != key:
+            break
+        segment.append(node)
+        position += step
+    return segment if step > 0 else segment[::-1]
+
+
+def _closure(seeds, segment: set[fx.Node], neighbours) -> set[fx.Node]:
+    found, stack = set(), list(seeds)
+    while stack:
+        node = stack.pop()
+        if node in found:
+            continue
+        found.add(node)
+        stack.extend(n for n in neighbours(node) if n in segment)
+    return found
+
+
+def _delay_past_issue(order: list[fx.Node], issue: fx.Node) -> int:
+    """Move the nodes before `issue` (since the previous EP node) that it does not read to after it."""
+    at = order.index(issue)
+    segment = _segment(order, at, -1, issue)
+    keep = _kept_before(issue, segment)
+    waits = [i for i, n in enumerate(segment) if n in keep and n.target is _c10d.wait_tensor.default]
+    if waits:  # nothing moves from before a wait that stays to after it: what it hides behind stays
+        del segment[:waits[-1] + 1]
+    later = [n for n in segment if n not in keep]
+    if later:
+        start = at - len(segment)  # the segment is the stretch right before the issue
+        order[start:at + 1] = [n for n in segment if n in keep] + [issue] + later
+    return len(later)
+
+
+def _kept_before(issue: fx.Node, segment: list[fx.Node]) -> set[fx.Node]:
+    """What stays before `issue`: what it reads, and all-gathers with what they read."""
+    members = set(segment)
+    pinned = [n for n in segment if n.target is _c10d.all_gather_into_tensor.default]
+    return _closure([i for i in issue.all_input_nodes if i in members] + pinned, members, lambda n: n.all_input_nodes)
+
+
+def _hoist_before_wait(order: list[fx.Node], wait: fx.Node) -> int:
+    """Move the nodes after `wait` (up to the next EP node) that do not read it to before it."""
+    at = order.index(wait)
+    segment = _segment(order, at, 1, wait)
+    gathers = [i for i, n in enumerate(segment) if n.target is _c10d.all_gather_into_tensor.default]
+    if gathers:  # nothing moves ahead of an all-gather: its prefetch point stays
+        del segment[gathers[0]:]
+    members = set(segment)
+    pinned = [n for n in segment if n.target is _c10d.wait_tensor.default]  # other collectives' waits
+    stay = _closure([u for u in wait.users if u in members] + pinned, members, lambda n: n.users)
+    earlier = [n for n in segment if n not in stay]
+    if earlier:
+        order[at:at + 1 + len(segment)] = earlier + [wait] + [n for n in segment if n in stay]
+    return len(earlier)
