@@ -170,7 +170,7 @@ def run_modes(args):
             model = MoEGPT(cfg)
         config = fxshard.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, sharding="optim",
                                 cuda_graphs=not args.eager_replay, ep_overlap=overlap, ep_chunks=chunks,
-                                microbatches=args.microbatches)
+                                microbatches=args.microbatches, ep_sm_carveout=args.sm_carveout if overlap else None)
         started = time.perf_counter()
         step = fxshard.shard(model, lambda m, b: m.loss_and_metrics(b), data, optimizer=fxshard.optim.AdamW(lr=1e-5),
                              mesh=fxshard.Mesh(dp=world, ep=args.ep), config=config)
@@ -181,7 +181,8 @@ def run_modes(args):
                 print("  " + step.program.notes["ep"].replace("\n", "\n  "), flush=True)
         suffix = f"-overlap{chunks}" if overlap else ""
         nocomm = CompiledStep([without_all_to_all(step.program)], step.state, step.batch_spec, step.optimizer,
-                              step.device, step.groups, not args.eager_replay)
+                              step.device, step.groups, not args.eager_replay,
+                              sm_carveout=args.sm_carveout if overlap else None)
         for label, runner in ((f"nocomm{suffix}", nocomm), (f"ep{suffix}", step)):
             torch.cuda.reset_peak_memory_stats()
             ms = timed(lambda: runner(data), args.warmup, args.iters)
@@ -225,6 +226,8 @@ def main():
                         help="buffers hold capacity_factor x the balanced load (dropless would pad each to the "
                              "worst case, top_k x more rows than balanced); <= 0 means dropless")
     parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--sm-carveout", type=int, default=None,
+                        help="overlap modes: Config(ep_sm_carveout=N), SMs kept free of matmuls in all-to-all windows")
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--eager-replay", action="store_true")
@@ -236,7 +239,7 @@ def main():
         args.capacity_factor = None
     print(f"MoEGPT: {args.layers} layers, hidden {args.hidden}, {args.experts} experts x d_ff {args.d_ff}, "
           f"top-{args.top_k}, shared expert {args.d_ff_shared}, S={args.seq} x {args.microbatches} microbatch(es) per rank, {args.gpus} GPUs, ep={args.ep}, capacity factor "
-          f"{args.capacity_factor}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"{args.capacity_factor}, SM carveout {args.sm_carveout}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{'eager replay' if args.eager_replay else 'CUDA graphs'}", flush=True)
     results = run_local(run_modes, args.gpus, args, backend="nccl")[0]
     base, exposed = results["nocomm"], results["ep"] - results["nocomm"]

@@ -65,7 +65,8 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     # each rank materializes only its own shards.
     source = MetaInit(model, config.seed, batch_spec.device) if is_meta else model
     state = initial_state(programs[-1], source, optimizer, coords)
-    return CompiledStep(programs, state, batch_spec, optimizer, batch_spec.device, groups, config.cuda_graphs)
+    return CompiledStep(programs, state, batch_spec, optimizer, batch_spec.device, groups, config.cuda_graphs,
+                        sm_carveout=config.ep_sm_carveout)
 
 
 def _process_groups(mesh: Mesh | None, example_batch):

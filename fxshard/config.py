@@ -48,6 +48,9 @@ class Config:
         one chunk's all-to-alls run while another chunk's experts compute (passes/ep.py; ep_chunks=1:
         no split), and with `microbatches` > 1 interleave microbatch m's backward with m+1's forward,
         switching at each all-to-all (passes/interleave.py).
+    ep_sm_carveout: on CUDA, matmuls placed while an EP all-to-all is in flight leave this many SMs
+        free for it (fxshard/runtime/carveout.py; torch's experimental SM carveout), so a persistent
+        GEMM next to the all-to-all kernel does not spill into a second wave. None: off.
     seed: initializes a model built on the meta device (fxshard.init: per module, seeded by its path).
     """
 
@@ -69,6 +72,7 @@ class Config:
     moe_capacity_factor: float | None = None
     ep_overlap: bool = False
     ep_chunks: int = 2
+    ep_sm_carveout: int | None = None
 
     def __post_init__(self):
         if self.layers is not None:
@@ -99,5 +103,7 @@ class Config:
                                f"{self.moe_capacity_factor!r}")
         if not isinstance(self.ep_chunks, int) or self.ep_chunks < 1:
             raise FxShardError(f"ep_chunks must be an int >= 1, got {self.ep_chunks!r}")
+        if self.ep_sm_carveout is not None and not (isinstance(self.ep_sm_carveout, int) and self.ep_sm_carveout >= 0):
+            raise FxShardError(f"ep_sm_carveout must be an int >= 0 (SMs) or None, got {self.ep_sm_carveout!r}")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise FxShardError(f"clip_grad_norm must be > 0 or None, got {self.clip_grad_norm!r}")

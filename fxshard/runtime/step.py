@@ -9,6 +9,7 @@ from ..batch import BatchSpec
 from ..errors import FxShardError
 from ..optim import Optimizer, lr_at
 from ..program import InputKind, OutputKind, Program
+from .carveout import carve_out_sms_for_all_to_alls
 from .reinplace import reinplace
 from .state import State, full_parameters, gather_shard
 
@@ -39,7 +40,8 @@ class CompiledStep:
     """
 
     def __init__(self, programs: list[Program], state: State, batch_spec: BatchSpec, optimizer: Optimizer,
-                 device: torch.device, groups: dict | None = None, cuda_graphs: bool = False):
+                 device: torch.device, groups: dict | None = None, cuda_graphs: bool = False,
+                 sm_carveout: int | None = None):
         self.programs = programs
         self.program = programs[-1]
         self.state = state
@@ -53,6 +55,8 @@ class CompiledStep:
                if self.groups else self.program.graph_module)
         # optimizer updates write into the state tensors they read (see runtime/reinplace.py)
         self._run, self.in_place_updates = reinplace(run)
+        if sm_carveout is not None and device.type == "cuda":  # matmuls inside all-to-all windows run narrower
+            self._run, _ = carve_out_sms_for_all_to_alls(self._run, sm_carveout)
         if cuda_graphs and device.type != "cuda":
             raise FxShardError(f"Config(cuda_graphs=True) needs a CUDA device; the batch is on {device}")
         if cuda_graphs:
