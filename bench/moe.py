@@ -170,7 +170,8 @@ def run_modes(args):
             model = MoEGPT(cfg)
         config = fxshard.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, sharding="optim",
                                 cuda_graphs=not args.eager_replay, ep_overlap=overlap, ep_chunks=chunks,
-                                microbatches=args.microbatches, ep_sm_carveout=args.sm_carveout if overlap else None)
+                                microbatches=args.microbatches, ep_sm_carveout=args.sm_carveout if overlap else None,
+                                ep_interleave=args.interleave)
         started = time.perf_counter()
         step = fxshard.shard(model, lambda m, b: m.loss_and_metrics(b), data, optimizer=fxshard.optim.AdamW(lr=1e-5),
                              mesh=fxshard.Mesh(dp=world, ep=args.ep), config=config)
@@ -226,6 +227,8 @@ def main():
                         help="buffers hold capacity_factor x the balanced load (dropless would pad each to the "
                              "worst case, top_k x more rows than balanced); <= 0 means dropless")
     parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--interleave", default="combined-1f1b", choices=fxshard.config.EP_INTERLEAVINGS,
+                        help="with --microbatches > 1: which two microbatches alternate (Config(ep_interleave))")
     parser.add_argument("--sm-carveout", type=int, default=None,
                         help="overlap modes: Config(ep_sm_carveout=N), SMs kept free of matmuls in all-to-all windows")
     parser.add_argument("--warmup", type=int, default=4)
@@ -238,7 +241,7 @@ def main():
     if args.capacity_factor <= 0:
         args.capacity_factor = None
     print(f"MoEGPT: {args.layers} layers, hidden {args.hidden}, {args.experts} experts x d_ff {args.d_ff}, "
-          f"top-{args.top_k}, shared expert {args.d_ff_shared}, S={args.seq} x {args.microbatches} microbatch(es) per rank, {args.gpus} GPUs, ep={args.ep}, capacity factor "
+          f"top-{args.top_k}, shared expert {args.d_ff_shared}, S={args.seq} x {args.microbatches} microbatch(es) per rank ({args.interleave} with overlap), {args.gpus} GPUs, ep={args.ep}, capacity factor "
           f"{args.capacity_factor}, SM carveout {args.sm_carveout}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{'eager replay' if args.eager_replay else 'CUDA graphs'}", flush=True)
     results = run_local(run_modes, args.gpus, args, backend="nccl")[0]

@@ -11,6 +11,7 @@ from .errors import FxShardError
 # FSDP strategies, Megatron's names (ZeRO: none, 1, 2, 3); passes/fsdp.py documents each.
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zb-h1")
+EP_INTERLEAVINGS = ("combined-1f1b", "dual-batch")
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,12 @@ class Config:
         need an all-to-all between its issue and its wait (passes/overlap.py: the weight gradients of
         the layer above, a shared expert), split each MoE layer's experts into `ep_chunks` groups so
         one chunk's all-to-alls run while another chunk's experts compute (passes/ep.py; ep_chunks=1:
-        no split), and with `microbatches` > 1 interleave microbatch m's backward with m+1's forward,
-        switching at each all-to-all (passes/interleave.py).
+        no split), and with `microbatches` > 1 interleave two microbatches, switching at each
+        all-to-all (passes/interleave.py; which two: `ep_interleave`).
+    ep_interleave: "combined-1f1b" (backward m with forward m+1; Megatron) or "dual-batch" (forward
+        m with forward m+1, backward m with backward m+1; DeepSeek's dual-batch overlap: every
+        all-to-all has the other microbatch's compute to hide behind, two microbatches' activations
+        alive at once).
     ep_sm_carveout: on CUDA, matmuls placed while an EP all-to-all is in flight leave this many SMs
         free for it (fxshard/runtime/carveout.py; torch's experimental SM carveout), so a persistent
         GEMM next to the all-to-all kernel does not spill into a second wave. None: off.
@@ -73,6 +78,7 @@ class Config:
     ep_overlap: bool = False
     ep_chunks: int = 2
     ep_sm_carveout: int | None = None
+    ep_interleave: str = "combined-1f1b"
 
     def __post_init__(self):
         if self.layers is not None:
@@ -103,6 +109,8 @@ class Config:
                                f"{self.moe_capacity_factor!r}")
         if not isinstance(self.ep_chunks, int) or self.ep_chunks < 1:
             raise FxShardError(f"ep_chunks must be an int >= 1, got {self.ep_chunks!r}")
+        if self.ep_interleave not in EP_INTERLEAVINGS:
+            raise FxShardError(f"ep_interleave={self.ep_interleave!r}; choose one of {EP_INTERLEAVINGS}")
         if self.ep_sm_carveout is not None and not (isinstance(self.ep_sm_carveout, int) and self.ep_sm_carveout >= 0):
             raise FxShardError(f"ep_sm_carveout must be an int >= 0 (SMs) or None, got {self.ep_sm_carveout!r}")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:

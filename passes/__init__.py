@@ -41,9 +41,9 @@ PIPELINE: list[Pass] = [
     Pass("overlap",
          lambda program, mesh, config: fill_ep_windows(program),
          lambda mesh, config: mesh is not None and mesh.ep > 1 and config.ep_overlap),
-    # last: reorders whatever the passes above produced; backward m runs alongside forward m+1
+    # last: reorders whatever the passes above produced; two microbatches alternate at all-to-alls
     Pass("interleave",
-         lambda program, mesh, config: interleave_microbatches(program),
+         lambda program, mesh, config: interleave_microbatches(program, config.ep_interleave),
          lambda mesh, config: mesh is not None and mesh.ep > 1 and config.ep_overlap and config.microbatches > 1),
 ]
 

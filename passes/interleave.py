@@ -1,12 +1,20 @@
-"""Interleave one microbatch's backward with the next microbatch's forward (combined fwd/bwd order).
+"""Interleave the microbatches of an accumulating step at communication issues.
 
 With gradient accumulation the traced step runs forward 0, backward 0, forward 1, backward 1, ...
-Backward m and forward m+1 do not depend on each other, so their nodes may be ordered freely
-against each other. This pass merges the two into one sequence that switches from one to the other
-right after a communication is issued (an all-to-all of the expert-parallel pass, or any other
-collective): while one microbatch's tokens travel, the other microbatch computes. It is Megatron's
-combined 1F1B overlap of expert-parallel all-to-alls, as a reordering of one rank's graph, and it
-uses the pieces the EP pass marks (`meta.MOE_PIECE`): the switch points are its dispatches and
+Nodes of different microbatches do not depend on each other (until the gradients are added up), so
+they may be ordered freely against each other. This pass merges two microbatches' sequences into one
+that switches from one to the other right after a communication is issued (an all-to-all of the
+expert-parallel pass, or any other collective): while one microbatch's tokens travel, the other
+computes. Two pairings:
+
+    combined-1f1b  backward m with forward m+1: Megatron's combined 1F1B overlap of expert-parallel
+                   all-to-alls; activations of one microbatch alive at a time, as before
+    dual-batch     forward m with forward m+1, then backward m with backward m+1 (m even): DeepSeek's
+                   dual-batch overlap; every all-to-all (forward ones too) has the other
+                   microbatch's attention, router and experts to hide behind, and two microbatches'
+                   activations are alive at once (as without accumulation)
+
+It uses the pieces the EP pass marks (`meta.MOE_PIECE`): the switch points are its dispatches and
 combines.
 
 Invariant: the output graph has the same nodes with the same arguments, in another topological
@@ -20,6 +28,8 @@ import torch
 import torch.fx as fx
 
 from fxshard import meta
+from fxshard.config import EP_INTERLEAVINGS as PAIRINGS
+from fxshard.errors import FxShardError
 from fxshard.program import Program
 
 _c10d = torch.ops._c10d_functional
@@ -27,30 +37,42 @@ _ISSUES = {_c10d.all_to_all_single.default, _c10d.all_gather_into_tensor.default
            _c10d.reduce_scatter_tensor.default, _c10d.all_reduce.default}
 
 
-def interleave_microbatches(program: Program) -> Program:
-    """Reorder `program` so that backward m and forward m+1 alternate at communication issues."""
+def interleave_microbatches(program: Program, pairing: str = "combined-1f1b") -> Program:
+    """Reorder `program` so that two microbatches alternate at communication issues (see PAIRINGS)."""
+    if pairing not in PAIRINGS:
+        raise FxShardError(f"microbatch interleaving {pairing!r}; choose one of {PAIRINGS}")
     nodes = list(program.graph.nodes)
     microbatches = 1 + max(meta.microbatch(n) for n in nodes)
     order = nodes
-    for m in range(microbatches - 1):
-        order = _merge_pair(order, m)
+    if pairing == "combined-1f1b":
+        for m in range(microbatches - 1):
+            order = _merge(order, _part(order, meta.BWD, m), _part(order, meta.FWD, m + 1))
+    else:
+        for m in range(0, microbatches - 1, 2):
+            order = _merge(order, _part(order, meta.FWD, m), _part(order, meta.FWD, m + 1))
+            order = _merge(order, _part(order, meta.BWD, m), _part(order, meta.BWD, m + 1))
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in order:
         env[node] = graph.node_copy(node, env.__getitem__)
     graph.lint()
-    notes = dict(program.notes, interleave=f"backward m interleaved with forward m+1 at communication issues, "
+    described = {"combined-1f1b": "backward m with forward m+1",
+                 "dual-batch": "forward m with forward m+1, backward m with backward m+1"}[pairing]
+    notes = dict(program.notes, interleave=f"{pairing}: {described} interleaved at communication issues, "
                                             f"{microbatches} microbatches")
     return program.replace(graph_module=fx.GraphModule(program.graph_module, graph), notes=notes)
 
 
-def _merge_pair(order: list[fx.Node], m: int) -> list[fx.Node]:
-    backward = [n for n in order if meta.phase(n) == meta.BWD and meta.microbatch(n) == m and n.op != "placeholder"]
-    forward = [n for n in order if meta.phase(n) == meta.FWD and meta.microbatch(n) == m + 1
-               and n.op != "placeholder"]
-    if not backward or not forward:
+def _part(order: list[fx.Node], phase: str, m: int) -> list[fx.Node]:
+    return [n for n in order if meta.phase(n) == phase and meta.microbatch(n) == m and n.op != "placeholder"]
+
+
+def _merge(order: list[fx.Node], first: list[fx.Node], second: list[fx.Node]) -> list[fx.Node]:
+    """`order` with the nodes of `first` and `second` (two independent sequences) alternating at
+    communication issues, from where the first of them begins."""
+    if not first or not second:
         return order
-    start = order.index(backward[0])
+    start = min(order.index(first[0]), order.index(second[0]))
     placed: list[fx.Node] = []
     done: set[fx.Node] = set(order[:start])
 
@@ -69,9 +91,9 @@ def _merge_pair(order: list[fx.Node], m: int) -> list[fx.Node]:
             pending.append(current)
         placed.extend(pending)
 
-    queues, turn = [backward, forward], 0
+    queues, turn = [first, second], 0
     positions = [0, 0]
-    while positions[0] < len(backward) or positions[1] < len(forward):
+    while positions[0] < len(first) or positions[1] < len(second):
         if positions[turn] >= len(queues[turn]):
             turn = 1 - turn
         node = queues[turn][positions[turn]]

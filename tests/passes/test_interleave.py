@@ -1,5 +1,6 @@
 """The microbatch-interleaving pass: same values bit for bit, backward m alternating with forward m+1."""
 
+import pytest
 import torch
 from hypothesis import given, strategies as st
 
@@ -20,15 +21,16 @@ def batches(world, rows=4, seq=8):
              "tgt": torch.randint(0, 64, (rows, seq), generator=generator)} for _ in range(world)]
 
 
-@given(microbatches=st.sampled_from([2, 4]), chunks=st.sampled_from([1, 2]), sharding=st.sampled_from(STRATEGIES),
-       capacity=st.sampled_from([None, 1.0]))
-def test_interleaving_changes_the_order_not_the_values(microbatches, chunks, sharding, capacity):
+@given(microbatches=st.sampled_from([2, 3, 4]), chunks=st.sampled_from([1, 2]), sharding=st.sampled_from(STRATEGIES),
+       capacity=st.sampled_from([None, 1.0]), pairing=st.sampled_from(["combined-1f1b", "dual-batch"]))
+def test_interleaving_changes_the_order_not_the_values(microbatches, chunks, sharding, capacity, pairing):
     torch.manual_seed(0)
     model = MoEGPT(MoEGPTConfig.preset("tiny", capacity_factor=capacity))
     sgd = fxshard.optim.SGD(lr=0.5, momentum=0.9)
     mesh = fxshard.Mesh(dp=2, ep=2)
-    local = batches(2)
-    config = fxshard.Config(microbatches=microbatches, ep_overlap=True, ep_chunks=chunks, sharding=sharding)
+    local = batches(2, rows=12 if microbatches == 3 else 4)
+    config = fxshard.Config(microbatches=microbatches, ep_overlap=True, ep_chunks=chunks, sharding=sharding,
+                            ep_interleave=pairing)
     programs = run_pipeline(fxshard.trace(model, lambda m, b: m.loss_and_metrics(b), local[0], optimizer=sgd,
                                           config=config), mesh, config)
     assert [p.name for p in programs][-3:] == ["fsdp", "overlap", "interleave"]
@@ -56,16 +58,34 @@ def test_backward_and_next_forward_alternate_at_each_all_to_all():
     assert switches(interleave_microbatches(program)) >= 4 > switches(program)  # both layers, both directions
 
 
-def switches(program) -> int:
-    """How many all-to-alls of backward 0 or forward 1 are followed by compute of the other one."""
+def test_dual_batch_alternates_the_two_forwards_and_the_two_backwards():
+    torch.manual_seed(0)
+    model = MoEGPT(MoEGPTConfig.preset("tiny"))
+    config = fxshard.Config(microbatches=2, ep_overlap=True, ep_chunks=1, sharding="no_shard")
+    program = run_pipeline(fxshard.trace(model, lambda m, b: m.loss_and_metrics(b), batches(1)[0], config=config),
+                           fxshard.Mesh(dp=2, ep=2), config)[-2]  # before interleaving
+    after = interleave_microbatches(program, "dual-batch")
+    pairs = [(("fwd", 0), ("fwd", 1)), (("bwd", 0), ("bwd", 1))]
+    layers = model.cfg.n_layer
+    # each microbatch's dispatch and combine, both layers, both phases: the other one computes next
+    assert switches(after, pairs) >= 2 * 2 * 2 * layers - 2 > switches(program, pairs)
+    with pytest.raises(fxshard.FxShardError, match="ep_interleave"):
+        fxshard.Config(ep_interleave="zigzag")
+
+
+def switches(program, pairs=((("bwd", 0), ("fwd", 1)),)) -> int:
+    """How many dispatch / combine all-to-alls of either side of a pair (default: backward 0 and
+    forward 1) are followed by compute of the other side."""
     nodes = list(program.graph.nodes)
     count = 0
     for i, node in enumerate(nodes):
         if node.target is not c10d.all_to_all_single.default or node.meta[meta.MOE_PIECE] == "route":
             continue
         kind = (meta.phase(node), meta.microbatch(node))
-        if kind in (("bwd", 0), ("fwd", 1)):
-            following = next(n for n in nodes[i + 1:] if n.op == "call_function" and meta.MOE_PIECE not in n.meta
-                             and meta.phase(n) in ("fwd", "bwd"))
-            count += (meta.phase(following), meta.microbatch(following)) not in (kind, ("fwd", 0))
+        for pair in pairs:
+            if kind in pair:
+                other = pair[1 - pair.index(kind)]
+                following = next((n for n in nodes[i + 1:] if n.op == "call_function" and meta.MOE_PIECE not in n.meta
+                                  and (meta.phase(n), meta.microbatch(n)) in pair), None)
+                count += following is not None and (meta.phase(following), meta.microbatch(following)) == other
     return count
