@@ -223,9 +223,9 @@ def test_pipeline_over_nccl_matches_single_device_eager():
                 assert relative(value, dict(model.named_parameters())[name].cpu()) < 1e-4, (pp, schedule, name)
 
 
-def _graphed_and_eager_over_nccl(batches, ep=1):
-    """MoEGPT tiny, bf16, ZeRO-3 over all ranks (with ep > 1: experts over ep, capacity, ep_overlap),
-    replayed eagerly and from a CUDA graph."""
+def _graphed_and_eager_over_nccl(batches, ep=1, extra=None):
+    """MoEGPT tiny, bf16, ZeRO-3 over all ranks (with ep > 1: experts over ep, capacity, ep_overlap;
+    `extra`: more Config fields), replayed eagerly and from a CUDA graph."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = f"cuda:{rank}"
     local = [{k: v[rank * 2:(rank + 1) * 2].to(device) for k, v in b.items()} for b in batches]
@@ -235,7 +235,7 @@ def _graphed_and_eager_over_nccl(batches, ep=1):
         model = MoEGPT(MoEGPTConfig.preset("tiny", capacity_factor=1.0 if ep > 1 else None)).to(device)
         step = fxshard.shard(model, model_loss, local[0], optimizer=ADAMW, mesh=fxshard.Mesh(dp=world, ep=ep),
                              config=fxshard.Config(cuda_graphs=cuda_graphs, param_dtype=torch.bfloat16,
-                                                   reduce_dtype=torch.float32, ep_overlap=ep > 1))
+                                                   reduce_dtype=torch.float32, ep_overlap=ep > 1, **(extra or {})))
         losses = [step(b)["loss"].item() for b in local]
         results.append((losses, step._replay is not None and step._replay.is_captured,
                         {k: v.cpu() for k, v in step.parameters().items()}))
@@ -243,11 +243,14 @@ def _graphed_and_eager_over_nccl(batches, ep=1):
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("expert_parallel", [False, True], ids=["fsdp", "fsdp_ep_overlap"])
-def test_cuda_graph_replay_with_a_mesh_is_bit_identical_to_eager_replay(expert_parallel):
+@pytest.mark.parametrize("expert_parallel, extra", [
+    (False, None), (True, None),
+    (True, {"microbatches": 2, "ep_interleave": "dual-batch", "ep_chunks": 1, "ep_sm_carveout": 16})],
+    ids=["fsdp", "fsdp_ep_overlap", "fsdp_ep_dual_batch_carveout"])
+def test_cuda_graph_replay_with_a_mesh_is_bit_identical_to_eager_replay(expert_parallel, extra):
     world = 4 if torch.cuda.device_count() >= 4 else 2
     per_rank = run_local(_graphed_and_eager_over_nccl, world, cuda_batches(6, rows=2 * world, device="cpu"),
-                         world if expert_parallel else 1, backend="nccl")
+                         world if expert_parallel else 1, extra, backend="nccl")
     for (eager_losses, _, eager_params), (graphed_losses, captured, graphed_params) in per_rank:
         assert captured
         assert graphed_losses == eager_losses
