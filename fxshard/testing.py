@@ -132,3 +132,21 @@ class SimulatedRanks:
             for name in experts:
                 result[name] = torch.cat([locals_[m][name] for m in members(rank, "ep")])
         return result
+
+
+def assert_bit_identical(programs, model, optimizer, mesh, local_batches, steps: int = 2) -> None:
+    """Train each program (e.g. one before and one after a reordering pass) `steps` steps on the
+    simulated ranks of `mesh`, from the same state on the same batches; assert that every rank's
+    metrics of the last step and the parameters are equal bit for bit across the programs."""
+    results = []
+    for program in programs:
+        ranks = SimulatedRanks(program, model, optimizer, mesh)
+        metrics = [ranks.step(local_batches) for _ in range(steps)][-1]
+        results.append((metrics, ranks.parameters()))
+    (metrics, params), rest = results[0], results[1:]
+    for other_metrics, other_params in rest:
+        for rank, rank_metrics in enumerate(metrics):
+            for name, value in rank_metrics.items():
+                assert torch.equal(value, other_metrics[rank][name]), (rank, name)
+        for name, value in params.items():
+            assert torch.equal(value, other_params[name]), name

@@ -44,3 +44,10 @@ def token_batches(world, steps, local_batch=2, seq=16, vocab=64, seed=0):
 def local_part(batch, rank, local_batch=2):
     """Rank `rank`'s rows of a global batch."""
     return {k: v[rank * local_batch:(rank + 1) * local_batch] for k, v in batch.items()}
+
+
+def rank_batches(world, rows, seq=8, vocab=64, seed=0):
+    """One batch of random tokens per rank: `world` dicts of `rows` x `seq` idx / tgt."""
+    generator = torch.Generator().manual_seed(seed)
+    return [{"idx": torch.randint(0, vocab, (rows, seq), generator=generator),
+             "tgt": torch.randint(0, vocab, (rows, seq), generator=generator)} for _ in range(world)]

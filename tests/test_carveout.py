@@ -6,22 +6,17 @@ import fxshard
 from fxshard.models import MoEGPT, MoEGPTConfig
 from fxshard.passes import run_pipeline
 from fxshard.runtime.carveout import carve_out_sms_for_all_to_alls, set_sm_carveout
-from fxshard.testing import SimulatedRanks
+from fxshard.testing import assert_bit_identical
+from strategies import rank_batches
 
 c10d = torch.ops._c10d_functional
-
-
-def batches(world, rows=2, seq=8):
-    generator = torch.Generator().manual_seed(0)
-    return [{"idx": torch.randint(0, 64, (rows, seq), generator=generator),
-             "tgt": torch.randint(0, 64, (rows, seq), generator=generator)} for _ in range(world)]
 
 
 def test_carveout_brackets_every_window_and_changes_no_value():
     torch.manual_seed(0)
     model = MoEGPT(MoEGPTConfig.preset("tiny"))
     sgd = fxshard.optim.SGD(lr=0.5)
-    mesh, local = fxshard.Mesh(dp=2, ep=2), batches(2)
+    mesh, local = fxshard.Mesh(dp=2, ep=2), rank_batches(2, 2)
     config = fxshard.Config(ep_overlap=True, ep_chunks=2, sharding="optim_grads_params")
     program = run_pipeline(fxshard.trace(model, lambda m, b: m.loss_and_metrics(b), local[0], optimizer=sgd,
                                          config=config), mesh, config)[-1]
@@ -39,17 +34,8 @@ def test_carveout_brackets_every_window_and_changes_no_value():
         elif node.target in (torch.ops.aten.mm.default, torch.ops.fxshard.grouped_mm_wgrad.default):
             assert (carved == 20) == bool(in_flight), node.name  # exactly the matmuls inside windows
     assert stretches > 0 and seen == 2 * stretches and carved is None
-    results = []
-    for graph_module in (program.graph_module, lowered):
-        ranks = SimulatedRanks(program.replace(graph_module=graph_module), model, sgd, mesh)
-        results.append((ranks.step(local), ranks.parameters()))
+    assert_bit_identical([program, program.replace(graph_module=lowered)], model, sgd, mesh, local, steps=1)
     assert torch._C._get_sm_carveout_experimental() is None  # left as found
-    (metrics, params), (metrics_after, params_after) = results
-    for rank in range(2):
-        for name, value in metrics[rank].items():
-            assert torch.equal(value, metrics_after[rank][name]), name
-    for name, value in params.items():
-        assert torch.equal(value, params_after[name]), name
 
 
 def test_ep_sm_carveout_is_checked():

@@ -10,15 +10,10 @@ from fxshard.models import MoEGPT, MoEGPTConfig
 from fxshard.passes import run_pipeline
 from fxshard.passes.fsdp import STRATEGIES
 from fxshard.passes.interleave import interleave_microbatches
-from fxshard.testing import SimulatedRanks
+from fxshard.testing import assert_bit_identical
+from strategies import rank_batches
 
 c10d = torch.ops._c10d_functional
-
-
-def batches(world, rows=4, seq=8):
-    generator = torch.Generator().manual_seed(0)
-    return [{"idx": torch.randint(0, 64, (rows, seq), generator=generator),
-             "tgt": torch.randint(0, 64, (rows, seq), generator=generator)} for _ in range(world)]
 
 
 @given(microbatches=st.sampled_from([2, 3, 4]), chunks=st.sampled_from([1, 2]), sharding=st.sampled_from(STRATEGIES),
@@ -28,7 +23,7 @@ def test_interleaving_changes_the_order_not_the_values(microbatches, chunks, sha
     model = MoEGPT(MoEGPTConfig.preset("tiny", capacity_factor=capacity))
     sgd = fxshard.optim.SGD(lr=0.5, momentum=0.9)
     mesh = fxshard.Mesh(dp=2, ep=2)
-    local = batches(2, rows=12 if microbatches == 3 else 4)
+    local = rank_batches(2, rows=12 if microbatches == 3 else 4)
     config = fxshard.Config(microbatches=microbatches, ep_overlap=True, ep_chunks=chunks, sharding=sharding,
                             ep_interleave=pairing)
     programs = run_pipeline(fxshard.trace(model, lambda m, b: m.loss_and_metrics(b), local[0], optimizer=sgd,
@@ -36,34 +31,27 @@ def test_interleaving_changes_the_order_not_the_values(microbatches, chunks, sha
     assert [p.name for p in programs][-3:] == ["fsdp", "overlap", "interleave"]
     before, after = programs[-2], programs[-1]
     assert sorted(n.name for n in before.graph.nodes) == sorted(n.name for n in after.graph.nodes)
-    results = []
-    for program in (before, after):
-        ranks = SimulatedRanks(program, model, sgd, mesh)
-        metrics = [ranks.step(local) for _ in range(2)][-1]
-        results.append((metrics, ranks.parameters()))
-    (metrics, params), (metrics_after, params_after) = results
-    for rank in range(2):
-        for name, value in metrics[rank].items():
-            assert torch.equal(value, metrics_after[rank][name]), name
-    for name, value in params.items():
-        assert torch.equal(value, params_after[name]), name
+    assert_bit_identical([before, after], model, sgd, mesh, local)
 
 
-def test_backward_and_next_forward_alternate_at_each_all_to_all():
+def before_interleaving():
+    """MoEGPT tiny, 2 microbatches, (dp=2, ep=2): the program the interleaving pass receives."""
     torch.manual_seed(0)
     model = MoEGPT(MoEGPTConfig.preset("tiny"))
     config = fxshard.Config(microbatches=2, ep_overlap=True, ep_chunks=1, sharding="no_shard")
-    program = run_pipeline(fxshard.trace(model, lambda m, b: m.loss_and_metrics(b), batches(1)[0], config=config),
-                           fxshard.Mesh(dp=2, ep=2), config)[-2]  # before interleaving
+    batch = rank_batches(1, 4)[0]
+    program = run_pipeline(fxshard.trace(model, lambda m, b: m.loss_and_metrics(b), batch, config=config),
+                           fxshard.Mesh(dp=2, ep=2), config)[-2]
+    return model, program
+
+
+def test_backward_and_next_forward_alternate_at_each_all_to_all():
+    _, program = before_interleaving()
     assert switches(interleave_microbatches(program)) >= 4 > switches(program)  # both layers, both directions
 
 
 def test_dual_batch_alternates_the_two_forwards_and_the_two_backwards():
-    torch.manual_seed(0)
-    model = MoEGPT(MoEGPTConfig.preset("tiny"))
-    config = fxshard.Config(microbatches=2, ep_overlap=True, ep_chunks=1, sharding="no_shard")
-    program = run_pipeline(fxshard.trace(model, lambda m, b: m.loss_and_metrics(b), batches(1)[0], config=config),
-                           fxshard.Mesh(dp=2, ep=2), config)[-2]  # before interleaving
+    model, program = before_interleaving()
     after = interleave_microbatches(program, "dual-batch")
     pairs = [(("fwd", 0), ("fwd", 1)), (("bwd", 0), ("bwd", 1))]
     layers = model.cfg.n_layer

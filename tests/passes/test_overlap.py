@@ -9,17 +9,12 @@ from fxshard.models import MoEGPT, MoEGPTConfig
 from fxshard.passes import run_pipeline
 from fxshard.passes.fsdp import STRATEGIES
 from fxshard.passes.overlap import fill_ep_windows
-from fxshard.testing import SimulatedRanks
+from fxshard.testing import assert_bit_identical
+from strategies import rank_batches
 
 c10d = torch.ops._c10d_functional
 GEMMS = {torch.ops.aten.mm.default, torch.ops.fxshard.grouped_mlp_wgrad.default,
          torch.ops.fxshard.grouped_mm_wgrad.default}
-
-
-def batches(world, rows=2, seq=8):
-    generator = torch.Generator().manual_seed(0)
-    return [{"idx": torch.randint(0, 64, (rows, seq), generator=generator),
-             "tgt": torch.randint(0, 64, (rows, seq), generator=generator)} for _ in range(world)]
 
 
 def compile_programs(model, mesh, config, batch, optimizer=None):
@@ -38,23 +33,13 @@ def test_filling_windows_changes_the_order_not_the_values(mesh, chunks, sharding
     model = MoEGPT(MoEGPTConfig.preset("tiny", capacity_factor=capacity, d_ff_shared=32 if shared else None))
     sgd = fxshard.optim.SGD(lr=0.5, momentum=0.9)
     mesh = fxshard.Mesh(dp=world, ep=ep)
-    local = batches(world)
+    local = rank_batches(world, 2)
     config = fxshard.Config(microbatches=microbatches, ep_overlap=True, ep_chunks=chunks, sharding=sharding,
                             fuse_grouped_mlp=fused)
     programs = {p.name: p for p in compile_programs(model, mesh, config, local[0], sgd)}
     before, after = programs["fsdp"], programs["overlap"]
     assert sorted(n.name for n in before.graph.nodes) == sorted(n.name for n in after.graph.nodes)
-    results = []
-    for program in (before, after):
-        ranks = SimulatedRanks(program, model, sgd, mesh)
-        metrics = [ranks.step(local) for _ in range(2)][-1]
-        results.append((metrics, ranks.parameters()))
-    (metrics, params), (metrics_after, params_after) = results
-    for rank in range(world):
-        for name, value in metrics[rank].items():
-            assert torch.equal(value, metrics_after[rank][name]), name
-    for name, value in params.items():
-        assert torch.equal(value, params_after[name]), name
+    assert_bit_identical([before, after], model, sgd, mesh, local)
     # FSDP's decisions stand: no all-gather is issued later, no other collective's wait is earlier
     old_before, new_before = preceding(before), preceding(after)
     for node in before.graph.nodes:
@@ -90,7 +75,7 @@ def test_weight_gradients_and_the_shared_expert_fill_the_windows():
     torch.manual_seed(0)
     model = MoEGPT(MoEGPTConfig.preset("tiny", d_ff_shared=32))
     config = fxshard.Config(ep_overlap=True, ep_chunks=1, sharding="optim_grads_params")
-    programs = {p.name: p for p in compile_programs(model, fxshard.Mesh(dp=2, ep=2), config, batches(1)[0])}
+    programs = {p.name: p for p in compile_programs(model, fxshard.Mesh(dp=2, ep=2), config, rank_batches(1, 2)[0])}
     before, after = windows(programs["fsdp"]), windows(programs["overlap"])
     layers = model.cfg.n_layer
     # backward dispatch: the traced order leaves it nothing; afterwards the weight gradients of the
@@ -111,7 +96,7 @@ def test_without_ep_all_to_alls_nothing_moves():
     torch.manual_seed(0)
     model = MoEGPT(MoEGPTConfig.preset("tiny"))
     config = fxshard.Config(sharding="optim_grads_params")
-    (fsdp_program,) = [p for p in compile_programs(model, fxshard.Mesh(dp=2), config, batches(1)[0])
+    (fsdp_program,) = [p for p in compile_programs(model, fxshard.Mesh(dp=2), config, rank_batches(1, 2)[0])
                        if p.name == "fsdp"]
     after = fill_ep_windows(fsdp_program)
     assert [n.name for n in after.graph.nodes] == [n.name for n in fsdp_program.graph.nodes]
