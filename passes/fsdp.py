@@ -11,6 +11,8 @@ and one reduce-scatter. Strategies, with Megatron's names:
     optim_grads_params  ZeRO-3: params stay sharded; all-gathered before the forward uses a unit and
                         again before the backward does (the forward's copy is dead by then)
 
+A unit on an axis of one rank (expert units when N = K) is its own shard: it gets no collectives.
+
 Overlap is graph order: a unit's all-gather is issued `prefetch` units ahead of its first use and
 waited on just before it; a unit's reduce-scatter is issued as soon as its last gradient exists and
 waited on only when the optimizer phase starts.
@@ -39,6 +41,7 @@ from fxshard.program import (EXPERT_SHARDED, REPLICATED, FlatUnit, Input, InputK
 
 STRATEGIES = SHARDING_STRATEGIES
 _c10d = torch.ops._c10d_functional
+_COLLECTIVES = {_c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default, _c10d.all_reduce.default}
 ALL = (meta.FWD, 0)  # the one region of strategies that keep full parameters
 # Ops that only re-view or cast a parameter: the backward recomputes them from its own all-gather
 # instead of keeping the forward's gathered copy alive.
@@ -202,12 +205,17 @@ class _Rewrite:
         if shard is None:  # gathering the parameters for compute: in their compute dtype
             shard, dtype = self.unit_inputs[unit.name], self.compute_dtype.get(unit.name)
 
+        if world == 1 and dtype is None:  # one rank on the axis: its shard is the whole unit
+            return shard
+
         def gather(s):
-            return [_c10d.all_gather_into_tensor(s if dtype is None else s.to(dtype), world, axis)]
+            s = s if dtype is None else s.to(dtype)
+            return [s if world == 1 else _c10d.all_gather_into_tensor(s, world, axis)]
 
         (gathered,) = inline(self.graph, gather, [shard], fake_mode=self.fake, phase=phase,
                              extra_meta=self.unit_meta(unit))
-        gathered.meta[meta.COMM_BYTES] = unit.shard_numel * gathered.meta["val"].element_size()
+        if world > 1:
+            gathered.meta[meta.COMM_BYTES] = unit.shard_numel * gathered.meta["val"].element_size()
         return gathered
 
     def wait_and_view(self, unit: FlatUnit, issued: fx.Node | None, flat: fx.Node, region: tuple) -> None:
@@ -215,8 +223,10 @@ class _Rewrite:
         phase = region[0]
         members = unit.members
 
+        collective = issued is not None and issued.target in _COLLECTIVES
+
         def views(full):
-            if issued is not None:
+            if collective:
                 full = _c10d.wait_tensor(full)
             return [full[m.offset:m.offset + m.numel].view(m.shape) for m in members]
 
@@ -235,16 +245,21 @@ class _Rewrite:
             flat = F.pad(torch.cat([g.reshape(-1) for g in grads]), (0, padding))
             if scale is not None:
                 flat = flat * scale
+            if world == 1:  # the mean over one rank
+                return [flat]
             if shards:
                 return [_c10d.reduce_scatter_tensor(flat, "avg", world, axis)]
             return [_c10d.all_reduce(flat, "avg", axis)]
 
         (issued,) = inline(self.graph, reduce, grads, fake_mode=self.fake, phase=meta.BWD,
                            extra_meta=self.unit_meta(unit))
-        issued.meta[meta.COMM_BYTES] = unit.padded_numel * grads[0].meta["val"].element_size()
+        if world > 1:
+            issued.meta[meta.COMM_BYTES] = unit.padded_numel * grads[0].meta["val"].element_size()
         return issued
 
     def wait(self, issued: fx.Node, phase: str, layer: str) -> fx.Node:
+        if issued.target not in _COLLECTIVES:  # a unit on a one-rank axis: nothing was issued
+            return issued
         (done,) = inline(self.graph, lambda t: [_c10d.wait_tensor(t)], [issued], fake_mode=self.fake,
                          phase=phase, layer=layer,
                          extra_meta={meta.UNIT: issued.meta[meta.UNIT]} if meta.UNIT in issued.meta else None)
@@ -395,7 +410,7 @@ class _Rewrite:
     def own_shard(self, unit: FlatUnit) -> fx.Node:
         """The tensor this rank's optimizer updates: the shard, or for ZeRO-1/2 its slice of the full flat."""
         flat = self.unit_inputs[unit.name]
-        if self.cfg.shards_params or not self.cfg.shards_optimizer:
+        if self.cfg.shards_params or not self.cfg.shards_optimizer or unit.world == 1:
             return flat
         world, size = unit.world, unit.shard_numel
         (shard,) = inline(self.graph, lambda full, coord: [full.view(world, size).index_select(0, coord).view(size)],

@@ -5,11 +5,14 @@ the runtime makes them the next step's state. Under CUDA graphs the state must s
 addresses, so each new tensor would be copied back into its input: for AdamW that is three extra
 full passes over parameters and moments every step (~5 ms per step for a 1B model on an H200).
 `reinplace` rewrites such a node into `fxshard::adamw_update_`, which writes into its inputs.
+Under ZeRO-1/2 the parameter argument is this rank's shard, a temporary gathered out of the flat
+parameter; the moments are still inputs and are updated in place, the shard where it lies.
 
 Invariant: the lowered graph computes the same outputs as the program's graph, where an output that
 was the new value of an input is now that input itself, updated. A node is rewritten only when its
-parameter and moments are graph inputs (placeholders) that every other reader reads before it, in
-graph order: the eager runtime executes nodes in that order, so no reader sees an updated value.
+moments are graph inputs (placeholders) that every other reader reads before it, in graph order,
+and its parameter is such an input too or a temporary that nothing else reads: the eager runtime
+executes nodes in that order, so no reader sees an updated value.
 The lowering runs after every pass and is not a pass: passes and dumps keep the functional form.
 """
 
@@ -37,7 +40,10 @@ def reinplace(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, int]:
         if node.op != "call_function" or node.target is not _FUNCTIONAL or node.kwargs:
             continue
         targets = [node.args[position] for position in _MUTATED]
-        if not all(_last_read_by(target, node, order) for target in targets):
+        param, *moments = targets
+        if not (_last_read_by(param, node, order) or _temporary(param, node)):
+            continue
+        if not all(_last_read_by(target, node, order) for target in moments):
             continue
         if len(set(targets)) != len(targets):
             continue
@@ -60,3 +66,18 @@ def reinplace(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, int]:
 def _last_read_by(value: fx.Node, node: fx.Node, order: dict[fx.Node, int]) -> bool:
     return (isinstance(value, fx.Node) and value.op == "placeholder"
             and all(order[user] < order[node] for user in value.users if user is not node))
+
+
+def _temporary(value: fx.Node, node: fx.Node) -> bool:
+    """`value` is fresh memory (or views of it) computed in the graph and read by `node` only, such as
+    ZeRO-1's shard of a flat parameter (an index_select): updating it in place changes nothing else."""
+    while isinstance(value, fx.Node) and value.op == "call_function":
+        if any(user is not node for user in value.users):
+            return False
+        schema = getattr(value.target, "_schema", None)
+        if schema is None:
+            return False
+        if not any(r.alias_info is not None for r in schema.returns):
+            return True  # a new tensor
+        node, value = value, value.args[0]  # a view: what it views must be temporary as well
+    return False
