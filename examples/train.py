@@ -48,8 +48,11 @@ def parse_args(argv=None):
     parser.add_argument("--capacity-factor", type=float, default=None,
                         help="MoE expert capacity factor (default: dropless); drops are reported per step")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel group size (divides --dp)")
-    parser.add_argument("--ep-overlap", action="store_true", help="split MoE layers' expert rows into chunks "
-                        "so all-to-alls overlap expert compute")
+    parser.add_argument("--ep-overlap", action="store_true", help="overlap MoE all-to-alls with compute: "
+                        "independent work into their windows, and with --ep-microbatches 2 the two microbatches "
+                        "interleaved (dual-batch)")
+    parser.add_argument("--ep-microbatches", type=int, default=1,
+                        help="with --ep > 1: gradient-accumulation microbatches per step (2: dual-batch overlap)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (multiplies the processes)")
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "interleaved-1f1b", "gpipe"])
     parser.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches (with --pp > 1)")
@@ -77,8 +80,10 @@ def lr_schedule(base_lr, warmup, total):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if min(args.steps, args.batch_size, args.copy_len, args.dp, args.pp, args.ep, args.microbatches) < 1:
-        raise SystemExit("--steps, --batch-size, --copy-len, --dp, --ep, --pp and --microbatches must be >= 1")
+    if min(args.steps, args.batch_size, args.copy_len, args.dp, args.pp, args.ep, args.microbatches,
+           args.ep_microbatches) < 1:
+        raise SystemExit("--steps, --batch-size, --copy-len, --dp, --ep, --pp, --microbatches and --ep-microbatches "
+                         "must be >= 1")
     if args.dp % args.ep or (args.ep > 1 and (args.pp > 1 or args.model != "moe_gpt")):
         raise SystemExit("--ep must divide --dp, and needs --model moe_gpt without --pp")
     if args.sharding is None:
@@ -121,7 +126,8 @@ def train(args) -> dict:
         mesh=mesh,
         config=fxshard.Config(dump_dir=args.dump if rank == 0 else None, sharding=args.sharding,
                               schedule=args.schedule, virtual_stages=args.virtual_stages, ep_overlap=args.ep_overlap,
-                              microbatches=args.microbatches if args.pp > 1 else 1))
+                              microbatches=args.microbatches if args.pp > 1 else args.ep_microbatches,
+                              ep_chunks=1, ep_interleave="dual-batch"))
     compiled = repr(step.program) if hasattr(step, "program") else step.schedule.name + " pipeline"
     say(f"compiled in {time.perf_counter() - started:.1f}s: {compiled}")
     if args.dump:

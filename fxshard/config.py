@@ -46,8 +46,8 @@ class Config:
     ep_overlap: with Mesh(ep>1), overlap the all-to-alls with compute: move work that does not
         need an all-to-all between its issue and its wait (passes/overlap.py: the weight gradients of
         the layer above, a shared expert), split each MoE layer's experts into `ep_chunks` groups so
-        one chunk's all-to-alls run while another chunk's experts compute (passes/ep.py; ep_chunks=1:
-        no split), and with `microbatches` > 1 interleave two microbatches, switching at each
+        one chunk's all-to-alls run while another chunk's experts compute (passes/ep.py; default 1: no
+        split, which measured faster on H200s: the split's own compute cost more than it hid), and with `microbatches` > 1 interleave two microbatches, switching at each
         all-to-all (passes/interleave.py; which two: `ep_interleave`).
     ep_interleave: "combined-1f1b" (backward m with forward m+1; Megatron) or "dual-batch" (forward
         m with forward m+1, backward m with backward m+1; DeepSeek's dual-batch overlap: every
@@ -76,7 +76,7 @@ class Config:
     stage_layers: tuple[int, ...] | None = None
     moe_capacity_factor: float | None = None
     ep_overlap: bool = False
-    ep_chunks: int = 2
+    ep_chunks: int = 1
     ep_sm_carveout: int | None = None
     ep_interleave: str = "combined-1f1b"
 

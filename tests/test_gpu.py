@@ -235,7 +235,8 @@ def _graphed_and_eager_over_nccl(batches, ep=1, extra=None):
         model = MoEGPT(MoEGPTConfig.preset("tiny", capacity_factor=1.0 if ep > 1 else None)).to(device)
         step = fxshard.shard(model, model_loss, local[0], optimizer=ADAMW, mesh=fxshard.Mesh(dp=world, ep=ep),
                              config=fxshard.Config(cuda_graphs=cuda_graphs, param_dtype=torch.bfloat16,
-                                                   reduce_dtype=torch.float32, ep_overlap=ep > 1, **(extra or {})))
+                                                   reduce_dtype=torch.float32,
+                                                   **{"ep_overlap": ep > 1, "ep_chunks": 2, **(extra or {})}))
         losses = [step(b)["loss"].item() for b in local]
         results.append((losses, step._replay is not None and step._replay.is_captured,
                         {k: v.cpu() for k, v in step.parameters().items()}))
@@ -293,7 +294,7 @@ def _nccl_expert_parallel(meshes, batches):
         model = MoEGPT(MoEGPTConfig.preset("tiny", capacity_factor=capacity)).to(device)
         step = fxshard.shard(model, lambda m, b: m.loss_and_metrics(b), local[0], optimizer=ADAMW,
                              mesh=fxshard.Mesh(dp=world, ep=ep), config=fxshard.Config(sharding=strategy,
-                                                                                       ep_overlap=overlap))
+                                                                                       ep_overlap=overlap, ep_chunks=2))
         results.append(_losses_and_parameters(step, local))
     return results
 

@@ -25,7 +25,7 @@ def train_every_strategy(ep, capacity, batches):
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
     for index, strategy in enumerate(STRATEGIES):
-        config = fxshard.Config(sharding=strategy, ep_overlap=index % 2 == 1)
+        config = fxshard.Config(sharding=strategy, ep_overlap=index % 2 == 1, ep_chunks=2)
         step = fxshard.shard(model(capacity), lambda m, b: m.loss_and_metrics(b), local_part(batches[0], rank),
                              optimizer=ADAMW, mesh=fxshard.Mesh(dp=world, ep=ep), config=config)
         metrics = [step(local_part(batch, rank)) for batch in batches]

@@ -89,7 +89,7 @@ def test_ep_trains_like_eager_pytorch_with_adamw(mesh, capacity, overlap, shardi
     model = MoEGPT(cfg)
     reference = copy.deepcopy(model)
     steps = batches_for(world, 3, rows=2, seq=4, vocab=16, seed=1)
-    config = fxshard.Config(sharding=sharding, ep_overlap=overlap, clip_grad_norm=clip)
+    config = fxshard.Config(sharding=sharding, ep_overlap=overlap, ep_chunks=2, clip_grad_norm=clip)
     _, programs = compile_ep(model, steps[0][0], ADAMW, fxshard.Mesh(dp=world, ep=ep), config)
     ranks = SimulatedRanks(programs[-1], model, ADAMW, fxshard.Mesh(dp=world, ep=ep))
     optimizer = torch_optimizer(ADAMW, reference.parameters())
@@ -307,7 +307,7 @@ def test_a_users_moe_block_gets_expert_parallelism_too(capacity, overlap, mesh):
         return torch.nn.functional.cross_entropy(m(batch["idx"]), batch["tgt"].flatten())
 
     local = batches_for(world, 1, rows=2, seq=4, vocab=16)[0]
-    config = fxshard.Config(ep_overlap=overlap, layers=("blocks.*",))
+    config = fxshard.Config(ep_overlap=overlap, ep_chunks=2, layers=("blocks.*",))
     traced = fxshard.trace(model, loss_fn, local[0], optimizer=sgd, config=config)
     program = run_pipeline(traced, fxshard.Mesh(dp=world, ep=ep), config)[-1]
     assert "ep" in program.notes
