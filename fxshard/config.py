@@ -47,8 +47,9 @@ class Config:
         need an all-to-all between its issue and its wait (passes/overlap.py: the weight gradients of
         the layer above, a shared expert), split each MoE layer's experts into `ep_chunks` groups so
         one chunk's all-to-alls run while another chunk's experts compute (passes/ep.py; default 1: no
-        split, which measured faster on H200s: the split's own compute cost more than it hid), and with `microbatches` > 1 interleave two microbatches, switching at each
-        all-to-all (passes/interleave.py; which two: `ep_interleave`).
+        split, which measured faster on H200s: the split's own compute cost more than it hid), and
+        with `microbatches` > 1 interleave two microbatches, switching at each all-to-all
+        (passes/interleave.py; which two: `ep_interleave`).
     ep_interleave: "combined-1f1b" (backward m with forward m+1; Megatron) or "dual-batch" (forward
         m with forward m+1, backward m with backward m+1; DeepSeek's dual-batch overlap: every
         all-to-all has the other microbatch's compute to hide behind, two microbatches' activations

@@ -25,6 +25,16 @@ def fake_mode_of(graph: fx.Graph):
     raise AssertionError("graph carries no fake values; was it traced by fxshard.trace?")
 
 
+def reordered(graph_module: fx.GraphModule, order: Sequence[fx.Node]) -> fx.GraphModule:
+    """A copy of `graph_module` with its nodes in `order` (every node once, each after its inputs)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in order:
+        env[node] = graph.node_copy(node, env.__getitem__)
+    graph.lint()
+    return fx.GraphModule(graph_module, graph)
+
+
 def inline(graph: fx.Graph, fn: Callable, inputs: Sequence[fx.Node], *, fake_mode, phase: str,
            layer: str | None = None, extra_meta: dict | None = None) -> list[fx.Node]:
     """Trace `fn(*input values) -> sequence of tensors` and insert its nodes; return the output nodes.

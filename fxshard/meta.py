@@ -1,5 +1,7 @@
 """Node-metadata keys, in one place. Passes read and write node.meta only through these."""
 
+import torch
+
 PHASE = "fxshard_phase"   # "fwd" | "bwd" | "optim"
 LAYER = "fxshard_layer"   # "pre", "post", or a layer's module path such as "layers.3"
 PARAM = "fxshard_param"   # parameter name on parameter inputs, their gradients and updates
@@ -37,3 +39,8 @@ COMM_BYTES = "fxshard_comm_bytes"  # bytes one rank sends into the collective
 # token-row chunk (ep_overlap); the pieces a combined fwd/bwd schedule would interleave.
 MOE_PIECE = "fxshard_moe_piece"
 MOE_CHUNK = "fxshard_moe_chunk"
+
+
+def is_moe_all_to_all(node) -> bool:
+    """An all-to-all the expert-parallel pass issued (route, dispatch or combine)."""
+    return node.target is torch.ops._c10d_functional.all_to_all_single.default and MOE_PIECE in node.meta

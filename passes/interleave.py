@@ -30,6 +30,7 @@ import torch.fx as fx
 from fxshard import meta
 from fxshard.config import EP_INTERLEAVINGS as PAIRINGS
 from fxshard.errors import FxShardError
+from fxshard.graph import reordered
 from fxshard.program import Program
 
 _c10d = torch.ops._c10d_functional
@@ -51,16 +52,11 @@ def interleave_microbatches(program: Program, pairing: str = "combined-1f1b") ->
         for m in range(0, microbatches - 1, 2):
             order = _merge(order, _part(order, meta.FWD, m), _part(order, meta.FWD, m + 1))
             order = _merge(order, _part(order, meta.BWD, m), _part(order, meta.BWD, m + 1))
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in order:
-        env[node] = graph.node_copy(node, env.__getitem__)
-    graph.lint()
     described = {"combined-1f1b": "backward m with forward m+1",
                  "dual-batch": "forward m with forward m+1, backward m with backward m+1"}[pairing]
     notes = dict(program.notes, interleave=f"{pairing}: {described} interleaved at communication issues, "
                                             f"{microbatches} microbatches")
-    return program.replace(graph_module=fx.GraphModule(program.graph_module, graph), notes=notes)
+    return program.replace(graph_module=reordered(program.graph_module, order), notes=notes)
 
 
 def _part(order: list[fx.Node], phase: str, m: int) -> list[fx.Node]:

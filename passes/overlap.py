@@ -33,6 +33,7 @@ import torch
 import torch.fx as fx
 
 from fxshard import meta
+from fxshard.graph import reordered
 from fxshard.program import Program
 
 _c10d = torch.ops._c10d_functional
@@ -41,28 +42,20 @@ _c10d = torch.ops._c10d_functional
 def fill_ep_windows(program: Program) -> Program:
     """Reorder `program` so that EP all-to-alls overlap the work that does not depend on them."""
     order = [n for n in program.graph.nodes]
-    issues = [n for n in order if _is_ep_issue(n)]
+    issues = [n for n in order if meta.is_moe_all_to_all(n)]
     moved = 0
     for issue in issues:
         moved += _delay_past_issue(order, issue)
         for wait in [u for u in issue.users if u.target is _c10d.wait_tensor.default]:
             moved += _hoist_before_wait(order, wait)
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in order:
-        env[node] = graph.node_copy(node, env.__getitem__)
-    graph.lint()
     notes = dict(program.notes, overlap=f"{moved} nodes moved to put independent work inside "
                                         f"{len(issues)} expert-parallel all-to-all windows")
-    return program.replace(graph_module=fx.GraphModule(program.graph_module, graph), notes=notes)
-
-
-def _is_ep_issue(node: fx.Node) -> bool:
-    return node.target is _c10d.all_to_all_single.default and meta.MOE_PIECE in node.meta
+    return program.replace(graph_module=reordered(program.graph_module, order), notes=notes)
 
 
 def _is_ep_node(node: fx.Node) -> bool:
-    return _is_ep_issue(node) or (node.target is _c10d.wait_tensor.default and _is_ep_issue(node.args[0]))
+    return meta.is_moe_all_to_all(node) or (node.target is _c10d.wait_tensor.default
+                                            and meta.is_moe_all_to_all(node.args[0]))
 
 
 def _segment(order: list[fx.Node], start: int, step: int, anchor: fx.Node) -> list[fx.Node]:
@@ -72,7 +65,8 @@ def _segment(order: list[fx.Node], start: int, step: int, anchor: fx.Node) -> li
     segment, position = [], start + step
     while 0 <= position < len(order):
         node = order[position]
-        if node.op in ("placeholder", "output") or _is_ep_node(node) or (meta.phase(node), meta.microbatch(node)) != key:
+        if (node.op in ("placeholder", "output") or _is_ep_node(node)
+                or (meta.phase(node), meta.microbatch(node)) != key):
             break
         segment.append(node)
         position += step

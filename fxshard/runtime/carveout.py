@@ -36,7 +36,7 @@ def carve_out_sms_for_all_to_alls(graph_module: fx.GraphModule, sms: int) -> tup
     graph.output(graph.graph_copy(graph_module.graph, {}))
     in_flight, stretches = set(), 0
     for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is _c10d.all_to_all_single.default and meta.MOE_PIECE in node.meta:
+        if meta.is_moe_all_to_all(node):
             if not in_flight:
                 with graph.inserting_after(node):
                     graph.call_function(set_sm_carveout, (sms,))
