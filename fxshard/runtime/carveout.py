@@ -5,9 +5,10 @@ GEMM, cuBLAS) launched next to it is sized for every SM of the GPU, so the SMs t
 leave part of its tiles for a second wave: measured on an H200 with ep=2, the experts' weight
 gradient GEMM took 56% longer while a dispatch was in flight, which cancelled what overlapping the
 dispatch saved. torch's experimental SM carveout makes matmuls launched while it is set use only
-(SMs - carveout); this lowering sets it after the first EP all-to-all issue of a stretch in which one
-is in flight and clears it after the last wait of that stretch, so exactly the matmuls the passes
-placed inside all-to-all windows run narrower. Under CUDA graphs the setting is read at capture.
+(SMs - carveout); this lowering sets it before the matmuls that run while an EP all-to-all is still
+moving data (estimated from its bytes: see carve_out_sms_for_all_to_alls) and clears it before the
+next matmul that does not, so only those run narrower. Under CUDA graphs the setting is read at
+capture.
 
 Invariant: the lowered graph computes the same values as its input; it only adds calls without
 outputs that change how many SMs later matmul kernels are launched on.
@@ -29,26 +30,66 @@ def set_sm_carveout(sms: int | None) -> None:
     torch._C._set_sm_carveout_experimental(sms)
 
 
-def carve_out_sms_for_all_to_alls(graph_module: fx.GraphModule, sms: int) -> tuple[fx.GraphModule, int]:
-    """A copy of `graph_module` in which matmuls between an EP all-to-all's issue and wait leave `sms`
-    SMs free; and how many such stretches it has."""
+# How long an all-to-all is in flight, in matmul work: H200, bf16 GEMMs at ~600 TFLOP/s against an
+# NVLink all-to-all moving ~500 GB/s per rank (bench/RESULTS.md, 2026-11-23): ~1200 FLOPs per byte.
+FLOPS_PER_BYTE = 1200.0
+
+
+def carve_out_sms_for_all_to_alls(graph_module: fx.GraphModule, sms: int,
+                                  flops_per_byte: float = FLOPS_PER_BYTE) -> tuple[fx.GraphModule, int]:
+    """A copy of `graph_module` in which the matmuls that run while an EP all-to-all is still moving
+    data leave `sms` SMs free; and how many stretches of such matmuls it has.
+
+    A window (issue to wait) is often longer than the transfer: the passes fill it with all the
+    independent work there is. So each all-to-all is given a budget of matmul FLOPs, its bytes times
+    `flops_per_byte` (the compute that takes as long as the transfer); matmuls after an issue spend
+    the budgets of the all-to-alls in flight, oldest first (they run one after another), and only
+    matmuls issued while some budget is left run narrower. `flops_per_byte=math.inf`: every matmul
+    inside a window."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(graph_module.graph, {}))
-    in_flight, stretches = set(), 0
+    in_flight: list[list] = []  # [issue, FLOPs of matmul work left until its transfer is done], in issue order
+    carved, stretches = False, 0
     for node in list(graph.nodes):
         if meta.is_moe_all_to_all(node):
-            if not in_flight:
-                with graph.inserting_after(node):
-                    graph.call_function(set_sm_carveout, (sms,))
-                stretches += 1
-            in_flight.add(node)
-        elif node.op == "call_function" and node.target is _c10d.wait_tensor.default and node.args[0] in in_flight:
-            in_flight.discard(node.args[0])
-            if not in_flight:
-                with graph.inserting_after(node):
-                    graph.call_function(set_sm_carveout, (None,))
-        elif node.op == "output" and in_flight:  # an all-to-all never waited on: clear before returning
+            in_flight.append([node, node.meta.get(meta.COMM_BYTES, 0) * flops_per_byte])
+        elif node.op == "call_function" and node.target is _c10d.wait_tensor.default:
+            in_flight = [entry for entry in in_flight if entry[0] is not node.args[0]]
+        elif (flops := _matmul_flops(node)) is not None:
+            want = any(budget > 0 for _, budget in in_flight)
+            if want != carved:
+                with graph.inserting_before(node):
+                    graph.call_function(set_sm_carveout, (sms if want else None,))
+                carved, stretches = want, stretches + want
+            for entry in in_flight:  # the oldest transfer first
+                spent = min(entry[1], flops)
+                entry[1] -= spent
+                flops -= spent
+        elif node.op == "output" and carved:
             with graph.inserting_before(node):
                 graph.call_function(set_sm_carveout, (None,))
     graph.lint()
     return fx.GraphModule(graph_module, graph), stretches
+
+
+_MATMULS = {torch.ops.aten.mm.default: lambda a, b: 2 * a.shape[0] * a.shape[1] * b.shape[1],
+            torch.ops.aten.addmm.default: lambda bias, a, b: 2 * a.shape[0] * a.shape[1] * b.shape[1],
+            torch.ops.aten.bmm.default: lambda a, b: 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]}
+
+
+def _matmul_flops(node: fx.Node) -> float | None:
+    """FLOPs of a matmul node (cuBLAS, or fxshard's grouped expert GEMMs); None for anything else."""
+    if node.op != "call_function":
+        return None
+    values = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
+    if node.target in _MATMULS:
+        return float(_MATMULS[node.target](*values[:3] if node.target is torch.ops.aten.addmm.default
+                                           else values[:2]))
+    if getattr(node.target, "namespace", None) == "fxshard" and "grouped_m" in str(node.target):
+        # rows x every [E, out, in] weight (or weight gradient) the op reads or writes
+        outputs = node.meta.get("val")
+        tensors = [v for v in values + list(outputs if isinstance(outputs, (list, tuple)) else [outputs])
+                   if isinstance(v, torch.Tensor)]
+        rows = tensors[0].shape[0]
+        return float(sum(2 * rows * t.shape[1] * t.shape[2] for t in tensors if t.dim() == 3))
+    return None
