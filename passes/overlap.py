@@ -17,14 +17,14 @@ This pass moves such work into the windows, per (phase, microbatch), at each EP 
               after W to just before it
 
 FSDP's placements stand: no all-gather is issued later (nothing moves ahead of one, and what one
-reads stays before it), and no other collective's wait comes earlier (nothing moves from before one
-to after it). The pass decides where EP communication overlaps, nothing else.
-Gradient reductions (reduce-scatter / all-reduce issues) may be issued a little later, after the
-all-to-all they were ahead of.
+reads stays before it), and no other collective's wait comes earlier (work before a wait that stays
+keeps running before it; a wait that moves, moves later, with the work that needs it). Gradient
+reductions (reduce-scatter / all-reduce issues) may be issued a little later, after the all-to-all
+they were ahead of.
 
 Invariant: the output graph has the same nodes with the same arguments in another topological order
 (a node moves only past nodes it neither reads nor feeds), so it computes the same values bit for
-bit; only EP all-to-alls gain compute between their issue and their wait.
+bit; what changes is which compute runs while each EP all-to-all is in flight.
 """
 
 from __future__ import annotations
