@@ -57,7 +57,9 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, names: list[str],
                 by_groups[groups_of(name)].append(g)
         squares = grads[0].new_zeros((), dtype=torch.float32)
         for groups, counted in by_groups.items():
-            part = torch.stack([g.float().pow(2).sum() for g in counted or [grads[0] * 0]]).sum()
+            # one reduction per gradient (vector_norm), not a squared copy of it summed afterwards
+            part = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).square()
+                                for g in counted or [grads[0] * 0]]).sum()
             for group in groups:
                 part = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(part, "sum", group))
             squares = squares + part

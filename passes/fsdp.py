@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from fxshard import meta
 from fxshard.config import SHARDING_STRATEGIES
@@ -242,7 +241,7 @@ class _Rewrite:
         scale = 1 / self.cfg.ep if unit.experts else None  # expert grads already sum their ep group
 
         def reduce(*grads):
-            flat = F.pad(torch.cat([g.reshape(-1) for g in grads]), (0, padding))
+            flat = torch.cat([g.reshape(-1) for g in grads] + ([grads[0].new_zeros(padding)] if padding else []))
             if scale is not None:
                 flat = flat * scale
             if world == 1:  # the mean over one rank
