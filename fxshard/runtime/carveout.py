@@ -72,9 +72,9 @@ def carve_out_sms_for_all_to_alls(graph_module: fx.GraphModule, sms: int,
     return fx.GraphModule(graph_module, graph), stretches
 
 
-_MATMULS = {torch.ops.aten.mm.default: lambda a, b: 2 * a.shape[0] * a.shape[1] * b.shape[1],
-            torch.ops.aten.addmm.default: lambda bias, a, b: 2 * a.shape[0] * a.shape[1] * b.shape[1],
-            torch.ops.aten.bmm.default: lambda a, b: 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]}
+_MATMULS = {torch.ops.aten.mm.default: lambda a, b, *_: 2 * a.shape[0] * a.shape[1] * b.shape[1],
+            torch.ops.aten.addmm.default: lambda bias, a, b, *_: 2 * a.shape[0] * a.shape[1] * b.shape[1],
+            torch.ops.aten.bmm.default: lambda a, b, *_: 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]}
 
 
 def _matmul_flops(node: fx.Node) -> float | None:
@@ -83,8 +83,7 @@ def _matmul_flops(node: fx.Node) -> float | None:
         return None
     values = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
     if node.target in _MATMULS:
-        return float(_MATMULS[node.target](*values[:3] if node.target is torch.ops.aten.addmm.default
-                                           else values[:2]))
+        return float(_MATMULS[node.target](*values))
     if getattr(node.target, "namespace", None) == "fxshard" and "grouped_m" in str(node.target):
         # rows x every [E, out, in] weight (or weight gradient) the op reads or writes
         outputs = node.meta.get("val")
