@@ -121,6 +121,17 @@ def saved_activation_bytes(program: Program) -> int:
                and any(meta.phase(u) == meta.BWD for u in n.users))
 
 
+def written_bytes_by_op(program: Program) -> Counter:
+    """Bytes each op writes per step (the sizes of the new tensors it produces; views and
+    placeholders write nothing), keyed by op name. Memory traffic the GEMM count does not show:
+    casts, flattening copies, temporaries."""
+    written = Counter()
+    for node in program.graph.nodes:
+        if node.op == "call_function" and not _is_view(node):
+            written[_op_name(node)] += _nbytes(_value(node))
+    return written
+
+
 def _is_view(node: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     if schema is None:
@@ -180,6 +191,8 @@ def summarize(program: Program) -> str:
     lines.append("")
     ops = Counter(_op_name(n) for n in nodes if n.op == "call_function")
     lines.append("ops: " + ", ".join(f"{op} {count}" for op, count in ops.most_common()))
+    lines.append("bytes written per step, largest: " + ", ".join(
+        f"{op} {_format_bytes(size)}" for op, size in written_bytes_by_op(program).most_common(10)))
     for key, value in program.notes.items():
         lines.append(f"{key}: {value}")
     return "\n".join(lines) + "\n"

@@ -46,3 +46,25 @@ def test_program_dump_method_and_code(tmp_path):
     assert all(os.path.exists(path) for path in written)
     assert "addmm" in program.code or "mm" in program.code
     assert program.graph_module.graph is program.graph
+
+
+def test_bytes_written_show_no_pad_or_squared_copies_of_gradients():
+    """The dump's bytes-written count: the optimizer phase and FSDP's gradient flattening write no
+    temporaries of the size of every gradient (a squared copy for the norm, a padded copy)."""
+    from fxshard.dump import written_bytes_by_op
+    from fxshard.passes import run_pipeline
+
+    torch.manual_seed(0)
+    model = MoEGPT(MoEGPTConfig.preset("tiny"))
+    batch = {"idx": torch.zeros(2, 8, dtype=torch.long), "tgt": torch.zeros(2, 8, dtype=torch.long)}
+    config = fxshard.Config(sharding="optim", clip_grad_norm=1.0)
+    program = run_pipeline(fxshard.trace(model, lambda m, b: m.loss(b), batch, optimizer=fxshard.optim.AdamW(lr=1e-3),
+                                         config=config), fxshard.Mesh(dp=2, ep=2), config)[-1]
+    written = written_bytes_by_op(program)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert written["adamw_update"] >= params / 2  # this rank's shards of parameters and both moments
+    assert written["constant_pad_nd"] == 0
+    optim_pow = sum(n.meta["val"].numel() for n in program.graph.nodes
+                    if fxshard.meta.phase(n) == "optim" and "pow" in str(n.target))
+    assert optim_pow < 64  # scalars only, not a squared gradient
+    assert "bytes written per step, largest: " in fxshard.dump.summarize(program)
