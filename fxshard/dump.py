@@ -6,7 +6,6 @@ Files are numbered in pipeline order (`00_traced`, `01_fsdp`, ...) so `diff 00_t
 
 from __future__ import annotations
 
-import operator
 import os
 import sys
 from collections import Counter, defaultdict
@@ -15,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from . import meta
+from .graph import is_view
 from .program import InputKind, Program
 
 _PHASE_COLORS = {meta.FWD: "#cfe2ff", meta.BWD: "#ffd8cc", meta.OPTIM: "#d4f0d0"}
@@ -127,16 +127,9 @@ def written_bytes_by_op(program: Program) -> Counter:
     casts, flattening copies, temporaries."""
     written = Counter()
     for node in program.graph.nodes:
-        if node.op == "call_function" and not _is_view(node):
+        if node.op == "call_function" and not is_view(node):
             written[_op_name(node)] += _nbytes(_value(node))
     return written
-
-
-def _is_view(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return node.target is operator.getitem
-    return any(r.alias_info is not None for r in schema.returns)
 
 
 def peak_live_bytes(program: Program) -> int:
@@ -151,7 +144,7 @@ def peak_live_bytes(program: Program) -> int:
     inputs = sum(_nbytes(_value(n)) for n in nodes if n.op == "placeholder")
     live, peak, frees = 0, 0, defaultdict(list)
     for index, node in enumerate(nodes):
-        if node.op in ("call_function", "call_module") and not _is_view(node):
+        if node.op in ("call_function", "call_module") and not is_view(node):
             size = _nbytes(_value(node))
             live += size
             frees[last_use.get(node, index)].append(size)

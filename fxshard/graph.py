@@ -7,6 +7,7 @@ fake values of its input nodes and copied into the graph at the current insertio
 
 from __future__ import annotations
 
+import operator
 from typing import Callable, Sequence
 
 import torch
@@ -23,6 +24,14 @@ def fake_mode_of(graph: fx.Graph):
         if isinstance(value, torch.Tensor) and hasattr(value, "fake_mode"):
             return value.fake_mode
     raise AssertionError("graph carries no fake values; was it traced by fxshard.trace?")
+
+
+def is_view(node: fx.Node) -> bool:
+    """`node` returns an alias of an input (a view, or getitem of a tuple): it writes no memory."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return node.target is operator.getitem
+    return any(r.alias_info is not None for r in schema.returns)
 
 
 def reordered(graph_module: fx.GraphModule, order: Sequence[fx.Node]) -> fx.GraphModule:

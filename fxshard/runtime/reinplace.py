@@ -23,6 +23,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..graph import is_view
 from ..ops.adamw import adamw_update, adamw_update_  # noqa: F401  (registers both ops)
 
 _FUNCTIONAL = torch.ops.fxshard.adamw_update.default
@@ -71,13 +72,11 @@ def _last_read_by(value: fx.Node, node: fx.Node, order: dict[fx.Node, int]) -> b
 def _temporary(value: fx.Node, node: fx.Node) -> bool:
     """`value` is fresh memory (or views of it) computed in the graph and read by `node` only, such as
     ZeRO-1's shard of a flat parameter (an index_select): updating it in place changes nothing else."""
-    while isinstance(value, fx.Node) and value.op == "call_function":
-        if any(user is not node for user in value.users):
+    reader = node
+    while isinstance(value, fx.Node) and value.op == "call_function" and hasattr(value.target, "_schema"):
+        if any(user is not reader for user in value.users):
             return False
-        schema = getattr(value.target, "_schema", None)
-        if schema is None:
-            return False
-        if not any(r.alias_info is not None for r in schema.returns):
+        if not is_view(value):
             return True  # a new tensor
-        node, value = value, value.args[0]  # a view: what it views must be temporary as well
+        reader, value = value, value.args[0]  # a view: what it views must be temporary as well
     return False
