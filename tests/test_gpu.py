@@ -136,14 +136,18 @@ def test_in_place_fused_adamw_kernel_matches_the_functional_one():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "quick_geglu", "gelu", "relu"])
-def test_cuda_grouped_mlp_backend_is_as_accurate_as_the_reference(activation, monkeypatch):
+@pytest.mark.parametrize("counts, tail, d_model, d_ff", [
+    ([37, 0, 5, 130, 0, 64], 11, 64, 48),  # one tile per expert
+    ([300, 0, 5, 700, 129, 0, 1, 1024], 200, 264, 200),  # many tiles, partial in rows, columns and depth
+])
+def test_cuda_grouped_mlp_backend_is_as_accurate_as_the_reference(activation, counts, tail, d_model, d_ff,
+                                                                  monkeypatch):
     """bf16 on the CUDA backend (torch._grouped_mm + Triton) against float64 on the same inputs; zero-token
     experts, unaligned expert sizes and rows past the last offset included."""
     from fxshard.ops.grouped_mlp import grouped_mlp, grouped_mlp_reference
     from fxshard.ops.grouped_mlp_backends import ACTIVATIONS, BACKENDS, backend_for
 
     gated = ACTIVATIONS[activation].gated
-    counts, tail, d_model, d_ff = [37, 0, 5, 130, 0, 64], 11, 64, 48
     generator = torch.Generator(device="cuda").manual_seed(0)
     rows, experts = sum(counts) + tail, len(counts)
     inputs = [torch.randn(rows, d_model, device="cuda", generator=generator),

@@ -23,21 +23,8 @@ def _gelu_tanh(g):
 
 
 @triton.jit
-def _act_kernel(h_ptr, grad_ptr, out_ptr, act_ptr, offsets_ptr, n_experts, rows, width, limit,
-                CODE: tl.constexpr, GATED: tl.constexpr, BACKWARD: tl.constexpr,
-                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """width = F (the activation's output width). Forward: out [T, F] = act. Backward: out [T, H] =
-    grad_h (gated: d/d gate in columns [0, F), d/d linear half in [F, 2F)) and act_ptr [T, F] = act."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    end = tl.load(offsets_ptr + n_experts - 1)
-    in_bounds = (r[:, None] < rows) & (c[None, :] < width)
-    live = in_bounds & (r[:, None] < end)
-    h_width = 2 * width if GATED else width
-    r64 = r.to(tl.int64)
-    g = tl.load(h_ptr + r64[:, None] * h_width + c[None, :], mask=live, other=0.0).to(tl.float32)
-    if GATED:
-        u = tl.load(h_ptr + r64[:, None] * h_width + width + c[None, :], mask=live, other=0.0).to(tl.float32)
+def _activation(g, u, limit, CODE: tl.constexpr, GATED: tl.constexpr):
+    """fp32 in, fp32 out: (act, d act / d g, d act / d u); u and the last are unused when not GATED."""
     if CODE == 0:  # swiglu
         s = tl.sigmoid(g)
         f = g * s
@@ -59,23 +46,39 @@ def _act_kernel(h_ptr, grad_ptr, out_ptr, act_ptr, offsets_ptr, n_experts, rows,
     else:  # relu
         f = tl.maximum(g, 0.0)
         df = tl.where(g > 0.0, 1.0, 0.0)
+    if GATED:
+        du = f
+        if CODE == 2:
+            du = tl.where(pass_u, f, 0.0)
+        return f * u, df * u, du
+    return f, df, df
+
+
+@triton.jit
+def _act_kernel(h_ptr, grad_ptr, out_ptr, act_ptr, offsets_ptr, n_experts, rows, width, limit,
+                CODE: tl.constexpr, GATED: tl.constexpr, BACKWARD: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """width = F (the activation's output width). Forward: out [T, F] = act. Backward: out [T, H] =
+    grad_h (gated: d/d gate in columns [0, F), d/d linear half in [F, 2F)) and act_ptr [T, F] = act."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    end = tl.load(offsets_ptr + n_experts - 1)
+    in_bounds = (r[:, None] < rows) & (c[None, :] < width)
+    live = in_bounds & (r[:, None] < end)
+    h_width = 2 * width if GATED else width
+    r64 = r.to(tl.int64)
+    g = tl.load(h_ptr + r64[:, None] * h_width + c[None, :], mask=live, other=0.0).to(tl.float32)
+    u = g
+    if GATED:
+        u = tl.load(h_ptr + r64[:, None] * h_width + width + c[None, :], mask=live, other=0.0).to(tl.float32)
+    value, d_g, d_u = _activation(g, u, limit, CODE, GATED)
     if BACKWARD:
         grad = tl.load(grad_ptr + r64[:, None] * width + c[None, :], mask=live, other=0.0).to(tl.float32)
+        tl.store(out_ptr + r64[:, None] * h_width + c[None, :], (grad * d_g).to(out_ptr.dtype.element_ty),
+                 mask=in_bounds)
         if GATED:
-            d_gate = grad * u * df
-            d_up = grad * f
-            if CODE == 2:
-                d_up = tl.where(pass_u, d_up, 0.0)
-            tl.store(out_ptr + r64[:, None] * h_width + c[None, :], d_gate.to(out_ptr.dtype.element_ty),
+            tl.store(out_ptr + r64[:, None] * h_width + width + c[None, :], (grad * d_u).to(out_ptr.dtype.element_ty),
                      mask=in_bounds)
-            tl.store(out_ptr + r64[:, None] * h_width + width + c[None, :], d_up.to(out_ptr.dtype.element_ty),
-                     mask=in_bounds)
-        else:
-            tl.store(out_ptr + r64[:, None] * h_width + c[None, :], (grad * df).to(out_ptr.dtype.element_ty),
-                     mask=in_bounds)
-    value = f
-    if GATED:
-        value = f * u
     target = act_ptr if BACKWARD else out_ptr
     tl.store(target + r64[:, None] * width + c[None, :], value.to(target.dtype.element_ty), mask=in_bounds)
 
