@@ -10,6 +10,8 @@ ZeRO-1 over dp; experts split over ep) and the same per-rank batch:
                       the same kernels on the same shapes, no token exchange (per-rank compute time)
     ep                expert parallelism, no overlap
     nocomm-overlapN   as nocomm, with the layers split into N chunks
+    ep-ce, ep-overlapN-ce   the same with Config(ep_all_to_all="copy-engine") (--all-to-all ... copy-engine):
+                      the all-to-alls moved by peer memcpys instead of an NCCL kernel
     ep-overlapN       Config(ep_overlap=True, ep_chunks=N): work that does not need an all-to-all
                       is moved between its issue and its wait (passes/overlap.py: delayed weight
                       gradients, the shared expert), and with N > 1 each layer's experts are split
@@ -164,27 +166,33 @@ def run_modes(args):
         results["experts-alone"] = expert_compute_alone(args)
         print(f"  experts alone (1 GPU): {results['experts-alone']:.2f} ms", flush=True)
     dist.barrier()
-    for overlap, chunks in [(False, 1), *[(True, c) for c in args.chunks]]:
+    modes = [(False, 1, "nccl")] + [(False, 1, a2a) for a2a in args.all_to_all if a2a != "nccl"]
+    modes += [(True, c, a2a) for a2a in args.all_to_all for c in args.chunks]
+    for overlap, chunks, a2a in modes:
+        carveout = args.sm_carveout if overlap and a2a == "nccl" else None  # copy engines hold no SMs
         torch.manual_seed(0)
         with torch.device(device):
             model = MoEGPT(cfg)
         config = fxshard.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, sharding="optim",
                                 cuda_graphs=not args.eager_replay, ep_overlap=overlap, ep_chunks=chunks,
-                                microbatches=args.microbatches, ep_sm_carveout=args.sm_carveout if overlap else None,
-                                ep_interleave=args.interleave)
+                                microbatches=args.microbatches, ep_sm_carveout=carveout,
+                                ep_interleave=args.interleave, ep_all_to_all=a2a)
         started = time.perf_counter()
         step = fxshard.shard(model, lambda m, b: m.loss_and_metrics(b), data, optimizer=fxshard.optim.AdamW(lr=1e-5),
                              mesh=fxshard.Mesh(dp=world, ep=args.ep), config=config)
         del model
         if rank == 0:
-            print(f"  ep_overlap={overlap}, chunks={chunks}: compiled in {time.perf_counter() - started:.1f}s: {step.program!r}", flush=True)
+            print(f"  ep_overlap={overlap}, chunks={chunks}, all-to-all by {a2a}: compiled in {time.perf_counter() - started:.1f}s: {step.program!r}", flush=True)
             if not overlap:
                 print("  " + step.program.notes["ep"].replace("\n", "\n  "), flush=True)
-        suffix = f"-overlap{chunks}" if overlap else ""
+        suffix = (f"-overlap{chunks}" if overlap else "") + ("-ce" if a2a == "copy-engine" else "")
         nocomm = CompiledStep([without_all_to_all(step.program)], step.state, step.batch_spec, step.optimizer,
-                              step.device, step.groups, not args.eager_replay,
-                              sm_carveout=args.sm_carveout if overlap else None)
-        for label, runner in ((f"nocomm{suffix}", nocomm), (f"ep{suffix}", step)):
+                              step.device, step.groups, not args.eager_replay, sm_carveout=carveout)
+        runs = [(f"ep{suffix}", step)]
+        own_nocomm = "nocomm" + suffix.removesuffix("-ce")  # the same program for both all-to-alls
+        if own_nocomm not in results:
+            runs.insert(0, (own_nocomm, nocomm))
+        for label, runner in runs:
             torch.cuda.reset_peak_memory_stats()
             ms = timed(lambda: runner(data), args.warmup, args.iters)
             times = [None] * world
@@ -231,6 +239,9 @@ def main():
                         help="with --microbatches > 1: which two microbatches alternate (Config(ep_interleave))")
     parser.add_argument("--sm-carveout", type=int, default=None,
                         help="overlap modes: Config(ep_sm_carveout=N), SMs kept free of matmuls in all-to-all windows")
+    parser.add_argument("--all-to-all", nargs="+", default=["nccl"], choices=fxshard.config.EP_ALL_TO_ALLS,
+                        help="Config(ep_all_to_all) of the ep modes: each listed one gets an ep mode and the overlap "
+                             "modes (copy-engine ones are labelled -ce and compared with the same nocomm)")
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--eager-replay", action="store_true")
@@ -248,12 +259,18 @@ def main():
     base, exposed = results["nocomm"], results["ep"] - results["nocomm"]
     print(f"\n{'mode':<18} {'ms/step':>9} {'exposed a2a ms':>15} {'hidden vs ep':>13}")
     rows = []
-    for label in ["nocomm", "ep", *[f"{kind}-overlap{c}" for c in args.chunks for kind in ("nocomm", "ep")]]:
+    ce = ["-ce"] if "copy-engine" in args.all_to_all else []
+    labels = ["nocomm", "ep", *[f"ep{s}" for s in ce]]
+    labels += [f"{kind}-overlap{c}" for c in args.chunks for kind in ("nocomm", "ep")]
+    labels += [f"ep-overlap{c}{s}" for s in ce for c in args.chunks]
+    for label in labels:
+        if label not in results:  # --all-to-all copy-engine alone: no NCCL overlap modes
+            continue
         ms = results[label]
         row = {"mode": label, "ms_per_step": ms}
         text = f"{label:<18} {ms:>9.2f}"
         if label.startswith("ep"):
-            own_base = results["nocomm" + label[2:]]
+            own_base = results["nocomm" + label[2:].removesuffix("-ce")]
             row.update(exposed_ms=ms - base, exposed_vs_own_nocomm_ms=ms - own_base,
                        hidden_fraction=1 - (ms - base) / exposed if exposed > 0 else None,
                        hidden_fraction_vs_own_nocomm=1 - (ms - own_base) / exposed if exposed > 0 else None)

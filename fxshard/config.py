@@ -12,6 +12,7 @@ from .errors import FxShardError
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zb-h1")
 EP_INTERLEAVINGS = ("combined-1f1b", "dual-batch")
+EP_ALL_TO_ALLS = ("nccl", "copy-engine")
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,10 @@ class Config:
     ep_sm_carveout: on CUDA, matmuls placed while an EP all-to-all is in flight leave this many SMs
         free for it (fxshard/runtime/carveout.py; torch's experimental SM carveout), so a persistent
         GEMM next to the all-to-all kernel does not spill into a second wave. None: off.
+    ep_all_to_all: how EP all-to-alls move data on CUDA: "nccl" (an NCCL kernel, which holds SMs
+        while it runs) or "copy-engine" (peer-to-peer memcpys through symmetric memory on a side
+        stream, no SMs beyond two one-block barriers; GPUs of one host with peer access:
+        fxshard/runtime/copy_engine.py). CPU/gloo always uses the process group's all-to-all.
     seed: initializes a model built on the meta device (fxshard.init: per module, seeded by its path).
     """
 
@@ -80,6 +85,7 @@ class Config:
     ep_chunks: int = 1
     ep_sm_carveout: int | None = None
     ep_interleave: str = "combined-1f1b"
+    ep_all_to_all: str = "nccl"
 
     def __post_init__(self):
         if self.layers is not None:
@@ -114,5 +120,7 @@ class Config:
             raise FxShardError(f"ep_interleave={self.ep_interleave!r}; choose one of {EP_INTERLEAVINGS}")
         if self.ep_sm_carveout is not None and not (isinstance(self.ep_sm_carveout, int) and self.ep_sm_carveout >= 0):
             raise FxShardError(f"ep_sm_carveout must be an int >= 0 (SMs) or None, got {self.ep_sm_carveout!r}")
+        if self.ep_all_to_all not in EP_ALL_TO_ALLS:
+            raise FxShardError(f"ep_all_to_all={self.ep_all_to_all!r}; choose one of {EP_ALL_TO_ALLS}")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise FxShardError(f"clip_grad_norm must be > 0 or None, got {self.clip_grad_norm!r}")

@@ -263,6 +263,37 @@ def test_cuda_graph_replay_with_a_mesh_is_bit_identical_to_eager_replay(expert_p
             assert torch.equal(value, graphed_params[name]), name
 
 
+def _all_to_all_backends_over_nccl(batches):
+    """MoEGPT tiny, bf16, ep = world with dual-batch overlap: NCCL all-to-alls eagerly, then copy-engine
+    all-to-alls eagerly and from a CUDA graph."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = f"cuda:{rank}"
+    local = [{k: v[rank * 2:(rank + 1) * 2].to(device) for k, v in b.items()} for b in batches]
+    results = []
+    for all_to_all, cuda_graphs in (("nccl", False), ("copy-engine", False), ("copy-engine", True)):
+        torch.manual_seed(0)
+        model = MoEGPT(MoEGPTConfig.preset("tiny", capacity_factor=1.0)).to(device)
+        config = fxshard.Config(cuda_graphs=cuda_graphs, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                ep_overlap=True, microbatches=2, ep_interleave="dual-batch", ep_all_to_all=all_to_all)
+        step = fxshard.shard(model, model_loss, local[0], optimizer=ADAMW, mesh=fxshard.Mesh(dp=world, ep=world),
+                             config=config)
+        losses = [step(b)["loss"].item() for b in local]
+        results.append((losses, {k: v.cpu() for k, v in step.parameters().items()}))
+    return results
+
+
+@pytest.mark.multigpu
+def test_copy_engine_all_to_all_is_bit_identical_to_nccl():
+    world = 4 if torch.cuda.device_count() >= 4 else 2
+    per_rank = run_local(_all_to_all_backends_over_nccl, world, cuda_batches(6, rows=2 * world, device="cpu"),
+                         backend="nccl")
+    for (nccl_losses, nccl_params), *others in per_rank:
+        for losses, params in others:
+            assert losses == nccl_losses
+            for name, value in nccl_params.items():
+                assert torch.equal(value, params[name]), name
+
+
 @pytest.mark.gpu
 def test_cuda_graphs_refuse_expert_ops_that_read_offsets_on_the_host():
     model = MoEGPT(MoEGPTConfig.preset("tiny")).cuda()  # fp32 experts: the reference backend

@@ -10,6 +10,7 @@ from ..errors import FxShardError
 from ..optim import Optimizer, lr_at
 from ..program import InputKind, OutputKind, Program
 from .carveout import carve_out_sms_for_all_to_alls
+from .copy_engine import lower_all_to_alls_to_copy_engines
 from .reinplace import reinplace
 from .state import State, full_parameters, gather_shard
 
@@ -41,7 +42,7 @@ class CompiledStep:
 
     def __init__(self, programs: list[Program], state: State, batch_spec: BatchSpec, optimizer: Optimizer,
                  device: torch.device, groups: dict | None = None, cuda_graphs: bool = False,
-                 sm_carveout: int | None = None):
+                 sm_carveout: int | None = None, all_to_all: str = "nccl"):
         self.programs = programs
         self.program = programs[-1]
         self.state = state
@@ -57,6 +58,8 @@ class CompiledStep:
         self._run, self.in_place_updates = reinplace(run)
         if sm_carveout is not None and device.type == "cuda":  # matmuls inside all-to-all windows run narrower
             self._run, _ = carve_out_sms_for_all_to_alls(self._run, sm_carveout)
+        if all_to_all == "copy-engine" and device.type == "cuda":  # EP all-to-alls by peer memcpys, no SMs
+            self._run, _ = lower_all_to_alls_to_copy_engines(self._run)
         if cuda_graphs and device.type != "cuda":
             raise FxShardError(f"Config(cuda_graphs=True) needs a CUDA device; the batch is on {device}")
         if cuda_graphs:

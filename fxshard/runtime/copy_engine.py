@@ -1,0 +1,122 @@
+"""Lowering for execution: expert-parallel all-to-alls moved by the GPUs' copy engines, not by SMs.
+
+NCCL's all-to-all is a kernel: while it runs it holds SMs, and the GEMMs the overlap passes place
+next to it run slower (bench/RESULTS.md, 2026-11-23: 15-26% longer, the largest part of what
+overlap leaves exposed). Between GPUs of one host with peer access, the same exchange can be done
+by the copy engines (DMA, no SMs) through symmetric memory, as PyTorch's "low-contention"
+collectives do: each rank stages its input in a symmetric workspace, waits at a barrier until
+every rank has staged, pulls the rows meant for it from each peer's workspace with peer-to-peer
+memcpys, and meets the others at a second barrier (so no workspace is overwritten while a peer
+still reads it). All of it runs on a side stream; the `wait_tensor` the graph already has for the
+all-to-all makes the compute stream wait for it there (and not earlier). The barriers are small
+kernels of one block each; everything else is copies. Under CUDA graphs it is captured like any
+other stream work.
+
+Invariant: the lowered graph computes the same values as its input: an all_to_all_single with
+equal splits delivers chunk `rank` of every peer's input, in peer order, which is what the copies
+assemble (bit-identical: they are copies). Only equal splits are lowered (fxshard's EP buffers are
+fixed-size per destination); anything else keeps NCCL.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import Tensor
+
+from .. import meta
+
+_c10d = torch.ops._c10d_functional
+
+_WORKSPACES: dict[str, tuple[Tensor, object]] = {}  # group name -> (symmetric tensor, its handle)
+_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _workspace(group_name: str, nbytes: int):
+    """The group's symmetric workspace (at least `nbytes`), allocated and exchanged on first use: a
+    collective call, which every rank reaches at the same all-to-all."""
+    from torch.distributed import _symmetric_memory as symm
+
+    held = _WORKSPACES.get(group_name)
+    if held is None or held[0].numel() < nbytes:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"copy-engine all-to-all: workspace for {group_name} must be allocated before "
+                               "CUDA-graph capture (the warm-up steps do that)")
+        symm.enable_symm_mem_for_group(group_name)
+        tensor = symm.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+        held = _WORKSPACES[group_name] = (tensor, symm.rendezvous(tensor, group_name))
+    return held[1]
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _STREAMS:
+        _STREAMS[index] = torch.cuda.Stream(device=index)
+    return _STREAMS[index]
+
+
+class _Done(torch._C._distributed_c10d.Work):
+    """What `wait_tensor` waits on: an event recorded on the side stream after the last copy. Holds
+    the input until then, so its memory is not handed out again while the copies still read it."""
+
+    def __init__(self, keep_alive: Tensor):
+        super().__init__()
+        self.event = torch.cuda.Event()
+        self.event.record()
+        self.keep_alive = keep_alive
+
+    def wait(self, timeout=None) -> bool:
+        self.event.wait()
+        self.keep_alive = None
+        return True
+
+
+def copy_engine_all_to_all(x: Tensor, output_split_sizes, input_split_sizes, group_name: str,
+                           workspace_bytes: int) -> Tensor:
+    """all_to_all_single(x) with equal splits over `group_name`, moved by peer-to-peer memcpys.
+    Returns the output at once (like the functional collective); read it after `wait_tensor`."""
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    world, rank = group.size(), group.rank()
+    handle = _workspace(group_name, workspace_bytes)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    rows = x.shape[0] // world
+    stream = _side_stream(x.device)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        handle.get_buffer(rank, list(x.shape), x.dtype).copy_(x)
+        handle.barrier(channel=0)
+        for step in range(world):
+            peer = (rank + step) % world
+            staged = handle.get_buffer(peer, list(x.shape), x.dtype)
+            out[peer * rows:(peer + 1) * rows].copy_(staged[rank * rows:(rank + 1) * rows])
+        handle.barrier(channel=0)
+        torch._C._distributed_c10d._register_work(out, _Done(x))
+    return out
+
+
+def lower_all_to_alls_to_copy_engines(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, int]:
+    """A copy of `graph_module` whose EP all-to-alls (equal splits) run on copy engines; and how many
+    were lowered. The workspace is sized once for the largest, so it is never reallocated."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(graph_module.graph, {}))
+    lowered = [node for node in graph.nodes if meta.is_moe_all_to_all(node) and _equal_splits(node)]
+    largest = max((_nbytes(node.args[0]) for node in lowered), default=0)
+    for node in lowered:
+        x, out_splits, in_splits, group_name = node.args[:4]
+        node.target = copy_engine_all_to_all
+        node.args = (x, out_splits, in_splits, group_name, largest)
+    graph.lint()
+    return fx.GraphModule(graph_module, graph), len(lowered)
+
+
+def _equal_splits(node: fx.Node) -> bool:
+    out_splits, in_splits = node.args[1], node.args[2]
+    return all(splits is None or len(set(splits)) <= 1 for splits in (out_splits, in_splits)) and \
+        (out_splits is None) == (in_splits is None) and out_splits == in_splits
+
+
+def _nbytes(node: fx.Node) -> int:
+    value = node.meta.get("val")
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
