@@ -8,6 +8,8 @@ ZeRO-1 over dp; experts split over ep) and the same per-rank batch:
 
     nocomm            the EP program with every all-to-all replaced by a local copy of its buffer:
                       the same kernels on the same shapes, no token exchange (per-rank compute time)
+    nocomm-nocopy     (with --all-to-all ... copy-engine) each all-to-all replaced by its input, no
+                      copy at all: the floor for copy engines, which take the copy off the SMs too
     ep                expert parallelism, no overlap
     nocomm-overlapN   as nocomm, with the layers split into N chunks
     ep-ce, ep-overlapN-ce   the same with Config(ep_all_to_all="copy-engine") (--all-to-all ... copy-engine):
@@ -55,16 +57,20 @@ def model_config(args) -> MoEGPTConfig:
                         capacity_factor=args.capacity_factor)
 
 
-def without_all_to_all(program):
-    """The program with each all_to_all_single replaced by a copy of its input (same shapes, no exchange)."""
+def without_all_to_all(program, copy=True):
+    """The program with each all_to_all_single replaced by a copy of its input (same shapes, no exchange;
+    copy=False: by the input itself, not even the local copy)."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(program.graph, {}))
     for node in list(graph.nodes):
         if node.target is _c10d.all_to_all_single.default:
-            with graph.inserting_before(node):
-                copy = graph.call_function(torch.ops.aten.clone.default, (node.args[0],))
-            copy.meta = dict(node.meta)
-            node.replace_all_uses_with(copy)
+            if copy:
+                with graph.inserting_before(node):
+                    clone = graph.call_function(torch.ops.aten.clone.default, (node.args[0],))
+                clone.meta = dict(node.meta)
+                node.replace_all_uses_with(clone)
+            else:
+                node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
     return program.replace(graph_module=fx.GraphModule(program.graph_module, graph), name="nocomm")
 
@@ -192,6 +198,12 @@ def run_modes(args):
         own_nocomm = "nocomm" + suffix.removesuffix("-ce")  # the same program for both all-to-alls
         if own_nocomm not in results:
             runs.insert(0, (own_nocomm, nocomm))
+        if not overlap and a2a == "nccl" and "copy-engine" in args.all_to_all:
+            # copy engines move the bytes off the compute stream, where nocomm copies them: the floor
+            # they are compared with has no copy either
+            runs.insert(1, ("nocomm-nocopy", CompiledStep([without_all_to_all(step.program, copy=False)], step.state,
+                                                          step.batch_spec, step.optimizer, step.device, step.groups,
+                                                          not args.eager_replay)))
         for label, runner in runs:
             torch.cuda.reset_peak_memory_stats()
             ms = timed(lambda: runner(data), args.warmup, args.iters)
@@ -260,7 +272,7 @@ def main():
     print(f"\n{'mode':<18} {'ms/step':>9} {'exposed a2a ms':>15} {'hidden vs ep':>13}")
     rows = []
     ce = ["-ce"] if "copy-engine" in args.all_to_all else []
-    labels = ["nocomm", "ep", *[f"ep{s}" for s in ce]]
+    labels = ["nocomm", *["nocomm-nocopy" for _ in ce], "ep", *[f"ep{s}" for s in ce]]
     labels += [f"{kind}-overlap{c}" for c in args.chunks for kind in ("nocomm", "ep")]
     labels += [f"ep-overlap{c}{s}" for s in ce for c in args.chunks]
     for label in labels:
@@ -278,6 +290,13 @@ def main():
             text += f" {ms - base:>15.2f} {hidden:>13}"
         rows.append(row)
         print(text)
+    if "nocomm-nocopy" in results:
+        floor = results["nocomm-nocopy"]
+        for row in rows:
+            if row["mode"].startswith("ep"):
+                row["hidden_fraction_vs_nocopy"] = 1 - (row["ms_per_step"] - floor) / (results["ep"] - floor)
+        print("hidden against nocomm-nocopy (the all-to-alls' local copies left out too): " + ", ".join(
+            f"{row['mode']} {row['hidden_fraction_vs_nocopy']:.0%}" for row in rows if row["mode"].startswith("ep-")))
     print(f"expert MLPs alone, one GPU: {results['experts-alone']:.2f} ms/step"
           f"\nhidden = 1 - (overlap - nocomm) / (ep - nocomm); in parentheses against nocomm with the same chunks")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

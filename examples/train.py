@@ -53,6 +53,8 @@ def parse_args(argv=None):
                         "interleaved (dual-batch)")
     parser.add_argument("--ep-microbatches", type=int, default=1,
                         help="with --ep > 1: gradient-accumulation microbatches per step (2: dual-batch overlap)")
+    parser.add_argument("--ep-all-to-all", default="nccl", choices=["nccl", "copy-engine"],
+                        help="on GPUs: how EP all-to-alls move data (copy-engine: peer memcpys, no SMs held)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (multiplies the processes)")
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "interleaved-1f1b", "gpipe"])
     parser.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches (with --pp > 1)")
@@ -127,7 +129,7 @@ def train(args) -> dict:
         config=fxshard.Config(dump_dir=args.dump if rank == 0 else None, sharding=args.sharding,
                               schedule=args.schedule, virtual_stages=args.virtual_stages, ep_overlap=args.ep_overlap,
                               microbatches=args.microbatches if args.pp > 1 else args.ep_microbatches,
-                              ep_chunks=1, ep_interleave="dual-batch"))
+                              ep_chunks=1, ep_interleave="dual-batch", ep_all_to_all=args.ep_all_to_all))
     compiled = repr(step.program) if hasattr(step, "program") else step.schedule.name + " pipeline"
     say(f"compiled in {time.perf_counter() - started:.1f}s: {compiled}")
     if args.dump:

@@ -28,13 +28,18 @@ def test_every_ep_all_to_all_and_nothing_else_is_lowered():
     lowered, count = lower_all_to_alls_to_copy_engines(program.graph_module)
     assert count == len(before) > 0
     nodes = {n.name: n for n in lowered.graph.nodes}
-    largest = max(n.args[0].meta["val"].numel() * n.args[0].meta["val"].element_size() for n in before)
+    spans = []
     for node in before:
         new = nodes[node.name]
         assert new.target is copy_engine_all_to_all
         assert new.args[0] is nodes[node.args[0].name] and new.args[1:4] == node.args[1:4]
-        assert new.args[4] == largest  # one workspace, sized once
+        value = node.args[0].meta["val"]
+        region, total = new.args[4:6]
+        assert region % 256 == 0 and region + value.numel() * value.element_size() <= total
+        spans.append((region, region + value.numel() * value.element_size()))
         assert [u.target for u in new.users] == [c10d.wait_tensor.default]  # still waited where it was
+    spans.sort()
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # regions never overlap
     for name in others:
         assert nodes[name].target is not copy_engine_all_to_all
     assert all(not meta.is_moe_all_to_all(n) for n in lowered.graph.nodes)

@@ -3,14 +3,17 @@
 NCCL's all-to-all is a kernel: while it runs it holds SMs, and the GEMMs the overlap passes place
 next to it run slower (bench/RESULTS.md, 2026-11-23: 15-26% longer, the largest part of what
 overlap leaves exposed). Between GPUs of one host with peer access, the same exchange can be done
-by the copy engines (DMA, no SMs) through symmetric memory, as PyTorch's "low-contention"
-collectives do: each rank stages its input in a symmetric workspace, waits at a barrier until
-every rank has staged, pulls the rows meant for it from each peer's workspace with peer-to-peer
-memcpys, and meets the others at a second barrier (so no workspace is overwritten while a peer
-still reads it). All of it runs on a side stream; the `wait_tensor` the graph already has for the
+by the copy engines (DMA, no SMs) through symmetric memory, in the spirit of PyTorch's
+"low-contention" collectives. Each lowered all-to-all owns a region of one symmetric workspace
+(every rank allocates the same layout): at a barrier every rank has reached this all-to-all (so,
+in program order, it has finished reading this region's contents from the previous step); each
+rank then writes the rows meant for peer p straight into p's region with a peer-to-peer memcpy
+(its own rows: a local one); at a second barrier every rank's rows have landed, and the region is
+the result. All of it runs on a side stream; the `wait_tensor` the graph already has for the
 all-to-all makes the compute stream wait for it there (and not earlier). The barriers are small
 kernels of one block each; everything else is copies. Under CUDA graphs it is captured like any
-other stream work.
+other stream work. Memory: the workspace holds every lowered all-to-all's result at once (the sum
+of their sizes, allocated on the first step), where NCCL's results are transient.
 
 Invariant: the lowered graph computes the same values as its input: an all_to_all_single with
 equal splits delivers chunk `rank` of every peer's input, in peer order, which is what the copies
@@ -35,7 +38,8 @@ _STREAMS: dict[int, torch.cuda.Stream] = {}
 
 def _workspace(group_name: str, nbytes: int):
     """The group's symmetric workspace (at least `nbytes`), allocated and exchanged on first use: a
-    collective call, which every rank reaches at the same all-to-all."""
+    collective call, which every rank reaches at the same all-to-all. (Two compiled steps on one group
+    share it; the second, if larger, replaces it at its first all-to-all.)"""
     from torch.distributed import _symmetric_memory as symm
 
     held = _WORKSPACES.get(group_name)
@@ -72,41 +76,48 @@ class _Done(torch._C._distributed_c10d.Work):
         return True
 
 
-def copy_engine_all_to_all(x: Tensor, output_split_sizes, input_split_sizes, group_name: str,
+def copy_engine_all_to_all(x: Tensor, output_split_sizes, input_split_sizes, group_name: str, region: int,
                            workspace_bytes: int) -> Tensor:
-    """all_to_all_single(x) with equal splits over `group_name`, moved by peer-to-peer memcpys.
-    Returns the output at once (like the functional collective); read it after `wait_tensor`."""
+    """all_to_all_single(x) with equal splits over `group_name`, moved by peer-to-peer memcpys into
+    this call's region (byte offset `region`) of the group's workspace. Returns the region at once
+    (like the functional collective); read it after `wait_tensor`."""
     group = dist.distributed_c10d._resolve_process_group(group_name)
     world, rank = group.size(), group.rank()
     handle = _workspace(group_name, workspace_bytes)
     x = x.contiguous()
-    out = torch.empty_like(x)
     rows = x.shape[0] // world
+    shape, offset = list(x.shape), region // x.element_size()
     stream = _side_stream(x.device)
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        handle.get_buffer(rank, list(x.shape), x.dtype).copy_(x)
-        handle.barrier(channel=0)
+        handle.barrier(channel=0)  # every rank is here: done with this region's previous contents
         for step in range(world):
             peer = (rank + step) % world
-            staged = handle.get_buffer(peer, list(x.shape), x.dtype)
-            out[peer * rows:(peer + 1) * rows].copy_(staged[rank * rows:(rank + 1) * rows])
-        handle.barrier(channel=0)
+            target = handle.get_buffer(peer, shape, x.dtype, offset)
+            target[rank * rows:(rank + 1) * rows].copy_(x[peer * rows:(peer + 1) * rows])
+        handle.barrier(channel=0)  # every rank's rows for this one have landed
+        out = handle.get_buffer(rank, shape, x.dtype, offset)
         torch._C._distributed_c10d._register_work(out, _Done(x))
     return out
 
 
+_ALIGN = 256  # bytes: every region starts aligned for any dtype and for the copy engines
+
+
 def lower_all_to_alls_to_copy_engines(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, int]:
-    """A copy of `graph_module` whose EP all-to-alls (equal splits) run on copy engines; and how many
-    were lowered. The workspace is sized once for the largest, so it is never reallocated."""
+    """A copy of `graph_module` whose EP all-to-alls (equal splits) run on copy engines, each into its
+    own region of one workspace sized for all of them; and how many were lowered."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(graph_module.graph, {}))
     lowered = [node for node in graph.nodes if meta.is_moe_all_to_all(node) and _equal_splits(node)]
-    largest = max((_nbytes(node.args[0]) for node in lowered), default=0)
+    regions, total = [], 0
     for node in lowered:
+        regions.append(total)
+        total += -(-_nbytes(node.args[0]) // _ALIGN) * _ALIGN
+    for node, region in zip(lowered, regions):
         x, out_splits, in_splits, group_name = node.args[:4]
         node.target = copy_engine_all_to_all
-        node.args = (x, out_splits, in_splits, group_name, largest)
+        node.args = (x, out_splits, in_splits, group_name, region, total)
     graph.lint()
     return fx.GraphModule(graph_module, graph), len(lowered)
 
