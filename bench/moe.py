@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import sys
@@ -225,7 +226,16 @@ def run_modes(args):
         dropped = metrics["moe_dropped_tokens"].item()
         if rank == 0:
             print(f"  dropped assignments over capacity (all ranks, all layers): {dropped}", flush=True)
-        del step, nocomm
+        if a2a == "copy-engine" and rank == 0:
+            from fxshard.runtime.copy_engine import workspace_bytes
+
+            held = workspace_bytes()
+            results["copy_engine_workspace_bytes"] = held
+            print(f"  copy-engine workspace (symmetric memory, outside torch's allocator stats): "
+                  f"{held / 2**30:.2f} GiB", flush=True)
+        runner = None  # with step, nocomm and runs: every CUDA graph and its memory pool, before the next mode
+        del step, nocomm, runs, metrics
+        gc.collect()
         torch.cuda.empty_cache()
     return results
 
@@ -304,6 +314,7 @@ def main():
         json.dump({"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
                    "torch": torch.__version__, "args": vars(args), "experts_alone_ms": results["experts-alone"],
                    "kernels": {k: v for k, v in results.items() if k.endswith("-kernels")},
+                   "copy_engine_workspace_bytes": results.get("copy_engine_workspace_bytes"),
                    "rows": rows}, handle, indent=1)
     print(f"wrote {args.out}")
 

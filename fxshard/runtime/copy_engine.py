@@ -13,7 +13,11 @@ the result. All of it runs on a side stream; the `wait_tensor` the graph already
 all-to-all makes the compute stream wait for it there (and not earlier). The barriers are small
 kernels of one block each; everything else is copies. Under CUDA graphs it is captured like any
 other stream work. Memory: the workspace holds every lowered all-to-all's result at once (the sum
-of their sizes, allocated on the first step), where NCCL's results are transient.
+of their sizes, allocated on the first step; `workspace_bytes()`), where NCCL's results are
+transient. The functional collectives key pending work by storage, and the regions share one: a
+`wait_tensor` on one result also waits for every other copy-engine all-to-all issued before it and
+not yet waited for (never less than it needs; a region per allocation would make each wait exact,
+at one symmetric allocation and rendezvous per all-to-all).
 
 Invariant: the lowered graph computes the same values as its input: an all_to_all_single with
 equal splits delivers chunk `rank` of every peer's input, in peer order, which is what the copies
@@ -51,6 +55,11 @@ def _workspace(group_name: str, nbytes: int):
         tensor = symm.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
         held = _WORKSPACES[group_name] = (tensor, symm.rendezvous(tensor, group_name))
     return held[1]
+
+
+def workspace_bytes() -> int:
+    """Symmetric memory held by copy-engine all-to-alls in this process (outside torch's allocator stats)."""
+    return sum(t.numel() * t.element_size() for t, _ in _WORKSPACES.values())
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
