@@ -277,6 +277,7 @@ def _all_to_all_backends_over_nccl(batches):
                                 ep_overlap=True, microbatches=2, ep_interleave="dual-batch", ep_all_to_all=all_to_all)
         step = fxshard.shard(model, model_loss, local[0], optimizer=ADAMW, mesh=fxshard.Mesh(dp=world, ep=world),
                              config=config)
+        assert (step.copy_engine_all_to_alls > 0) == (all_to_all == "copy-engine")
         losses = [step(b)["loss"].item() for b in local]
         results.append((losses, {k: v.cpu() for k, v in step.parameters().items()}))
     return results

@@ -58,8 +58,9 @@ class CompiledStep:
         self._run, self.in_place_updates = reinplace(run)
         if sm_carveout is not None and device.type == "cuda":  # matmuls inside all-to-all windows run narrower
             self._run, _ = carve_out_sms_for_all_to_alls(self._run, sm_carveout)
-        if all_to_all == "copy-engine" and device.type == "cuda":  # EP all-to-alls by peer memcpys, no SMs
-            self._run, _ = lower_all_to_alls_to_copy_engines(self._run)
+        self.copy_engine_all_to_alls = 0  # EP all-to-alls moved by peer memcpys (no SMs), CUDA only
+        if all_to_all == "copy-engine" and device.type == "cuda":
+            self._run, self.copy_engine_all_to_alls = lower_all_to_alls_to_copy_engines(self._run)
         if cuda_graphs and device.type != "cuda":
             raise FxShardError(f"Config(cuda_graphs=True) needs a CUDA device; the batch is on {device}")
         if cuda_graphs:
