@@ -10,28 +10,26 @@ autotuned Triton grouped-GEMM template next to aten's. Prints a table; --out wri
 
 import argparse
 import json
+import os
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from grouped_mlp import graphed  # noqa: E402  (bench/grouped_mlp.py)
 
 SHAPES = [(8, 16384, 2048, 1408), (64, 65536, 2048, 768)]
 
 
 def median_ms(fn, iters=20):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    """Median ms of one replay of `fn` captured in a CUDA graph."""
+    replay = graphed(fn)
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
