@@ -63,3 +63,20 @@ def test_ep_all_to_all_is_checked():
     with pytest.raises(fxshard.FxShardError, match="ep_all_to_all"):
         fxshard.Config(ep_all_to_all="nvshmem")
     assert fxshard.Config(ep_all_to_all="copy-engine").ep_all_to_all == "copy-engine"
+
+
+def test_a_workspace_that_cannot_be_set_up_says_why_and_what_to_do(monkeypatch):
+    from torch.distributed import _symmetric_memory as symm
+
+    from fxshard.runtime import copy_engine
+
+    def no_peer_access(*args, **kwargs):
+        raise RuntimeError("CUDA driver error: peer access is not supported between these two devices")
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(symm, "enable_symm_mem_for_group", lambda name: None)
+    monkeypatch.setattr(symm, "empty", no_peer_access)
+    with pytest.raises(fxshard.FxShardError, match="peer access is not supported.*use ep_all_to_all='nccl'"):
+        copy_engine._workspace("ep_group", 2 ** 30)
+    assert "ep_group" not in copy_engine._WORKSPACES

@@ -33,6 +33,7 @@ import torch.fx as fx
 from torch import Tensor
 
 from .. import meta
+from ..errors import FxShardError
 
 _c10d = torch.ops._c10d_functional
 
@@ -51,9 +52,15 @@ def _workspace(group_name: str, nbytes: int):
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"copy-engine all-to-all: workspace for {group_name} must be allocated before "
                                "CUDA-graph capture (the warm-up steps do that)")
-        symm.enable_symm_mem_for_group(group_name)
-        tensor = symm.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
-        held = _WORKSPACES[group_name] = (tensor, symm.rendezvous(tensor, group_name))
+        try:
+            symm.enable_symm_mem_for_group(group_name)
+            tensor = symm.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+            held = _WORKSPACES[group_name] = (tensor, symm.rendezvous(tensor, group_name))
+        except (RuntimeError, ValueError) as error:
+            raise FxShardError(
+                f"Config(ep_all_to_all='copy-engine') could not set up {nbytes / 2**30:.2f} GiB of symmetric "
+                f"memory for process group {group_name}: {error}. It needs the EP group's GPUs on one host with "
+                "peer access (NVLink) and that much free memory; use ep_all_to_all='nccl' otherwise") from error
     return held[1]
 
 
