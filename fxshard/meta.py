@@ -41,6 +41,12 @@ MOE_PIECE = "fxshard_moe_piece"
 MOE_CHUNK = "fxshard_moe_chunk"
 
 
+_c10d = torch.ops._c10d_functional
+# The functional collectives the passes issue; each result is read through a wait_tensor.
+COLLECTIVE_ISSUES = frozenset({_c10d.all_to_all_single.default, _c10d.all_gather_into_tensor.default,
+                               _c10d.reduce_scatter_tensor.default, _c10d.all_reduce.default})
+
+
 def is_moe_all_to_all(node) -> bool:
     """An all-to-all the expert-parallel pass issued (route, dispatch or combine)."""
     return node.target is torch.ops._c10d_functional.all_to_all_single.default and MOE_PIECE in node.meta

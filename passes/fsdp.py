@@ -40,7 +40,6 @@ from fxshard.program import (EXPERT_SHARDED, REPLICATED, FlatUnit, Input, InputK
 
 STRATEGIES = SHARDING_STRATEGIES
 _c10d = torch.ops._c10d_functional
-_COLLECTIVES = {_c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default, _c10d.all_reduce.default}
 ALL = (meta.FWD, 0)  # the one region of strategies that keep full parameters
 # Ops that only re-view or cast a parameter: the backward recomputes them from its own all-gather
 # instead of keeping the forward's gathered copy alive.
@@ -222,7 +221,7 @@ class _Rewrite:
         phase = region[0]
         members = unit.members
 
-        collective = issued is not None and issued.target in _COLLECTIVES
+        collective = issued is not None and issued.target in meta.COLLECTIVE_ISSUES
 
         def views(full):
             if collective:
@@ -257,7 +256,7 @@ class _Rewrite:
         return issued
 
     def wait(self, issued: fx.Node, phase: str, layer: str) -> fx.Node:
-        if issued.target not in _COLLECTIVES:  # a unit on a one-rank axis: nothing was issued
+        if issued.target not in meta.COLLECTIVE_ISSUES:  # a unit on a one-rank axis: nothing was issued
             return issued
         (done,) = inline(self.graph, lambda t: [_c10d.wait_tensor(t)], [issued], fake_mode=self.fake,
                          phase=phase, layer=layer,

@@ -24,7 +24,6 @@ everything it reads (pulled up), never ahead of its inputs.
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from fxshard import meta
@@ -32,10 +31,6 @@ from fxshard.config import EP_INTERLEAVINGS as PAIRINGS
 from fxshard.errors import FxShardError
 from fxshard.graph import reordered
 from fxshard.program import Program
-
-_c10d = torch.ops._c10d_functional
-_ISSUES = {_c10d.all_to_all_single.default, _c10d.all_gather_into_tensor.default,
-           _c10d.reduce_scatter_tensor.default, _c10d.all_reduce.default}
 
 
 def interleave_microbatches(program: Program, pairing: str = "combined-1f1b") -> Program:
@@ -97,7 +92,7 @@ def _merge(order: list[fx.Node], first: list[fx.Node], second: list[fx.Node]) ->
         if node in done:
             continue
         place(node)
-        if node.target in _ISSUES:
+        if node.target in meta.COLLECTIVE_ISSUES:
             turn = 1 - turn
     placed += [n for n in order[start:] if n not in done]
     return order[:start] + placed
