@@ -38,13 +38,14 @@ from ..errors import FxShardError
 _c10d = torch.ops._c10d_functional
 
 _WORKSPACES: dict[str, tuple[Tensor, object]] = {}  # group name -> (symmetric tensor, its handle)
+_RETIRED: list = []  # workspaces outgrown by a larger program: kept, a copy may still be writing one
 _STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
 def _workspace(group_name: str, nbytes: int):
     """The group's symmetric workspace (at least `nbytes`), allocated and exchanged on first use: a
     collective call, which every rank reaches at the same all-to-all. (Two compiled steps on one group
-    share it; the second, if larger, replaces it at its first all-to-all.)"""
+    share it; a larger one replaces it at its first all-to-all, and the old one is kept.)"""
     from torch.distributed import _symmetric_memory as symm
 
     held = _WORKSPACES.get(group_name)
@@ -52,6 +53,8 @@ def _workspace(group_name: str, nbytes: int):
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"copy-engine all-to-all: workspace for {group_name} must be allocated before "
                                "CUDA-graph capture (the warm-up steps do that)")
+        if held is not None:
+            _RETIRED.append(held)
         try:
             symm.enable_symm_mem_for_group(group_name)
             tensor = symm.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
@@ -66,7 +69,7 @@ def _workspace(group_name: str, nbytes: int):
 
 def workspace_bytes() -> int:
     """Symmetric memory held by copy-engine all-to-alls in this process (outside torch's allocator stats)."""
-    return sum(t.numel() * t.element_size() for t, _ in _WORKSPACES.values())
+    return sum(t.numel() * t.element_size() for t, _ in [*_WORKSPACES.values(), *_RETIRED])
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -93,13 +96,14 @@ class _Done(torch._C._distributed_c10d.Work):
 
 
 def copy_engine_all_to_all(x: Tensor, output_split_sizes, input_split_sizes, group_name: str, region: int,
-                           workspace_bytes: int) -> Tensor:
+                           total_bytes: int) -> Tensor:
     """all_to_all_single(x) with equal splits over `group_name`, moved by peer-to-peer memcpys into
-    this call's region (byte offset `region`) of the group's workspace. Returns the region at once
+    this call's region (byte offset `region`) of the group's workspace (`total_bytes`: what its
+    program's all-to-alls need together). Returns the region at once
     (like the functional collective); read it after `wait_tensor`."""
     group = dist.distributed_c10d._resolve_process_group(group_name)
     world, rank = group.size(), group.rank()
-    handle = _workspace(group_name, workspace_bytes)
+    handle = _workspace(group_name, total_bytes)
     x = x.contiguous()
     rows = x.shape[0] // world
     shape, offset = list(x.shape), region // x.element_size()
