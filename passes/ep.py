@@ -460,7 +460,6 @@ class _Rewrite:
             return self.plans[id(layer)]
         k, chunks, local, buffer, rows, experts = (self.cfg.ep, layer.chunks, layer.local, layer.buffer,
                                                    layer.rows, layer.experts)
-        bounds = layer.bounds
         axis = self.cfg.axis
 
         def route(offsets):
@@ -487,6 +486,30 @@ class _Rewrite:
             dropped = rows - ends[-1]
             return [slot, *sources, counts, tokens_per_expert, dropped]
 
+        phase = meta.phase(layer.offsets)
+        out = self.inline(layer, route, [self.env[layer.offsets]], phase, "route")
+        n = chunks
+        out[1 + n].meta[meta.COMM_BYTES] = k * local * 8
+        plan = {"slot": out[0], "sources": out[1:1 + n], "counts": out[1 + n], "tokens_per_expert": out[2 + n],
+                "dropped": out[3 + n]}
+        self.plans[id(layer)] = plan
+        return plan
+
+    def receiving(self, layer: _Layer, part: str) -> list[fx.Node]:
+        """The receiving side of the layer's plan (local_order, inverse or local_offsets), built where
+        first needed: after the layer's dispatches are issued, so waiting for the counts delays nothing."""
+        plan = self.plans[id(layer)]
+        if part not in plan:
+            n = layer.chunks
+            arranged = self.inline(layer, self.arrange(layer), [plan["counts"], self.env[layer.offsets]],
+                                   meta.phase(layer.offsets), "route")
+            plan.update(local_order=arranged[:n], inverse=arranged[n:2 * n], local_offsets=arranged[2 * n:])
+        return plan[part]
+
+    def arrange(self, layer: _Layer):
+        """The function (counts, offsets) -> receiving side that `receiving` inlines."""
+        k, chunks, local, buffer, bounds = self.cfg.ep, layer.chunks, layer.local, layer.buffer, layer.bounds
+
         def arrange(counts, offsets):
             """The receiving side, from the counts every source sent: per chunk, the order that sorts
             the received rows by local expert, its inverse, and the local offsets."""
@@ -503,26 +526,7 @@ class _Rewrite:
                 local_offsets.append(counts_c.sum(0).cumsum(0).to(offsets.dtype))
             return [*local_order, *inverse, *local_offsets]
 
-        phase = meta.phase(layer.offsets)
-        out = self.inline(layer, route, [self.env[layer.offsets]], phase, "route")
-        n = chunks
-        out[1 + n].meta[meta.COMM_BYTES] = k * local * 8
-        plan = {"slot": out[0], "sources": out[1:1 + n], "tokens_per_expert": out[2 + n], "dropped": out[3 + n]}
-        self.plans[id(layer)] = plan
-
-        def receiving():  # inserted where first needed: after the layer's dispatches are issued
-            arranged = self.inline(layer, arrange, [out[1 + n], self.env[layer.offsets]], phase, "route")
-            plan.update(local_order=arranged[:n], inverse=arranged[n:2 * n], local_offsets=arranged[2 * n:])
-
-        plan["arrange"] = receiving
-        return plan
-
-    def receiving(self, layer: _Layer, part: str) -> list[fx.Node]:
-        """The receiving side of the layer's plan (local_order, inverse or local_offsets), built on first use."""
-        plan = self.plans[id(layer)]
-        if part not in plan:
-            plan["arrange"]()
-        return plan[part]
+        return arrange
 
     def send(self, layer: _Layer, entry: fx.Node, chunk: int, phase: str):
         if (entry, chunk) in self.sent:
