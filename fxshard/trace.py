@@ -236,8 +236,12 @@ class _ProgramBuilder:
         with self.graph.inserting_before(grad.next):
             if total is None:
                 return self.cast(grad, dtype, meta.BWD)
-            (total,) = inline(self.graph, lambda t, g: [t + g.to(dtype)], [total, grad], fake_mode=self.fake_mode,
-                              phase=meta.BWD, extra_meta={meta.MICROBATCH: meta.microbatch(grad)})
+            # total is already in dtype: where adding the gradient promotes to dtype anyway (bf16 into
+            # an fp32 sum), the add does the cast, bit for bit, without writing a cast copy first
+            promotes = torch.promote_types(dtype, grad.meta["val"].dtype) == dtype
+            (total,) = inline(self.graph, lambda t, g: [t + g if promotes else t + g.to(dtype)], [total, grad],
+                              fake_mode=self.fake_mode, phase=meta.BWD,
+                              extra_meta={meta.MICROBATCH: meta.microbatch(grad)})
             return total
 
     def cast(self, node: fx.Node, dtype: torch.dtype, phase: str) -> fx.Node:

@@ -74,3 +74,38 @@ def test_zero3_casts_the_shard_before_the_all_gather_and_reduces_in_fp32():
             assert torch.allclose(rank_metrics["loss"], expected, rtol=2e-3)
     for name, value in single.parameters().items():
         assert relative(ranks.parameters()[name], value) < 4e-3, name  # bf16 epsilon is 7.8e-3
+
+
+def test_bf16_microbatch_gradients_are_added_into_the_fp32_sum_without_a_cast_copy():
+    """Accumulating microbatches in a wider reduce dtype: each later microbatch's bf16 gradient is
+    added to the fp32 sum directly (the add promotes, exactly as casting first would), and training
+    matches eager bf16 with fp32 masters that sums the microbatch gradients in fp32."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny"))
+    master, low = copy.deepcopy(model), copy.deepcopy(model).to(torch.bfloat16)
+    optimizer = torch_optimizer(ADAMW, master.parameters())
+    config = fxshard.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, microbatches=2)
+    step = fxshard.shard(model, loss_fn, batches(1)[0], optimizer=ADAMW, config=config)
+    adds = [n for n in step.program.graph.nodes if n.target is torch.ops.aten.add.Tensor and meta.phase(n) == meta.BWD
+            and n.meta["val"].dtype == torch.float32
+            and any(a.meta["val"].dtype == torch.bfloat16 for a in n.all_input_nodes)]
+    assert len(adds) >= len(list(model.parameters()))  # one per parameter: the second microbatch's gradient
+    for index, batch in enumerate(batches(4)):
+        with torch.no_grad():
+            for p16, p in zip(low.parameters(), master.parameters()):
+                p16.copy_(p)
+        total = [torch.zeros_like(p) for p in master.parameters()]
+        losses = []
+        for half in range(2):
+            low.zero_grad()
+            loss = low.loss({k: v[half * 2:(half + 1) * 2] for k, v in batch.items()})
+            (loss / 2).backward()
+            losses.append(loss.item())
+            for t, p16 in zip(total, low.parameters()):
+                t += p16.grad.float()
+        for p, t in zip(master.parameters(), total):
+            p.grad = t
+        optimizer.step()
+        ours, eager = step(batch)["loss"].item(), sum(losses) / 2
+        tolerance = 1e-6 if index == 0 else 1e-3  # as above: bf16 rounding amplifies through Adam
+        assert abs(ours - eager) <= tolerance * abs(eager), (index, ours, eager)
