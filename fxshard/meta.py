@@ -49,4 +49,4 @@ COLLECTIVE_ISSUES = frozenset({_c10d.all_to_all_single.default, _c10d.all_gather
 
 def is_moe_all_to_all(node) -> bool:
     """An all-to-all the expert-parallel pass issued (route, dispatch or combine)."""
-    return node.target is torch.ops._c10d_functional.all_to_all_single.default and MOE_PIECE in node.meta
+    return node.target is _c10d.all_to_all_single.default and MOE_PIECE in node.meta

@@ -52,6 +52,7 @@ def test_all_to_alls_with_unequal_splits_keep_nccl():
     for splits in ([2, 4], [3, 3]):
         node = graph.call_function(c10d.all_to_all_single.default, (x, splits, splits, "0"))
         node.meta[meta.MOE_PIECE] = "dispatch"
+        node.meta[meta.COMM_BYTES] = 6 * 4 * 4
         graph.call_function(c10d.wait_tensor.default, (node,))
     graph.output(None)
     lowered, count = lower_all_to_alls_to_copy_engines(fx.GraphModule(torch.nn.Module(), graph))

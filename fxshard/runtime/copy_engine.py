@@ -131,9 +131,9 @@ def lower_all_to_alls_to_copy_engines(graph_module: fx.GraphModule) -> tuple[fx.
     graph.output(graph.graph_copy(graph_module.graph, {}))
     lowered = [node for node in graph.nodes if meta.is_moe_all_to_all(node) and _equal_splits(node)]
     regions, total = [], 0
-    for node in lowered:
+    for node in lowered:  # each one's size: what the EP pass recorded it sends
         regions.append(total)
-        total += -(-_nbytes(node.args[0]) // _ALIGN) * _ALIGN
+        total += -(-node.meta[meta.COMM_BYTES] // _ALIGN) * _ALIGN
     for node, region in zip(lowered, regions):
         x, out_splits, in_splits, group_name = node.args[:4]
         node.target = copy_engine_all_to_all
@@ -144,10 +144,4 @@ def lower_all_to_alls_to_copy_engines(graph_module: fx.GraphModule) -> tuple[fx.
 
 def _equal_splits(node: fx.Node) -> bool:
     out_splits, in_splits = node.args[1], node.args[2]
-    return all(splits is None or len(set(splits)) <= 1 for splits in (out_splits, in_splits)) and \
-        (out_splits is None) == (in_splits is None) and out_splits == in_splits
-
-
-def _nbytes(node: fx.Node) -> int:
-    value = node.meta.get("val")
-    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+    return out_splits == in_splits and (out_splits is None or len(set(out_splits)) <= 1)
