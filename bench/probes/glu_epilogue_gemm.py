@@ -38,14 +38,20 @@ _spec.loader.exec_module(parts)
 
 
 @triton.jit
-def _tile_origin(tile, offsets_ptr, n_experts, rows, col_tiles, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr):
-    """(first row, row end, column tile index, is_tail, expert) of flat tile `tile`. Groups are the
-    experts then the tail; GROUPS is a power of two > n_experts."""
+def _group_table(offsets_ptr, n_experts, rows, col_tiles, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr):
+    """Per group (the experts, then the tail past offsets[-1]; GROUPS a power of two > n_experts):
+    (index, first row, row end, tiles)."""
     group = tl.arange(0, GROUPS)
     ends = tl.load(offsets_ptr + group, mask=group < n_experts, other=rows)
     starts = tl.load(offsets_ptr + group - 1, mask=(group > 0) & (group <= n_experts), other=0)
     starts = tl.where(group > n_experts, rows, starts)
-    tiles = tl.cdiv(ends - starts, BLOCK_M) * col_tiles
+    return group, starts, ends, tl.cdiv(ends - starts, BLOCK_M) * col_tiles
+
+
+@triton.jit
+def _tile_origin(tile, offsets_ptr, n_experts, rows, col_tiles, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr):
+    """(first row, row end, column tile index, is_tail, expert) of flat tile `tile`."""
+    group, starts, ends, tiles = _group_table(offsets_ptr, n_experts, rows, col_tiles, BLOCK_M, GROUPS)
     last = tl.cumsum(tiles, 0)  # one past each group's last tile
     mine = (tile >= last - tiles) & (tile < last)
     first_tile = tl.sum(tl.where(mine, last - tiles, 0), 0)
@@ -59,11 +65,8 @@ def _tile_origin(tile, offsets_ptr, n_experts, rows, col_tiles, BLOCK_M: tl.cons
 
 @triton.jit
 def _total_tiles(offsets_ptr, n_experts, rows, col_tiles, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr):
-    group = tl.arange(0, GROUPS)
-    ends = tl.load(offsets_ptr + group, mask=group < n_experts, other=rows)
-    starts = tl.load(offsets_ptr + group - 1, mask=(group > 0) & (group <= n_experts), other=0)
-    starts = tl.where(group > n_experts, rows, starts)
-    return tl.sum(tl.cdiv(ends - starts, BLOCK_M) * col_tiles, 0)
+    _, _, _, tiles = _group_table(offsets_ptr, n_experts, rows, col_tiles, BLOCK_M, GROUPS)
+    return tl.sum(tiles, 0)
 
 
 @triton.jit
