@@ -176,6 +176,21 @@ def test_cuda_grouped_mlp_backend_is_as_accurate_as_the_reference(activation, co
     assert not fast[0][sum(counts):].any() and not fast[1][sum(counts):].any(), "rows past the last offset"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, end, width", [(100, 100, 64), (100, 99, 200), (4096, 4000, 130),
+                                              (70000, 1, 136), (70000, 0, 8)])
+def test_zero_tail_zeroes_exactly_the_rows_past_the_last_offset(rows, end, width):
+    """Rows >= offsets[-1] become zero and nothing else changes: no tail, a one-row tail, a tail
+    longer than the kernel's fixed grid covers in one stride, widths that are not a tile multiple."""
+    from fxshard.ops._triton_grouped_mlp import zero_tail_
+
+    out = torch.arange(1, rows * width + 1, device="cuda", dtype=torch.float32).reshape(rows, width).bfloat16()
+    expected = out.clone()
+    expected[end:] = 0
+    offsets = torch.tensor([end // 2, end], device="cuda", dtype=torch.int32)
+    assert torch.equal(zero_tail_(out, offsets), expected)
+
+
 def _nccl_pipeline(configs, data):
     rank = dist.get_rank()
     device = f"cuda:{rank}"
