@@ -1,14 +1,20 @@
 """Grouped expert MLP benchmark: per-expert loop vs unfused torch._grouped_mm + eager activation vs
 fxshard's fused op, forward and forward+backward, bf16, side by side in one process.
 
-    python bench/grouped_mlp.py --out bench/grouped_mlp.json
+    python bench/grouped_mlp.py --out bench/grouped_mlp.json [--layouts ragged capacity]
 
 Each shape routes T tokens to E experts at random (fixed seed; some imbalance, as in training) and
-runs a SwiGLU expert MLP: fc1 [E, 2F, D], fc2 [E, D, F]. Reported per mode: forward ms (eager),
+runs a SwiGLU expert MLP: fc1 [E, 2F, D], fc2 [E, D, F]. Two row layouts (fxshard.ops.grouped_mlp):
+`ragged` (dropless: every token, experts' rows back to back) and `capacity` (capacity factor 1:
+each expert keeps at most C = T/E of its tokens, in a C-row slot padded with zero rows, as a
+capacity-based dispatch lays them out). On the capacity layout every mode gets the same slots: the
+loop and the fused op compute the kept rows, torch._grouped_mm the whole slots (its groups), the
+fused op runs batched GEMMs over them (`capacity=C`). Reported per mode: forward ms (eager),
 forward+backward ms eager and replayed from a CUDA graph (no launch gaps: how fxshard runs a step;
-TFLOP/s and the ratios use it), TFLOP/s (forward 2*T*D*3F FLOPs, forward+backward 3x that), the
-peak memory a forward+backward adds on top of its inputs, and what a forward keeps for its backward.
-The dense 8192^3 bf16 matmul rate of the same GPU is measured first, as the ceiling.
+TFLOP/s and the ratios use it), TFLOP/s (forward 2*rows*D*3F FLOPs over the rows experts keep, so
+padding counts as waste; forward+backward 3x that), the peak memory a forward+backward adds on top
+of its inputs, and what a forward keeps for its backward. The dense 8192^3 bf16 matmul rate of the
+same GPU is measured first, as the ceiling.
 """
 
 from __future__ import annotations
@@ -96,62 +102,139 @@ def dense_rate() -> float:
     return 2 * 8192 ** 3 / (ms / 1e3) / 1e12
 
 
-def problem(experts, tokens, d_model, d_ff, seed=0):
+class Layout:
+    """Where each expert's rows are: `offsets` as fxshard's dispatch gives them (cumulative counts),
+    `capacity` (None: ragged), `groups` (the offsets torch._grouped_mm gets: the counts, or the slots),
+    `owned` [T] bool (rows an expert computes), `rows` (how many)."""
+
+    def __init__(self, counts, capacity):
+        experts = counts.shape[0]
+        self.offsets, self.capacity = counts.cumsum(0).to(torch.int32), capacity
+        if capacity is None:
+            self.groups, kept = self.offsets, counts
+            self.owned = torch.ones(int(counts.sum()), dtype=torch.bool, device=counts.device)
+        else:
+            kept = counts.clamp(max=capacity)
+            self.groups = torch.arange(1, experts + 1, device=counts.device, dtype=torch.int32) * capacity
+            slot_row = torch.arange(experts * capacity, device=counts.device) % capacity
+            self.owned = slot_row < kept.repeat_interleave(capacity)
+        self.kept = kept.tolist()
+        self.rows = int(kept.sum())
+
+
+def problem(experts, tokens, d_model, d_ff, layout="ragged", seed=0):
     generator = torch.Generator(device="cuda").manual_seed(seed)
     choice = torch.randint(0, experts, (tokens,), device="cuda", generator=generator)
-    counts = torch.bincount(choice, minlength=experts)
-    offsets = counts.cumsum(0).to(torch.int32)
+    where = Layout(torch.bincount(choice, minlength=experts), None if layout == "ragged" else tokens // experts)
     x = torch.randn(tokens, d_model, device="cuda", dtype=torch.bfloat16, generator=generator)
+    x[~where.owned] = 0  # the capacity layout's padding rows, as a dispatch writes them
     w1 = torch.randn(experts, 2 * d_ff, d_model, device="cuda", dtype=torch.bfloat16, generator=generator) * 0.02
     w2 = torch.randn(experts, d_model, d_ff, device="cuda", dtype=torch.bfloat16, generator=generator) * 0.02
     grad = torch.randn(tokens, d_model, device="cuda", dtype=torch.bfloat16, generator=generator)
-    return x, offsets, w1.requires_grad_(), w2.requires_grad_(), grad
+    return x, where, w1.requires_grad_(), w2.requires_grad_(), grad
 
 
-def loop_mlp(x, offsets, w1, w2):
+def loop_mlp(x, where, w1, w2):
     outs, start = [], 0
-    for expert, end in enumerate(offsets.tolist()):
-        gate, up = (x[start:end] @ w1[expert].t()).chunk(2, dim=-1)
+    for expert, kept in enumerate(where.kept):
+        if where.capacity is not None:
+            start = expert * where.capacity
+        gate, up = (x[start:start + kept] @ w1[expert].t()).chunk(2, dim=-1)
         outs.append((F.silu(gate) * up) @ w2[expert].t())
-        start = end
-    return torch.cat(outs)
+        start += kept
+    return torch.cat(outs)  # the owned rows only
 
 
-def unfused_mlp(x, offsets, w1, w2):
-    gate, up = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
-    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
+def unfused_mlp(x, where, w1, w2):
+    gate, up = torch._grouped_mm(x, w1.transpose(-2, -1), offs=where.groups).chunk(2, dim=-1)
+    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=where.groups)
 
 
-def fused_mlp(x, offsets, w1, w2):
-    return grouped_mlp(x, offsets, w1, w2, activation="swiglu")
+def fused_mlp(x, where, w1, w2):
+    return grouped_mlp(x, where.offsets, w1, w2, activation="swiglu", capacity=where.capacity)
 
 
 class _GemmsOnly(torch.autograd.Function):
-    """The six grouped GEMMs of forward+backward and nothing else: the floor for any implementation
-    built on torch._grouped_mm (not an MLP: the activation is skipped, fc2 reads fc1's gate half)."""
+    """The six GEMMs of forward+backward, as the fused op's backend runs them on this layout, and
+    nothing else: the floor for the fused op (not an MLP: the activation is skipped, fc2 reads fc1's
+    gate half)."""
 
     @staticmethod
-    def forward(ctx, x, offsets, w1, w2):
-        h = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
+    def forward(ctx, x, where, w1, w2):
+        from fxshard.ops.grouped_mlp_backends import BACKENDS
+
+        gemm = BACKENDS["cuda"].gemm
+        h = gemm(x, where.offsets, w1, zero_tail=False, capacity=where.capacity)
         a = h[:, :w2.shape[2]].contiguous()
-        ctx.save_for_backward(x, offsets, w1, w2, a)
-        return torch._grouped_mm(a, w2.transpose(-2, -1), offs=offsets)
+        ctx.save_for_backward(x, w1, w2, a)
+        ctx.where = where
+        return gemm(a, where.offsets, w2, zero_tail=False, capacity=where.capacity)
 
     @staticmethod
     def backward(ctx, grad):
-        x, offsets, w1, w2, a = ctx.saved_tensors
-        grad_a = torch._grouped_mm(grad, w2, offs=offsets)
+        from fxshard.ops.grouped_mlp_backends import BACKENDS
+
+        cuda, where = BACKENDS["cuda"], ctx.where
+        x, w1, w2, a = ctx.saved_tensors
+        experts, capacity = w1.shape[0], where.capacity
+        grad_a = cuda.gemm(grad, where.offsets, w2.transpose(1, 2), zero_tail=False, capacity=capacity)
         grad_h = torch.cat([grad_a, grad_a], dim=-1)
-        grad_x = torch._grouped_mm(grad_h, w1, offs=offsets)
-        return (grad_x, None, torch._grouped_mm(grad_h.t(), x, offs=offsets),
-                torch._grouped_mm(grad.t(), a, offs=offsets))
+        grad_x = cuda.gemm(grad_h, where.offsets, w1.transpose(1, 2), zero_tail=False, capacity=capacity)
+        return (grad_x, None, cuda.gemm_wgrad(grad_h, x, where.offsets, experts, capacity=capacity),
+                cuda.gemm_wgrad(grad, a, where.offsets, experts, capacity=capacity))
 
 
-def gemms_only(x, offsets, w1, w2):
-    return _GemmsOnly.apply(x, offsets, w1, w2)
+def gemms_only(x, where, w1, w2):
+    return _GemmsOnly.apply(x, where, w1, w2)
 
 
 MODES = {"loop": loop_mlp, "unfused": unfused_mlp, "fused": fused_mlp, "gemms-only": gemms_only}
+
+
+def run_shape(experts, tokens, d_model, d_ff, layout, ceiling, args):
+    x, where, w1, w2, grad = problem(experts, tokens, d_model, d_ff, layout)
+    x.requires_grad_()
+    flops = 2 * where.rows * d_model * 3 * d_ff  # the rows experts keep: padding is not useful work
+    results, rows = {}, []
+    for mode, fn in MODES.items():
+        with torch.no_grad():
+            forward_ms = cuda_time_ms(lambda: fn(x, where, w1, w2), iters=args.iters)
+
+        def train():
+            out = fn(x, where, w1, w2)
+            torch.autograd.grad(out, (x, w1, w2), grad[where.owned] if mode == "loop" else grad)
+
+        train_ms = cuda_time_ms(train, iters=args.iters)
+        # GPU time without launch gaps, as fxshard replays a step (the loop syncs on the host: eager only)
+        graph_ms = cuda_time_ms(graphed(train), iters=args.iters) if mode != "loop" else train_ms
+        peak = peak_added_bytes(train)
+        saved = saved_bytes(lambda: fn(x, where, w1, w2))
+        if args.profile and (experts, tokens, d_model, d_ff) == SHAPES[0]:
+            os.makedirs(args.profile, exist_ok=True)
+            profile_table(train, os.path.join(args.profile, f"{layout}-{mode}.txt"))
+        out = fn(x, where, w1, w2).detach().float()
+        results[mode] = (out if mode == "loop" else out[where.owned], graph_ms)
+        row = {"experts": experts, "tokens": tokens, "d_model": d_model, "d_ff": d_ff, "layout": layout,
+               "capacity": where.capacity, "kept_rows": where.rows, "mode": mode,
+               "forward_ms": forward_ms, "forward_tflops": flops / forward_ms / 1e9,
+               "train_eager_ms": train_ms, "train_ms": graph_ms, "train_tflops": 3 * flops / graph_ms / 1e9,
+               "peak_bytes": peak, "saved_bytes": saved}
+        row["train_fraction_of_dense"] = row["train_tflops"] / ceiling
+        rows.append(row)
+        print(f"{experts:>3} {tokens:>6} {d_model:>5} {d_ff:>5} {layout:<8} {mode:<10} {forward_ms:>8.3f} "
+              f"{row['forward_tflops']:>9.0f} {train_ms:>8.3f} {graph_ms:>8.3f} {row['train_tflops']:>9.0f} "
+              f"{row['train_fraction_of_dense']:>10.1%} {peak / 2**20:>9.0f} {saved / 2**20:>9.0f}", flush=True)
+    reference = results["loop"][0]
+    for mode, (out, _) in results.items():
+        if mode == "gemms-only":
+            continue
+        error = (out - reference).abs().max().item() / reference.abs().max().item()
+        print(f"    {mode}: max |out - loop| / max |loop| = {error:.2e}", flush=True)
+    speedup = results["unfused"][1] / results["fused"][1]
+    kept = f"; experts keep {where.rows} of {tokens} rows (C={where.capacity})" if where.capacity else ""
+    print(f"    {layout}: fused vs unfused forward+backward: {speedup:.2f}x; the GEMMs alone take "
+          f"{results['gemms-only'][1] / results['fused'][1]:.0%} of the fused time{kept}", flush=True)
+    return rows
 
 
 def main():
@@ -159,56 +242,19 @@ def main():
     parser.add_argument("--out", default="bench/grouped_mlp.json")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--profile", metavar="DIR", help="kernel-time tables of forward+backward, first shape")
+    parser.add_argument("--layouts", nargs="+", choices=("ragged", "capacity"), default=["ragged", "capacity"])
     args = parser.parse_args()
     assert BACKENDS["cuda"].supports(torch.zeros(8, 8, device="cuda", dtype=torch.bfloat16)), "needs sm90+ bf16"
     ceiling = dense_rate()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: dense bf16 8192^3 matmul "
           f"{ceiling:.0f} TFLOP/s", flush=True)
-    print(f"{'E':>3} {'T':>6} {'D':>5} {'F':>5} {'mode':<10} {'fwd ms':>8} {'fwd TF/s':>9} {'f+b ms':>8} {'graphed':>8} "
-          f"{'f+b TF/s':>9} {'f+b %dense':>10} {'peak MiB':>9} {'saved MiB':>9}", flush=True)
+    print(f"{'E':>3} {'T':>6} {'D':>5} {'F':>5} {'layout':<8} {'mode':<10} {'fwd ms':>8} {'fwd TF/s':>9} {'f+b ms':>8} "
+          f"{'graphed':>8} {'f+b TF/s':>9} {'f+b %dense':>10} {'peak MiB':>9} {'saved MiB':>9}", flush=True)
     rows = []
-    for experts, tokens, d_model, d_ff in SHAPES:
-        x, offsets, w1, w2, grad = problem(experts, tokens, d_model, d_ff)
-        x.requires_grad_()
-        flops = 2 * tokens * d_model * 3 * d_ff
-        results = {}
-        for mode, fn in MODES.items():
-            with torch.no_grad():
-                forward_ms = cuda_time_ms(lambda: fn(x, offsets, w1, w2), iters=args.iters)
-
-            def train():
-                out = fn(x, offsets, w1, w2)
-                torch.autograd.grad(out, (x, w1, w2), grad)
-
-            train_ms = cuda_time_ms(train, iters=args.iters)
-            # GPU time without launch gaps, as fxshard replays a step (the loop syncs on the host: eager only)
-            graph_ms = cuda_time_ms(graphed(train), iters=args.iters) if mode != "loop" else train_ms
-            peak = peak_added_bytes(train)
-            saved = saved_bytes(lambda: fn(x, offsets, w1, w2))
-            if args.profile and (experts, tokens, d_model, d_ff) == SHAPES[0]:
-                os.makedirs(args.profile, exist_ok=True)
-                profile_table(train, os.path.join(args.profile, f"{mode}.txt"))
-            results[mode] = (fn(x, offsets, w1, w2).detach().float(), graph_ms)
-            row = {"experts": experts, "tokens": tokens, "d_model": d_model, "d_ff": d_ff, "mode": mode,
-                   "forward_ms": forward_ms, "forward_tflops": flops / forward_ms / 1e9,
-                   "train_eager_ms": train_ms, "train_ms": graph_ms, "train_tflops": 3 * flops / graph_ms / 1e9,
-                   "peak_bytes": peak,
-                   "saved_bytes": saved}
-            row["train_fraction_of_dense"] = row["train_tflops"] / ceiling
-            rows.append(row)
-            print(f"{experts:>3} {tokens:>6} {d_model:>5} {d_ff:>5} {mode:<10} {forward_ms:>8.3f} "
-                  f"{row['forward_tflops']:>9.0f} {train_ms:>8.3f} {graph_ms:>8.3f} {row['train_tflops']:>9.0f} "
-                  f"{row['train_fraction_of_dense']:>10.1%} {peak / 2**20:>9.0f} {saved / 2**20:>9.0f}", flush=True)
-        reference = results["loop"][0]
-        for mode, (out, _) in results.items():
-            if mode == "gemms-only":
-                continue
-            error = (out - reference).abs().max().item() / reference.abs().max().item()
-            print(f"    {mode}: max |out - loop| / max |loop| = {error:.2e}", flush=True)
-        speedup = results["unfused"][1] / results["fused"][1]
-        print(f"    fused vs unfused forward+backward: {speedup:.2f}x; the GEMMs alone take "
-              f"{results['gemms-only'][1] / results['fused'][1]:.0%} of the fused time", flush=True)
-        torch.cuda.empty_cache()
+    for layout in args.layouts:
+        for experts, tokens, d_model, d_ff in SHAPES:
+            rows += run_shape(experts, tokens, d_model, d_ff, layout, ceiling, args)
+            torch.cuda.empty_cache()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as handle:
         json.dump({"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),

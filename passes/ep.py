@@ -74,16 +74,17 @@ class EPConfig:
 
 def _expert_ops():
     """op -> (argument roles, output roles): "row" (one row per routed token, sorted by expert),
-    "offsets", "weight" ([E, ...] expert tensors), "experts" (the int E), None (anything else)."""
+    "offsets", "weight" ([E, ...] expert tensors), "experts" (the int E), "capacity" (the grouped
+    MLP's slot layout, which find_layers refuses), None (anything else)."""
     ops = torch.ops.fxshard
     return {
         ops.grouped_mm.default: (("row", "offsets", "weight"), ("row",)),
         ops.grouped_mm_wgrad.default: (("row", "row", "offsets", "experts"), ("weight",)),
-        ops.grouped_mlp_fwd.default: (("row", "offsets", "weight", "weight", "weight", "weight", None, None),
-                                      ("row", "row")),
-        ops.grouped_mlp_dgrad.default: (("row", "row", "offsets", "weight", "weight", None, None),
+        ops.grouped_mlp_fwd.default: (("row", "offsets", "weight", "weight", "weight", "weight", None, None,
+                                       "capacity"), ("row", "row")),
+        ops.grouped_mlp_dgrad.default: (("row", "row", "offsets", "weight", "weight", None, None, "capacity"),
                                         ("row", "row", "row")),
-        ops.grouped_mlp_wgrad.default: (("row", "row", "row", "row", "offsets", None),
+        ops.grouped_mlp_wgrad.default: (("row", "row", "row", "row", "offsets", None, "capacity"),
                                         ("weight", "weight", "weight", "weight")),
     }
 
@@ -99,6 +100,14 @@ _PLAIN = {_aten._to_copy.default, _aten.clone.default, _aten.alias.default, _ate
 
 def _val(node):
     return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+def _arg(node: fx.Node, position: int):
+    """Argument `position` of a call whether passed positionally, by name or left at its default."""
+    if position < len(node.args):
+        return node.args[position]
+    schema = node.target._schema.arguments[position]
+    return node.kwargs.get(schema.name, schema.default_value)
 
 
 def _first_tensor(value):
@@ -183,6 +192,11 @@ class _Rewrite:
         self.layer_of: dict[fx.Node, _Layer] = {}
         for seed in seeds:
             arg_roles, _ = self.roles[seed.target]
+            if "capacity" in arg_roles and _arg(seed, arg_roles.index("capacity")) is not None:
+                raise FxShardError(
+                    f"{seed.name} ({seed.target}) uses the capacity-slot row layout (capacity="
+                    f"{_arg(seed, arg_roles.index('capacity'))}), which expert parallelism does not rewrite yet; "
+                    f"call fxshard.ops.grouped_mlp with capacity=None (ragged rows) under Mesh(ep>1)")
             offsets = seed.args[arg_roles.index("offsets")]
             layer = self.layers.get(offsets)
             if layer is None:

@@ -177,6 +177,51 @@ def test_cuda_grouped_mlp_backend_is_as_accurate_as_the_reference(activation, co
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("activation, bias", [("swiglu", False), ("quick_geglu", True), ("relu", False)])
+def test_cuda_capacity_slot_layout_is_as_accurate_as_the_reference(activation, bias, monkeypatch):
+    """The slot layout on the CUDA backend (batched GEMMs over every slot row, padding masked by the
+    activation kernels) against float64: an empty expert, an overfull one (counts above C count as C),
+    random padding rows that must reach no result."""
+    from fxshard.ops.grouped_mlp import grouped_mlp
+    from fxshard.ops.grouped_mlp_backends import ACTIVATIONS, BACKENDS, backend_for
+
+    counts, capacity, d_model, d_ff = [37, 0, 130, 64, 200], 136, 264, 200
+    experts, gated = len(counts), ACTIVATIONS[activation].gated
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    inputs = [torch.randn(experts * capacity, d_model, device="cuda", generator=generator),
+              torch.randn(experts, (2 if gated else 1) * d_ff, d_model, device="cuda", generator=generator) * 0.2,
+              torch.randn(experts, d_model, d_ff, device="cuda", generator=generator) * 0.2]
+    if bias:
+        inputs += [torch.randn(experts, (2 if gated else 1) * d_ff, device="cuda", generator=generator),
+                   torch.randn(experts, d_model, device="cuda", generator=generator)]
+    offsets = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    grad_out = torch.randn(experts * capacity, d_model, device="cuda", generator=generator)
+    owned = torch.zeros(experts * capacity, dtype=torch.bool, device="cuda")
+    for expert, count in enumerate(counts):
+        owned[expert * capacity:expert * capacity + min(count, capacity)] = True
+
+    def run(dtype, backend=None):
+        if backend:
+            monkeypatch.setenv("FXSHARD_GROUPED_MLP_BACKEND", backend)
+        leaves = [t.to(dtype).requires_grad_() for t in inputs]
+        out = grouped_mlp(leaves[0], offsets, *leaves[1:3], *(leaves[3:] or (None, None)), activation=activation,
+                          limit=2.0, capacity=capacity)
+        grads = torch.autograd.grad(out, leaves, grad_out.to(dtype))
+        monkeypatch.delenv("FXSHARD_GROUPED_MLP_BACKEND", raising=False)
+        return [t.double() for t in (out, *grads)]
+
+    assert backend_for(inputs[0].bfloat16()) is BACKENDS["cuda"]
+    fast, reference, truth = run(torch.bfloat16), run(torch.bfloat16, "reference"), run(torch.float64)
+    for index, (ours, ref, exact) in enumerate(zip(fast, reference, truth)):
+        if index < 2:  # out and grad_x: rows of the slots' padding are zero; compare the owned rows
+            assert not ours[~owned].any(), ("padding rows", index)
+            ours, ref, exact = ours[owned], ref[owned], exact[owned]
+        scale = exact.abs().max().item()
+        ours_error, ref_error = [(t - exact).abs().max().item() / scale for t in (ours, ref)]
+        assert ours_error <= max(2 * ref_error, 1e-2), (index, ours_error, ref_error)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows, end, width", [(100, 100, 64), (100, 99, 200), (4096, 4000, 130),
                                               (70000, 1, 136), (70000, 0, 8)])
 def test_zero_tail_zeroes_exactly_the_rows_past_the_last_offset(rows, end, width):

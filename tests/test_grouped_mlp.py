@@ -4,6 +4,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
+from fxshard import FxShardError
 from fxshard.ops.grouped_mlp import grouped_mlp, grouped_mlp_reference
 from fxshard.ops.grouped_mlp_backends import ACTIVATIONS
 
@@ -111,3 +112,56 @@ def test_differentiating_through_the_saved_intermediate_is_refused():
     _, h = grouped_mlp_fwd(tensors["x"], offsets, tensors["w1"], tensors["w2"], None, None, "swiglu", 7.0)
     with pytest.raises(RuntimeError, match="for the backward only"):
         h.sum().backward()
+
+
+def _slots(values, counts, capacity, filler):
+    """Packed rows (ragged: min(count, C) per expert, in order) laid out in C-row slots, padding from `filler`."""
+    slots, start = filler.clone(), 0
+    for expert, count in enumerate(counts):
+        kept = min(count, capacity)
+        slots[expert * capacity:expert * capacity + kept] = values[start:start + kept]
+        start += count
+    return slots
+
+
+@given(counts=st.lists(st.integers(0, 7), min_size=1, max_size=4), capacity=st.integers(1, 5),
+       activation=st.sampled_from(NAMES), bias=st.booleans(), seed=st.integers(0, 3))
+def test_capacity_slot_layout_computes_what_the_ragged_layout_does_on_the_same_rows(counts, capacity, activation,
+                                                                                     bias, seed):
+    """Each expert's first min(count, C) rows in a C-row slot give the ragged layout's results on those
+    rows, in the output and every gradient; padding rows (random, finite) reach no result and get zero
+    output and zero gradient; counts above C count as C."""
+    kept = [min(c, capacity) for c in counts]
+    tensors, ragged_offsets, grad_packed = _problem(kept, 5, 3, 0, activation, bias, torch.float32, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 100)
+    experts = len(counts)
+    pad_x, pad_grad = (torch.randn(experts * capacity, 5, generator=generator) * 3 for _ in range(2))
+    packed_x = tensors["x"].detach()
+    expanded = torch.cat([torch.cat([packed_x[sum(kept[:e]):sum(kept[:e + 1])],
+                                     torch.zeros(c - k, 5)]) for e, (c, k) in enumerate(zip(counts, kept))])
+    slot_x = _slots(expanded, counts, capacity, pad_x).requires_grad_()
+    slot_grad = _slots(torch.cat([torch.cat([grad_packed[sum(kept[:e]):sum(kept[:e + 1])], torch.zeros(c - k, 5)])
+                                  for e, (c, k) in enumerate(zip(counts, kept))]), counts, capacity, pad_grad)
+    slot_offsets = torch.tensor(counts).cumsum(0).to(torch.int32)  # the dispatch's counts, before the cap
+
+    ragged_out, ragged_grads = _run(grouped_mlp, tensors, ragged_offsets, grad_packed, activation, 7.0)
+    slot_tensors = dict(tensors, x=slot_x)
+    out = grouped_mlp(slot_x, slot_offsets, tensors["w1"], tensors["w2"], tensors["b1"], tensors["b2"],
+                      activation=activation, capacity=capacity)
+    leaves = [t for t in slot_tensors.values() if t is not None]
+    grads = torch.autograd.grad(out, leaves, slot_grad)
+
+    owned = torch.zeros(experts * capacity, dtype=torch.bool)
+    for expert, k in enumerate(kept):
+        owned[expert * capacity:expert * capacity + k] = True
+    torch.testing.assert_close(out[owned], ragged_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[0][owned], ragged_grads[0], rtol=1e-5, atol=1e-5)
+    assert not out[~owned].any() and not grads[0][~owned].any(), "padding rows must stay zero"
+    for ours, expected in zip(grads[1:], ragged_grads[1:]):  # w1, w2 (and biases): padding left out
+        torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_capacity_slot_layout_refuses_a_row_count_that_is_not_experts_times_capacity():
+    tensors, offsets, _ = _problem([2, 2], 4, 3, 0, "swiglu", False, torch.float32)
+    with pytest.raises(FxShardError, match="experts \\* capacity"):
+        grouped_mlp(tensors["x"], offsets, tensors["w1"], tensors["w2"], capacity=3)

@@ -27,8 +27,8 @@ CONFIGS = [(16, 128, 4), (32, 128, 4), (32, 256, 8), (64, 128, 8), (8, 256, 4), 
 def launch(h, grad, out, act, offsets, width, backward, block_r, block_c, warps):
     grid = (triton.cdiv(h.shape[0], block_r), triton.cdiv(width, block_c))
     _act_kernel[grid](h, grad if grad is not None else h, out, act if act is not None else out, offsets,
-                      offsets.shape[0], h.shape[0], width, 7.0, CODE=_CODES["swiglu"], GATED=True,
-                      BACKWARD=backward, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+                      offsets.shape[0], h.shape[0], width, 7.0, 1, CODE=_CODES["swiglu"], GATED=True,
+                      BACKWARD=backward, SLOTS=False, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
 
 
 def main():

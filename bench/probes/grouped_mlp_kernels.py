@@ -95,9 +95,9 @@ def _side_stream():
 
 
 def _two_streams(side):
-    def run(x, offsets, w1, w2):
+    def run(x, where, w1, w2):
         _TwoStreams.SIDE = side
-        return _TwoStreams.apply(x, offsets, w1, w2)
+        return _TwoStreams.apply(x, where.offsets, w1, w2)
     return run
 
 
@@ -111,19 +111,19 @@ def main():
     args = parser.parse_args()
     report = []
     for experts, tokens, d_model, d_ff in bench.SHAPES:
-        x, offsets, w1, w2, grad = bench.problem(experts, tokens, d_model, d_ff)
+        x, where, w1, w2, grad = bench.problem(experts, tokens, d_model, d_ff)  # ragged rows
         x.requires_grad_()
         modes = {}
         for mode in ("unfused", "fused", *EXPERIMENTS):
             fn = bench.MODES.get(mode) or EXPERIMENTS[mode]
 
             def train(fn=fn):
-                torch.autograd.grad(fn(x, offsets, w1, w2), (x, w1, w2), grad)
+                torch.autograd.grad(fn(x, where, w1, w2), (x, w1, w2), grad)
 
             modes[mode] = (train, bench.graphed(train))
-        reference = torch.autograd.grad(bench.MODES["fused"](x, offsets, w1, w2), (x, w1, w2), grad)
+        reference = torch.autograd.grad(bench.MODES["fused"](x, where, w1, w2), (x, w1, w2), grad)
         for mode in EXPERIMENTS:
-            got = torch.autograd.grad(EXPERIMENTS[mode](x, offsets, w1, w2), (x, w1, w2), grad)
+            got = torch.autograd.grad(EXPERIMENTS[mode](x, where, w1, w2), (x, w1, w2), grad)
             print(f"{mode}: gradients bit-identical to fused: {all(torch.equal(a, b) for a, b in zip(got, reference))}")
         times = {(mode, kind): [] for mode in modes for kind in ("graphed", "eager")}
         for _ in range(args.replays):

@@ -1,8 +1,10 @@
 """Triton kernels for fxshard::grouped_mlp's CUDA backend (imported only on CUDA).
 
 Activation forward/backward over [T, H] rows (gated: gate columns [0, F), linear columns [F, 2F)),
-computed in fp32, stored in the input dtype, with rows at or past offsets[-1] written as zero; and
-`zero_tail_`, which zeroes those rows of a GEMM output in place. The derivatives are written out
+computed in fp32, stored in the input dtype, with the rows no expert owns written as zero (ragged
+layout: rows at or past offsets[-1]; slot layout, capacity C: rows past the first min(count, C) of
+each expert's C-row slot); and `zero_tail_`, which zeroes the ragged layout's rows past offsets[-1]
+of a GEMM output in place. The derivatives are written out
 here and checked against autograd on the PyTorch definitions (tests/test_gpu.py).
 """
 
@@ -55,16 +57,23 @@ def _activation(g, u, limit, CODE: tl.constexpr, GATED: tl.constexpr):
 
 
 @triton.jit
-def _act_kernel(h_ptr, grad_ptr, out_ptr, act_ptr, offsets_ptr, n_experts, rows, width, limit,
-                CODE: tl.constexpr, GATED: tl.constexpr, BACKWARD: tl.constexpr,
+def _act_kernel(h_ptr, grad_ptr, out_ptr, act_ptr, offsets_ptr, n_experts, rows, width, limit, capacity,
+                CODE: tl.constexpr, GATED: tl.constexpr, BACKWARD: tl.constexpr, SLOTS: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """width = F (the activation's output width). Forward: out [T, F] = act. Backward: out [T, H] =
-    grad_h (gated: d/d gate in columns [0, F), d/d linear half in [F, 2F)) and act_ptr [T, F] = act."""
+    grad_h (gated: d/d gate in columns [0, F), d/d linear half in [F, 2F)) and act_ptr [T, F] = act.
+    SLOTS: the slot layout (`capacity` rows per expert)."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    end = tl.load(offsets_ptr + n_experts - 1)
     in_bounds = (r[:, None] < rows) & (c[None, :] < width)
-    live = in_bounds & (r[:, None] < end)
+    if SLOTS:
+        slot = r // capacity
+        first = tl.load(offsets_ptr + slot - 1, mask=(slot > 0) & (r < rows), other=0)
+        last = tl.load(offsets_ptr + slot, mask=r < rows, other=0)
+        owned = r - slot * capacity < last - first
+    else:
+        owned = r < tl.load(offsets_ptr + n_experts - 1)
+    live = in_bounds & owned[:, None]
     h_width = 2 * width if GATED else width
     r64 = r.to(tl.int64)
     g = tl.load(h_ptr + r64[:, None] * h_width + c[None, :], mask=live, other=0.0).to(tl.float32)
@@ -83,30 +92,30 @@ def _act_kernel(h_ptr, grad_ptr, out_ptr, act_ptr, offsets_ptr, n_experts, rows,
     tl.store(target + r64[:, None] * width + c[None, :], value.to(target.dtype.element_ty), mask=in_bounds)
 
 
-def _launch(h, grad, out, act, offsets, name, limit, backward):
+def _launch(h, grad, out, act, offsets, name, limit, capacity, backward):
     code = _CODES[name]
     gated = code in _GATED
     rows, width = h.shape[0], h.shape[1] // (2 if gated else 1)
-    block_r, block_c = 16, 128
+    block_r, block_c = 16, 128  # as fast as any other tried (bench/probes/act_kernel_blocks.py)
     grid = (triton.cdiv(rows, block_r), triton.cdiv(width, block_c))
     if rows and width:
-        _act_kernel[grid](h, grad if grad is not None else h, out, act if act is not None else out, offsets, offsets.shape[0], rows, width,
-                          float(limit), CODE=code, GATED=gated, BACKWARD=backward, BLOCK_R=block_r,
-                          BLOCK_C=block_c)
+        _act_kernel[grid](h, grad if grad is not None else h, out, act if act is not None else out, offsets,
+                          offsets.shape[0], rows, width, float(limit), capacity or 1, CODE=code, GATED=gated,
+                          BACKWARD=backward, SLOTS=capacity is not None, BLOCK_R=block_r, BLOCK_C=block_c)
     return out
 
 
-def activation_forward(h, offsets, name, limit):
+def activation_forward(h, offsets, name, limit, capacity=None):
     gated = _CODES[name] in _GATED
     out = h.new_empty(h.shape[0], h.shape[1] // (2 if gated else 1))
-    return _launch(h.contiguous(), None, out, None, offsets, name, limit, backward=False)
+    return _launch(h.contiguous(), None, out, None, offsets, name, limit, capacity, backward=False)
 
 
-def activation_backward(h, grad, offsets, name, limit):
+def activation_backward(h, grad, offsets, name, limit, capacity=None):
     """(grad_h, act): the derivative and the recomputed activation, one pass over h."""
     gated = _CODES[name] in _GATED
     act = h.new_empty(h.shape[0], h.shape[1] // (2 if gated else 1))
-    grad_h = _launch(h.contiguous(), grad.contiguous(), torch.empty_like(h), act, offsets, name, limit,
+    grad_h = _launch(h.contiguous(), grad.contiguous(), torch.empty_like(h), act, offsets, name, limit, capacity,
                      backward=True)
     return grad_h, act
 

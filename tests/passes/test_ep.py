@@ -319,3 +319,24 @@ def test_a_users_moe_block_gets_expert_parallelism_too(capacity, overlap, mesh):
     reference = [s.parameters() for s in singles]
     for name, value in ranks.parameters().items():
         assert torch.allclose(value, sum(r[name] for r in reference) / world, rtol=1e-5, atol=1e-6), name
+
+
+class _SlotExperts(torch.nn.Module):
+    """Experts called on the capacity-slot row layout (2 experts x 3 rows), which EP does not rewrite."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(2, 8, 4))
+        self.w2 = torch.nn.Parameter(torch.randn(2, 4, 4))
+
+    def forward(self, x):
+        from fxshard.ops.grouped_mlp import grouped_mlp
+
+        offsets = torch.tensor([2, 5], dtype=torch.int32)
+        return grouped_mlp(x, offsets, self.w1, self.w2, capacity=3)
+
+
+def test_expert_parallelism_refuses_the_capacity_slot_layout():
+    program = fxshard.trace(_SlotExperts(), lambda m, b: m(b["x"]).square().mean(), {"x": torch.randn(6, 4)})
+    with pytest.raises(fxshard.FxShardError, match="capacity-slot row layout"):
+        expert_parallel(program, EPConfig(2))
