@@ -108,13 +108,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replays", type=int, default=30)
     parser.add_argument("--out")
+    parser.add_argument("--layout", choices=("ragged", "capacity"), default="ragged")
+    parser.add_argument("--eager-kernels", action="store_true", help="also the kernel table of an eager run")
     args = parser.parse_args()
     report = []
     for experts, tokens, d_model, d_ff in bench.SHAPES:
-        x, where, w1, w2, grad = bench.problem(experts, tokens, d_model, d_ff)  # ragged rows
+        x, where, w1, w2, grad = bench.problem(experts, tokens, d_model, d_ff, args.layout)
         x.requires_grad_()
         modes = {}
-        for mode in ("unfused", "fused", *EXPERIMENTS):
+        for mode in ("unfused", "fused", *(EXPERIMENTS if args.layout == "ragged" else ())):
             fn = bench.MODES.get(mode) or EXPERIMENTS[mode]
 
             def train(fn=fn):
@@ -122,7 +124,7 @@ def main():
 
             modes[mode] = (train, bench.graphed(train))
         reference = torch.autograd.grad(bench.MODES["fused"](x, where, w1, w2), (x, w1, w2), grad)
-        for mode in EXPERIMENTS:
+        for mode in EXPERIMENTS if args.layout == "ragged" else ():
             got = torch.autograd.grad(EXPERIMENTS[mode](x, where, w1, w2), (x, w1, w2), grad)
             print(f"{mode}: gradients bit-identical to fused: {all(torch.equal(a, b) for a, b in zip(got, reference))}")
         times = {(mode, kind): [] for mode in modes for kind in ("graphed", "eager")}
@@ -137,15 +139,18 @@ def main():
         for mode in modes:
             print(f"{shape}: unfused / {mode} = {medians['unfused', 'graphed'] / medians[mode, 'graphed']:.3f} "
                   f"graphed, {medians['unfused', 'eager'] / medians[mode, 'eager']:.3f} eager", flush=True)
-        for mode, (_, replay) in modes.items():
-            rows = kernel_table(replay)
-            total = sum(us for _, us, _ in rows)
-            print(f"  {shape} {mode}: kernels of one graphed replay, {total:.0f} us of kernel time", flush=True)
-            for name, us, count in rows:
-                print(f"    {us:8.1f} us  x{count:<4.0f} {name[:110]}", flush=True)
-            report.append({"shape": [experts, tokens, d_model, d_ff], "mode": mode,
+        for mode, (train, replay) in modes.items():
+            tables = {}
+            for kind, fn in (("graphed", replay), *((("eager", train),) if args.eager_kernels else ())):
+                rows = tables[kind] = kernel_table(fn)
+                total = sum(us for _, us, _ in rows)
+                print(f"  {shape} {mode}: kernels of one {kind} run, {total:.0f} us of kernel time", flush=True)
+                for name, us, count in rows:
+                    print(f"    {us:8.1f} us  x{count:<4.0f} {name[:110]}", flush=True)
+            report.append({"shape": [experts, tokens, d_model, d_ff], "layout": args.layout, "mode": mode,
                            "graphed_ms": medians[mode, "graphed"], "eager_ms": medians[mode, "eager"],
-                           "kernels": [{"name": n, "us": us, "launches": c} for n, us, c in rows]})
+                           "kernels": {kind: [{"name": n, "us": us, "launches": c} for n, us, c in rows]
+                                       for kind, rows in tables.items()}})
         del modes
         torch.cuda.empty_cache()
     if args.out:
