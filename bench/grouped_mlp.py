@@ -197,16 +197,18 @@ def gemms_only(x, where, w1, w2):
 MODES = {"loop": loop_mlp, "unfused": unfused_mlp, "fused": fused_mlp, "gemms-only": gemms_only}
 
 
-def interleaved_ms(replays: dict, iters: int, blocks: int = 5) -> dict:
+def interleaved_ms(replays: dict, iters: int, blocks: int = 8) -> dict:
     """ms per call of each replay, timed in turns (block after block, every replay in each): a GPU's
     clocks drop under sustained GEMM load (its power limit), by up to ~20% between runs of this
-    bench, so what is compared is timed in the same stretch. Median over the blocks."""
+    bench, so what is compared is timed in the same stretch. The order rotates from block to block
+    (whatever follows the dense matmul inherits its heat); median over the blocks."""
+    names = list(replays)
     for replay in replays.values():
         replay()
-    times = {name: [] for name in replays}
-    for _ in range(blocks):
-        for name, replay in replays.items():
-            times[name].append(cuda_time_ms(replay, warmup=1, iters=iters, blocks=1))
+    times = {name: [] for name in names}
+    for block in range(blocks):
+        for name in names[block % len(names):] + names[:block % len(names)]:
+            times[name].append(cuda_time_ms(replays[name], warmup=1, iters=iters, blocks=1))
     return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
