@@ -3,10 +3,18 @@
 Single-device semantics, static shapes, what `models.MoEGPT` uses and what the expert-parallel pass
 is to rewrite (dispatch -> all-to-all -> experts -> all-to-all -> combine):
 
-    dispatch(tokens [T, D], chosen [T, k], n_experts, capacity_factor)
+    dispatch(tokens [T, D], chosen [T, k], n_experts, capacity_factor, slots=False)
         -> Dispatch(rows [T*k, D] sorted by expert, offsets [E] int32 (kept rows per expert,
            cumulative), order [T*k], dropped [] int64, capacity int | None)
     combine(expert_out [T*k, D], dispatch, weights [T, k], tokens=T) -> [T, D]
+
+With `slots=True` (needs a capacity C) the rows are laid out in capacity slots instead: rows
+[E*C, D], expert e's kept rows first in rows e*C:(e+1)*C, the rest of each slot padding (a copy of
+token 0: finite, and never read back: combine and the backward of dispatch read kept rows only).
+The experts' ops then take `capacity=C` (fxshard.ops.grouped_mm / grouped_mlp), and every expert
+GEMM can run as one batched GEMM over [E, C, .], much faster on GPUs than a grouped GEMM over
+ragged groups (bench/RESULTS.md, 2026-11-23 session 6), at the cost of computing the padding.
+Expert parallelism does not rewrite the slot layout yet (the EP pass refuses it).
 
 Capacity rule (deterministic, the same on one device and under expert parallelism): with
 `capacity_factor=None` nothing is dropped (dropless). Otherwise each expert keeps at most
@@ -59,6 +67,8 @@ class Dispatch:
     dropped: Tensor   # [] int64: assignments over capacity
     capacity: int | None
     rank_of: Tensor   # [T*k]: the row of each assignment (the inverse of `order`)
+    slots: bool = False           # rows in capacity slots (see the module docstring)
+    keep: Tensor | None = None    # slots: [T*k] bool, the assignment is within capacity (else None)
 
 
 def capacity_of(tokens: int, top_k: int, n_experts: int, capacity_factor: float | None) -> int | None:
@@ -85,13 +95,19 @@ def inverse_permutation(order: Tensor) -> Tensor:
     return torch.empty_like(order).scatter(0, order, torch.arange(order.numel(), device=order.device))
 
 
-def dispatch(tokens: Tensor, chosen: Tensor, n_experts: int, capacity_factor: float | None = None) -> Dispatch:
+def dispatch(tokens: Tensor, chosen: Tensor, n_experts: int, capacity_factor: float | None = None,
+             slots: bool = False) -> Dispatch:
     count, top_k = chosen.shape
     if _capacity_override:
         capacity_factor = _capacity_override[-1]
     capacity = capacity_of(count, top_k, n_experts, capacity_factor)
-    facts = {"experts": n_experts, "top_k": top_k, "tokens": count, "capacity": capacity}
+    if slots and capacity is None:
+        raise FxShardError("moe.dispatch(slots=True) lays rows out in capacity slots and needs a capacity "
+                           "factor; pass capacity_factor (e.g. 1.0), or slots=False for dropless routing")
+    facts = {"experts": n_experts, "top_k": top_k, "tokens": count, "capacity": capacity, "slots": slots}
     with torch.fx.traceback.annotate({ANNOTATION: facts}):
+        if slots:
+            return _dispatch_to_slots(tokens, chosen, n_experts, capacity)
         return _dispatch(tokens, chosen, n_experts, capacity)
 
 
@@ -112,43 +128,68 @@ def _dispatch(tokens: Tensor, chosen: Tensor, n_experts: int, capacity: int | No
     return Dispatch(rows, offsets, order, keep[order], (~keep).sum(), capacity, rank_of)
 
 
+def _dispatch_to_slots(tokens: Tensor, chosen: Tensor, n_experts: int, capacity: int) -> Dispatch:
+    top_k = chosen.shape[1]
+    flat_expert = chosen.reshape(-1)
+    rank = rank_within(flat_expert, n_experts)
+    keep = rank < capacity
+    rows = n_experts * capacity
+    # each kept assignment's slot row; dropped ones point at row 0 and are masked wherever read
+    rank_of = torch.where(keep, flat_expert * capacity + rank, torch.zeros_like(rank))
+    # each slot row's assignment: padding rows take assignment 0 (token 0), never read back
+    target = torch.where(keep, rank_of, torch.full_like(rank_of, rows))
+    assignments = torch.arange(flat_expert.numel(), device=tokens.device)
+    order = torch.zeros(rows + 1, dtype=rank_of.dtype, device=tokens.device).scatter(0, target, assignments)[:rows]
+    kept_counts = torch.zeros(n_experts, dtype=torch.long, device=tokens.device).scatter_add(
+        0, flat_expert, keep.long())
+    offsets = kept_counts.cumsum(0).to(torch.int32)
+    slot_row = torch.arange(rows, device=tokens.device) % capacity
+    real = slot_row < kept_counts.clamp(max=capacity).repeat_interleave(capacity)
+    rows_out = _Spread.apply(tokens, order, rank_of, top_k, keep)
+    return Dispatch(rows_out, offsets, order, real, (~keep).sum(), capacity, rank_of, slots=True, keep=keep)
+
+
 def combine(expert_out: Tensor, routed: Dispatch, weights: Tensor, tokens: int) -> Tensor:
     """Each token's weighted sum of its kept experts' outputs (dropped rows weigh zero)."""
     top_k = weights.shape[1]
     row_weights = weights.reshape(-1)[routed.order] * routed.kept
     scaled = expert_out * row_weights.unsqueeze(-1).to(expert_out.dtype)
-    return _Gather.apply(scaled, routed.order, routed.rank_of, top_k)
+    return _Gather.apply(scaled, routed.order, routed.rank_of, top_k, routed.keep)
 
 
 # Dispatch and combine move rows with gathers only, forward and backward: a token's k rows are
 # summed by a reduction over k, never by atomic adds into the token (which cost ~0.5 ms per call at
 # 32768 bf16 rows on an H200 and sum in a run-to-run varying order).
 class _Spread(torch.autograd.Function):
-    """tokens [T, D] -> rows [T*k, D]: row r is token order[r] // k. Backward: the adjoint gather."""
+    """tokens [T, D] -> rows [len(order), D]: row r is token order[r] // k. Backward: the adjoint
+    gather (with `keep`, the slot layout's, only kept assignments read their rows)."""
 
     @staticmethod
-    def forward(ctx, tokens, order, rank_of, top_k):
-        ctx.save_for_backward(order, rank_of)
+    def forward(ctx, tokens, order, rank_of, top_k, keep=None):
+        ctx.save_for_backward(order, rank_of, keep)
         ctx.top_k = top_k
         return tokens.index_select(0, order // top_k)
 
     @staticmethod
     def backward(ctx, grad_rows):
-        order, rank_of = ctx.saved_tensors
-        return _Gather.apply(grad_rows, order, rank_of, ctx.top_k), None, None, None
+        order, rank_of, keep = ctx.saved_tensors
+        return _Gather.apply(grad_rows, order, rank_of, ctx.top_k, keep), None, None, None, None
 
 
 class _Gather(torch.autograd.Function):
-    """rows [T*k, D] -> tokens [T, D]: token t sums rows rank_of[t*k : t*k + k]. Backward: spread."""
+    """rows -> tokens [T, D]: token t sums rows rank_of[t*k : t*k + k] (with `keep`: only those of
+    kept assignments; a dropped one's rank_of names some other row). Backward: spread."""
 
     @staticmethod
-    def forward(ctx, rows, order, rank_of, top_k):
-        ctx.save_for_backward(order, rank_of)
+    def forward(ctx, rows, order, rank_of, top_k, keep=None):
+        ctx.save_for_backward(order, rank_of, keep)
         ctx.top_k = top_k
         by_assignment = rows.index_select(0, rank_of)
+        if keep is not None:
+            by_assignment = by_assignment * keep.unsqueeze(-1).to(by_assignment.dtype)
         return by_assignment.view(-1, top_k, rows.shape[1]).sum(1)
 
     @staticmethod
     def backward(ctx, grad_tokens):
-        order, rank_of = ctx.saved_tensors
-        return _Spread.apply(grad_tokens, order, rank_of, ctx.top_k), None, None, None
+        order, rank_of, keep = ctx.saved_tensors
+        return _Spread.apply(grad_tokens, order, rank_of, ctx.top_k, keep), None, None, None, None

@@ -36,6 +36,7 @@ class MoEGPTConfig:
     expert_weights: str = "grouped"   # "grouped" ([E, out, in] parameters) or "indexed" (weight0...)
     glu_interleave_size: int | None = None  # fc1 rows stored GLU-interleaved in blocks of this size
     capacity_factor: float | None = None    # None: dropless; else fxshard.moe's per-expert capacity
+    expert_slots: bool = False        # rows in capacity slots (needs capacity_factor): batched expert GEMMs
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
 
@@ -64,9 +65,11 @@ class GroupedExperts(nn.Module):
                                  glu=True, init_std=0.02)
         self.fc2 = GroupedLinear(n_expert, d_ff, d_model, layout=ExpertLayout(layout), init_std=0.02)
 
-    def forward(self, tokens, offsets):
-        gate, up = grouped_mm(tokens, offsets, self.fc1.weight_grouped()).chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, offsets, self.fc2.weight_grouped())
+    def forward(self, tokens, offsets, capacity=None):
+        """`capacity`: the rows are in capacity slots of that size (fxshard.moe.dispatch(slots=True))."""
+        slots = () if capacity is None else (capacity,)
+        gate, up = grouped_mm(tokens, offsets, self.fc1.weight_grouped(), *slots).chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate) * up, offsets, self.fc2.weight_grouped(), *slots)
 
 
 class MoE(nn.Module):
@@ -87,8 +90,9 @@ class MoE(nn.Module):
         weights, chosen = probs.topk(k, dim=-1)
         if self.cfg.normalize_top_k:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        routed = moe.dispatch(tokens, chosen, n_expert, self.cfg.capacity_factor)
-        out = moe.combine(self.experts(routed.rows, routed.offsets), routed, weights, tokens.shape[0])
+        routed = moe.dispatch(tokens, chosen, n_expert, self.cfg.capacity_factor, slots=self.cfg.expert_slots)
+        expert_out = self.experts(routed.rows, routed.offsets, routed.capacity if routed.slots else None)
+        out = moe.combine(expert_out, routed, weights, tokens.shape[0])
         if self.shared is not None:
             out = out + self.shared(tokens)
         # Switch-style balance loss over all assignments (before any drop):

@@ -78,8 +78,8 @@ def _expert_ops():
     MLP's slot layout, which find_layers refuses), None (anything else)."""
     ops = torch.ops.fxshard
     return {
-        ops.grouped_mm.default: (("row", "offsets", "weight"), ("row",)),
-        ops.grouped_mm_wgrad.default: (("row", "row", "offsets", "experts"), ("weight",)),
+        ops.grouped_mm.default: (("row", "offsets", "weight", "capacity"), ("row",)),
+        ops.grouped_mm_wgrad.default: (("row", "row", "offsets", "experts", "capacity"), ("weight",)),
         ops.grouped_mlp_fwd.default: (("row", "offsets", "weight", "weight", "weight", "weight", None, None,
                                        "capacity"), ("row", "row")),
         ops.grouped_mlp_dgrad.default: (("row", "row", "offsets", "weight", "weight", None, None, "capacity"),
@@ -192,15 +192,20 @@ class _Rewrite:
         self.layer_of: dict[fx.Node, _Layer] = {}
         for seed in seeds:
             arg_roles, _ = self.roles[seed.target]
+            offsets = seed.args[arg_roles.index("offsets")]
+            facts = (offsets.meta.get("custom") or {}).get(moe.ANNOTATION)
+            if facts is not None and facts.get("slots"):
+                raise FxShardError(
+                    f"MoE layer {meta.layer(offsets)} routes tokens into capacity slots (moe.dispatch(slots=True), "
+                    f"MoEGPTConfig(expert_slots=True)), which expert parallelism does not rewrite yet; use "
+                    f"slots=False (expert_slots=False) under Mesh(ep>1)")
             if "capacity" in arg_roles and _arg(seed, arg_roles.index("capacity")) is not None:
                 raise FxShardError(
                     f"{seed.name} ({seed.target}) uses the capacity-slot row layout (capacity="
                     f"{_arg(seed, arg_roles.index('capacity'))}), which expert parallelism does not rewrite yet; "
-                    f"call fxshard.ops.grouped_mlp with capacity=None (ragged rows) under Mesh(ep>1)")
-            offsets = seed.args[arg_roles.index("offsets")]
+                    f"call the expert ops with capacity=None (ragged rows) under Mesh(ep>1)")
             layer = self.layers.get(offsets)
             if layer is None:
-                facts = (offsets.meta.get("custom") or {}).get(moe.ANNOTATION)
                 if facts is None:
                     raise FxShardError(
                         f"{seed.name} ({seed.target}) takes offsets that fxshard.moe.dispatch did not compute; "

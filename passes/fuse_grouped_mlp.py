@@ -17,7 +17,9 @@ move the weight-gradient node later; it is one node, so it runs once). A group i
   - every intermediate (h, the activation's nodes, a) is read only by the group itself: an extra
     consumer keeps the unfused form;
   - the activation's backward nodes read only the group's values and feed only gw1/gx;
-  - both expert weights are trained (their weight gradients exist) and no bias sits between.
+  - both expert weights are trained (their weight gradients exist) and no bias sits between;
+  - every GEMM of the group uses the same row layout (ragged, or the same capacity slots), which
+    the fused op then takes (`capacity`).
 
 Invariant: the fused program computes the same loss, gradients and updates as its input (the fused
 op's forward and backward are the same functions; CPU property tests compare them numerically).
@@ -63,6 +65,7 @@ class _Group:
     grad_h: fx.Node
     grad_w1: fx.Node
     grad_x: fx.Node | None
+    capacity: int | None  # the rows' layout: ragged (None) or capacity slots
 
 
 def fuse_grouped_mlp(program: Program) -> Program:
@@ -91,30 +94,42 @@ def find_groups(graph: fx.Graph) -> list[_Group]:
 
 
 def _match(y: fx.Node) -> _Group | None:
-    a, offsets, w2 = y.args
+    a, offsets, w2 = y.args[:3]
+    capacity = _capacity(y)  # every GEMM of the group must use the same row layout
     found = _activation_of(a)
     if found is None:
         return None
     activation, limit, h, chain = found
-    if h.target is not _GROUPED_MM or h.args[1] is not offsets or meta.phase(h) != meta.FWD:
+    if h.target is not _GROUPED_MM or h.args[1] is not offsets or meta.phase(h) != meta.FWD or \
+            _capacity(h) != capacity:
         return None
-    x, _, w1 = h.args
-    grad_w2 = _only(u for u in a.users if u.target is _WGRAD and u.args[1] is a and u.args[2] is offsets)
+    x, _, w1 = h.args[:3]
+    grad_w2 = _only(u for u in a.users if u.target is _WGRAD and u.args[1] is a and u.args[2] is offsets
+                    and _capacity(u) == capacity)
     if grad_w2 is None:
         return None
     grad_y = grad_w2.args[0]
     grad_a = _only(u for u in grad_y.users if u.target is _GROUPED_MM and u.args[1] is offsets
-                   and _is_transpose_of(u.args[2], w2))
+                   and _is_transpose_of(u.args[2], w2) and _capacity(u) == capacity)
     grad_w1 = _only(u for u in x.users if u.target is _WGRAD and u.args[1] is x and u.args[2] is offsets
-                    and meta.phase(u) == meta.BWD and meta.microbatch(u) == meta.microbatch(y))
+                    and meta.phase(u) == meta.BWD and meta.microbatch(u) == meta.microbatch(y)
+                    and _capacity(u) == capacity)
     if grad_a is None or grad_w1 is None:
         return None
     grad_h = grad_w1.args[0]
-    grad_x = _only(u for u in grad_h.users if u.target is _GROUPED_MM and _is_transpose_of(u.args[2], w1))
+    grad_x = _only(u for u in grad_h.users if u.target is _GROUPED_MM and _is_transpose_of(u.args[2], w1)
+                   and _capacity(u) == capacity)
     act_backward = _between(sources={grad_a, h, *chain}, sink=grad_h)
     group = _Group(x, offsets, w1, w2, h, chain, y, activation, limit, grad_y, grad_a, grad_w2, act_backward,
-                   grad_h, grad_w1, grad_x)
+                   grad_h, grad_w1, grad_x, capacity)
     return group if _self_contained(group) else None
+
+
+def _capacity(node: fx.Node):
+    """The `capacity` argument of a grouped_mm / grouped_mm_wgrad call (None: ragged rows)."""
+    names = [argument.name for argument in node.target._schema.arguments]
+    position = names.index("capacity")
+    return node.args[position] if len(node.args) > position else node.kwargs.get("capacity")
 
 
 def _activation_of(a: fx.Node):
@@ -248,12 +263,14 @@ def _rewrite(graph: fx.Graph, g: _Group, fake) -> None:
     mb = {meta.MICROBATCH: meta.microbatch(g.y)} if meta.MICROBATCH in g.y.meta else {}
     activation, limit = g.activation, float(g.limit)
 
+    slots = () if g.capacity is None else (g.capacity,)  # ragged programs keep their shorter calls
+
     def forward(x, offsets, w1, w2):
-        return grouped_mlp_fwd(x, offsets, w1, w2, None, None, activation, limit)
+        return grouped_mlp_fwd(x, offsets, w1, w2, None, None, activation, limit, *slots)
 
     def backward(grad_y, h, x, offsets, w1, w2):
-        grad_x, grad_h, act = grouped_mlp_dgrad(grad_y, h, offsets, w1, w2, activation, limit)
-        grad_w1, grad_w2, _, _ = grouped_mlp_wgrad(grad_y, grad_h, x, act, offsets, False)
+        grad_x, grad_h, act = grouped_mlp_dgrad(grad_y, h, offsets, w1, w2, activation, limit, *slots)
+        grad_w1, grad_w2, _, _ = grouped_mlp_wgrad(grad_y, grad_h, x, act, offsets, False, *slots)
         return grad_x, grad_w1, grad_w2
 
     with graph.inserting_before(g.y):

@@ -78,3 +78,65 @@ def test_fsdp_sums_reported_metrics_over_ranks():
     expected = sum(model.loss_and_metrics(b)[1]["moe_dropped_tokens"].item() for b in local)
     assert expected > 0
     assert all(m["moe_dropped_tokens"].item() == expected for m in metrics)
+
+
+@given(tokens=st.integers(1, 12), experts=st.integers(1, 5), data=st.data(),
+       capacity_factor=st.sampled_from([0.25, 0.5, 1.0, 1.5]))
+def test_slot_dispatch_and_combine_compute_what_the_packed_layout_does(tokens, experts, data, capacity_factor):
+    """moe.dispatch(slots=True): each expert's kept rows first in its C-row slot, in the packed
+    layout's order; a per-expert function of the rows, combined, gives the same token outputs and the
+    same gradients for tokens, routing weights and the function's parameters."""
+    k = data.draw(st.integers(1, experts), label="k")
+    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 100), label="seed"))
+    chosen = torch.stack([torch.randperm(experts, generator=generator)[:k] for _ in range(tokens)])
+    scale = torch.randn(experts, 3, generator=generator)  # expert e multiplies its rows by scale[e]
+    results = []
+    for slots in (False, True):
+        x = torch.randn(tokens, 3, generator=torch.Generator().manual_seed(7)).requires_grad_()
+        weights = torch.rand(tokens, k, generator=torch.Generator().manual_seed(8)).requires_grad_()
+        params = scale.clone().requires_grad_()
+        routed = moe.dispatch(x, chosen, experts, capacity_factor, slots=slots)
+        owner = fxshard.ops.grouped_mlp_backends.expert_of_rows(
+            routed.offsets, routed.rows.shape[0], routed.capacity if slots else None)
+        padded = torch.cat([params, torch.zeros(1, 3)])  # rows no expert owns get 0 (as the GEMMs' masks)
+        out = moe.combine(routed.rows * padded[owner], routed, weights, tokens)
+        grads = torch.autograd.grad(out, (x, weights, params), torch.randn(tokens, 3, generator=torch.Generator()
+                                                                           .manual_seed(9)))
+        results.append((out, grads, routed))
+    (packed_out, packed_grads, packed), (slot_out, slot_grads, slotted) = results
+    capacity = slotted.capacity
+    assert slotted.rows.shape[0] == experts * capacity and torch.equal(slotted.offsets, packed.offsets)
+    assert int(slotted.dropped) == int(packed.dropped)
+    start = 0
+    for expert, end in enumerate(packed.offsets.tolist()):  # kept rows, same order, at the start of the slot
+        rows = packed.rows[start:end]
+        assert torch.equal(slotted.rows[expert * capacity:expert * capacity + len(rows)], rows)
+        assert slotted.kept[expert * capacity:(expert + 1) * capacity].sum() == len(rows)
+        start = end
+    torch.testing.assert_close(slot_out, packed_out)
+    for ours, want in zip(slot_grads, packed_grads):
+        torch.testing.assert_close(ours, want)
+
+
+def test_moe_gpt_with_expert_slots_trains_like_the_packed_layout_and_like_eager():
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    batches = [{"idx": torch.randint(0, 64, (4, 16), generator=generator),
+                "tgt": torch.randint(0, 64, (4, 16), generator=generator)} for _ in range(6)]
+    losses = {}
+    for slots in (False, True):
+        torch.manual_seed(0)
+        model = MoEGPT(MoEGPTConfig.preset("tiny", capacity_factor=0.75, expert_slots=slots))
+        parity = eager_parity(model, lambda m, b: m.loss(b), batches, fxshard.optim.AdamW(lr=1e-3))
+        assert parity.max_loss_rel < 1e-5 and parity.max_param_rel < 1e-4
+        losses[slots] = torch.stack([torch.as_tensor(loss) for loss in parity.losses])
+    torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=1e-6)
+
+
+def test_expert_slots_need_a_capacity_factor():
+    import pytest
+
+    model = MoEGPT(MoEGPTConfig.preset("tiny", expert_slots=True))
+    batch = {"idx": torch.zeros(2, 8, dtype=torch.long), "tgt": torch.zeros(2, 8, dtype=torch.long)}
+    with pytest.raises(fxshard.FxShardError, match="needs a capacity factor"):
+        fxshard.trace(model, lambda m, b: m.loss(b), batch)

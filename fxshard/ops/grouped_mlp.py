@@ -149,9 +149,9 @@ def _backward(ctx, grad_out, grad_h_output):
         raise RuntimeError("grouped_mlp_fwd's h output is for the backward only; do not differentiate through it")
     if grad_out is None:
         return (None,) * 9
-    grad_x, grad_h, act = grouped_mlp_dgrad(grad_out, h, offsets, w1, w2, ctx.activation, ctx.limit, ctx.capacity)
-    grad_w1, grad_w2, grad_b1, grad_b2 = grouped_mlp_wgrad(grad_out, grad_h, x, act, offsets, ctx.with_bias,
-                                                           ctx.capacity)
+    slots = () if ctx.capacity is None else (ctx.capacity,)  # ragged programs keep their shorter calls
+    grad_x, grad_h, act = grouped_mlp_dgrad(grad_out, h, offsets, w1, w2, ctx.activation, ctx.limit, *slots)
+    grad_w1, grad_w2, grad_b1, grad_b2 = grouped_mlp_wgrad(grad_out, grad_h, x, act, offsets, ctx.with_bias, *slots)
     wants = ctx.needs_input_grad
     return (grad_x if wants[0] else None, None, grad_w1 if wants[2] else None, grad_w2 if wants[3] else None,
             grad_b1 if wants[4] else None, grad_b2 if wants[5] else None, None, None, None)

@@ -3,7 +3,11 @@
     x        [T, in]       rows sorted by expert
     offsets  [E] int32     cumulative row ends: expert e owns rows offsets[e-1]:offsets[e]
     weight   [E, out, in]  (nn.Linear layout per expert)
-    result   [T, out]      result[rows of e] = x[rows of e] @ weight[e].T; rows past offsets[-1] are 0
+    capacity None or C     the row layout: ragged (None), or capacity slots (T = E*C, expert e's
+                           rows are the first min(count_e, C) of rows e*C:(e+1)*C; see grouped_mlp.py)
+    result   [T, out]      result[rows of e] = x[rows of e] @ weight[e].T; rows no expert owns: 0 in
+                           the ragged layout, unspecified in the slot layout (the padding rows @
+                           weight[e].T on the CUDA backend: finite when x's are; consumers ignore them)
 
 The backward is two separate graph nodes, the data gradient (`grouped_mm` again, on the transposed
 weight) and the weight gradient (`grouped_mm_wgrad`), so schedulers can place them independently.
@@ -14,45 +18,62 @@ CUDA graph); elsewhere the reference loop over experts on the host (it reads the
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
+from ..errors import FxShardError
+
 
 @torch.library.custom_op("fxshard::grouped_mm", mutates_args=())
-def grouped_mm(x: Tensor, offsets: Tensor, weight: Tensor) -> Tensor:
+def grouped_mm(x: Tensor, offsets: Tensor, weight: Tensor, capacity: Optional[int] = None) -> Tensor:
     from .grouped_mlp_backends import backend_for
 
-    return backend_for(x, weight).gemm(x, offsets, weight).contiguous()
+    _check_slots(x, weight.shape[0], capacity)
+    return backend_for(x, weight).gemm(x, offsets, weight, capacity=capacity).contiguous()
 
 
 @grouped_mm.register_fake
-def _grouped_mm_fake(x, offsets, weight):
+def _grouped_mm_fake(x, offsets, weight, capacity=None):
+    _check_slots(x, weight.shape[0], capacity)
     return x.new_empty(x.shape[0], weight.shape[1])
 
 
 @torch.library.custom_op("fxshard::grouped_mm_wgrad", mutates_args=())
-def grouped_mm_wgrad(grad_out: Tensor, x: Tensor, offsets: Tensor, n_experts: int) -> Tensor:
+def grouped_mm_wgrad(grad_out: Tensor, x: Tensor, offsets: Tensor, n_experts: int,
+                     capacity: Optional[int] = None) -> Tensor:
     """[E, out, in]: grad_weight[e] = grad_out[rows of e].T @ x[rows of e] (zero for empty experts)."""
     from .grouped_mlp_backends import backend_for
 
-    return backend_for(grad_out, x).gemm_wgrad(grad_out, x, offsets, n_experts)
+    return backend_for(grad_out, x).gemm_wgrad(grad_out, x, offsets, n_experts, capacity=capacity)
 
 
 @grouped_mm_wgrad.register_fake
-def _grouped_mm_wgrad_fake(grad_out, x, offsets, n_experts):
+def _grouped_mm_wgrad_fake(grad_out, x, offsets, n_experts, capacity=None):
     return grad_out.new_empty(n_experts, grad_out.shape[1], x.shape[1])
 
 
+def _check_slots(x: Tensor, experts: int, capacity: int | None) -> None:
+    if capacity is not None and (capacity < 1 or x.shape[0] != experts * capacity):
+        raise FxShardError(f"grouped_mm(capacity={capacity}): the slot layout needs capacity >= 1 and x with "
+                           f"experts * capacity = {experts} * {capacity} rows, got {x.shape[0]}; pass "
+                           "capacity=None for ragged rows")
+
+
 def _setup_context(ctx, inputs, output):
-    x, offsets, weight = inputs
+    x, offsets, weight, *capacity = inputs
     ctx.save_for_backward(x, offsets, weight)
+    ctx.capacity = capacity[0] if capacity else None
 
 
 def _backward(ctx, grad_out):
     x, offsets, weight = ctx.saved_tensors
-    grad_x = grouped_mm(grad_out, offsets, weight.transpose(1, 2)) if ctx.needs_input_grad[0] else None
-    grad_weight = grouped_mm_wgrad(grad_out, x, offsets, weight.shape[0]) if ctx.needs_input_grad[2] else None
-    return grad_x, None, grad_weight
+    slots = () if ctx.capacity is None else (ctx.capacity,)  # ragged programs keep their three-argument calls
+    grad_x = grouped_mm(grad_out, offsets, weight.transpose(1, 2), *slots) if ctx.needs_input_grad[0] else None
+    grad_weight = (grouped_mm_wgrad(grad_out, x, offsets, weight.shape[0], *slots) if ctx.needs_input_grad[2]
+                   else None)
+    return grad_x, None, grad_weight, None
 
 
 grouped_mm.register_autograd(_backward, setup_context=_setup_context)

@@ -340,3 +340,8 @@ def test_expert_parallelism_refuses_the_capacity_slot_layout():
     program = fxshard.trace(_SlotExperts(), lambda m, b: m(b["x"]).square().mean(), {"x": torch.randn(6, 4)})
     with pytest.raises(fxshard.FxShardError, match="capacity-slot row layout"):
         expert_parallel(program, EPConfig(2))
+    model = MoEGPT(MoEGPTConfig.preset("tiny", capacity_factor=1.0, expert_slots=True))
+    program = fxshard.trace(model, loss_and_metrics, {"idx": torch.zeros(1, 8, dtype=torch.long),
+                                                      "tgt": torch.zeros(1, 8, dtype=torch.long)})
+    with pytest.raises(fxshard.FxShardError, match="capacity slots"):
+        expert_parallel(program, EPConfig(2))

@@ -140,9 +140,11 @@ def test_extra_consumers_biases_and_mismatched_offsets_block_the_fusion(extra, a
         assert torch.equal(ours, want)
 
 
-def test_moe_gpt_trains_the_same_fused_for_10_steps():
+@pytest.mark.parametrize("layout", [{}, {"capacity_factor": 1.0, "expert_slots": True}],
+                         ids=["dropless", "capacity-slots"])
+def test_moe_gpt_trains_the_same_fused_for_10_steps(layout):
     torch.manual_seed(0)
-    cfg = MoEGPTConfig.preset("tiny")
+    cfg = MoEGPTConfig.preset("tiny", **layout)
     generator = torch.Generator().manual_seed(0)
     batches = [{"idx": torch.randint(0, 64, (4, 32), generator=generator),
                 "tgt": torch.randint(0, 64, (4, 32), generator=generator)} for _ in range(10)]
@@ -156,6 +158,9 @@ def test_moe_gpt_trains_the_same_fused_for_10_steps():
                          config=fxshard.Config(fuse_grouped_mlp=True))
     assert step.programs[1].name == "fuse_grouped_mlp"
     assert count_fused(step.programs[1]) == cfg.n_layer
+    capacities = {n.args[8] if len(n.args) > 8 else None for n in step.programs[1].graph.nodes
+                  if n.target is torch.ops.fxshard.grouped_mlp_fwd.default}
+    assert capacities == ({None} if not layout else {4 * 32 * 2 // 4})  # tokens * top_k / experts, factor 1
 
 
 def test_the_dump_shows_the_fused_ops(tmp_path):
