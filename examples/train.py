@@ -47,6 +47,8 @@ def parse_args(argv=None):
                         help="default: optim_grads_params, or no_shard with --pp > 1")
     parser.add_argument("--capacity-factor", type=float, default=None,
                         help="MoE expert capacity factor (default: dropless); drops are reported per step")
+    parser.add_argument("--expert-slots", action="store_true",
+                        help="with --capacity-factor: MoE rows in capacity slots, expert GEMMs batched (no --ep)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel group size (divides --dp)")
     parser.add_argument("--ep-overlap", action="store_true", help="overlap MoE all-to-alls with compute: "
                         "independent work into their windows, and with --ep-microbatches 2 the two microbatches "
@@ -106,7 +108,8 @@ def train(args) -> dict:
     say = print if rank == processes - 1 else (lambda *a, **k: None)
     torch.manual_seed(args.seed)
     model_cls, config_cls = MODELS[args.model]
-    overrides = {"capacity_factor": args.capacity_factor} if args.model == "moe_gpt" else {}
+    overrides = ({"capacity_factor": args.capacity_factor, "expert_slots": args.expert_slots}
+                 if args.model == "moe_gpt" else {})
     model = model_cls(config_cls.preset(args.preset, **overrides)).to(device)
     generator = torch.Generator().manual_seed(args.seed + 1)
     vocab = model.cfg.vocab_size

@@ -363,9 +363,11 @@ def test_cuda_graphs_refuse_expert_ops_that_read_offsets_on_the_host():
 
 
 @pytest.mark.gpu
-def test_fused_grouped_mlp_in_bf16_replays_in_a_cuda_graph_like_eager():
+@pytest.mark.parametrize("layout", [{}, {"capacity_factor": 1.0, "expert_slots": True}],
+                         ids=["dropless", "capacity-slots"])
+def test_fused_grouped_mlp_in_bf16_replays_in_a_cuda_graph_like_eager(layout):
     torch.manual_seed(0)
-    model = MoEGPT(MoEGPTConfig.preset("tiny")).cuda()
+    model = MoEGPT(MoEGPTConfig.preset("tiny", **layout)).cuda()
     batches = cuda_batches(6)
     results = []
     for cuda_graphs in (False, True):
@@ -376,6 +378,23 @@ def test_fused_grouped_mlp_in_bf16_replays_in_a_cuda_graph_like_eager():
         results.append([step(b)["loss"].item() for b in batches])
     assert results[0] == results[1]
     assert all(math.isfinite(loss) for loss in results[0])
+
+
+@pytest.mark.gpu
+def test_capacity_slots_train_like_the_packed_layout_in_bf16():
+    """The same capacity routing, rows packed (grouped GEMMs) or in slots (batched GEMMs), fused, bf16,
+    CUDA graphs: the losses agree to bf16 noise."""
+    batches = cuda_batches(6)
+    losses = []
+    for slots in (False, True):
+        torch.manual_seed(0)
+        model = MoEGPT(MoEGPTConfig.preset("tiny", capacity_factor=1.0, expert_slots=slots)).cuda()
+        step = fxshard.shard(model, model_loss, batches[0], optimizer=ADAMW,
+                             config=fxshard.Config(fuse_grouped_mlp=True, cuda_graphs=True,
+                                                   param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        losses.append([step(b)["loss"].item() for b in batches])
+    for packed, slotted in zip(*losses):
+        assert abs(packed - slotted) <= 1e-2 * abs(packed), losses
 
 
 def _nccl_expert_parallel(meshes, batches):
