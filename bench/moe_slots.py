@@ -70,6 +70,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--blocks", type=int, default=6, help="timed turns per mode (median)")
+    parser.add_argument("--profile", metavar="DIR", help="kernel-time tables of two steps of each mode")
     parser.add_argument("--out", default="bench/moe_slots.json")
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(1)
@@ -97,6 +98,18 @@ def main():
         rows.append(row)
         print(f"{mode:<10} {median[mode]:>9.2f} {row['tokens_per_s']:>10.0f} {row['speedup_vs_packed']:>9.2f}x  "
               f"{', '.join(f'{x:.4f}' for x in losses[mode])}")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        os.makedirs(args.profile, exist_ok=True)
+        for mode, step in steps.items():
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(2):
+                    step(batch)
+                torch.cuda.synchronize()
+            with open(os.path.join(args.profile, f"{mode}.txt"), "w") as handle:
+                handle.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40,
+                                                       max_name_column_width=100))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as handle:
         json.dump({"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
