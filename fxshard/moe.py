@@ -152,9 +152,15 @@ def _dispatch_to_slots(tokens: Tensor, chosen: Tensor, n_experts: int, capacity:
 def combine(expert_out: Tensor, routed: Dispatch, weights: Tensor, tokens: int) -> Tensor:
     """Each token's weighted sum of its kept experts' outputs (dropped rows weigh zero)."""
     top_k = weights.shape[1]
+    if routed.slots:  # weights applied per assignment: gathering them by `order` (which repeats assignment
+        # 0 on every padding row) would make their gradient an index backward with one heavily repeated
+        # index, 1.7 ms per layer on an H200 at 32768 rows
+        by_assignment = _Pick.apply(expert_out, routed.order, routed.rank_of, routed.keep, routed.kept)
+        scaled = by_assignment * weights.reshape(-1, 1).to(expert_out.dtype)
+        return scaled.view(-1, top_k, expert_out.shape[1]).sum(1)
     row_weights = weights.reshape(-1)[routed.order] * routed.kept
     scaled = expert_out * row_weights.unsqueeze(-1).to(expert_out.dtype)
-    return _Gather.apply(scaled, routed.order, routed.rank_of, top_k, routed.keep)
+    return _Gather.apply(scaled, routed.order, routed.rank_of, top_k)
 
 
 # Dispatch and combine move rows with gathers only, forward and backward: a token's k rows are
@@ -174,6 +180,21 @@ class _Spread(torch.autograd.Function):
     def backward(ctx, grad_rows):
         order, rank_of, keep = ctx.saved_tensors
         return _Gather.apply(grad_rows, order, rank_of, ctx.top_k, keep), None, None, None, None
+
+
+class _Pick(torch.autograd.Function):
+    """Slot rows -> [T*k, D] by assignment: assignment a's row (zero for a dropped one). Backward: row r
+    gets the gradient of its assignment, zero for padding rows (`real` False). Gathers both ways."""
+
+    @staticmethod
+    def forward(ctx, rows, order, rank_of, keep, real):
+        ctx.save_for_backward(order, real)
+        return rows.index_select(0, rank_of) * keep.unsqueeze(-1).to(rows.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        order, real = ctx.saved_tensors
+        return grad.index_select(0, order) * real.unsqueeze(-1).to(grad.dtype), None, None, None, None
 
 
 class _Gather(torch.autograd.Function):
