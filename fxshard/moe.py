@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from .errors import FxShardError
+from .ops.gather_rows import gather_rows
 
 ANNOTATION = "fxshard_moe"
 _capacity_override: list[float] = []  # innermost last; set by capacity_factor_override
@@ -152,15 +153,12 @@ def _dispatch_to_slots(tokens: Tensor, chosen: Tensor, n_experts: int, capacity:
 def combine(expert_out: Tensor, routed: Dispatch, weights: Tensor, tokens: int) -> Tensor:
     """Each token's weighted sum of its kept experts' outputs (dropped rows weigh zero)."""
     top_k = weights.shape[1]
-    if routed.slots:  # weights applied per assignment: gathering them by `order` (which repeats assignment
-        # 0 on every padding row) would make their gradient an index backward with one heavily repeated
-        # index, 1.7 ms per layer on an H200 at 32768 rows
-        by_assignment = _Pick.apply(expert_out, routed.order, routed.rank_of, routed.keep, routed.kept)
-        scaled = by_assignment * weights.reshape(-1, 1).to(expert_out.dtype)
-        return scaled.view(-1, top_k, expert_out.shape[1]).sum(1)
-    row_weights = weights.reshape(-1)[routed.order] * routed.kept
+    if routed.slots:  # a dropped assignment's rank_of names some other row: masked in the gather
+        row_weights = _RowWeights.apply(weights.reshape(-1), routed.order, routed.rank_of, routed.keep, routed.kept)
+    else:
+        row_weights = weights.reshape(-1)[routed.order] * routed.kept
     scaled = expert_out * row_weights.unsqueeze(-1).to(expert_out.dtype)
-    return _Gather.apply(scaled, routed.order, routed.rank_of, top_k)
+    return _Gather.apply(scaled, routed.order, routed.rank_of, top_k, routed.keep)
 
 
 # Dispatch and combine move rows with gathers only, forward and backward: a token's k rows are
@@ -182,19 +180,21 @@ class _Spread(torch.autograd.Function):
         return _Gather.apply(grad_rows, order, rank_of, ctx.top_k, keep), None, None, None, None
 
 
-class _Pick(torch.autograd.Function):
-    """Slot rows -> [T*k, D] by assignment: assignment a's row (zero for a dropped one). Backward: row r
-    gets the gradient of its assignment, zero for padding rows (`real` False). Gathers both ways."""
+class _RowWeights(torch.autograd.Function):
+    """Slot layout: each row's routing weight (zero on padding rows). Backward: each assignment's row's
+    gradient (zero for a dropped one). A gather both ways; indexing weights by `order` instead makes
+    the backward an index backward with assignment 0 repeated on every padding row (1.7 ms per layer
+    on an H200 at 32768 rows)."""
 
     @staticmethod
-    def forward(ctx, rows, order, rank_of, keep, real):
-        ctx.save_for_backward(order, real)
-        return rows.index_select(0, rank_of) * keep.unsqueeze(-1).to(rows.dtype)
+    def forward(ctx, weights, order, rank_of, keep, real):
+        ctx.save_for_backward(rank_of, keep)
+        return weights.index_select(0, order) * real
 
     @staticmethod
-    def backward(ctx, grad):
-        order, real = ctx.saved_tensors
-        return grad.index_select(0, order) * real.unsqueeze(-1).to(grad.dtype), None, None, None, None
+    def backward(ctx, grad_rows):
+        rank_of, keep = ctx.saved_tensors
+        return grad_rows.index_select(0, rank_of) * keep, None, None, None, None
 
 
 class _Gather(torch.autograd.Function):
@@ -205,9 +205,10 @@ class _Gather(torch.autograd.Function):
     def forward(ctx, rows, order, rank_of, top_k, keep=None):
         ctx.save_for_backward(order, rank_of, keep)
         ctx.top_k = top_k
-        by_assignment = rows.index_select(0, rank_of)
-        if keep is not None:
-            by_assignment = by_assignment * keep.unsqueeze(-1).to(by_assignment.dtype)
+        if keep is None:
+            by_assignment = rows.index_select(0, rank_of)
+        else:  # gather and mask in one pass
+            by_assignment = gather_rows(rows, rank_of, keep)
         return by_assignment.view(-1, top_k, rows.shape[1]).sum(1)
 
     @staticmethod

@@ -222,6 +222,19 @@ def test_cuda_capacity_slot_layout_is_as_accurate_as_the_reference(activation, b
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype, width", [(torch.bfloat16, 2048), (torch.float32, 130), (torch.bfloat16, 8)])
+def test_gather_rows_kernel_matches_index_select_and_mask(dtype, width):
+    from fxshard.ops import gather_rows
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    src = torch.randn(1000, width, device="cuda", generator=generator).to(dtype)
+    index = torch.randint(0, 1000, (5000,), device="cuda", generator=generator)
+    keep = torch.rand(5000, device="cuda", generator=generator) < 0.8
+    expected = torch.where(keep.unsqueeze(1), src.index_select(0, index), 0)
+    assert torch.equal(gather_rows(src, index, keep), expected)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows, end, width", [(100, 100, 64), (100, 99, 200), (4096, 4000, 130),
                                               (70000, 1, 136), (70000, 0, 8)])
 def test_zero_tail_zeroes_exactly_the_rows_past_the_last_offset(rows, end, width):

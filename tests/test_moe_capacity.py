@@ -140,3 +140,13 @@ def test_expert_slots_need_a_capacity_factor():
     batch = {"idx": torch.zeros(2, 8, dtype=torch.long), "tgt": torch.zeros(2, 8, dtype=torch.long)}
     with pytest.raises(fxshard.FxShardError, match="needs a capacity factor"):
         fxshard.trace(model, lambda m, b: m.loss(b), batch)
+
+
+def test_gather_rows_reads_the_indexed_row_or_zero():
+    from fxshard.ops import gather_rows
+
+    src = torch.arange(12.0).reshape(4, 3)
+    index = torch.tensor([3, 0, 0, 2, 1])
+    keep = torch.tensor([True, False, True, True, False])
+    want = torch.stack([src[3], torch.zeros(3), src[0], src[2], torch.zeros(3)])
+    assert torch.equal(gather_rows(src, index, keep), want)

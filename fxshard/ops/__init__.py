@@ -2,7 +2,8 @@
 implementation for tracing and an autograd formula, so it traces into one readable graph node."""
 
 from .adamw import adamw_update, adamw_update_
+from .gather_rows import gather_rows
 from .grouped_mlp import grouped_mlp
 from .grouped_mm import grouped_mm, grouped_mm_wgrad
 
-__all__ = ["adamw_update", "adamw_update_", "grouped_mlp", "grouped_mm", "grouped_mm_wgrad"]
+__all__ = ["adamw_update", "adamw_update_", "gather_rows", "grouped_mlp", "grouped_mm", "grouped_mm_wgrad"]
