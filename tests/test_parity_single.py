@@ -83,11 +83,21 @@ def test_set_lr_changes_the_update_without_retracing():
 
 
 def test_gradient_accumulation_over_microbatches_matches_the_whole_batch():
+    # SGD with momentum passes gradient differences on linearly: the tight check of the accumulation.
+    torch.manual_seed(0)
+    parity = eager_parity(MoEGPT(MoEGPTConfig.preset("tiny", aux_loss_coef=0.0)), model_loss,
+                          token_batches(64, 6, 16, 5), SGD_MOMENTUM, config=fxshard.Config(microbatches=3))
+    assert parity.max_loss_rel < 1e-5, parity.losses
+    assert parity.max_param_rel < 1e-5
+    # AdamW divides by sqrt(v) + eps: an expert weight whose gradient cancels to ~1e-9 (near eps = 1e-8)
+    # moves by an amount set by the gradient's last bits, which the summation order over microbatches
+    # changes (measured: one element of layers.1 fc2, gradient -8.2e-10, 5e-6 apart after the first step,
+    # 1.2e-4 of the tensor's largest element on one CPU, under 1e-4 on another). Losses stay tight.
     torch.manual_seed(0)
     parity = eager_parity(MoEGPT(MoEGPTConfig.preset("tiny", aux_loss_coef=0.0)), model_loss,
                           token_batches(64, 6, 16, 5), ADAMW, config=fxshard.Config(microbatches=3))
     assert parity.max_loss_rel < 1e-5, parity.losses
-    assert parity.max_param_rel < 1e-4
+    assert parity.max_param_rel < 1e-3
     with pytest.raises(fxshard.FxShardError, match="divisible by 4"):
         fxshard.trace(GPT(GPTConfig.preset("tiny")), model_loss, token_batches(64, 6, 8, 1)[0],
                       config=fxshard.Config(microbatches=4))
