@@ -12,8 +12,11 @@ clocks drift under sustained load; see bench/RESULTS.md):
                expert GEMM is one batched GEMM over [E, C, .], the padding computed and ignored
 
 `packed` and `slots` keep and drop the same assignments, so they train the same model (their losses
-agree to bf16 noise; printed); `dropless` is the default routing, for reference. Prints a table and
-writes JSON.
+agree to bf16 noise; printed); `dropless` is the default routing, for reference. "kept/slots" is the
+share of the E*C slot rows that hold a kept assignment (last layer's average over layers, last warm-up
+step): the batched GEMMs compute every slot row, the grouped GEMMs only kept ones, so slots pay off
+when experts are well filled (a router that balances its load) and lose when they are not. Prints a
+table and writes JSON.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def build(args, mode, batch):
     cfg = MoEGPTConfig(vocab_size=32000, d_model=args.hidden, n_layer=args.layers, n_head=16, n_expert=args.experts,
                        top_k=args.top_k, d_ff_expert=args.d_ff, d_ff_shared=None, **overrides)
     model = MoEGPT(cfg).cuda()
-    step = fxshard.shard(model, lambda m, b: m.loss(b), batch, optimizer=fxshard.optim.AdamW(lr=1e-4),
+    step = fxshard.shard(model, lambda m, b: m.loss_and_metrics(b), batch, optimizer=fxshard.optim.AdamW(lr=1e-4),
                          config=fxshard.Config(fuse_grouped_mlp=True, cuda_graphs=True, param_dtype=torch.bfloat16,
                                                reduce_dtype=torch.float32))
     return step
@@ -76,11 +79,15 @@ def main():
     generator = torch.Generator().manual_seed(1)
     batch = {k: torch.randint(0, 32000, (args.batch, args.seq), generator=generator).cuda() for k in ("idx", "tgt")}
     tokens = args.batch * args.seq
-    steps, losses = {}, {}
+    steps, losses, fill = {}, {}, {}
+    capacity = -(-int(args.capacity_factor * tokens * args.top_k) // args.experts)
     for mode in MODES:
         print(f"compiling {mode} ...", flush=True)
         steps[mode] = build(args, mode, batch)
-        losses[mode] = [steps[mode](batch)["loss"].item() for _ in range(args.warmup)]
+        metrics = [steps[mode](batch) for _ in range(args.warmup)]
+        losses[mode] = [m["loss"].item() for m in metrics]
+        kept = tokens * args.top_k - metrics[-1]["moe_dropped_tokens"].item() / args.layers
+        fill[mode] = kept / (args.experts * capacity)  # of the slots' rows: what batched GEMMs compute usefully
     times = {mode: [] for mode in steps}
     names = list(steps)
     for block in range(args.blocks):
@@ -89,15 +96,16 @@ def main():
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: MoEGPT {args.layers} layers, hidden "
           f"{args.hidden}, {args.experts} experts x {args.d_ff}, top-{args.top_k}, {tokens} tokens per step, "
           f"capacity factor {args.capacity_factor} (packed, slots)")
-    print(f"{'mode':<10} {'step ms':>9} {'tokens/s':>10} {'vs packed':>10}  first losses")
+    print(f"{'mode':<10} {'step ms':>9} {'tokens/s':>10} {'vs packed':>10} {'kept/slots':>10}  first losses")
     rows = []
     median = {mode: sorted(t)[len(t) // 2] for mode, t in times.items()}
     for mode in names:
         row = {"mode": mode, "step_ms": median[mode], "tokens_per_s": tokens / median[mode] * 1e3,
-               "speedup_vs_packed": median["packed"] / median[mode], "losses": losses[mode], "times": times[mode]}
+               "speedup_vs_packed": median["packed"] / median[mode], "kept_over_slot_rows": fill[mode],
+               "losses": losses[mode], "times": times[mode]}
         rows.append(row)
-        print(f"{mode:<10} {median[mode]:>9.2f} {row['tokens_per_s']:>10.0f} {row['speedup_vs_packed']:>9.2f}x  "
-              f"{', '.join(f'{x:.4f}' for x in losses[mode])}")
+        print(f"{mode:<10} {median[mode]:>9.2f} {row['tokens_per_s']:>10.0f} {row['speedup_vs_packed']:>9.2f}x "
+              f"{fill[mode]:>10.1%}  {', '.join(f'{x:.4f}' for x in losses[mode])}")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
