@@ -13,7 +13,7 @@ clocks drift under sustained load; see bench/RESULTS.md):
 
 `packed` and `slots` keep and drop the same assignments, so they train the same model (their losses
 agree to bf16 noise; printed); `dropless` is the default routing, for reference. "kept/slots" is the
-share of the E*C slot rows that hold a kept assignment (last layer's average over layers, last warm-up
+share of the E*C slot rows that hold a kept assignment (averaged over layers, last warm-up
 step): the batched GEMMs compute every slot row, the grouped GEMMs only kept ones, so slots pay off
 when experts are well filled (a router that balances its load) and lose when they are not. Prints a
 table and writes JSON.
