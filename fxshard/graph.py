@@ -26,6 +26,15 @@ def fake_mode_of(graph: fx.Graph):
     raise AssertionError("graph carries no fake values; was it traced by fxshard.trace?")
 
 
+def call_argument(node: fx.Node, name: str):
+    """Argument `name` of an op call, passed by position or by name, or its schema default."""
+    arguments = node.target._schema.arguments
+    position = next(i for i, argument in enumerate(arguments) if argument.name == name)
+    if position < len(node.args):
+        return node.args[position]
+    return node.kwargs.get(name, arguments[position].default_value)
+
+
 def is_view(node: fx.Node) -> bool:
     """`node` returns an alias of an input (a view, or getitem of a tuple): it writes no memory."""
     schema = getattr(node.target, "_schema", None)

@@ -61,14 +61,17 @@ def capacity_factor_override(capacity_factor: float | None):
 
 @dataclass
 class Dispatch:
-    rows: Tensor      # [T*k, D] tokens sorted by expert; kept rows first
+    """Packed rows (R = T*k) or, with `slots`, capacity slots (R = E*C: see the module docstring)."""
+
+    rows: Tensor      # [R, D] tokens sorted by expert; kept rows first (in each slot)
     offsets: Tensor   # [E] int32: cumulative kept rows per expert
-    order: Tensor     # [T*k]: assignment index (token * k + slot) of each row
-    kept: Tensor      # [T*k] bool, in row order: the row is within its expert's capacity
+    order: Tensor     # [R]: assignment index (token * k + slot) of each row (padding rows: 0)
+    kept: Tensor      # [R] bool, in row order: the row holds an assignment within capacity
     dropped: Tensor   # [] int64: assignments over capacity
     capacity: int | None
-    rank_of: Tensor   # [T*k]: the row of each assignment (the inverse of `order`)
-    slots: bool = False           # rows in capacity slots (see the module docstring)
+    rank_of: Tensor   # [T*k]: the row of each assignment (packed: the inverse of `order`; slots:
+                      # a dropped assignment's is 0, read through `keep`)
+    slots: bool = False
     keep: Tensor | None = None    # slots: [T*k] bool, the assignment is within capacity (else None)
 
 

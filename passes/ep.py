@@ -52,7 +52,7 @@ import torch.fx as fx
 
 from fxshard import meta, moe
 from fxshard.errors import FxShardError
-from fxshard.graph import fake_mode_of, inline
+from fxshard.graph import call_argument, fake_mode_of, inline
 from fxshard.ops.grouped_mlp_backends import expert_of_rows
 from fxshard.optimizer_graph import append_update
 from fxshard.program import EXPERT_SHARDED, Input, InputKind, Output, OutputKind, Program
@@ -100,14 +100,6 @@ _PLAIN = {_aten._to_copy.default, _aten.clone.default, _aten.alias.default, _ate
 
 def _val(node):
     return node.meta.get("val") if isinstance(node, fx.Node) else node
-
-
-def _arg(node: fx.Node, position: int):
-    """Argument `position` of a call whether passed positionally, by name or left at its default."""
-    if position < len(node.args):
-        return node.args[position]
-    schema = node.target._schema.arguments[position]
-    return node.kwargs.get(schema.name, schema.default_value)
 
 
 def _first_tensor(value):
@@ -199,10 +191,10 @@ class _Rewrite:
                     f"MoE layer {meta.layer(offsets)} routes tokens into capacity slots (moe.dispatch(slots=True), "
                     f"MoEGPTConfig(expert_slots=True)), which expert parallelism does not rewrite yet; use "
                     f"slots=False (expert_slots=False) under Mesh(ep>1)")
-            if "capacity" in arg_roles and _arg(seed, arg_roles.index("capacity")) is not None:
+            if "capacity" in arg_roles and call_argument(seed, "capacity") is not None:
                 raise FxShardError(
                     f"{seed.name} ({seed.target}) uses the capacity-slot row layout (capacity="
-                    f"{_arg(seed, arg_roles.index('capacity'))}), which expert parallelism does not rewrite yet; "
+                    f"{call_argument(seed, 'capacity')}), which expert parallelism does not rewrite yet; "
                     f"call the expert ops with capacity=None (ragged rows) under Mesh(ep>1)")
             layer = self.layers.get(offsets)
             if layer is None:

@@ -35,7 +35,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fxshard import meta
-from fxshard.graph import fake_mode_of, inline
+from fxshard.graph import call_argument, fake_mode_of, inline
 from fxshard.ops.grouped_mlp import grouped_mlp_dgrad, grouped_mlp_fwd, grouped_mlp_wgrad
 from fxshard.ops.grouped_mlp_backends import ACTIVATIONS
 from fxshard.program import Program
@@ -127,9 +127,7 @@ def _match(y: fx.Node) -> _Group | None:
 
 def _capacity(node: fx.Node):
     """The `capacity` argument of a grouped_mm / grouped_mm_wgrad call (None: ragged rows)."""
-    names = [argument.name for argument in node.target._schema.arguments]
-    position = names.index("capacity")
-    return node.args[position] if len(node.args) > position else node.kwargs.get("capacity")
+    return call_argument(node, "capacity")
 
 
 def _activation_of(a: fx.Node):

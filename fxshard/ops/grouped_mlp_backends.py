@@ -4,9 +4,10 @@ A backend is four functions over tokens sorted by expert (see grouped_mlp.py for
 ragged and capacity slots; `capacity` None or C selects one):
 
     gemm(x, offsets, w, zero_tail=True, capacity=None)
-                                     [T, out]: x[rows of e] @ w[e].T; rows no expert owns are zero
-                                     (zero_tail=False: unspecified, for a consumer that masks them
-                                     itself; in the slot layout they are x's padding rows @ w[e].T)
+                                     [T, out]: x[rows of e] @ w[e].T; rows no expert owns: zero in
+                                     the ragged layout (zero_tail=False: unspecified, for a consumer
+                                     that masks them itself), unspecified in the slot layout (the
+                                     CUDA backend computes them: x's padding rows @ w[e].T)
     gemm_wgrad(grad, x, offsets, E, capacity=None)  [E, out, in]: grad[rows of e].T @ x[rows of e]
     act(h, offsets, name, limit, capacity=None)     the activation, zero on rows no expert owns
     act_backward(h, grad, offsets, name, limit, capacity=None)
