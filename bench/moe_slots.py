@@ -71,10 +71,6 @@ def main():
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--capacity-factor", type=float, default=1.0)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--balance-steps", type=int, default=0,
-                        help="train this many steps first (fresh random batches, --balance-lr): the router's "
-                             "load-balancing loss fills the slots more evenly, as in real training")
-    parser.add_argument("--balance-lr", type=float, default=1e-3)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--blocks", type=int, default=6, help="timed turns per mode (median)")
     parser.add_argument("--profile", metavar="DIR", help="kernel-time tables of two steps of each mode")
@@ -88,12 +84,6 @@ def main():
     for mode in MODES:
         print(f"compiling {mode} ...", flush=True)
         steps[mode] = build(args, mode, batch)
-        if args.balance_steps:
-            steps[mode].set_lr(args.balance_lr)
-            train = torch.Generator().manual_seed(2)
-            for _ in range(args.balance_steps):
-                steps[mode]({k: torch.randint(0, 32000, v.shape, generator=train).cuda() for k, v in batch.items()})
-            steps[mode].set_lr(1e-4)
         metrics = [steps[mode](batch) for _ in range(args.warmup)]
         losses[mode] = [m["loss"].item() for m in metrics]
         kept = tokens * args.top_k - metrics[-1]["moe_dropped_tokens"].item() / args.layers
