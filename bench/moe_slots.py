@@ -11,7 +11,9 @@ clocks drift under sustained load; see bench/RESULTS.md):
     slots      the same capacity, rows in C-row slots (MoEGPTConfig(expert_slots=True)): each
                expert GEMM is one batched GEMM over [E, C, .], the padding computed and ignored
 
-`packed` and `slots` keep and drop the same assignments, so they train the same model (their losses
+`--modes` picks some (the first is the baseline of the "vs" column); a mode with the suffix
+`+wgrad-stream` also runs the experts' weight gradients on a side stream (Config(wgrad_side_stream=
+True)). `packed` and `slots` keep and drop the same assignments, so they train the same model (their losses
 agree to bf16 noise; printed); `dropless` is the default routing, for reference. "kept/slots" is the
 share of the E*C slot rows that hold a kept assignment (averaged over layers, last warm-up
 step): the batched GEMMs compute every slot row, the grouped GEMMs only kept ones, so slots pay off
@@ -36,17 +38,19 @@ from fxshard.models import MoEGPT, MoEGPTConfig  # noqa: E402
 
 MODES = {"dropless": dict(capacity_factor=None), "packed": dict(expert_slots=False),
          "slots": dict(expert_slots=True)}
+STREAM = "+wgrad-stream"  # a mode with this suffix also runs with Config(wgrad_side_stream=True)
 
 
 def build(args, mode, batch):
     torch.manual_seed(0)
-    overrides = {"capacity_factor": args.capacity_factor, **MODES[mode]}
+    layout = mode.removesuffix(STREAM)
+    overrides = {"capacity_factor": args.capacity_factor, **MODES[layout]}
     cfg = MoEGPTConfig(vocab_size=32000, d_model=args.hidden, n_layer=args.layers, n_head=16, n_expert=args.experts,
                        top_k=args.top_k, d_ff_expert=args.d_ff, d_ff_shared=None, **overrides)
     model = MoEGPT(cfg).cuda()
     step = fxshard.shard(model, lambda m, b: m.loss_and_metrics(b), batch, optimizer=fxshard.optim.AdamW(lr=1e-4),
                          config=fxshard.Config(fuse_grouped_mlp=True, cuda_graphs=True, param_dtype=torch.bfloat16,
-                                               reduce_dtype=torch.float32))
+                                               reduce_dtype=torch.float32, wgrad_side_stream=mode.endswith(STREAM)))
     return step
 
 
@@ -74,6 +78,8 @@ def main():
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--blocks", type=int, default=6, help="timed turns per mode (median)")
     parser.add_argument("--profile", metavar="DIR", help="kernel-time tables of two steps of each mode")
+    parser.add_argument("--modes", nargs="+", default=list(MODES),
+                        help=f"layouts ({', '.join(MODES)}), each optionally with the suffix {STREAM}")
     parser.add_argument("--out", default="bench/moe_slots.json")
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(1)
@@ -81,7 +87,9 @@ def main():
     tokens = args.batch * args.seq
     steps, losses, fill = {}, {}, {}
     capacity = -(-int(args.capacity_factor * tokens * args.top_k) // args.experts)
-    for mode in MODES:
+    for mode in args.modes:
+        if mode.removesuffix(STREAM) not in MODES:
+            parser.error(f"unknown mode {mode!r}")
         print(f"compiling {mode} ...", flush=True)
         steps[mode] = build(args, mode, batch)
         metrics = [steps[mode](batch) for _ in range(args.warmup)]
@@ -96,15 +104,16 @@ def main():
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: MoEGPT {args.layers} layers, hidden "
           f"{args.hidden}, {args.experts} experts x {args.d_ff}, top-{args.top_k}, {tokens} tokens per step, "
           f"capacity factor {args.capacity_factor} (packed, slots)")
-    print(f"{'mode':<10} {'step ms':>9} {'tokens/s':>10} {'vs packed':>10} {'kept/slots':>10}  first losses")
+    base = names[0]
+    print(f"{'mode':<22} {'step ms':>9} {'tokens/s':>10} {'vs ' + base:>12} {'kept/slots':>10}  first losses")
     rows = []
     median = {mode: sorted(t)[len(t) // 2] for mode, t in times.items()}
     for mode in names:
         row = {"mode": mode, "step_ms": median[mode], "tokens_per_s": tokens / median[mode] * 1e3,
-               "speedup_vs_packed": median["packed"] / median[mode], "kept_over_slot_rows": fill[mode],
+               "speedup_vs_first": median[base] / median[mode], "kept_over_slot_rows": fill[mode],
                "losses": losses[mode], "times": times[mode]}
         rows.append(row)
-        print(f"{mode:<10} {median[mode]:>9.2f} {row['tokens_per_s']:>10.0f} {row['speedup_vs_packed']:>9.2f}x "
+        print(f"{mode:<22} {median[mode]:>9.2f} {row['tokens_per_s']:>10.0f} {row['speedup_vs_first']:>11.2f}x "
               f"{fill[mode]:>10.1%}  {', '.join(f'{x:.4f}' for x in losses[mode])}")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
