@@ -5,9 +5,7 @@ The fused grouped MLP's backward is two graph nodes, `grouped_mlp_dgrad` and `gr
 from the data gradient the backward's critical path waits on (Megatron's delay_wgrad_compute). This
 lowering does it with streams: each expert weight-gradient node runs on a side stream, forked from
 the compute stream where the node stood, and the compute stream waits for it only just before the
-first node that reads one of its results (the gradient's norm, reduction, accumulation or the
-optimizer; a dtype cast of the gradient, which the trace puts right after it, is moved down to
-there first).
+first node that reads one of its results (the gradient's reduction, accumulation or the optimizer).
 Meanwhile the compute stream goes on with the backward of the layers below: the weight-gradient
 GEMMs (compute-bound, two thirds of an expert backward's FLOPs) share the GPU with dispatch
 gathers, attention backward and elementwise kernels, and fill the tail waves of the data-gradient
@@ -78,18 +76,6 @@ _LOWERED = {"grouped_mlp_wgrad": grouped_mlp_wgrad_on_side_stream,
             "grouped_mm_wgrad": grouped_mm_wgrad_on_side_stream}
 
 
-def _sink(node: fx.Node, order: dict) -> None:
-    """Move a dtype cast of one tensor (autograd's fp32 copy of a bf16 parameter gradient, which the
-    trace places right after the gradient) to just before its first reader (the gradient's norm,
-    reduction or the optimizer), so the join it would force comes that late too. Its input stays
-    alive until then, its output is made later: live memory does not grow."""
-    if node.target is not torch.ops.aten._to_copy.default or len(node.all_input_nodes) != 1 or not node.users:
-        return
-    first = min(node.users, key=order.get)
-    first.prepend(node)
-    order[node] = order[first] - 0.5
-
-
 def weight_grads_on_side_stream(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, int]:
     """A copy of `graph_module` whose expert weight-gradient nodes run on a side stream, each joined
     just before the first node reading its results; and how many were lowered."""
@@ -108,8 +94,6 @@ def weight_grads_on_side_stream(graph_module: fx.GraphModule) -> tuple[fx.GraphM
         readers = [r for c in carriers for r in c.users] if carriers != [node] else list(node.users)
         if not readers:
             continue
-        for reader in readers:  # a dtype cast of a gradient waits with it (see _sink)
-            _sink(reader, order)
         first = min(readers, key=order.get)
         with graph.inserting_before(first):
             joined = graph.call_function(join_side_stream, (node,))
