@@ -66,8 +66,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     source = MetaInit(model, config.seed, batch_spec.device) if is_meta else model
     state = initial_state(programs[-1], source, optimizer, coords)
     return CompiledStep(programs, state, batch_spec, optimizer, batch_spec.device, groups, config.cuda_graphs,
-                        sm_carveout=config.ep_sm_carveout, all_to_all=config.ep_all_to_all,
-                        wgrad_side_stream=config.wgrad_side_stream)
+                        sm_carveout=config.ep_sm_carveout, all_to_all=config.ep_all_to_all)
 
 
 def _process_groups(mesh: Mesh | None, example_batch):

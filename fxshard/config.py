@@ -62,9 +62,6 @@ class Config:
         while it runs) or "copy-engine" (peer-to-peer memcpys through symmetric memory on a side
         stream, no SMs beyond two one-block barriers; GPUs of one host with peer access:
         fxshard/runtime/copy_engine.py). CPU/gloo always uses the process group's all-to-all.
-    wgrad_side_stream: on CUDA, run the experts' weight-gradient nodes (grouped_mlp_wgrad,
-        grouped_mm_wgrad) on a side stream, joined just before their results are read, so they
-        overlap the backward of the layers below (fxshard/runtime/wgrad_stream.py). Default off.
     seed: initializes a model built on the meta device (fxshard.init: per module, seeded by its path).
     """
 
@@ -89,7 +86,6 @@ class Config:
     ep_sm_carveout: int | None = None
     ep_interleave: str = "combined-1f1b"
     ep_all_to_all: str = "nccl"
-    wgrad_side_stream: bool = False
 
     def __post_init__(self):
         if self.layers is not None:

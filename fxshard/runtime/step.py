@@ -13,7 +13,6 @@ from .carveout import carve_out_sms_for_all_to_alls
 from .copy_engine import lower_all_to_alls_to_copy_engines
 from .reinplace import reinplace
 from .state import State, full_parameters, gather_shard
-from .wgrad_stream import weight_grads_on_side_stream
 
 _WRITE_BACK = {OutputKind.PARAM: InputKind.PARAM, OutputKind.OPT_STATE: InputKind.OPT_STATE,
                OutputKind.BUFFER: InputKind.BUFFER}
@@ -43,7 +42,7 @@ class CompiledStep:
 
     def __init__(self, programs: list[Program], state: State, batch_spec: BatchSpec, optimizer: Optimizer,
                  device: torch.device, groups: dict | None = None, cuda_graphs: bool = False,
-                 sm_carveout: int | None = None, all_to_all: str = "nccl", wgrad_side_stream: bool = False):
+                 sm_carveout: int | None = None, all_to_all: str = "nccl"):
         self.programs = programs
         self.program = programs[-1]
         self.state = state
@@ -62,9 +61,6 @@ class CompiledStep:
         self.copy_engine_all_to_alls = 0  # EP all-to-alls moved by peer memcpys (no SMs), CUDA only
         if all_to_all == "copy-engine" and device.type == "cuda":
             self._run, self.copy_engine_all_to_alls = lower_all_to_alls_to_copy_engines(self._run)
-        self.side_stream_wgrads = 0  # expert weight-gradient nodes run on a side stream, CUDA only
-        if wgrad_side_stream and device.type == "cuda":
-            self._run, self.side_stream_wgrads = weight_grads_on_side_stream(self._run)
         if cuda_graphs and device.type != "cuda":
             raise FxShardError(f"Config(cuda_graphs=True) needs a CUDA device; the batch is on {device}")
         if cuda_graphs:
