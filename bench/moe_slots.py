@@ -11,9 +11,7 @@ clocks drift under sustained load; see bench/RESULTS.md):
     slots      the same capacity, rows in C-row slots (MoEGPTConfig(expert_slots=True)): each
                expert GEMM is one batched GEMM over [E, C, .], the padding computed and ignored
 
-`--modes` picks some (the first is the baseline of the "vs" column); a mode with the suffix
-`+wgrad-stream` also runs the experts' weight gradients on a side stream (Config(wgrad_side_stream=
-True)). `packed` and `slots` keep and drop the same assignments, so they train the same model (their losses
+`--modes` picks some (the first is the baseline of the "vs" column). `packed` and `slots` keep and drop the same assignments, so they train the same model (their losses
 agree to bf16 noise; printed); `dropless` is the default routing, for reference. "kept/slots" is the
 share of the E*C slot rows that hold a kept assignment (averaged over layers, last warm-up
 step): the batched GEMMs compute every slot row, the grouped GEMMs only kept ones, so slots pay off
@@ -38,19 +36,17 @@ from fxshard.models import MoEGPT, MoEGPTConfig  # noqa: E402
 
 MODES = {"dropless": dict(capacity_factor=None), "packed": dict(expert_slots=False),
          "slots": dict(expert_slots=True)}
-STREAM = "+wgrad-stream"  # a mode with this suffix also runs with Config(wgrad_side_stream=True)
 
 
 def build(args, mode, batch):
     torch.manual_seed(0)
-    layout = mode.removesuffix(STREAM)
-    overrides = {"capacity_factor": args.capacity_factor, **MODES[layout]}
+    overrides = {"capacity_factor": args.capacity_factor, **MODES[mode]}
     cfg = MoEGPTConfig(vocab_size=32000, d_model=args.hidden, n_layer=args.layers, n_head=16, n_expert=args.experts,
                        top_k=args.top_k, d_ff_expert=args.d_ff, d_ff_shared=None, **overrides)
     model = MoEGPT(cfg).cuda()
     step = fxshard.shard(model, lambda m, b: m.loss_and_metrics(b), batch, optimizer=fxshard.optim.AdamW(lr=1e-4),
                          config=fxshard.Config(fuse_grouped_mlp=True, cuda_graphs=True, param_dtype=torch.bfloat16,
-                                               reduce_dtype=torch.float32, wgrad_side_stream=mode.endswith(STREAM)))
+                                               reduce_dtype=torch.float32))
     return step
 
 
@@ -78,8 +74,7 @@ def main():
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--blocks", type=int, default=6, help="timed turns per mode (median)")
     parser.add_argument("--profile", metavar="DIR", help="kernel-time tables of two steps of each mode")
-    parser.add_argument("--modes", nargs="+", default=list(MODES),
-                        help=f"layouts ({', '.join(MODES)}), each optionally with the suffix {STREAM}")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--out", default="bench/moe_slots.json")
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(1)
@@ -88,8 +83,6 @@ def main():
     steps, losses, fill = {}, {}, {}
     capacity = -(-int(args.capacity_factor * tokens * args.top_k) // args.experts)
     for mode in args.modes:
-        if mode.removesuffix(STREAM) not in MODES:
-            parser.error(f"unknown mode {mode!r}")
         print(f"compiling {mode} ...", flush=True)
         steps[mode] = build(args, mode, batch)
         metrics = [steps[mode](batch) for _ in range(args.warmup)]
