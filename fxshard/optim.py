@@ -49,7 +49,7 @@ class AdamW:
                 "bias_correction2_sqrt": torch.sqrt(1 - torch.pow(beta2, step))}
 
     def update(self, param, grad, state, scalars):
-        from .ops.adamw import adamw_update  # one node per tensor; fused on CUDA
+        from .ops.adamw import adamw_update  # one node per tensor; fused on CUDA; takes a bf16 grad as is
 
         beta1, beta2 = self.betas
         param, exp_avg, exp_avg_sq = adamw_update(
@@ -82,6 +82,7 @@ class SGD:
         return {"lr": lr, "is_first_step": step == 1}
 
     def update(self, param, grad, state, scalars):
+        grad = grad.to(param.dtype)  # applied in the master's dtype
         d_p = grad + self.weight_decay * param if self.weight_decay else grad
         new_state = {}
         if self.momentum:

@@ -123,6 +123,24 @@ def test_fused_adamw_kernel_matches_the_reference():
 
 
 @pytest.mark.gpu
+def test_fused_adamw_kernel_widens_a_bf16_gradient_exactly():
+    """A bf16 gradient (fp32 master) gives exactly what its fp32 copy gives, in the functional and the
+    in-place kernel, and matches the reference."""
+    from fxshard.ops.adamw import adamw_reference, adamw_update, adamw_update_
+
+    (param, grad, exp_avg, exp_avg_sq), scalars = _adamw_inputs(seed=2)
+    narrow = grad.bfloat16()
+    widened = adamw_update(param, narrow.float(), exp_avg, exp_avg_sq, *scalars, 0.9, 0.95, 1e-8)
+    fused = adamw_update(param, narrow, exp_avg, exp_avg_sq, *scalars, 0.9, 0.95, 1e-8)
+    reference = adamw_reference(param, narrow, exp_avg, exp_avg_sq, *scalars, 0.9, 0.95, 1e-8)
+    in_place = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
+    adamw_update_(in_place[0], narrow, in_place[1], in_place[2], *scalars, 0.9, 0.95, 1e-8)
+    for ours, exact, loose, again in zip(fused, widened, reference, in_place):
+        assert torch.equal(ours, exact) and torch.equal(again, exact)
+        assert torch.allclose(ours, loose, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
 def test_in_place_fused_adamw_kernel_matches_the_functional_one():
     from fxshard.ops.adamw import adamw_update, adamw_update_
 

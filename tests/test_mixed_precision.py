@@ -109,3 +109,21 @@ def test_bf16_microbatch_gradients_are_added_into_the_fp32_sum_without_a_cast_co
         ours, eager = step(batch)["loss"].item(), sum(losses) / 2
         tolerance = 1e-6 if index == 0 else 1e-3  # as above: bf16 rounding amplifies through Adam
         assert abs(ours - eager) <= tolerance * abs(eager), (index, ours, eager)
+
+
+def test_bf16_gradients_reach_adamw_without_an_fp32_copy():
+    """param_dtype=bf16 on one device: every AdamW update reads its bf16 gradient as it is (the fused op
+    widens it on load) and the optimizer phase writes no fp32 copy of a gradient; the grad norm is
+    taken in fp32 from the bf16 gradients (parity with eager: test_bf16_compute_matches_eager_...)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny"))
+    batch = {"idx": torch.randint(0, 64, (2, 16)), "tgt": torch.randint(0, 64, (2, 16))}
+    step = fxshard.shard(model, lambda m, b: m.loss(b), batch, optimizer=fxshard.optim.AdamW(lr=1e-3),
+                         config=fxshard.Config(param_dtype=torch.bfloat16))
+    graph = step.program.graph
+    updates = [n for n in graph.nodes if n.target is torch.ops.fxshard.adamw_update.default]
+    assert updates and all(n.args[1].meta["val"].dtype == torch.bfloat16 for n in updates)
+    casts_up = [n for n in graph.nodes if meta.phase(n) == meta.OPTIM and n.target is torch.ops.aten._to_copy.default
+                and n.meta["val"].dtype == torch.float32 and n.args[0].meta["val"].dtype == torch.bfloat16
+                and n.meta["val"].dim() > 0]
+    assert not casts_up, [n.name for n in casts_up]

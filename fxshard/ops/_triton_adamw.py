@@ -11,7 +11,7 @@ def _adamw_kernel(param_ptr, grad_ptr, m_ptr, v_ptr, out_p, out_m, out_v, decay_
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     p = tl.load(param_ptr + offsets, mask=mask)
-    g = tl.load(grad_ptr + offsets, mask=mask)
+    g = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)  # a bf16 / fp16 gradient widened exactly
     m = tl.load(m_ptr + offsets, mask=mask)
     v = tl.load(v_ptr + offsets, mask=mask)
     decay = tl.load(decay_ptr)

@@ -2,7 +2,9 @@
 
 The reference implementation is the elementwise formula of torch.optim.AdamW (single-tensor path);
 on CUDA, contiguous fp32 tensors take one fused Triton kernel that reads param, grad and both moments
-once and writes them once (the unfused chain makes ~10 passes over each tensor).
+once and writes them once (the unfused chain makes ~10 passes over each tensor). The gradient may
+come in a narrower dtype than the parameter (bf16 gradients of fp32 masters): it is widened exactly
+(as `grad.to(param.dtype)` would) where it is read, so no wide copy of it is ever written.
 Per-step scalars (decay = 1 - lr*wd, step_size = lr / bias_correction1, bias_correction2_sqrt)
 are 0-d tensors, so a schedule changes them without retracing or recapturing.
 """
@@ -15,6 +17,7 @@ from torch import Tensor
 
 def adamw_reference(param, grad, exp_avg, exp_avg_sq, decay, step_size, bias_correction2_sqrt,
                     beta1: float, beta2: float, eps: float):
+    grad = grad.to(param.dtype)
     param = param * decay
     exp_avg = torch.lerp(exp_avg, grad, 1 - beta1)
     exp_avg_sq = torch.addcmul(exp_avg_sq * beta2, grad, grad, value=1 - beta2)
@@ -22,16 +25,21 @@ def adamw_reference(param, grad, exp_avg, exp_avg_sq, decay, step_size, bias_cor
     return param - step_size * (exp_avg / denom), exp_avg, exp_avg_sq
 
 
+def _fused(param, grad, exp_avg, exp_avg_sq) -> bool:
+    """The Triton kernel's case: CUDA, contiguous fp32 state, a contiguous fp32, bf16 or fp16 gradient."""
+    return (param.is_cuda and all(t.dtype == torch.float32 and t.is_contiguous() for t in (param, exp_avg, exp_avg_sq))
+            and grad.dtype in (torch.float32, torch.bfloat16, torch.float16) and grad.is_contiguous())
+
+
 @torch.library.custom_op("fxshard::adamw_update", mutates_args=())
 def adamw_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, decay: Tensor,
                  step_size: Tensor, bias_correction2_sqrt: Tensor, beta1: float, beta2: float,
                  eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    tensors = (param, grad, exp_avg, exp_avg_sq)
-    if param.is_cuda and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
+    if _fused(param, grad, exp_avg, exp_avg_sq):
         from ._triton_adamw import fused_adamw
 
-        return fused_adamw(*tensors, decay, step_size, bias_correction2_sqrt, beta1, beta2, eps)
-    return tuple(t.contiguous() for t in adamw_reference(*tensors, decay, step_size, bias_correction2_sqrt,
+        return fused_adamw(param, grad, exp_avg, exp_avg_sq, decay, step_size, bias_correction2_sqrt, beta1, beta2, eps)
+    return tuple(t.contiguous() for t in adamw_reference(param, grad, exp_avg, exp_avg_sq, decay, step_size, bias_correction2_sqrt,
                                                          beta1, beta2, eps))
 
 
@@ -41,14 +49,13 @@ def adamw_update_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
                   eps: float) -> None:
     """The same step written into `param`, `exp_avg` and `exp_avg_sq`: what the runtime lowers
     `adamw_update` to when nothing reads the old values afterwards (fxshard.runtime.reinplace)."""
-    tensors = (param, grad, exp_avg, exp_avg_sq)
-    if param.is_cuda and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
+    if _fused(param, grad, exp_avg, exp_avg_sq):
         from ._triton_adamw import fused_adamw
 
-        fused_adamw(*tensors, decay, step_size, bias_correction2_sqrt, beta1, beta2, eps,
+        fused_adamw(param, grad, exp_avg, exp_avg_sq, decay, step_size, bias_correction2_sqrt, beta1, beta2, eps,
                     out=(param, exp_avg, exp_avg_sq))
         return
-    new = adamw_reference(*tensors, decay, step_size, bias_correction2_sqrt, beta1, beta2, eps)
+    new = adamw_reference(param, grad, exp_avg, exp_avg_sq, decay, step_size, bias_correction2_sqrt, beta1, beta2, eps)
     for target, value in zip((param, exp_avg, exp_avg_sq), new):
         target.copy_(value)
 
