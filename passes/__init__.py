@@ -14,6 +14,7 @@ from .ep import EPConfig, expert_parallel
 from .fsdp import FSDPConfig, fsdp
 from .fuse_grouped_mlp import fuse_grouped_mlp
 from .interleave import interleave_microbatches
+from .narrow_grads import narrow_grads
 from .overlap import fill_ep_windows
 
 
@@ -45,6 +46,10 @@ PIPELINE: list[Pass] = [
     Pass("interleave",
          lambda program, mesh, config: interleave_microbatches(program, config.ep_interleave),
          lambda mesh, config: mesh is not None and mesh.ep > 1 and config.ep_overlap and config.microbatches > 1),
+    # one device, low-precision compute: nothing reduces the gradients, the optimizer reads them as they are
+    Pass("narrow_grads",
+         lambda program, mesh, config: narrow_grads(program),
+         lambda mesh, config: mesh is None and config.param_dtype is not None),
 ]
 
 
