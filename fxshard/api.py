@@ -65,8 +65,27 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     # each rank materializes only its own shards.
     source = MetaInit(model, config.seed, batch_spec.device) if is_meta else model
     state = initial_state(programs[-1], source, optimizer, coords)
-    return CompiledStep(programs, state, batch_spec, optimizer, batch_spec.device, groups, config.cuda_graphs,
+    step = CompiledStep(programs, state, batch_spec, optimizer, batch_spec.device, groups, config.cuda_graphs,
                         sm_carveout=config.ep_sm_carveout, all_to_all=config.ep_all_to_all)
+    if config.dump_dir or config.verbose:
+        _report_lowerings(step, config, len(programs))
+    return step
+
+
+def _report_lowerings(step, config: Config, index: int) -> None:
+    """What the runtime changed in the last program before running it (fxshard/runtime: in-place
+    optimizer updates, SM carveouts, copy-engine all-to-alls): a line with `verbose`, and with
+    `dump_dir` the graph that actually runs, `NN_runtime.py`, next to the passes' dumps."""
+    line = (f"fxshard: runtime lowerings of {step.program.name!r}: {step.in_place_updates} in-place optimizer "
+            f"updates, {step.copy_engine_all_to_alls} copy-engine all-to-alls, "
+            f"{step.sm_carveout_stretches} SM-carveout stretches")
+    if config.verbose:
+        print(line, file=sys.stderr)
+    if config.dump_dir:
+        path = os.path.join(config.dump_dir, f"{index:02d}_runtime.py")
+        with open(path, "w") as handle:
+            handle.write(f"# {line}\n# the graph CompiledStep runs (CUDA graphs, if on, capture this)\n")
+            handle.write(step._run.print_readable(print_output=False, include_stride=False, include_device=False))
 
 
 def _process_groups(mesh: Mesh | None, example_batch):

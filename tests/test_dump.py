@@ -7,7 +7,7 @@ import sys
 import torch
 
 import fxshard
-from fxshard.models import MoEGPT, MoEGPTConfig
+from fxshard.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig
 
 
 def test_dump_of_moe_gpt_tiny_names_every_node_and_prints_a_summary(tmp_path, monkeypatch):
@@ -16,7 +16,7 @@ def test_dump_of_moe_gpt_tiny_names_every_node_and_prints_a_summary(tmp_path, mo
     monkeypatch.setenv("FXSHARD_DUMP", str(tmp_path))
     step = fxshard.shard(MoEGPT(MoEGPTConfig.preset("tiny")), lambda m, b: m.loss(b), batch)
     files = sorted(os.listdir(tmp_path))
-    assert files == ["00_traced.dot", "00_traced.nodes.txt", "00_traced.py", "00_traced.summary.txt"]
+    assert files == ["00_traced.dot", "00_traced.nodes.txt", "00_traced.py", "00_traced.summary.txt", "01_runtime.py"]
 
     listing = (tmp_path / "00_traced.nodes.txt").read_text().splitlines()
     body = [line for line in listing if not line.startswith("output(")]
@@ -68,3 +68,18 @@ def test_bytes_written_show_no_pad_or_squared_copies_of_gradients():
                     if fxshard.meta.phase(n) == "optim" and "pow" in str(n.target))
     assert optim_pow < 64  # scalars only, not a squared gradient
     assert "bytes written per step, largest: " in fxshard.dump.summarize(program)
+
+
+def test_the_graph_the_runtime_runs_is_dumped_and_reported(tmp_path, capsys):
+    """After the passes' dumps comes NN_runtime.py, the program as CompiledStep runs it (runtime
+    lowerings applied: here AdamW updates written into the state they read), and verbose says what
+    the runtime changed."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny"))
+    batch = {"idx": torch.zeros(2, 8, dtype=torch.long), "tgt": torch.zeros(2, 8, dtype=torch.long)}
+    step = fxshard.shard(model, lambda m, b: m.loss(b), batch, optimizer=fxshard.optim.AdamW(lr=1e-3),
+                         config=fxshard.Config(dump_dir=str(tmp_path), verbose=True))
+    assert step.in_place_updates > 0
+    runtime = (tmp_path / f"{len(step.programs):02d}_runtime.py").read_text()
+    assert "adamw_update_" in runtime and f"{step.in_place_updates} in-place optimizer updates" in runtime
+    assert f"runtime lowerings of 'traced': {step.in_place_updates} in-place" in capsys.readouterr().err

@@ -56,8 +56,9 @@ class CompiledStep:
                if self.groups else self.program.graph_module)
         # optimizer updates write into the state tensors they read (see runtime/reinplace.py)
         self._run, self.in_place_updates = reinplace(run)
-        if sm_carveout is not None and device.type == "cuda":  # matmuls inside all-to-all windows run narrower
-            self._run, _ = carve_out_sms_for_all_to_alls(self._run, sm_carveout)
+        self.sm_carveout_stretches = 0  # runs of matmuls inside all-to-all windows that run narrower, CUDA only
+        if sm_carveout is not None and device.type == "cuda":
+            self._run, self.sm_carveout_stretches = carve_out_sms_for_all_to_alls(self._run, sm_carveout)
         self.copy_engine_all_to_alls = 0  # EP all-to-alls moved by peer memcpys (no SMs), CUDA only
         if all_to_all == "copy-engine" and device.type == "cuda":
             self._run, self.copy_engine_all_to_alls = lower_all_to_alls_to_copy_engines(self._run)
