@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from ..errors import FxShardError
-from .grouped_mlp_backends import ACTIVATIONS, backend_for, expert_of_rows
+from .grouped_mlp_backends import ACTIVATIONS, backend_for, check_slots, expert_of_rows
 
 
 def _bias_rows(bias: Tensor, offsets: Tensor, rows: int, capacity: int | None = None) -> Tensor:
@@ -61,10 +61,7 @@ def _check(x, offsets, w1, w2, activation, capacity=None):
         raise FxShardError(f"grouped_mlp({activation}) shapes disagree: x {tuple(x.shape)}, offsets "
                            f"{tuple(offsets.shape)}, w1 {tuple(w1.shape)} (want [E, {width}, D]), w2 "
                            f"{tuple(w2.shape)}")
-    if capacity is not None and (capacity < 1 or x.shape[0] != w1.shape[0] * capacity):
-        raise FxShardError(f"grouped_mlp(capacity={capacity}): the slot layout needs capacity >= 1 and "
-                           f"x with experts * capacity = {w1.shape[0]} * {capacity} rows, got {x.shape[0]}; "
-                           "pass capacity=None for ragged rows")
+    check_slots("grouped_mlp", x, w1.shape[0], capacity)
 
 
 @torch.library.custom_op("fxshard::grouped_mlp_fwd", mutates_args=())

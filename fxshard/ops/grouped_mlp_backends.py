@@ -105,6 +105,16 @@ ACTIVATIONS = {a.name: a for a in (
 )}
 
 
+def check_slots(op: str, x: Tensor, experts: int, capacity: int | None) -> None:
+    """The slot layout needs capacity >= 1 and experts * capacity rows (FxShardError otherwise)."""
+    if capacity is not None and (capacity < 1 or x.shape[0] != experts * capacity):
+        from ..errors import FxShardError
+
+        raise FxShardError(f"{op}(capacity={capacity}): the slot layout needs capacity >= 1 and x with "
+                           f"experts * capacity = {experts} * {capacity} rows, got {x.shape[0]}; pass "
+                           "capacity=None for ragged rows")
+
+
 def _expert_rows(offsets: Tensor, capacity: int | None = None):
     """(expert, row slice) for every expert with rows, read on the host."""
     start = 0

@@ -23,20 +23,20 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..errors import FxShardError
-
 
 @torch.library.custom_op("fxshard::grouped_mm", mutates_args=())
 def grouped_mm(x: Tensor, offsets: Tensor, weight: Tensor, capacity: Optional[int] = None) -> Tensor:
-    from .grouped_mlp_backends import backend_for
+    from .grouped_mlp_backends import backend_for, check_slots
 
-    _check_slots(x, weight.shape[0], capacity)
+    check_slots("grouped_mm", x, weight.shape[0], capacity)
     return backend_for(x, weight).gemm(x, offsets, weight, capacity=capacity).contiguous()
 
 
 @grouped_mm.register_fake
 def _grouped_mm_fake(x, offsets, weight, capacity=None):
-    _check_slots(x, weight.shape[0], capacity)
+    from .grouped_mlp_backends import check_slots
+
+    check_slots("grouped_mm", x, weight.shape[0], capacity)
     return x.new_empty(x.shape[0], weight.shape[1])
 
 
@@ -52,13 +52,6 @@ def grouped_mm_wgrad(grad_out: Tensor, x: Tensor, offsets: Tensor, n_experts: in
 @grouped_mm_wgrad.register_fake
 def _grouped_mm_wgrad_fake(grad_out, x, offsets, n_experts, capacity=None):
     return grad_out.new_empty(n_experts, grad_out.shape[1], x.shape[1])
-
-
-def _check_slots(x: Tensor, experts: int, capacity: int | None) -> None:
-    if capacity is not None and (capacity < 1 or x.shape[0] != experts * capacity):
-        raise FxShardError(f"grouped_mm(capacity={capacity}): the slot layout needs capacity >= 1 and x with "
-                           f"experts * capacity = {experts} * {capacity} rows, got {x.shape[0]}; pass "
-                           "capacity=None for ragged rows")
 
 
 def _setup_context(ctx, inputs, output):
