@@ -124,12 +124,16 @@ def _dispatch(tokens: Tensor, chosen: Tensor, n_experts: int, capacity: int | No
         keep = rank_within(flat_expert, n_experts) < capacity
     sort_key = torch.where(keep, flat_expert, torch.full_like(flat_expert, n_experts))  # dropped sort last
     order = torch.argsort(sort_key, stable=True)
-    kept_counts = torch.zeros(n_experts, dtype=torch.long, device=tokens.device).scatter_add(
-        0, flat_expert, keep.long())
+    kept_counts = _kept_counts(flat_expert, keep, n_experts)
     offsets = kept_counts.cumsum(0).to(torch.int32)
     rank_of = inverse_permutation(order)
     rows = _Spread.apply(tokens, order, rank_of, top_k)
     return Dispatch(rows, offsets, order, keep[order], (~keep).sum(), capacity, rank_of)
+
+
+def _kept_counts(flat_expert: Tensor, keep: Tensor, n_experts: int) -> Tensor:
+    """[E] int64: the assignments each expert keeps."""
+    return torch.zeros(n_experts, dtype=torch.long, device=flat_expert.device).scatter_add(0, flat_expert, keep.long())
 
 
 def _dispatch_to_slots(tokens: Tensor, chosen: Tensor, n_experts: int, capacity: int) -> Dispatch:
@@ -144,11 +148,10 @@ def _dispatch_to_slots(tokens: Tensor, chosen: Tensor, n_experts: int, capacity:
     target = torch.where(keep, rank_of, torch.full_like(rank_of, rows))
     assignments = torch.arange(flat_expert.numel(), device=tokens.device)
     order = torch.zeros(rows + 1, dtype=rank_of.dtype, device=tokens.device).scatter(0, target, assignments)[:rows]
-    kept_counts = torch.zeros(n_experts, dtype=torch.long, device=tokens.device).scatter_add(
-        0, flat_expert, keep.long())
+    kept_counts = _kept_counts(flat_expert, keep, n_experts)
     offsets = kept_counts.cumsum(0).to(torch.int32)
     slot_row = torch.arange(rows, device=tokens.device) % capacity
-    real = slot_row < kept_counts.clamp(max=capacity).repeat_interleave(capacity)
+    real = slot_row < kept_counts.repeat_interleave(capacity)  # kept counts are at most C
     rows_out = _Spread.apply(tokens, order, rank_of, top_k, keep)
     return Dispatch(rows_out, offsets, order, real, (~keep).sum(), capacity, rank_of, slots=True, keep=keep)
 
