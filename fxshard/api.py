@@ -76,16 +76,13 @@ def _report_lowerings(step, config: Config, index: int) -> None:
     """What the runtime changed in the last program before running it (fxshard/runtime: in-place
     optimizer updates, SM carveouts, copy-engine all-to-alls): a line with `verbose`, and with
     `dump_dir` the graph that actually runs, `NN_runtime.py`, next to the passes' dumps."""
-    line = (f"fxshard: runtime lowerings of {step.program.name!r}: {step.in_place_updates} in-place optimizer "
-            f"updates, {step.copy_engine_all_to_alls} copy-engine all-to-alls, "
-            f"{step.sm_carveout_stretches} SM-carveout stretches")
+    line = f"fxshard: {step.lowerings()}"
     if config.verbose:
         print(line, file=sys.stderr)
     if config.dump_dir:
-        path = os.path.join(config.dump_dir, f"{index:02d}_runtime.py")
-        with open(path, "w") as handle:
+        with open(os.path.join(config.dump_dir, f"{index:02d}_runtime.py"), "w") as handle:
             handle.write(f"# {line}\n# the graph CompiledStep runs (CUDA graphs, if on, capture this)\n")
-            handle.write(step._run.print_readable(print_output=False, include_stride=False, include_device=False))
+            handle.write(step.runtime_code())
 
 
 def _process_groups(mesh: Mesh | None, example_batch):

@@ -68,6 +68,16 @@ class CompiledStep:
             _check_capturable(self.program)
         self._replay = CudaGraphReplay() if cuda_graphs else None
 
+    def lowerings(self) -> str:
+        """One line: what the runtime changed in the program before running it."""
+        return (f"runtime lowerings of {self.program.name!r}: {self.in_place_updates} in-place optimizer updates, "
+                f"{self.copy_engine_all_to_alls} copy-engine all-to-alls, {self.sm_carveout_stretches} "
+                f"SM-carveout stretches")
+
+    def runtime_code(self) -> str:
+        """The readable code of the graph this step runs (the program after the runtime lowerings)."""
+        return self._run.print_readable(print_output=False, include_stride=False, include_device=False)
+
     def set_lr(self, lr: float) -> None:
         """Use this learning rate from the next step on (overrides the optimizer's lr/schedule)."""
         if not isinstance(lr, (int, float)) or lr < 0:
