@@ -1,8 +1,9 @@
 """Hand the optimizer bf16 gradients as they are, where nothing reduces them (one device).
 
-Under `Config(param_dtype=torch.bfloat16)` autograd produces each parameter's gradient in bf16, and
-the tracer casts it to `reduce_dtype` (fp32 by default) right away, so that data-parallel reductions
-run in fp32. On one device nothing is reduced: the fp32 copy only feeds the optimizer phase, which
+Under `Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)` autograd produces each
+parameter's gradient in bf16 and the tracer casts it to fp32 right away, so that data-parallel
+reductions run in fp32 (with `reduce_dtype` left at param_dtype's there is no such cast: AdamW
+takes the bf16 gradient directly anyway). On one device nothing is reduced: the fp32 copy only feeds the optimizer phase, which
 reads it twice (the gradient norm and the update). This pass removes such a cast when every reader
 of its result is one that takes the bf16 gradient just as well:
 
