@@ -197,19 +197,24 @@ def gemms_only(x, where, w1, w2):
 MODES = {"loop": loop_mlp, "unfused": unfused_mlp, "fused": fused_mlp, "gemms-only": gemms_only}
 
 
-def interleaved_ms(replays: dict, iters: int, blocks: int = 8) -> dict:
-    """ms per call of each replay, timed in turns (block after block, every replay in each): a GPU's
+def timed_in_turns(calls: dict, iters: int, blocks: int = 8) -> dict:
+    """{name: [ms per call in each block]}, every call timed in turns, block after block: a GPU's
     clocks drop under sustained GEMM load (its power limit), by up to ~20% between runs of this
     bench, so what is compared is timed in the same stretch. The order rotates from block to block
-    (whatever follows the dense matmul inherits its heat); median over the blocks."""
-    names = list(replays)
-    for replay in replays.values():
-        replay()
+    (whatever follows the dense matmul inherits its heat)."""
+    names = list(calls)
+    for call in calls.values():
+        call()
     times = {name: [] for name in names}
     for block in range(blocks):
         for name in names[block % len(names):] + names[:block % len(names)]:
-            times[name].append(cuda_time_ms(replays[name], warmup=1, iters=iters, blocks=1))
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+            times[name].append(cuda_time_ms(calls[name], warmup=1, iters=iters, blocks=1))
+    return times
+
+
+def interleaved_ms(replays: dict, iters: int, blocks: int = 8) -> dict:
+    """ms per call of each replay, timed in turns (timed_in_turns); median over the blocks."""
+    return {name: sorted(t)[len(t) // 2] for name, t in timed_in_turns(replays, iters, blocks).items()}
 
 
 def run_shape(experts, tokens, d_model, d_ff, layout, args):

@@ -30,9 +30,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 import fxshard  # noqa: E402
 from fxshard.models import MoEGPT, MoEGPTConfig  # noqa: E402
+from grouped_mlp import timed_in_turns  # noqa: E402  (bench/grouped_mlp.py)
 
 MODES = {"dropless": dict(capacity_factor=None), "packed": dict(expert_slots=False),
          "slots": dict(expert_slots=True)}
@@ -48,16 +50,6 @@ def build(args, mode, batch):
                          config=fxshard.Config(fuse_grouped_mlp=True, cuda_graphs=True, param_dtype=torch.bfloat16,
                                                reduce_dtype=torch.float32))
     return step
-
-
-def timed_ms(step, batch, iters) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        step(batch)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main():
@@ -89,11 +81,9 @@ def main():
         losses[mode] = [m["loss"].item() for m in metrics]
         kept = tokens * args.top_k - metrics[-1]["moe_dropped_tokens"].item() / args.layers
         fill[mode] = kept / (args.experts * capacity)  # of the slots' rows: what batched GEMMs compute usefully
-    times = {mode: [] for mode in steps}
     names = list(steps)
-    for block in range(args.blocks):
-        for mode in names[block % len(names):] + names[:block % len(names)]:
-            times[mode].append(timed_ms(steps[mode], batch, args.iters))
+    times = timed_in_turns({mode: (lambda step=step: step(batch)) for mode, step in steps.items()}, args.iters,
+                           args.blocks)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: MoEGPT {args.layers} layers, hidden "
           f"{args.hidden}, {args.experts} experts x {args.d_ff}, top-{args.top_k}, {tokens} tokens per step, "
           f"capacity factor {args.capacity_factor} (packed, slots)")
