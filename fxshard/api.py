@@ -65,8 +65,10 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     # each rank materializes only its own shards.
     source = MetaInit(model, config.seed, batch_spec.device) if is_meta else model
     state = initial_state(programs[-1], source, optimizer, coords)
+    codegen = config.codegen == "inductor" or (config.codegen == "auto" and batch_spec.device.type == "cuda")
     step = CompiledStep(programs, state, batch_spec, optimizer, batch_spec.device, groups, config.cuda_graphs,
-                        sm_carveout=config.ep_sm_carveout, all_to_all=config.ep_all_to_all)
+                        sm_carveout=config.ep_sm_carveout, all_to_all=config.ep_all_to_all, codegen=codegen,
+                        verbose=config.verbose)
     if config.dump_dir or config.verbose:
         _report_lowerings(step, config, len(programs))
     return step
@@ -74,8 +76,9 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
 
 def _report_lowerings(step, config: Config, index: int) -> None:
     """What the runtime changed in the last program before running it (fxshard/runtime: in-place
-    optimizer updates, SM carveouts, copy-engine all-to-alls): a line with `verbose`, and with
-    `dump_dir` the graph that actually runs, `NN_runtime.py`, next to the passes' dumps."""
+    optimizer updates, SM carveouts, copy-engine all-to-alls; codegen's regions): a line with
+    `verbose`, and with `dump_dir` the graph that actually runs, `NN_runtime.py`, and the compiled
+    regions, `NN_codegen.txt`, next to the passes' dumps."""
     line = f"fxshard: {step.lowerings()}"
     if config.verbose:
         print(line, file=sys.stderr)
@@ -83,6 +86,9 @@ def _report_lowerings(step, config: Config, index: int) -> None:
         with open(os.path.join(config.dump_dir, f"{index:02d}_runtime.py"), "w") as handle:
             handle.write(f"# {line}\n# the graph CompiledStep runs (CUDA graphs, if on, capture this)\n")
             handle.write(step.runtime_code())
+        if step.codegen is not None:
+            with open(os.path.join(config.dump_dir, f"{index:02d}_codegen.txt"), "w") as handle:
+                handle.write(step.codegen.table())
 
 
 def _process_groups(mesh: Mesh | None, example_batch):

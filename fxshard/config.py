@@ -13,6 +13,7 @@ SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zb-h1")
 EP_INTERLEAVINGS = ("combined-1f1b", "dual-batch")
 EP_ALL_TO_ALLS = ("nccl", "copy-engine")
+CODEGENS = ("auto", "inductor", None)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,10 @@ class Config:
         while it runs) or "copy-engine" (peer-to-peer memcpys through symmetric memory on a side
         stream, no SMs beyond two one-block barriers; GPUs of one host with peer access:
         fxshard/runtime/copy_engine.py). CPU/gloo always uses the process group's all-to-all.
+    codegen: "inductor" compiles the step's compute with Inductor, region by region between the nodes
+        whose order fxshard chose (communication, custom ops), which keep their order
+        (fxshard/codegen.py); None replays it aten op by op; "auto" (default): "inductor" on CUDA,
+        None on CPU (Inductor's CPU backend compiles C++: tens of seconds per new program).
     seed: initializes a model built on the meta device (fxshard.init: per module, seeded by its path).
     """
 
@@ -86,6 +91,7 @@ class Config:
     ep_sm_carveout: int | None = None
     ep_interleave: str = "combined-1f1b"
     ep_all_to_all: str = "nccl"
+    codegen: str | None = "auto"
 
     def __post_init__(self):
         if self.layers is not None:
@@ -122,5 +128,7 @@ class Config:
             raise FxShardError(f"ep_sm_carveout must be an int >= 0 (SMs) or None, got {self.ep_sm_carveout!r}")
         if self.ep_all_to_all not in EP_ALL_TO_ALLS:
             raise FxShardError(f"ep_all_to_all={self.ep_all_to_all!r}; choose one of {EP_ALL_TO_ALLS}")
+        if self.codegen not in CODEGENS:
+            raise FxShardError(f"codegen={self.codegen!r}; choose one of {CODEGENS}")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise FxShardError(f"clip_grad_norm must be > 0 or None, got {self.clip_grad_norm!r}")

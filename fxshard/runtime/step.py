@@ -9,6 +9,7 @@ from ..batch import BatchSpec
 from ..errors import FxShardError
 from ..optim import Optimizer, lr_at
 from ..program import InputKind, OutputKind, Program
+from ..codegen import CodegenReport, compile_regions, progress_printer
 from .carveout import carve_out_sms_for_all_to_alls
 from .copy_engine import lower_all_to_alls_to_copy_engines
 from .reinplace import reinplace
@@ -42,7 +43,8 @@ class CompiledStep:
 
     def __init__(self, programs: list[Program], state: State, batch_spec: BatchSpec, optimizer: Optimizer,
                  device: torch.device, groups: dict | None = None, cuda_graphs: bool = False,
-                 sm_carveout: int | None = None, all_to_all: str = "nccl"):
+                 sm_carveout: int | None = None, all_to_all: str = "nccl", codegen: bool = False,
+                 verbose: bool = False):
         self.programs = programs
         self.program = programs[-1]
         self.state = state
@@ -62,6 +64,10 @@ class CompiledStep:
         self.copy_engine_all_to_alls = 0  # EP all-to-alls moved by peer memcpys (no SMs), CUDA only
         if all_to_all == "copy-engine" and device.type == "cuda":
             self._run, self.copy_engine_all_to_alls = lower_all_to_alls_to_copy_engines(self._run)
+        # last: the compute between the nodes placed above is compiled; those nodes keep their order
+        self.codegen: CodegenReport | None = None
+        if codegen:
+            self._run, self.codegen = compile_regions(self._run, progress=progress_printer(verbose))
         if cuda_graphs and device.type != "cuda":
             raise FxShardError(f"Config(cuda_graphs=True) needs a CUDA device; the batch is on {device}")
         if cuda_graphs:
@@ -72,7 +78,7 @@ class CompiledStep:
         """One line: what the runtime changed in the program before running it."""
         return (f"runtime lowerings of {self.program.name!r}: {self.in_place_updates} in-place optimizer updates, "
                 f"{self.copy_engine_all_to_alls} copy-engine all-to-alls, {self.sm_carveout_stretches} "
-                f"SM-carveout stretches")
+                f"SM-carveout stretches; {self.codegen.line() if self.codegen else 'codegen: off (aten replay)'}")
 
     def runtime_code(self) -> str:
         """The readable code of the graph this step runs (the program after the runtime lowerings)."""

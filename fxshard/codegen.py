@@ -1,0 +1,298 @@
+"""Codegen: compile the compute of a per-rank program with Inductor, keeping fxshard's order.
+
+The passes decide where communication goes (an all-gather issued one unit ahead, a wait just before
+its first reader, an all-to-all with GEMMs in its window); the runtime lowerings decide how some ops
+run (in-place AdamW, SM carveouts, copy-engine all-to-alls). Everything else is plain aten compute,
+replayed op by op unless compiled. `compile_regions` cuts the graph at every node whose place fxshard
+chose, the *fixed* nodes:
+
+- collectives, their waits, point-to-point and every other op outside aten/prims (fxshard's custom
+  ops with kernels of their own: grouped_mm, grouped_mlp, adamw_update, gather_rows; the lowerings'
+  calls such as set_sm_carveout and the copy-engine all-to-alls);
+- aten ops that mutate an argument, and ops whose output shape depends on data (nonzero & co.);
+- placeholders, get_attr, the output.
+
+Each maximal run of consecutive non-fixed nodes is a *region*. A region is replaced by one call of
+its compiled code, with its inputs and outputs threaded through; fixed nodes stay exactly where they
+were. So the sequence of collectives, waits and sends is the one the dump shows, and no compiled
+kernel can absorb a wait: a region lies wholly between two fixed nodes.
+
+Invariant: the result computes the same values as `graph_module` (up to the floating-point
+reassociation Inductor's fused kernels do; random ops keep aten's generator via `fallback_random`),
+and its fixed nodes are the input's fixed nodes, with the same targets and arguments, in the same
+order.
+
+Regions that are the same code on the same shapes (the same layer's forward at another depth) are
+compiled once: they are keyed by their structure. Inductor's own on-disk cache makes a second run of
+the same program fast. A region Inductor cannot compile runs as aten replay, with a warning naming
+the region and the reason; a region of only views and getitems is replayed (nothing to fuse).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import operator
+import sys
+import time
+import warnings
+from collections import Counter
+from typing import Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from . import meta
+from .graph import is_view
+
+# ops whose output shape depends on values: Inductor needs unbacked symbols for them; left to aten
+_DATA_DEPENDENT = {"nonzero", "masked_select", "unique", "_unique2", "unique_consecutive", "_local_scalar_dense",
+                   "item", "repeat_interleave", "bincount", "histc"}
+# Inductor options: random ops draw from aten's generator (the same numbers as aten replay, and
+# capturable the way the eager step is); the step's CUDA graph is fxshard's, not Inductor's.
+INDUCTOR_OPTIONS = {"fallback_random": True, "triton.cudagraphs": False}
+
+
+def is_fixed(node: fx.Node) -> bool:
+    """A node whose position in the program fxshard decided, or that Inductor must not see."""
+    if node.op != "call_function":
+        return True
+    if node.target is operator.getitem:
+        return is_fixed(node.args[0])
+    target = node.target
+    if getattr(target, "namespace", None) not in ("aten", "prims") or not hasattr(target, "_schema"):
+        return True
+    return target._schema.is_mutable or target._schema.name.split("::")[-1] in _DATA_DEPENDENT
+
+
+def is_communication(node: fx.Node) -> bool:
+    """A collective, a wait, or a point-to-point op: the nodes whose order codegen must keep."""
+    return node.op == "call_function" and getattr(node.target, "namespace", None) in ("_c10d_functional", "c10d")
+
+
+@dataclasses.dataclass
+class Region:
+    """One compiled region: consecutive compute nodes of the program, called as one function."""
+    index: int
+    nodes: list[fx.Node]
+    inputs: list[fx.Node]
+    outputs: list[fx.Node]
+    key: str = ""
+    status: str = "replayed"  # "compiled" | "cache hit" | "replayed" (views only) | "fallback: <why>"
+    seconds: float = 0.0
+    kernel_files: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"region_{self.index}"
+
+    @property
+    def where(self) -> str:
+        """The phase and layer most of its nodes belong to, e.g. 'fwd layers.3'."""
+        counts = Counter((meta.phase(n) or "-", meta.layer(n) or "-") for n in self.nodes)
+        (phase, layer), _ = counts.most_common(1)[0]
+        return f"{phase} {layer}"
+
+
+def find_regions(graph: fx.Graph) -> list[Region]:
+    """The maximal runs of consecutive non-fixed nodes, each with what it reads and what is read of it."""
+    runs, run = [], []
+    for node in graph.nodes:
+        if is_fixed(node):
+            if run:
+                runs.append(run)
+            run = []
+        else:
+            run.append(node)
+    regions = []
+    for nodes in runs:
+        inside = set(nodes)
+        inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
+        outputs = [n for n in nodes if any(user not in inside for user in n.users)]
+        if outputs:  # a run nothing reads is dead code: left as it is
+            regions.append(Region(len(regions), nodes, inputs, outputs))
+    return regions
+
+
+def region_graph(region: Region) -> fx.GraphModule:
+    """The region as a GraphModule of its own: inputs in order -> tuple of outputs."""
+    graph = fx.Graph()
+    env = {node: graph.placeholder(f"in{i}") for i, node in enumerate(region.inputs)}
+    for node, placeholder in env.items():
+        placeholder.meta = dict(node.meta)
+    for node in region.nodes:
+        env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output(tuple(env[node] for node in region.outputs))
+    return fx.GraphModule(nn.Module(), graph)
+
+
+def structure_key(region: Region) -> str:
+    """Equal for regions that are the same code on the same shapes, strides and dtypes."""
+    index = {node: ("in", i) for i, node in enumerate(region.inputs)}
+    index.update({node: ("n", i) for i, node in enumerate(region.nodes)})
+    lines = [repr(_tensor_spec(node.meta.get("val"))) for node in region.inputs]
+    for node in region.nodes:
+        args = fx.node.map_arg((node.args, node.kwargs), lambda a: index[a])
+        lines.append(f"{node.target}{args!r}")
+    lines.append(repr([index[node] for node in region.outputs]))
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def _tensor_spec(value):
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), tuple(value.stride()), value.dtype, value.device.type)
+    return type(value).__name__
+
+
+class CompiledRegion(nn.Module):
+    """Calls a region's compiled code (or its aten replay); the outer graph calls this."""
+
+    def __init__(self, region: Region, replay: fx.GraphModule, compiled: Callable | None):
+        super().__init__()
+        self.replay = replay
+        self.compiled = compiled
+        self.description = f"{region.name}: {len(region.nodes)} nodes, {region.where}, {region.status}"
+
+    def forward(self, *args):
+        return (self.compiled or self.replay)(*args)
+
+    def extra_repr(self) -> str:
+        return self.description
+
+
+@dataclasses.dataclass
+class CodegenReport:
+    """What codegen did: every region, and the totals a summary line needs."""
+    regions: list[Region]
+    seconds: float
+
+    def count(self, *statuses: str) -> int:
+        return sum(any(r.status.startswith(s) for s in statuses) for r in self.regions)
+
+    def line(self) -> str:
+        return (f"codegen: {len(self.regions)} regions, {self.count('compiled')} compiled, "
+                f"{self.count('cache hit')} cache hits, {self.count('replayed')} replayed (views only), "
+                f"{self.count('fallback')} fell back to aten, {self.seconds:.1f}s")
+
+    def table(self) -> str:
+        """Every region: nodes, inputs, outputs, ops, status, time and Inductor's generated code."""
+        lines = [f"# {self.line()}",
+                 "# each region runs as one call between the fixed nodes (communication, custom ops) around it",
+                 ""]
+        for r in self.regions:
+            ops = Counter(str(n.target).replace("aten.", "").split(".")[0] for n in r.nodes if n.op == "call_function")
+            lines.append(f"{r.name} [{r.where}] {len(r.nodes)} nodes {r.nodes[0].name} .. {r.nodes[-1].name}; "
+                         f"{len(r.inputs)} inputs, {len(r.outputs)} outputs; key {r.key}; {r.status}"
+                         f"{f' in {r.seconds:.1f}s' if r.status == 'compiled' else ''}")
+            lines.append("    ops: " + ", ".join(f"{op} x{n}" for op, n in ops.most_common(12)))
+            for path in r.kernel_files:
+                lines.append(f"    generated code: {path}")
+        return "\n".join(lines) + "\n"
+
+
+def compile_regions(graph_module: fx.GraphModule, compiler: Callable | None = None,
+                    progress: Callable[[str], None] | None = None) -> tuple[fx.GraphModule, CodegenReport]:
+    """A copy of `graph_module` whose regions each run as one compiled call; and what was done.
+
+    `compiler(gm, region) -> callable` compiles one region (default: Inductor); an exception from it
+    makes that region fall back to aten replay with a warning. `progress(line)` hears about regions
+    as they compile."""
+    compiler = compiler or inductor_compile
+    started = time.perf_counter()
+    regions = find_regions(graph_module.graph)
+    compiled_by_key: dict[str, Callable | None] = {}
+    modules: dict[str, nn.Module] = {}
+    for region in regions:
+        replay = region_graph(region)
+        region.key = structure_key(region)
+        compiled = None
+        if all(is_view(n) for n in region.nodes):
+            region.status = "replayed"
+        elif region.key in compiled_by_key:
+            compiled = compiled_by_key[region.key]
+            region.status = "cache hit" if compiled is not None else "fallback: same code as a region that fell back"
+        else:
+            began = time.perf_counter()
+            try:
+                compiled = compiler(replay, region)
+                region.status = "compiled"
+            except Exception as error:  # noqa: BLE001 -- any failure of the compiler means: replay this region
+                reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                region.status = f"fallback: {reason}"
+                warnings.warn(f"fxshard codegen: {region.name} ({len(region.nodes)} nodes, {region.where}, "
+                              f"{region.nodes[0].name} .. {region.nodes[-1].name}) runs as aten replay: Inductor "
+                              f"could not compile it ({reason})", stacklevel=2)
+            region.seconds = time.perf_counter() - began
+            compiled_by_key[region.key] = compiled
+        modules[region.name] = CompiledRegion(region, replay, compiled)
+        if progress is not None:
+            progress(f"codegen: region {region.index + 1} of {len(regions)} ({len(region.nodes)} nodes, "
+                     f"{region.where}) {region.status}; {time.perf_counter() - started:.1f}s elapsed")
+    graph = _outer_graph(graph_module.graph, regions)
+    attributes = {n.target: _attribute(graph_module, n.target) for n in graph.nodes if n.op == "get_attr"}
+    result = fx.GraphModule({**attributes, **modules}, graph)
+    return result, CodegenReport(regions, time.perf_counter() - started)
+
+
+def _attribute(module: nn.Module, target: str):
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _outer_graph(source: fx.Graph, regions: list[Region]) -> fx.Graph:
+    """`source` with each region's nodes replaced by a call of the region and a getitem per output."""
+    first = {region.nodes[0]: region for region in regions}
+    covered = {node for region in regions for node in region.nodes}
+    graph, env = fx.Graph(), {}
+    for node in source.nodes:
+        if node in first:
+            region = first[node]
+            call = graph.call_module(region.name, tuple(env[a] for a in region.inputs))
+            call.meta = {meta.PHASE: meta.phase(node), meta.LAYER: meta.layer(node)}
+            for position, output in enumerate(region.outputs):
+                env[output] = graph.call_function(operator.getitem, (call, position))
+                env[output].meta = dict(output.meta)
+        elif node not in covered:
+            env[node] = graph.node_copy(node, env.__getitem__)
+    graph.lint()
+    return graph
+
+
+def inductor_compile(replay: fx.GraphModule, region: Region) -> Callable:
+    """Compile one region with Inductor for the shapes recorded in its inputs' metadata (no real data
+    needed: the example inputs are fake tensors)."""
+    from torch._inductor import codecache, standalone_compile
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    values = [node.meta.get("val") for node in region.inputs]
+    missing = [node.name for node, value in zip(region.inputs, values) if not isinstance(value, torch.Tensor)]
+    if missing:
+        raise ValueError(f"inputs without a recorded tensor shape: {missing[:3]}")
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    with fake_mode:
+        examples = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in values]
+    loaded = len(codecache.PyCodeCache.modules)
+    kwargs = {"fake_mode": fake_mode} if "fake_mode" in inspect.signature(standalone_compile).parameters else {}
+    compiled = standalone_compile(replay, examples, dynamic_shapes="from_example_inputs",
+                                  options={"config_patches": dict(INDUCTOR_OPTIONS)}, **kwargs)
+    region.kernel_files = [getattr(m, "__file__", "?") for m in codecache.PyCodeCache.modules[loaded:]]
+    return compiled
+
+
+def progress_printer(verbose: bool, quiet_seconds: float = 5.0) -> Callable[[str], None]:
+    """Prints each region's progress line to stderr: every line with `verbose`, else only once the
+    compile has taken `quiet_seconds` (short compiles stay silent); on rank 0 of a job only."""
+    started = time.perf_counter()
+
+    def report(line: str) -> None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+            return
+        if verbose or time.perf_counter() - started >= quiet_seconds:
+            print(f"fxshard: {line}", file=sys.stderr, flush=True)
+    return report
