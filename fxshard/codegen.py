@@ -201,7 +201,10 @@ def compile_regions(graph_module: fx.GraphModule, compiler: Callable | None = No
     as they compile."""
     compiler = compiler or inductor_compile
     started = time.perf_counter()
-    regions = find_regions(graph_module.graph)
+    source = fx.Graph()
+    source.output(source.graph_copy(graph_module.graph, {}))
+    _hoist_getitems(source)
+    regions = find_regions(source)
     compiled_by_key: dict[str, Callable | None] = {}
     modules: dict[str, nn.Module] = {}
     for region in regions:
@@ -230,10 +233,23 @@ def compile_regions(graph_module: fx.GraphModule, compiler: Callable | None = No
         if progress is not None:
             progress(f"codegen: region {region.index + 1} of {len(regions)} ({len(region.nodes)} nodes, "
                      f"{region.where}) {region.status}; {time.perf_counter() - started:.1f}s elapsed")
-    graph = _outer_graph(graph_module.graph, regions)
+    graph = _outer_graph(source, regions)
     attributes = {n.target: _attribute(graph_module, n.target) for n in graph.nodes if n.op == "get_attr"}
     result = fx.GraphModule({**attributes, **modules}, graph)
     return result, CodegenReport(regions, time.perf_counter() - started)
+
+
+def _hoist_getitems(graph: fx.Graph) -> None:
+    """Move each getitem of a compute op's tuple to just after the op: a pass may have put a fixed
+    node in between (a collective after nll_loss_forward), which would make the tuple itself cross a
+    region boundary. Fixed nodes keep their order."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and not is_fixed(node):
+            getitems = sorted((u for u in node.users if u.target is operator.getitem), key=lambda u: u.args[1])
+            anchor = node
+            for user in getitems:
+                anchor.append(user)
+                anchor = user
 
 
 def _attribute(module: nn.Module, target: str):

@@ -92,10 +92,13 @@ def _run_rank(gm: fx.GraphModule, inputs: Sequence[Any]):
                 continue
             request = _request(node, args, kwargs)
             env[node] = (yield request) if request is not None else node.target(*args, **kwargs)
+        elif node.op == "call_module":  # a compiled region (fxshard/codegen.py): compute only, no collectives
+            args = fx.node.map_arg(node.args, env.__getitem__)
+            env[node] = gm.get_submodule(node.target)(*args)
         elif node.op == "output":
             return fx.node.map_arg(node.args[0], env.__getitem__)
         else:
-            raise FxShardError(f"the SPMD simulator runs flat graphs; found {node.op} node {node.name}")
+            raise FxShardError(f"the SPMD simulator runs graphs of ops and regions; found {node.op} node {node.name}")
 
 
 def combine(requests: list[Collective]) -> list[torch.Tensor]:

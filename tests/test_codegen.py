@@ -1,0 +1,138 @@
+"""Codegen (fxshard/codegen.py): compiled regions compute what aten replay computes, and every node
+whose order fxshard chose (communication, custom ops) keeps its place."""
+
+import pytest
+import torch
+import torch.fx as fx
+from hypothesis import given, settings, strategies as st
+
+import fxshard
+from fxshard.codegen import compile_regions, find_regions, is_communication, is_fixed
+from fxshard.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig
+from fxshard.passes import run_pipeline
+from fxshard.passes.fsdp import STRATEGIES, FSDPConfig, fsdp
+from fxshard.testing import assert_bit_identical, eager_parity
+from strategies import MLPStack, mse, regression_batch, widths
+
+ADAMW = fxshard.optim.AdamW(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def replay_compiler(graph_module, region):
+    """Stands in for Inductor where a test is about partitioning, not kernels: the region's aten code."""
+    return graph_module
+
+
+def token_batches(vocab, batch, seq, count, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [{"idx": torch.randint(0, vocab, (batch, seq), generator=generator),
+             "tgt": torch.randint(0, vocab, (batch, seq), generator=generator)} for _ in range(count)]
+
+
+def fixed_sequence(graph_module: fx.GraphModule) -> list[tuple]:
+    """The fixed nodes in order, each as its target and its arguments (fixed inputs by position)."""
+    names = {}
+    sequence = []
+    for node in graph_module.graph.nodes:
+        if node.op == "call_module":
+            continue
+        if node.op == "call_function" and node.target.__name__ == "getitem" and node.args[0].op == "call_module":
+            names[node] = "computed"
+            continue
+        if is_fixed(node):
+            names[node] = f"fixed {len(sequence)}"
+            args = fx.node.map_arg((node.args, node.kwargs), lambda a: names.get(a, "computed"))
+            sequence.append((node.op, str(node.target), repr(args)))
+    return sequence
+
+
+@pytest.mark.parametrize("make_model", [lambda: GPT(GPTConfig.preset("tiny")),
+                                        lambda: MoEGPT(MoEGPTConfig.preset("tiny"))], ids=["gpt", "moe_gpt"])
+def test_tiny_models_compiled_by_inductor_train_like_eager(make_model, tmp_path):
+    torch.manual_seed(0)
+    config = fxshard.Config(codegen="inductor", dump_dir=str(tmp_path))
+    parity = eager_parity(make_model(), lambda m, b: m.loss(b), token_batches(64, 4, 32, 10), ADAMW, config=config)
+    assert parity.max_loss_rel < 1e-5, parity.losses
+    assert parity.max_param_rel < 1e-4
+    table = next(tmp_path.glob("*_codegen.txt")).read_text()
+    assert "fell back to aten" in table and " 0 fell back to aten" in table, table.splitlines()[0]
+    assert "compiled in" in table and "generated code: " in table  # Inductor ran and its code is named
+
+
+def test_codegen_is_off_on_cpu_by_default_and_validated():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny"))
+    batch = token_batches(64, 2, 8, 1)[0]
+    step = fxshard.shard(model, lambda m, b: m.loss(b), batch, optimizer=ADAMW)
+    assert step.codegen is None and "codegen: off" in step.lowerings()
+    with pytest.raises(fxshard.FxShardError, match="codegen='triton'; choose one of"):
+        fxshard.Config(codegen="triton")
+
+
+@settings(deadline=None)
+@given(layer_widths=widths, world=st.integers(1, 4), strategy=st.sampled_from(STRATEGIES),
+       prefetch=st.integers(0, 2), clip=st.sampled_from([None, 0.5]))
+def test_regions_keep_every_fixed_node_in_place_and_compute_the_same(layer_widths, world, strategy, prefetch, clip):
+    torch.manual_seed(0)
+    model = MLPStack(layer_widths)
+    generator = torch.Generator().manual_seed(1)
+    local = [regression_batch(generator, 2) for _ in range(world)]
+    traced = fxshard.trace(model, mse, local[0], optimizer=ADAMW, config=fxshard.Config(clip_grad_norm=clip))
+    program = fsdp(traced, FSDPConfig(world, strategy, prefetch))
+    compiled, report = compile_regions(program.graph_module, compiler=replay_compiler)
+    assert fixed_sequence(compiled) == fixed_sequence(program.graph_module)
+    assert world == 1 or any(is_communication(n) for n in compiled.graph.nodes)
+    for region in report.regions:  # no region holds a node whose place was decided
+        assert not any(is_fixed(n) for n in region.nodes)
+    assert_bit_identical([program, program.replace(graph_module=compiled)], model, ADAMW,
+                         fxshard.Mesh(dp=world), local)
+
+
+def test_expert_parallel_windows_survive_codegen():
+    """EP with overlap: each all-to-all's wait stays after the GEMMs the overlap pass put in its window."""
+    torch.manual_seed(0)
+    model = MoEGPT(MoEGPTConfig.preset("tiny", n_expert=4))
+    batch = {"idx": torch.randint(0, 64, (2, 8)), "tgt": torch.randint(0, 64, (2, 8))}
+    config = fxshard.Config(ep_overlap=True, ep_chunks=2)
+    program = fxshard.trace(model, lambda m, b: m.loss_and_metrics(b), batch, optimizer=ADAMW, config=config)
+    per_rank = run_pipeline(program, fxshard.Mesh(dp=2, ep=2), config)[-1]
+    compiled, report = compile_regions(per_rank.graph_module, compiler=replay_compiler)
+    assert fixed_sequence(compiled) == fixed_sequence(per_rank.graph_module)
+    # between an all-to-all and its wait, the original program computes; so does the compiled one
+    nodes = list(compiled.graph.nodes)
+    windows = [(nodes.index(n), nodes.index(next(iter(n.users)))) for n in nodes
+               if n.op == "call_function" and "all_to_all_single" in str(n.target)]
+    assert windows and any(any(m.op == "call_module" for m in nodes[i:j]) for i, j in windows)
+    generator = torch.Generator().manual_seed(2)
+    local = [{"idx": torch.randint(0, 64, (2, 8), generator=generator),
+              "tgt": torch.randint(0, 64, (2, 8), generator=generator)} for _ in range(2)]
+    assert_bit_identical([per_rank, per_rank.replace(graph_module=compiled)], model, ADAMW,
+                         fxshard.Mesh(dp=2, ep=2), local)
+
+
+def test_a_region_inductor_cannot_compile_runs_as_aten_replay_with_a_warning():
+    torch.manual_seed(0)
+    model = MLPStack([4, 4])
+    generator = torch.Generator().manual_seed(1)
+    batch = regression_batch(generator, 2)
+    program = fxshard.trace(model, mse, batch, optimizer=ADAMW)
+
+    def failing(graph_module, region):
+        raise RuntimeError("no kernel for this op")
+
+    with pytest.warns(UserWarning, match=r"region_0 \(\d+ nodes, .*\) runs as aten replay: Inductor could not "
+                                         r"compile it \(RuntimeError: no kernel for this op\)"):
+        compiled, report = compile_regions(program.graph_module, compiler=failing)
+    assert report.count("fallback") == len(find_regions(program.graph)) > 0
+    assert_bit_identical([program, program.replace(graph_module=compiled)], model, ADAMW, fxshard.Mesh(dp=1), [batch])
+
+
+def test_identical_layers_compile_once():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", n_layer=4))
+    batch = token_batches(64, 2, 8, 1)[0]
+    traced = fxshard.trace(model, lambda m, b: m.loss(b), batch, optimizer=ADAMW)
+    program = fsdp(traced, FSDPConfig(2, "optim_grads_params", 1))
+    calls = []
+    _, report = compile_regions(program.graph_module, compiler=lambda gm, region: calls.append(region) or gm)
+    assert report.count("cache hit") >= 2 * 2  # the middle layers' forward and backward regions repeat
+    assert len(calls) == report.count("compiled") == len({r.key for r in calls})
