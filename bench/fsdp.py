@@ -7,9 +7,16 @@ AdamW) at sequence length S on per-GPU batch B and reports ms/step, tokens/s/GPU
 and the ratio to the single-GPU no-communication time of the same model and batch. Modes:
 
     nocomm-eager    one GPU, plain PyTorch: bf16 copy of the weights, fp32 masters, fused AdamW
-    nocomm-fxshard  one GPU, fxshard without a mesh, CUDA graphs (--eager-replay: without)
+    nocomm-compile  the same with torch.compile on each block (torchtitan's per-block recipe)
+    nocomm-fxshard  one GPU, fxshard without a mesh, codegen by Inductor, CUDA graphs (--eager-replay: without)
+    nocomm-fxshard-aten  the same without codegen (aten replay)
     fsdp2           N GPUs, torch.distributed.fsdp.fully_shard per block + root, eager
-    fxshard         N GPUs, fxshard ZeRO-3 (optim_grads_params), CUDA graphs (--eager-replay: without)
+    fsdp2-compile   the same with torch.compile on each block (torchtitan's recipe)
+    fxshard         N GPUs, fxshard ZeRO-3 (optim_grads_params), codegen, CUDA graphs (--eager-replay: without)
+    fxshard-aten    the same without codegen
+
+"vs compile" is the ratio to nocomm-compile of the same batch (the issue's yardstick). Each fxshard
+mode prints how long fxshard.shard took (trace, passes, codegen) and what codegen compiled.
 """
 
 from __future__ import annotations
@@ -90,10 +97,18 @@ def build_model(cfg, device):
         return GPT(cfg)
 
 
-def run_eager_single(cfg, batch, seq, warmup, iters):
+def compile_blocks(model) -> None:
+    """torch.compile each transformer block in place (torchtitan's per-block recipe)."""
+    for block in model.layers:
+        block.compile()
+
+
+def run_eager_single(cfg, batch, seq, warmup, iters, compiled=False):
     device = "cuda"
     master = build_model(cfg, device)
     low = build_model(cfg, device).to(torch.bfloat16)
+    if compiled:
+        compile_blocks(low)
     optimizer = torch.optim.AdamW(master.parameters(), lr=1e-4, fused=True)
     data = batch_for(cfg, batch, seq, device)
 
@@ -109,30 +124,33 @@ def run_eager_single(cfg, batch, seq, warmup, iters):
         optimizer.step()
 
     torch.cuda.reset_peak_memory_stats()
-    return timed(step, warmup, iters, f"nocomm-eager_b{batch}"), torch.cuda.max_memory_allocated()
+    label = f"nocomm-{'compile' if compiled else 'eager'}_b{batch}"
+    return timed(step, warmup, iters, label), torch.cuda.max_memory_allocated()
 
 
-def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None):
+def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None, codegen="inductor"):
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = f"cuda:{rank}"
     torch.cuda.set_device(device)
     model = build_model(cfg, device)
     data = batch_for(cfg, batch, seq, device, seed=rank)
     config = fxshard.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cuda_graphs=CUDA_GRAPHS,
-                            sharding="optim_grads_params")
+                            sharding="optim_grads_params", codegen=codegen)
     started = time.perf_counter()
     step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=fxshard.optim.AdamW(lr=1e-4),
                          mesh=mesh, config=config)
     if rank == 0:
-        print(f"  fxshard compiled in {time.perf_counter() - started:.1f}s: {step.program!r}", flush=True)
+        print(f"  fxshard compiled in {time.perf_counter() - started:.1f}s: {step.program!r}; "
+              f"{step.codegen.line() if step.codegen else 'no codegen'}", flush=True)
     del model
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    label = f"fxshard{dist.get_world_size()}_b{batch}" if mesh is not None else f"nocomm-fxshard_b{batch}"
+    label = (f"fxshard{dist.get_world_size()}" if mesh is not None else "nocomm-fxshard") + \
+        f"{'' if codegen else '-aten'}_b{batch}"
     return timed(lambda: step(data), warmup, iters, label), torch.cuda.max_memory_allocated()
 
 
-def run_fsdp2(cfg, batch, seq, warmup, iters):
+def run_fsdp2(cfg, batch, seq, warmup, iters, compiled=False):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     rank = dist.get_rank()
@@ -140,6 +158,8 @@ def run_fsdp2(cfg, batch, seq, warmup, iters):
     torch.cuda.set_device(device)
     model = build_model(cfg, device)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if compiled:
+        compile_blocks(model)
     for block in model.layers:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
@@ -153,14 +173,16 @@ def run_fsdp2(cfg, batch, seq, warmup, iters):
         optimizer.zero_grad(set_to_none=True)
 
     torch.cuda.reset_peak_memory_stats()
-    return timed(step, warmup, iters, f"fsdp2_{dist.get_world_size()}_b{batch}"), torch.cuda.max_memory_allocated()
+    label = f"fsdp2{'-compile' if compiled else ''}_{dist.get_world_size()}_b{batch}"
+    return timed(step, warmup, iters, label), torch.cuda.max_memory_allocated()
 
 
 def distributed_mode(mode, cfg, batch, seq, warmup, iters):
-    if mode == "fsdp2":
-        result = run_fsdp2(cfg, batch, seq, warmup, iters)
+    if mode.startswith("fsdp2"):
+        result = run_fsdp2(cfg, batch, seq, warmup, iters, compiled=mode == "fsdp2-compile")
     else:
-        result = run_fxshard(cfg, batch, seq, warmup, iters, mesh=fxshard.Mesh(dp=dist.get_world_size()))
+        result = run_fxshard(cfg, batch, seq, warmup, iters, mesh=fxshard.Mesh(dp=dist.get_world_size()),
+                             codegen=None if mode == "fxshard-aten" else "inductor")
     times = [None] * dist.get_world_size()
     dist.all_gather_object(times, result)
     return max(t for t, _ in times), max(m for _, m in times)
@@ -174,7 +196,9 @@ def main():
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--modes", nargs="+", default=["nocomm-eager", "nocomm-fxshard", "fsdp2", "fxshard"])
+    parser.add_argument("--modes", nargs="+", default=["nocomm-eager", "nocomm-compile", "nocomm-fxshard",
+                                                       "nocomm-fxshard-aten", "fsdp2", "fsdp2-compile", "fxshard",
+                                                       "fxshard-aten"])
     parser.add_argument("--out", default="bench/fsdp.json")
     parser.add_argument("--profile", metavar="DIR", help="after timing, write a kernel-time table per mode here")
     parser.add_argument("--eager-replay", action="store_true", help="fxshard modes without CUDA graphs")
@@ -193,25 +217,28 @@ def main():
     rows = []
     print(f"GPT {args.model}: {params / 1e9:.2f}B parameters, S={args.seq}, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}", flush=True)
-    header = f"{'mode':<16} {'gpus':>4} {'batch':>5} {'ms/step':>9} {'tok/s/gpu':>10} {'MFU':>6} {'peak GiB':>9} {'vs nocomm':>9}"
+    header = (f"{'mode':<20} {'gpus':>4} {'batch':>5} {'ms/step':>9} {'tok/s/gpu':>10} {'MFU':>6} {'peak GiB':>9} "
+              f"{'vs nocomm':>9} {'vs compile':>10}")
     print(header, flush=True)
     for batch in args.batch:
-        baseline = None
+        baseline = compiled_baseline = None
         for mode in args.modes:
             started = time.perf_counter()
             try:
-                if mode == "nocomm-eager":
-                    ms, peak = run_eager_single(cfg, batch, args.seq, args.warmup, args.iters)
+                if mode in ("nocomm-eager", "nocomm-compile"):
+                    ms, peak = run_eager_single(cfg, batch, args.seq, args.warmup, args.iters,
+                                                compiled=mode == "nocomm-compile")
                     gpus = 1
-                elif mode == "nocomm-fxshard":
-                    ms, peak = run_fxshard(cfg, batch, args.seq, args.warmup, args.iters)
+                elif mode in ("nocomm-fxshard", "nocomm-fxshard-aten"):
+                    ms, peak = run_fxshard(cfg, batch, args.seq, args.warmup, args.iters,
+                                           codegen=None if mode.endswith("-aten") else "inductor")
                     gpus = 1
                 else:
                     gpus = args.gpus
                     ms, peak = run_local(distributed_mode, gpus, mode, cfg, batch, args.seq, args.warmup,
                                          args.iters, backend="nccl")[0]
             except Exception as error:  # report and go on: one failing mode must not hide the others
-                print(f"{mode:<16} failed after {time.perf_counter() - started:.0f}s: "
+                print(f"{mode:<20} failed after {time.perf_counter() - started:.0f}s: "
                       f"{type(error).__name__}: {str(error)[:300]}", flush=True)
                 continue
             finally:
@@ -219,14 +246,18 @@ def main():
             tokens = batch * args.seq
             if mode == "nocomm-eager":  # the baseline: plain PyTorch on one GPU
                 baseline = ms
+            if mode == "nocomm-compile":  # the yardstick: torch.compile on one GPU
+                compiled_baseline = ms
             mfu = per_token * tokens / (ms / 1e3) / H200_BF16_DENSE_PEAK
             row = {"mode": mode, "gpus": gpus, "batch": batch, "seq": args.seq, "ms_per_step": ms,
                    "tokens_per_s_per_gpu": tokens / (ms / 1e3), "mfu": mfu, "peak_bytes": peak,
-                   "ratio_to_nocomm": ms / baseline if baseline else None}
+                   "ratio_to_nocomm": ms / baseline if baseline else None,
+                   "ratio_to_nocomm_compile": ms / compiled_baseline if compiled_baseline else None}
             rows.append(row)
             ratio = f"{row['ratio_to_nocomm']:.2f}x" if baseline else "-"
-            print(f"{mode:<16} {gpus:>4} {batch:>5} {ms:>9.1f} {row['tokens_per_s_per_gpu']:>10.0f} "
-                  f"{mfu:>6.1%} {peak / 2**30:>9.1f} {ratio:>9}", flush=True)
+            vs_compile = f"{row['ratio_to_nocomm_compile']:.2f}x" if compiled_baseline else "-"
+            print(f"{mode:<20} {gpus:>4} {batch:>5} {ms:>9.1f} {row['tokens_per_s_per_gpu']:>10.0f} "
+                  f"{mfu:>6.1%} {peak / 2**30:>9.1f} {ratio:>9} {vs_compile:>10}", flush=True)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as handle:
         json.dump({"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),

@@ -27,14 +27,18 @@ def model_loss(model, batch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("codegen", ["inductor", None])
 @pytest.mark.parametrize("make_model", [lambda: GPT(GPTConfig.preset("tiny")),
                                         lambda: MoEGPT(MoEGPTConfig.preset("tiny"))], ids=["gpt", "moe_gpt"])
-def test_fp32_parity_on_cuda(make_model):
+def test_fp32_parity_on_cuda(make_model, codegen):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
-    parity = eager_parity(make_model().cuda(), model_loss, cuda_batches(20), ADAMW)
+    parity = eager_parity(make_model().cuda(), model_loss, cuda_batches(20), ADAMW,
+                          config=fxshard.Config(codegen=codegen))
     assert parity.max_loss_rel < 1e-5, parity.losses
-    assert parity.max_param_rel < 1e-4
+    # Inductor's fused reductions sum in another order; AdamW divides near-zero gradients by their
+    # near-zero second moments, so after 20 steps MoEGPT's parameters differ by 1.03e-4 (H200)
+    assert parity.max_param_rel < (2e-4 if codegen else 1e-4)
 
 
 @pytest.mark.gpu
@@ -469,3 +473,28 @@ def test_expert_parallel_over_nccl_matches_single_device_eager():
                 assert abs(ours - eager) / abs(eager) < 1e-5, (ep, strategy, rank, losses, ref_losses)
             for name, value in params.items():
                 assert relative(value, dict(model.named_parameters())[name].cpu()) < 1e-4, (ep, strategy, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make_model", [lambda: GPT(GPTConfig.preset("tiny")),
+                                        lambda: MoEGPT(MoEGPTConfig.preset("tiny", d_model=64))],
+                         ids=["gpt", "moe_gpt"])
+def test_codegen_matches_aten_replay_in_bf16_under_cuda_graphs(make_model):
+    """Inductor's fused kernels round differently from aten's op-by-op ones: bf16-level agreement over
+    20 steps (measured on an H100: see the assertion's bound), every region compiled, none fell back."""
+    torch.manual_seed(0)
+    model = make_model().cuda()
+    batches = cuda_batches(20)
+    losses = {}
+    for codegen in ("inductor", None):
+        config = fxshard.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cuda_graphs=True,
+                                codegen=codegen)
+        step = fxshard.shard(copy.deepcopy(model), model_loss, batches[0], optimizer=ADAMW, config=config)
+        losses[codegen] = [step(b)["loss"].item() for b in batches]
+        if codegen:
+            assert step.codegen.count("compiled") > 0 and step.codegen.count("fallback") == 0, step.codegen.line()
+        assert step._replay.is_captured
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses["inductor"], losses[None]))
+    print(f"codegen vs aten replay, bf16, 20 steps: max relative loss difference {worst:.2e}")
+    assert worst < 2e-2, (losses["inductor"], losses[None])
+    assert losses["inductor"][-1] < losses["inductor"][0]  # it trained
