@@ -20,7 +20,11 @@ kernel can absorb a wait: a region lies wholly between two fixed nodes.
 Invariant: the result computes the same values as `graph_module` (up to the floating-point
 reassociation Inductor's fused kernels do; random ops keep aten's generator via `fallback_random`),
 and its fixed nodes are the input's fixed nodes, with the same targets and arguments, in the same
-order.
+order (plus a `get_attr` per folded constant).
+
+Before cutting, compute that reads no input of the step (RoPE's cos/sin tables, built from `arange`
+each step) is evaluated once by aten and kept as a constant of the module (`fold_constants`): left in a
+region, Inductor would recompute it inside every kernel that reads it.
 
 Regions that are the same code on the same shapes (the same layer's forward at another depth) are
 compiled once: they are keyed by their structure. Inductor's own on-disk cache makes a second run of
@@ -53,6 +57,10 @@ _DATA_DEPENDENT = {"nonzero", "masked_select", "unique", "_unique2", "unique_con
 # Inductor options: random ops draw from aten's generator (the same numbers as aten replay, and
 # capturable the way the eager step is); the step's CUDA graph is fxshard's, not Inductor's.
 INDUCTOR_OPTIONS = {"fallback_random": True, "triton.cudagraphs": False}
+# input-free ops too cheap to be worth a constant: Inductor generates them inside the kernels that read them
+_CHEAP = {"full", "zeros", "ones", "empty", "empty_strided", "scalar_tensor", "arange", "iota", "lift_fresh_copy",
+          "_to_copy", "clone", "alias"}
+FOLD_LIMIT_BYTES = 64 << 20  # a larger input-free result stays in its region (memory held for good otherwise)
 
 
 def is_fixed(node: fx.Node) -> bool:
@@ -164,9 +172,10 @@ class CompiledRegion(nn.Module):
 
 @dataclasses.dataclass
 class CodegenReport:
-    """What codegen did: every region, and the totals a summary line needs."""
+    """What codegen did: every region, the folded constants, and the totals a summary line needs."""
     regions: list[Region]
     seconds: float
+    folded: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def count(self, *statuses: str) -> int:
         return sum(any(r.status.startswith(s) for s in statuses) for r in self.regions)
@@ -174,13 +183,17 @@ class CodegenReport:
     def line(self) -> str:
         return (f"codegen: {len(self.regions)} regions, {self.count('compiled')} compiled, "
                 f"{self.count('cache hit')} cache hits, {self.count('replayed')} replayed (views only), "
-                f"{self.count('fallback')} fell back to aten, {self.seconds:.1f}s")
+                f"{self.count('fallback')} fell back to aten, {len(self.folded)} constants folded "
+                f"({sum(t.nbytes for t in self.folded.values()) / 2**20:.1f} MiB), {self.seconds:.1f}s")
 
     def table(self) -> str:
         """Every region: nodes, inputs, outputs, ops, status, time and Inductor's generated code."""
         lines = [f"# {self.line()}",
                  "# each region runs as one call between the fixed nodes (communication, custom ops) around it",
                  ""]
+        for name, value in self.folded.items():
+            lines.append(f"{name}: constant {tuple(value.shape)} {str(value.dtype).replace('torch.', '')}, "
+                         f"computed once at compile time (reads no input of the step)")
         for r in self.regions:
             ops = Counter(str(n.target).replace("aten.", "").split(".")[0] for n in r.nodes if n.op == "call_function")
             lines.append(f"{r.name} [{r.where}] {len(r.nodes)} nodes {r.nodes[0].name} .. {r.nodes[-1].name}; "
@@ -203,6 +216,7 @@ def compile_regions(graph_module: fx.GraphModule, compiler: Callable | None = No
     started = time.perf_counter()
     source = fx.Graph()
     source.output(source.graph_copy(graph_module.graph, {}))
+    folded = fold_constants(source, graph_module)
     _hoist_getitems(source)
     regions = find_regions(source)
     compiled_by_key: dict[str, Callable | None] = {}
@@ -234,9 +248,74 @@ def compile_regions(graph_module: fx.GraphModule, compiler: Callable | None = No
             progress(f"codegen: region {region.index + 1} of {len(regions)} ({len(region.nodes)} nodes, "
                      f"{region.where}) {region.status}; {time.perf_counter() - started:.1f}s elapsed")
     graph = _outer_graph(source, regions)
-    attributes = {n.target: _attribute(graph_module, n.target) for n in graph.nodes if n.op == "get_attr"}
+    attributes = {n.target: folded[n.target] if n.target in folded else _attribute(graph_module, n.target)
+                  for n in graph.nodes if n.op == "get_attr"}
     result = fx.GraphModule({**attributes, **modules}, graph)
-    return result, CodegenReport(regions, time.perf_counter() - started)
+    return result, CodegenReport(regions, time.perf_counter() - started, folded)
+
+
+def fold_constants(graph: fx.Graph, module: nn.Module) -> dict[str, torch.Tensor]:
+    """Evaluate once, with aten, the compute in `graph` that reads no placeholder, and read its results
+    through `get_attr` nodes named `folded_<i>`; returns those constants. Only results whose inputs
+    include real compute are folded (an `arange` or `full` alone costs Inductor nothing), no random
+    op, and none over FOLD_LIMIT_BYTES. Invariant: the graph computes the same values, bit for bit."""
+    costly: dict[fx.Node, bool] = {}  # input-free node -> whether computing it takes more than a factory
+    for node in graph.nodes:
+        if node.op == "get_attr" and not any(_mutates(user) for user in node.users):
+            costly[node] = False
+        elif _foldable(node) and all(a in costly for a in node.all_input_nodes):
+            own = node.target is not operator.getitem and not is_view(node) and _op_name(node) not in _CHEAP
+            costly[node] = own or any(costly[a] for a in node.all_input_nodes)
+    boundary = [n for n, cost in costly.items() if cost and n.op == "call_function"
+                and isinstance(n.meta.get("val"), torch.Tensor) and any(u not in costly for u in n.users)
+                and n.meta["val"].numel() * n.meta["val"].element_size() <= FOLD_LIMIT_BYTES]
+    needed, stack = set(), list(boundary)
+    while stack:
+        node = stack.pop()
+        if node not in needed:
+            needed.add(node)
+            stack.extend(node.all_input_nodes)
+    values: dict[fx.Node, object] = {}
+    for node in graph.nodes:
+        if node in needed:
+            if node.op == "get_attr":
+                values[node] = _attribute(module, node.target)
+            else:
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), values.__getitem__)
+                values[node] = node.target(*args, **kwargs)
+    folded = {}
+    first_op = next(n for n in graph.nodes if n.op != "placeholder")  # constants go first: they cut no region
+    for node in boundary:
+        name = f"folded_{len(folded)}"
+        with graph.inserting_before(first_op):
+            constant = graph.get_attr(name)
+        constant.meta = dict(node.meta)
+        node.replace_all_uses_with(constant)
+        folded[name] = values[node].detach()
+    for node in reversed(list(costly)):  # the input-free nodes nothing reads any more
+        if not node.users:
+            graph.erase_node(node)
+    return folded
+
+
+def _foldable(node: fx.Node) -> bool:
+    """A pure, deterministic op that can run at compile time: aten/prims without mutation or randomness."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    if getattr(node.target, "namespace", None) not in ("aten", "prims") or not hasattr(node.target, "_schema"):
+        return False
+    return not _mutates(node) and torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
+
+
+def _mutates(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return schema is not None and schema.is_mutable
+
+
+def _op_name(node: fx.Node) -> str:
+    return node.target._schema.name.split("::")[-1]
 
 
 def _hoist_getitems(graph: fx.Graph) -> None:

@@ -43,12 +43,16 @@ def test_fp32_parity_on_cuda(make_model, codegen):
 
 @pytest.mark.gpu
 def test_cuda_graph_replay_is_bit_identical_to_eager():
+    """Capture changes nothing. Without codegen: Inductor's kernels are not bitwise deterministic run
+    to run (two eager steps with codegen differ by ~1e-8 in 12 of 17 GPT tiny parameters after 8
+    steps, bench/probes/codegen_determinism.py on an H200), so bit identity is a property of aten replay."""
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset("tiny")).cuda()
     batches = cuda_batches(8)
-    eager = fxshard.shard(copy.deepcopy(model), model_loss, batches[0], optimizer=ADAMW)
+    eager = fxshard.shard(copy.deepcopy(model), model_loss, batches[0], optimizer=ADAMW,
+                          config=fxshard.Config(codegen=None))
     graphed = fxshard.shard(copy.deepcopy(model), model_loss, batches[0], optimizer=ADAMW,
-                            config=fxshard.Config(cuda_graphs=True))
+                            config=fxshard.Config(cuda_graphs=True, codegen=None))
     for batch in batches:
         assert eager(batch)["loss"].item() == graphed(batch)["loss"].item()
     assert graphed._replay.is_captured
@@ -491,10 +495,13 @@ def test_codegen_matches_aten_replay_in_bf16_under_cuda_graphs(make_model):
                                 codegen=codegen)
         step = fxshard.shard(copy.deepcopy(model), model_loss, batches[0], optimizer=ADAMW, config=config)
         losses[codegen] = [step(b)["loss"].item() for b in batches]
+        initial = dict(model.named_parameters())
+        moved = max((value.float() - initial[name].float()).abs().max().item()
+                    for name, value in step.parameters().items())
+        assert moved > 1e-3, moved  # it trained (20 random-token steps need not lower an MoE's loss)
         if codegen:
             assert step.codegen.count("compiled") > 0 and step.codegen.count("fallback") == 0, step.codegen.line()
         assert step._replay.is_captured
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses["inductor"], losses[None]))
     print(f"codegen vs aten replay, bf16, 20 steps: max relative loss difference {worst:.2e}")
     assert worst < 2e-2, (losses["inductor"], losses[None])
-    assert losses["inductor"][-1] < losses["inductor"][0]  # it trained
