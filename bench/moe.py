@@ -26,6 +26,11 @@ rows one rank's experts receive on average). Exposed all-to-all = ep - nocomm; h
 1 - (ep-overlapN - nocomm) / (ep - nocomm). Also given against nocomm-overlapN, which charges the
 split's own compute cost (smaller GEMMs, more gathers) to the overlap rather than to communication.
 Steps replay from CUDA graphs unless --eager-replay.
+
+MFU counts the FLOPs of the tokens actually routed (assignments dropped over capacity do no expert
+work) against the dense bf16 peak of every GPU. Routing is balanced by default (MoEGPTConfig(routing=
+"balanced"): every expert gets exactly its share, nothing is dropped at capacity 1.0), so step times
+compare across runs; --routing learned uses the untrained router (~35% dropped at capacity 1.0).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ import fxshard  # noqa: E402
 from fxshard.launch import run_local  # noqa: E402
 from fxshard.models import MoEGPT, MoEGPTConfig  # noqa: E402
 from fxshard.runtime import CompiledStep  # noqa: E402
+from fsdp import H200_BF16_DENSE_PEAK  # noqa: E402
 
 _c10d = torch.ops._c10d_functional
 
@@ -55,7 +61,17 @@ _c10d = torch.ops._c10d_functional
 def model_config(args) -> MoEGPTConfig:
     return MoEGPTConfig(vocab_size=32000, d_model=args.hidden, n_layer=args.layers, n_head=args.hidden // 128,
                         n_expert=args.experts, top_k=args.top_k, d_ff_expert=args.d_ff, d_ff_shared=args.d_ff_shared,
-                        capacity_factor=args.capacity_factor)
+                        capacity_factor=args.capacity_factor, routing=args.routing)
+
+
+def step_flops(cfg: MoEGPTConfig, tokens: int, seq: int, dropped: int) -> float:
+    """Training FLOPs of one step over `tokens` tokens (all ranks) in sequences of `seq`: 6 per weight
+    a token meets (attention projections, router, head, shared expert; each kept expert assignment's
+    three GEMMs), plus causal attention (as bench/fsdp.py)."""
+    d, layers = cfg.d_model, cfg.n_layer
+    dense = layers * (4 * d * d + d * cfg.n_expert + 3 * d * (cfg.d_ff_shared or 0)) + d * cfg.vocab_size
+    kept = layers * tokens * cfg.top_k - dropped
+    return 6 * dense * tokens + 6 * layers * seq * d * tokens + 6 * 3 * d * cfg.d_ff_expert * kept
 
 
 def without_all_to_all(program, copy=True):
@@ -190,11 +206,12 @@ def run_modes(args):
         del model
         if rank == 0:
             print(f"  ep_overlap={overlap}, chunks={chunks}, all-to-all by {a2a}: compiled in {time.perf_counter() - started:.1f}s: {step.program!r}", flush=True)
-            if not overlap:
+            if not overlap and "ep" in step.program.notes:  # ep=1: no expert parallelism, no notes
                 print("  " + step.program.notes["ep"].replace("\n", "\n  "), flush=True)
         suffix = (f"-overlap{chunks}" if overlap else "") + ("-ce" if a2a == "copy-engine" else "")
+        codegen = step.codegen is not None  # nocomm compiles its compute as the step does
         nocomm = CompiledStep([without_all_to_all(step.program)], step.state, step.batch_spec, step.optimizer,
-                              step.device, step.groups, not args.eager_replay, sm_carveout=carveout)
+                              step.device, step.groups, not args.eager_replay, sm_carveout=carveout, codegen=codegen)
         runs = [(f"ep{suffix}", step)]
         own_nocomm = "nocomm" + suffix.removesuffix("-ce")  # the same program for both all-to-alls
         if own_nocomm not in results:
@@ -204,7 +221,7 @@ def run_modes(args):
             # they are compared with has no copy either
             runs.insert(1, ("nocomm-nocopy", CompiledStep([without_all_to_all(step.program, copy=False)], step.state,
                                                           step.batch_spec, step.optimizer, step.device, step.groups,
-                                                          not args.eager_replay)))
+                                                          not args.eager_replay, codegen=codegen)))
         for label, runner in runs:
             torch.cuda.reset_peak_memory_stats()
             ms = timed(lambda: runner(data), args.warmup, args.iters)
@@ -224,6 +241,7 @@ def run_modes(args):
                           f"ms ran alongside compute", flush=True)
         metrics = step(data)
         dropped = metrics["moe_dropped_tokens"].item()
+        results["dropped"] = dropped  # the same routing in every mode
         if rank == 0:
             print(f"  dropped assignments over capacity (all ranks, all layers): {dropped}", flush=True)
         if a2a == "copy-engine" and rank == 0:
@@ -256,6 +274,9 @@ def main():
     parser.add_argument("--capacity-factor", type=float, default=1.0,
                         help="buffers hold capacity_factor x the balanced load (dropless would pad each to the "
                              "worst case, top_k x more rows than balanced); <= 0 means dropless")
+    parser.add_argument("--routing", default="balanced", choices=["balanced", "learned"],
+                        help="MoEGPTConfig(routing): balanced gives every expert its exact share (comparable step "
+                             "times); learned is the untrained router")
     parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--interleave", default="combined-1f1b", choices=fxshard.config.EP_INTERLEAVINGS,
                         help="with --microbatches > 1: which two microbatches alternate (Config(ep_interleave))")
@@ -274,12 +295,16 @@ def main():
     if args.capacity_factor <= 0:
         args.capacity_factor = None
     print(f"MoEGPT: {args.layers} layers, hidden {args.hidden}, {args.experts} experts x d_ff {args.d_ff}, "
-          f"top-{args.top_k}, shared expert {args.d_ff_shared}, S={args.seq} x {args.microbatches} microbatch(es) per rank ({args.interleave} with overlap), {args.gpus} GPUs, ep={args.ep}, capacity factor "
+          f"top-{args.top_k}, {args.routing} routing, shared expert {args.d_ff_shared}, S={args.seq} x {args.microbatches} microbatch(es) per rank ({args.interleave} with overlap), {args.gpus} GPUs, ep={args.ep}, capacity factor "
           f"{args.capacity_factor}, SM carveout {args.sm_carveout}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{'eager replay' if args.eager_replay else 'CUDA graphs'}", flush=True)
     results = run_local(run_modes, args.gpus, args, backend="nccl")[0]
     base, exposed = results["nocomm"], results["ep"] - results["nocomm"]
-    print(f"\n{'mode':<18} {'ms/step':>9} {'exposed a2a ms':>15} {'hidden vs ep':>13}")
+    tokens = args.gpus * args.microbatches * args.seq
+    flops = step_flops(model_config(args), tokens, args.seq, results["dropped"])
+    print(f"\nrouted: {results['dropped']} of {args.layers * tokens * args.top_k} assignments dropped; "
+          f"{flops / 1e12:.1f} TFLOP per step; MFU of {args.gpus} x {H200_BF16_DENSE_PEAK / 1e12:.0f} TFLOP/s")
+    print(f"{'mode':<18} {'ms/step':>9} {'MFU':>6} {'exposed a2a ms':>15} {'hidden vs ep':>13}")
     rows = []
     ce = ["-ce"] if "copy-engine" in args.all_to_all else []
     labels = ["nocomm", *["nocomm-nocopy" for _ in ce], "ep", *[f"ep{s}" for s in ce]]
@@ -289,14 +314,16 @@ def main():
         if label not in results:  # --all-to-all copy-engine alone: no NCCL overlap modes
             continue
         ms = results[label]
-        row = {"mode": label, "ms_per_step": ms}
-        text = f"{label:<18} {ms:>9.2f}"
+        mfu = flops / (ms / 1e3) / (args.gpus * H200_BF16_DENSE_PEAK)
+        row = {"mode": label, "ms_per_step": ms, "mfu": mfu}
+        text = f"{label:<18} {ms:>9.2f} {mfu:>6.1%}"
         if label.startswith("ep"):
             own_base = results["nocomm" + label[2:].removesuffix("-ce")]
             row.update(exposed_ms=ms - base, exposed_vs_own_nocomm_ms=ms - own_base,
                        hidden_fraction=1 - (ms - base) / exposed if exposed > 0 else None,
                        hidden_fraction_vs_own_nocomm=1 - (ms - own_base) / exposed if exposed > 0 else None)
-            hidden = "-" if label == "ep" else f"{row['hidden_fraction']:.0%} ({row['hidden_fraction_vs_own_nocomm']:.0%})"
+            hidden = "-" if label == "ep" or exposed <= 0 else \
+                f"{row['hidden_fraction']:.0%} ({row['hidden_fraction_vs_own_nocomm']:.0%})"
             text += f" {ms - base:>15.2f} {hidden:>13}"
         rows.append(row)
         print(text)
@@ -315,6 +342,7 @@ def main():
                    "torch": torch.__version__, "args": vars(args), "experts_alone_ms": results["experts-alone"],
                    "kernels": {k: v for k, v in results.items() if k.endswith("-kernels")},
                    "copy_engine_workspace_bytes": results.get("copy_engine_workspace_bytes"),
+                   "dropped_assignments": results["dropped"], "flops_per_step": flops,
                    "rows": rows}, handle, indent=1)
     print(f"wrote {args.out}")
 

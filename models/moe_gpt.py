@@ -37,6 +37,10 @@ class MoEGPTConfig:
     glu_interleave_size: int | None = None  # fc1 rows stored GLU-interleaved in blocks of this size
     capacity_factor: float | None = None    # None: dropless; else fxshard.moe's per-expert capacity
     expert_slots: bool = False        # rows in capacity slots (needs capacity_factor): batched expert GEMMs
+    # "learned": top-k of the router; "balanced" (benchmarks only, Megatron's force-load-balancing in
+    # spirit): token i goes to experts (i*k + j) mod E, weighted by the router's probabilities of
+    # them, so every expert receives exactly T*k/E rows and nothing is dropped at capacity 1.0
+    routing: str = "learned"
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
 
@@ -80,6 +84,8 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(cfg.n_expert, cfg.d_model, cfg.d_ff_expert, cfg.expert_weights,
                                       cfg.glu_interleave_size)
         self.shared = SwiGLU(cfg.d_model, cfg.d_ff_shared) if cfg.d_ff_shared else None
+        if cfg.routing not in ("learned", "balanced"):
+            raise ValueError(f"MoEGPTConfig(routing={cfg.routing!r}): choose 'learned' or 'balanced'")
 
     def forward(self, x):
         """Returns (output, load-balancing loss, dropped assignments)."""
@@ -87,7 +93,12 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, width)
         n_expert, k = self.cfg.n_expert, self.cfg.top_k
         probs = F.softmax(self.router(tokens).float(), dim=-1)
-        weights, chosen = probs.topk(k, dim=-1)
+        if self.cfg.routing == "balanced":
+            position = torch.arange(tokens.shape[0], device=x.device)[:, None] * k
+            chosen = (position + torch.arange(k, device=x.device)) % n_expert
+            weights = probs.gather(-1, chosen)
+        else:
+            weights, chosen = probs.topk(k, dim=-1)
         if self.cfg.normalize_top_k:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         routed = moe.dispatch(tokens, chosen, n_expert, self.cfg.capacity_factor, slots=self.cfg.expert_slots)

@@ -66,6 +66,36 @@ def test_moe_gpt_with_a_capacity_trains_like_eager_and_reports_drops():
     assert metrics["moe_dropped_tokens"].item() == 2 * (64 * 2 - 4 * 16)  # 2 layers, 4 experts x capacity 16
 
 
+def test_balanced_routing_fills_every_expert_exactly_and_still_trains_the_router(monkeypatch):
+    """MoEGPTConfig(routing="balanced"), for benchmarks: T*k/E rows per expert, nothing dropped at
+    capacity 1.0, the router still learns (its probabilities weight the combine); fxshard == eager."""
+    torch.manual_seed(0)
+    cfg = MoEGPTConfig.preset("tiny", capacity_factor=1.0, routing="balanced")
+    generator = torch.Generator().manual_seed(0)
+    batches = [{"idx": torch.randint(0, 64, (2, 8), generator=generator),
+                "tgt": torch.randint(0, 64, (2, 8), generator=generator)} for _ in range(4)]
+    model = MoEGPT(cfg)
+    layer = model.layers[0].moe
+    chosen_per_layer = []
+    original = moe.dispatch
+
+    def recording_dispatch(tokens, chosen, *args, **kwargs):
+        chosen_per_layer.append(chosen)
+        return original(tokens, chosen, *args, **kwargs)
+
+    monkeypatch.setattr(moe, "dispatch", recording_dispatch)
+    _, metrics = model.loss_and_metrics(batches[0])
+    monkeypatch.undo()
+    assert len(chosen_per_layer) == cfg.n_layer
+    counts = torch.bincount(chosen_per_layer[0].reshape(-1), minlength=cfg.n_expert)
+    assert counts.tolist() == [16 * cfg.top_k // cfg.n_expert] * cfg.n_expert
+    assert metrics["moe_dropped_tokens"].item() == 0
+    model.loss(batches[0]).backward()
+    assert layer.router.weight.grad.abs().sum() > 0
+    parity = eager_parity(MoEGPT(cfg), lambda m, b: m.loss(b), batches, fxshard.optim.AdamW(lr=1e-3))
+    assert parity.max_loss_rel < 1e-5
+
+
 def test_fsdp_sums_reported_metrics_over_ranks():
     torch.manual_seed(0)
     model = MoEGPT(MoEGPTConfig.preset("tiny", capacity_factor=0.75))
