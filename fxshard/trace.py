@@ -1,6 +1,6 @@
 """model + loss + optimizer -> Program: one joint forward+backward+optimizer graph in aten IR.
 
-Route (DESIGN.md): aot_autograd's `aot_export_joint_with_descriptors` under
+Route (docs/architecture.md, "Tracing"): aot_autograd's `aot_export_joint_with_descriptors` under
 `torch.fx.traceback.preserve_node_meta()`, on fake tensors, with each layer's forward annotated; the
 backward nodes inherit their forward's annotation. The optimizer update is traced with make_fx on
 the same fake tensors and appended, so the program is one graph:
