@@ -310,6 +310,9 @@ class _Splitter:
         for node in nodes:
             if node in env:
                 continue
+            for constant in node.all_input_nodes:  # each chunk reading a constant holds its own copy
+                if constant.op == "get_attr" and constant not in env:
+                    env[constant] = graph.node_copy(constant)
             missing = [i for i in node.all_input_nodes if i not in env]
             if missing:
                 raise FxShardError(f"pipeline split: {node.name} ({meta.layer(node)}) reads "
@@ -336,6 +339,7 @@ def split_weight_gradients(backward: fx.GraphModule, sent: int):
 
     Invariant: backward_weight(*inputs, *backward_input(*inputs)[sent:]) followed by the first `sent`
     outputs of backward_input gives backward(*inputs). Returns (input part, weight part, carry names).
+    Constants (get_attr) that both parts read are in both; they are never carried.
     """
     graph = backward.graph
     output = next(n for n in graph.nodes if n.op == "output")
@@ -355,9 +359,11 @@ def split_weight_gradients(backward: fx.GraphModule, sent: int):
     input_part = ancestors(sent_nodes)
     weight_part = ancestors(grad_nodes) - input_part
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    carry = [n for n in graph.nodes if n in input_part and n.op != "placeholder"
+    inputs = ("placeholder", "get_attr")  # both parts read these themselves: constants are not carried
+    weight_part |= {n for n in ancestors(grad_nodes) if n.op == "get_attr"}
+    carry = [n for n in graph.nodes if n in input_part and n.op not in inputs
              and any(u in weight_part for u in n.users)]
-    carry += [n for n in grad_nodes if n in input_part and n.op != "placeholder" and n not in carry]
+    carry += [n for n in grad_nodes if n in input_part and n.op not in inputs and n not in carry]
 
     def build(nodes, inputs, outputs):
         new = fx.Graph()

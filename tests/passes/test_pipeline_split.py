@@ -130,3 +130,39 @@ def test_zero_bubble_runs_the_weight_gradients_split_off_the_backward():
     pipeline = check_pipeline(model, model_loss, token_microbatches(24, 3), schedules.zero_bubble_h1(3, 3))
     middle = pipeline.chunks[1]
     assert middle.carry and len(middle.backward_weight.graph.nodes) > 0
+
+
+class ScaledBlock(torch.nn.Module):
+    """Reads a tensor constant made in its forward (a get_attr in the traced graph, like the cache
+    objects of Hugging Face decoders)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x)) * torch.tensor([0.5, 2.0]).repeat(x.shape[-1] // 2)
+
+
+class ScaledBlocks(torch.nn.Module):
+    def __init__(self, width=8, layers=3):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(ScaledBlock(width) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "zb-h1"])
+def test_constants_are_copied_into_every_chunk_that_reads_them(kind):
+    torch.manual_seed(0)
+    model = ScaledBlocks()
+    generator = torch.Generator().manual_seed(0)
+    microbatches = [{"x": torch.randn(2, 8, generator=generator), "y": torch.randn(2, 8, generator=generator)}
+                    for _ in range(3)]
+    schedule = schedules.one_f_one_b(3, 3) if kind == "1f1b" else schedules.zero_bubble_h1(3, 3)
+    pipeline = check_pipeline(model, lambda m, b: ((m(b["x"]) - b["y"]) ** 2).mean(), microbatches, schedule)
+    for chunk in pipeline.chunks:
+        assert any(n.op == "get_attr" for n in chunk.forward.graph.nodes), chunk.index
