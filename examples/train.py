@@ -94,8 +94,38 @@ def main(argv=None) -> dict:
         args.sharding = "no_shard" if args.pp > 1 else "optim_grads_params"
     if args.dp * args.pp == 1:
         return train(args)
+    # a bad mesh or pipeline cut fails here, once, before any process starts (on a meta-device model)
+    with torch.device("meta"):
+        model = build_model(args)
+    fxshard.check(model, loss_fn(args), copy_batch(torch.Generator(), args.batch_size, args.copy_len,
+                                                   model.cfg.vocab_size, "cpu"),
+                  optimizer=optimizer(args), mesh=fxshard.Mesh(pp=args.pp, dp=args.dp, ep=args.ep),
+                  config=step_config(args, rank=0))
     backend = "nccl" if args.device.startswith("cuda") else "gloo"
     return run_local(train, args.dp * args.pp, args, backend=backend)[-1]  # the last stage reports
+
+
+def build_model(args):
+    model_cls, config_cls = MODELS[args.model]
+    overrides = ({"capacity_factor": args.capacity_factor, "expert_slots": args.expert_slots}
+                 if args.model == "moe_gpt" else {})
+    return model_cls(config_cls.preset(args.preset, **overrides))
+
+
+def loss_fn(args):
+    return (lambda m, batch: m.loss_and_metrics(batch)) if args.model == "moe_gpt" else (lambda m, b: m.loss(b))
+
+
+def optimizer(args):
+    return fxshard.optim.AdamW(lr=lr_schedule(args.lr, args.warmup, args.steps), betas=(0.9, 0.95), eps=1e-8,
+                               weight_decay=0.1)
+
+
+def step_config(args, rank: int) -> fxshard.Config:
+    return fxshard.Config(dump_dir=args.dump if rank == 0 else None, sharding=args.sharding, schedule=args.schedule,
+                          virtual_stages=args.virtual_stages, ep_overlap=args.ep_overlap,
+                          microbatches=args.microbatches if args.pp > 1 else args.ep_microbatches,
+                          ep_chunks=1, ep_interleave="dual-batch", ep_all_to_all=args.ep_all_to_all)
 
 
 def train(args) -> dict:
@@ -107,10 +137,7 @@ def train(args) -> dict:
     rank_dp, world = (mesh.coords(rank)["dp"], args.dp) if mesh else (0, 1)
     say = print if rank == processes - 1 else (lambda *a, **k: None)
     torch.manual_seed(args.seed)
-    model_cls, config_cls = MODELS[args.model]
-    overrides = ({"capacity_factor": args.capacity_factor, "expert_slots": args.expert_slots}
-                 if args.model == "moe_gpt" else {})
-    model = model_cls(config_cls.preset(args.preset, **overrides)).to(device)
+    model = build_model(args).to(device)
     generator = torch.Generator().manual_seed(args.seed + 1)
     vocab = model.cfg.vocab_size
 
@@ -123,16 +150,8 @@ def train(args) -> dict:
         f"batch {args.batch_size}x{2 * args.copy_len} per data-parallel rank, {mesh or 'one device'}, device {device}")
 
     started = time.perf_counter()
-    step = fxshard.shard(
-        model, (lambda m, batch: m.loss_and_metrics(batch)) if args.model == "moe_gpt" else (lambda m, b: m.loss(b)),
-        example,
-        optimizer=fxshard.optim.AdamW(lr=lr_schedule(args.lr, args.warmup, args.steps), betas=(0.9, 0.95),
-                                      eps=1e-8, weight_decay=0.1),
-        mesh=mesh,
-        config=fxshard.Config(dump_dir=args.dump if rank == 0 else None, sharding=args.sharding,
-                              schedule=args.schedule, virtual_stages=args.virtual_stages, ep_overlap=args.ep_overlap,
-                              microbatches=args.microbatches if args.pp > 1 else args.ep_microbatches,
-                              ep_chunks=1, ep_interleave="dual-batch", ep_all_to_all=args.ep_all_to_all))
+    step = fxshard.shard(model, loss_fn(args), example, optimizer=optimizer(args), mesh=mesh,
+                         config=step_config(args, rank))
     compiled = repr(step.program) if hasattr(step, "program") else step.schedule.name + " pipeline"
     say(f"compiled in {time.perf_counter() - started:.1f}s: {compiled}")
     if args.dump:
@@ -163,4 +182,7 @@ def train(args) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except fxshard.FxShardError as error:  # a configuration error: its message says what to change
+        raise SystemExit(f"fxshard: {error}") from None

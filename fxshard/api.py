@@ -1,4 +1,5 @@
-"""The public entry points: `shard` compiles a training step, `trace` only traces it."""
+"""The public entry points: `shard` compiles a training step, `trace` only traces it, `check`
+rejects a bad configuration before any process starts."""
 
 from __future__ import annotations
 
@@ -74,6 +75,27 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     return step
 
 
+def check(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None = None, mesh=None,
+          config: Config | None = None) -> None:
+    """Raise `FxShardError` for what `shard` would reject that is known without processes: the
+    arguments, the mesh against the config, the batch's split into microbatches, tracing (a model on
+    the `meta` device allocates nothing), the passes, and for `Mesh(pp>1)` the cut into stages x
+    virtual stages chunks. `example_batch` is one rank's batch, as `shard` gets it.
+
+    A launcher calls it before it spawns ranks, so a bad configuration fails once, in the launching
+    process, instead of on every rank after the processes started (examples/train.py does)."""
+    config = config or Config()
+    optimizer = optimizer or AdamW()
+    _check_arguments(model, loss_fn, optimizer, config)
+    _check_mesh(mesh)
+    if mesh is not None and mesh.pp > 1:
+        _plan_pipeline(model, loss_fn, example_batch, optimizer, mesh, config)
+        return
+    from fxshard.passes import run_pipeline
+
+    run_pipeline(_trace(model, loss_fn, example_batch, optimizer, config), mesh, config)
+
+
 def _report_lowerings(step, config: Config, index: int) -> None:
     """What the runtime changed in the last program before running it (fxshard/runtime: in-place
     optimizer updates, SM carveouts, copy-engine all-to-alls; codegen's regions): a line with
@@ -95,8 +117,7 @@ def _process_groups(mesh: Mesh | None, example_batch):
     """Axis -> this rank's process group, and axis -> this rank's index along it."""
     if mesh is None:
         return {}, {}
-    if not isinstance(mesh, Mesh):
-        raise FxShardError(f"mesh must be fxshard.Mesh(dp=...), got {type(mesh).__name__}")
+    _check_mesh(mesh)
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -121,13 +142,39 @@ def _process_groups(mesh: Mesh | None, example_batch):
             {axis: device_mesh.get_local_rank(axis) for axis in ("pp", "dp")})
 
 
+def _check_mesh(mesh) -> None:
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise FxShardError(f"mesh must be fxshard.Mesh(dp=...), got {type(mesh).__name__}")
+
+
 def _shard_pipeline(model, loss_fn, example_batch, optimizer, mesh, config, groups, coords):
     """Mesh(pp=P, dp=N): trace one microbatch, cut it into P*V chunks, run them on a schedule."""
+    from .runtime.pipeline import PipelineStep
+
+    schedule, programs, pipeline, batch_spec = _plan_pipeline(model, loss_fn, example_batch, optimizer, mesh, config)
+    if config.dump_dir and coords["pp"] == 0 and coords["dp"] == 0:
+        from .dump import dump_pipeline, dump_programs
+
+        dump_programs(programs, config.dump_dir)
+        dump_pipeline(pipeline, schedule, config.dump_dir)
+    tensors = [*model.parameters(), *model.buffers()]
+    names = [*dict(model.named_parameters()), *dict(model.named_buffers())]
+    source = MetaInit(model, config.seed, batch_spec.device) if any(t.is_meta for t in tensors) else None
+    if source is not None:  # a meta-device model: this rank materializes its own chunks' tensors only
+        local = {n for c in pipeline.chunks if schedule.rank_of(c.index) == coords["pp"] for n in c.params}
+        values = source.tensors_named(local & set(names))
+    else:
+        values = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    return PipelineStep(pipeline, schedule, mesh, coords, groups, values, optimizer, batch_spec, config.microbatches,
+                        batch_spec.device, config.sharding)
+
+
+def _plan_pipeline(model, loss_fn, example_batch, optimizer, mesh, config):
+    """The process-free part of a pipeline's compile: (schedule, programs, chunks, batch spec)."""
     from fxshard.passes import fuse_grouped_mlp
     from fxshard.passes.pipeline import split_stages
 
     from . import schedule as schedules
-    from .runtime.pipeline import PipelineStep
 
     if config.cuda_graphs:
         raise FxShardError("Config(cuda_graphs=True) does not run pipelines yet; leave it off with Mesh(pp>1)")
@@ -145,21 +192,7 @@ def _shard_pipeline(model, loss_fn, example_batch, optimizer, mesh, config, grou
     if config.fuse_grouped_mlp:
         programs.append(fuse_grouped_mlp(program).replace(name="fuse_grouped_mlp"))
     pipeline = split_stages(programs[-1], schedule.chunks, config.stage_layers)
-    if config.dump_dir and coords["pp"] == 0 and coords["dp"] == 0:
-        from .dump import dump_pipeline, dump_programs
-
-        dump_programs(programs, config.dump_dir)
-        dump_pipeline(pipeline, schedule, config.dump_dir)
-    tensors = [*model.parameters(), *model.buffers()]
-    names = [*dict(model.named_parameters()), *dict(model.named_buffers())]
-    source = MetaInit(model, config.seed, batch_spec.device) if any(t.is_meta for t in tensors) else None
-    if source is not None:  # a meta-device model: this rank materializes its own chunks' tensors only
-        local = {n for c in pipeline.chunks if schedule.rank_of(c.index) == coords["pp"] for n in c.params}
-        values = source.tensors_named(local & set(names))
-    else:
-        values = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    return PipelineStep(pipeline, schedule, mesh, coords, groups, values, optimizer, batch_spec, microbatches,
-                        batch_spec.device, config.sharding)
+    return schedule, programs, pipeline, batch_spec
 
 
 def _check_arguments(model, loss_fn, optimizer, config) -> None:

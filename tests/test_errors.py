@@ -111,3 +111,15 @@ def test_half_meta_model_is_rejected_and_a_meta_model_traces():
         fxshard.shard(half, mean_loss, torch.randn(2, 4))
     program = fxshard.trace(model, mean_loss, torch.randn(2, 4))
     assert program.inputs_of(fxshard.InputKind.PARAM)[0].shape == (4, 4)
+
+
+def test_check_rejects_without_processes_what_shard_would_reject_on_every_rank():
+    from fxshard.models import GPT, GPTConfig
+
+    batch = {"idx": torch.randint(0, 64, (2, 8)), "tgt": torch.randint(0, 64, (2, 8))}
+    model = GPT(GPTConfig.preset("tiny"))
+    with pytest.raises(fxshard.FxShardError, match="Mesh\\(ep=2\\) but the program has no expert ops"):
+        fxshard.check(model, lambda m, b: m.loss(b), batch, mesh=fxshard.Mesh(dp=2, ep=2))
+    with pytest.raises(fxshard.FxShardError, match="mesh must be fxshard.Mesh"):
+        fxshard.check(model, lambda m, b: m.loss(b), batch, mesh="dp=2")
+    fxshard.check(model, lambda m, b: m.loss(b), batch, mesh=fxshard.Mesh(dp=2))  # fine: returns quietly

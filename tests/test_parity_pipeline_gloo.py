@@ -104,32 +104,23 @@ def test_pipeline_schedules_train_like_one_device(world, configs):
         assert seen == {n for n, p in ref_params.items()} , (label, set(ref_params) - seen)
 
 
-def pipeline_errors():
-    """Each bad pipeline configuration's FxShardError message (runs on every rank)."""
-    data = batches()[0]
+def test_bad_pipeline_configurations_are_explained_before_any_process_starts():
+    """fxshard.check runs what shard would reject without a process group (no spawn needed)."""
+    data = {k: v[:6] for k, v in batches()[0].items()}
     cases = {
-        "microbatches": fxshard.Config(schedule="interleaved-1f1b", virtual_stages=2, microbatches=3,
-                                       sharding="no_shard"),
-        "chunks": fxshard.Config(virtual_stages=2, microbatches=2, sharding="no_shard"),
-        "zero3": fxshard.Config(microbatches=2),
+        "microbatches": (MODELS["gpt4"], fxshard.Config(schedule="interleaved-1f1b", virtual_stages=2,
+                                                        microbatches=3, sharding="no_shard")),
+        "chunks": (MODELS["gpt2"], fxshard.Config(virtual_stages=2, microbatches=2, sharding="no_shard")),
     }
-    meshes = {"microbatches": fxshard.Mesh(pp=2), "chunks": fxshard.Mesh(pp=2), "zero3": fxshard.Mesh(pp=2)}
-    messages = {}
-    for case, config in cases.items():
-        model = MODELS["gpt2"]() if case != "microbatches" else MODELS["gpt4"]()
-        try:
-            fxshard.shard(model, loss_fn("gpt2"), {k: v[:6] for k, v in data.items()}, mesh=meshes[case],
-                          config=config)
-        except fxshard.FxShardError as error:
-            messages[case] = str(error)
-    return messages
-
-
-def test_bad_pipeline_configurations_are_explained():
-    messages = run_local(pipeline_errors, 2, backend="gloo")[0]
-    assert "divisible" in messages["microbatches"]
-    assert "4 pipeline chunks" in messages["chunks"] and "only 2 layers" in messages["chunks"]
-    assert set(messages) == {"microbatches", "chunks"}, messages  # dp=1: the sharding strategy does not matter
+    with pytest.raises(fxshard.FxShardError, match="divisible"):
+        model, config = cases["microbatches"]
+        fxshard.check(model(), loss_fn("gpt2"), data, mesh=fxshard.Mesh(pp=2), config=config)
+    with pytest.raises(fxshard.FxShardError, match="4 pipeline chunks .* only 2 layers"):
+        model, config = cases["chunks"]
+        fxshard.check(model(), loss_fn("gpt2"), data, mesh=fxshard.Mesh(pp=2), config=config)
+    # dp=1: the sharding strategy does not matter, nothing to reject
+    fxshard.check(MODELS["gpt2"](), loss_fn("gpt2"), data, mesh=fxshard.Mesh(pp=2),
+                  config=fxshard.Config(microbatches=2))
 
 
 def test_mesh_and_config_reject_bad_pipeline_sizes():

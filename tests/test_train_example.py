@@ -46,3 +46,14 @@ def test_train_example_with_two_stages_times_two_data_parallel(tmp_path):
     assert float(last) < float(first), result.stdout
     assert "rank 1: RF1:0<0 F1:0 B1:0" in (tmp_path / "pipeline.txt").read_text()
     assert (tmp_path / "pipeline.svg").read_text().startswith("<svg")
+
+
+def test_a_bad_pipeline_cut_fails_in_the_launching_process_before_spawning(monkeypatch):
+    import pytest
+
+    import fxshard
+
+    train = load_train()
+    monkeypatch.setattr(train, "run_local", lambda *a, **k: pytest.fail("spawned processes for a bad configuration"))
+    with pytest.raises(fxshard.FxShardError, match="4 pipeline chunks .* only 2 layers"):
+        train.main(["--pp", "2", "--virtual-stages", "2", "--steps", "1"])
