@@ -337,13 +337,36 @@ class PipelineStep:
         return {"loss": loss.detach(), "grad_norm": grad_norm.detach(), **reported}
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters (its chunks'), as tensors it will not change."""
+        """Every parameter of the model, in the model's order, on every rank, as tensors the step will
+        not change: this rank's chunks' (all-gathered over dp where sharded) and the other stages'
+        (gathered over pp). Every rank of the mesh must call it."""
+        import torch.distributed as dist
+
         values = dict(self.params)
         if self.shards_params:
             for unit in self.units:
                 values.update(unit.unflatten(self._gather(self.shards[unit.name])))
-        kinds = {spec.name: spec.kind for spec in self.pipeline.source.inputs}
-        return {name: value.clone() for name, value in values.items() if kinds[name] is InputKind.PARAM}
+        source = self.pipeline.source
+        specs = {spec.name: node.meta["val"] for spec, node in zip(source.inputs, source.placeholders())
+                 if spec.kind is InputKind.PARAM}
+        owner = {}  # the first stage holding each parameter sends it (a tied one is equal on each holder)
+        for chunk in self.pipeline.chunks:
+            for name in chunk.params:
+                if name in specs:
+                    owner[name] = min(owner.get(name, self.mesh.pp), self.schedule.rank_of(chunk.index))
+        result = {}
+        for stage in range(self.mesh.pp):
+            for dtype in dict.fromkeys(specs[n].dtype for n in specs if owner[n] == stage):
+                members = [n for n in specs if owner[n] == stage and specs[n].dtype == dtype]
+                if stage == self.pp_rank:
+                    flat = torch.cat([values[n].detach().reshape(-1) for n in members])
+                else:
+                    flat = torch.empty(sum(specs[n].numel() for n in members), dtype=dtype, device=self.device)
+                if self.mesh.pp > 1:
+                    dist.broadcast(flat, src=self.mesh.rank_of(stage, self.dp_rank), group=self.groups["pp"])
+                for name, piece in zip(members, flat.split([specs[n].numel() for n in members])):
+                    result[name] = piece.view(specs[name].shape)
+        return {name: result[name] for name in specs}
 
 
 def _metric_dtype(pipeline, metric: str) -> torch.dtype:
