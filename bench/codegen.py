@@ -11,7 +11,6 @@ with and without codegen (bf16 compute, fp32 masters, AdamW, CUDA graphs, batch 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -22,6 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from common import write_json  # noqa: E402
 
 MODELS = {"gpt-1b": ("GPT", "1b"), "moe-1b": ("MoEGPT", "1b"), "gpt-tiny": ("GPT", "tiny")}
 
@@ -92,11 +92,7 @@ def main():
             rows.append(row)
             print(f"{model_name:<10} {run:<12} {row['shard_s']:>8.1f} {row['ms_per_step']:>8.1f}  "
                   f"{row['codegen_line'] or '-'}", flush=True)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as handle:
-        json.dump({"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-                   "torch": torch.__version__, "batch": args.batch, "seq": args.seq, "rows": rows}, handle, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, batch=args.batch, seq=args.seq, rows=rows)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,6 @@ mode prints how long fxshard.shard took (trace, passes, codegen) and what codege
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 import time
@@ -36,8 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import fxshard  # noqa: E402
 from fxshard.launch import run_local  # noqa: E402
 from fxshard.models import GPT, GPTConfig  # noqa: E402
-
-H200_BF16_DENSE_PEAK = 989e12
+from common import H200_BF16_DENSE_PEAK, write_json  # noqa: E402
 
 
 def flops_per_token(cfg: GPTConfig, seq: int) -> float:
@@ -258,11 +255,7 @@ def main():
             vs_compile = f"{row['ratio_to_nocomm_compile']:.2f}x" if compiled_baseline else "-"
             print(f"{mode:<20} {gpus:>4} {batch:>5} {ms:>9.1f} {row['tokens_per_s_per_gpu']:>10.0f} "
                   f"{mfu:>6.1%} {peak / 2**30:>9.1f} {ratio:>9} {vs_compile:>10}", flush=True)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as handle:
-        json.dump({"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-                   "torch": torch.__version__, "model": args.model, "params": params, "rows": rows}, handle, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, model=args.model, params=params, rows=rows)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,6 @@ so a rate timed from idle flatters the ceiling; that one is printed and recorded
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 
@@ -33,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from fxshard.ops.grouped_mlp import grouped_mlp  # noqa: E402
 from fxshard.ops.grouped_mlp_backends import BACKENDS  # noqa: E402
+from common import write_json  # noqa: E402
 
 SHAPES = [(8, 16384, 2048, 1408), (64, 65536, 2048, 768)]  # (E, T, D, F)
 
@@ -291,11 +290,7 @@ def main():
         for experts, tokens, d_model, d_ff in SHAPES:
             rows += run_shape(experts, tokens, d_model, d_ff, layout, args)
             torch.cuda.empty_cache()
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as handle:
-        json.dump({"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-                   "torch": torch.__version__, "dense_tflops_from_idle": ceiling, "rows": rows}, handle, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, dense_tflops_from_idle=ceiling, rows=rows)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ compare across runs; --routing learned uses the untrained router (~35% dropped a
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
@@ -53,7 +52,7 @@ import fxshard  # noqa: E402
 from fxshard.launch import run_local  # noqa: E402
 from fxshard.models import MoEGPT, MoEGPTConfig  # noqa: E402
 from fxshard.runtime import CompiledStep  # noqa: E402
-from fsdp import H200_BF16_DENSE_PEAK  # noqa: E402
+from common import H200_BF16_DENSE_PEAK, write_json  # noqa: E402
 
 _c10d = torch.ops._c10d_functional
 
@@ -336,15 +335,11 @@ def main():
             f"{row['mode']} {row['hidden_fraction_vs_nocopy']:.0%}" for row in rows if row["mode"].startswith("ep-")))
     print(f"expert MLPs alone, one GPU: {results['experts-alone']:.2f} ms/step"
           f"\nhidden = 1 - (overlap - nocomm) / (ep - nocomm); in parentheses against nocomm with the same chunks")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as handle:
-        json.dump({"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-                   "torch": torch.__version__, "args": vars(args), "experts_alone_ms": results["experts-alone"],
-                   "kernels": {k: v for k, v in results.items() if k.endswith("-kernels")},
-                   "copy_engine_workspace_bytes": results.get("copy_engine_workspace_bytes"),
-                   "dropped_assignments": results["dropped"], "flops_per_step": flops,
-                   "rows": rows}, handle, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, args=vars(args), experts_alone_ms=results["experts-alone"],
+               kernels={k: v for k, v in results.items() if k.endswith("-kernels")},
+               copy_engine_workspace_bytes=results.get("copy_engine_workspace_bytes"),
+               dropped_assignments=results["dropped"], flops_per_step=flops,
+               rows=rows)
 
 
 if __name__ == "__main__":

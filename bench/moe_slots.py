@@ -22,8 +22,6 @@ table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 
@@ -35,6 +33,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import fxshard  # noqa: E402
 from fxshard.models import MoEGPT, MoEGPTConfig  # noqa: E402
 from grouped_mlp import timed_in_turns  # noqa: E402  (bench/grouped_mlp.py)
+from common import write_json  # noqa: E402
 
 MODES = {"dropless": dict(capacity_factor=None), "packed": dict(expert_slots=False),
          "slots": dict(expert_slots=True)}
@@ -110,11 +109,7 @@ def main():
             with open(os.path.join(args.profile, f"{mode}.txt"), "w") as handle:
                 handle.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40,
                                                        max_name_column_width=100))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as handle:
-        json.dump({"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-                   "torch": torch.__version__, "args": vars(args), "rows": rows}, handle, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, args=vars(args), rows=rows)
 
 
 if __name__ == "__main__":

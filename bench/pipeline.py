@@ -11,8 +11,6 @@ same schedule given the measured mean forward and backward times of each chunk.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 import time
@@ -27,6 +25,7 @@ from fxshard.launch import run_local  # noqa: E402
 from fxshard.models import GPT, GPTConfig  # noqa: E402
 from fxshard.runtime import pipeline as runtime  # noqa: E402
 from fxshard.schedule import simulate  # noqa: E402
+from common import write_json  # noqa: E402
 
 SCHEDULES = {"1f1b": ("1f1b", 1), "interleaved-v2": ("interleaved-1f1b", 2), "zb-h1": ("zb-h1", 1)}
 
@@ -160,12 +159,8 @@ def main():
         rows.append(row)
         print(f"{name:<16} {ms:>9.1f} {makespan:>15.1f} {measured:>15.1%} {predicted:>16.1%} "
               f"{(measured - predicted) * 100:>+9.1f} {row['peak_bytes'] / 2**30:>9.1f}", flush=True)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as handle:
-        json.dump({"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
-                   "torch": torch.__version__, "gpus": args.gpus, "microbatches": args.microbatches,
-                   "rows": rows}, handle, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, gpus=args.gpus, microbatches=args.microbatches,
+               rows=rows)
 
 
 if __name__ == "__main__":
