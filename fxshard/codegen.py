@@ -49,7 +49,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import meta
-from .graph import is_view
+from .graph import ancestors, is_view
 
 # ops whose output shape depends on values: Inductor needs unbacked symbols for them; left to aten
 _DATA_DEPENDENT = {"nonzero", "masked_select", "unique", "_unique2", "unique_consecutive", "_local_scalar_dense",
@@ -72,7 +72,7 @@ def is_fixed(node: fx.Node) -> bool:
     target = node.target
     if getattr(target, "namespace", None) not in ("aten", "prims") or not hasattr(target, "_schema"):
         return True
-    return target._schema.is_mutable or target._schema.name.split("::")[-1] in _DATA_DEPENDENT
+    return _mutates(node) or _op_name(node) in _DATA_DEPENDENT
 
 
 def is_communication(node: fx.Node) -> bool:
@@ -269,12 +269,7 @@ def fold_constants(graph: fx.Graph, module: nn.Module) -> dict[str, torch.Tensor
     boundary = [n for n, cost in costly.items() if cost and n.op == "call_function"
                 and isinstance(n.meta.get("val"), torch.Tensor) and any(u not in costly for u in n.users)
                 and n.meta["val"].numel() * n.meta["val"].element_size() <= FOLD_LIMIT_BYTES]
-    needed, stack = set(), list(boundary)
-    while stack:
-        node = stack.pop()
-        if node not in needed:
-            needed.add(node)
-            stack.extend(node.all_input_nodes)
+    needed = ancestors(boundary)
     values: dict[fx.Node, object] = {}
     for node in graph.nodes:
         if node in needed:

@@ -26,6 +26,17 @@ def fake_mode_of(graph: fx.Graph):
     raise AssertionError("graph carries no fake values; was it traced by fxshard.trace?")
 
 
+def ancestors(nodes) -> set[fx.Node]:
+    """`nodes` (non-nodes among them ignored) and every node they read, transitively."""
+    seen, stack = set(), [n for n in nodes if isinstance(n, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return seen
+
+
 def call_argument(node: fx.Node, name: str):
     """Argument `name` of an op call, passed by position or by name, or its schema default."""
     arguments = node.target._schema.arguments

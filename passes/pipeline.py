@@ -33,6 +33,7 @@ import torch.fx as fx
 
 from fxshard import meta
 from fxshard.errors import FxShardError
+from fxshard.graph import ancestors
 from fxshard.program import InputKind, OutputKind, Program
 
 _ADD = torch.ops.aten.add.Tensor
@@ -346,24 +347,15 @@ def split_weight_gradients(backward: fx.GraphModule, sent: int):
     results = list(output.args[0])
     sent_nodes, grad_nodes = results[:sent], results[sent:]
 
-    def ancestors(nodes):
-        seen, stack = set(), [n for n in nodes if isinstance(n, fx.Node)]
-        while stack:
-            node = stack.pop()
-            if node in seen:
-                continue
-            seen.add(node)
-            stack.extend(node.all_input_nodes)
-        return seen
-
     input_part = ancestors(sent_nodes)
-    weight_part = ancestors(grad_nodes) - input_part
+    weight_reads = ancestors(grad_nodes)
+    # both parts read placeholders and constants themselves: those are never carried
+    weight_part = {n for n in weight_reads if n not in input_part or n.op == "get_attr"}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    inputs = ("placeholder", "get_attr")  # both parts read these themselves: constants are not carried
-    weight_part |= {n for n in ancestors(grad_nodes) if n.op == "get_attr"}
-    carry = [n for n in graph.nodes if n in input_part and n.op not in inputs
+    read_directly = ("placeholder", "get_attr")
+    carry = [n for n in graph.nodes if n in input_part and n.op not in read_directly
              and any(u in weight_part for u in n.users)]
-    carry += [n for n in grad_nodes if n in input_part and n.op not in inputs and n not in carry]
+    carry += [n for n in grad_nodes if n in input_part and n.op not in read_directly and n not in carry]
 
     def build(nodes, inputs, outputs):
         new = fx.Graph()
