@@ -362,8 +362,7 @@ class PipelineStep:
                     flat = torch.cat([values[n].detach().reshape(-1) for n in members])
                 else:
                     flat = torch.empty(sum(specs[n].numel() for n in members), dtype=dtype, device=self.device)
-                if self.mesh.pp > 1:
-                    dist.broadcast(flat, src=self.mesh.rank_of(stage, self.dp_rank), group=self.groups["pp"])
+                dist.broadcast(flat, src=self.mesh.rank_of(stage, self.dp_rank), group=self.groups["pp"])
                 for name, piece in zip(members, flat.split([specs[n].numel() for n in members])):
                     result[name] = piece.view(specs[name].shape)
         return {name: result[name] for name in specs}
