@@ -44,7 +44,7 @@ class OutputKind(enum.Enum):
 class Placement:
     """Where a value lives on the mesh. `Replicated()` is the single-device default."""
 
-    kind: str = "replicated"     # "replicated" | "sharded" | "stage_local"
+    kind: str = "replicated"     # "replicated" | "sharded" | "stage_local" (only this pipeline stage has it)
     axis: str | None = None      # mesh axis for "sharded" ("dp", "ep") or "pp" for "stage_local"
 
     def __str__(self) -> str:
@@ -53,6 +53,7 @@ class Placement:
 
 REPLICATED = Placement()
 EXPERT_SHARDED = Placement("sharded", "ep")  # this rank's experts: dim 0 split over the ep axis
+STAGE_LOCAL = Placement("stage_local", "pp")  # held by this pipeline stage only (its chunks' parameters)
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,34 @@ class FlatUnit:
 
 
 @dataclass(frozen=True)
+class GradientNorm:
+    """How the optimizer phase's gradient norm is put together beyond one rank's gradients: the
+    squared norm is summed over `axes` (each rank of them holds different gradients: pipeline
+    stages), and the parameters in `counted_elsewhere` are left out of this rank's part (another
+    rank counts them: a weight tied across stages). A pass that rebuilds the optimizer phase
+    (FSDP's units) keeps both."""
+
+    axes: tuple[str, ...] = ()
+    counted_elsewhere: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """What a per-rank pipeline program needs to know about the other stages (passes/lower_schedule.py):
+    this rank's `stage` of `stages`, the parameters (and buffers) each stage holds, and the process
+    groups of stage subsets its collectives name (axis -> stage indices), besides "pp" itself."""
+
+    stage: int
+    stages: int
+    params_by_stage: tuple[tuple[str, ...], ...]
+    groups: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    def owner(self, name: str) -> int:
+        """The first stage holding `name` (a tied parameter is equal on every stage holding it)."""
+        return next(s for s, names in enumerate(self.params_by_stage) if name in names)
+
+
+@dataclass(frozen=True)
 class Program:
     """One traced training step: `graph_module(*inputs) -> outputs`, both described by the signature.
 
@@ -152,6 +181,8 @@ class Program:
     units: tuple["FlatUnit", ...] = ()         # flat parameter buffers, once a pass made them
     name: str = "traced"
     notes: dict = field(default_factory=dict)  # free-form facts a pass wants in the dump
+    grad_norm: GradientNorm = GradientNorm()
+    stage: StagePlan | None = None             # set by lower_schedule: one stage of a pipeline
 
     def replace(self, **changes) -> "Program":
         return dataclasses.replace(self, **changes)

@@ -336,6 +336,109 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None) -> Simula
     return Simulation(makespan, bubble, peaks, start, end)
 
 
+def _matching(action: Action) -> tuple[str, int, int]:
+    """The (kind, chunk, mb) of the other side of a transfer: SF c:m pairs with RF c+1:m, SB c:m with RB c-1:m."""
+    kind, c, mb = action.kind, action.chunk, action.mb
+    return {"SF": ("RF", c + 1, mb), "RF": ("SF", c - 1, mb), "SB": ("RB", c - 1, mb), "RB": ("SB", c + 1, mb)}[kind]
+
+
+def issue_order(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
+    """Each rank's actions in the order its lowered program issues them.
+
+    Compute and sends stay where the schedule has them. Between two ranks, transfers follow one
+    order on both sides: messages sorted by when their sender produces them (`simulate`'s times;
+    a message whose producer depends on another message is produced strictly after it). Each
+    receive moves up to right after the previous transfer with the same peer in that order: issued
+    early, waited on where its data is first read. That is what in-order matching per pair of
+    ranks needs (NCCL runs a pair's sends and receives on one stream, in issue order);
+    `check_point_to_point` proves the result deadlock-free."""
+    timing = simulate(schedule)
+    messages: dict[frozenset, list] = {}
+    for rank, actions in enumerate(schedule.ranks):
+        for index, action in enumerate(actions):
+            if action.kind in ("SF", "SB"):
+                key = (timing.end[rank, index], rank, action.kind, action.chunk, action.mb)
+                messages.setdefault(frozenset((rank, action.peer)), []).append((key, rank, action))
+    after: dict[tuple[int, Action | None], list[Action]] = {}  # (rank, anchor send or None) -> receives
+    for pair, sends in messages.items():
+        anchors = {rank: None for rank in pair}
+        for _, sender, action in sorted(sends, key=lambda item: item[0]):
+            (receiver,) = pair - {sender} if len(pair) == 2 else (sender,)
+            kind, chunk, mb = _matching(action)
+            after.setdefault((receiver, anchors[receiver]), []).append(Action(kind, chunk, mb, sender))
+            anchors[sender] = action
+    order = []
+    for rank, actions in enumerate(schedule.ranks):
+        out = list(after.get((rank, None), []))
+        for action in actions:
+            if action.kind in ("RF", "RB"):
+                continue
+            out.append(action)
+            out.extend(after.get((rank, action), []))
+        order.append(tuple(out))
+    return tuple(order)
+
+
+def check_point_to_point(schedule: Schedule, order: tuple[tuple[Action, ...], ...]) -> None:
+    """Raise FxShardError unless `order` (each rank's actions in issue order) runs to the end when
+    every pair of ranks matches its transfers in issue order, one at a time (a send completes only
+    together with its receive, and only once its value is computed), and each rank computes in
+    order, waiting for the receives its compute reads: the model of NCCL point-to-point."""
+    chunks = schedule.chunks
+    compute = [[a for a in actions if a.kind in COMPUTE] for actions in order]
+    transfers = {(rank, peer): [a for a in actions if a.peer == peer and a.kind in ("SF", "SB", "RF", "RB")]
+                 for rank, actions in enumerate(order) for peer in range(schedule.stages)}
+    done: set[tuple[int, str, int, int]] = set()  # (rank, kind, chunk, mb)
+    position = {key: 0 for key in [*transfers, *range(len(order))]}
+
+    def ready(rank: int, action: Action) -> bool:
+        c, mb = action.chunk, action.mb
+        needs = []
+        if action.kind == "F" and c > 0:
+            needs.append(("F", c - 1, mb) if schedule.rank_of(c - 1) == rank else ("RF", c, mb))
+        if action.kind == "B":
+            needs.append(("F", c, mb))
+            if c < chunks - 1:
+                needs.append(("B", c + 1, mb) if schedule.rank_of(c + 1) == rank else ("RB", c, mb))
+        if action.kind == "W":
+            needs.append(("B", c, mb))
+        return all((rank, *need) in done for need in needs)
+
+    while True:
+        progressed = False
+        for rank, actions in enumerate(compute):
+            while position[rank] < len(actions) and ready(rank, actions[position[rank]]):
+                action = actions[position[rank]]
+                done.add((rank, action.kind, action.chunk, action.mb))
+                position[rank] += 1
+                progressed = True
+        for (rank, peer), queue in transfers.items():
+            if rank > peer or position[rank, peer] >= len(queue):
+                continue
+            other = transfers[peer, rank]
+            mine = queue[position[rank, peer]]
+            if position[peer, rank] >= len(other):
+                continue
+            theirs = other[position[peer, rank]]
+            if _matching(mine) != (theirs.kind, theirs.chunk, theirs.mb):
+                raise FxShardError(f"point-to-point out of order between ranks {rank} and {peer}: rank {rank}'s "
+                                   f"next transfer is {mine}, rank {peer}'s is {theirs}")
+            send, sender = (mine, rank) if mine.kind.startswith("S") else (theirs, peer)
+            if (sender, send.kind[1], send.chunk, send.mb) in done:
+                for side, action in ((rank, mine), (peer, theirs)):
+                    done.add((side, action.kind, action.chunk, action.mb))
+                position[rank, peer] += 1
+                position[peer, rank] += 1
+                progressed = True
+        if not progressed:
+            break
+    stuck = [f"rank {r}: {compute[r][position[r]]}" for r in range(len(order)) if position[r] < len(compute[r])]
+    stuck += [f"rank {r} -> {p}: {q[position[r, p]]}" for (r, p), q in transfers.items() if position[r, p] < len(q)]
+    if stuck:
+        raise FxShardError(f"pipeline schedule {schedule.name} deadlocks with in-order point-to-point: "
+                           + "; ".join(stuck))
+
+
 _COLORS = {"F": "#6fa8dc", "B": "#e69138", "W": "#93c47d"}
 
 

@@ -10,6 +10,12 @@ whose other members never arrive is reported as a deadlock with each rank's pend
 
 A group name may stand for several disjoint groups (every expert-parallel group is called "ep"):
 give it a list of rank lists, e.g. `{"ep": [[0, 1], [2, 3]]}` (`Mesh.all_groups()` builds them).
+
+Point-to-point (`fxshard::send` / `fxshard::recv`, fxshard/ops/p2p.py) is a mailbox per (sender,
+receiver): a send delivers and goes on, a receive pauses its rank until the message is there.
+Messages between two ranks match in order, and a receive checks the message's shape and dtype.
+This is the lenient model (nothing but data dependencies can block); the stricter one of NCCL's
+in-order streams is checked on the schedule itself (`fxshard.schedule.check_point_to_point`).
 """
 
 from __future__ import annotations
@@ -21,8 +27,11 @@ import torch
 import torch.fx as fx
 
 from .errors import FxShardError
+from .ops import p2p as _p2p  # noqa: F401  (registers fxshard::send / recv)
 
 _c10d = torch.ops._c10d_functional
+_fxshard_send = torch.ops.fxshard.send.default
+_fxshard_recv = torch.ops.fxshard.recv.default
 
 _REDUCE = {
     "sum": lambda ts: torch.stack(ts).sum(0),
@@ -44,8 +53,11 @@ class Collective:
     output_split_sizes: Sequence[int] | None = None
     input_split_sizes: Sequence[int] | None = None
     src: int | None = None
+    peer: int | None = None  # point-to-point: the other rank's index in the group
 
     def __str__(self):
+        if self.op in ("send", "recv"):
+            return f"{self.op}({tuple(self.tensor.shape)}, {'to' if self.op == 'send' else 'from'} {self.peer} of {self.group})"
         return f"{self.op}({tuple(self.tensor.shape)}, group={self.group})"
 
 
@@ -67,6 +79,12 @@ def _request(node: fx.Node, args, kwargs) -> Collective | None:
     if target is _c10d.broadcast.default:
         tensor, src, group = args
         return Collective("broadcast", tensor, str(group), src=src)
+    if target is _fxshard_send:
+        tensor, peer, group = args
+        return Collective("send", tensor, str(group), peer=peer)
+    if target is _fxshard_recv:
+        shape, dtype, device, peer, group = args
+        return Collective("recv", torch.empty(shape, dtype=dtype, device=device), str(group), peer=peer)
     if getattr(target, "namespace", None) == "_c10d_functional" and target is not _c10d.wait_tensor.default:
         raise FxShardError(f"the SPMD simulator does not implement {target}; add it to fxshard/spmd.py")
     return None
@@ -142,19 +160,47 @@ def simulate(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[Any]],
     runners = [_run_rank(gm, args) for gm, args in zip(graphs, inputs)]
     pending: dict[int, Collective] = {}
     outputs: dict[int, Any] = {}
+    mail: dict[tuple[int, int], list[torch.Tensor]] = {}  # (sender, receiver) -> messages in order
 
     def advance(rank: int, value=None):
-        try:
-            pending[rank] = runners[rank].send(value)
-        except StopIteration as done:
-            outputs[rank] = done.value
+        while True:
+            try:
+                request = runners[rank].send(value)
+            except StopIteration as done:
+                outputs[rank] = done.value
+                return
+            if request.op != "send":
+                pending[rank] = request
+                return
+            peer = _peer(groups, request, rank)
+            mail.setdefault((rank, peer), []).append(request.tensor.clone())
+            value = request.tensor.new_empty(0)
+
+    def deliver() -> bool:
+        delivered = False
+        for rank, request in list(pending.items()):
+            if request.op != "recv":
+                continue
+            messages = mail.get((_peer(groups, request, rank), rank))
+            if not messages:
+                continue
+            message = messages.pop(0)
+            if message.shape != request.tensor.shape or message.dtype != request.tensor.dtype:
+                raise FxShardError(f"rank {rank}: {request} got a message of shape {tuple(message.shape)}, "
+                                   f"{message.dtype}: sends and receives between two ranks do not match in order")
+            del pending[rank]
+            advance(rank, message)
+            delivered = True
+        return delivered
 
     for rank in range(len(runners)):
         advance(rank)
     while pending:
-        progressed = False
+        progressed = deliver()
         for group, member_lists in groups.items():
             for members in member_lists:
+                if any(pending.get(m) is not None and pending[m].op == "recv" for m in members):
+                    continue
                 if not all(pending.get(m) is not None and pending[m].group == group for m in members):
                     continue
                 requests = [pending.pop(m) for m in members]
@@ -169,3 +215,13 @@ def simulate(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[Any]],
             waiting = "; ".join(f"rank {rank}: {request}" for rank, request in sorted(pending.items()))
             raise FxShardError(f"deadlock: no group has all its members at a collective ({waiting})")
     return [outputs[rank] for rank in range(len(runners))]
+
+
+def _peer(groups: dict[str, list[list[int]]], request: Collective, rank: int) -> int:
+    """The global rank of a point-to-point request's peer (its index in this rank's group)."""
+    if request.group not in groups:
+        raise FxShardError(f"point-to-point names group {request.group!r}, which `groups` does not define")
+    members = next((m for m in groups[request.group] if rank in m), None)
+    if members is None or not 0 <= request.peer < len(members):
+        raise FxShardError(f"rank {rank}: {request} has no such peer in group {request.group!r}")
+    return members[request.peer]

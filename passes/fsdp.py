@@ -33,7 +33,7 @@ import torch.fx as fx
 from fxshard import meta
 from fxshard.config import SHARDING_STRATEGIES
 from fxshard.errors import FxShardError
-from fxshard.graph import fake_mode_of, inline
+from fxshard.graph import VIEW_OR_CAST_OPS, fake_mode_of, inline
 from fxshard.optimizer_graph import append_update
 from fxshard.program import (EXPERT_SHARDED, REPLICATED, FlatUnit, Input, InputKind, Output, OutputKind, Placement,
                              Program)
@@ -41,12 +41,6 @@ from fxshard.program import (EXPERT_SHARDED, REPLICATED, FlatUnit, Input, InputK
 STRATEGIES = SHARDING_STRATEGIES
 _c10d = torch.ops._c10d_functional
 ALL = (meta.FWD, 0)  # the one region of strategies that keep full parameters
-# Ops that only re-view or cast a parameter: the backward recomputes them from its own all-gather
-# instead of keeping the forward's gathered copy alive.
-_CHEAP = {torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
-          torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.aten.expand.default,
-          torch.ops.aten.slice.Tensor, torch.ops.aten.unsqueeze.default, torch.ops.aten.select.int,
-          torch.ops.aten._to_copy.default, torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 
 
 @dataclass(frozen=True)
@@ -82,27 +76,30 @@ def fsdp(program: Program, cfg: FSDPConfig) -> Program:
     equal local batches this is exactly one device training on the concatenated batch; terms with
     batch statistics (MoE load balancing, BatchNorm) are per local batch, as in any data parallelism.
     """
-    units = group_into_units(program, cfg.world, include_frozen=cfg.shards_params, ep=cfg.ep)
+    units = group_into_units(program, cfg.world, include_frozen=cfg.shards_params, ep=cfg.ep,
+                             apart=program.grad_norm.counted_elsewhere)
     return _Rewrite(program, units, cfg).run()
 
 
-def group_into_units(program: Program, world: int, include_frozen: bool = False, ep: int = 1) -> list[FlatUnit]:
+def group_into_units(program: Program, world: int, include_frozen: bool = False, ep: int = 1,
+                     apart: frozenset[str] = frozenset()) -> list[FlatUnit]:
     """One unit per (layer, dtype) of trainable parameters, in order of first appearance; with
     `include_frozen` (ZeRO-3), frozen parameters get units of their own (gathered, never reduced);
-    expert parameters (placed sharded(ep)) get units of their own over the `world // ep` ranks of `edp`."""
-    members: dict[tuple[str, torch.dtype, bool, bool], list[tuple[str, tuple[int, ...]]]] = {}
+    expert parameters (placed sharded(ep)) get units of their own over the `world // ep` ranks of `edp`;
+    parameters in `apart` (another stage counts them in the gradient norm) too."""
+    members: dict[tuple[str, torch.dtype, bool, bool, bool], list[tuple[str, tuple[int, ...]]]] = {}
     for spec, node in zip(program.inputs, program.placeholders()):
         if spec.kind is InputKind.PARAM and (spec.requires_grad or include_frozen):
             experts = spec.placement == EXPERT_SHARDED
-            members.setdefault((meta.layer(node), spec.dtype, spec.requires_grad, experts), []).append(
-                (spec.name, spec.shape))
+            members.setdefault((meta.layer(node), spec.dtype, spec.requires_grad, experts, spec.name in apart),
+                               []).append((spec.name, spec.shape))
     dtypes_per_layer = {}
-    for layer_name, dtype, _, _ in members:
+    for layer_name, dtype, *_ in members:
         dtypes_per_layer.setdefault(layer_name, set()).add(dtype)
     units = []
-    for (layer_name, dtype, trainable, experts), params in members.items():
+    for (layer_name, dtype, trainable, experts, is_apart), params in members.items():
         name = layer_name if len(dtypes_per_layer[layer_name]) == 1 else f"{layer_name}:{dtype}".replace("torch.", "")
-        name += (":experts" if experts else "") + ("" if trainable else ":frozen")
+        name += (":experts" if experts else "") + ("" if trainable else ":frozen") + (":tied" if is_apart else "")
         units.append(FlatUnit.laid_out(name, params, dtype, world // ep if experts else world, trainable,
                                        "edp" if experts else "dp"))
     return units
@@ -270,7 +267,7 @@ class _Rewrite:
         for node in self.old.nodes:
             if node in self.member_of_node:
                 derived[node] = {self.unit_of[self.member_of_node[node]].name}
-            elif (meta.phase(node) == meta.FWD and node.op == "call_function" and node.target in _CHEAP
+            elif (meta.phase(node) == meta.FWD and node.op == "call_function" and node.target in VIEW_OR_CAST_OPS
                   and node.all_input_nodes and all(i in derived for i in node.all_input_nodes)):
                 derived[node] = set().union(*(derived[i] for i in node.all_input_nodes))
         return derived
@@ -363,7 +360,7 @@ class _Rewrite:
         lr, step = (self.env[self.old_placeholders[name]] for name in ("lr", "step"))
         grad_norm, new_params, new_states = append_update(
             self.graph, self.program.train, self.fake, names, params, grads, states, lr, step,
-            norm_group=self.norm_groups(trained))
+            norm_group=self.norm_groups(trained), not_in_norm=self.counted_elsewhere(trained))
         outputs, values = [Output(OutputKind.LOSS, "loss"), Output(OutputKind.GRAD_NORM, "grad_norm")], []
         values += [self.wait(loss_reduce, meta.OPTIM, meta.POST), grad_norm]
         for unit in trained:
@@ -398,12 +395,20 @@ class _Rewrite:
     def norm_groups(self, units: list[FlatUnit]):
         """Over which groups each unit's squared gradient norm is summed: where its gradient is split.
         Sharded, the units partition all parameters over `dp` (expert shards over edp x ep = dp too);
-        replicated, only expert units are split (over `ep`)."""
+        replicated, only expert units are split (over `ep`). Axes the input program already sums over
+        (pipeline stages) come on top."""
+        outer = self.program.grad_norm.axes
         if self.cfg.shards_optimizer:
-            return self.cfg.axis
+            return (*outer, self.cfg.axis)
         if not any(unit.experts for unit in units):
-            return None
-        return {unit.name: ("ep",) if unit.experts else () for unit in units}
+            return outer or None
+        return {unit.name: (*outer, "ep") if unit.experts else outer for unit in units}
+
+    def counted_elsewhere(self, units: list[FlatUnit]) -> frozenset[str]:
+        """Units whose parameters another rank counts in the gradient norm (group_into_units gives
+        such parameters units of their own)."""
+        elsewhere = self.program.grad_norm.counted_elsewhere
+        return frozenset(u.name for u in units if all(m.name in elsewhere for m in u.members))
 
     def own_shard(self, unit: FlatUnit) -> fx.Node:
         """The tensor this rank's optimizer updates: the shard, or for ZeRO-1/2 its slice of the full flat."""

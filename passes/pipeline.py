@@ -324,14 +324,25 @@ class _Splitter:
             values = [env[n] for n in contributions]
             total = values[0]
             for value in values[1:]:
-                total = graph.call_function(_ADD, (total, value))
+                total = self.partial_node(graph, _ADD, (total, value), {}, values[0], name)
             if cast is not None:
-                total = graph.call_function(_CAST, (total,), {"dtype": cast})
+                total = self.partial_node(graph, _CAST, (total,), {"dtype": cast}, values[0], name)
             results.append(total)
         graph.output(tuple(results))
         graph.eliminate_dead_code()
         graph.lint()
         return fx.GraphModule(self.program.graph_module, graph)
+
+
+    @staticmethod
+    def partial_node(graph: fx.Graph, target, args, kwargs, like: fx.Node, param: str) -> fx.Node:
+        """A node summing (or casting) a chunk's part of a parameter gradient, with the metadata the
+        nodes around it carry (phase, layer, value)."""
+        node = graph.call_function(target, args, kwargs)
+        node.meta.update({meta.PHASE: meta.BWD, meta.LAYER: meta.layer(like), meta.PARAM: param})
+        with like.meta["val"].fake_mode:
+            node.meta["val"] = target(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in args], **kwargs)
+        return node
 
 
 def split_weight_gradients(backward: fx.GraphModule, sent: int):

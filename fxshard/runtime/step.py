@@ -9,6 +9,7 @@ from ..batch import BatchSpec
 from ..errors import FxShardError
 from ..optim import Optimizer, lr_at
 from ..program import InputKind, OutputKind, Program
+from ..ops.p2p import P2P_OPS
 from ..codegen import CodegenReport, compile_regions, progress_printer
 from .carveout import carve_out_sms_for_all_to_alls
 from .copy_engine import lower_all_to_alls_to_copy_engines
@@ -28,7 +29,8 @@ def bind_group_names(graph_module: fx.GraphModule, group_names: dict[str, str]) 
     graph = fx.Graph()
     graph.output(graph.graph_copy(graph_module.graph, {}))
     for node in graph.nodes:
-        if node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional":
+        if node.op == "call_function" and (getattr(node.target, "namespace", None) == "_c10d_functional"
+                                           or node.target in P2P_OPS):
             node.args = tuple(group_names.get(a, a) if isinstance(a, str) else a for a in node.args)
     return fx.GraphModule(graph_module, graph)
 
