@@ -122,7 +122,9 @@ def optimizer(args):
 
 
 def step_config(args, rank: int) -> fxshard.Config:
-    return fxshard.Config(dump_dir=args.dump if rank == 0 else None, sharding=args.sharding, schedule=args.schedule,
+    # one writer per distinct program: rank 0, and under a pipeline each stage's first data-parallel rank
+    writes = rank == 0 or args.pp > 1 and fxshard.Mesh(pp=args.pp, dp=args.dp, ep=args.ep).coords(rank)["dp"] == 0
+    return fxshard.Config(dump_dir=args.dump if writes else None, sharding=args.sharding, schedule=args.schedule,
                           virtual_stages=args.virtual_stages, ep_overlap=args.ep_overlap,
                           microbatches=args.microbatches if args.pp > 1 else args.ep_microbatches,
                           ep_chunks=1, ep_interleave="dual-batch", ep_all_to_all=args.ep_all_to_all)
@@ -152,7 +154,7 @@ def train(args) -> dict:
     started = time.perf_counter()
     step = fxshard.shard(model, loss_fn(args), example, optimizer=optimizer(args), mesh=mesh,
                          config=step_config(args, rank))
-    compiled = repr(step.program) if hasattr(step, "program") else step.schedule.name + " pipeline"
+    compiled = repr(step.program) if args.pp == 1 else f"{args.schedule} pipeline, this stage's {step.program!r}"
     say(f"compiled in {time.perf_counter() - started:.1f}s: {compiled}")
     if args.dump:
         say(f"graph dumps in {args.dump} (python -m fxshard.dump {args.dump})")

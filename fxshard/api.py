@@ -45,20 +45,23 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     groups, coords = _process_groups(mesh, example_batch)
     if config.dump_dir is None and os.environ.get("FXSHARD_DUMP"):
         config = dataclasses.replace(config, dump_dir=os.environ["FXSHARD_DUMP"])
-    if mesh is not None and mesh.pp > 1:
-        return _shard_pipeline(model, loss_fn, example_batch, optimizer, mesh, config, groups, coords)
     tensors = [*model.parameters(), *model.buffers()]
     is_meta = any(t.is_meta for t in tensors)
     if is_meta and not all(t.is_meta for t in tensors):
         raise FxShardError("the model mixes meta-device and real tensors; build it wholly on one of them")
-    from fxshard.passes import run_pipeline
-
-    program = _trace(model, loss_fn, example_batch, optimizer, config)
-    programs = run_pipeline(program, mesh, config)
+    stage = coords.get("pp", 0)
+    programs = _compile(model, loss_fn, example_batch, optimizer, mesh, config, stage)
+    if programs[-1].stage is not None:
+        groups.update(_stage_groups(programs[-1], mesh, coords))
+        # one dump per stage, written by its first data-parallel rank
+        dump_dir = os.path.join(config.dump_dir, f"stage{stage}") if config.dump_dir and coords["dp"] == 0 else None
+        config = dataclasses.replace(config, dump_dir=dump_dir)
     if config.dump_dir:
         from .dump import dump_programs
 
         dump_programs(programs, config.dump_dir)
+        if programs[-1].stage is not None:
+            _dump_schedule(programs, mesh, config)
         if config.verbose:
             print(f"fxshard: wrote graph dumps to {config.dump_dir}", file=sys.stderr)
     batch_spec = BatchSpec.from_example(example_batch)
@@ -75,6 +78,19 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     return step
 
 
+def _compile(model, loss_fn, example_batch, optimizer, mesh, config, stage: int = 0) -> list[Program]:
+    """Trace and run the passes: the traced program, then the program after each pass (for pipeline
+    stage `stage`: Mesh(pp>1) traces one microbatch, which the pipeline pass cuts and schedules)."""
+    from fxshard.passes import run_pipeline
+
+    if mesh is not None and mesh.pp > 1:
+        first = _first_microbatch(example_batch, config)
+        program = _trace(model, loss_fn, first, optimizer, dataclasses.replace(config, microbatches=1))
+    else:
+        program = _trace(model, loss_fn, example_batch, optimizer, config)
+    return run_pipeline(program, mesh, config, stage=stage)
+
+
 def check(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None = None, mesh=None,
           config: Config | None = None) -> None:
     """Raise `FxShardError` for what `shard` would reject that is known without processes: the
@@ -88,12 +104,8 @@ def check(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     optimizer = optimizer or AdamW()
     _check_arguments(model, loss_fn, optimizer, config)
     _check_mesh(mesh)
-    if mesh is not None and mesh.pp > 1:
-        _plan_pipeline(model, loss_fn, example_batch, optimizer, mesh, config)
-        return
-    from fxshard.passes import run_pipeline
-
-    run_pipeline(_trace(model, loss_fn, example_batch, optimizer, config), mesh, config)
+    for stage in range(mesh.pp if mesh is not None else 1):
+        _compile(model, loss_fn, example_batch, optimizer, mesh, config, stage)
 
 
 def _report_lowerings(step, config: Config, index: int) -> None:
@@ -147,52 +159,44 @@ def _check_mesh(mesh) -> None:
         raise FxShardError(f"mesh must be fxshard.Mesh(dp=...), got {type(mesh).__name__}")
 
 
-def _shard_pipeline(model, loss_fn, example_batch, optimizer, mesh, config, groups, coords):
-    """Mesh(pp=P, dp=N): trace one microbatch, cut it into P*V chunks, run them on a schedule."""
-    from .runtime.pipeline import PipelineStep
-
-    schedule, programs, pipeline, batch_spec = _plan_pipeline(model, loss_fn, example_batch, optimizer, mesh, config)
-    if config.dump_dir and coords["pp"] == 0 and coords["dp"] == 0:
-        from .dump import dump_pipeline, dump_programs
-
-        dump_programs(programs, config.dump_dir)
-        dump_pipeline(pipeline, schedule, config.dump_dir)
-    tensors = [*model.parameters(), *model.buffers()]
-    names = [*dict(model.named_parameters()), *dict(model.named_buffers())]
-    source = MetaInit(model, config.seed, batch_spec.device) if any(t.is_meta for t in tensors) else None
-    if source is not None:  # a meta-device model: this rank materializes its own chunks' tensors only
-        local = {n for c in pipeline.chunks if schedule.rank_of(c.index) == coords["pp"] for n in c.params}
-        values = source.tensors_named(local & set(names))
-    else:
-        values = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    return PipelineStep(pipeline, schedule, mesh, coords, groups, values, optimizer, batch_spec, config.microbatches,
-                        batch_spec.device, config.sharding)
-
-
-def _plan_pipeline(model, loss_fn, example_batch, optimizer, mesh, config):
-    """The process-free part of a pipeline's compile: (schedule, programs, chunks, batch spec)."""
-    from fxshard.passes import fuse_grouped_mlp
-    from fxshard.passes.pipeline import split_stages
-
-    from . import schedule as schedules
-
+def _first_microbatch(example_batch, config: Config):
+    """Mesh(pp>1): the first of the `config.microbatches` pieces the pipeline splits each batch into."""
     if config.cuda_graphs:
-        raise FxShardError("Config(cuda_graphs=True) does not run pipelines yet; leave it off with Mesh(pp>1)")
-    microbatches, stages, virtual = config.microbatches, mesh.pp, config.virtual_stages
+        raise FxShardError("Config(cuda_graphs=True) does not run pipelines yet (point-to-point capture is "
+                           "untested on 2 GPUs); leave it off with Mesh(pp>1)")
+    microbatches = config.microbatches
     batch_spec = BatchSpec.from_example(example_batch)
     rows = batch_spec.leaves[0].shape[0] if batch_spec.leaves[0].shape else 0
     if any(not leaf.shape or leaf.shape[0] != rows for leaf in batch_spec.leaves) or rows % microbatches:
         raise FxShardError(f"Config(microbatches={microbatches}) splits the batch into pipeline microbatches along "
                            f"dim 0; every batch leaf needs the same first dimension divisible by {microbatches}")
-    first = torch.utils._pytree.tree_map(
+    return torch.utils._pytree.tree_map(
         lambda t: t[:rows // microbatches] if isinstance(t, torch.Tensor) else t, example_batch)
-    schedule = schedules.build(config.schedule, stages, microbatches, virtual)
-    program = _trace(model, loss_fn, first, optimizer, dataclasses.replace(config, microbatches=1))
-    programs = [program]
-    if config.fuse_grouped_mlp:
-        programs.append(fuse_grouped_mlp(program).replace(name="fuse_grouped_mlp"))
-    pipeline = split_stages(programs[-1], schedule.chunks, config.stage_layers)
-    return schedule, programs, pipeline, batch_spec
+
+
+def _stage_groups(program: Program, mesh: Mesh, coords: dict[str, int]) -> dict:
+    """Process groups of the stage subsets this stage's program names (a weight tied across some of
+    the stages); every rank creates every group, in the same order, as torch.distributed requires."""
+    import torch.distributed as dist
+
+    groups = {}
+    for axis, stages in program.stage.groups:
+        if axis == "pp":
+            continue
+        for dp in range(mesh.dp):
+            group = dist.new_group([mesh.rank_of(p, dp) for p in stages])
+            if dp == coords["dp"] and coords["pp"] in stages:
+                groups[axis] = group
+    return groups
+
+
+def _dump_schedule(programs: list[Program], mesh: Mesh, config: Config) -> None:
+    """The schedule next to the stage's programs: `pipeline.txt` and the simulator's `pipeline.svg`."""
+    from fxshard.passes import pipeline_schedule
+
+    from .dump import dump_schedule
+
+    dump_schedule(pipeline_schedule(mesh, config), programs[-1].stage, config.dump_dir)
 
 
 def _check_arguments(model, loss_fn, optimizer, config) -> None:

@@ -275,24 +275,24 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-def dump_pipeline(pipeline, schedule, directory) -> list[str]:
-    """The stage split and the schedule: `pipeline.txt` (chunks, boundaries, each rank's actions,
-    the simulator's makespan / bubble / peak activations), `pipeline.svg` (timeline, one lane per
-    rank, from the simulator with backward = 2x forward), and each chunk's forward and backward code."""
-    from .schedule import simulate, to_svg
+def dump_schedule(schedule, plan, directory) -> list[str]:
+    """A pipeline stage's schedule next to its programs: `pipeline.txt` (every rank's actions as the
+    schedule gives them and as the lowered programs issue them, the simulator's makespan / bubble /
+    peak activations) and `pipeline.svg` (timeline, one lane per rank, backward = 2x forward)."""
+    from .schedule import Schedule, issue_order, simulate, to_svg
 
     os.makedirs(directory, exist_ok=True)
     simulation = simulate(schedule, {"F": 1.0, "B": 2.0})
-    lines = [f"schedule {schedule.name}: P={schedule.stages} V={schedule.virtual} M={schedule.microbatches}",
-             pipeline.summary(), "", "actions per rank:", str(schedule), "",
+    issued = Schedule(issue_order(schedule), schedule.stages, schedule.virtual, schedule.microbatches, schedule.name)
+    lines = [f"schedule {schedule.name}: P={schedule.stages} V={schedule.virtual} M={schedule.microbatches}; "
+             f"this is stage {plan.stage}",
+             "", "actions per rank:", str(schedule), "",
+             "as the lowered programs issue them (receives early; one transfer order per pair of ranks):",
+             str(issued), "",
              f"simulated (F=1, B=2): makespan {simulation.makespan:g}, bubble {simulation.bubble_fraction:.1%}, "
              f"peak live activations per rank {simulation.peak_activations}"]
     files = {os.path.join(directory, "pipeline.txt"): "\n".join(lines) + "\n",
              os.path.join(directory, "pipeline.svg"): to_svg(schedule, simulation)}
-    for chunk in pipeline.chunks:
-        for part, gm in (("forward", chunk.forward), ("backward", chunk.backward)):
-            files[os.path.join(directory, f"pipeline_chunk{chunk.index}_{part}.py")] = gm.print_readable(
-                print_output=False, include_stride=False, include_device=False)
     for path, text in files.items():
         with open(path, "w") as handle:
             handle.write(text)

@@ -70,12 +70,17 @@ class SimulatedRanks:
     collectives). The counterpart of CompiledStep for property tests: fast, deterministic, no spawning."""
 
     def __init__(self, program, model, optimizer, mesh):
-        """`model`: a model with real weights, or an fxshard.init.MetaInit for a meta-device one."""
+        """`model`: a model with real weights, or an fxshard.init.MetaInit for a meta-device one.
+        `program`: every rank's Program, or a list of one per pipeline stage (Mesh(pp>1))."""
         from .runtime.state import initial_state
 
-        self.program, self.optimizer, self.mesh = program, optimizer, mesh
+        self.optimizer, self.mesh = optimizer, mesh
         self.world = mesh.size
-        self.states = [initial_state(program, model, optimizer, mesh.coords(rank)) for rank in range(self.world)]
+        stages = program if isinstance(program, (list, tuple)) else [program] * mesh.pp
+        self.programs = [stages[mesh.coords(rank)["pp"]] for rank in range(self.world)]
+        self.program = self.programs[0]
+        self.states = [initial_state(self.programs[rank], model, optimizer, mesh.coords(rank))
+                       for rank in range(self.world)]
         self.step_count = 0
 
     def step(self, local_batches, lr: float | None = None) -> list[dict[str, torch.Tensor]]:
@@ -88,7 +93,7 @@ class SimulatedRanks:
         for rank, batch in enumerate(local_batches):
             leaves = iter(torch.utils._pytree.tree_leaves(batch))
             args = []
-            for spec in self.program.inputs:
+            for spec in self.programs[rank].inputs:
                 if spec.kind is InputKind.BATCH:
                     args.append(next(leaves))
                 elif spec.kind is InputKind.LR:
@@ -98,21 +103,30 @@ class SimulatedRanks:
                 else:
                     args.append(self.states[rank][spec.kind, spec.name])
             inputs.append(args)
-        outputs = simulate([self.program.graph_module] * self.world, inputs, self.mesh.all_groups())
+        outputs = simulate([p.graph_module for p in self.programs], inputs, self.groups())
         kinds = {OutputKind.PARAM: InputKind.PARAM, OutputKind.OPT_STATE: InputKind.OPT_STATE,
                  OutputKind.BUFFER: InputKind.BUFFER}
         metrics = []
         for rank, results in enumerate(outputs):
             metrics.append({})
-            for spec, value in zip(self.program.outputs, results):
+            for spec, value in zip(self.programs[rank].outputs, results):
                 if spec.kind in kinds:
                     self.states[rank][kinds[spec.kind], spec.name] = value
                 else:
                     metrics[rank][spec.name] = value
         return metrics
 
+    def groups(self) -> dict[str, list[list[int]]]:
+        """The mesh's groups, and those of stage subsets that pipeline programs name (tied weights)."""
+        groups = self.mesh.all_groups()
+        for program in self.programs:
+            for axis, stages in program.stage.groups if program.stage else ():
+                groups[axis] = [[self.mesh.rank_of(p, d) for p in stages] for d in range(self.mesh.dp)]
+        return groups
+
     def parameters(self, rank: int = 0) -> dict[str, torch.Tensor]:
-        """Full parameters as `rank` sees them (sharded inputs concatenated over all ranks)."""
+        """Full parameters as `rank` sees them (sharded inputs concatenated over all ranks; under
+        a pipeline, every stage's parameters)."""
         from .runtime.state import expert_parameters, local_parameters
 
         groups = self.mesh.all_groups()
@@ -123,9 +137,11 @@ class SimulatedRanks:
         def local(r):
             def gather(spec, shard):
                 return torch.cat([self.states[m][spec.kind, spec.name] for m in members(r, spec.placement.axis)])
-            return local_parameters(self.program, self.states[r], gather)
+            return local_parameters(self.programs[r], self.states[r], gather)
 
-        result = local(rank)
+        result = {}
+        for stage in reversed(members(rank, "pp")):  # a tied parameter: its first stage's copy
+            result.update(local(stage))
         experts = expert_parameters(self.program)
         if experts:
             locals_ = {m: local(m) for m in members(rank, "ep")}

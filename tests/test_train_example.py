@@ -44,8 +44,12 @@ def test_train_example_with_two_stages_times_two_data_parallel(tmp_path):
     assert "done: 60 steps" in result.stdout
     first, last = result.stdout.split("mean loss of first 10 steps ")[1].split(" -> last 10 steps ")
     assert float(last) < float(first), result.stdout
-    assert "rank 1: RF1:0<0 F1:0 B1:0" in (tmp_path / "pipeline.txt").read_text()
-    assert (tmp_path / "pipeline.svg").read_text().startswith("<svg")
+    for stage in (0, 1):  # each stage's dump: the schedule as given and as issued, and its programs
+        text = (tmp_path / f"stage{stage}" / "pipeline.txt").read_text()
+        assert "rank 1: RF1:0<0 F1:0 B1:0" in text and "rank 1: RF1:0<0 RF1:1<0 F1:0 B1:0" in text
+        assert (tmp_path / f"stage{stage}" / "pipeline.svg").read_text().startswith("<svg")
+        (program,) = (tmp_path / f"stage{stage}").glob("*_pipeline.py")
+        assert "fxshard.send" in program.read_text() and "fxshard.recv" in program.read_text()
 
 
 def test_a_bad_pipeline_cut_fails_in_the_launching_process_before_spawning(monkeypatch):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
@@ -128,3 +130,27 @@ def local_parameters(program: Program, state: State, gather) -> dict[str, torch.
         flat = gather(spec, value) if spec.placement.kind == "sharded" else value
         result.update({name: tensor.clone() for name, tensor in unit.unflatten(flat).items()})
     return result
+
+
+def every_stage_parameters(traced: Program, plan, local: dict[str, torch.Tensor], group,
+                           device: torch.device) -> dict[str, torch.Tensor]:
+    """Every parameter of the model, in the traced program's order, on every stage of a pipeline:
+    each stage's `local` parameters (full tensors) broadcast over `group` (this rank's `pp` group) by
+    the first stage holding them (`plan`: the program's StagePlan), one flat buffer per stage and dtype."""
+    import torch.distributed as dist
+
+    specs = {spec.name: spec for spec in traced.inputs if spec.kind is InputKind.PARAM}
+    result = {}
+    for stage in range(plan.stages):
+        owned = [name for name in specs if plan.owner(name) == stage]
+        for dtype in dict.fromkeys(specs[n].dtype for n in owned):
+            members = [n for n in owned if specs[n].dtype == dtype]
+            sizes = [math.prod(specs[n].shape) for n in members]
+            if stage == plan.stage:
+                flat = torch.cat([local[n].detach().reshape(-1) for n in members])
+            else:
+                flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+            dist.broadcast(flat, group_src=stage, group=group)
+            for name, piece in zip(members, flat.split(sizes)):
+                result[name] = piece.view(specs[name].shape)
+    return {name: result[name] for name in specs}

@@ -14,7 +14,7 @@ from ..codegen import CodegenReport, compile_regions, progress_printer
 from .carveout import carve_out_sms_for_all_to_alls
 from .copy_engine import lower_all_to_alls_to_copy_engines
 from .reinplace import reinplace
-from .state import State, full_parameters, gather_shard
+from .state import State, every_stage_parameters, full_parameters, gather_shard
 
 _WRITE_BACK = {OutputKind.PARAM: InputKind.PARAM, OutputKind.OPT_STATE: InputKind.OPT_STATE,
                OutputKind.BUFFER: InputKind.BUFFER}
@@ -135,8 +135,12 @@ class CompiledStep:
         return metrics
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        """Parameter name -> current full parameter tensor (all-gathered where sharded)."""
-        return full_parameters(self.program, self.state, self._gather)
+        """Parameter name -> current full parameter tensor (all-gathered where sharded; under a
+        pipeline every stage's, broadcast from the stage that holds it). Every rank must call it."""
+        local = full_parameters(self.program, self.state, self._gather)
+        if self.program.stage is None:
+            return local
+        return every_stage_parameters(self.programs[0], self.program.stage, local, self.groups["pp"], self.device)
 
     def _gather(self, axis: str, shard: torch.Tensor) -> torch.Tensor:
         return gather_shard(shard, self.groups[axis])

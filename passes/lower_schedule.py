@@ -1,0 +1,385 @@
+"""lower_schedule: one pipeline rank's whole training step as one Program.
+
+Input: the chunks of a traced microbatch program (`split_stages`), a schedule (per-rank action
+lists, fxshard.schedule) and this rank's stage. Output: a Program like any traced one — this
+stage's parameters, optimizer state, the full batch, lr and step in; loss, gradient norm, updated
+parameters and state out — whose graph holds, in the schedule's order, every action of the stage:
+
+    F c:m   a copy of chunk c's forward on microbatch m (rows m*R..(m+1)*R of every batch leaf)
+    B c:m   its backward (or, with W actions in the schedule, its input-gradient part)
+    W c:m   its weight-gradient part
+    send    `fxshard::send` of the values chunk c hands to its neighbour; the token is waited on
+            at the end of the step
+    recv    `fxshard::recv`, issued early (fxshard.schedule.issue_order: right after the previous
+            transfer with the same peer) and waited on just before the action that reads it
+
+Gradients accumulate over microbatches as the B / W actions produce them; each parameter's total
+(divided by M: the loss is the mean over microbatches) is final after its last action, where the
+FSDP pass, which runs next in the pass list, issues its reduction. A parameter held by several
+stages (tied embedding and head) has its partial gradients summed over them with an all-reduce.
+The loss (the mean over microbatches, computed on the last chunk's stage) and reported metrics
+(summed over microbatches) are all-reduced over `pp`, so every stage returns them; the gradient
+norm sums over `pp`, a tied parameter counted on its first stage only (`Program.grad_norm`).
+A parameter's cast to the compute dtype is computed once per step, not per microbatch.
+
+Invariant: run on every stage of the pipeline (the SPMD simulator, or real processes), the
+programs return the loss and metrics of the input program on the whole batch (mean of the
+microbatch losses, metrics summed), and each stage's updated parameters and optimizer state
+are those the input program's optimizer would produce from the gradient of that mean loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fxshard import meta
+from fxshard.errors import FxShardError
+from fxshard.graph import fake_mode_of, inline
+from fxshard.ops.p2p import P2P_OPS  # noqa: F401  (registers fxshard::send / recv)
+from fxshard.optimizer_graph import append_update
+from fxshard.program import (REPLICATED, STAGE_LOCAL, GradientNorm, Input, InputKind, Output, OutputKind, Program,
+                             StagePlan)
+from fxshard.schedule import COMPUTE, Action, Schedule, check_point_to_point, issue_order
+
+from .pipeline import Chunk, PipelineProgram
+
+_c10d = torch.ops._c10d_functional
+_SEND, _RECV = torch.ops.fxshard.send.default, torch.ops.fxshard.recv.default
+_CAST = torch.ops.aten._to_copy.default
+
+
+def lower_schedule(pipeline: PipelineProgram, schedule: Schedule, stage: int) -> Program:
+    """Stage `stage`'s per-rank Program for one training step. See the module docstring."""
+    if schedule.chunks != len(pipeline.chunks):
+        raise FxShardError(f"the schedule has {schedule.chunks} chunks, the pipeline program {len(pipeline.chunks)}")
+    if not 0 <= stage < schedule.stages:
+        raise FxShardError(f"stage {stage} is not one of the schedule's {schedule.stages} stages")
+    order = issue_order(schedule)
+    check_point_to_point(schedule, order)
+    return _Lowering(pipeline, schedule, stage, order[stage]).run()
+
+
+def tied_group(stages: tuple[int, ...], count: int) -> str:
+    """The axis name of the stages that hold one parameter: "pp" when it is every stage."""
+    return "pp" if len(stages) == count else "pp" + "_".join(map(str, stages))
+
+
+class _Lowering:
+    def __init__(self, pipeline: PipelineProgram, schedule: Schedule, stage: int, actions: tuple[Action, ...]):
+        self.pipeline, self.schedule, self.stage, self.actions = pipeline, schedule, stage, actions
+        self.source = pipeline.source
+        self.fake = fake_mode_of(self.source.graph)
+        self.graph = fx.Graph()
+        self.local = [c for c in pipeline.chunks if schedule.rank_of(c.index) == stage]
+        self.microbatches = schedule.microbatches
+        # stages holding each parameter that gets a gradient, and each parameter or buffer at all
+        self.holders: dict[str, tuple[int, ...]] = {}
+        for chunk in pipeline.chunks:
+            for name in chunk.grads:
+                stages = set(self.holders.get(name, ())) | {schedule.rank_of(chunk.index)}
+                self.holders[name] = tuple(sorted(stages))
+        self.params_by_stage = tuple(
+            tuple(dict.fromkeys(n for c in pipeline.chunks if schedule.rank_of(c.index) == s for n in c.params))
+            for s in range(schedule.stages))
+        self.split_backward = any(a.kind == "W" for a in actions)
+        self.env: dict[str, fx.Node] = {}       # input name -> placeholder
+        self.inputs: list[Input] = []
+        self.slices: dict[tuple[int, int], fx.Node] = {}      # (leaf, microbatch) -> rows of that microbatch
+        self.once: dict[fx.Node, fx.Node] = {}  # chunk node computed from parameters only -> its one copy
+        self.outbox: dict[tuple[str, int, int], list[fx.Node]] = {}  # ("F"|"B", chunk, mb) -> values it hands on
+        self.inbox: dict[tuple[str, int, int], list[fx.Node]] = {}   # received, not yet waited on
+        self.stash: dict[tuple[int, int], dict[str, fx.Node]] = {}   # (chunk, mb) -> forward values its backward reads
+        self.weight_inputs: dict[tuple[int, int], list[fx.Node]] = {}
+        self.grads: dict[str, fx.Node] = {}
+        self.losses: list[fx.Node] = []
+        self.metrics: dict[str, fx.Node] = {}
+        self.tokens: list[fx.Node] = []
+
+    # ---- inputs -------------------------------------------------------------------------------
+    def make_inputs(self) -> None:
+        local_params = set(self.params_by_stage[self.stage])
+        trained = {n for c in self.local for n in c.grads}
+        for spec, node in zip(self.source.inputs, self.source.placeholders()):
+            value = node.meta["val"]
+            if spec.kind in (InputKind.PARAM, InputKind.BUFFER):
+                if spec.name not in local_params:
+                    continue
+                placement = STAGE_LOCAL if spec.placement == REPLICATED else spec.placement
+                spec = Input(spec.kind, spec.name, spec.shape, spec.dtype, spec.requires_grad, placement)
+            elif spec.kind is InputKind.OPT_STATE:
+                if spec.name.split("/", 1)[1] not in trained:
+                    continue
+                spec = Input(spec.kind, spec.name, spec.shape, spec.dtype, spec.requires_grad, STAGE_LOCAL)
+            elif spec.kind is InputKind.BATCH:  # the whole batch of the step: M microbatches
+                shape = (value.shape[0] * self.microbatches, *value.shape[1:])
+                spec = Input(spec.kind, spec.name, shape, spec.dtype, spec.requires_grad, spec.placement)
+                with self.fake:
+                    value = torch.empty(shape, dtype=value.dtype, device=value.device)
+            placeholder = self.graph.placeholder(node.name)
+            placeholder.meta.update(node.meta)
+            placeholder.meta["val"] = value
+            self.env[spec.name] = placeholder
+            self.inputs.append(spec)
+        self.leaves = [self.env[s.name] for s in self.inputs if s.kind is InputKind.BATCH]
+        self.device = next(iter(self.env.values())).meta["val"].device
+
+    def batch_rows(self, leaf: int, mb: int) -> fx.Node:
+        if (leaf, mb) not in self.slices:
+            node = self.leaves[leaf]
+            rows = node.meta["val"].shape[0] // self.microbatches
+            (self.slices[leaf, mb],) = inline(self.graph, lambda t: [t[mb * rows:(mb + 1) * rows]], [node],
+                                              fake_mode=self.fake, phase=meta.FWD, layer=meta.PRE,
+                                              extra_meta={meta.MICROBATCH: mb})
+        return self.slices[leaf, mb]
+
+    # ---- copying a chunk's graph -------------------------------------------------------------
+    def copy(self, gm: fx.GraphModule, inputs: list[fx.Node], mb: int, params: int) -> list[fx.Node]:
+        """Copy `gm`'s nodes (its first `params` inputs are parameters), return its outputs."""
+        env: dict[fx.Node, fx.Node] = {}
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(inputs):
+            raise AssertionError(f"chunk graph takes {len(placeholders)} inputs, given {len(inputs)}")
+        env.update(zip(placeholders, inputs))
+        param_only = set(placeholders[:params])  # parameters, then what is copied once per step
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                return [env[v] for v in node.args[0]]
+            if node.op == "get_attr" or (node.target is _CAST and node.args[0] in param_only):
+                # a constant, or a parameter's cast (FSDP gathers it already cast): once per step
+                param_only.add(node)
+                key = self.once_key(node, env)
+                if key not in self.once:
+                    self.once[key] = self.graph.node_copy(node, env.__getitem__)
+                    self.once[key].meta[meta.MICROBATCH] = mb
+                env[node] = self.once[key]
+                continue
+            env[node] = self.graph.node_copy(node, env.__getitem__)
+            env[node].meta[meta.MICROBATCH] = mb
+            if meta.PHASE not in env[node].meta:
+                raise AssertionError(f"chunk node {node.name} has no phase")
+        raise AssertionError("chunk graph has no output")
+
+    @staticmethod
+    def once_key(node: fx.Node, env) -> tuple:
+        """Nodes that compute the same thing from the same parameters share one copy."""
+        if node.op == "get_attr":
+            return ("get_attr", node.target)
+        args = fx.node.map_arg(node.args, env.__getitem__)
+        kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+        return (node.target, repr(args), repr(sorted(kwargs.items())))
+
+    def params_of(self, chunk: Chunk) -> list[fx.Node]:
+        return [self.env[name] for name in chunk.params]
+
+    # ---- point to point -----------------------------------------------------------------------
+    def receive(self, action: Action) -> None:
+        kind = action.kind[1]
+        source = action.chunk - 1 if kind == "F" else action.chunk + 1
+        values = self.message_values(kind, source)
+        peer, nodes = action.peer, []
+        for value in values:
+            shape, dtype = list(value.shape), value.dtype
+            (node,) = inline(self.graph, lambda: [_RECV(shape, dtype, self.device, peer, "pp")], [],
+                             fake_mode=self.fake, phase=meta.FWD if kind == "F" else meta.BWD,
+                             layer=self.boundary_layer(action.chunk, kind),
+                             extra_meta={meta.MICROBATCH: action.mb})
+            nodes.append(node)
+        self.inbox[kind, source, action.mb] = nodes
+
+    def message_values(self, kind: str, chunk: int) -> list:
+        """Fake values of what chunk `chunk` sends in its forward ("F") or backward ("B")."""
+        source = self.pipeline.chunks[chunk]
+        gm, count = (source.forward, len(source.send)) if kind == "F" else (source.backward, len(source.grad_send))
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        return [n.meta["val"] for n in output.args[0][:count]]
+
+    def boundary_layer(self, chunk: int, kind: str) -> str:
+        layers = self.pipeline.chunks[chunk].layers
+        return layers[0] if kind == "F" else layers[-1]
+
+    def send(self, action: Action) -> None:
+        kind = action.kind[1]
+        peer = action.peer
+        for value in self.outbox.pop((kind, action.chunk, action.mb)):
+            (token,) = inline(self.graph, lambda t: [_SEND(t, peer, "pp")], [value], fake_mode=self.fake,
+                              phase=meta.FWD if kind == "F" else meta.BWD,
+                              layer=self.boundary_layer(action.chunk, "B" if kind == "F" else "F"),
+                              extra_meta={meta.MICROBATCH: action.mb})
+            self.tokens.append(token)
+
+    def neighbour(self, kind: str, chunk: int, mb: int, phase: str) -> list[fx.Node]:
+        """What chunk `chunk` handed on for microbatch `mb`: received (waited on here) or local."""
+        key = (kind, chunk, mb)
+        if key in self.outbox:
+            return self.outbox.pop(key)
+        if key not in self.inbox:
+            raise FxShardError(f"stage {self.stage}: {kind} of chunk {chunk} microbatch {mb} is read before it "
+                               f"is received; the schedule is not runnable")
+        waited = []
+        for node in self.inbox.pop(key):
+            (done,) = inline(self.graph, lambda t: [_c10d.wait_tensor(t)], [node], fake_mode=self.fake,
+                             phase=phase, layer=meta.layer(node), extra_meta={meta.MICROBATCH: mb})
+            waited.append(done)
+        return waited
+
+    # ---- compute actions ----------------------------------------------------------------------
+    def forward(self, c: int, mb: int) -> None:
+        chunk = self.pipeline.chunks[c]
+        received = self.neighbour("F", c - 1, mb, meta.FWD) if c > 0 else []
+        leaves = [self.batch_rows(i, mb) for i in chunk.batch]
+        outputs = self.copy(chunk.forward, [*self.params_of(chunk), *leaves, *received], mb, len(chunk.params))
+        for name in reversed(chunk.metrics):
+            value = outputs.pop()
+            self.metrics[name] = value if name not in self.metrics else self.add(self.metrics[name], value, meta.FWD)
+        if chunk.has_loss:
+            self.losses.append(outputs.pop())
+        values = dict(zip(chunk.recv, received))
+        values.update(zip(chunk.forward_outputs, outputs))
+        self.stash[c, mb] = {name: values[name] for name in chunk.saved}
+        if c + 1 < len(self.pipeline.chunks):
+            self.outbox["F", c, mb] = [values[name] for name in chunk.send]
+
+    def backward(self, c: int, mb: int) -> None:
+        chunk = self.pipeline.chunks[c]
+        last = c + 1 == len(self.pipeline.chunks)
+        received = [] if last else self.neighbour("B", c + 1, mb, meta.BWD)
+        saved = self.stash.pop((c, mb))
+        leaves = [self.batch_rows(i, mb) for i in chunk.batch]
+        inputs = [*self.params_of(chunk), *leaves, *[saved[n] for n in chunk.saved], *received]
+        sent = len(chunk.grad_send)
+        if self.split_backward:
+            outputs = self.copy(chunk.backward_input, inputs, mb, len(chunk.params))
+            self.weight_inputs[c, mb] = [*inputs[len(chunk.params):], *outputs[sent:]]
+        else:
+            outputs = self.copy(chunk.backward, inputs, mb, len(chunk.params))
+            self.accumulate(chunk, outputs[sent:])
+        if c > 0:
+            self.outbox["B", c, mb] = outputs[:sent]
+
+    def weight_gradient(self, c: int, mb: int) -> None:
+        chunk = self.pipeline.chunks[c]
+        inputs = [*self.params_of(chunk), *self.weight_inputs.pop((c, mb))]
+        self.accumulate(chunk, self.copy(chunk.backward_weight, inputs, mb, len(chunk.params)))
+
+    def add(self, total: fx.Node, value: fx.Node, phase: str) -> fx.Node:
+        (node,) = inline(self.graph, lambda a, b: [a + b], [total, value], fake_mode=self.fake, phase=phase,
+                         layer=meta.layer(value), extra_meta={meta.MICROBATCH: meta.microbatch(value)})
+        return node
+
+    def accumulate(self, chunk: Chunk, grads: list[fx.Node]) -> None:
+        for name, grad in zip(chunk.grads, grads):
+            self.grads[name] = grad if name not in self.grads else self.add(self.grads[name], grad, meta.BWD)
+            self.remaining[name] -= 1
+            if not self.remaining[name]:
+                self.finish_gradient(name)
+
+    def finish_gradient(self, name: str) -> None:
+        """The parameter's gradient of the mean loss, marked as its final gradient (FSDP reduces it here)."""
+        grad, scale = self.grads[name], 1.0 / self.microbatches
+        if self.microbatches > 1:
+            (grad,) = inline(self.graph, lambda g: [g * scale], [grad], fake_mode=self.fake, phase=meta.BWD,
+                             layer=meta.layer(grad), extra_meta={meta.MICROBATCH: meta.microbatch(grad)})
+        grad.meta[meta.PARAM] = name
+        self.grads[name] = grad
+
+    # ---- the walk -----------------------------------------------------------------------------
+    def run(self) -> Program:
+        self.make_inputs()
+        trained = list(dict.fromkeys(n for c in self.local for n in c.grads))
+        per_step = {"B": 0 if self.split_backward else 1, "W": 1}
+        self.remaining = {name: 0 for name in trained}
+        for action in self.actions:
+            if action.kind in per_step and per_step[action.kind]:
+                for name in self.pipeline.chunks[action.chunk].grads:
+                    self.remaining[name] += 1
+        for action in self.actions:
+            kind = action.kind
+            if kind in ("RF", "RB"):
+                self.receive(action)
+            elif kind in ("SF", "SB"):
+                self.send(action)
+            elif kind == "F":
+                self.forward(action.chunk, action.mb)
+            elif kind == "B":
+                self.backward(action.chunk, action.mb)
+            elif kind == "W":
+                self.weight_gradient(action.chunk, action.mb)
+            elif kind != "OPT":
+                raise FxShardError(f"lower_schedule does not lower {kind} actions")
+        assert not self.stash and not self.weight_inputs and not self.inbox, "actions left values unread"
+        return self.finish(trained)
+
+    def all_reduce(self, value: fx.Node, group: str, phase: str, layer: str) -> fx.Node:
+        (node,) = inline(self.graph, lambda t: [_c10d.wait_tensor(_c10d.all_reduce(t, "sum", group))], [value],
+                         fake_mode=self.fake, phase=phase, layer=layer)
+        return node
+
+    def zeros_like_output(self, spec_name: str) -> fx.Node:
+        """A zero standing for a loss or metric that another stage computes."""
+        value = next(node.meta["val"] for spec, node in zip(self.source.outputs, self.source.output_nodes())
+                     if spec.name == spec_name)
+        shape, dtype, device = value.shape, value.dtype, value.device
+        anchor = self.leaves[0]  # inline needs an input; the zero does not read it
+        (node,) = inline(self.graph, lambda _: [torch.zeros(shape, dtype=dtype, device=device)], [anchor],
+                         fake_mode=self.fake, phase=meta.FWD, layer=meta.POST)
+        return node
+
+    def finish(self, trained: list[str]) -> Program:
+        count = self.schedule.stages
+        for token in self.tokens:  # every send completes within the step
+            inline(self.graph, lambda t: [_c10d.wait_tensor(t)], [token], fake_mode=self.fake, phase=meta.BWD,
+                   layer=meta.layer(token))
+        for name in sorted(n for n in trained if len(self.holders[n]) > 1):  # tied: the same order on every holder
+            group = tied_group(self.holders[name], count)
+            self.grads[name] = self.all_reduce(self.grads[name], group, meta.BWD, meta.layer(self.grads[name]))
+            self.grads[name].meta[meta.PARAM] = name
+        loss_name = self.source.outputs[0].name
+        if self.losses:
+            total = self.losses[0]
+            for value in self.losses[1:]:
+                total = self.add(total, value, meta.FWD)
+            scale = 1.0 / self.microbatches
+            (loss,) = inline(self.graph, lambda t: [t * scale], [total], fake_mode=self.fake, phase=meta.FWD,
+                             layer=meta.POST)
+        else:
+            loss = self.zeros_like_output(loss_name)
+        outputs = [Output(OutputKind.LOSS, loss_name), Output(OutputKind.GRAD_NORM, "grad_norm")]
+        values = [self.all_reduce(loss, "pp", meta.FWD, meta.POST)]
+        metric_outputs, metric_values = [], []
+        for spec in self.source.outputs_of(OutputKind.METRIC):
+            value = self.metrics.get(spec.name)
+            value = value if value is not None else self.zeros_like_output(spec.name)
+            metric_outputs.append(spec)
+            metric_values.append(self.all_reduce(value, "pp", meta.FWD, meta.POST))
+        elsewhere = frozenset(n for n in trained if self.holders[n][0] != self.stage)
+        states = {(spec.name.split("/", 1)[1], spec.name.split("/", 1)[0]): self.env[spec.name]
+                  for spec in self.inputs if spec.kind is InputKind.OPT_STATE}
+        grad_norm, new_params, new_states = append_update(
+            self.graph, self.source.train, self.fake, trained, [self.env[n] for n in trained],
+            [self.grads[n] for n in trained], states, self.env["lr"], self.env["step"], norm_group="pp",
+            not_in_norm=elsewhere)
+        values.append(grad_norm)
+        for name in trained:
+            outputs.append(Output(OutputKind.PARAM, name, STAGE_LOCAL))
+            values.append(new_params[name])
+        for (name, slot), node in new_states.items():
+            outputs.append(Output(OutputKind.OPT_STATE, f"{slot}/{name}", STAGE_LOCAL))
+            values.append(node)
+        outputs += metric_outputs
+        values += metric_values
+        self.graph.output(tuple(values))
+        self.graph.lint()
+        gm = fx.GraphModule(self.source.graph_module, self.graph)
+        groups = {tied_group(stages, count): stages for stages in self.holders.values() if len(stages) > 1}
+        plan = StagePlan(self.stage, count, self.params_by_stage, tuple(sorted(groups.items())))
+        layers = [layer for c in self.local for layer in c.layers]
+        notes = dict(self.source.notes, pipeline=(
+            f"stage {self.stage} of {count}: chunks {[c.index for c in self.local]} (layers {', '.join(layers)}), "
+            f"schedule {self.schedule.name}, {self.microbatches} microbatches, "
+            f"{sum(a.kind in COMPUTE for a in self.actions)} compute actions, "
+            f"{sum(a.kind in ('SF', 'SB') for a in self.actions)} sends, {sum(a.kind in ('RF', 'RB') for a in self.actions)} receives"))
+        return self.source.replace(graph_module=gm, inputs=tuple(self.inputs), outputs=tuple(outputs), notes=notes,
+                                   grad_norm=GradientNorm(("pp",), elsewhere), stage=plan)
