@@ -142,10 +142,14 @@ def _process_groups(mesh: Mesh | None, example_batch):
                            f"make them agree")
     device_type = BatchSpec.from_example(example_batch).device.type
     if mesh.ep > 1:  # ep groups of consecutive ranks; edp: the ranks that own the same experts
-        device_mesh = init_device_mesh(device_type, (mesh.edp, mesh.ep), mesh_dim_names=("edp", "ep"))
-        groups = {axis: device_mesh.get_group(axis) for axis in ("edp", "ep")}
-        groups["dp"] = dist.group.WORLD
-        return groups, mesh.coords(dist.get_rank())
+        device_mesh = init_device_mesh(device_type, (mesh.pp, mesh.edp, mesh.ep), mesh_dim_names=("pp", "edp", "ep"))
+        groups = {axis: device_mesh.get_group(axis) for axis in ("pp", "edp", "ep")}
+        coords = mesh.coords(dist.get_rank())
+        for stage in range(mesh.pp):  # dp: edp x ep, the ranks of one stage (every rank creates every group)
+            group = dist.new_group([mesh.rank_of(stage, d) for d in range(mesh.dp)])
+            if stage == coords["pp"]:
+                groups["dp"] = group
+        return groups, coords
     if mesh.pp == 1:
         device_mesh = init_device_mesh(device_type, (mesh.dp,), mesh_dim_names=("dp",))
         return {"dp": device_mesh.get_group("dp")}, {"dp": device_mesh.get_local_rank("dp")}

@@ -46,6 +46,8 @@ from typing import Callable
 
 import torch
 import torch.fx as fx
+
+from .ops.p2p import P2P_OPS
 import torch.nn as nn
 
 from . import meta
@@ -77,7 +79,8 @@ def is_fixed(node: fx.Node) -> bool:
 
 def is_communication(node: fx.Node) -> bool:
     """A collective, a wait, or a point-to-point op: the nodes whose order codegen must keep."""
-    return node.op == "call_function" and getattr(node.target, "namespace", None) in ("_c10d_functional", "c10d")
+    return node.op == "call_function" and (getattr(node.target, "namespace", None) in ("_c10d_functional", "c10d")
+                                           or node.target in P2P_OPS)
 
 
 @dataclasses.dataclass

@@ -18,7 +18,8 @@ class Mesh:
     """`Mesh(dp=N)`: N data-parallel ranks; `Mesh(pp=P, dp=N)`: P pipeline stages of N ranks each;
     `Mesh(dp=N, ep=K)`: the N ranks split into N/K groups of K that share their MoE experts (each owns
     E/K of them); non-expert parameters are data-parallel over all N ranks, expert parameters over
-    the N/K ranks that own the same experts (axis `edp`).
+    the N/K ranks that own the same experts (axis `edp`). `Mesh(pp=P, dp=N, ep=K)`: the same inside
+    each of the P stages.
     Passes see only the sizes and the axis names; the runtime binds each axis name to a real
     process group (built with torch.distributed.device_mesh)."""
 
@@ -34,9 +35,6 @@ class Mesh:
         if self.dp % self.ep:
             raise FxShardError(f"Mesh(dp={self.dp}, ep={self.ep}): ep must divide dp (expert-parallel groups are "
                                f"made of data-parallel ranks); choose ep among the divisors of {self.dp}")
-        if self.ep > 1 and self.pp > 1:
-            raise FxShardError(f"Mesh(pp={self.pp}, ep={self.ep}): expert parallelism inside pipeline stages is not "
-                               f"supported yet; use Mesh(dp=..., ep=...) or Mesh(pp=..., dp=...)")
 
     @property
     def size(self) -> int:

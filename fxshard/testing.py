@@ -140,13 +140,14 @@ class SimulatedRanks:
             return local_parameters(self.programs[r], self.states[r], gather)
 
         result = {}
-        for stage in reversed(members(rank, "pp")):  # a tied parameter: its first stage's copy
-            result.update(local(stage))
-        experts = expert_parameters(self.program)
-        if experts:
-            locals_ = {m: local(m) for m in members(rank, "ep")}
-            for name in experts:
-                result[name] = torch.cat([locals_[m][name] for m in members(rank, "ep")])
+        for stage_rank in reversed(members(rank, "pp")):  # a tied parameter: its first stage's copy
+            stage = local(stage_rank)
+            experts = expert_parameters(self.programs[stage_rank])
+            if experts:  # each rank holds its own experts: concatenated over its ep group
+                locals_ = {m: local(m) for m in members(stage_rank, "ep")}
+                for name in experts:
+                    stage[name] = torch.cat([locals_[m][name] for m in members(stage_rank, "ep")])
+            result.update(stage)
         return result
 
 

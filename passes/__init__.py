@@ -56,7 +56,8 @@ PIPELINE: list[Pass] = [
     # last: reorders whatever the passes above produced; two microbatches alternate at all-to-alls
     Pass("interleave",
          lambda program, mesh, config, stage: interleave_microbatches(program, config.ep_interleave),
-         lambda mesh, config: mesh is not None and mesh.ep > 1 and config.ep_overlap and config.microbatches > 1),
+         lambda mesh, config: mesh is not None and mesh.ep > 1 and config.ep_overlap and config.microbatches > 1
+         and mesh.pp == 1),  # in a pipeline the schedule orders the microbatches
     # one device, low-precision compute: nothing reduces the gradients, the optimizer reads them as they are
     Pass("narrow_grads",
          lambda program, mesh, config, stage: narrow_grads(program),

@@ -22,6 +22,9 @@ keeps running before it; a wait that moves, moves later, with the work that need
 reductions (reduce-scatter / all-reduce issues) may be issued a little later, after the all-to-all
 they were ahead of.
 
+In a pipeline stage's program, sends, receives and their waits are fixed points as well: nothing
+moves across one, so the transfer order lower_schedule proved deadlock-free stands.
+
 Invariant: the output graph has the same nodes with the same arguments in another topological order
 (a node moves only past nodes it neither reads nor feeds), so it computes the same values bit for
 bit; what changes is which compute runs while each EP all-to-all is in flight.
@@ -34,6 +37,7 @@ import torch.fx as fx
 
 from fxshard import meta
 from fxshard.graph import reordered
+from fxshard.ops.p2p import P2P_OPS
 from fxshard.program import Program
 
 _c10d = torch.ops._c10d_functional
@@ -58,6 +62,12 @@ def _is_ep_node(node: fx.Node) -> bool:
                                             and meta.is_moe_all_to_all(node.args[0]))
 
 
+def _is_point_to_point(node: fx.Node) -> bool:
+    """A pipeline send or receive, or its wait: nothing moves across one (the order of transfers
+    between two ranks is fixed by lower_schedule)."""
+    return node.target in P2P_OPS or (node.target is _c10d.wait_tensor.default and node.args[0].target in P2P_OPS)
+
+
 def _segment(order: list[fx.Node], start: int, step: int, anchor: fx.Node) -> list[fx.Node]:
     """Nodes next to order[start] (walking by `step`) up to the next EP collective node or the end of
     the anchor's phase and microbatch, in graph order."""
@@ -65,7 +75,7 @@ def _segment(order: list[fx.Node], start: int, step: int, anchor: fx.Node) -> li
     segment, position = [], start + step
     while 0 <= position < len(order):
         node = order[position]
-        if (node.op in ("placeholder", "output") or _is_ep_node(node)
+        if (node.op in ("placeholder", "output") or _is_ep_node(node) or _is_point_to_point(node)
                 or (meta.phase(node), meta.microbatch(node)) != key):
             break
         segment.append(node)

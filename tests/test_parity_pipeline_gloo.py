@@ -28,13 +28,15 @@ LOSSES = {"tied": lambda m, b: m(b["idx"], b["tgt"]), "tied8": lambda m, b: m(b[
 # AdamW turns into noise-sized updates: that model's parameters are compared under SGD with momentum
 OPTIMIZERS = {"tied": fxshard.optim.SGD(lr=0.05, momentum=0.9), "tied8": fxshard.optim.SGD(lr=0.05, momentum=0.9)}
 
-# (model, Mesh pp, dp, schedule, virtual stages, microbatches[, sharding over dp])
+# (model, Mesh pp, dp, schedule, virtual stages, microbatches[, sharding over dp[, ep]])
 WORLD_2 = [("gpt2", 2, 1, "1f1b", 1, 4), ("moe", 2, 1, "zb-h1", 1, 4), ("gpt4", 2, 1, "interleaved-1f1b", 2, 4),
            ("moe", 2, 1, "1f1b", 1, 8), ("tied", 2, 1, "1f1b", 1, 4), ("gpt4", 2, 1, "interleaved-1f1b", 2, 8)]
-WORLD_4 = [("gpt4", 4, 1, "1f1b", 1, 8), ("gpt4", 2, 2, "1f1b", 1, 4), ("gpt4", 4, 1, "1f1b", 1, 4),
-           ("gpt4", 2, 2, "1f1b", 1, 4, "optim_grads_params"), ("tied", 2, 2, "interleaved-1f1b", 1, 4, "optim"),
-           ("moe", 2, 2, "1f1b", 1, 2, "optim_grads_params"), ("gpt8", 4, 1, "interleaved-1f1b", 2, 8),
-           ("moe4", 4, 1, "1f1b", 1, 4), ("tied8", 4, 1, "interleaved-1f1b", 2, 4)]
+# the cases (pp=2 x dp=2 under ZeRO-3, a tied embedding, MoE with ep=2 inside the stages) and
+# four stages (point-to-point between several pairs, a weight tied across stages 0 and 3); the
+# schedules x strategies x sizes grid runs on the SPMD simulator (tests/passes/test_pipeline_split.py)
+WORLD_4 = [("gpt4", 2, 2, "1f1b", 1, 4, "optim_grads_params"), ("tied", 2, 2, "1f1b", 1, 4, "optim_grads_params"),
+           ("moe", 2, 2, "1f1b", 1, 2, "optim_grads_params", 2), ("gpt8", 4, 1, "interleaved-1f1b", 2, 8),
+           ("tied8", 4, 1, "interleaved-1f1b", 2, 4)]
 
 
 def loss_fn(name):
@@ -51,7 +53,7 @@ def train(configs, data):
     rank = dist.get_rank()
     results = []
     for name, pp, dp, schedule, virtual, microbatches, *sharding in configs:
-        mesh = fxshard.Mesh(pp=pp, dp=dp)
+        mesh = fxshard.Mesh(pp=pp, dp=dp, ep=sharding[1] if len(sharding) > 1 else 1)
         dp_rank = mesh.coords(rank)["dp"]
         rows = ROWS // dp
         local = [{k: v[dp_rank * rows:(dp_rank + 1) * rows] for k, v in b.items()} for b in data]
