@@ -9,6 +9,7 @@ random half is unpredictable and ignored.
     python examples/train.py --dp 2                # 2 local processes (gloo on CPU, NCCL on GPU), ZeRO-3
     python examples/train.py --pp 2 --dp 2         # 4 processes: 2 pipeline stages (1F1B) x 2 data-parallel
     python examples/train.py --dp 4 --ep 2         # 4 processes, MoE experts split over pairs of ranks
+    python examples/train.py --pp 2 --dp 2 --ep 2  # 4 processes: 2 stages, each 2 ranks sharing the experts
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def parse_args(argv=None):
     parser.add_argument("--log-every", type=int, default=1)
     parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks (spawns local processes)")
     parser.add_argument("--sharding", default=None, choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
-                        help="default: optim_grads_params, or no_shard with --pp > 1")
+                        help="default: optim_grads_params, or optim (ZeRO-1) with --pp > 1")
     parser.add_argument("--capacity-factor", type=float, default=None,
                         help="MoE expert capacity factor (default: dropless); drops are reported per step")
     parser.add_argument("--expert-slots", action="store_true",
@@ -88,10 +89,10 @@ def main(argv=None) -> dict:
            args.ep_microbatches) < 1:
         raise SystemExit("--steps, --batch-size, --copy-len, --dp, --ep, --pp, --microbatches and --ep-microbatches "
                          "must be >= 1")
-    if args.dp % args.ep or (args.ep > 1 and (args.pp > 1 or args.model != "moe_gpt")):
-        raise SystemExit("--ep must divide --dp, and needs --model moe_gpt without --pp")
-    if args.sharding is None:
-        args.sharding = "no_shard" if args.pp > 1 else "optim_grads_params"
+    if args.dp % args.ep or (args.ep > 1 and args.model != "moe_gpt"):
+        raise SystemExit("--ep must divide --dp, and needs --model moe_gpt")
+    if args.sharding is None:  # pipelines: ZeRO-1 (ZeRO-3 would gather each chunk again for every microbatch)
+        args.sharding = "optim" if args.pp > 1 else "optim_grads_params"
     if args.dp * args.pp == 1:
         return train(args)
     # a bad mesh or pipeline cut fails here, once, before any process starts (on a meta-device model)

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .errors import FxShardError
+
+if TYPE_CHECKING:
+    from .schedule import Schedule
 
 # FSDP strategies, Megatron's names (ZeRO: none, 1, 2, 3); passes/fsdp.py documents each.
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -40,6 +45,9 @@ class Config:
     schedule: with Mesh(pp=P): "1f1b" (default), "interleaved-1f1b", "gpipe" or "zb-h1" (zero bubble:
         weight gradients split off and delayed into the bubbles); `microbatches` is the
         number of pipeline microbatches M, `virtual_stages` V chunks per rank (interleaved: M % P == 0).
+        Or a `fxshard.schedule.Schedule` of one's own (per-rank action lists, e.g. read with
+        `Schedule.from_json`): it sets `microbatches` and `virtual_stages`, and `shard` checks it with
+        the simulator (every dependency met, point-to-point deadlock-free) before lowering it.
     stage_layers: layers per pipeline chunk (P*V counts); default: balanced by parameter bytes.
     moe_capacity_factor: bound every `fxshard.moe.dispatch` call to ceil(factor * tokens * top_k /
         experts) assignments per expert (per call, i.e. per rank and microbatch; fxshard/moe.py gives
@@ -82,7 +90,7 @@ class Config:
     fsdp_prefetch: int = 1
     verbose: bool = False
     fuse_grouped_mlp: bool = False
-    schedule: str = "1f1b"
+    schedule: "str | Schedule" = "1f1b"
     virtual_stages: int = 1
     stage_layers: tuple[int, ...] | None = None
     moe_capacity_factor: float | None = None
@@ -108,8 +116,14 @@ class Config:
                 raise FxShardError(f"{name} must be a floating torch.dtype such as torch.bfloat16, got {value!r}")
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise FxShardError(f"microbatches must be an int >= 1, got {self.microbatches!r}")
-        if self.schedule not in PIPELINE_SCHEDULES:
-            raise FxShardError(f"schedule={self.schedule!r}; choose one of {PIPELINE_SCHEDULES}")
+        from .schedule import Schedule
+
+        if isinstance(self.schedule, Schedule):  # a user's own: its sizes are the pipeline's
+            object.__setattr__(self, "microbatches", self.schedule.microbatches)
+            object.__setattr__(self, "virtual_stages", self.schedule.virtual)
+        elif self.schedule not in PIPELINE_SCHEDULES:
+            raise FxShardError(f"schedule={self.schedule!r}; choose one of {PIPELINE_SCHEDULES}, or pass an "
+                               f"fxshard.schedule.Schedule")
         if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
             raise FxShardError(f"virtual_stages must be an int >= 1, got {self.virtual_stages!r}")
         if self.virtual_stages > 1 and self.schedule == "1f1b":

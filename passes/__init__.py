@@ -41,9 +41,7 @@ PIPELINE: list[Pass] = [
     # Mesh(pp>1): the microbatch program cut into chunks, and this stage's actions of the schedule
     # lowered into one program for the whole step (sends, receives, accumulation, optimizer phase)
     Pass("pipeline",
-         lambda program, mesh, config, stage: lower_schedule(
-             split_stages(program, mesh.pp * config.virtual_stages, config.stage_layers),
-             pipeline_schedule(mesh, config), stage),
+         lambda program, mesh, config, stage: _pipeline(program, mesh, config, stage),
          lambda mesh, config: mesh is not None and mesh.pp > 1),
     Pass("fsdp",
          lambda program, mesh, config, stage: fsdp(program, FSDPConfig(mesh.dp, config.sharding, config.fsdp_prefetch,
@@ -65,10 +63,25 @@ PIPELINE: list[Pass] = [
 ]
 
 
-def pipeline_schedule(mesh, config):
-    """The schedule Config names, for the mesh's stages (fxshard.schedule)."""
-    from fxshard import schedule
+def _pipeline(program: Program, mesh, config, stage: int) -> Program:
+    schedule = pipeline_schedule(mesh, config)
+    return lower_schedule(split_stages(program, schedule.chunks, config.stage_layers), schedule, stage)
 
+
+def pipeline_schedule(mesh, config):
+    """The schedule Config names, for the mesh's stages (fxshard.schedule), or the one it holds."""
+    from fxshard import schedule
+    from fxshard.errors import FxShardError
+
+    if isinstance(config.schedule, schedule.Schedule):
+        if config.schedule.stages != mesh.pp:
+            raise FxShardError(f"Config(schedule=...) is a schedule for {config.schedule.stages} stages, but the "
+                               f"mesh has pp={mesh.pp}")
+        user = config.schedule
+        if not any(a.kind in ("SF", "RF", "SB", "RB") for actions in user.ranks for a in actions):
+            compute = [[a for a in actions if a.kind in schedule.COMPUTE] for actions in user.ranks]
+            user = schedule.add_communication(compute, user.stages, user.virtual, user.microbatches, user.name)
+        return user
     return schedule.build(config.schedule, mesh.pp, config.microbatches, config.virtual_stages)
 
 

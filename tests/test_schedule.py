@@ -4,6 +4,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from fxshard import FxShardError
+from fxshard import schedule as schedules
 from fxshard.schedule import (Action, Schedule, gpipe, interleaved_one_f_one_b, one_f_one_b, simulate,
                               to_svg)
 
@@ -106,3 +107,43 @@ def test_build_picks_the_generator_config_names():
     assert build("gpipe", 2, 4) == gpipe(2, 4) != build("1f1b", 2, 4)
     with pytest.raises(FxShardError, match="zb-h1"):
         build("zb-h1", 2, 4, virtual=2)
+
+
+def test_lowered_issue_order_is_deadlock_free_where_the_schedules_own_order_is_not():
+    """NCCL matches a pair of ranks' sends and receives in issue order on one stream: 1F1B's own order
+    has both stages sending at once (rank 0 SF0:1, rank 1 SB1:0) and would hang; issue_order's does not."""
+    for name, stages, microbatches, virtual in [("1f1b", 2, 4, 1), ("interleaved-1f1b", 2, 4, 2),
+                                                ("zb-h1", 3, 6, 1), ("gpipe", 4, 8, 2), ("1f1b", 4, 8, 1)]:
+        schedule = schedules.build(name, stages, microbatches, virtual)
+        schedules.check_point_to_point(schedule, schedules.issue_order(schedule))
+    schedule = schedules.build("1f1b", 2, 4)
+    with pytest.raises(FxShardError, match="out of order between ranks 0 and 1"):
+        schedules.check_point_to_point(schedule, schedule.ranks)
+
+
+def test_a_users_own_schedule_is_checked_and_lowered():
+    import torch
+
+    import fxshard
+    from fxshard.models import GPT, GPTConfig
+    from fxshard.passes import run_pipeline
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=24, d_model=16, n_layer=2, n_head=2, d_ff=24))
+    batch = {"idx": torch.randint(0, 24, (2, 8)), "tgt": torch.randint(0, 24, (2, 8))}
+    program = fxshard.trace(model, lambda m, b: m.loss(b), batch)
+    # compute actions only: fxshard adds the sends and receives
+    own = schedules.Schedule.from_json(
+        '{"name": "mine", "stages": 2, "virtual": 1, "microbatches": 2, "ranks": '
+        '[["F0:0", "F0:1", "B0:0", "B0:1"], ["F1:0", "B1:0", "F1:1", "B1:1"]]}')
+    config = fxshard.Config(schedule=own)
+    assert config.microbatches == 2
+    stages = [run_pipeline(program, fxshard.Mesh(pp=2), config, stage=s)[-1] for s in range(2)]
+    assert all(any(n.target is torch.ops.fxshard.recv.default for n in p.graph.nodes) for p in stages)
+    broken = schedules.Schedule.from_json(
+        '{"name": "broken", "stages": 2, "virtual": 1, "microbatches": 2, "ranks": '
+        '[["F0:0", "B0:0", "F0:1", "B0:1"], ["F1:0", "F1:1", "B1:0", "B1:1"]]}')
+    with pytest.raises(fxshard.FxShardError, match="deadlock"):
+        run_pipeline(program, fxshard.Mesh(pp=2), fxshard.Config(schedule=broken), stage=0)
+    with pytest.raises(fxshard.FxShardError, match="for 2 stages, but the mesh has pp=4"):
+        run_pipeline(program, fxshard.Mesh(pp=4), fxshard.Config(schedule=own), stage=0)
