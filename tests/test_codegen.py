@@ -1,6 +1,8 @@
 """Codegen (fxshard/codegen.py): compiled regions compute what aten replay computes, and every node
 whose order fxshard chose (communication, custom ops) keeps its place."""
 
+import copy
+
 import pytest
 import torch
 import torch.fx as fx
@@ -155,3 +157,50 @@ def test_identical_layers_compile_once():
     _, report = compile_regions(program.graph_module, compiler=lambda gm, region: calls.append(region) or gm)
     assert report.count("cache hit") >= 2 * 2  # the middle layers' forward and backward regions repeat
     assert len(calls) == report.count("compiled") == len({r.key for r in calls})
+
+
+def pipeline_stages(mesh, config, model, batch):
+    program = fxshard.trace(model, lambda m, b: m.loss(b), batch, optimizer=ADAMW)
+    return [run_pipeline(program, mesh, config, stage=stage)[-1] for stage in range(mesh.pp)]
+
+
+def test_pipeline_stages_keep_their_transfers_in_place_under_codegen():
+    """Each stage's program (sends, receives, waits, FSDP's collectives) compiled region by region:
+    the fixed sequence, point-to-point included, is unchanged and the step computes the same bits."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=24, d_model=16, n_layer=2, n_head=2, d_ff=24))
+    mesh, config = fxshard.Mesh(pp=2, dp=2), fxshard.Config(microbatches=2, schedule="zb-h1", sharding="optim")
+    batches = token_batches(24, 2, 8, 4, seed=3)
+    stages = pipeline_stages(mesh, config, model, batches[0])
+    compiled = []
+    for program in stages:
+        graph_module, report = compile_regions(program.graph_module, compiler=replay_compiler)
+        assert fixed_sequence(graph_module) == fixed_sequence(program.graph_module)
+        assert any(n.target is torch.ops.fxshard.recv.default for n in graph_module.graph.nodes)
+        assert report.regions and not any(is_fixed(n) for r in report.regions for n in r.nodes)
+        compiled.append(program.replace(graph_module=graph_module))
+    local = [{k: torch.cat([b[k] for b in batches[d * 2:(d + 1) * 2]]) for k in batches[0]} for d in range(2)]
+    assert_bit_identical([stages, compiled], model, ADAMW, mesh, [local[mesh.coords(r)["dp"]] for r in range(4)])
+
+
+def test_pipeline_stages_compiled_by_inductor_train_like_eager():
+    from fxshard.testing import SimulatedRanks, relative, torch_optimizer
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=24, d_model=16, n_layer=2, n_head=2, d_ff=24))
+    mesh, config = fxshard.Mesh(pp=2), fxshard.Config(microbatches=2)
+    batches = token_batches(24, 4, 8, 3, seed=4)
+    stages = [p.replace(graph_module=compile_regions(p.graph_module)[0])
+              for p in pipeline_stages(mesh, config, model, {k: v[:2] for k, v in batches[0].items()})]
+    ranks = SimulatedRanks(stages, model, ADAMW, mesh)
+    reference = copy.deepcopy(model)
+    optimizer = torch_optimizer(ADAMW, reference.parameters())
+    for batch in batches:
+        metrics = ranks.step([batch, batch])
+        optimizer.zero_grad()
+        loss = sum(reference.loss({k: v[i * 2:(i + 1) * 2] for k, v in batch.items()}) for i in range(2)) / 2
+        loss.backward()
+        optimizer.step()
+        assert abs(metrics[1]["loss"].item() - loss.item()) <= 1e-5 * abs(loss.item())
+    params = ranks.parameters()
+    assert max(relative(params[n], p) for n, p in reference.named_parameters()) < 3e-4
