@@ -50,7 +50,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     if is_meta and not all(t.is_meta for t in tensors):
         raise FxShardError("the model mixes meta-device and real tensors; build it wholly on one of them")
     stage = coords.get("pp", 0)
-    programs = _compile(model, loss_fn, example_batch, optimizer, mesh, config, stage)
+    programs = _compile(model, loss_fn, example_batch, optimizer, mesh, config, (stage,))
     if programs[-1].stage is not None:
         groups.update(_stage_groups(programs[-1], mesh, coords))
         # one dump per stage, written by its first data-parallel rank
@@ -78,9 +78,10 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     return step
 
 
-def _compile(model, loss_fn, example_batch, optimizer, mesh, config, stage: int = 0) -> list[Program]:
-    """Trace and run the passes: the traced program, then the program after each pass (for pipeline
-    stage `stage`: Mesh(pp>1) traces one microbatch, which the pipeline pass cuts and schedules)."""
+def _compile(model, loss_fn, example_batch, optimizer, mesh, config, stages=(0,)) -> list[Program]:
+    """Trace, then run the passes for each pipeline stage in `stages`: the traced program followed by
+    the program after each pass, of the last stage given (Mesh(pp>1) traces one microbatch, which the
+    pipeline pass cuts and schedules)."""
     from fxshard.passes import run_pipeline
 
     if mesh is not None and mesh.pp > 1:
@@ -88,7 +89,7 @@ def _compile(model, loss_fn, example_batch, optimizer, mesh, config, stage: int 
         program = _trace(model, loss_fn, first, optimizer, dataclasses.replace(config, microbatches=1))
     else:
         program = _trace(model, loss_fn, example_batch, optimizer, config)
-    return run_pipeline(program, mesh, config, stage=stage)
+    return [run_pipeline(program, mesh, config, stage=stage) for stage in stages][-1]
 
 
 def check(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None = None, mesh=None,
@@ -104,8 +105,7 @@ def check(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     optimizer = optimizer or AdamW()
     _check_arguments(model, loss_fn, optimizer, config)
     _check_mesh(mesh)
-    for stage in range(mesh.pp if mesh is not None else 1):
-        _compile(model, loss_fn, example_batch, optimizer, mesh, config, stage)
+    _compile(model, loss_fn, example_batch, optimizer, mesh, config, range(mesh.pp if mesh is not None else 1))
 
 
 def _report_lowerings(step, config: Config, index: int) -> None:
@@ -145,8 +145,9 @@ def _process_groups(mesh: Mesh | None, example_batch):
         device_mesh = init_device_mesh(device_type, (mesh.pp, mesh.edp, mesh.ep), mesh_dim_names=("pp", "edp", "ep"))
         groups = {axis: device_mesh.get_group(axis) for axis in ("pp", "edp", "ep")}
         coords = mesh.coords(dist.get_rank())
-        for stage in range(mesh.pp):  # dp: edp x ep, the ranks of one stage (every rank creates every group)
-            group = dist.new_group([mesh.rank_of(stage, d) for d in range(mesh.dp)])
+        groups["dp"] = dist.group.WORLD
+        for stage in range(mesh.pp if mesh.pp > 1 else 0):  # dp: edp x ep, the ranks of one stage
+            group = dist.new_group([mesh.rank_of(stage, d) for d in range(mesh.dp)])  # every rank makes every group
             if stage == coords["pp"]:
                 groups["dp"] = group
         return groups, coords

@@ -17,14 +17,6 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import meta
 
-# Ops that only re-view or cast a parameter: FSDP's backward recomputes them from its own all-gather
-# instead of keeping the forward's gathered copy alive.
-VIEW_OR_CAST_OPS = frozenset({
-    torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
-    torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.aten.expand.default,
-    torch.ops.aten.slice.Tensor, torch.ops.aten.unsqueeze.default, torch.ops.aten.select.int,
-    torch.ops.aten._to_copy.default, torch.ops.aten.detach.default, torch.ops.aten.alias.default})
-
 
 def fake_mode_of(graph: fx.Graph):
     for node in graph.nodes:

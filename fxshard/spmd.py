@@ -44,7 +44,7 @@ _REDUCE = {
 
 @dataclass
 class Collective:
-    """One rank's call of a collective, paused until its group is complete."""
+    """One rank's call of a collective, paused until its group is complete, or of a send or receive."""
 
     op: str
     tensor: torch.Tensor

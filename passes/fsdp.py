@@ -33,7 +33,7 @@ import torch.fx as fx
 from fxshard import meta
 from fxshard.config import SHARDING_STRATEGIES
 from fxshard.errors import FxShardError
-from fxshard.graph import VIEW_OR_CAST_OPS, fake_mode_of, inline
+from fxshard.graph import fake_mode_of, inline
 from fxshard.optimizer_graph import append_update
 from fxshard.program import (EXPERT_SHARDED, REPLICATED, FlatUnit, Input, InputKind, Output, OutputKind, Placement,
                              Program)
@@ -41,6 +41,12 @@ from fxshard.program import (EXPERT_SHARDED, REPLICATED, FlatUnit, Input, InputK
 STRATEGIES = SHARDING_STRATEGIES
 _c10d = torch.ops._c10d_functional
 ALL = (meta.FWD, 0)  # the one region of strategies that keep full parameters
+# Ops that only re-view or cast a parameter: the backward recomputes them from its own all-gather
+# instead of keeping the forward's gathered copy alive.
+_CHEAP = {torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+          torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.aten.expand.default,
+          torch.ops.aten.slice.Tensor, torch.ops.aten.unsqueeze.default, torch.ops.aten.select.int,
+          torch.ops.aten._to_copy.default, torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 
 
 @dataclass(frozen=True)
@@ -267,7 +273,7 @@ class _Rewrite:
         for node in self.old.nodes:
             if node in self.member_of_node:
                 derived[node] = {self.unit_of[self.member_of_node[node]].name}
-            elif (meta.phase(node) == meta.FWD and node.op == "call_function" and node.target in VIEW_OR_CAST_OPS
+            elif (meta.phase(node) == meta.FWD and node.op == "call_function" and node.target in _CHEAP
                   and node.all_input_nodes and all(i in derived for i in node.all_input_nodes)):
                 derived[node] = set().union(*(derived[i] for i in node.all_input_nodes))
         return derived

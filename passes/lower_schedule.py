@@ -91,7 +91,8 @@ class _Lowering:
         self.inbox: dict[tuple[str, int, int], list[fx.Node]] = {}   # received, not yet waited on
         self.stash: dict[tuple[int, int], dict[str, fx.Node]] = {}   # (chunk, mb) -> forward values its backward reads
         self.weight_inputs: dict[tuple[int, int], list[fx.Node]] = {}
-        self.grads: dict[str, fx.Node] = {}
+        self.grads: dict[str, fx.Node] = {}      # parameter -> its gradient summed so far
+        self.remaining: dict[str, int] = {}      # parameter -> actions still to add to its gradient
         self.losses: list[fx.Node] = []
         self.metrics: dict[str, fx.Node] = {}
         self.tokens: list[fx.Node] = []
@@ -289,12 +290,11 @@ class _Lowering:
     def run(self) -> Program:
         self.make_inputs()
         trained = list(dict.fromkeys(n for c in self.local for n in c.grads))
-        per_step = {"B": 0 if self.split_backward else 1, "W": 1}
-        self.remaining = {name: 0 for name in trained}
+        produces_grads = "W" if self.split_backward else "B"  # the action that yields a chunk's weight gradients
         for action in self.actions:
-            if action.kind in per_step and per_step[action.kind]:
+            if action.kind == produces_grads:
                 for name in self.pipeline.chunks[action.chunk].grads:
-                    self.remaining[name] += 1
+                    self.remaining[name] = self.remaining.get(name, 0) + 1
         for action in self.actions:
             kind = action.kind
             if kind in ("RF", "RB"):

@@ -261,8 +261,8 @@ def test_config_capacity_factor_overrides_every_dispatch_and_sizes_the_buffers()
     assert torch.equal(results[0][0], results[1][0])
     with pytest.raises(fxshard.FxShardError, match="moe_capacity_factor"):
         fxshard.Config(moe_capacity_factor=0)
-    with pytest.raises(fxshard.FxShardError, match="not supported yet"):
-        fxshard.Mesh(pp=2, dp=2, ep=2)
+    # inside pipeline stages too: rank = pp * dp + dp index, ep groups of consecutive ranks in a stage
+    assert fxshard.Mesh(pp=2, dp=2, ep=2).coords(3) == {"pp": 1, "dp": 1, "ep": 1, "edp": 0}
 
 
 class ScaledExpertsMoE(torch.nn.Module):
