@@ -65,6 +65,11 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
         if config.verbose:
             print(f"fxshard: wrote graph dumps to {config.dump_dir}", file=sys.stderr)
     batch_spec = BatchSpec.from_example(example_batch)
+    if groups:  # before anything is materialized: ranks that would issue different collectives stop here
+        from .runtime.agreement import check_agreement
+
+        check_agreement(programs[-1].graph, groups, batch_spec.device,
+                        stage if programs[-1].stage is not None else None)
     # A meta-device model is initialized here, per module and seeded by module path (fxshard.init):
     # each rank materializes only its own shards.
     source = MetaInit(model, config.seed, batch_spec.device) if is_meta else model

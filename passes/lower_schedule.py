@@ -20,7 +20,8 @@ stages (tied embedding and head) has its partial gradients summed over them with
 The loss (the mean over microbatches, computed on the last chunk's stage) and reported metrics
 (summed over microbatches) are all-reduced over `pp`, so every stage returns them; the gradient
 norm sums over `pp`, a tied parameter counted on its first stage only (`Program.grad_norm`).
-A parameter's cast to the compute dtype is computed once per step, not per microbatch.
+A parameter's cast to the compute dtype and compute that reads no input (RoPE's tables) run once
+per step, not per microbatch.
 
 Invariant: run on every stage of the pipeline (the SPMD simulator, or real processes), the
 programs return the loss and metrics of the input program on the whole batch (mean of the
@@ -42,7 +43,7 @@ from fxshard.program import (REPLICATED, STAGE_LOCAL, GradientNorm, Input, Input
                              StagePlan)
 from fxshard.schedule import COMPUTE, Action, Schedule, check_point_to_point, issue_order
 
-from .pipeline import Chunk, PipelineProgram
+from .pipeline import Chunk, PipelineProgram, is_deterministic
 
 _c10d = torch.ops._c10d_functional
 _SEND, _RECV = torch.ops.fxshard.send.default, torch.ops.fxshard.recv.default
@@ -135,22 +136,25 @@ class _Lowering:
         return self.slices[leaf, mb]
 
     # ---- copying a chunk's graph -------------------------------------------------------------
-    def copy(self, gm: fx.GraphModule, inputs: list[fx.Node], mb: int, params: int) -> list[fx.Node]:
-        """Copy `gm`'s nodes (its first `params` inputs are parameters), return its outputs."""
+    def copy(self, gm: fx.GraphModule, inputs: list[fx.Node], mb: int, count: int) -> list[fx.Node]:
+        """Copy `gm`'s nodes (its first `count` inputs are parameters), return its outputs."""
         env: dict[fx.Node, fx.Node] = {}
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != len(inputs):
             raise AssertionError(f"chunk graph takes {len(placeholders)} inputs, given {len(inputs)}")
         env.update(zip(placeholders, inputs))
-        param_only = set(placeholders[:params])  # parameters, then what is copied once per step
+        params, free = set(placeholders[:count]), set()  # parameters (and their casts); input-free nodes
         for node in gm.graph.nodes:
             if node.op == "placeholder":
                 continue
             if node.op == "output":
                 return [env[v] for v in node.args[0]]
-            if node.op == "get_attr" or (node.target is _CAST and node.args[0] in param_only):
-                # a constant, or a parameter's cast (FSDP gathers it already cast): once per step
-                param_only.add(node)
+            input_free = node.op == "get_attr" or (node.op == "call_function" and is_deterministic(node)
+                                                    and all(i in free for i in node.all_input_nodes))
+            if input_free or (node.target is _CAST and node.args[0] in params):
+                # a constant or compute that reads no input (RoPE's tables), or a parameter's cast
+                # (FSDP gathers it already cast): once per step
+                (free if input_free else params).add(node)
                 key = self.once_key(node, env)
                 if key not in self.once:
                     self.once[key] = self.graph.node_copy(node, env.__getitem__)

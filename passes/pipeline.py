@@ -167,6 +167,8 @@ class _Splitter:
         self.specs = dict(zip(program.placeholders(), program.inputs))
 
     def chunk(self, node: fx.Node) -> int:
+        if node in self.moved:
+            return self.moved[node]
         layer = meta.layer(node)
         if layer not in self.chunk_of_layer:
             raise FxShardError(f"node {node.name} belongs to layer {layer!r}, which no pipeline chunk holds")
@@ -174,12 +176,15 @@ class _Splitter:
 
     def run(self) -> PipelineProgram:
         count = len(self.groups)
+        self.moved: dict[fx.Node, int] = {}
+        self.input_free = self.find_input_free()
+        self.move_gradient_sums()
         self.gradient_parts = self.find_gradient_parts()
         combine = {n for parts in self.gradient_parts.values() for n in parts["tree"]}
         fwd = [[] for _ in range(count)]
         bwd = [[] for _ in range(count)]
         for node in self.graph.nodes:
-            if node.op != "call_function" or node in combine:
+            if node.op != "call_function" or node in combine or node in self.input_free:
                 continue
             phase = meta.phase(node)
             if phase == meta.FWD:
@@ -217,6 +222,31 @@ class _Splitter:
         for c in range(count):
             result.append(self.build_chunk(c, fwd[c], bwd[c], sends, grad_sends, loss))
         return PipelineProgram(tuple(result), self.program, tuple(tuple(g) for g in self.groups))
+
+    def find_input_free(self) -> set[fx.Node]:
+        """Forward compute that reads no input of the step (RoPE's cos/sin tables from `arange`):
+        every chunk that reads it computes it itself, like a constant, instead of receiving it with
+        each microbatch."""
+        free: set[fx.Node] = set()
+        for node in self.graph.nodes:
+            if (node.op == "call_function" and meta.phase(node) == meta.FWD and is_deterministic(node)
+                    and all(i.op == "get_attr" or i in free for i in node.all_input_nodes)):
+                free.add(node)
+        return free
+
+    def move_gradient_sums(self) -> None:
+        """A backward node that only combines values of one later chunk's backward (the terms of an
+        activation's gradient, which autograd may attribute to the layer below) joins that chunk, so
+        the chunk sends their sum instead of each term."""
+        for node in self.graph.nodes:
+            if node.op != "call_function" or meta.phase(node) != meta.BWD or meta.param(node):
+                continue
+            sources = [i for i in node.all_input_nodes if i.op == "call_function"]
+            if len(sources) < 2 or any(meta.phase(i) != meta.BWD for i in sources):
+                continue  # only combining nodes move: a node of one source moved would send as much
+            chunks = {self.chunk(i) for i in sources}
+            if len(chunks) == 1 and (later := chunks.pop()) > self.chunk(node):
+                self.moved[node] = later
 
     def find_gradient_parts(self):
         """Parameter name -> {"parts": {chunk: [contributing nodes]}, "tree": nodes that only sum them,
@@ -311,9 +341,7 @@ class _Splitter:
         for node in nodes:
             if node in env:
                 continue
-            for constant in node.all_input_nodes:  # each chunk reading a constant holds its own copy
-                if constant.op == "get_attr" and constant not in env:
-                    env[constant] = graph.node_copy(constant)
+            self.copy_input_free(graph, env, node)  # each chunk reading a constant holds its own copy
             missing = [i for i in node.all_input_nodes if i not in env]
             if missing:
                 raise FxShardError(f"pipeline split: {node.name} ({meta.layer(node)}) reads "
@@ -334,6 +362,13 @@ class _Splitter:
         return fx.GraphModule(self.program.graph_module, graph)
 
 
+    def copy_input_free(self, graph: fx.Graph, env: dict, node: fx.Node) -> None:
+        """Copy the constants and input-free compute `node` reads (and what they read) into `graph`."""
+        for source in node.all_input_nodes:
+            if source not in env and (source.op == "get_attr" or source in self.input_free):
+                self.copy_input_free(graph, env, source)
+                env[source] = graph.node_copy(source, env.get)
+
     @staticmethod
     def partial_node(graph: fx.Graph, target, args, kwargs, like: fx.Node, param: str) -> fx.Node:
         """A node summing (or casting) a chunk's part of a parameter gradient, with the metadata the
@@ -343,6 +378,11 @@ class _Splitter:
         with like.meta["val"].fake_mode:
             node.meta["val"] = target(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in args], **kwargs)
         return node
+
+
+def is_deterministic(node: fx.Node) -> bool:
+    """Computing `node` twice gives the same value (not a random op drawing from the generator)."""
+    return torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
 
 
 def split_weight_gradients(backward: fx.GraphModule, sent: int):

@@ -1,0 +1,163 @@
+"""Ranks agree on their communication before the first step, or fail loudly naming where they differ.
+
+A compiled step knows every collective and transfer it will issue. Ranks whose programs differ (a
+rank with another batch shape, model, config or torch version) would hang in a collective or
+exchange mismatched buffers; instead, `check_agreement` compares, right after compiling:
+
+    per mesh axis      the sequence of collectives each rank issues on its group along it: kind,
+                       reduction, shape and dtype, in program order (all members must be equal)
+    per pair of stages the sequence of sends and receives between them (one rank's sends are the
+                       other's receives, in the same order)
+
+Each rank hashes its sequences and the ranks all-gather the hashes: one small collective per group.
+Only when hashes differ are the sequences themselves exchanged, so that every rank raises the same
+`FxShardError` naming the first collective that differs, with its phase, layer and unit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .. import meta
+from ..errors import FxShardError
+from ..ops.p2p import P2P_OPS
+
+_c10d = torch.ops._c10d_functional
+_SEND = torch.ops.fxshard.send.default
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: str    # what must match across ranks
+    where: str  # phase, layer, unit: for the message
+
+    def __str__(self) -> str:
+        return f"{self.key} [{self.where}]"
+
+
+def _where(node: fx.Node) -> str:
+    parts = [meta.phase(node) or "?", meta.layer(node) or "?"]
+    if meta.UNIT in node.meta:
+        parts.append(f"unit {node.meta[meta.UNIT]}")
+    if meta.MICROBATCH in node.meta:
+        parts.append(f"microbatch {meta.microbatch(node)}")
+    return ", ".join(parts)
+
+
+def _value(node: fx.Node) -> str:
+    value = node.meta.get("val")
+    return f"{tuple(value.shape)}, {str(value.dtype).replace('torch.', '')}" if value is not None else "?"
+
+
+def collective_sequences(graph: fx.Graph) -> dict[str, list[Entry]]:
+    """Mesh axis -> the collectives the graph issues on it, in order."""
+    sequences: dict[str, list[Entry]] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in meta.COLLECTIVE_ISSUES:
+            continue
+        group = node.args[-1]
+        reduce = next((a for a in node.args[1:-1] if isinstance(a, str)), None)
+        source = node.args[0]
+        name = node.target._opname + (f"({reduce})" if reduce else "")
+        sequences.setdefault(str(group), []).append(Entry(f"{name} of {_value(source)}", _where(node)))
+    return sequences
+
+
+def transfer_sequences(graph: fx.Graph, me: int) -> dict[int, list[Entry]]:
+    """Peer (index in the pipeline group) -> the transfers with it, each written the same way on both
+    sides ("2 -> 3: (4, 16), float32"), in order."""
+    sequences: dict[int, list[Entry]] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in P2P_OPS:
+            continue
+        peer = node.args[-2]
+        sender, receiver = (me, peer) if node.target is _SEND else (peer, me)
+        message = node.args[0] if node.target is _SEND else node  # a send's own value is its token
+        sequences.setdefault(peer, []).append(Entry(f"{sender} -> {receiver}: {_value(message)}", _where(node)))
+    return sequences
+
+
+def first_difference(sequences: list[list[Entry]]) -> tuple[int, list[Entry | None]] | None:
+    """The first position at which the members' sequences differ, and each member's entry there
+    (None: it has no more), or None when they all agree."""
+    for index in range(max(len(s) for s in sequences)):
+        entries = [s[index] if index < len(s) else None for s in sequences]
+        if len({e.key if e else None for e in entries}) > 1:
+            return index, entries
+    return None
+
+
+def _digest(entries: list[Entry]) -> list[int]:
+    text = "\n".join(e.key for e in entries).encode()
+    digest = hashlib.sha256(text).digest()
+    return [int.from_bytes(digest[i:i + 8], "little", signed=True) for i in range(0, 16, 8)]
+
+
+def _all_gather_lists(values: list[int], group, device) -> list[list[int]]:
+    import torch.distributed as dist
+
+    tensor = torch.tensor(values, dtype=torch.int64, device=device)
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, tensor, group=group)
+    return [t.tolist() for t in out]
+
+
+def _all_gather_text(text: str, group, device) -> list[str]:
+    data = list(text.encode())
+    lengths = _all_gather_lists([len(data)], group, device)
+    longest = max(length for (length,) in lengths)
+    padded = _all_gather_lists(data + [0] * (longest - len(data)), group, device)
+    return [bytes(row[:length]).decode() for row, (length,) in zip(padded, lengths)]
+
+
+def _decode(text: str) -> list[Entry]:
+    return [Entry(*line.split("\t")) for line in text.split("\n") if line]
+
+
+def _encode(entries: list[Entry]) -> str:
+    return "\n".join(f"{e.key}\t{e.where}" for e in entries)
+
+
+_HINT = ("every rank must call shard with the same model, loss, optimizer, Config and batch shapes "
+         "(and the same fxshard and torch versions)")
+
+
+def check_agreement(graph: fx.Graph, groups: dict, device: torch.device, stage: int | None = None) -> None:
+    """Raise FxShardError on every rank of a group whose members would issue different collectives
+    (or, in a pipeline, mismatched transfers). `groups`: mesh axis -> this rank's process group."""
+    import torch.distributed as dist
+
+    collectives = collective_sequences(graph)
+    for axis in sorted(groups):  # the same order on every rank
+        group = groups[axis]
+        if dist.get_world_size(group) == 1:
+            continue
+        mine = collectives.get(axis, [])
+        if len({tuple(d) for d in _all_gather_lists(_digest(mine), group, device)}) == 1:
+            continue
+        members = [_decode(t) for t in _all_gather_text(_encode(mine), group, device)]
+        index, entries = first_difference(members)
+        ranks = dist.get_process_group_ranks(group)
+        issued = "; ".join(f"rank {r}: {e if e else 'nothing (its program ends)'}" for r, e in zip(ranks, entries))
+        raise FxShardError(f"the ranks of group {axis!r} {ranks} would issue different collectives: collective "
+                           f"#{index + 1} on {axis!r} is {issued}. The job would hang or corrupt data there; {_HINT}")
+    if stage is None or "pp" not in groups:
+        return
+    group = groups["pp"]
+    stages = dist.get_world_size(group)
+    transfers = transfer_sequences(graph, stage)
+    digests = _all_gather_lists([v for peer in range(stages) for v in _digest(transfers.get(peer, []))], group, device)
+    size = len(_digest([]))
+    bad = [(a, b) for a in range(stages) for b in range(a + 1, stages)
+           if digests[a][b * size:(b + 1) * size] != digests[b][a * size:(a + 1) * size]]
+    if not bad:
+        return
+    texts = [_all_gather_text(_encode(transfers.get(peer, [])), group, device) for peer in range(stages)]
+    a, b = bad[0]
+    index, (mine, theirs) = first_difference([_decode(texts[b][a]), _decode(texts[a][b])])
+    raise FxShardError(f"pipeline stages {a} and {b} disagree on their transfers: #{index + 1} between them is "
+                       f"{mine or 'nothing'} on stage {a} and {theirs or 'nothing'} on stage {b}; {_HINT}")

@@ -1,0 +1,68 @@
+"""Ranks compare their communication at shard() (fxshard/runtime/agreement.py): a rank that compiled
+another program fails with a message naming the first collective or transfer that differs, on every
+rank, before the first step (instead of a hang)."""
+
+import torch
+import torch.distributed as dist
+
+import fxshard
+from fxshard import schedule as schedules
+from fxshard.launch import run_local
+from fxshard.models import GPT, GPTConfig
+from fxshard.passes.lower_schedule import lower_schedule
+from fxshard.passes.pipeline import split_stages
+from fxshard.runtime.agreement import collective_sequences, first_difference, transfer_sequences
+
+
+def tokens(rows, seq):
+    generator = torch.Generator().manual_seed(0)
+    return {"idx": torch.randint(0, 64, (rows, seq), generator=generator),
+            "tgt": torch.randint(0, 64, (rows, seq), generator=generator)}
+
+
+def mismatched_rank(kind):
+    """Rank 1 builds a narrower MLP (dp) or passes shorter sequences (pp)."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    if kind == "dp":
+        model, batch, mesh = GPT(GPTConfig.preset("tiny", d_ff=64 if rank else 96)), tokens(4, 16), fxshard.Mesh(dp=2)
+        config = fxshard.Config()
+    else:
+        model, mesh = GPT(GPTConfig.preset("tiny", n_layer=2)), fxshard.Mesh(pp=2)
+        batch, config = tokens(4, 8 if rank else 16), fxshard.Config(microbatches=2)
+    try:
+        fxshard.shard(model, lambda m, b: m.loss(b), batch, mesh=mesh, config=config)
+    except fxshard.FxShardError as error:
+        return str(error)
+    return None
+
+
+def test_ranks_that_compiled_different_programs_fail_together_naming_the_first_difference():
+    for kind in ("dp", "pp"):
+        messages = run_local(mismatched_rank, 2, kind, backend="gloo")
+        assert messages[0] is not None and messages[0] == messages[1], messages
+        if kind == "dp":  # the first unit whose size differs: layers.0's MLP
+            assert "group 'dp' [0, 1] would issue different collectives" in messages[0]
+            assert "unit layers.0" in messages[0] and "rank 0: all_gather_into_tensor of" in messages[0]
+        else:
+            # the first activation sent: 2 rows of 16 positions on stage 0, of 8 on stage 1
+            assert "pipeline stages 0 and 1 disagree on their transfers: #1 between them is 0 -> 1: (2, 16, 64)" \
+                in messages[0] and "on stage 0 and 0 -> 1: (2, 8, 64)" in messages[0], messages[0]
+
+
+def test_sequences_of_matching_stages_agree_and_a_changed_one_is_found():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=24, d_model=16, n_layer=2, n_head=2, d_ff=24))
+    program = fxshard.trace(model, lambda m, b: m.loss(b), tokens(2, 8))
+    schedule = schedules.one_f_one_b(2, 4)
+    stages = [lower_schedule(split_stages(program, 2), schedule, s) for s in range(2)]
+    pairs = [transfer_sequences(p.graph, s) for s, p in enumerate(stages)]
+    # per microbatch one activation and one gradient (RoPE tables are computed on each stage, the
+    # gradient terms of a block input summed before they are sent)
+    assert len(pairs[0][1]) == 8 and first_difference([pairs[0][1], pairs[1][0]]) is None
+    pp = [collective_sequences(p.graph)["pp"] for p in stages]  # loss, norm: the same kinds on both stages
+    assert first_difference(pp) is None
+    other = lower_schedule(split_stages(program, 2), schedules.gpipe(2, 4), 1)
+    # 1F1B's stage 0 receives its first gradient third; GPipe's stage 1 sends all four activations' first
+    index, (mine, theirs) = first_difference([pairs[0][1], transfer_sequences(other.graph, 1)[0]])
+    assert index == 2 and mine.key.startswith("1 -> 0: (2, 8, 16)") and theirs.key.startswith("0 -> 1: (2, 8, 16)")
