@@ -42,7 +42,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     config = config or Config()
     optimizer = optimizer or AdamW()
     _check_arguments(model, loss_fn, optimizer, config)
-    groups, coords = _process_groups(mesh, example_batch)
+    groups, coords = _process_groups(mesh, example_batch, config.collective_timeout_s)
     if config.dump_dir is None and os.environ.get("FXSHARD_DUMP"):
         config = dataclasses.replace(config, dump_dir=os.environ["FXSHARD_DUMP"])
     tensors = [*model.parameters(), *model.buffers()]
@@ -52,7 +52,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     stage = coords.get("pp", 0)
     programs = _compile(model, loss_fn, example_batch, optimizer, mesh, config, (stage,))
     if programs[-1].stage is not None:
-        groups.update(_stage_groups(programs[-1], mesh, coords))
+        groups.update(_stage_groups(programs[-1], mesh, coords, config.collective_timeout_s))
         # one dump per stage, written by its first data-parallel rank
         dump_dir = os.path.join(config.dump_dir, f"stage{stage}") if config.dump_dir and coords["dp"] == 0 else None
         config = dataclasses.replace(config, dump_dir=dump_dir)
@@ -130,13 +130,15 @@ def _report_lowerings(step, config: Config, index: int) -> None:
                 handle.write(step.codegen.table())
 
 
-def _process_groups(mesh: Mesh | None, example_batch):
-    """Axis -> this rank's process group, and axis -> this rank's index along it."""
+def _process_groups(mesh: Mesh | None, example_batch, timeout_s: float = 600.0):
+    """Axis -> this rank's process group, and axis -> this rank's index along it. fxshard makes its own
+    groups (every rank creates every group, in the same order), with `timeout_s` on each wait."""
     if mesh is None:
         return {}, {}
     _check_mesh(mesh)
+    import datetime
+
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     if not dist.is_available() or not dist.is_initialized():
         raise FxShardError(
@@ -145,23 +147,14 @@ def _process_groups(mesh: Mesh | None, example_batch):
     if dist.get_world_size() != mesh.size:
         raise FxShardError(f"{mesh} has {mesh.size} ranks but the process group has {dist.get_world_size()}; "
                            f"make them agree")
-    device_type = BatchSpec.from_example(example_batch).device.type
-    if mesh.ep > 1:  # ep groups of consecutive ranks; edp: the ranks that own the same experts
-        device_mesh = init_device_mesh(device_type, (mesh.pp, mesh.edp, mesh.ep), mesh_dim_names=("pp", "edp", "ep"))
-        groups = {axis: device_mesh.get_group(axis) for axis in ("pp", "edp", "ep")}
-        coords = mesh.coords(dist.get_rank())
-        groups["dp"] = dist.group.WORLD
-        for stage in range(mesh.pp if mesh.pp > 1 else 0):  # dp: edp x ep, the ranks of one stage
-            group = dist.new_group([mesh.rank_of(stage, d) for d in range(mesh.dp)])  # every rank makes every group
-            if stage == coords["pp"]:
-                groups["dp"] = group
-        return groups, coords
-    if mesh.pp == 1:
-        device_mesh = init_device_mesh(device_type, (mesh.dp,), mesh_dim_names=("dp",))
-        return {"dp": device_mesh.get_group("dp")}, {"dp": device_mesh.get_local_rank("dp")}
-    device_mesh = init_device_mesh(device_type, (mesh.pp, mesh.dp), mesh_dim_names=("pp", "dp"))  # dp fastest
-    return ({axis: device_mesh.get_group(axis) for axis in ("pp", "dp")},
-            {axis: device_mesh.get_local_rank(axis) for axis in ("pp", "dp")})
+    rank, timeout = dist.get_rank(), datetime.timedelta(seconds=timeout_s)
+    groups = {}
+    for axis, rank_lists in mesh.all_groups().items():
+        for ranks in rank_lists:
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                groups[axis] = group
+    return groups, mesh.coords(rank)
 
 
 def _check_mesh(mesh) -> None:
@@ -184,17 +177,19 @@ def _first_microbatch(example_batch, config: Config):
         lambda t: t[:rows // microbatches] if isinstance(t, torch.Tensor) else t, example_batch)
 
 
-def _stage_groups(program: Program, mesh: Mesh, coords: dict[str, int]) -> dict:
+def _stage_groups(program: Program, mesh: Mesh, coords: dict[str, int], timeout_s: float) -> dict:
     """Process groups of the stage subsets this stage's program names (a weight tied across some of
     the stages); every rank creates every group, in the same order, as torch.distributed requires."""
+    import datetime
+
     import torch.distributed as dist
 
-    groups = {}
+    groups, timeout = {}, datetime.timedelta(seconds=timeout_s)
     for axis, stages in program.stage.groups:
         if axis == "pp":
             continue
         for dp in range(mesh.dp):
-            group = dist.new_group([mesh.rank_of(p, dp) for p in stages])
+            group = dist.new_group([mesh.rank_of(p, dp) for p in stages], timeout=timeout)
             if dp == coords["dp"] and coords["pp"] in stages:
                 groups[axis] = group
     return groups

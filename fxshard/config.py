@@ -29,6 +29,10 @@ class Config:
     layers: module paths (globs allowed, e.g. "blocks.*") whose modules are one layer each; default:
         the children of the model's largest ModuleList/Sequential of same-type blocks.
     clip_grad_norm: clip gradients to this global L2 norm before the update (None: no clipping).
+    collective_timeout_s: a step that waits longer than this in one collective or transfer fails with
+        an FxShardError naming it (kind, shape, phase, layer, unit, group) instead of hanging; fxshard's
+        process groups are created with this timeout. The default, 10 minutes, leaves room for ranks
+        that compile at different speeds.
     sharding: on a mesh, what FSDP shards over `dp` (Megatron's names): "no_shard" (DDP), "optim"
         (ZeRO-1), "optim_grads" (ZeRO-2), "optim_grads_params" (ZeRO-3).
     fsdp_prefetch: issue a unit's all-gather this many units ahead of its first use.
@@ -81,6 +85,7 @@ class Config:
     dump_dir: str | None = None
     layers: tuple[str, ...] | None = None
     clip_grad_norm: float | None = None
+    collective_timeout_s: float = 600.0
     sharding: str = "optim_grads_params"
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
@@ -144,5 +149,7 @@ class Config:
             raise FxShardError(f"ep_all_to_all={self.ep_all_to_all!r}; choose one of {EP_ALL_TO_ALLS}")
         if self.codegen not in CODEGENS:
             raise FxShardError(f"codegen={self.codegen!r}; choose one of {CODEGENS}")
+        if not isinstance(self.collective_timeout_s, (int, float)) or not self.collective_timeout_s > 0:
+            raise FxShardError(f"collective_timeout_s must be a number of seconds > 0, got {self.collective_timeout_s!r}")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise FxShardError(f"clip_grad_norm must be > 0 or None, got {self.clip_grad_norm!r}")

@@ -66,3 +66,31 @@ def test_sequences_of_matching_stages_agree_and_a_changed_one_is_found():
     # 1F1B's stage 0 receives its first gradient third; GPipe's stage 1 sends all four activations' first
     index, (mine, theirs) = first_difference([pairs[0][1], transfer_sequences(other.graph, 1)[0]])
     assert index == 2 and mine.key.startswith("1 -> 0: (2, 8, 16)") and theirs.key.startswith("0 -> 1: (2, 8, 16)")
+
+
+def stalled_peer():
+    """Rank 1 stalls before its first step for longer than the collective timeout."""
+    import time
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    step = fxshard.shard(GPT(GPTConfig.preset("tiny")), lambda m, b: m.loss(b), tokens(4, 16), mesh=fxshard.Mesh(dp=2),
+                         config=fxshard.Config(collective_timeout_s=2))
+    if rank == 1:
+        time.sleep(6)
+    started = time.perf_counter()
+    try:
+        step(tokens(4, 16))
+    except fxshard.FxShardError as error:
+        return str(error), time.perf_counter() - started
+    except Exception as error:  # the stalled rank finds its peer gone
+        return f"{type(error).__name__}: {error}", time.perf_counter() - started
+    return None, time.perf_counter() - started
+
+
+def test_a_stalled_peer_ends_the_step_within_the_timeout_naming_the_collective():
+    (message, seconds), _ = run_local(stalled_peer, 2, backend="gloo")
+    assert message is not None and seconds < 5, (message, seconds)
+    # ZeRO-3's first collective: the all-gather of the first unit, before the forward reads it
+    assert message.startswith("step 1: waiting for the all_gather_into_tensor of (") and \
+        "[fwd, pre, unit pre] on group 'dp' failed" in message and "collective_timeout_s" in message, message

@@ -53,6 +53,16 @@ def _value(node: fx.Node) -> str:
     return f"{tuple(value.shape)}, {str(value.dtype).replace('torch.', '')}" if value is not None else "?"
 
 
+def describe(node: fx.Node, group: str | None = None) -> str:
+    """A collective or transfer issue node as an error message names it: what, how big, where."""
+    if node.target in P2P_OPS:
+        message = node.args[0] if node.target is _SEND else node
+        what = f"{'send to' if node.target is _SEND else 'receive from'} stage {node.args[-2]} of {_value(message)}"
+    else:
+        what = f"{node.target._opname} of {_value(node.args[0])}"
+    return f"{what} [{_where(node)}] on group {group or node.args[-1]!r}"
+
+
 def collective_sequences(graph: fx.Graph) -> dict[str, list[Entry]]:
     """Mesh axis -> the collectives the graph issues on it, in order."""
     sequences: dict[str, list[Entry]] = {}

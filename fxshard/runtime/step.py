@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import traceback
+
 import torch
 import torch.fx as fx
 
+from .. import meta
 from ..batch import BatchSpec
 from ..errors import FxShardError
 from ..optim import Optimizer, lr_at
@@ -124,7 +127,15 @@ class CompiledStep:
         return args
 
     def _eager_step(self, leaves):
-        results = self._run(*self._arguments(leaves))
+        try:
+            results = self._run(*self._arguments(leaves))
+        except Exception as error:  # a collective or transfer that timed out, or a peer that died
+            where = self._failed_wait(error)
+            if where is None:
+                raise
+            raise FxShardError(f"step {self.step_count + 1}: waiting for the {where} failed: "
+                               f"{str(error).strip().splitlines()[0][:300]}. A rank of that group stalled (longer than "
+                               f"Config(collective_timeout_s)) or stopped; its own error or log says why") from error
         metrics = {}
         for spec, value in zip(self.program.outputs, results):
             if spec.kind in _WRITE_BACK:
@@ -133,6 +144,24 @@ class CompiledStep:
                 metrics[spec.name] = value.detach()
         self.step_count += 1
         return metrics
+
+    def _failed_wait(self, error: BaseException) -> str | None:
+        """The collective or transfer whose issue or wait raised `error`, described, or None when the
+        error came from elsewhere (the graph's generated code names one node per line)."""
+        from .agreement import describe
+
+        nodes = {n.name: n for n in self._run.graph.nodes}
+        axes = {group.group_name: axis for axis, group in self.groups.items()}
+        for frame in reversed(traceback.extract_tb(error.__traceback__)):
+            if not frame.filename.startswith("<eval_with_key>") or not frame.line:
+                continue
+            node = nodes.get(frame.line.split("=")[0].strip())
+            if node is not None and node.target is torch.ops._c10d_functional.wait_tensor.default:
+                node = node.args[0]
+            if node is None or not (node.target in P2P_OPS or node.target in meta.COLLECTIVE_ISSUES):
+                return None
+            return describe(node, axes.get(node.args[-1], node.args[-1]))
+        return None
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """Parameter name -> current full parameter tensor (all-gathered where sharded; under a
