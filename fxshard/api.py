@@ -42,6 +42,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     config = config or Config()
     optimizer = optimizer or AdamW()
     _check_arguments(model, loss_fn, optimizer, config)
+    mesh = _one_process(mesh)
     groups, coords = _process_groups(mesh, example_batch, config.collective_timeout_s)
     if config.dump_dir is None and os.environ.get("FXSHARD_DUMP"):
         config = dataclasses.replace(config, dump_dir=os.environ["FXSHARD_DUMP"])
@@ -155,6 +156,15 @@ def _process_groups(mesh: Mesh | None, example_batch, timeout_s: float = 600.0):
             if rank in ranks:
                 groups[axis] = group
     return groups, mesh.coords(rank)
+
+
+def _one_process(mesh):
+    """A mesh of one rank outside torch.distributed is one device: Mesh(dp=1) needs no launcher."""
+    import torch.distributed as dist
+
+    if isinstance(mesh, Mesh) and mesh.size == 1 and not (dist.is_available() and dist.is_initialized()):
+        return None
+    return mesh
 
 
 def _check_mesh(mesh) -> None:

@@ -39,6 +39,10 @@ class BatchSpec:
                 raise FxShardError(
                     f"example_batch leaf {path} is a {type(value).__name__}, not a tensor; every leaf of "
                     f"the batch must be a tensor (put constants in loss_fn instead)")
+            if value.is_meta:
+                raise FxShardError(
+                    f"example_batch leaf {path} is on the meta device; pass a real example batch (on the device "
+                    f"the step will run on: only its shapes, dtypes and device are read). A model may be on meta.")
             leaves.append(LeafSpec(path, tuple(value.shape), value.dtype))
             devices.add(value.device)
         if len(devices) != 1:
@@ -50,16 +54,25 @@ class BatchSpec:
         """The batch's leaves, checked against the example's structure, shapes and dtypes."""
         flat, treespec = pytree.tree_flatten(batch)
         if treespec != self.treespec:
-            raise FxShardError(
-                f"batch structure differs from example_batch: got {treespec}, expected {self.treespec}")
+            got = ["batch" + pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(batch)[0]]
+            missing = [p for p in self.paths if p not in got]
+            unexpected = [p for p in got if p not in self.paths]
+            detail = (f"missing {', '.join(missing) or 'nothing'}; not in the example: {', '.join(unexpected) or 'nothing'}"
+                      if missing or unexpected else f"the same leaves in another structure ({type(batch).__name__})")
+            raise FxShardError(f"the batch is not shaped like the example_batch the step was compiled for: {detail}; "
+                               f"pass the leaves {', '.join(self.paths)}")
         for leaf, spec in zip(flat, self.leaves):
             if not isinstance(leaf, torch.Tensor):
                 raise FxShardError(f"batch leaf {spec.path} is a {type(leaf).__name__}, expected a tensor")
-            if tuple(leaf.shape) != spec.shape or leaf.dtype != spec.dtype:
+            if tuple(leaf.shape) != spec.shape:
                 raise FxShardError(
-                    f"batch leaf {spec.path} has shape {tuple(leaf.shape)} and dtype {leaf.dtype}, but the "
-                    f"step was traced for shape {spec.shape} and {spec.dtype} (static shapes); pad or "
-                    f"crop the batch to that shape, or shard() again with an example of the new shape")
+                    f"batch leaf {spec.path} has shape {tuple(leaf.shape)}, but the step was traced for shape "
+                    f"{spec.shape} (static shapes); pad or crop the batch to that shape, or shard() again with "
+                    f"an example of the new shape")
+            if leaf.dtype != spec.dtype:
+                raise FxShardError(
+                    f"batch leaf {spec.path} has dtype {leaf.dtype}, but the step was traced for {spec.dtype}; "
+                    f"convert it (.to({spec.dtype})) or shard() again with an example of that dtype")
             if leaf.device != self.device:
                 raise FxShardError(f"batch leaf {spec.path} is on {leaf.device}, the step runs on {self.device}")
         return flat

@@ -304,10 +304,15 @@ class _ProgramBuilder:
                 loss = mapped
                 if mapped is not None:
                     loss_val = mapped.meta["val"]
-                    if loss_val.dim() != 0 and loss_val.numel() != 1 or not loss_val.is_floating_point():
+                    if not loss_val.is_floating_point():
                         raise FxShardError(
-                            f"loss_fn must return a floating scalar tensor, got {loss_val.dtype} "
-                            f"of shape {tuple(loss_val.shape)}; reduce it (e.g. .mean()) inside loss_fn")
+                            f"loss_fn returned a {loss_val.dtype} tensor; a loss must be floating point and "
+                            f"computed from the model's outputs (e.g. F.cross_entropy(logits, targets)), so "
+                            f"that it has a gradient")
+                    if loss_val.dim() != 0 and loss_val.numel() != 1:
+                        raise FxShardError(
+                            f"loss_fn must return a scalar tensor, got shape {tuple(loss_val.shape)}; "
+                            f"reduce it (e.g. .mean()) inside loss_fn")
             elif kind == "GradAOTOutput":
                 grads[desc.grad_of.idx] = mapped
             elif kind == "InputMutationAOTOutput":

@@ -74,17 +74,34 @@ def test_batch_with_other_shape_is_rejected_with_the_traced_shape(tiny_step):
 
 def test_batch_with_other_dtype_or_structure_is_rejected(tiny_step):
     step, batch = tiny_step
-    with pytest.raises(FxShardError, match="dtype"):
+    with pytest.raises(FxShardError, match=r"batch\['idx'\] has dtype torch.int32, but the step was traced for "
+                                           r"torch.int64; convert it \(.to\(torch.int64\)\)"):
         step({"idx": batch["idx"].int(), "tgt": batch["tgt"]})
-    with pytest.raises(FxShardError, match="structure"):
+    with pytest.raises(FxShardError, match=r"missing batch\['tgt'\]; not in the example: batch\['target'\]"):
+        step({"idx": batch["idx"], "target": batch["tgt"]})
+    with pytest.raises(FxShardError, match=r"missing batch\['tgt'\]; not in the example: nothing"):
         step({"idx": batch["idx"]})
-    with pytest.raises(FxShardError, match="structure"):
+    with pytest.raises(FxShardError, match=r"not shaped like the example_batch.*pass the leaves batch\['idx'\], "):
         step((batch["idx"], batch["tgt"]))
 
 
-def test_non_scalar_loss_is_rejected():
-    with pytest.raises(FxShardError, match="scalar"):
+def test_non_scalar_or_integer_loss_is_rejected_with_the_fix_for_each():
+    with pytest.raises(FxShardError, match=r"scalar tensor, got shape \(2, 4\); reduce it"):
         fxshard.shard(nn.Linear(4, 4), lambda m, b: m(b), torch.randn(2, 4))
+    with pytest.raises(FxShardError, match="returned a torch.int64 tensor; a loss must be floating point"):
+        fxshard.shard(nn.Linear(4, 4), lambda m, b: (m(b) > 0).sum(), torch.randn(2, 4))
+
+
+def test_a_meta_example_batch_is_refused_and_a_one_rank_mesh_needs_no_launcher():
+    model = nn.Linear(4, 4)
+    with pytest.raises(FxShardError, match=r"example_batch leaf batch is on the meta device; pass a real example"):
+        fxshard.trace(model, mean_loss, torch.randn(2, 4, device="meta"))
+    batch = torch.randn(2, 4)
+    torch.manual_seed(0)
+    alone = fxshard.shard(nn.Linear(4, 4), mean_loss, batch, mesh=fxshard.Mesh(dp=1))
+    torch.manual_seed(0)
+    plain = fxshard.shard(nn.Linear(4, 4), mean_loss, batch)
+    assert torch.equal(alone(batch)["loss"], plain(batch)["loss"])
 
 
 def test_model_without_trainable_parameters_is_rejected():
