@@ -43,7 +43,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     optimizer = optimizer or AdamW()
     _check_arguments(model, loss_fn, optimizer, config)
     mesh = _one_process(mesh)
-    groups, coords = _process_groups(mesh, example_batch, config.collective_timeout_s)
+    groups, coords = _process_groups(mesh, config.collective_timeout_s)
     if config.dump_dir is None and os.environ.get("FXSHARD_DUMP"):
         config = dataclasses.replace(config, dump_dir=os.environ["FXSHARD_DUMP"])
     tensors = [*model.parameters(), *model.buffers()]
@@ -53,7 +53,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     stage = coords.get("pp", 0)
     programs = _compile(model, loss_fn, example_batch, optimizer, mesh, config, (stage,))
     if programs[-1].stage is not None:
-        groups.update(_stage_groups(programs[-1], mesh, coords, config.collective_timeout_s))
+        groups.update(_stage_groups(programs[-1], mesh, config.collective_timeout_s))
         # one dump per stage, written by its first data-parallel rank
         dump_dir = os.path.join(config.dump_dir, f"stage{stage}") if config.dump_dir and coords["dp"] == 0 else None
         config = dataclasses.replace(config, dump_dir=dump_dir)
@@ -131,14 +131,12 @@ def _report_lowerings(step, config: Config, index: int) -> None:
                 handle.write(step.codegen.table())
 
 
-def _process_groups(mesh: Mesh | None, example_batch, timeout_s: float = 600.0):
+def _process_groups(mesh: Mesh | None, timeout_s: float):
     """Axis -> this rank's process group, and axis -> this rank's index along it. fxshard makes its own
     groups (every rank creates every group, in the same order), with `timeout_s` on each wait."""
     if mesh is None:
         return {}, {}
     _check_mesh(mesh)
-    import datetime
-
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
@@ -148,14 +146,24 @@ def _process_groups(mesh: Mesh | None, example_batch, timeout_s: float = 600.0):
     if dist.get_world_size() != mesh.size:
         raise FxShardError(f"{mesh} has {mesh.size} ranks but the process group has {dist.get_world_size()}; "
                            f"make them agree")
+    return _new_groups(mesh.all_groups(), timeout_s), mesh.coords(dist.get_rank())
+
+
+def _new_groups(rank_lists: dict[str, list[list[int]]], timeout_s: float) -> dict:
+    """Axis -> this rank's process group among `rank_lists[axis]` (global ranks). Every rank creates
+    every group, in the same order, as torch.distributed requires; each wait times out after `timeout_s`."""
+    import datetime
+
+    import torch.distributed as dist
+
     rank, timeout = dist.get_rank(), datetime.timedelta(seconds=timeout_s)
     groups = {}
-    for axis, rank_lists in mesh.all_groups().items():
-        for ranks in rank_lists:
+    for axis, lists in rank_lists.items():
+        for ranks in lists:
             group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 groups[axis] = group
-    return groups, mesh.coords(rank)
+    return groups
 
 
 def _one_process(mesh):
@@ -187,22 +195,11 @@ def _first_microbatch(example_batch, config: Config):
         lambda t: t[:rows // microbatches] if isinstance(t, torch.Tensor) else t, example_batch)
 
 
-def _stage_groups(program: Program, mesh: Mesh, coords: dict[str, int], timeout_s: float) -> dict:
-    """Process groups of the stage subsets this stage's program names (a weight tied across some of
-    the stages); every rank creates every group, in the same order, as torch.distributed requires."""
-    import datetime
-
-    import torch.distributed as dist
-
-    groups, timeout = {}, datetime.timedelta(seconds=timeout_s)
-    for axis, stages in program.stage.groups:
-        if axis == "pp":
-            continue
-        for dp in range(mesh.dp):
-            group = dist.new_group([mesh.rank_of(p, dp) for p in stages], timeout=timeout)
-            if dp == coords["dp"] and coords["pp"] in stages:
-                groups[axis] = group
-    return groups
+def _stage_groups(program: Program, mesh: Mesh, timeout_s: float) -> dict:
+    """Process groups of the stage subsets the stage programs name (a weight tied across some of the
+    stages; the plan lists every stage's, so every rank creates the same groups)."""
+    return _new_groups({axis: mesh.stage_groups(stages) for axis, stages in program.stage.groups if axis != "pp"},
+                       timeout_s)
 
 
 def _dump_schedule(programs: list[Program], mesh: Mesh, config: Config) -> None:

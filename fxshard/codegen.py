@@ -51,7 +51,7 @@ from .ops.p2p import P2P_OPS
 import torch.nn as nn
 
 from . import meta
-from .graph import ancestors, is_view
+from .graph import ancestors, is_pure, is_view, mutates
 
 # ops whose output shape depends on values: Inductor needs unbacked symbols for them; left to aten
 _DATA_DEPENDENT = {"nonzero", "masked_select", "unique", "_unique2", "unique_consecutive", "_local_scalar_dense",
@@ -74,7 +74,7 @@ def is_fixed(node: fx.Node) -> bool:
     target = node.target
     if getattr(target, "namespace", None) not in ("aten", "prims") or not hasattr(target, "_schema"):
         return True
-    return _mutates(node) or _op_name(node) in _DATA_DEPENDENT
+    return mutates(node) or _op_name(node) in _DATA_DEPENDENT
 
 
 def is_communication(node: fx.Node) -> bool:
@@ -264,9 +264,9 @@ def fold_constants(graph: fx.Graph, module: nn.Module) -> dict[str, torch.Tensor
     op, and none over FOLD_LIMIT_BYTES. Invariant: the graph computes the same values, bit for bit."""
     costly: dict[fx.Node, bool] = {}  # input-free node -> whether computing it takes more than a factory
     for node in graph.nodes:
-        if node.op == "get_attr" and not any(_mutates(user) for user in node.users):
+        if node.op == "get_attr" and not any(mutates(user) for user in node.users):
             costly[node] = False
-        elif _foldable(node) and all(a in costly for a in node.all_input_nodes):
+        elif is_pure(node) and all(a in costly for a in node.all_input_nodes):
             own = node.target is not operator.getitem and not is_view(node) and _op_name(node) not in _CHEAP
             costly[node] = own or any(costly[a] for a in node.all_input_nodes)
     boundary = [n for n, cost in costly.items() if cost and n.op == "call_function"
@@ -294,22 +294,6 @@ def fold_constants(graph: fx.Graph, module: nn.Module) -> dict[str, torch.Tensor
         if not node.users:
             graph.erase_node(node)
     return folded
-
-
-def _foldable(node: fx.Node) -> bool:
-    """A pure, deterministic op that can run at compile time: aten/prims without mutation or randomness."""
-    if node.op != "call_function":
-        return False
-    if node.target is operator.getitem:
-        return True
-    if getattr(node.target, "namespace", None) not in ("aten", "prims") or not hasattr(node.target, "_schema"):
-        return False
-    return not _mutates(node) and torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
-
-
-def _mutates(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    return schema is not None and schema.is_mutable
 
 
 def _op_name(node: fx.Node) -> str:

@@ -37,6 +37,24 @@ def ancestors(nodes) -> set[fx.Node]:
     return seen
 
 
+def mutates(node: fx.Node) -> bool:
+    """`node` calls an op that writes one of its arguments."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return schema is not None and schema.is_mutable
+
+
+def is_pure(node: fx.Node) -> bool:
+    """A deterministic op without side effects: aten/prims, no mutation, no random draw. Computing it
+    again, or ahead of time, gives the same value."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    if getattr(node.target, "namespace", None) not in ("aten", "prims") or not hasattr(node.target, "_schema"):
+        return False
+    return not mutates(node) and torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
+
+
 def call_argument(node: fx.Node, name: str):
     """Argument `name` of an op call, passed by position or by name, or its schema default."""
     arguments = node.target._schema.arguments

@@ -62,12 +62,17 @@ class Mesh:
         """Axis name -> the global ranks of rank 0's group along it."""
         return {axis: groups[0] for axis, groups in self.all_groups().items()}
 
+    def stage_groups(self, stages) -> list[list[int]]:
+        """The groups of the ranks of `stages` (pipeline stage indices), one per data-parallel index:
+        where a weight tied across those stages is summed."""
+        return [[self.rank_of(p, d) for p in stages] for d in range(self.dp)]
+
     def all_groups(self) -> dict[str, list[list[int]]]:
         """Axis name -> every group along it, each as global ranks in group-rank order (what the SPMD
         simulator needs)."""
         stages = range(self.pp)
         result = {"dp": [[self.rank_of(p, d) for d in range(self.dp)] for p in stages],
-                  "pp": [[self.rank_of(p, d) for p in stages] for d in range(self.dp)]}
+                  "pp": self.stage_groups(stages)}
         if self.ep > 1:
             result["ep"] = [[self.rank_of(p, g * self.ep + e) for e in range(self.ep)]
                             for p in stages for g in range(self.edp)]

@@ -121,7 +121,7 @@ class SimulatedRanks:
         groups = self.mesh.all_groups()
         for program in self.programs:
             for axis, stages in program.stage.groups if program.stage else ():
-                groups[axis] = [[self.mesh.rank_of(p, d) for p in stages] for d in range(self.mesh.dp)]
+                groups[axis] = self.mesh.stage_groups(stages)
         return groups
 
     def parameters(self, rank: int = 0) -> dict[str, torch.Tensor]:

@@ -36,14 +36,14 @@ import torch.fx as fx
 
 from fxshard import meta
 from fxshard.errors import FxShardError
-from fxshard.graph import fake_mode_of, inline
+from fxshard.graph import fake_mode_of, inline, is_pure
 from fxshard.ops.p2p import P2P_OPS  # noqa: F401  (registers fxshard::send / recv)
 from fxshard.optimizer_graph import append_update
 from fxshard.program import (REPLICATED, STAGE_LOCAL, GradientNorm, Input, InputKind, Output, OutputKind, Program,
                              StagePlan)
 from fxshard.schedule import COMPUTE, Action, Schedule, check_point_to_point, issue_order
 
-from .pipeline import Chunk, PipelineProgram, is_deterministic
+from .pipeline import Chunk, PipelineProgram
 
 _c10d = torch.ops._c10d_functional
 _SEND, _RECV = torch.ops.fxshard.send.default, torch.ops.fxshard.recv.default
@@ -74,7 +74,7 @@ class _Lowering:
         self.graph = fx.Graph()
         self.local = [c for c in pipeline.chunks if schedule.rank_of(c.index) == stage]
         self.microbatches = schedule.microbatches
-        # stages holding each parameter that gets a gradient, and each parameter or buffer at all
+        # the stages holding each trained parameter (more than one: tied), and each stage's parameters and buffers
         self.holders: dict[str, tuple[int, ...]] = {}
         for chunk in pipeline.chunks:
             for name in chunk.grads:
@@ -87,7 +87,7 @@ class _Lowering:
         self.env: dict[str, fx.Node] = {}       # input name -> placeholder
         self.inputs: list[Input] = []
         self.slices: dict[tuple[int, int], fx.Node] = {}      # (leaf, microbatch) -> rows of that microbatch
-        self.once: dict[fx.Node, fx.Node] = {}  # chunk node computed from parameters only -> its one copy
+        self.once: dict[tuple, fx.Node] = {}    # what a node computes (once_key) -> its one copy per step
         self.outbox: dict[tuple[str, int, int], list[fx.Node]] = {}  # ("F"|"B", chunk, mb) -> values it hands on
         self.inbox: dict[tuple[str, int, int], list[fx.Node]] = {}   # received, not yet waited on
         self.stash: dict[tuple[int, int], dict[str, fx.Node]] = {}   # (chunk, mb) -> forward values its backward reads
@@ -149,8 +149,7 @@ class _Lowering:
                 continue
             if node.op == "output":
                 return [env[v] for v in node.args[0]]
-            input_free = node.op == "get_attr" or (node.op == "call_function" and is_deterministic(node)
-                                                    and all(i in free for i in node.all_input_nodes))
+            input_free = node.op == "get_attr" or (is_pure(node) and all(i in free for i in node.all_input_nodes))
             if input_free or (node.target is _CAST and node.args[0] in params):
                 # a constant or compute that reads no input (RoPE's tables), or a parameter's cast
                 # (FSDP gathers it already cast): once per step
@@ -326,8 +325,7 @@ class _Lowering:
         value = next(node.meta["val"] for spec, node in zip(self.source.outputs, self.source.output_nodes())
                      if spec.name == spec_name)
         shape, dtype, device = value.shape, value.dtype, value.device
-        anchor = self.leaves[0]  # inline needs an input; the zero does not read it
-        (node,) = inline(self.graph, lambda _: [torch.zeros(shape, dtype=dtype, device=device)], [anchor],
+        (node,) = inline(self.graph, lambda: [torch.zeros(shape, dtype=dtype, device=device)], [],
                          fake_mode=self.fake, phase=meta.FWD, layer=meta.POST)
         return node
 

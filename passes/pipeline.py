@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from fxshard import meta
 from fxshard.errors import FxShardError
-from fxshard.graph import ancestors
+from fxshard.graph import ancestors, is_pure
 from fxshard.program import InputKind, OutputKind, Program
 
 _ADD = torch.ops.aten.add.Tensor
@@ -229,7 +229,7 @@ class _Splitter:
         each microbatch."""
         free: set[fx.Node] = set()
         for node in self.graph.nodes:
-            if (node.op == "call_function" and meta.phase(node) == meta.FWD and is_deterministic(node)
+            if (meta.phase(node) == meta.FWD and is_pure(node)
                     and all(i.op == "get_attr" or i in free for i in node.all_input_nodes)):
                 free.add(node)
         return free
@@ -378,11 +378,6 @@ class _Splitter:
         with like.meta["val"].fake_mode:
             node.meta["val"] = target(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in args], **kwargs)
         return node
-
-
-def is_deterministic(node: fx.Node) -> bool:
-    """Computing `node` twice gives the same value (not a random op drawing from the generator)."""
-    return torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
 
 
 def split_weight_gradients(backward: fx.GraphModule, sent: int):
