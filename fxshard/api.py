@@ -78,7 +78,9 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     codegen = config.codegen == "inductor" or (config.codegen == "auto" and batch_spec.device.type == "cuda")
     step = CompiledStep(programs, state, batch_spec, optimizer, batch_spec.device, groups, config.cuda_graphs,
                         sm_carveout=config.ep_sm_carveout, all_to_all=config.ep_all_to_all, codegen=codegen,
-                        verbose=config.verbose)
+                        verbose=config.verbose, coords=coords, rank=_global_rank(),
+                        mesh_description=str(mesh) if mesh is not None else "one device",
+                        expert_layouts=_expert_layouts(model))
     if config.dump_dir or config.verbose:
         _report_lowerings(step, config, len(programs))
     return step
@@ -164,6 +166,21 @@ def _new_groups(rank_lists: dict[str, list[list[int]]], timeout_s: float) -> dic
             if rank in ranks:
                 groups[axis] = group
     return groups
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _expert_layouts(model: nn.Module) -> dict:
+    """Module prefix ("layers.0.moe.experts.fc1.") -> (ExpertLayout, experts) for each expert layer that
+    declares its storage layout (models.GroupedLinear): checkpoints convert between layouts."""
+    from .checkpoint import ExpertLayout
+
+    return {f"{name}.": (module.layout, module.experts) for name, module in model.named_modules()
+            if isinstance(getattr(module, "layout", None), ExpertLayout) and isinstance(getattr(module, "experts", None), int)}
 
 
 def _one_process(mesh):

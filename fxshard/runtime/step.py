@@ -49,8 +49,13 @@ class CompiledStep:
     def __init__(self, programs: list[Program], state: State, batch_spec: BatchSpec, optimizer: Optimizer,
                  device: torch.device, groups: dict | None = None, cuda_graphs: bool = False,
                  sm_carveout: int | None = None, all_to_all: str = "nccl", codegen: bool = False,
-                 verbose: bool = False):
+                 verbose: bool = False, coords: dict[str, int] | None = None, rank: int = 0,
+                 mesh_description: str = "one device", expert_layouts: dict | None = None):
         self.programs = programs
+        # where this rank sits, for checkpoints (fxshard/checkpoint): its index along each mesh axis,
+        # its global rank, and the expert layers' storage layouts (prefix -> (ExpertLayout, experts))
+        self.coords, self.rank, self.mesh_description = dict(coords or {}), rank, mesh_description
+        self.expert_layouts = dict(expert_layouts or {})
         self.program = programs[-1]
         self.state = state
         self.batch_spec = batch_spec
@@ -179,6 +184,24 @@ class CompiledStep:
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         return {name: value for (kind, name), value in self.state.items() if kind is InputKind.OPT_STATE}
+
+    def state_dict(self) -> dict:
+        """This rank's training state for torch.distributed.checkpoint, by global names: `model.<name>`
+        and `optim.<name>.<slot>` (each the rectangles of the global tensor this rank writes, views
+        of the live state), progress and RNG. `dcp.save(step.state_dict(),
+        planner=fxshard.checkpoint.SavePlanner())` saves it; `fxshard.save` also checks and swaps
+        directories. Take a new one after each step if the step's tensors may move."""
+        from ..checkpoint.state import step_state_dict
+
+        return step_state_dict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Copy into the live state this rank's parts of `state`: a dict like `state_dict()`'s
+        (filled by `dcp.load(..., planner=fxshard.checkpoint.LoadPlanner())`) or plain global tensors
+        by key (`model.<name>`, `optim.<name>.<slot>`); keys the step does not hold are ignored."""
+        from ..checkpoint.state import load_state_dict
+
+        load_state_dict(self, state)
 
 
 _EXPERT_OPS = ("grouped_mm", "grouped_mm_wgrad", "grouped_mlp_fwd", "grouped_mlp_dgrad", "grouped_mlp_wgrad")

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .errors import FxShardError
+from ..errors import FxShardError
 
 LAYOUTS = ("grouped", "indexed")
 

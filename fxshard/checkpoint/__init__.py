@@ -1,0 +1,16 @@
+"""Checkpoints: a step's training state saved and loaded by global parameter names (torch.distributed
+.checkpoint), Hugging Face safetensors export and import, and expert-weight layouts.
+
+    fxshard/checkpoint/items.py    where each element of a rank's state lies in the global tensors
+    fxshard/checkpoint/state.py    that state as DCP state dicts (rectangles of global tensors)
+    fxshard/checkpoint/dcp.py      fxshard.save / fxshard.load: directories, checks, async writes
+    fxshard/checkpoint/experts.py  expert-weight layouts (grouped / indexed keys, GLU interleaving)
+"""
+
+from .dcp import PendingSave, load, save
+from .experts import (LAYOUTS, ExpertLayout, convert_expert_tensors, deinterleave_glu, interleave_glu,
+                      layout_of)
+from .state import LoadPlanner, SavePlanner
+
+__all__ = ["save", "load", "PendingSave", "SavePlanner", "LoadPlanner", "ExpertLayout", "LAYOUTS",
+           "convert_expert_tensors", "interleave_glu", "deinterleave_glu", "layout_of"]

@@ -1,0 +1,311 @@
+"""`fxshard.save` / `fxshard.load`: a step's whole training state in a directory, via
+torch.distributed.checkpoint, loadable under any other mesh, strategy, pipeline cut or ep size.
+
+A checkpoint directory holds DCP's files (`.metadata` and one data file per rank) and `fxshard.json`
+(what was saved: optimizer, expert layouts, step count, mesh). A save writes `<path>.partial`, checks
+that every item DCP recorded is in its file, and only then swaps it in for `<path>` (the previous
+checkpoint moves to `<path>.previous` for the instant of the swap): a save killed at any point leaves
+the last good checkpoint loadable. A load checks the directory (complete, same keys and shapes, same
+optimizer) before it touches the step, reads into copies of the state, and swaps them in only after
+every rank read everything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import shutil
+import sys
+import threading
+import time
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ..errors import FxShardError
+from .experts import ExpertLayout, convert_expert_tensors
+from .items import global_tensors, model_key, optimizer_key
+from .state import (PROGRESS, LoadPlanner, SavePlanner, apply_loaded, load_state_dict_into, rng_key,
+                    staging_state_dict, step_state_dict)
+
+MANIFEST = "fxshard.json"
+FORMAT = 1
+
+
+def extra_key(rank: int) -> str:
+    return f"extra.rank{rank}"
+
+
+class PendingSave:
+    """A save in progress (`async_save=True`) or done. `wait()` returns once the checkpoint is in
+    place on every rank, and raises what the save raised."""
+
+    def __init__(self, thread: threading.Thread | None = None):
+        self._thread, self._error = thread, None
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+def save(step, path: str | os.PathLike, extra=None, async_save: bool = False) -> PendingSave:
+    """Write `step`'s training state (parameters, optimizer state, buffers, step count and lr
+    override, every rank's RNG state) and `extra` (any picklable object, e.g. the data loader's
+    position; each rank's own) to the directory `path`. Every rank calls it.
+
+    `async_save=True` copies the state to host memory and writes it in a background thread: the
+    step stalls only for the device-to-host copy; call `.wait()` on the result before relying on
+    the files (a later save waits for an earlier one itself)."""
+    path = os.fspath(path)
+    previous = getattr(step, "_pending_save", None)
+    if previous is not None:
+        previous.wait()
+    distributed = _is_distributed()
+    staging = f"{path}.partial"
+    if _rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)  # what a killed save left
+    state = step_state_dict(step, copy=async_save)
+    state[extra_key(_rank())] = extra
+    manifest = _manifest(step)
+    if not async_save:
+        _write(state, staging, path, manifest, None, distributed)
+        return PendingSave()
+    if distributed and getattr(step, "_checkpoint_group", None) is None:
+        import torch.distributed as dist
+
+        step._checkpoint_group = dist.new_group(backend="gloo")  # the background thread's own collectives
+    group = getattr(step, "_checkpoint_group", None)
+    pending = PendingSave()
+
+    def run():
+        try:
+            _write(state, staging, path, manifest, group, distributed)
+        except BaseException as error:  # noqa: BLE001 - handed to wait()
+            pending._error = error
+
+    pending._thread = threading.Thread(target=run, name="fxshard-save", daemon=True)
+    pending._thread.start()
+    step._pending_save = pending
+    return pending
+
+
+def _write(state, staging, path, manifest, group, distributed):
+    _barrier(group, distributed)  # the staging directory is clean before anyone writes into it
+    started = time.perf_counter()
+    with _quiet(distributed):
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(staging), planner=SavePlanner(),
+                 process_group=group, no_dist=not distributed)
+    if _rank() == 0:
+        manifest["seconds_to_write"] = round(time.perf_counter() - started, 3)
+        problem = _missing_items(staging)
+        if problem:
+            raise FxShardError(f"the checkpoint written to {staging} is incomplete ({problem}); {path} is unchanged")
+        with open(os.path.join(staging, MANIFEST), "w") as handle:
+            json.dump(manifest, handle, indent=1)
+            handle.flush()
+            os.fsync(handle.fileno())
+        _swap_in(staging, path)
+    _barrier(group, distributed)
+
+
+def _swap_in(staging: str, path: str) -> None:
+    """`staging` becomes `path`; an existing `path` is removed only once `staging` holds its name.
+    Killed between the two renames, `<path>.previous` is the last good checkpoint (load finds it)."""
+    previous = f"{path}.previous"
+    if os.path.exists(path):
+        shutil.rmtree(previous, ignore_errors=True)
+        os.rename(path, previous)
+    os.rename(staging, path)
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+def _manifest(step) -> dict:
+    optimizer = step.optimizer
+    return {"format": FORMAT, "optimizer": type(optimizer).__name__, "slots": list(optimizer.slots),
+            "step_count": step.step_count, "mesh": step.mesh_description,
+            "expert_layouts": {prefix: layout.as_dict() for prefix, (layout, _) in step.expert_layouts.items()}}
+
+
+def _missing_items(directory: str) -> str | None:
+    """Why `directory` is not a complete DCP checkpoint, or None: `.metadata` readable, and every
+    item it records inside a file that is long enough."""
+    try:
+        metadata = dcp.FileSystemReader(directory).read_metadata()
+    except (OSError, EOFError, pickle.UnpicklingError) as error:
+        return f"no readable .metadata: {type(error).__name__}: {error}"
+    sizes = {}
+    for info in (metadata.storage_data or {}).values():
+        if info.relative_path not in sizes:
+            file = os.path.join(directory, info.relative_path)
+            sizes[info.relative_path] = os.path.getsize(file) if os.path.exists(file) else -1
+        if sizes[info.relative_path] < info.offset + info.length:
+            return (f"{info.relative_path} is missing" if sizes[info.relative_path] < 0 else
+                    f"{info.relative_path} is truncated: {sizes[info.relative_path]} bytes, items end at "
+                    f"{info.offset + info.length}")
+    return None
+
+
+def load(step, path: str | os.PathLike):
+    """Load a checkpoint written by `save` (under any mesh) into `step`; returns this rank's `extra`
+    (rank 0's where the saving job had fewer ranks). Every rank calls it. On any error the step is
+    left unchanged and every rank raises `FxShardError`."""
+    path = _resolve(os.fspath(path))
+    pending = getattr(step, "_pending_save", None)
+    if pending is not None:
+        pending.wait()
+    manifest, metadata = _read_checks(path)
+    expected, conversions = _expected_keys(step, manifest)
+    _check_keys(step, path, manifest, metadata.state_dict_metadata, expected)
+    state, copies = staging_state_dict(step)
+    for layer in conversions:
+        for key in layer.ours:
+            del state[key]
+        state.update({key: torch.empty(metadata.state_dict_metadata[key].size,
+                                       dtype=metadata.state_dict_metadata[key].properties.dtype)
+                      for key in layer.theirs})
+    own_extra = extra_key(_rank()) if extra_key(_rank()) in metadata.state_dict_metadata else extra_key(0)
+    objects = [own_extra] + ([rng_key(step.rank)] if rng_key(step.rank) in metadata.state_dict_metadata else [])
+    state.update({key: None for key in objects})
+    with _quiet(_is_distributed()):
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=LoadPlanner(),
+                 no_dist=not _is_distributed())
+    for layer in conversions:
+        layer.apply(step, state, copies)
+    apply_loaded(step, copies, state[PROGRESS], state.get(rng_key(step.rank)))
+    return state.get(own_extra)
+
+
+def _resolve(path: str) -> str:
+    if os.path.isdir(path):
+        return path
+    if os.path.isdir(f"{path}.previous"):  # a save was killed while swapping the new one in
+        print(f"fxshard: {path} is missing but {path}.previous is complete (a save was interrupted while "
+              f"replacing it); loading that", file=sys.stderr)
+        return f"{path}.previous"
+    hint = f" ({path}.partial is an interrupted save, not loadable)" if os.path.isdir(f"{path}.partial") else ""
+    raise FxShardError(f"no checkpoint at {path}{hint}; pass the directory fxshard.save wrote")
+
+
+def _read_checks(path: str):
+    manifest_file = os.path.join(path, MANIFEST)
+    if not os.path.exists(manifest_file):
+        raise FxShardError(f"{path} is not a complete fxshard checkpoint (no {MANIFEST}: the save that wrote it did "
+                           f"not finish, or it is not an fxshard checkpoint); load an earlier one")
+    with open(manifest_file) as handle:
+        manifest = json.load(handle)
+    if manifest.get("format") != FORMAT:
+        raise FxShardError(f"{path} has checkpoint format {manifest.get('format')}; this fxshard reads {FORMAT}")
+    problem = _missing_items(path)
+    if problem:
+        raise FxShardError(f"{path} is damaged: {problem}; load an earlier checkpoint")
+    return manifest, dcp.FileSystemReader(path).read_metadata()
+
+
+class _ExpertConversion:
+    """An expert layer saved in another layout (grouped/indexed keys, GLU interleaving): its saved
+    tensors are read whole and converted, in global coordinates, before this rank takes its pieces."""
+
+    def __init__(self, prefix: str, theirs: ExpertLayout, ours: ExpertLayout, experts: int, keys: dict):
+        self.prefix, self.source, self.target, self.experts = prefix, theirs, ours, experts
+        self.groups = keys  # tensor group ("model" or a slot) -> (our keys, their keys), relative names
+        self.ours = [k for group in keys.values() for k in group[0].values()]
+        self.theirs = [k for group in keys.values() for k in group[1].values()]
+
+    def apply(self, step, state: dict, copies: dict) -> None:
+        full = {}
+        for our_keys, their_keys in self.groups.values():
+            tensors = {rel: state[key] for rel, key in their_keys.items()}
+            converted = convert_expert_tensors(tensors, self.source, self.target, self.experts, self.prefix)
+            full.update({our_keys[rel]: value for rel, value in converted.items()})
+        load_state_dict_into(step, full, copies)
+
+
+def _layer_keys(prefix: str, layout: ExpertLayout, experts: int, bias: bool) -> list[str]:
+    names = ["weight"] + (["bias"] if bias else []) if layout.keys == "grouped" else \
+        [f"weight{e}" for e in range(experts)] + ([f"bias{e}" for e in range(experts)] if bias else [])
+    return names
+
+
+def _expected_keys(step, manifest) -> tuple[dict, list[_ExpertConversion]]:
+    """Key -> global shape this step needs from the checkpoint (None: shape decided by a conversion),
+    and the expert layers to convert."""
+    expected = {key: shape for key, (shape, _) in global_tensors(step.programs[0]).items()}
+    saved_layouts = manifest.get("expert_layouts", {})
+    conversions = []
+    for prefix, (layout, experts) in step.expert_layouts.items():
+        if prefix not in saved_layouts or ExpertLayout.from_dict(saved_layouts[prefix]) == layout:
+            continue
+        theirs = ExpertLayout.from_dict(saved_layouts[prefix])
+        bias = model_key(f"{prefix}bias" if layout.keys == "grouped" else f"{prefix}bias0") in expected
+        ours_rel, theirs_rel = (_layer_keys(prefix, layout, experts, bias),
+                                _layer_keys(prefix, theirs, experts, bias))
+        groups = {"model": ({r: model_key(prefix + r) for r in ours_rel}, {r: model_key(prefix + r) for r in theirs_rel})}
+        for slot in step.optimizer.slots:
+            groups[slot] = ({r: optimizer_key(prefix + r, slot) for r in ours_rel},
+                            {r: optimizer_key(prefix + r, slot) for r in theirs_rel})
+        conversion = _ExpertConversion(prefix, theirs, layout, experts, groups)
+        for key in conversion.ours:
+            expected.pop(key, None)
+        expected.update({key: None for key in conversion.theirs})
+        conversions.append(conversion)
+    return expected, conversions
+
+
+def _check_keys(step, path, manifest, saved: dict, expected: dict) -> None:
+    """Raise, naming them, for keys missing from the checkpoint, keys it has that the step lacks,
+    shapes that differ, and another optimizer's state."""
+    theirs_opt, ours_opt = manifest.get("optimizer"), type(step.optimizer).__name__
+    if list(manifest.get("slots", [])) != list(step.optimizer.slots):
+        raise FxShardError(f"{path} holds {theirs_opt} state (slots {manifest.get('slots')}), this step trains with "
+                           f"{ours_opt} (slots {list(step.optimizer.slots)}); shard with the optimizer it was saved "
+                           f"with")
+    tensors = {key: value for key, value in saved.items() if key.startswith(("model.", "optim."))}
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    mis_shaped = sorted(f"{key} {tuple(tensors[key].size)} != {tuple(shape)}" for key, shape in expected.items()
+                        if shape is not None and key in tensors and tuple(tensors[key].size) != tuple(shape))
+    if missing or unexpected or mis_shaped:
+        parts = [f"{label} ({len(items)}): {', '.join(items[:8])}{', ...' if len(items) > 8 else ''}"
+                 for label, items in (("missing", missing), ("unexpected", unexpected),
+                                      ("shape differs", mis_shaped)) if items]
+        raise FxShardError(f"{path} is a checkpoint of another model: {'; '.join(parts)}. Shard the model it was "
+                           f"saved from (same config), or load weights by name with fxshard.load_hf")
+
+
+@contextlib.contextmanager
+def _quiet(distributed: bool):
+    """One process without torch.distributed is a normal fxshard job: DCP need not warn about it."""
+    with warnings.catch_warnings():
+        if not distributed:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _is_distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if _is_distributed() else 0
+
+
+def _barrier(group, distributed: bool) -> None:
+    if distributed:
+        import torch.distributed as dist
+
+        dist.barrier(group=group)
+

@@ -1,0 +1,193 @@
+"""A step's training state as torch.distributed.checkpoint (DCP) sees it: global tensors by model name.
+
+`step_state_dict(step)` gives, per checkpoint key (fxshard/checkpoint/items.py), a `Boxes` object:
+the rectangles of that global tensor this rank holds, each a view of one of its state tensors. DCP
+writes each rectangle once (the rank whose piece `writes`) and, on load, reads into every rank's
+rectangles whatever the checkpoint's rectangles overlap: that is the resharding, any layout to any
+other. `SavePlanner` / `LoadPlanner` are DCP's default planners taught to find a rectangle in a
+`Boxes` (DCP's own lookup knows only tensors, DTensors and ShardedTensors).
+
+Beside the tensors: `fxshard.progress` (step count, learning-rate override) and `rng.rank<r>` (this
+rank's CPU and CUDA generator states), both plain objects DCP pickles.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from .items import Piece, boxes, global_tensors, state_pieces
+
+PROGRESS = "fxshard.progress"
+
+
+def rng_key(rank: int) -> str:
+    return f"rng.rank{rank}"
+
+
+class Boxes:
+    """One global tensor (`size`, `dtype`) as one rank holds it: box offsets -> a view of that box."""
+
+    def __init__(self, size: tuple[int, ...], dtype: torch.dtype):
+        self.global_size, self.dtype = torch.Size(size), dtype
+        self.boxes: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def size(self) -> torch.Size:  # what DCP's load plan compares with the checkpoint's size
+        return self.global_size
+
+    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=ChunkStorageMetadata(torch.Size(offsets), view.size()),
+                              properties=TensorProperties.create_from_tensor(view), size=self.global_size))
+                for offsets, view in self.boxes.items()]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(torch.Size(offsets), view.size()) for offsets, view in self.boxes.items()]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        return self.boxes[tuple(index.offset)]
+
+
+class SavePlanner(DefaultSavePlanner):
+    def __init__(self, **options):  # the state dict is flat already: progress and RNG dicts stay one object
+        super().__init__(**{"flatten_state_dict": False, "flatten_sharded_tensors": False, **options})
+
+    def lookup_object(self, index: MetadataIndex):
+        value = self.state_dict[index.fqn]
+        return value.__get_tensor_shard__(index) if isinstance(value, Boxes) else super().lookup_object(index)
+
+
+class LoadPlanner(DefaultLoadPlanner):
+    def __init__(self, **options):
+        super().__init__(**{"flatten_state_dict": False, "flatten_sharded_tensors": False, **options})
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        # DCP's own set-up maps every value through a function that knows only tensors and turns
+        # anything else, our Boxes included, into None
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        value = self.state_dict[index.fqn]
+        return value.__get_tensor_shard__(index) if isinstance(value, Boxes) else super().lookup_tensor(index)
+
+
+def pieces_of(step) -> list[Piece]:
+    return state_pieces(step.program, step.programs[0], step.coords)
+
+
+def boxes_of(step, pieces: list[Piece], tensors: dict, writes_only: bool) -> dict[str, Boxes]:
+    """Key -> Boxes whose views lie in `tensors` ((kind, name) -> flat-viewable state tensor)."""
+    shapes = global_tensors(step.programs[0])
+    result: dict[str, Boxes] = {}
+    for piece in pieces:
+        if writes_only and not piece.writes:
+            continue
+        shape, dtype = shapes[piece.key]
+        held = result.setdefault(piece.key, Boxes(shape, tensors[piece.state].dtype))
+        flat = tensors[piece.state].view(-1)
+        for offsets, sizes, start in boxes(shape, piece.start, piece.start + piece.numel):
+            begin = piece.local + start - piece.start
+            held.boxes[offsets] = flat[begin:begin + math.prod(sizes)].view(sizes)
+    return result
+
+
+def step_state_dict(step, copy: bool = False, writes_only: bool = True) -> dict:
+    """The DCP state dict of `step` on this rank: every key this rank writes (`writes_only`) or holds,
+    as views of the step's state tensors, or of host copies of them (`copy`: a snapshot that later
+    steps do not change, pinned for a fast device-to-host copy)."""
+    pieces = pieces_of(step)
+    used = {piece.state for piece in pieces if piece.writes or not writes_only}
+    tensors = {key: step.state[key] for key in used}
+    if copy:
+        tensors = {key: _host_copy(value) for key, value in tensors.items()}
+        if step.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+    state = dict(boxes_of(step, pieces, tensors, writes_only))
+    state[PROGRESS] = {"step_count": step.step_count, "lr_override": step._lr_override}
+    state[rng_key(step.rank)] = rng_state(step.device)
+    return state
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.device.type == "cpu":
+        return tensor.clone()
+    copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return copy.copy_(tensor, non_blocking=True)
+
+
+def rng_state(device: torch.device) -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def staging_state_dict(step) -> tuple[dict, dict]:
+    """A DCP state dict for loading: every key this rank holds, as views of fresh copies of its state
+    tensors (a failed load leaves the step as it was), and those copies ((kind, name) -> tensor)."""
+    pieces = pieces_of(step)
+    copies = {piece.state: step.state[piece.state].clone() for piece in pieces}
+    state = dict(boxes_of(step, pieces, copies, writes_only=False))
+    state[PROGRESS] = {"step_count": 0, "lr_override": None}
+    return state, copies
+
+
+def apply_loaded(step, copies: dict, progress: dict, rng: dict | None) -> None:
+    """Make the loaded copies the step's state: copied into the step's own tensors, whose addresses
+    a captured CUDA graph reads."""
+    with torch.no_grad():
+        for key, value in copies.items():
+            step.state[key].copy_(value)
+    step.step_count = int(progress["step_count"])
+    step._lr_override = progress["lr_override"]
+    if rng is not None:
+        set_rng_state(rng, step.device)
+
+
+def load_state_dict(step, state: dict) -> None:
+    """`step.load_state_dict`: a state dict of `step_state_dict`'s form (its views filled by DCP), or
+    plain global tensors by key; keys the step does not hold are ignored."""
+    load_state_dict_into(step, state, step.state)
+    progress = state.get(PROGRESS)
+    if progress is not None:
+        step.step_count = int(progress["step_count"])
+        step._lr_override = progress["lr_override"]
+    if rng_key(step.rank) in state:
+        set_rng_state(state[rng_key(step.rank)], step.device)
+
+
+def load_state_dict_into(step, state: dict, targets: dict) -> None:
+    """Copy this rank's pieces of the global tensors in `state` (Boxes or plain tensors, by key) into
+    `targets` ((kind, name) -> state tensor)."""
+    shapes = global_tensors(step.programs[0])
+    with torch.no_grad():
+        for piece in pieces_of(step):
+            value = state.get(piece.key)
+            if value is None:
+                continue
+            target = targets[piece.state].view(-1)
+            for offsets, sizes, start in boxes(shapes[piece.key][0], piece.start, piece.start + piece.numel):
+                begin = piece.local + start - piece.start
+                source = value.boxes[offsets] if isinstance(value, Boxes) else _box(value, offsets, sizes)
+                destination = target[begin:begin + math.prod(sizes)].view(sizes)
+                if source.data_ptr() != destination.data_ptr():
+                    destination.copy_(source)
+
+
+def _box(tensor: torch.Tensor, offsets, sizes) -> torch.Tensor:
+    for dim, (offset, size) in enumerate(zip(offsets, sizes)):
+        tensor = tensor.narrow(dim, offset, size)
+    return tensor
+
