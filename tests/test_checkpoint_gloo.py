@@ -111,3 +111,52 @@ def test_resume_matrix_every_layout_into_every_layout(tmp_path):
         worst = max(abs(a - b) / abs(a) for a, b in zip(uninterrupted, resumed))
         print(f"{source:>12} {target:>12}  {worst:.2e}{'  (bit for bit)' if resumed == uninterrupted else ''}")
     check(table)
+
+
+def glu_model(**overrides):
+    torch.manual_seed(0)
+    return MoEGPT(MoEGPTConfig.preset("tiny", **{"glu_interleave_size": 2, **overrides}))
+
+
+def glu_job(directory: str, phase: str) -> None:
+    """ZeRO-3 shards of a GLU-interleaved expert fc1 (unit shards end inside parameters): phase
+    "train" trains 3 steps on 2 ranks and saves; phase "reshard" loads that on 3 ranks into the same
+    layout and into indexed, plain-row expert weights, and saves each back."""
+    rank = dist.get_rank()
+    batch = {k: v[rank * 2:(rank + 1) * 2] for k, v in batches()[0].items()}
+    config = fxshard.Config(sharding="optim_grads_params")
+    mesh = fxshard.Mesh(dp=dist.get_world_size())
+    if phase == "train":
+        step = fxshard.shard(glu_model(), lambda m, b: m.loss(b), batch, ADAMW, mesh=mesh, config=config)
+        for _ in range(3):
+            step(batch)
+        fxshard.save(step, os.path.join(directory, "two_ranks"))
+        return
+    for name, overrides in (("same_layout", {}), ("indexed_plain", dict(expert_weights="indexed",
+                                                                         glu_interleave_size=None))):
+        step = fxshard.shard(glu_model(**overrides), lambda m, b: m.loss(b), batch, ADAMW, mesh=mesh, config=config)
+        fxshard.load(step, os.path.join(directory, "two_ranks"))
+        fxshard.save(step, os.path.join(directory, name))
+
+
+def test_glu_interleaved_experts_reshard_2_to_3_ranks_with_both_adam_moments_exact(tmp_path):
+    from fxshard.checkpoint import ExpertLayout, convert_expert_tensors, read_tensors
+
+    run_local(glu_job, 2, str(tmp_path), "train", backend="gloo")
+    run_local(glu_job, 3, str(tmp_path), "reshard", backend="gloo")
+    saved = read_tensors(tmp_path / "two_ranks")
+    assert any(key.endswith("exp_avg_sq") for key in saved) and saved["optim.tok_emb.weight.exp_avg"].abs().sum() > 0
+    same = read_tensors(tmp_path / "same_layout")
+    assert saved.keys() == same.keys()
+    for key in saved:
+        assert torch.equal(saved[key], same[key]), key
+    # the interleaved fc1 of each layer, its weight and both moments, converted in global coordinates
+    indexed = read_tensors(tmp_path / "indexed_plain")
+    source, target = ExpertLayout("grouped", 2), ExpertLayout("indexed", None)
+    fc1 = [key[len("model."):-len("weight")] for key in saved if key.endswith("experts.fc1.weight")]
+    assert len(fc1) == 2
+    for prefix in fc1:
+        for kind, suffix in (("model.", ""), ("optim.", ".exp_avg"), ("optim.", ".exp_avg_sq")):
+            converted = convert_expert_tensors({"weight": saved[f"{kind}{prefix}weight{suffix}"]}, source, target, 4)
+            for rel, value in converted.items():
+                assert torch.equal(indexed[f"{kind}{prefix}{rel}{suffix}"], value), (prefix, rel, suffix)

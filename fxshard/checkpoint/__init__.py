@@ -7,10 +7,10 @@
     fxshard/checkpoint/experts.py  expert-weight layouts (grouped / indexed keys, GLU interleaving)
 """
 
-from .dcp import PendingSave, load, save
+from .dcp import PendingSave, load, read_tensors, save
 from .experts import (LAYOUTS, ExpertLayout, convert_expert_tensors, deinterleave_glu, interleave_glu,
                       layout_of)
 from .state import LoadPlanner, SavePlanner
 
-__all__ = ["save", "load", "PendingSave", "SavePlanner", "LoadPlanner", "ExpertLayout", "LAYOUTS",
+__all__ = ["save", "load", "read_tensors", "PendingSave", "SavePlanner", "LoadPlanner", "ExpertLayout", "LAYOUTS",
            "convert_expert_tensors", "interleave_glu", "deinterleave_glu", "layout_of"]

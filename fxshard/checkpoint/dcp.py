@@ -169,7 +169,7 @@ def load(step, path: str | os.PathLike):
     state, copies = staging_state_dict(step)
     for layer in conversions:
         for key in layer.ours:
-            del state[key]
+            state.pop(key, None)  # the pieces of it this rank holds come from the conversion
         state.update({key: torch.empty(metadata.state_dict_metadata[key].size,
                                        dtype=metadata.state_dict_metadata[key].properties.dtype)
                       for key in layer.theirs})
@@ -183,6 +183,19 @@ def load(step, path: str | os.PathLike):
         layer.apply(step, state, copies)
     apply_loaded(step, copies, state[PROGRESS], state.get(rng_key(step.rank)))
     return state.get(own_extra)
+
+
+def read_tensors(path: str | os.PathLike, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The checkpoint's global tensors whose keys start with `prefix` (`model.`, `optim.`), whole, on
+    the CPU of this one process (for inspection, conversion, tests): any layout saved them."""
+    path = _resolve(os.fspath(path))
+    _, metadata = _read_checks(path)
+    state = {key: torch.empty(value.size, dtype=value.properties.dtype)
+             for key, value in metadata.state_dict_metadata.items()
+             if key.startswith(prefix) and key.startswith(("model.", "optim."))}
+    with _quiet(False):
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=LoadPlanner(), no_dist=True)
+    return state
 
 
 def _resolve(path: str) -> str:

@@ -1,0 +1,141 @@
+"""Checkpoint directories on one process: what a bad input says (and that it changes nothing), a save
+killed while writing, and asynchronous saves."""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import fxshard
+from fxshard.models import GPT, GPTConfig
+
+ADAMW = fxshard.optim.AdamW(lr=3e-3)
+
+
+def batches(count=6):
+    generator = torch.Generator().manual_seed(0)
+    return [{"idx": torch.randint(0, 64, (2, 8), generator=generator),
+             "tgt": torch.randint(0, 64, (2, 8), generator=generator)} for _ in range(count)]
+
+
+def shard(optimizer=ADAMW, **overrides):
+    torch.manual_seed(0)
+    return fxshard.shard(GPT(GPTConfig.preset("tiny", **overrides)), lambda m, b: m.loss(b), batches()[0], optimizer)
+
+
+def snapshot(step):
+    return {key: value.clone() for key, value in step.state.items()}, step.step_count
+
+
+def assert_unchanged(step, before):
+    state, count = before
+    assert step.step_count == count
+    for key, value in state.items():
+        assert torch.equal(step.state[key], value), key
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A GPT tiny checkpoint after 3 AdamW steps, and the losses of steps 4 and 5 of that run."""
+    step = shard()
+    data = batches()
+    for batch in data[:3]:
+        step(batch)
+    path = tmp_path_factory.mktemp("ck") / "gpt"
+    fxshard.save(step, path, extra={"epoch": 1})
+    return path, [step(batch)["loss"].item() for batch in data[3:5]]
+
+
+def test_another_model_is_refused_naming_its_keys_and_nothing_changes(saved):
+    path, _ = saved
+    for overrides, expected in ((dict(n_layer=3), r"missing \(\d+\): model\.layers\.2\."),
+                                (dict(n_layer=1), r"unexpected \(\d+\): model\.layers\.1\."),
+                                (dict(d_ff=96), r"shape differs \(\d+\): model\.layers\.0\.mlp\.down\.weight "
+                                                r"\(64, 128\) != \(64, 96\)")):
+        step = shard(**overrides)
+        step(batches()[0])
+        before = snapshot(step)
+        with pytest.raises(fxshard.FxShardError, match=expected):
+            fxshard.load(step, path)
+        assert_unchanged(step, before)
+
+
+def test_another_optimizers_state_is_refused(saved):
+    step = shard(fxshard.optim.SGD(lr=0.1, momentum=0.9))
+    with pytest.raises(fxshard.FxShardError, match=r"holds AdamW state .* trains with SGD"):
+        fxshard.load(step, saved[0])
+
+
+def test_damaged_and_partial_checkpoints_are_refused_and_nothing_changes(saved, tmp_path):
+    step = shard()
+    before = snapshot(step)
+    truncated = tmp_path / "truncated"
+    shutil.copytree(saved[0], truncated)
+    data = next(f for f in os.listdir(truncated) if f.endswith(".distcp"))
+    with open(truncated / data, "r+b") as handle:
+        handle.truncate(os.path.getsize(truncated / data) // 2)
+    with pytest.raises(fxshard.FxShardError, match=f"is damaged: {data} is truncated"):
+        fxshard.load(step, truncated)
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(saved[0], unfinished)
+    os.remove(unfinished / "fxshard.json")
+    with pytest.raises(fxshard.FxShardError, match="not a complete fxshard checkpoint"):
+        fxshard.load(step, unfinished)
+    os.rename(unfinished, tmp_path / "interrupted.partial")
+    with pytest.raises(fxshard.FxShardError, match=r"interrupted.partial is an interrupted save"):
+        fxshard.load(step, tmp_path / "interrupted")
+    assert_unchanged(step, before)
+
+
+KILLED_SAVE = """
+import os, sys, torch, fxshard
+sys.path.insert(0, {tests!r})
+from test_checkpoint_files import batches, shard
+
+class DiesWhenPickled:  # the writer process is killed in the middle of writing the new checkpoint
+    def __reduce__(self):
+        os._exit(3)
+
+step = shard()
+for batch in batches()[:3]:
+    step(batch)
+fxshard.save(step, {path!r}, extra={{"epoch": 1}})
+for batch in batches()[3:5]:
+    step(batch)
+fxshard.save(step, {path!r}, extra=DiesWhenPickled())
+"""
+
+
+def test_a_save_killed_while_writing_leaves_the_last_checkpoint_loading_and_training_exactly(saved, tmp_path):
+    path = tmp_path / "gpt"
+    code = KILLED_SAVE.format(tests=os.path.dirname(__file__), path=str(path))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert os.path.isdir(f"{path}.partial")  # the killed save's leftovers
+    step = shard()
+    assert fxshard.load(step, path) == {"epoch": 1} and step.step_count == 3
+    assert [step(batch)["loss"].item() for batch in batches()[3:5]] == saved[1]
+    # killed between its two renames: only <path>.previous is left, and it loads
+    os.rename(path, f"{path}.previous")
+    assert fxshard.load(shard(), path) == {"epoch": 1}
+
+
+def test_an_async_save_holds_the_state_of_when_it_was_called(saved, tmp_path):
+    step = shard()
+    data = batches()
+    for batch in data[:3]:
+        step(batch)
+    pending = fxshard.save(step, tmp_path / "async", extra={"epoch": 1}, async_save=True)
+    later = [step(batch)["loss"].item() for batch in data[3:5]]  # the state changes while it writes
+    pending.wait()
+    assert pending.done() and later == saved[1]
+    resumed = shard()
+    fxshard.load(resumed, tmp_path / "async")
+    assert [resumed(batch)["loss"].item() for batch in data[3:5]] == saved[1]
