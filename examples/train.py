@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 
 import torch
@@ -62,6 +63,11 @@ def parse_args(argv=None):
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "interleaved-1f1b", "gpipe"])
     parser.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches (with --pp > 1)")
     parser.add_argument("--virtual-stages", type=int, default=1, help="chunks per pipeline rank (interleaved)")
+    parser.add_argument("--save", metavar="DIR", help="write a checkpoint here (every --save-every steps, and at the end); "
+                        "'{step}' in DIR is replaced by the step number (keeps each one)")
+    parser.add_argument("--save-every", type=int, default=0, metavar="N", help="with --save: every N steps (0: at the end)")
+    parser.add_argument("--resume", metavar="DIR", help="continue from this checkpoint (any --dp/--pp/--ep may have "
+                        "written it; the global batch is --batch-size x --dp)")
     return parser.parse_args(argv)
 
 
@@ -89,6 +95,10 @@ def main(argv=None) -> dict:
            args.ep_microbatches) < 1:
         raise SystemExit("--steps, --batch-size, --copy-len, --dp, --ep, --pp, --microbatches and --ep-microbatches "
                          "must be >= 1")
+    if args.save_every < 0 or (args.save_every and not args.save):
+        raise SystemExit("--save-every needs --save DIR and a count >= 1")
+    if args.resume and not os.path.isdir(args.resume):
+        raise SystemExit(f"--resume {args.resume}: no such checkpoint directory")
     if args.dp % args.ep or (args.ep > 1 and args.model != "moe_gpt"):
         raise SystemExit("--ep must divide --dp, and needs --model moe_gpt")
     if args.sharding is None:  # pipelines: ZeRO-1 (ZeRO-3 would gather each chunk again for every microbatch)
@@ -160,18 +170,32 @@ def train(args) -> dict:
     if args.dump:
         say(f"graph dumps in {args.dump} (python -m fxshard.dump {args.dump})")
 
-    losses = []
+    if args.resume:  # the training state, and where the data stream was
+        extra = fxshard.load(step, args.resume)
+        generator.set_state(extra["data_generator"])
+        say(f"resumed from {args.resume} at step {step.step_count}")
+
+    losses, pending = [], None
     started = time.perf_counter()
-    for index in range(1, args.steps + 1):
+    for index in range(step.step_count + 1, args.steps + 1):
         metrics = step(next_batch())
         losses.append(metrics["loss"].item())
         if index % args.log_every == 0 or index == args.steps:
             dropped = f" dropped {metrics['moe_dropped_tokens'].item()}" if "moe_dropped_tokens" in metrics else ""
             say(f"step {index} loss {losses[-1]:.4f} grad_norm {metrics['grad_norm'].item():.3f}{dropped}", flush=True)
+        if args.save and (index == args.steps or args.save_every and index % args.save_every == 0):
+            stalled = time.perf_counter()  # written in the background: the step waits for the host copy only
+            directory = args.save.replace("{step}", str(index))
+            pending = fxshard.save(step, directory, extra={"data_generator": generator.get_state()}, async_save=True)
+            say(f"saving step {index} to {directory} (stalled {time.perf_counter() - stalled:.2f}s)")
+    if pending is not None:
+        pending.wait()
+    if not losses:
+        raise SystemExit(f"nothing to train: the checkpoint is at step {step.step_count}, --steps is {args.steps}")
     seconds = time.perf_counter() - started
     first = sum(losses[:10]) / len(losses[:10])
     last = sum(losses[-10:]) / len(losses[-10:])
-    tokens = args.steps * args.batch_size * world * 2 * args.copy_len
+    tokens = len(losses) * args.batch_size * world * 2 * args.copy_len
     routed = {name: value for name, value in metrics.items() if name.startswith("moe/")}
     if routed:  # the expert-parallel pass reports each MoE layer's routing (summed over the ranks)
         say("last step's routing: " + "; ".join(f"{name} {value.tolist()}" for name, value in routed.items()))
@@ -179,9 +203,9 @@ def train(args) -> dict:
             from fxshard.dump import dump_routing
 
             say(f"routing of the last step in {dump_routing(routed, args.dump)}")
-    say(f"done: {args.steps} steps in {seconds:.1f}s ({tokens / seconds:,.0f} tokens/s over {processes} process(es)); "
+    say(f"done: {len(losses)} steps in {seconds:.1f}s ({tokens / seconds:,.0f} tokens/s over {processes} process(es)); "
         f"mean loss of first 10 steps {first:.3f} -> last 10 steps {last:.3f}")
-    return {"first_loss": first, "last_loss": last, "seconds": seconds}
+    return {"first_loss": first, "last_loss": last, "seconds": seconds, "losses": losses}
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ def test_train_example_with_two_stages_times_two_data_parallel(tmp_path):
 
     script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train.py"
     result = subprocess.run([sys.executable, str(script), "--pp", "2", "--dp", "2", "--steps", "60", "--log-every",
-                             "30", "--dump", str(tmp_path)], capture_output=True, text=True, timeout=600)
+                             "30", "--dump", str(tmp_path), "--save", str(tmp_path / "ck{step}"), "--save-every", "30"],
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Mesh(pp=2, dp=2)" in result.stdout and "1f1b pipeline" in result.stdout
     assert "done: 60 steps" in result.stdout
@@ -61,3 +62,8 @@ def test_a_bad_pipeline_cut_fails_in_the_launching_process_before_spawning(monke
     monkeypatch.setattr(train, "run_local", lambda *a, **k: pytest.fail("spawned processes for a bad configuration"))
     with pytest.raises(fxshard.FxShardError, match="4 pipeline chunks .* only 2 layers"):
         train.main(["--pp", "2", "--virtual-stages", "2", "--steps", "1"])
+    # resumed at step 30 on one process with the same global batch (2 x 16 rows): steps 31-60 again
+    resumed = load_train().main(["--resume", str(tmp_path / "ck30"), "--steps", "60", "--batch-size", "32",
+                                 "--log-every", "30"])
+    step60 = float(result.stdout.split("step 60 loss ")[1].split()[0])
+    assert len(resumed["losses"]) == 30 and abs(resumed["losses"][-1] - step60) < 2e-4, (resumed, step60)
