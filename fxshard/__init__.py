@@ -16,11 +16,11 @@ if all(_os.path.isfile(_os.path.join(_checkout, d, "__init__.py")) for d in ("pa
 
 from . import meta, optim  # noqa: E402
 from .api import check, shard, trace  # noqa: E402
-from .checkpoint import load, save  # noqa: E402
+from .checkpoint import export_hf, load, load_hf, save  # noqa: E402
 from .config import Config  # noqa: E402
 from .errors import FxShardError  # noqa: E402
 from .mesh import Mesh  # noqa: E402
 from .program import Input, InputKind, Output, OutputKind, Placement, Program  # noqa: E402
 
-__all__ = ["shard", "trace", "check", "save", "load", "Config", "Mesh", "FxShardError", "Program", "Input", "InputKind", "Output",
+__all__ = ["shard", "trace", "check", "save", "load", "export_hf", "load_hf", "Config", "Mesh", "FxShardError", "Program", "Input", "InputKind", "Output",
            "OutputKind", "Placement", "optim", "meta"]

@@ -80,7 +80,8 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
                         sm_carveout=config.ep_sm_carveout, all_to_all=config.ep_all_to_all, codegen=codegen,
                         verbose=config.verbose, coords=coords, rank=_global_rank(),
                         mesh_description=str(mesh) if mesh is not None else "one device",
-                        expert_layouts=_expert_layouts(model))
+                        expert_layouts=_expert_layouts(model), model_class=type(model).__name__,
+                        model_config=getattr(model, "cfg", None))
     if config.dump_dir or config.verbose:
         _report_lowerings(step, config, len(programs))
     return step

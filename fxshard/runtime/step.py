@@ -50,12 +50,15 @@ class CompiledStep:
                  device: torch.device, groups: dict | None = None, cuda_graphs: bool = False,
                  sm_carveout: int | None = None, all_to_all: str = "nccl", codegen: bool = False,
                  verbose: bool = False, coords: dict[str, int] | None = None, rank: int = 0,
-                 mesh_description: str = "one device", expert_layouts: dict | None = None):
+                 mesh_description: str = "one device", expert_layouts: dict | None = None,
+                 model_class: str = "", model_config=None):
         self.programs = programs
         # where this rank sits, for checkpoints (fxshard/checkpoint): its index along each mesh axis,
         # its global rank, and the expert layers' storage layouts (prefix -> (ExpertLayout, experts))
         self.coords, self.rank, self.mesh_description = dict(coords or {}), rank, mesh_description
         self.expert_layouts = dict(expert_layouts or {})
+        # what the Hugging Face export needs to name the architecture (fxshard/checkpoint/hf.py)
+        self.model_class, self.model_config = model_class, model_config
         self.program = programs[-1]
         self.state = state
         self.batch_spec = batch_spec

@@ -1,0 +1,319 @@
+"""Weights to and from Hugging Face: `export_hf(step, dir)` writes safetensors and a config.json that
+transformers loads; `load_hf(step, dir)` initializes a step's parameters from such a directory (or
+from safetensors in the model's own parameter names), each rank reading only its pieces.
+
+Architectures, and why:
+- `models.GPT` is `LlamaForCausalLM`: RMSNorm, SwiGLU, RoPE in the two-halves (GPT-NeoX) layout that
+  transformers' Llama uses, so q and k need no permutation; the fused qkv rows split into q_proj,
+  k_proj, v_proj; no biases, untied head.
+- `models.MoEGPT` is `MixtralForCausalLM` (its hub layout, the one transformers' save_pretrained
+  writes: block_sparse_moe.experts.<e>.w1/w3/w2): Mixtral routes as MoEGPT does (softmax over the
+  experts, top-k, the k weights renormalized) with SwiGLU experts, Llama attention and no bias. No
+  transformers architecture has MoEGPT's shared expert (Qwen2-MoE gates its shared expert with a
+  sigmoid, which cannot be the identity), so a model with `d_ff_shared` is refused, as are
+  `normalize_top_k=False` and `routing="balanced"`. Mixtral is dropless: a model trained with a
+  capacity factor exports the same weights but transformers computes without drops.
+
+A target tensor is described as a `Source` tree (stored tensors, concatenated along a dim, stacked),
+so any rectangle of it reads only the stored elements it covers (`safe_open(...).get_slice`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import FxShardError
+from .experts import ExpertLayout, convert_expert_tensors
+from ..program import InputKind
+from .items import boxes, state_pieces
+
+PLAIN = ExpertLayout("grouped", None)
+
+
+# ---- tensors as trees over stored tensors ------------------------------------------------------
+class Source:
+    shape: tuple[int, ...]
+
+    def read(self, offsets, sizes) -> torch.Tensor:
+        raise NotImplementedError
+
+
+@dataclass
+class Stored(Source):
+    """A tensor in a safetensors file, read a rectangle at a time."""
+
+    files: "SafetensorsDirectory"
+    name: str
+    shape: tuple[int, ...]
+
+    def read(self, offsets, sizes):
+        part = self.files.slice(self.name)
+        return part[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] if sizes else part[:]
+
+
+@dataclass
+class Held(Source):
+    """A tensor in memory (exports, and expert layers converted whole)."""
+
+    tensor: torch.Tensor
+
+    @property
+    def shape(self):
+        return tuple(self.tensor.shape)
+
+    def read(self, offsets, sizes):
+        value = self.tensor
+        for dim, (offset, size) in enumerate(zip(offsets, sizes)):
+            value = value.narrow(dim, offset, size)
+        return value
+
+
+@dataclass
+class Cat(Source):
+    """`parts` concatenated along `dim`."""
+
+    parts: list[Source]
+    dim: int
+
+    @property
+    def shape(self):
+        first = self.parts[0].shape
+        return (*first[:self.dim], sum(p.shape[self.dim] for p in self.parts), *first[self.dim + 1:])
+
+    def read(self, offsets, sizes):
+        pieces, begin = [], 0
+        low, high = offsets[self.dim], offsets[self.dim] + sizes[self.dim]
+        for part in self.parts:
+            end = begin + part.shape[self.dim]
+            if begin < high and low < end:
+                start, stop = max(low, begin), min(high, end)
+                o, s = list(offsets), list(sizes)
+                o[self.dim], s[self.dim] = start - begin, stop - start
+                pieces.append(part.read(o, s))
+            begin = end
+        return torch.cat(pieces, dim=self.dim)
+
+
+@dataclass
+class Stack(Source):
+    """`parts` stacked along a new dim 0 (experts)."""
+
+    parts: list[Source]
+
+    @property
+    def shape(self):
+        return (len(self.parts), *self.parts[0].shape)
+
+    def read(self, offsets, sizes):
+        return torch.stack([self.parts[e].read(offsets[1:], sizes[1:])
+                            for e in range(offsets[0], offsets[0] + sizes[0])])
+
+
+class SafetensorsDirectory:
+    """Every tensor of the *.safetensors files in a directory, opened lazily."""
+
+    def __init__(self, directory: str):
+        from safetensors import safe_open
+
+        files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+        if not files:
+            raise FxShardError(f"{directory} holds no *.safetensors files; pass a directory written by "
+                               f"save_pretrained or fxshard.export_hf")
+        self.handles, self.where, self.shapes = {}, {}, {}
+        for file in files:
+            handle = safe_open(os.path.join(directory, file), framework="pt")
+            self.handles[file] = handle
+            for name in handle.keys():
+                self.where[name] = file
+                self.shapes[name] = tuple(handle.get_slice(name).get_shape())
+
+    def slice(self, name: str):
+        return self.handles[self.where[name]].get_slice(name)
+
+    def source(self, name: str) -> Stored:
+        return Stored(self, name, self.shapes[name])
+
+
+# ---- the architectures -------------------------------------------------------------------------
+def _layers(names) -> int:
+    return 1 + max((int(m.group(1)) for n in names if (m := re.match(r"layers\.(\d+)\.", n))), default=-1)
+
+
+def hf_layout(model_class: str, cfg, names: set[str]) -> tuple[dict, dict[str, list[str]]]:
+    """(config.json, our parameter name -> the HF names it is made of, in order) for a known model."""
+    if model_class not in ("GPT", "MoEGPT") or cfg is None:
+        raise FxShardError(f"export_hf / load_hf know fxshard.models.GPT (as Llama) and MoEGPT (as Mixtral), not "
+                           f"{model_class}; for another model, load safetensors in its own parameter names")
+    layers = _layers(names)
+    common = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "num_hidden_layers": layers,
+              "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_head, "hidden_act": "silu",
+              "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+              "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+              "max_position_embeddings": 4096, "tie_word_embeddings": False, "attention_bias": False,
+              "torch_dtype": "float32"}
+    parts = {"tok_emb.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"],
+             "head.weight": ["lm_head.weight"]}
+    for i in range(layers):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        parts[ours + "attn_norm.weight"] = [theirs + "input_layernorm.weight"]
+        parts[ours + "mlp_norm.weight"] = [theirs + "post_attention_layernorm.weight"]
+        parts[ours + "attn.qkv.weight"] = [theirs + f"self_attn.{p}_proj.weight" for p in "qkv"]
+        parts[ours + "attn.proj.weight"] = [theirs + "self_attn.o_proj.weight"]
+        if model_class == "GPT":
+            for mine, hf in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+                parts[ours + f"mlp.{mine}.weight"] = [theirs + f"mlp.{hf}.weight"]
+        else:
+            moe = theirs + "block_sparse_moe."
+            parts[ours + "moe.router.weight"] = [moe + "gate.weight"]
+            parts[ours + "moe.experts.fc1."] = [moe + f"experts.{e}.{w}.weight" for e in range(cfg.n_expert)
+                                                for w in ("w1", "w3")]
+            parts[ours + "moe.experts.fc2."] = [moe + f"experts.{e}.w2.weight" for e in range(cfg.n_expert)]
+    if model_class == "GPT":
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "intermediate_size": cfg.d_ff,
+                **common}, parts
+    refused = [reason for reason, bad in (("a shared expert (d_ff_shared)", cfg.d_ff_shared),
+                                          ("normalize_top_k=False", not cfg.normalize_top_k),
+                                          ("routing='balanced'", cfg.routing != "learned")) if bad]
+    if refused:
+        raise FxShardError(f"MoEGPT exports as Mixtral, which cannot express {' or '.join(refused)}; train with "
+                           f"MoEGPTConfig(d_ff_shared=None, normalize_top_k=True, routing='learned') to exchange "
+                           f"weights with transformers")
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "intermediate_size": cfg.d_ff_expert,
+            "num_local_experts": cfg.n_expert, "num_experts_per_tok": cfg.top_k,
+            "router_aux_loss_coef": cfg.aux_loss_coef, "sliding_window": None, **common}, parts
+
+
+def _expert_sources(prefix: str, hf: list[str], get, experts: int) -> dict[str, Source]:
+    """Our grouped, plain-row fc1 / fc2 of one MoE layer from Mixtral's per-expert w1/w3/w2."""
+    if prefix.endswith("fc1."):  # [E, 2F, D]: gate rows (w1), then up rows (w3)
+        return {"weight": Stack([Cat([get(hf[2 * e]), get(hf[2 * e + 1])], 0) for e in range(experts)])}
+    return {"weight": Stack([get(hf[e]) for e in range(experts)])}
+
+
+# ---- export ------------------------------------------------------------------------------------
+def export_hf(step, directory: str | os.PathLike) -> None:
+    """Write `step`'s current weights as a Hugging Face checkpoint (model.safetensors, config.json)
+    that `transformers.AutoModelForCausalLM.from_pretrained(directory)` loads. Every rank calls it
+    (the parameters are gathered); the last rank writes."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    directory = os.fspath(directory)
+    params = step.parameters()
+    config, parts = hf_layout(step.model_class, step.model_config, set(params))
+    params = _expert_layers_as(step, params, PLAIN)
+    tensors = {}
+    for ours, hf in parts.items():
+        if ours.endswith("."):  # an expert layer: E experts' per-expert matrices
+            weight = params[ours + "weight"]
+            if ours.endswith("fc1."):
+                half = weight.shape[1] // 2
+                tensors.update({hf[2 * e]: weight[e, :half] for e in range(weight.shape[0])})
+                tensors.update({hf[2 * e + 1]: weight[e, half:] for e in range(weight.shape[0])})
+            else:
+                tensors.update({hf[e]: weight[e] for e in range(weight.shape[0])})
+        else:
+            tensors.update(zip(hf, params[ours].chunk(len(hf), dim=0)))
+    left = set(params) - {n for n in parts} - {o + "weight" for o in parts if o.endswith(".")}
+    if left:
+        raise FxShardError(f"export_hf: parameters {sorted(left)[:6]} have no place in {config['architectures'][0]}")
+    writer = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == dist.get_world_size() - 1
+    if writer:
+        os.makedirs(directory, exist_ok=True)
+        save_file({name: value.detach().to("cpu", copy=True).contiguous() for name, value in tensors.items()},
+                  os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(directory, "config.json"), "w") as handle:
+            json.dump(config, handle, indent=1)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _expert_layers_as(step, params: dict, target: ExpertLayout) -> dict:
+    """`params` with every expert layer (any storage layout) converted to `target`'s keys and rows."""
+    params = dict(params)
+    for prefix, (layout, experts) in step.expert_layouts.items():
+        own = {n[len(prefix):]: params.pop(n) for n in list(params)
+               if n.startswith(prefix) and "." not in n[len(prefix):]}
+        converted = convert_expert_tensors(own, layout, target, experts, prefix)
+        params.update({prefix + rel: value for rel, value in converted.items()})
+    return params
+
+
+# ---- import ------------------------------------------------------------------------------------
+def load_hf(step, directory: str | os.PathLike) -> None:
+    """Initialize `step`'s parameters from a Hugging Face directory (Llama for models.GPT, Mixtral for
+    models.MoEGPT) or from safetensors files in the model's own parameter names. Each rank reads only
+    the rectangles of each tensor it holds; optimizer state and the step count are left as they are
+    (a fresh step: zeros and 0). Every rank calls it; nothing changes unless every tensor is found."""
+    directory = os.fspath(directory)
+    files = SafetensorsDirectory(directory)
+    traced = step.programs[0]
+    shapes = {spec.name: tuple(spec.shape) for spec in traced.inputs if spec.kind is InputKind.PARAM}
+    sources = _sources(step, files, shapes, directory)
+    pieces = [p for p in state_pieces(step.program, traced, step.coords) if p.key.startswith("model.")]
+    staged = {}
+    for piece in pieces:
+        name = piece.key[len("model."):]
+        if name not in sources:
+            continue  # a buffer: left as the model had it
+        target = staged.setdefault(piece.state, step.state[piece.state].clone()).view(-1)
+        for offsets, sizes, start in boxes(shapes[name], piece.start, piece.start + piece.numel):
+            begin = piece.local + start - piece.start
+            target[begin:begin + math.prod(sizes)].view(sizes).copy_(sources[name].read(offsets, sizes))
+    with torch.no_grad():
+        for key, value in staged.items():
+            step.state[key].copy_(value)
+
+
+def _sources(step, files: SafetensorsDirectory, shapes: dict, directory: str) -> dict[str, Source]:
+    """Our parameter name -> where its global tensor comes from, checked against its shape."""
+    if all(name in files.shapes for name in shapes):  # the model's own names
+        sources = {name: files.source(name) for name in shapes}
+    else:
+        config_file = os.path.join(directory, "config.json")
+        architecture = None
+        if os.path.exists(config_file):
+            with open(config_file) as handle:
+                architecture = (json.load(handle).get("architectures") or [None])[0]
+        _, parts = hf_layout(step.model_class, step.model_config, set(shapes))
+        missing = sorted({hf for names in parts.values() for hf in names} - set(files.shapes))
+        if missing:
+            own = sorted(set(shapes) - set(files.shapes))
+            raise FxShardError(f"{directory} ({architecture or 'no config.json'}) lacks {len(missing)} tensors this "
+                               f"{step.model_class} needs as {'Llama' if step.model_class == 'GPT' else 'Mixtral'} "
+                               f"(e.g. {', '.join(missing[:4])}), and {len(own)} of its own parameter names (e.g. "
+                               f"{', '.join(own[:4])})")
+        get = files.source
+        sources = {}
+        for ours, hf in parts.items():
+            if ours.endswith("."):
+                experts = step.model_config.n_expert
+                for rel, source in _expert_sources(ours, hf, get, experts).items():
+                    sources[ours + rel] = source
+            else:
+                sources[ours] = Cat([get(n) for n in hf], 0) if len(hf) > 1 else get(hf[0])
+        sources = _expert_sources_as_stored(step, sources)
+    wrong = [f"{n} {tuple(s.shape)} != {shapes[n]}" for n, s in sources.items() if n in shapes and tuple(s.shape) != shapes[n]]
+    if wrong:
+        raise FxShardError(f"{directory}: tensors of other shapes than this model's: {', '.join(wrong[:6])}; "
+                           f"build the model with the checkpoint's config")
+    return sources
+
+
+def _expert_sources_as_stored(step, sources: dict[str, Source]) -> dict[str, Source]:
+    """Expert layers the model stores in another layout than grouped plain rows: read whole, converted."""
+    for prefix, (layout, experts) in step.expert_layouts.items():
+        if layout == PLAIN:
+            continue
+        grouped = {"weight": sources.pop(prefix + "weight")}
+        whole = {rel: Held(source.read((0,) * len(source.shape), source.shape)) for rel, source in grouped.items()}
+        converted = convert_expert_tensors({rel: h.tensor for rel, h in whole.items()}, PLAIN, layout, experts, prefix)
+        sources.update({prefix + rel: Held(value) for rel, value in converted.items()})
+    return sources
+

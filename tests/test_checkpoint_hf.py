@@ -1,0 +1,104 @@
+"""Weights exchanged with Hugging Face transformers: GPT as Llama, MoEGPT as Mixtral, both ways."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fxshard
+from fxshard.launch import run_local
+from fxshard.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig
+from fxshard.testing import torch_optimizer
+
+transformers = pytest.importorskip("transformers")
+
+ADAMW = fxshard.optim.AdamW(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+MODELS = {"llama": (lambda: GPT(GPTConfig.preset("tiny")), "LlamaForCausalLM"),
+          "mixtral": (lambda: MoEGPT(MoEGPTConfig.preset("tiny", d_ff_shared=None)), "MixtralForCausalLM")}
+
+
+def batches(count=5, rows=4):
+    generator = torch.Generator().manual_seed(0)
+    return [{"idx": torch.randint(0, 64, (rows, 16), generator=generator),
+             "tgt": torch.randint(0, 64, (rows, 16), generator=generator)} for _ in range(count)]
+
+
+def shard(make, seed=0, mesh=None, config=None, batch=None):
+    torch.manual_seed(seed)
+    return fxshard.shard(make(), lambda m, b: m.loss(b), batch or batches()[0], ADAMW, mesh=mesh, config=config)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_trained_weights_export_to_transformers_with_equal_logits_and_load_back(name, tmp_path):
+    make, architecture = MODELS[name]
+    step = shard(make)
+    for batch in batches():
+        step(batch)
+    fxshard.export_hf(step, tmp_path)
+    theirs = getattr(transformers, architecture).from_pretrained(tmp_path).eval()
+    ours = make()
+    ours.load_state_dict(step.parameters(), strict=False)
+    with torch.no_grad():
+        expected, got = ours(batches()[0]["idx"]), theirs(batches()[0]["idx"]).logits
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+    # and back into a step that started elsewhere: the same parameters, bit for bit
+    other = shard(make, seed=1)
+    fxshard.load_hf(other, tmp_path)
+    before, after = step.parameters(), other.parameters()
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_safetensors_in_the_models_own_names_load_and_bad_directories_are_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(3)
+    source = GPT(GPTConfig.preset("tiny"))
+    save_file({n: p.detach().contiguous() for n, p in source.named_parameters()}, str(tmp_path / "w.safetensors"))
+    step = shard(MODELS["llama"][0])
+    fxshard.load_hf(step, tmp_path)
+    assert all(torch.equal(value, dict(source.named_parameters())[n]) for n, value in step.parameters().items())
+    wrong = shard(lambda: GPT(GPTConfig.preset("tiny", d_ff=96)))
+    with pytest.raises(fxshard.FxShardError, match=r"other shapes .* layers\.0\.mlp\.gate\.weight \(128, 64\) != "
+                                                    r"\(96, 64\)"):
+        fxshard.load_hf(wrong, tmp_path)
+    with pytest.raises(fxshard.FxShardError, match=r"Mixtral, which cannot express a shared expert"):
+        fxshard.export_hf(shard(lambda: MoEGPT(MoEGPTConfig.preset("tiny"))), tmp_path / "moe")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(fxshard.FxShardError, match="holds no"):
+        fxshard.load_hf(step, empty)
+
+
+def llama_config():
+    cfg = GPTConfig.preset("tiny")
+    return transformers.LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+                                    num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
+                                    rms_norm_eps=cfg.norm_eps, tie_word_embeddings=False,
+                                    rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta})
+
+
+def zero3_job(directory: str) -> list[float]:
+    rank = dist.get_rank()
+    local = [{k: v[rank * 2:(rank + 1) * 2] for k, v in b.items()} for b in batches()]
+    step = shard(MODELS["llama"][0], seed=7, mesh=fxshard.Mesh(dp=2),
+                 config=fxshard.Config(sharding="optim_grads_params"), batch=local[0])
+    fxshard.load_hf(step, directory)
+    return [step(batch)["loss"].item() for batch in local]
+
+
+def test_a_transformers_llama_checkpoint_trains_under_dp2_zero3_like_the_llama_in_eager(tmp_path):
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(llama_config())
+    llama.save_pretrained(tmp_path)
+    losses = run_local(zero3_job, 2, str(tmp_path), backend="gloo")[0]
+    optimizer = torch_optimizer(ADAMW, llama.parameters())
+    for ours, batch in zip(losses, batches()):
+        optimizer.zero_grad()
+        logits = llama(batch["idx"]).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["tgt"].flatten())
+        loss.backward()
+        optimizer.step()
+        assert abs(ours - loss.item()) <= 1e-5 * loss.item(), (ours, loss.item())
+    assert os.path.exists(tmp_path / "config.json")
