@@ -100,25 +100,31 @@ def boxes_of(step, pieces: list[Piece], tensors: dict, writes_only: bool) -> dic
 def step_state_dict(step, copy: bool = False, writes_only: bool = True) -> dict:
     """The DCP state dict of `step` on this rank: every key this rank writes (`writes_only`) or holds,
     as views of the step's state tensors, or of host copies of them (`copy`: a snapshot that later
-    steps do not change, pinned for a fast device-to-host copy)."""
+    steps do not change; the host buffers, pinned for a fast device-to-host copy, are kept on the
+    step and reused by the next copy, which `fxshard.save` starts only after the last one is written)."""
     pieces = pieces_of(step)
     used = {piece.state for piece in pieces if piece.writes or not writes_only}
     tensors = {key: step.state[key] for key in used}
     if copy:
-        tensors = {key: _host_copy(value) for key, value in tensors.items()}
-        if step.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
+        tensors = host_copies(step, tensors)
     state = dict(boxes_of(step, pieces, tensors, writes_only))
     state[PROGRESS] = {"step_count": step.step_count, "lr_override": step._lr_override}
     state[rng_key(step.rank)] = rng_state(step.device)
     return state
 
 
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.device.type == "cpu":
-        return tensor.clone()
-    copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    return copy.copy_(tensor, non_blocking=True)
+def host_copies(step, tensors: dict) -> dict:
+    buffers = getattr(step, "_host_staging", None) or {}
+    copies = {}
+    for key, value in tensors.items():
+        buffer = buffers.get(key)
+        if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+            buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.device.type == "cuda")
+        copies[key] = buffer.copy_(value, non_blocking=True)
+    if step.device.type == "cuda":
+        torch.cuda.current_stream().synchronize()
+    step._host_staging = copies
+    return copies
 
 
 def rng_state(device: torch.device) -> dict:
