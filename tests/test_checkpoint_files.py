@@ -91,6 +91,13 @@ def test_damaged_and_partial_checkpoints_are_refused_and_nothing_changes(saved, 
     assert_unchanged(step, before)
 
 
+def test_a_save_never_replaces_a_directory_that_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(fxshard.FxShardError, match="exists and is not an fxshard checkpoint"):
+        fxshard.save(shard(), tmp_path)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 KILLED_SAVE = """
 import os, sys, torch, fxshard
 sys.path.insert(0, {tests!r})

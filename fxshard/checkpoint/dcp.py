@@ -70,6 +70,10 @@ def save(step, path: str | os.PathLike, extra=None, async_save: bool = False) ->
     previous = getattr(step, "_pending_save", None)
     if previous is not None:
         previous.wait()
+    if os.path.exists(path) and not (os.path.isdir(path) and (not os.listdir(path) or
+                                                               os.path.exists(os.path.join(path, MANIFEST)))):
+        raise FxShardError(f"{path} exists and is not an fxshard checkpoint (no {MANIFEST}); a save replaces the "
+                           f"directory it writes to, so choose a new or checkpoint path")
     distributed = _is_distributed()
     staging = f"{path}.partial"
     if _rank() == 0:
@@ -102,14 +106,14 @@ def save(step, path: str | os.PathLike, extra=None, async_save: bool = False) ->
 def _write(state, staging, path, manifest, group, distributed):
     _barrier(group, distributed)  # the staging directory is clean before anyone writes into it
     started = time.perf_counter()
-    with _quiet(distributed):
+    with _quiet(distributed), _as_fxshard_error(f"saving to {staging}; {path} is unchanged"):
         dcp.save(state, storage_writer=dcp.FileSystemWriter(staging), planner=SavePlanner(),
                  process_group=group, no_dist=not distributed)
+    problem = _missing_items(staging)  # every rank reads the same files: every rank raises, or none
+    if problem:
+        raise FxShardError(f"the checkpoint written to {staging} is incomplete ({problem}); {path} is unchanged")
     if _rank() == 0:
         manifest["seconds_to_write"] = round(time.perf_counter() - started, 3)
-        problem = _missing_items(staging)
-        if problem:
-            raise FxShardError(f"the checkpoint written to {staging} is incomplete ({problem}); {path} is unchanged")
         with open(os.path.join(staging, MANIFEST), "w") as handle:
             json.dump(manifest, handle, indent=1)
             handle.flush()
@@ -176,7 +180,7 @@ def load(step, path: str | os.PathLike):
     own_extra = extra_key(_rank()) if extra_key(_rank()) in metadata.state_dict_metadata else extra_key(0)
     objects = [own_extra] + ([rng_key(step.rank)] if rng_key(step.rank) in metadata.state_dict_metadata else [])
     state.update({key: None for key in objects})
-    with _quiet(_is_distributed()):
+    with _quiet(_is_distributed()), _as_fxshard_error(f"reading {path}; the step is unchanged"):
         dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=LoadPlanner(),
                  no_dist=not _is_distributed())
     for layer in conversions:
@@ -293,6 +297,18 @@ def _check_keys(step, path, manifest, saved: dict, expected: dict) -> None:
                                       ("shape differs", mis_shaped)) if items]
         raise FxShardError(f"{path} is a checkpoint of another model: {'; '.join(parts)}. Shard the model it was "
                            f"saved from (same config), or load weights by name with fxshard.load_hf")
+
+
+@contextlib.contextmanager
+def _as_fxshard_error(what: str):
+    """DCP's failures (a rank's I/O error, gathered onto every rank) as FxShardError, saying what
+    was left as it was."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except (CheckpointException, OSError) as error:
+        raise FxShardError(f"{what}: {str(error).strip()[:1500]}") from error
 
 
 @contextlib.contextmanager
