@@ -19,7 +19,9 @@ from .errors import FxShardError
 
 
 def find_layers(model: nn.Module, patterns: tuple[str, ...] | None = None) -> list[str]:
-    """Module paths of the layers, in registration order."""
+    """Module paths of the layers, in registration order: the children of `patterns`' matches, or
+    by default of the container (ModuleList, Sequential or ModuleDict of one module type) holding
+    the most parameters."""
     if patterns is not None:
         paths = [name for name, _ in model.named_modules() if name and
                  any(fnmatch.fnmatchcase(name, p) for p in patterns)]
@@ -32,18 +34,26 @@ def find_layers(model: nn.Module, patterns: tuple[str, ...] | None = None) -> li
         return paths
     best, best_size = None, 0
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) == 0:
-            continue
-        if len({type(child) for child in module}) != 1:
+        children = _children(module)
+        if not children or len({type(child) for child in children.values()}) != 1:
             continue
         size = sum(p.numel() for p in module.parameters())
         if size > best_size:
             best, best_size = name, size
     if best is None:
         return []
-    container = model.get_submodule(best)
     prefix = f"{best}." if best else ""
-    return [f"{prefix}{index}" for index in range(len(container))]
+    return [f"{prefix}{key}" for key in _children(model.get_submodule(best))]
+
+
+def _children(module: nn.Module) -> dict[str, nn.Module]:
+    """A container's children by the name their path uses: ModuleList / Sequential by index,
+    ModuleDict (torchtitan keeps its blocks in one) by key, in registration order; {} otherwise."""
+    if isinstance(module, nn.ModuleDict):
+        return dict(module.items())
+    if isinstance(module, (nn.ModuleList, nn.Sequential)):
+        return {str(index): child for index, child in enumerate(module)}
+    return {}
 
 
 @contextlib.contextmanager

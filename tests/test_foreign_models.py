@@ -114,3 +114,44 @@ def test_convnet_with_batchnorm_buffers_updates_running_stats():
     for name, buffer in reference.named_buffers():
         assert torch.allclose(step.buffers()[name].float(), buffer.float(), rtol=1e-5, atol=1e-6), name
     assert step.buffers()["stages.0.1.num_batches_tracked"].item() == len(batches)
+
+
+class TitanStyleGPT(nn.Module):
+    """torchtitan keeps its transformer blocks in a ModuleDict keyed "0", "1", ... (so that a
+    pipeline stage can delete the others and keep the names)."""
+
+    def __init__(self, layers=2):
+        super().__init__()
+        from fxshard.models import GPTConfig
+        from fxshard.models.gpt import GPT
+
+        inner = GPT(GPTConfig.preset("tiny", n_layer=layers))
+        self.cfg, self.tok_emb, self.norm, self.output = inner.cfg, inner.tok_emb, inner.norm, inner.head
+        self.layers = nn.ModuleDict({str(i): block for i, block in enumerate(inner.layers)})
+
+    def forward(self, batch):
+        from fxshard.models.blocks import rope_tables
+
+        x = self.tok_emb(batch["idx"])
+        cos, sin = rope_tables(x.shape[1], self.cfg.d_model // self.cfg.n_head, self.cfg.rope_theta, x.device)
+        for block in self.layers.values():
+            x = block(x, cos, sin)
+        logits = self.output(self.norm(x))
+        return F.cross_entropy(logits.flatten(0, 1), batch["tgt"].flatten())
+
+
+def test_blocks_in_a_module_dict_are_the_layers_for_units_and_pipeline_cuts():
+    from fxshard import meta
+    from fxshard.layers import find_layers
+
+    torch.manual_seed(0)
+    model = TitanStyleGPT(layers=4)
+    assert find_layers(model) == ["layers.0", "layers.1", "layers.2", "layers.3"]
+    batch = {"idx": torch.randint(0, 64, (4, 8)), "tgt": torch.randint(0, 64, (4, 8))}
+    program = fxshard.trace(model, lambda m, b: m(b), batch)
+    assert {meta.layer(n) for n in program.graph.nodes} >= {"pre", "layers.0", "layers.3", "post"}
+    # four layers to cut between: two stages of two chunks each
+    fxshard.check(model, lambda m, b: m(b), batch, mesh=fxshard.Mesh(pp=2),
+                  config=fxshard.Config(schedule="interleaved-1f1b", virtual_stages=2, microbatches=2))
+    parity = eager_parity(model, lambda m, b: m(b), [batch] * 3, ADAMW)
+    assert parity.max_loss_rel < 1e-5
