@@ -26,6 +26,7 @@ from .errors import FxShardError
 from .errors_trace import explain_trace_failure
 from .graph import inline
 from .layers import annotate_layers, find_layers
+from .ops.grouped_mm import RouteGroupedMM
 from .optim import AdamW, Optimizer
 from .optimizer_graph import TrainSpec, append_update
 from .program import Input, InputKind, Output, OutputKind, Program
@@ -101,7 +102,7 @@ def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     try:
         with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta(), \
                 annotate_layers(step_module.target[0], model, layer_paths), \
-                moe.capacity_factor_override(config.moe_capacity_factor):
+                moe.capacity_factor_override(config.moe_capacity_factor), RouteGroupedMM():
             joint = aot_export_joint_with_descriptors(
                 stack, step_module, (fake_params, fake_buffers, fake_leaves))
             joint_gm = joint.graph_module

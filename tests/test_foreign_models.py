@@ -155,3 +155,24 @@ def test_blocks_in_a_module_dict_are_the_layers_for_units_and_pipeline_cuts():
                   config=fxshard.Config(schedule="interleaved-1f1b", virtual_stages=2, microbatches=2))
     parity = eager_parity(model, lambda m, b: m(b), [batch] * 3, ADAMW)
     assert parity.max_loss_rel < 1e-5
+
+
+@pytest.mark.parametrize("architecture", ["Mixtral", "Qwen3Moe"])
+def test_transformers_moe_with_grouped_mm_experts_traces_in_fp32_and_trains_like_eager(architecture):
+    """transformers' default experts call torch._grouped_mm, whose fake kernel takes bf16 only:
+    tracing routes the fp32 calls through fxshard::grouped_mm (fxshard/ops/grouped_mm.py)."""
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, f"{architecture}Config")(
+        vocab_size=64, hidden_size=32, intermediate_size=16, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=8, num_local_experts=4, num_experts=4,
+        num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{architecture}ForCausalLM")(config)
+    assert model.config._experts_implementation == "grouped_mm"
+    batches = [{"idx": torch.randint(0, 64, (2, 8)), "tgt": torch.randint(0, 64, (2, 8))} for _ in range(3)]
+
+    def loss(m, b):
+        return F.cross_entropy(m(b["idx"]).logits.flatten(0, 1), b["tgt"].flatten())
+
+    parity = eager_parity(model, loss, batches, ADAMW)
+    assert parity.max_loss_rel < 1e-5 and parity.max_param_rel < 1e-4, parity.losses
