@@ -160,3 +160,27 @@ def test_glu_interleaved_experts_reshard_2_to_3_ranks_with_both_adam_moments_exa
             converted = convert_expert_tensors({"weight": saved[f"{kind}{prefix}weight{suffix}"]}, source, target, 4)
             for rel, value in converted.items():
                 assert torch.equal(indexed[f"{kind}{prefix}{rel}{suffix}"], value), (prefix, rel, suffix)
+
+
+def raw_dcp_job(directory: str) -> bool:
+    """step.state_dict() with DCP's own save and load (fxshard's planners), parameters replicated
+    over dp (ZeRO-1): every replica gets the values back, though only one of them wrote them."""
+    import torch.distributed.checkpoint as dcp
+
+    from fxshard.checkpoint import LoadPlanner, SavePlanner
+
+    step, local = shard("dp2-zero1")
+    for batch in local[:2]:
+        step(batch)
+    dcp.save(step.state_dict(), checkpoint_id=directory, planner=SavePlanner())
+    saved = step.parameters()
+    fresh, _ = shard("dp2-zero1")
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=directory, planner=LoadPlanner())
+    fresh.load_state_dict(state)
+    loaded = fresh.parameters()
+    return fresh.step_count == 2 and all(torch.equal(saved[n], loaded[n]) for n in saved)
+
+
+def test_step_state_dict_round_trips_through_dcp_on_every_replica(tmp_path):
+    assert run_local(raw_dcp_job, 2, str(tmp_path / "raw"), backend="gloo") == [True, True]

@@ -30,11 +30,14 @@ def rng_key(rank: int) -> str:
 
 
 class Boxes:
-    """One global tensor (`size`, `dtype`) as one rank holds it: box offsets -> a view of that box."""
+    """One global tensor (`size`, `dtype`) as one rank holds it: box offsets -> a view of that box.
+    A save writes the boxes in `written` (this rank's are the ones saved); a load fills all of them
+    (every replica needs the values)."""
 
     def __init__(self, size: tuple[int, ...], dtype: torch.dtype):
         self.global_size, self.dtype = torch.Size(size), dtype
         self.boxes: dict[tuple[int, ...], torch.Tensor] = {}
+        self.written: set[tuple[int, ...]] = set()
 
     def size(self) -> torch.Size:  # what DCP's load plan compares with the checkpoint's size
         return self.global_size
@@ -44,7 +47,7 @@ class Boxes:
                           tensor_data=TensorWriteData(
                               chunk=ChunkStorageMetadata(torch.Size(offsets), view.size()),
                               properties=TensorProperties.create_from_tensor(view), size=self.global_size))
-                for offsets, view in self.boxes.items()]
+                for offsets, view in self.boxes.items() if offsets in self.written]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return [ChunkStorageMetadata(torch.Size(offsets), view.size()) for offsets, view in self.boxes.items()]
@@ -81,33 +84,35 @@ def pieces_of(step) -> list[Piece]:
     return state_pieces(step.program, step.programs[0], step.coords)
 
 
-def boxes_of(step, pieces: list[Piece], tensors: dict, writes_only: bool) -> dict[str, Boxes]:
+def boxes_of(step, pieces: list[Piece], tensors: dict) -> dict[str, Boxes]:
     """Key -> Boxes whose views lie in `tensors` ((kind, name) -> flat-viewable state tensor)."""
     shapes = global_tensors(step.programs[0])
     result: dict[str, Boxes] = {}
     for piece in pieces:
-        if writes_only and not piece.writes:
-            continue
-        shape, dtype = shapes[piece.key]
+        shape, _ = shapes[piece.key]
         held = result.setdefault(piece.key, Boxes(shape, tensors[piece.state].dtype))
         flat = tensors[piece.state].view(-1)
         for offsets, sizes, start in boxes(shape, piece.start, piece.start + piece.numel):
             begin = piece.local + start - piece.start
             held.boxes[offsets] = flat[begin:begin + math.prod(sizes)].view(sizes)
+            if piece.writes:
+                held.written.add(offsets)
     return result
 
 
-def step_state_dict(step, copy: bool = False, writes_only: bool = True) -> dict:
-    """The DCP state dict of `step` on this rank: every key this rank writes (`writes_only`) or holds,
-    as views of the step's state tensors, or of host copies of them (`copy`: a snapshot that later
-    steps do not change; the host buffers, pinned for a fast device-to-host copy, are kept on the
-    step and reused by the next copy, which `fxshard.save` starts only after the last one is written)."""
+def step_state_dict(step, copy: bool = False) -> dict:
+    """The DCP state dict of `step` on this rank: every key this rank holds, as views of the step's
+    state tensors (what a save writes and a load fills), or, with `copy`, only what this rank writes,
+    as views of host copies (a snapshot later steps do not change; the host buffers, pinned for a
+    fast device-to-host copy, are kept on the step and reused by the next copy, which `fxshard.save`
+    starts only after the last one is written)."""
     pieces = pieces_of(step)
-    used = {piece.state for piece in pieces if piece.writes or not writes_only}
-    tensors = {key: step.state[key] for key in used}
+    if copy:
+        pieces = [piece for piece in pieces if piece.writes]
+    tensors = {piece.state: step.state[piece.state] for piece in pieces}
     if copy:
         tensors = host_copies(step, tensors)
-    state = dict(boxes_of(step, pieces, tensors, writes_only))
+    state = dict(boxes_of(step, pieces, tensors))
     state[PROGRESS] = {"step_count": step.step_count, "lr_override": step._lr_override}
     state[rng_key(step.rank)] = rng_state(step.device)
     return state
@@ -145,7 +150,7 @@ def staging_state_dict(step) -> tuple[dict, dict]:
     tensors (a failed load leaves the step as it was), and those copies ((kind, name) -> tensor)."""
     pieces = pieces_of(step)
     copies = {piece.state: step.state[piece.state].clone() for piece in pieces}
-    state = dict(boxes_of(step, pieces, copies, writes_only=False))
+    state = dict(boxes_of(step, pieces, copies))
     state[PROGRESS] = {"step_count": 0, "lr_override": None}
     return state, copies
 

@@ -190,10 +190,11 @@ class CompiledStep:
 
     def state_dict(self) -> dict:
         """This rank's training state for torch.distributed.checkpoint, by global names: `model.<name>`
-        and `optim.<name>.<slot>` (each the rectangles of the global tensor this rank writes, views
-        of the live state), progress and RNG. `dcp.save(step.state_dict(),
-        planner=fxshard.checkpoint.SavePlanner())` saves it; `fxshard.save` also checks and swaps
-        directories. Take a new one after each step if the step's tensors may move."""
+        and `optim.<name>.<slot>` (each the rectangles of the global tensor this rank holds, views
+        of the live state; a save writes each element from one rank), progress and RNG.
+        `dcp.save(sd, planner=fxshard.checkpoint.SavePlanner())` saves it, `dcp.load(sd,
+        planner=fxshard.checkpoint.LoadPlanner())` then `step.load_state_dict(sd)` loads it;
+        `fxshard.save` / `load` also check, stage and swap directories."""
         from ..checkpoint.state import step_state_dict
 
         return step_state_dict(self)
