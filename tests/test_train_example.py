@@ -51,6 +51,15 @@ def test_train_example_with_two_stages_times_two_data_parallel(tmp_path):
         assert (tmp_path / f"stage{stage}" / "pipeline.svg").read_text().startswith("<svg")
         (program,) = (tmp_path / f"stage{stage}").glob("*_pipeline.py")
         assert "fxshard.send" in program.read_text() and "fxshard.recv" in program.read_text()
+    # resumed at step 30 on one process with the same global batch (2 x 16 rows): steps 31-60 again.
+    # Not bit for bit: MoEGPT's load-balancing loss is taken over each data-parallel rank's own
+    # tokens, so one process on the whole batch optimizes a slightly different loss (tests/
+    # test_checkpoint_gloo.py checks exactness across layouts with that loss off); the measured gap
+    # is 3e-4 relative.
+    resumed = load_train().main(["--resume", str(tmp_path / "ck30"), "--steps", "60", "--batch-size", "32",
+                                 "--log-every", "30"])
+    step60 = float(result.stdout.split("step 60 loss ")[1].split()[0])
+    assert len(resumed["losses"]) == 30 and abs(resumed["losses"][-1] - step60) < 2e-3 * step60, (resumed, step60)
 
 
 def test_a_bad_pipeline_cut_fails_in_the_launching_process_before_spawning(monkeypatch):
@@ -62,8 +71,3 @@ def test_a_bad_pipeline_cut_fails_in_the_launching_process_before_spawning(monke
     monkeypatch.setattr(train, "run_local", lambda *a, **k: pytest.fail("spawned processes for a bad configuration"))
     with pytest.raises(fxshard.FxShardError, match="4 pipeline chunks .* only 2 layers"):
         train.main(["--pp", "2", "--virtual-stages", "2", "--steps", "1"])
-    # resumed at step 30 on one process with the same global batch (2 x 16 rows): steps 31-60 again
-    resumed = load_train().main(["--resume", str(tmp_path / "ck30"), "--steps", "60", "--batch-size", "32",
-                                 "--log-every", "30"])
-    step60 = float(result.stdout.split("step 60 loss ")[1].split()[0])
-    assert len(resumed["losses"]) == 30 and abs(resumed["losses"][-1] - step60) < 2e-4, (resumed, step60)

@@ -112,6 +112,7 @@ def _write(state, staging, path, manifest, group, distributed):
     problem = _missing_items(staging)  # every rank reads the same files: every rank raises, or none
     if problem:
         raise FxShardError(f"the checkpoint written to {staging} is incomplete ({problem}); {path} is unchanged")
+    _barrier(group, distributed)  # every rank has checked the staging directory before it moves
     if _rank() == 0:
         manifest["seconds_to_write"] = round(time.perf_counter() - started, 3)
         with open(os.path.join(staging, MANIFEST), "w") as handle:
