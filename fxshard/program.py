@@ -195,6 +195,12 @@ class Program:
     def code(self) -> str:
         return self.graph_module.code
 
+    def unit_named(self, input_name: str) -> "FlatUnit | None":
+        """The flat unit a PARAM input named "unit/<unit>" holds, or None for a whole parameter."""
+        if not input_name.startswith("unit/"):
+            return None
+        return next(u for u in self.units if u.name == input_name[len("unit/"):])
+
     def inputs_of(self, kind: InputKind) -> list[Input]:
         return [i for i in self.inputs if i.kind is kind]
 

@@ -248,7 +248,7 @@ class _ExpertConversion:
         load_state_dict_into(step, full, copies)
 
 
-def _layer_keys(prefix: str, layout: ExpertLayout, experts: int, bias: bool) -> list[str]:
+def _layer_keys(layout: ExpertLayout, experts: int, bias: bool) -> list[str]:
     names = ["weight"] + (["bias"] if bias else []) if layout.keys == "grouped" else \
         [f"weight{e}" for e in range(experts)] + ([f"bias{e}" for e in range(experts)] if bias else [])
     return names
@@ -265,8 +265,7 @@ def _expected_keys(step, manifest) -> tuple[dict, list[_ExpertConversion]]:
             continue
         theirs = ExpertLayout.from_dict(saved_layouts[prefix])
         bias = model_key(f"{prefix}bias" if layout.keys == "grouped" else f"{prefix}bias0") in expected
-        ours_rel, theirs_rel = (_layer_keys(prefix, layout, experts, bias),
-                                _layer_keys(prefix, theirs, experts, bias))
+        ours_rel, theirs_rel = _layer_keys(layout, experts, bias), _layer_keys(theirs, experts, bias)
         groups = {"model": ({r: model_key(prefix + r) for r in ours_rel}, {r: model_key(prefix + r) for r in theirs_rel})}
         for slot in step.optimizer.slots:
             groups[slot] = ({r: optimizer_key(prefix + r, slot) for r in ours_rel},

@@ -21,7 +21,6 @@ so any rectangle of it reads only the stored elements it covers (`safe_open(...)
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -31,7 +30,8 @@ import torch
 from ..errors import FxShardError
 from .experts import ExpertLayout, convert_expert_tensors
 from ..program import InputKind
-from .items import boxes, state_pieces
+from .items import model_key
+from .state import load_state_dict_into, pieces_of, read_box
 
 PLAIN = ExpertLayout("grouped", None)
 
@@ -68,10 +68,7 @@ class Held(Source):
         return tuple(self.tensor.shape)
 
     def read(self, offsets, sizes):
-        value = self.tensor
-        for dim, (offset, size) in enumerate(zip(offsets, sizes)):
-            value = value.narrow(dim, offset, size)
-        return value
+        return read_box(self.tensor, offsets, sizes)
 
 
 @dataclass
@@ -253,19 +250,11 @@ def load_hf(step, directory: str | os.PathLike) -> None:
     (a fresh step: zeros and 0). Every rank calls it; nothing changes unless every tensor is found."""
     directory = os.fspath(directory)
     files = SafetensorsDirectory(directory)
-    traced = step.programs[0]
-    shapes = {spec.name: tuple(spec.shape) for spec in traced.inputs if spec.kind is InputKind.PARAM}
-    sources = _sources(step, files, shapes, directory)
-    pieces = [p for p in state_pieces(step.program, traced, step.coords) if p.key.startswith("model.")]
-    staged = {}
-    for piece in pieces:
-        name = piece.key[len("model."):]
-        if name not in sources:
-            continue  # a buffer: left as the model had it
-        target = staged.setdefault(piece.state, step.state[piece.state].clone()).view(-1)
-        for offsets, sizes, start in boxes(shapes[name], piece.start, piece.start + piece.numel):
-            begin = piece.local + start - piece.start
-            target[begin:begin + math.prod(sizes)].view(sizes).copy_(sources[name].read(offsets, sizes))
+    shapes = {spec.name: tuple(spec.shape) for spec in step.programs[0].inputs if spec.kind is InputKind.PARAM}
+    sources = {model_key(name): source for name, source in _sources(step, files, shapes, directory).items()}
+    # read into copies of the state tensors concerned (buffers are left as the model had them)
+    staged = {piece.state: step.state[piece.state].clone() for piece in pieces_of(step) if piece.key in sources}
+    load_state_dict_into(step, sources, staged)
     with torch.no_grad():
         for key, value in staged.items():
             step.state[key].copy_(value)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..program import EXPERT_SHARDED, FlatUnit, Input, InputKind, Program
+from ..program import EXPERT_SHARDED, Input, InputKind, Program
 
 
 @dataclass(frozen=True)
@@ -65,12 +65,6 @@ def _slot_and_owner(spec: Input) -> tuple[str, str]:
     return slot, owner
 
 
-def _unit_named(program: Program, name: str) -> FlatUnit | None:
-    if not name.startswith("unit/"):
-        return None
-    return next(u for u in program.units if u.name == name[len("unit/"):])
-
-
 def state_pieces(program: Program, traced: Program, coords: dict[str, int]) -> list[Piece]:
     """This rank's state (program's PARAM, OPT_STATE and BUFFER inputs) as pieces of the checkpoint's
     global tensors. `traced` gives the global shapes; `coords` this rank's index along each mesh axis."""
@@ -82,7 +76,7 @@ def state_pieces(program: Program, traced: Program, coords: dict[str, int]) -> l
         if spec.kind not in (InputKind.PARAM, InputKind.OPT_STATE, InputKind.BUFFER):
             continue
         slot, owner = _slot_and_owner(spec) if spec.kind is InputKind.OPT_STATE else (None, spec.name)
-        unit = _unit_named(program, owner)
+        unit = program.unit_named(owner)
         state = (spec.kind, spec.name)
         # the flat range [low, low + numel) of the unit (or of the tensor) this state tensor holds
         sharded = spec.placement.kind == "sharded" and unit is not None

@@ -161,8 +161,13 @@ def apply_loaded(step, copies: dict, progress: dict, rng: dict | None) -> None:
     with torch.no_grad():
         for key, value in copies.items():
             step.state[key].copy_(value)
-    step.step_count = int(progress["step_count"])
-    step._lr_override = progress["lr_override"]
+    set_progress(step, progress, rng)
+
+
+def set_progress(step, progress: dict | None, rng: dict | None) -> None:
+    if progress is not None:
+        step.step_count = int(progress["step_count"])
+        step._lr_override = progress["lr_override"]
     if rng is not None:
         set_rng_state(rng, step.device)
 
@@ -171,17 +176,13 @@ def load_state_dict(step, state: dict) -> None:
     """`step.load_state_dict`: a state dict of `step_state_dict`'s form (its views filled by DCP), or
     plain global tensors by key; keys the step does not hold are ignored."""
     load_state_dict_into(step, state, step.state)
-    progress = state.get(PROGRESS)
-    if progress is not None:
-        step.step_count = int(progress["step_count"])
-        step._lr_override = progress["lr_override"]
-    if rng_key(step.rank) in state:
-        set_rng_state(state[rng_key(step.rank)], step.device)
+    set_progress(step, state.get(PROGRESS), state.get(rng_key(step.rank)))
 
 
 def load_state_dict_into(step, state: dict, targets: dict) -> None:
-    """Copy this rank's pieces of the global tensors in `state` (Boxes or plain tensors, by key) into
-    `targets` ((kind, name) -> state tensor)."""
+    """Copy this rank's pieces of the global tensors in `state` (by key: Boxes, plain tensors, or
+    anything with `read(offsets, sizes)`, such as fxshard/checkpoint/hf.py's sources) into `targets`
+    ((kind, name) -> state tensor)."""
     shapes = global_tensors(step.programs[0])
     with torch.no_grad():
         for piece in pieces_of(step):
@@ -191,14 +192,19 @@ def load_state_dict_into(step, state: dict, targets: dict) -> None:
             target = targets[piece.state].view(-1)
             for offsets, sizes, start in boxes(shapes[piece.key][0], piece.start, piece.start + piece.numel):
                 begin = piece.local + start - piece.start
-                source = value.boxes[offsets] if isinstance(value, Boxes) else _box(value, offsets, sizes)
+                source = read_box(value, offsets, sizes)
                 destination = target[begin:begin + math.prod(sizes)].view(sizes)
                 if source.data_ptr() != destination.data_ptr():
                     destination.copy_(source)
 
 
-def _box(tensor: torch.Tensor, offsets, sizes) -> torch.Tensor:
+def read_box(value, offsets, sizes) -> torch.Tensor:
+    """The rectangle (`offsets`, `sizes`) of a global tensor held as Boxes, a tensor or a source."""
+    if isinstance(value, Boxes):
+        return value.boxes[tuple(offsets)]
+    if not isinstance(value, torch.Tensor):
+        return value.read(offsets, sizes)
     for dim, (offset, size) in enumerate(zip(offsets, sizes)):
-        tensor = tensor.narrow(dim, offset, size)
-    return tensor
+        value = value.narrow(dim, offset, size)
+    return value
 

@@ -12,12 +12,6 @@ from ..program import EXPERT_SHARDED, FlatUnit, InputKind, Program
 State = dict[tuple[InputKind, str], torch.Tensor]
 
 
-def _unit(program: Program, name: str) -> FlatUnit | None:
-    if not name.startswith("unit/"):
-        return None
-    return next(u for u in program.units if u.name == name[len("unit/"):])
-
-
 class ModelTensors:
     """Initial tensors read from a model with real weights."""
 
@@ -74,12 +68,12 @@ def initial_state(program: Program, source, optimizer, coords: dict[str, int]) -
     if experts:
         source = ExpertSlices(source, experts, coords["ep"])
     whole = {spec.name for spec in program.inputs
-             if spec.kind is InputKind.BUFFER or spec.kind is InputKind.PARAM and _unit(program, spec.name) is None}
+             if spec.kind is InputKind.BUFFER or spec.kind is InputKind.PARAM and program.unit_named(spec.name) is None}
     tensors = source.tensors_named(whole)
     state: State = {}
     for spec in program.inputs:
         if spec.kind is InputKind.PARAM:
-            unit = _unit(program, spec.name)
+            unit = program.unit_named(spec.name)
             if unit is None:
                 value = tensors[spec.name]
             else:
@@ -123,7 +117,7 @@ def local_parameters(program: Program, state: State, gather) -> dict[str, torch.
         if spec.kind is not InputKind.PARAM:
             continue
         value = state[spec.kind, spec.name]
-        unit = _unit(program, spec.name)
+        unit = program.unit_named(spec.name)
         if unit is None:
             result[spec.name] = value.clone()  # a snapshot: the state is updated in place
             continue
