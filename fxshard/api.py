@@ -81,7 +81,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
                         verbose=config.verbose, coords=coords, rank=_global_rank(),
                         mesh_description=str(mesh) if mesh is not None else "one device",
                         expert_layouts=_expert_layouts(model), model_class=type(model).__name__,
-                        model_config=getattr(model, "cfg", None))
+                        model_config=getattr(model, "cfg", None), nonfinite=config.nonfinite)
     if config.dump_dir or config.verbose:
         _report_lowerings(step, config, len(programs))
     return step

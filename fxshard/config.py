@@ -19,6 +19,7 @@ PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zb-h1")
 EP_INTERLEAVINGS = ("combined-1f1b", "dual-batch")
 EP_ALL_TO_ALLS = ("nccl", "copy-engine")
 CODEGENS = ("auto", "inductor", None)
+NONFINITE_MODES = ("raise", "skip", "ignore")
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,14 @@ class Config:
         whose order fxshard chose (communication, custom ops), which keep their order
         (fxshard/codegen.py); None replays it aten op by op; "auto" (default): "inductor" on CUDA,
         None on CPU (Inductor's CPU backend compiles C++: tens of seconds per new program).
+    nonfinite: what a step does whose gradients are not all finite (a NaN or inf anywhere, on any rank;
+        checked in the graph from the global gradient norm). "raise" (default): the update is not
+        applied and the next call (or `parameters()` / `state_dict()` / `evaluate()`) raises an
+        FxShardError naming the step and the first parameter (or FSDP unit) whose gradient was not
+        finite; reading that flag waits for the step to finish, which costs one step of CPU run-ahead.
+        "skip": the update is not applied, on every rank together, and `metrics["skipped"]` says so
+        (as torch.amp.GradScaler does; AdamW's bias correction counts applied updates only, the lr
+        schedule counts calls). "ignore": no check (the weights become NaN).
     seed: initializes a model built on the meta device (fxshard.init: per module, seeded by its path).
     """
 
@@ -105,6 +114,7 @@ class Config:
     ep_interleave: str = "combined-1f1b"
     ep_all_to_all: str = "nccl"
     codegen: str | None = "auto"
+    nonfinite: str = "raise"
 
     def __post_init__(self):
         if self.layers is not None:
@@ -147,6 +157,8 @@ class Config:
             raise FxShardError(f"ep_sm_carveout must be an int >= 0 (SMs) or None, got {self.ep_sm_carveout!r}")
         if self.ep_all_to_all not in EP_ALL_TO_ALLS:
             raise FxShardError(f"ep_all_to_all={self.ep_all_to_all!r}; choose one of {EP_ALL_TO_ALLS}")
+        if self.nonfinite not in NONFINITE_MODES:
+            raise FxShardError(f"nonfinite={self.nonfinite!r}; choose one of {NONFINITE_MODES}")
         if self.codegen not in CODEGENS:
             raise FxShardError(f"codegen={self.codegen!r}; choose one of {CODEGENS}")
         if not isinstance(self.collective_timeout_s, (int, float)) or not self.collective_timeout_s > 0:

@@ -6,6 +6,8 @@ PHASE = "fxshard_phase"   # "fwd" | "bwd" | "optim"
 LAYER = "fxshard_layer"   # "pre", "post", or a layer's module path such as "layers.3"
 PARAM = "fxshard_param"   # parameter name on parameter inputs, their gradients and updates
 MICROBATCH = "fxshard_microbatch"  # which microbatch's forward/backward a node belongs to (0-based)
+# On the optimizer phase's non-finite flags (Config(nonfinite)): the tensor each flag is about.
+NONFINITE_TENSORS = "fxshard_nonfinite_tensors"
 
 FWD, BWD, OPTIM = "fwd", "bwd", "optim"
 PHASES = (FWD, BWD, OPTIM)

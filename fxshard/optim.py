@@ -2,7 +2,9 @@
 
 Each optimizer is a small frozen description plus three pure functions: `init_state(param)` gives
 the slots for one parameter, `scalars(lr, step)` the per-step values shared by all parameters (traced
-once), and `update(param, grad, state, scalars)` the new parameter and slots.
+once), and `update(param, grad, state, scalars)` the new parameter and slots. When the program guards
+against non-finite gradients (Config(nonfinite)), `scalars["skip"]` is a 0-d bool tensor: where it is
+true, `update` returns the parameter and slots unchanged.
 The learning rate and the step count are 0-d tensors, program inputs, so a schedule changes them
 without retracing. Semantics match `torch.optim.AdamW` / `torch.optim.SGD` (single-tensor path).
 """
@@ -54,7 +56,7 @@ class AdamW:
         beta1, beta2 = self.betas
         param, exp_avg, exp_avg_sq = adamw_update(
             param, grad, state["exp_avg"], state["exp_avg_sq"], scalars["decay"], scalars["step_size"],
-            scalars["bias_correction2_sqrt"], beta1, beta2, self.eps)
+            scalars["bias_correction2_sqrt"], beta1, beta2, self.eps, scalars.get("skip"))
         return param, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 
@@ -91,7 +93,12 @@ class SGD:
             buf = torch.where(scalars["is_first_step"], d_p, running)
             new_state["momentum_buffer"] = buf
             d_p = d_p + self.momentum * buf if self.nesterov else buf
-        return param - scalars["lr"] * d_p, new_state
+        new_param = param - scalars["lr"] * d_p
+        skip = scalars.get("skip")
+        if skip is not None:
+            new_param = torch.where(skip, param, new_param)
+            new_state = {slot: torch.where(skip, state[slot], value) for slot, value in new_state.items()}
+        return new_param, new_state
 
 
 Optimizer = Union[AdamW, SGD]

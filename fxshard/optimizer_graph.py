@@ -19,10 +19,12 @@ from .optim import Optimizer
 
 @dataclass(frozen=True)
 class TrainSpec:
-    """What the optimizer phase does: the optimizer and the gradient-norm clip."""
+    """What the optimizer phase does: the optimizer, the gradient-norm clip, and whether a step whose
+    gradient norm is not finite leaves parameters and optimizer state unchanged (Config(nonfinite))."""
 
     optimizer: Optimizer
     clip_grad_norm: float | None = None
+    guard_nonfinite: bool = False
 
 
 def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, names: list[str], params: list[fx.Node],
@@ -35,7 +37,10 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, names: list[str],
     (one mesh axis or several), the squared gradient norm is summed over those groups first (each rank
     holds part of the gradients), or a dict giving each name its own;
     names in `not_in_norm` are left out of this rank's part (another rank counts them: tied weights).
-    Returns (grad_norm, {name: new tensor}, {(name, slot): new state}).
+    With `spec.guard_nonfinite`, the update is skipped, on every rank alike, where the (global) norm
+    is not finite, and the fourth value is a bool vector node: which of this rank's counted gradients
+    (names in its meta[meta.NONFINITE_TENSORS]) are not finite; else None.
+    Returns (grad_norm, {name: new tensor}, {(name, slot): new state}, nonfinite flags or None).
     """
     slots = [[slot for (owner, slot) in states if owner == name] for name in names]
 
@@ -45,6 +50,7 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, names: list[str],
 
     optimizer, clip = spec.optimizer, spec.clip_grad_norm
     count = len(names)
+    counted_names = [name for name in names if name not in not_in_norm]
 
     def update(*flat):
         # Gradients come in the dtype they were computed or reduced in (bf16 under param_dtype=bf16
@@ -54,15 +60,15 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, names: list[str],
         params, grads = flat[:count], flat[count:2 * count]
         state_values, (lr, step) = flat[2 * count:-2], flat[-2:]
         # every rank reduces every group, even one it has nothing to count for (collectives must match)
+        # one reduction per gradient (vector_norm), not a squared copy of it summed afterwards
+        local = {name: torch.linalg.vector_norm(g, dtype=torch.float32).square()
+                 for name, g in zip(names, grads) if name not in not_in_norm}
         by_groups: dict[tuple[str, ...], list] = {groups_of(name): [] for name in names}
-        for name, g in zip(names, grads):
-            if name not in not_in_norm:
-                by_groups[groups_of(name)].append(g)
+        for name in counted_names:
+            by_groups[groups_of(name)].append(local[name])
         squares = grads[0].new_zeros((), dtype=torch.float32)
         for groups, counted in by_groups.items():
-            # one reduction per gradient (vector_norm), not a squared copy of it summed afterwards
-            part = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).square()
-                                for g in counted or [grads[0] * 0]]).sum()
+            part = torch.stack(counted or [torch.linalg.vector_norm(grads[0] * 0, dtype=torch.float32)]).sum()
             for group in groups:
                 part = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(part, "sum", group))
             squares = squares + part
@@ -71,6 +77,11 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, names: list[str],
             coefficient = torch.clamp(clip / (grad_norm + 1e-6), max=1.0)
             grads = [g.to(p.dtype) * coefficient.to(p.dtype) for p, g in zip(params, grads)]
         shared = optimizer.scalars(lr, step)
+        flags = []
+        if spec.guard_nonfinite:  # the norm is global: every rank skips alike
+            shared["skip"] = torch.logical_not(torch.isfinite(grad_norm))
+            flags = [torch.logical_not(torch.isfinite(torch.stack([local[n] for n in counted_names])))] \
+                if counted_names else [torch.zeros(0, dtype=torch.bool, device=grad_norm.device)]
         new_params, new_states, position = [], [], 0
         for name, p, g, own_slots in zip(names, params, grads, slots):
             state = dict(zip(own_slots, state_values[position:position + len(own_slots)]))
@@ -79,13 +90,16 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, names: list[str],
                 new_p, new_s = optimizer.update(p, g, state, shared)
             new_params.append(new_p)
             new_states.extend(new_s[slot] for slot in own_slots)
-        return [grad_norm, *new_params, *new_states]
+        return [grad_norm, *new_params, *new_states, *flags]
 
     state_nodes = [states[name, slot] for name, own in zip(names, slots) for slot in own]
     outputs = inline(graph, update, [*params, *grads, *state_nodes, lr, step], fake_mode=fake_mode,
                      phase=meta.OPTIM)
+    nonfinite = outputs.pop() if spec.guard_nonfinite else None
+    if nonfinite is not None:
+        nonfinite.meta[meta.NONFINITE_TENSORS] = tuple(counted_names)
     grad_norm, new_params, new_state_list = outputs[0], outputs[1:1 + count], outputs[1 + count:]
     for name, node in zip(names, new_params):
         node.meta[meta.PARAM] = name
     keys = [(name, slot) for name, own in zip(names, slots) for slot in own]
-    return grad_norm, dict(zip(names, new_params)), dict(zip(keys, new_state_list))
+    return grad_norm, dict(zip(names, new_params)), dict(zip(keys, new_state_list)), nonfinite

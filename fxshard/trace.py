@@ -126,7 +126,7 @@ class _ProgramBuilder:
         self.params = params
         self.buffers = buffers
         self.batch_spec = batch_spec
-        self.train = TrainSpec(optimizer, config.clip_grad_norm)
+        self.train = TrainSpec(optimizer, config.clip_grad_norm, config.nonfinite != "ignore")
         self.reduce_dtype = config.reduce_dtype or config.param_dtype
         self.microbatches = config.microbatches
         self.optimizer = optimizer
@@ -194,7 +194,7 @@ class _ProgramBuilder:
                 (total,) = inline(self.graph, lambda *values: [sum(values)], list(per_microbatch),
                                   fake_mode=self.fake_mode, phase=meta.FWD, layer=meta.POST)
             metric_totals.append(total)
-        grad_norm, new_params, new_states = self.append_optimizer(
+        grad_norm, new_params, new_states, nonfinite = self.append_optimizer(
             param_nodes, grad_nodes, state_nodes, lr, step)
 
         outputs = [Output(OutputKind.LOSS, "loss"), Output(OutputKind.GRAD_NORM, "grad_norm")]
@@ -212,6 +212,9 @@ class _ProgramBuilder:
         for index, node in mutations.items():
             outputs.append(Output(OutputKind.BUFFER, buffer_names[index - len(self.params)]))
             values.append(node)
+        if nonfinite is not None:
+            outputs.append(Output(OutputKind.NONFINITE, "nonfinite"))
+            values.append(nonfinite)
         self.graph.output(tuple(values))
         _assign_layers(self.graph, param_nodes)
         self.graph.lint()

@@ -611,7 +611,7 @@ class _Rewrite:
         states = {tuple(s.name.split("/", 1)[::-1]): self.env[placeholders[s.name]]
                   for s in self.program.inputs if s.kind is InputKind.OPT_STATE}
         lr, step = (self.env[placeholders[name]] for name in ("lr", "step"))
-        grad_norm, new_params, new_states = append_update(self.graph, self.program.train, self.fake, names, params,
+        grad_norm, new_params, new_states, nonfinite = append_update(self.graph, self.program.train, self.fake, names, params,
                                                           grad_nodes, states, lr, step)
         outputs, values = [], []
         for spec, value in zip(self.program.outputs, old_values):
@@ -621,6 +621,9 @@ class _Rewrite:
             elif spec.kind is OutputKind.GRAD_NORM:
                 outputs.append(spec)
                 values.append(grad_norm)
+            elif spec.kind is OutputKind.NONFINITE:
+                outputs.append(spec)
+                values.append(nonfinite)
             elif spec.kind is OutputKind.PARAM:
                 outputs.append(Output(spec.kind, spec.name,
                                       EXPERT_SHARDED if spec.name in self.expert_params else spec.placement))

@@ -364,7 +364,7 @@ class _Rewrite:
         names = [unit.name for unit in trained]
         states = {key: node for key, node in self.state_inputs.items()}
         lr, step = (self.env[self.old_placeholders[name]] for name in ("lr", "step"))
-        grad_norm, new_params, new_states = append_update(
+        grad_norm, new_params, new_states, nonfinite = append_update(
             self.graph, self.program.train, self.fake, names, params, grads, states, lr, step,
             norm_group=self.norm_groups(trained), not_in_norm=self.counted_elsewhere(trained))
         outputs, values = [Output(OutputKind.LOSS, "loss"), Output(OutputKind.GRAD_NORM, "grad_norm")], []
@@ -390,6 +390,9 @@ class _Rewrite:
                                   [self.env[value]], fake_mode=self.fake, phase=meta.OPTIM, layer=meta.POST)
                 outputs.append(spec)
                 values.append(total)
+        if nonfinite is not None:
+            outputs.append(Output(OutputKind.NONFINITE, "nonfinite"))
+            values.append(nonfinite)
         self.graph.output(tuple(values))
         self.graph.lint()
         gm = fx.GraphModule(self.program.graph_module, self.graph)

@@ -359,7 +359,7 @@ class _Lowering:
         elsewhere = frozenset(n for n in trained if self.holders[n][0] != self.stage)
         states = {(spec.name.split("/", 1)[1], spec.name.split("/", 1)[0]): self.env[spec.name]
                   for spec in self.inputs if spec.kind is InputKind.OPT_STATE}
-        grad_norm, new_params, new_states = append_update(
+        grad_norm, new_params, new_states, nonfinite = append_update(
             self.graph, self.source.train, self.fake, trained, [self.env[n] for n in trained],
             [self.grads[n] for n in trained], states, self.env["lr"], self.env["step"], norm_group="pp",
             not_in_norm=elsewhere)
@@ -372,6 +372,9 @@ class _Lowering:
             values.append(node)
         outputs += metric_outputs
         values += metric_values
+        if nonfinite is not None:
+            outputs.append(Output(OutputKind.NONFINITE, "nonfinite"))
+            values.append(nonfinite)
         self.graph.output(tuple(values))
         self.graph.lint()
         gm = fx.GraphModule(self.source.graph_module, self.graph)

@@ -113,7 +113,8 @@ def step_state_dict(step, copy: bool = False) -> dict:
     if copy:
         tensors = host_copies(step, tensors)
     state = dict(boxes_of(step, pieces, tensors))
-    state[PROGRESS] = {"step_count": step.step_count, "lr_override": step._lr_override}
+    state[PROGRESS] = {"step_count": step.step_count, "lr_override": step._lr_override,
+                       "skipped_steps": step.skipped_steps}
     state[rng_key(step.rank)] = rng_state(step.device)
     return state
 
@@ -151,7 +152,7 @@ def staging_state_dict(step) -> tuple[dict, dict]:
     pieces = pieces_of(step)
     copies = {piece.state: step.state[piece.state].clone() for piece in pieces}
     state = dict(boxes_of(step, pieces, copies))
-    state[PROGRESS] = {"step_count": 0, "lr_override": None}
+    state[PROGRESS] = {"step_count": 0, "lr_override": None, "skipped_steps": 0}
     return state, copies
 
 
@@ -168,6 +169,7 @@ def set_progress(step, progress: dict | None, rng: dict | None) -> None:
     if progress is not None:
         step.step_count = int(progress["step_count"])
         step._lr_override = progress["lr_override"]
+        step._skipped.fill_(int(progress.get("skipped_steps", 0)))
     if rng is not None:
         set_rng_state(rng, step.device)
 

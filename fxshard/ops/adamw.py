@@ -6,10 +6,14 @@ once and writes them once (the unfused chain makes ~10 passes over each tensor).
 come in a narrower dtype than the parameter (bf16 gradients of fp32 masters): it is widened exactly
 (as `grad.to(param.dtype)` would) where it is read, so no wide copy of it is ever written.
 Per-step scalars (decay = 1 - lr*wd, step_size = lr / bias_correction1, bias_correction2_sqrt)
-are 0-d tensors, so a schedule changes them without retracing or recapturing.
+are 0-d tensors, so a schedule changes them without retracing or recapturing. `skip`, a 0-d bool
+tensor, leaves all three tensors as they were when it is true (Config(nonfinite): a step whose
+gradients are not finite), without a host synchronization and without reading them twice.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -31,36 +35,42 @@ def _fused(param, grad, exp_avg, exp_avg_sq) -> bool:
             and grad.dtype in (torch.float32, torch.bfloat16, torch.float16) and grad.is_contiguous())
 
 
+def _kept(skip, old, new):
+    return new if skip is None else tuple(torch.where(skip, o, n) for o, n in zip(old, new))
+
+
 @torch.library.custom_op("fxshard::adamw_update", mutates_args=())
 def adamw_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, decay: Tensor,
                  step_size: Tensor, bias_correction2_sqrt: Tensor, beta1: float, beta2: float,
-                 eps: float) -> tuple[Tensor, Tensor, Tensor]:
+                 eps: float, skip: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     if _fused(param, grad, exp_avg, exp_avg_sq):
         from ._triton_adamw import fused_adamw
 
-        return fused_adamw(param, grad, exp_avg, exp_avg_sq, decay, step_size, bias_correction2_sqrt, beta1, beta2, eps)
-    return tuple(t.contiguous() for t in adamw_reference(param, grad, exp_avg, exp_avg_sq, decay, step_size, bias_correction2_sqrt,
-                                                         beta1, beta2, eps))
+        return fused_adamw(param, grad, exp_avg, exp_avg_sq, decay, step_size, bias_correction2_sqrt, beta1, beta2,
+                           eps, skip=skip)
+    new = adamw_reference(param, grad, exp_avg, exp_avg_sq, decay, step_size, bias_correction2_sqrt, beta1, beta2, eps)
+    return tuple(t.contiguous() for t in _kept(skip, (param, exp_avg, exp_avg_sq), new))
 
 
 @torch.library.custom_op("fxshard::adamw_update_", mutates_args=("param", "exp_avg", "exp_avg_sq"))
 def adamw_update_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, decay: Tensor,
                   step_size: Tensor, bias_correction2_sqrt: Tensor, beta1: float, beta2: float,
-                  eps: float) -> None:
+                  eps: float, skip: Optional[Tensor] = None) -> None:
     """The same step written into `param`, `exp_avg` and `exp_avg_sq`: what the runtime lowers
     `adamw_update` to when nothing reads the old values afterwards (fxshard.runtime.reinplace)."""
     if _fused(param, grad, exp_avg, exp_avg_sq):
         from ._triton_adamw import fused_adamw
 
         fused_adamw(param, grad, exp_avg, exp_avg_sq, decay, step_size, bias_correction2_sqrt, beta1, beta2, eps,
-                    out=(param, exp_avg, exp_avg_sq))
+                    out=(param, exp_avg, exp_avg_sq), skip=skip)
         return
     new = adamw_reference(param, grad, exp_avg, exp_avg_sq, decay, step_size, bias_correction2_sqrt, beta1, beta2, eps)
+    new = _kept(skip, (param, exp_avg, exp_avg_sq), new)
     for target, value in zip((param, exp_avg, exp_avg_sq), new):
         target.copy_(value)
 
 
 @adamw_update.register_fake
 def _adamw_update_fake(param, grad, exp_avg, exp_avg_sq, decay, step_size, bias_correction2_sqrt,
-                       beta1, beta2, eps):
+                       beta1, beta2, eps, skip=None):
     return torch.empty_like(param), torch.empty_like(exp_avg), torch.empty_like(exp_avg_sq)

@@ -51,7 +51,7 @@ class CompiledStep:
                  sm_carveout: int | None = None, all_to_all: str = "nccl", codegen: bool = False,
                  verbose: bool = False, coords: dict[str, int] | None = None, rank: int = 0,
                  mesh_description: str = "one device", expert_layouts: dict | None = None,
-                 model_class: str = "", model_config=None):
+                 model_class: str = "", model_config=None, nonfinite: str = "ignore"):
         self.programs = programs
         # where this rank sits, for checkpoints (fxshard/checkpoint): its index along each mesh axis,
         # its global rank, and the expert layers' storage layouts (prefix -> (ExpertLayout, experts))
@@ -67,6 +67,12 @@ class CompiledStep:
         self.groups = groups or {}
         self.step_count = 0
         self._lr_override: float | None = None
+        # Config(nonfinite): the program skips updates whose gradient norm is not finite; the runtime
+        # counts them on the device (AdamW's step input counts applied updates) and under "raise"
+        # reads the last step's flag when the step is next used (_raise_if_nonfinite)
+        self.nonfinite = nonfinite if self.program.outputs_of(OutputKind.NONFINITE) else "ignore"
+        self._skipped = torch.zeros((), dtype=torch.float32, device=device)
+        self._unchecked: tuple[int, dict] | None = None
         run = (bind_groups(self.program, {axis: g.group_name for axis, g in self.groups.items()})
                if self.groups else self.program.graph_module)
         # optimizer updates write into the state tensors they read (see runtime/reinplace.py)
@@ -109,19 +115,52 @@ class CompiledStep:
 
     def __call__(self, batch) -> dict[str, torch.Tensor]:
         leaves = self.batch_spec.flatten(batch)
+        self._raise_if_nonfinite()
         if self._replay is not None and self._replay.is_captured:
-            metrics = self._replay.replay(leaves, self.lr, float(self.step_count + 1))
+            metrics = self._replay.replay(leaves, self.lr, float(self.step_count + 1), self._skipped)
             self.step_count += 1
-            return metrics
-        metrics = self._eager_step(leaves)
+            return self._guarded(metrics)
+        metrics = self._guarded(self._eager_step(leaves))
         if self._replay is not None and self.step_count >= CudaGraphReplay.WARMUP_STEPS:
             self._replay.capture(self)
         return metrics
 
+    @property
+    def skipped_steps(self) -> int:
+        """How many steps Config(nonfinite) skipped so far (reads a device counter: synchronizes)."""
+        return int(self._skipped.item())
+
+    def _guarded(self, metrics: dict) -> dict:
+        """Metrics as the user sees them: with the non-finite guard, `skipped` (a 0-d bool tensor) in
+        place of the per-tensor flags, which are kept for the check under "raise"."""
+        if self.nonfinite == "ignore":
+            return metrics
+        flags = metrics.pop("nonfinite")
+        skipped = torch.logical_not(torch.isfinite(metrics["grad_norm"]))
+        self._skipped += skipped
+        metrics["skipped"] = skipped
+        if self.nonfinite == "raise":
+            self._unchecked = (self.step_count, {"skipped": skipped, "grad_norm": metrics["grad_norm"], "flags": flags})
+        return metrics
+
+    def _raise_if_nonfinite(self) -> None:
+        """Under Config(nonfinite="raise"): if the last step's gradients were not finite, raise on every
+        rank (they agree: the norm is global), naming the first parameter whose gradient was not."""
+        if self._unchecked is None:
+            return
+        number, last = self._unchecked
+        self._unchecked = None
+        if not bool(last["skipped"]):
+            return
+        from .nonfinite import nonfinite_error
+
+        raise nonfinite_error(self, number, float(last["grad_norm"]), last["flags"])
+
     def _arguments(self, leaves):
         leaves = iter(leaves)
         lr = torch.tensor(self.lr, dtype=torch.float32, device=self.device)
-        step = torch.tensor(float(self.step_count + 1), dtype=torch.float32, device=self.device)
+        # the optimizer's step count (1-based) counts applied updates: calls minus skipped steps
+        step = torch.tensor(float(self.step_count + 1), dtype=torch.float32, device=self.device) - self._skipped
         args = []
         for spec in self.program.inputs:
             if spec.kind is InputKind.BATCH:
@@ -174,6 +213,7 @@ class CompiledStep:
     def parameters(self) -> dict[str, torch.Tensor]:
         """Parameter name -> current full parameter tensor (all-gathered where sharded; under a
         pipeline every stage's, broadcast from the stage that holds it). Every rank must call it."""
+        self._raise_if_nonfinite()
         local = full_parameters(self.program, self.state, self._gather)
         if self.program.stage is None:
             return local
@@ -197,6 +237,7 @@ class CompiledStep:
         `fxshard.save` / `load` also check, stage and swap directories."""
         from ..checkpoint.state import step_state_dict
 
+        self._raise_if_nonfinite()
         return step_state_dict(self)
 
     def load_state_dict(self, state: dict) -> None:
@@ -274,10 +315,10 @@ class CudaGraphReplay:
         torch.cuda.current_stream().wait_stream(stream)
         del results
 
-    def replay(self, leaves, lr: float, step_number: float) -> dict[str, torch.Tensor]:
+    def replay(self, leaves, lr: float, step_number: float, skipped: torch.Tensor) -> dict[str, torch.Tensor]:
         for static, leaf in zip(self.batch, leaves):
             static.copy_(leaf, non_blocking=True)
         self.lr.fill_(lr)
-        self.step_number.fill_(step_number)
+        self.step_number.fill_(step_number).sub_(skipped)
         self.graph.replay()
         return {name: value.clone() for name, value in self.metrics.items()}

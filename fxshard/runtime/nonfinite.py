@@ -1,0 +1,53 @@
+"""The error Config(nonfinite="raise") raises: which step, and the first parameter whose gradient was
+not finite, found from every rank's flags (each rank flags only the gradients it holds: its shards,
+its experts, its pipeline stage's parameters)."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import meta
+from ..errors import FxShardError
+from ..program import InputKind, OutputKind
+
+
+def flagged(step, flags: torch.Tensor) -> list[tuple[int, str]]:
+    """This rank's tensors whose gradient was not finite, as (position of its first parameter in the
+    model, description), in model order."""
+    program = step.program
+    (position,) = [i for i, spec in enumerate(program.outputs) if spec.kind is OutputKind.NONFINITE]
+    names = program.output_nodes()[position].meta[meta.NONFINITE_TENSORS]
+    order = {spec.name: i for i, spec in enumerate(step.programs[0].inputs) if spec.kind is InputKind.PARAM}
+    found = []
+    for name, bad in zip(names, flags.tolist()):
+        if not bad:
+            continue
+        unit = program.unit_named(name)
+        if unit is None:
+            found.append((order.get(name, len(order)), name))
+        else:
+            members = [m.name for m in unit.members]
+            listed = ", ".join(members[:4]) + (f" and {len(members) - 4} more" if len(members) > 4 else "")
+            found.append((min(order.get(m, len(order)) for m in members),
+                          f"one of {listed} (FSDP unit {unit.name!r}, in this rank's shard)"))
+    return sorted(found)
+
+
+def nonfinite_error(step, number: int, grad_norm: float, flags: torch.Tensor) -> FxShardError:
+    """The error for step `number` (1-based), the same text on every rank (every rank calls this: the
+    gradient norm that decided is global)."""
+    import torch.distributed as dist
+
+    mine = [(position, step.rank, text) for position, text in flagged(step, flags)]
+    everyone = [mine]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    found = sorted(entry for entries in everyone for entry in entries)
+    where = (f"the first parameter whose gradient is not finite is {found[0][2]} (rank {found[0][1]})"
+             if found else "no rank found a non-finite gradient of its own (the norm's reduction overflowed)")
+    return FxShardError(
+        f"step {number}: the gradients are not finite (grad norm {grad_norm}); {where}. The step's update "
+        f"was not applied: parameters and optimizer state are those after step {number - 1}. Look for a NaN or inf in "
+        f"that step's batch, a learning rate that diverges, or an overflow in the model; "
+        f"Config(nonfinite='skip') skips such steps and goes on (metrics['skipped'])")
