@@ -28,9 +28,11 @@ def _worker(rank, nprocs, port, backend, out_dir, fn, args):
     try:
         result = fn(*args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))  # saved before any teardown can hang
-        dist.barrier()
+        if dist.is_initialized():  # `fn` may have left the group itself (a test of a rank that dies)
+            dist.barrier()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def run_local(fn, nprocs: int, *args, backend: str | None = None) -> list:

@@ -82,6 +82,7 @@ class SimulatedRanks:
         self.states = [initial_state(self.programs[rank], model, optimizer, mesh.coords(rank))
                        for rank in range(self.world)]
         self.step_count = 0
+        self.skipped = 0  # steps the non-finite guard skipped: the optimizer's step counts the others
 
     def step(self, local_batches, lr: float | None = None) -> list[dict[str, torch.Tensor]]:
         from .optim import lr_at
@@ -99,7 +100,7 @@ class SimulatedRanks:
                 elif spec.kind is InputKind.LR:
                     args.append(torch.tensor(lr))
                 elif spec.kind is InputKind.STEP:
-                    args.append(torch.tensor(float(self.step_count)))
+                    args.append(torch.tensor(float(self.step_count - self.skipped)))
                 else:
                     args.append(self.states[rank][spec.kind, spec.name])
             inputs.append(args)
@@ -114,6 +115,8 @@ class SimulatedRanks:
                     self.states[rank][kinds[spec.kind], spec.name] = value
                 else:
                     metrics[rank][spec.name] = value
+        if any(spec.kind is OutputKind.NONFINITE for spec in self.program.outputs):
+            self.skipped += int(not torch.isfinite(metrics[0]["grad_norm"]))  # as CompiledStep counts
         return metrics
 
     def groups(self) -> dict[str, list[list[int]]]:

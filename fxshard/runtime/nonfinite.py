@@ -13,23 +13,24 @@ from ..program import InputKind, OutputKind
 
 def flagged(step, flags: torch.Tensor) -> list[tuple[int, str]]:
     """This rank's tensors whose gradient was not finite, as (position of its first parameter in the
-    model, description), in model order."""
+    model, description with a {rank} field), in model order."""
     program = step.program
     (position,) = [i for i, spec in enumerate(program.outputs) if spec.kind is OutputKind.NONFINITE]
     names = program.output_nodes()[position].meta[meta.NONFINITE_TENSORS]
     order = {spec.name: i for i, spec in enumerate(step.programs[0].inputs) if spec.kind is InputKind.PARAM}
+    units = {unit.name: unit for unit in program.units}  # FSDP's optimizer updates units' shards
     found = []
     for name, bad in zip(names, flags.tolist()):
         if not bad:
             continue
-        unit = program.unit_named(name)
+        unit = units.get(name)
         if unit is None:
-            found.append((order.get(name, len(order)), name))
+            found.append((order.get(name, len(order)), f"{name} (on rank {{rank}})"))
         else:
             members = [m.name for m in unit.members]
             listed = ", ".join(members[:4]) + (f" and {len(members) - 4} more" if len(members) > 4 else "")
             found.append((min(order.get(m, len(order)) for m in members),
-                          f"one of {listed} (FSDP unit {unit.name!r}, in this rank's shard)"))
+                          f"in FSDP unit {unit.name!r} ({listed}), in its shard on rank {{rank}}"))
     return sorted(found)
 
 
@@ -44,8 +45,11 @@ def nonfinite_error(step, number: int, grad_norm: float, flags: torch.Tensor) ->
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
     found = sorted(entry for entries in everyone for entry in entries)
-    where = (f"the first parameter whose gradient is not finite is {found[0][2]} (rank {found[0][1]})"
-             if found else "no rank found a non-finite gradient of its own (the norm's reduction overflowed)")
+    if not found:
+        where = "no rank found a non-finite gradient of its own (the norm's reduction overflowed)"
+    else:
+        _, rank, text = found[0]
+        where = f"the first parameter whose gradient is not finite is {text.format(rank=rank)}"
     return FxShardError(
         f"step {number}: the gradients are not finite (grad norm {grad_norm}); {where}. The step's update "
         f"was not applied: parameters and optimizer state are those after step {number - 1}. Look for a NaN or inf in "

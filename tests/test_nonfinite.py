@@ -1,0 +1,148 @@
+"""Config(nonfinite): a step whose gradients are not finite leaves parameters and optimizer state as
+they were, on every rank alike; "skip" goes on, "raise" names the step and the parameter."""
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, strategies as st
+
+import fxshard
+from fxshard.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig
+from fxshard.passes import run_pipeline
+from fxshard.testing import SimulatedRanks
+
+ADAMW = fxshard.optim.AdamW(lr=1e-2, weight_decay=0.1)
+SGD_MOMENTUM = fxshard.optim.SGD(lr=0.05, momentum=0.9)
+
+
+class Regressor(nn.Module):
+    def __init__(self, width=8, depth=2):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head(x)
+
+
+def regression_loss(model, batch):
+    return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+
+
+def regression_batches(count, rows=4, width=8, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [{"x": torch.randn(rows, width, generator=generator), "y": torch.randn(rows, 1, generator=generator)}
+            for _ in range(count)]
+
+
+def guards(program) -> set:
+    """The skip flags (not isfinite(grad norm)) that the optimizer updates of `program` read."""
+    updates = (torch.ops.fxshard.adamw_update.default, torch.ops.aten.where.self)
+    return {n for n in program.graph.nodes if n.target is torch.ops.aten.logical_not.default
+            and any(user.target in updates for user in n.users)}
+
+
+def poisoned(batch, key="x"):
+    bad = {name: value.clone() for name, value in batch.items()}
+    bad[key].view(-1)[1] = float("nan")
+    return bad
+
+
+@pytest.mark.parametrize("optimizer", [ADAMW, SGD_MOMENTUM], ids=["adamw", "sgd_momentum"])
+def test_a_skipped_step_leaves_the_state_of_a_run_without_it(optimizer):
+    torch.manual_seed(0)
+    model = Regressor()
+    good = regression_batches(3)
+    skipping = fxshard.shard(model, regression_loss, good[0], optimizer=optimizer,
+                             config=fxshard.Config(nonfinite="skip"))
+    assert len(guards(skipping.program)) == 1  # one flag, every update reads it (the dump shows it)
+    reference = fxshard.shard(model, regression_loss, good[0], optimizer=optimizer)
+    flags = [bool(skipping(batch)["skipped"]) for batch in (good[0], poisoned(good[1]), good[1], good[2])]
+    for batch in good:
+        assert not bool(reference(batch)["skipped"])
+    assert flags == [False, True, False, False] and skipping.skipped_steps == 1
+    expected, got = reference.parameters(), skipping.parameters()
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+    for name, value in reference.optimizer_state().items():
+        assert torch.equal(skipping.optimizer_state()[name], value), name
+    ignoring = fxshard.shard(model, regression_loss, good[0], optimizer=optimizer,
+                             config=fxshard.Config(nonfinite="ignore"))
+    assert not guards(ignoring.program)
+    ignoring(poisoned(good[0]))
+    assert not all(torch.isfinite(p).all() for p in ignoring.parameters().values())  # what the guard prevents
+
+
+def test_raise_names_the_step_and_the_first_parameter_and_keeps_the_last_good_state():
+    torch.manual_seed(0)
+    model = Regressor()
+    good = regression_batches(2)
+    step = fxshard.shard(model, regression_loss, good[0], optimizer=ADAMW)  # "raise" is the default
+    step(good[0])
+    before = {name: value.clone() for name, value in step.parameters().items()}
+    step(poisoned(good[1]))  # the flag is read when the step is next used
+    with pytest.raises(fxshard.FxShardError) as caught:
+        step(good[1])
+    message = str(caught.value)
+    assert message.startswith("step 2: the gradients are not finite (grad norm nan); the first parameter whose "
+                              "gradient is not finite is layers.0.weight (on rank 0)"), message
+    assert "parameters and optimizer state are those after step 1" in message and "nonfinite='skip'" in message
+    for name, value in step.parameters().items():  # reported once; the bad update was never applied
+        assert torch.equal(value, before[name]), name
+    step(poisoned(good[1]))
+    with pytest.raises(fxshard.FxShardError, match="step 3: the gradients are not finite"):
+        step.parameters()
+
+
+def scaled_loss(model, batch):
+    """The model's loss times a per-row weight: a NaN weight on one rank poisons every gradient."""
+    return model.loss({"idx": batch["idx"], "tgt": batch["tgt"]}) * batch["scale"].mean()
+
+
+def token_batch(rows, seq, vocab, seed, scale=1.0):
+    generator = torch.Generator().manual_seed(seed)
+    return {"idx": torch.randint(0, vocab, (rows, seq), generator=generator),
+            "tgt": torch.randint(0, vocab, (rows, seq), generator=generator),
+            "scale": torch.full((rows,), scale)}
+
+
+@given(layout=st.sampled_from(["dp2-zero1", "dp2-zero3", "dp2xep2", "pp2xdp2"]), bad_rank=st.integers(0, 3),
+       use_sgd=st.booleans())
+def test_every_rank_skips_a_step_whose_gradients_one_rank_poisoned(layout, bad_rank, use_sgd):
+    """SPMD simulator: one rank's NaN makes every rank skip the step, and every rank ends where a run
+    without that step ends, bit for bit."""
+    torch.manual_seed(0)
+    vocab, microbatches = 16, 2
+    if layout == "dp2xep2":
+        model = MoEGPT(MoEGPTConfig(vocab_size=vocab, d_model=8, n_layer=2, n_head=2, n_expert=4, top_k=2, d_ff_expert=8))
+        mesh = fxshard.Mesh(dp=2, ep=2)
+    else:
+        model = GPT(GPTConfig(vocab_size=vocab, d_model=8, n_layer=2, n_head=2, d_ff=12))
+        mesh = fxshard.Mesh(pp=2, dp=2) if layout == "pp2xdp2" else fxshard.Mesh(dp=2)
+    bad_rank %= mesh.size
+    optimizer = fxshard.optim.SGD(lr=0.1, momentum=0.9) if use_sgd else ADAMW
+    config = fxshard.Config(nonfinite="skip", sharding="optim" if layout == "dp2-zero1" else "optim_grads_params",
+                            microbatches=microbatches if mesh.pp > 1 else 1)
+    rows = 2 * microbatches
+    batches = [[token_batch(rows, 4, vocab, seed=10 * step + mesh.coords(rank)["dp"]) for rank in range(mesh.size)]
+               for step in range(3)]
+    example = {key: value[:rows // config.microbatches] for key, value in batches[0][0].items()}
+    program = fxshard.trace(model, scaled_loss, example, optimizer=optimizer,
+                            config=fxshard.Config(nonfinite="skip"))
+    stages = [run_pipeline(program, mesh, config, stage=stage)[-1] for stage in range(mesh.pp)]
+    skipping, reference = SimulatedRanks(stages, model, optimizer, mesh), SimulatedRanks(stages, model, optimizer, mesh)
+    # the ranks of a pipeline read one batch (the last stage its loss weights): poison it on all of them
+    poisoned_dp = mesh.coords(bad_rank)["dp"] if mesh.pp > 1 else None
+    bad = [dict(batch, scale=torch.full((rows,), float("nan")) if rank == bad_rank or
+                mesh.coords(rank)["dp"] == poisoned_dp else batch["scale"]) for rank, batch in enumerate(batches[1])]
+    skipping.step(batches[0])
+    assert all(not torch.isfinite(metrics["grad_norm"]) for metrics in skipping.step(bad))
+    skipping.step(batches[2])
+    for local in (batches[0], batches[2]):
+        reference.step(local)
+    assert skipping.skipped == 1
+    expected = reference.parameters(mesh.size - 1)
+    for name, value in skipping.parameters(mesh.size - 1).items():
+        assert torch.equal(value, expected[name]), name
