@@ -76,12 +76,23 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     source = MetaInit(model, config.seed, batch_spec.device) if is_meta else model
     state = initial_state(programs[-1], source, optimizer, coords)
     codegen = config.codegen == "inductor" or (config.codegen == "auto" and batch_spec.device.type == "cuda")
+
+    def compile_evaluation() -> Program:  # step.evaluate's program, compiled on its first call
+        from .runtime.evaluate import EvalMode, forward_only
+
+        with EvalMode(model):
+            evaluation = forward_only(_compile(model, loss_fn, example_batch, optimizer, mesh, config, (stage,))[-1])
+        if config.dump_dir:
+            evaluation.dump(config.dump_dir, len(programs) + 1)
+        return evaluation
+
     step = CompiledStep(programs, state, batch_spec, optimizer, batch_spec.device, groups, config.cuda_graphs,
                         sm_carveout=config.ep_sm_carveout, all_to_all=config.ep_all_to_all, codegen=codegen,
                         verbose=config.verbose, coords=coords, rank=_global_rank(),
                         mesh_description=str(mesh) if mesh is not None else "one device",
                         expert_layouts=_expert_layouts(model), model_class=type(model).__name__,
-                        model_config=getattr(model, "cfg", None), nonfinite=config.nonfinite)
+                        model_config=getattr(model, "cfg", None), nonfinite=config.nonfinite,
+                        evaluation=compile_evaluation, model=model)
     if config.dump_dir or config.verbose:
         _report_lowerings(step, config, len(programs))
     return step

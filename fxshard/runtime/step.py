@@ -51,7 +51,8 @@ class CompiledStep:
                  sm_carveout: int | None = None, all_to_all: str = "nccl", codegen: bool = False,
                  verbose: bool = False, coords: dict[str, int] | None = None, rank: int = 0,
                  mesh_description: str = "one device", expert_layouts: dict | None = None,
-                 model_class: str = "", model_config=None, nonfinite: str = "ignore"):
+                 model_class: str = "", model_config=None, nonfinite: str = "ignore",
+                 evaluation=None, model=None):
         self.programs = programs
         # where this rank sits, for checkpoints (fxshard/checkpoint): its index along each mesh axis,
         # its global rank, and the expert layers' storage layouts (prefix -> (ExpertLayout, experts))
@@ -73,6 +74,11 @@ class CompiledStep:
         self.nonfinite = nonfinite if self.program.outputs_of(OutputKind.NONFINITE) else "ignore"
         self._skipped = torch.zeros((), dtype=torch.float32, device=device)
         self._unchecked: tuple[int, dict] | None = None
+        # evaluate(): `evaluation` compiles the eval-mode program on first use (runtime/evaluate.py)
+        self._compile_evaluation, self._evaluation = evaluation, None
+        self._codegen_on, self._verbose = codegen, verbose
+        # the model's train/eval mode at shard(): changing it later changes nothing, which __call__ says once
+        self._model, self._traced_training = model, (model.training if model is not None else None)
         run = (bind_groups(self.program, {axis: g.group_name for axis, g in self.groups.items()})
                if self.groups else self.program.graph_module)
         # optimizer updates write into the state tensors they read (see runtime/reinplace.py)
@@ -116,6 +122,14 @@ class CompiledStep:
     def __call__(self, batch) -> dict[str, torch.Tensor]:
         leaves = self.batch_spec.flatten(batch)
         self._raise_if_nonfinite()
+        if self._model is not None and self._model.training != self._traced_training:
+            import warnings
+
+            warnings.warn(f"the model was switched to {'train' if self._model.training else 'eval'} mode after "
+                          f"shard(); the compiled step keeps the mode it was traced in "
+                          f"({'train' if self._traced_training else 'eval'}). Use step.evaluate(batch) to "
+                          f"evaluate (eval mode, no update)", stacklevel=2)
+            self._model = None  # said once
         if self._replay is not None and self._replay.is_captured:
             metrics = self._replay.replay(leaves, self.lr, float(self.step_count + 1), self._skipped)
             self.step_count += 1
@@ -156,13 +170,45 @@ class CompiledStep:
 
         raise nonfinite_error(self, number, float(last["grad_norm"]), last["flags"])
 
-    def _arguments(self, leaves):
+    def evaluate(self, batch) -> dict[str, torch.Tensor]:
+        """The loss (and loss_fn's metrics) of `batch` under the current parameters, in eval mode
+        (dropout off), with no update: the training step traced again in eval mode on the first call,
+        through the same passes (sharded parameters gathered as in training; pipelines included), cut
+        to what the loss needs (runtime/evaluate.py), then replayed. Every rank must call it, with a
+        batch shaped like the training batch."""
+        self._raise_if_nonfinite()
+        leaves = self.batch_spec.flatten(batch)
+        if self._evaluation is None:
+            self._evaluation = self._build_evaluation()
+        program, run = self._evaluation
+        with torch.no_grad():
+            results = self._replay_graph(run, self._arguments(leaves, program))
+        return {spec.name: value.detach() for spec, value in zip(program.outputs, results)}
+
+    def _build_evaluation(self):
+        from .agreement import check_agreement
+        from .evaluate import check_reads_training_state
+
+        if self._compile_evaluation is None:
+            raise FxShardError("this step was not built by fxshard.shard, which gives it what evaluate() compiles")
+        program = self._compile_evaluation()
+        check_reads_training_state(program, self.state)
+        if self.groups:  # the eval programs' communication must agree across ranks too
+            check_agreement(program.graph, self.groups, self.device,
+                            self.program.stage.stage if self.program.stage is not None else None)
+        run = (bind_groups(program, {axis: g.group_name for axis, g in self.groups.items()})
+               if self.groups else program.graph_module)
+        if self._codegen_on:
+            run, _ = compile_regions(run, progress=progress_printer(self._verbose))
+        return program, run
+
+    def _arguments(self, leaves, program: Program | None = None):
         leaves = iter(leaves)
         lr = torch.tensor(self.lr, dtype=torch.float32, device=self.device)
         # the optimizer's step count (1-based) counts applied updates: calls minus skipped steps
         step = torch.tensor(float(self.step_count + 1), dtype=torch.float32, device=self.device) - self._skipped
         args = []
-        for spec in self.program.inputs:
+        for spec in (program or self.program).inputs:
             if spec.kind is InputKind.BATCH:
                 args.append(next(leaves))
             elif spec.kind is InputKind.LR:
@@ -173,16 +219,19 @@ class CompiledStep:
                 args.append(self.state[spec.kind, spec.name])
         return args
 
-    def _eager_step(self, leaves):
+    def _replay_graph(self, run: fx.GraphModule, args: list):
         try:
-            results = self._run(*self._arguments(leaves))
+            return run(*args)
         except Exception as error:  # a collective or transfer that timed out, or a peer that died
-            where = self._failed_wait(error)
+            where = self._failed_wait(error, run)
             if where is None:
                 raise
             raise FxShardError(f"step {self.step_count + 1}: waiting for the {where} failed: "
                                f"{str(error).strip().splitlines()[0][:300]}. A rank of that group stalled (longer than "
                                f"Config(collective_timeout_s)) or stopped; its own error or log says why") from error
+
+    def _eager_step(self, leaves):
+        results = self._replay_graph(self._run, self._arguments(leaves))
         metrics = {}
         for spec, value in zip(self.program.outputs, results):
             if spec.kind in _WRITE_BACK:
@@ -192,12 +241,12 @@ class CompiledStep:
         self.step_count += 1
         return metrics
 
-    def _failed_wait(self, error: BaseException) -> str | None:
+    def _failed_wait(self, error: BaseException, run: fx.GraphModule) -> str | None:
         """The collective or transfer whose issue or wait raised `error`, described, or None when the
         error came from elsewhere (the graph's generated code names one node per line)."""
         from .agreement import describe
 
-        nodes = {n.name: n for n in self._run.graph.nodes}
+        nodes = {n.name: n for n in run.graph.nodes}
         axes = {group.group_name: axis for axis, group in self.groups.items()}
         for frame in reversed(traceback.extract_tb(error.__traceback__)):
             if not frame.filename.startswith("<eval_with_key>") or not frame.line:
