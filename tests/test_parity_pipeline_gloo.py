@@ -49,7 +49,7 @@ def batches(seed=0):
              "tgt": torch.randint(0, 64, (ROWS, SEQ), generator=generator)} for _ in range(STEPS)]
 
 
-def train(configs, data):
+def train(configs, data, evaluate=False):
     rank = dist.get_rank()
     results = []
     for name, pp, dp, schedule, virtual, microbatches, *sharding in configs:
@@ -63,7 +63,8 @@ def train(configs, data):
                                                    microbatches=microbatches,
                                                    sharding=sharding[0] if sharding else "no_shard"))
         losses = [step(b)["loss"].item() for b in local]
-        results.append((losses, step.parameters()))
+        evaluated = step.evaluate(local[0])["loss"].item() if evaluate else None
+        results.append((losses, step.parameters(), evaluated))
     return results
 
 
@@ -84,15 +85,30 @@ def eager(name, dp, microbatches, data):
     return losses, dict(model.named_parameters())
 
 
+def eager_loss(name, params, pieces, batch) -> float:
+    """Eager's loss of `batch` with `params`, as a step computes it: the mean over its pieces."""
+    model = MODELS[name]()
+    model.load_state_dict(params, strict=False)  # parameters only (GPT2 has buffers; its head is tied)
+    rows = ROWS // pieces
+    with torch.no_grad():
+        return (sum(loss_fn(name)(model, {k: v[i * rows:(i + 1) * rows] for k, v in batch.items()})
+                    for i in range(pieces)) / pieces).item()
+
+
 @pytest.mark.parametrize("world, configs", [(2, WORLD_2), (4, WORLD_4)], ids=["world2", "world4"])
 def test_pipeline_schedules_train_like_one_device(world, configs):
+    """World 4 also evaluates (step.evaluate) after training: eager's loss with the trained parameters."""
     data = batches()
-    per_rank = run_local(train, world, configs, data, backend="gloo")
+    per_rank = run_local(train, world, configs, data, world == 4, backend="gloo")
     for index, (name, pp, dp, schedule, virtual, microbatches, *sharding) in enumerate(configs):
         ref_losses, ref_params = eager(name, dp, microbatches, data)
         label = f"{name} pp={pp} dp={dp} {schedule} V={virtual} M={microbatches} {sharding}"
+        if world == 4:
+            eval_loss = eager_loss(name, ref_params, dp * microbatches, data[0])
         for rank in range(world):
-            losses, params = per_rank[rank][index]
+            losses, params, evaluated = per_rank[rank][index]
+            if world == 4:
+                assert abs(evaluated - eval_loss) <= 1e-5 * abs(eval_loss), (label, rank, evaluated, eval_loss)
             for ours, want in zip(losses, ref_losses):
                 assert abs(ours - want) <= 1e-5 * abs(want), (label, rank, losses, ref_losses)
             # MoEGPT at one row per microbatch: the losses agree to 1e-5, but after 10 AdamW steps some

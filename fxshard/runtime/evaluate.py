@@ -50,10 +50,12 @@ def forward_only(program: Program) -> Program:
                                                               f"the loss and the metrics, in eval mode"))
 
 
-def check_reads_training_state(evaluation: Program, state: dict) -> None:
-    """The evaluation program must read the training state by the names the training program gave it."""
+def check_reads_training_state(evaluation: Program, training: Program, state: dict) -> None:
+    """The evaluation program must read the training state by the names, and in the flat layouts,
+    that the training program gave it."""
     stateful = (InputKind.PARAM, InputKind.OPT_STATE, InputKind.BUFFER)
     missing = [spec.name for spec in evaluation.inputs if spec.kind in stateful and (spec.kind, spec.name) not in state]
+    missing += [f"unit {unit.name}" for unit in evaluation.units if unit not in training.units]
     if missing:
         raise FxShardError(
             f"the evaluation program reads state the training step does not hold ({', '.join(missing[:5])}): the "

@@ -192,7 +192,7 @@ class CompiledStep:
         if self._compile_evaluation is None:
             raise FxShardError("this step was not built by fxshard.shard, which gives it what evaluate() compiles")
         program = self._compile_evaluation()
-        check_reads_training_state(program, self.state)
+        check_reads_training_state(program, self.program, self.state)
         if self.groups:  # the eval programs' communication must agree across ranks too
             check_agreement(program.graph, self.groups, self.device,
                             self.program.stage.stage if self.program.stage is not None else None)
