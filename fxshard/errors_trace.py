@@ -22,6 +22,20 @@ _CAUSES = {
     "DynamicOutputShapeException":
         "an op's output shape depends on tensor values (nonzero, unique, masked_select, boolean indexing)",
 }
+# causes recognised by their message: (text in torch's message, cause, fix)
+_MESSAGES = (
+    ("Cannot access data pointer of Tensor",
+     "the model runs a kernel that reads a tensor's memory directly (a C++/CUDA extension, or a Triton "
+     "kernel launched by hand), which a traced tensor does not have",
+     "register that kernel as an op with torch.library.custom_op and give it a fake implementation "
+     "(register_fake: output shapes and dtypes from input shapes), as fxshard/ops/adamw.py does"),
+    ("Cannot backprop through mirrored meta",
+     "loss_fn calls .backward() (or torch.autograd.grad) itself",
+     "return the loss instead: fxshard traces the backward and the optimizer update into the step"),
+    (".numpy() is not supported for tensor subclasses",
+     "the model converts a tensor to NumPy (.numpy()), which needs its values on the host",
+     "keep the computation in torch ops"),
+)
 _FIX = ("fxshard traces one static-shape graph; compute the value with tensor ops instead "
         "(torch.where instead of `if`, masks instead of boolean indexing, fixed-size outputs)")
 
@@ -54,6 +68,10 @@ def explain_trace_failure(error: BaseException) -> FxShardError:
         cause = _CAUSES.get(type(link).__name__)
         if cause:
             return FxShardError(f"cannot trace the training step: {cause}.{location}\n  {_FIX}")
+    for link in _chain(error):
+        for text, cause, fix in _MESSAGES:
+            if text in str(link):
+                return FxShardError(f"cannot trace the training step: {cause}.{location}\n  {fix}")
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
     return FxShardError(
         f"cannot trace the training step: {type(error).__name__}: {first_line}{location}\n"

@@ -46,6 +46,33 @@ def test_untraceable_models_name_the_cause_and_the_source_line(model, cause, lin
     assert line in message and "test_errors.py" in message
 
 
+def reads_memory(model, batch):
+    return model(batch).mean() * (batch.data_ptr() != 0)  # what a hand-launched kernel does
+
+
+def calls_backward(model, batch):
+    loss = model(batch).mean()
+    loss.backward()
+    return loss
+
+
+def converts_to_numpy(model, batch):
+    return model(torch.from_numpy(batch.numpy())).mean()
+
+
+@pytest.mark.parametrize("loss_fn, cause, fix", [
+    (reads_memory, "reads a tensor's memory directly", "torch.library.custom_op"),
+    (calls_backward, "loss_fn calls .backward()", "return the loss instead"),
+    (converts_to_numpy, "converts a tensor to NumPy", "keep the computation in torch ops"),
+])
+def test_host_side_tensor_uses_are_explained_without_torch_internals(loss_fn, cause, fix):
+    with pytest.raises(FxShardError) as info:
+        fxshard.trace(nn.Linear(4, 4), loss_fn, torch.randn(2, 4))
+    message = str(info.value)
+    assert cause in message and fix in message and "test_errors.py" in message, message
+    assert "FunctionalTensor" not in message and "FakeTensor" not in message and "mirrored meta" not in message
+
+
 def test_boolean_indexing_is_a_dynamic_shape_error():
     class Masked(nn.Module):
         def __init__(self):
