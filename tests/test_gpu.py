@@ -161,6 +161,69 @@ def test_in_place_fused_adamw_kernel_matches_the_functional_one():
 
 
 @pytest.mark.gpu
+def test_fused_adamw_kernel_skips_when_told_and_is_unchanged_otherwise():
+    """Config(nonfinite)'s flag: true leaves the tensors (functional: equal copies; in place: untouched,
+    NaN gradient and all); false computes exactly what no flag computes."""
+    from fxshard.ops.adamw import adamw_update, adamw_update_
+
+    tensors, scalars = _adamw_inputs(seed=3)
+    tensors[1][5] = float("nan")
+    unguarded = adamw_update(*tensors, *scalars, 0.9, 0.95, 1e-8)
+    for skip, expected in ((True, [tensors[0], tensors[2], tensors[3]]), (False, unguarded)):
+        flag = torch.tensor(skip, device="cuda")
+        functional = adamw_update(*tensors, *scalars, 0.9, 0.95, 1e-8, flag)
+        param, grad, exp_avg, exp_avg_sq = (t.clone() for t in tensors)
+        adamw_update_(param, grad, exp_avg, exp_avg_sq, *scalars, 0.9, 0.95, 1e-8, flag)
+        for ours, again, want in zip(functional, (param, exp_avg, exp_avg_sq), expected):
+            assert torch.equal(ours, want) and torch.equal(again, want), skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("codegen", [None, "inductor"])
+def test_a_nonfinite_step_is_skipped_inside_a_cuda_graph(codegen):
+    """The guard and the device-side step count under capture: a poisoned step in replay leaves the
+    state a run without it reaches (bit for bit without codegen, whose kernels are not deterministic)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny")).cuda()
+    batches = cuda_batches(6)
+    for batch in batches:
+        batch["scale"] = torch.ones(4, device="cuda")
+
+    def scaled(m, b):
+        return m.loss({"idx": b["idx"], "tgt": b["tgt"]}) * b["scale"].mean()
+
+    config = fxshard.Config(cuda_graphs=True, codegen=codegen, nonfinite="skip")
+    guarded = fxshard.shard(copy.deepcopy(model), scaled, batches[0], optimizer=ADAMW, config=config)
+    reference = fxshard.shard(copy.deepcopy(model), scaled, batches[0], optimizer=ADAMW, config=config)
+    poisoned = dict(batches[3], scale=torch.full((4,), float("nan"), device="cuda"))
+    flags = [bool(guarded(b)["skipped"]) for b in [*batches[:3], poisoned, *batches[3:]]]
+    for batch in batches:
+        reference(batch)
+    assert guarded._replay.is_captured and flags == [False] * 3 + [True] + [False] * 3
+    assert guarded.skipped_steps == 1
+    for name, value in reference.parameters().items():
+        ours = guarded.parameters()[name]
+        assert torch.equal(ours, value) if codegen is None else relative(ours, value) < 1e-5, name
+
+
+@pytest.mark.gpu
+def test_evaluate_on_cuda_matches_eager_eval():
+    torch.manual_seed(0)
+    model = MoEGPT(MoEGPTConfig.preset("tiny")).cuda()
+    batches = cuda_batches(3)
+    step = fxshard.shard(model, model_loss, batches[0], optimizer=ADAMW)  # fp32 experts: no CUDA graphs
+    for batch in batches:
+        step(batch)
+    evaluated = step.evaluate(batches[0])["loss"].item()
+    reference = copy.deepcopy(model)
+    reference.load_state_dict(step.parameters())
+    reference.eval()
+    with torch.no_grad():
+        want = model_loss(reference, batches[0]).item()
+    assert abs(evaluated - want) <= 1e-5 * abs(want), (evaluated, want)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "quick_geglu", "gelu", "relu"])
 @pytest.mark.parametrize("counts, tail, d_model, d_ff", [
     ([37, 0, 5, 130, 0, 64], 11, 64, 48),  # one tile per expert
