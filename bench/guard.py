@@ -68,7 +68,7 @@ def main():
                 row["evaluate_ms"] = round(timed(lambda: step.evaluate(data), 2, args.iters), 2)
             rows.append(row)
             print(row, flush=True)
-            del step, model
+            step = model = None  # frees the state before the next mode
             torch.cuda.empty_cache()
     base = {r["replay"]: r["ms"] for r in rows if r["nonfinite"] == "ignore"}
     print(f"\nGPT {args.model}, batch {args.batch} x {args.seq}, one {torch.cuda.get_device_name()}")

@@ -3,7 +3,6 @@ updated, under every mesh; against eager PyTorch's model.eval() loss."""
 
 import copy
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
