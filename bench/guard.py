@@ -44,14 +44,18 @@ def main():
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--modes", nargs="+", default=["ignore", "skip", "raise"],
+                        help="in this order (repeat one to see run-to-run spread)")
+    parser.add_argument("--replays", nargs="+", default=["graphs", "eager"], choices=["graphs", "eager"])
     parser.add_argument("--out", default="bench/guard.json")
     args = parser.parse_args()
     cfg = GPTConfig.preset(args.model)
     data = batch_for(cfg, args.batch, args.seq, "cuda")
     optimizer = fxshard.optim.AdamW(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     rows = []
-    for graphs in (True, False):
-        for mode in ("ignore", "skip", "raise"):
+    evaluated = False
+    for graphs in [replay == "graphs" for replay in args.replays]:
+        for mode in args.modes:
             torch.manual_seed(0)
             with torch.device("cuda"):
                 model = GPT(cfg)
@@ -60,7 +64,8 @@ def main():
                                                        cuda_graphs=graphs, codegen=None, nonfinite=mode))
             ms = timed(lambda: step(data), args.warmup, args.iters)
             row = {"replay": "cuda graphs" if graphs else "eager", "nonfinite": mode, "ms": round(ms, 2)}
-            if graphs and mode == "raise":  # the evaluation step, on the same state
+            if not evaluated:  # the evaluation step, on the same state, once
+                evaluated = True
                 started = time.perf_counter()
                 step.evaluate(data)
                 torch.cuda.synchronize()
@@ -70,13 +75,14 @@ def main():
             print(row, flush=True)
             step = model = None  # frees the state before the next mode
             torch.cuda.empty_cache()
-    base = {r["replay"]: r["ms"] for r in rows if r["nonfinite"] == "ignore"}
+    base = {r["replay"]: r["ms"] for r in reversed(rows) if r["nonfinite"] == "ignore"}  # the first "ignore" run
     print(f"\nGPT {args.model}, batch {args.batch} x {args.seq}, one {torch.cuda.get_device_name()}")
-    print(f"{'replay':<12} {'nonfinite':<9} {'ms/step':>8} {'vs ignore':>9}")
+    print(f"{'replay':<12} {'nonfinite':<9} {'ms/step':>8} {'vs ignore':>9}  (the first ignore run of the replay)")
     for r in rows:
         print(f"{r['replay']:<12} {r['nonfinite']:<9} {r['ms']:>8.2f} {r['ms'] / base[r['replay']]:>9.3f}")
     evaluation = next(r for r in rows if "evaluate_ms" in r)
-    print(f"evaluate: {evaluation['evaluate_ms']:.2f} ms (eager replay, codegen off), first call "
+    print(f"evaluate ({evaluation['replay']} step, nonfinite={evaluation['nonfinite']}): "
+          f"{evaluation['evaluate_ms']:.2f} ms (eager replay, codegen off), first call "
           f"{evaluation['evaluate_first_call_s']:.1f} s (compiles)")
     write_json(args.out, model=args.model, batch=args.batch, seq=args.seq, command=" ".join(sys.argv), rows=rows)
 

@@ -82,9 +82,10 @@ class Config:
         None on CPU (Inductor's CPU backend compiles C++: tens of seconds per new program).
     nonfinite: what a step does whose gradients are not all finite (a NaN or inf anywhere, on any rank;
         checked in the graph from the global gradient norm). "raise" (default): the update is not
-        applied and the next call (or `parameters()` / `state_dict()` / `evaluate()`) raises an
-        FxShardError naming the step and the first parameter (or FSDP unit) whose gradient was not
-        finite; reading that flag waits for the step to finish, which costs one step of CPU run-ahead.
+        applied and an FxShardError names the step and the first parameter (or FSDP unit) whose
+        gradient was not finite, raised by the call after next (a call reads the flag of the step
+        before the last, which is done by then, so the host keeps running one step ahead) or by the
+        next `parameters()` / `state_dict()` / `evaluate()`.
         "skip": the update is not applied, on every rank together, and `metrics["skipped"]` says so
         (as torch.amp.GradScaler does; AdamW's bias correction counts applied updates only, the lr
         schedule counts calls). "ignore": no check (the weights become NaN).

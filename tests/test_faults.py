@@ -15,7 +15,7 @@ from test_nonfinite import ADAMW, Regressor, poisoned, regression_batches, regre
 
 def nan_on_rank_one():
     """dp=2, ZeRO-3: rank 1's second batch holds a NaN. "skip": both ranks skip it and end where a run
-    without it ends; "raise": both raise the same error at the next call."""
+    without it ends; "raise": both raise the same error two calls later."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     model, mesh = Regressor(), fxshard.Mesh(dp=2)
@@ -35,8 +35,9 @@ def nan_on_rank_one():
     raising = shard("raise")
     raising(batches[0])
     raising(bad)
+    raising(batches[1])
     try:
-        raising(batches[1])
+        raising(batches[2])  # checks step 2: a call reads the flag of the step before the last
         message = None
     except fxshard.FxShardError as error:
         message = str(error)

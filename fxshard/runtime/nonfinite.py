@@ -34,9 +34,9 @@ def flagged(step, flags: torch.Tensor) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def nonfinite_error(step, number: int, grad_norm: float, flags: torch.Tensor) -> FxShardError:
-    """The error for step `number` (1-based), the same text on every rank (every rank calls this: the
-    gradient norm that decided is global)."""
+def nonfinite_error(step, number: int, last: int, grad_norm: float, flags: torch.Tensor) -> FxShardError:
+    """The error for step `number` (1-based; `last` ran so far), the same text on every rank (every
+    rank calls this: the gradient norm that decided is global)."""
     import torch.distributed as dist
 
     mine = [(position, step.rank, text) for position, text in flagged(step, flags)]
@@ -50,8 +50,11 @@ def nonfinite_error(step, number: int, grad_norm: float, flags: torch.Tensor) ->
     else:
         _, rank, text = found[0]
         where = f"the first parameter whose gradient is not finite is {text.format(rank=rank)}"
+    after = (f"those after step {number - 1}" if last == number else
+             f"those after step {last} (step {number + 1}" + (f" to {last}" if last > number + 1 else "") +
+             " ran before this check; metrics['skipped'] says which of them applied its update)")
     return FxShardError(
-        f"step {number}: the gradients are not finite (grad norm {grad_norm}); {where}. The step's update "
-        f"was not applied: parameters and optimizer state are those after step {number - 1}. Look for a NaN or inf in "
+        f"step {number}: the gradients are not finite (grad norm {grad_norm}); {where}. That step's update "
+        f"was not applied: parameters and optimizer state are {after}. Look for a NaN or inf in "
         f"that step's batch, a learning rate that diverges, or an overflow in the model; "
         f"Config(nonfinite='skip') skips such steps and goes on (metrics['skipped'])")

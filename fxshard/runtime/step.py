@@ -70,10 +70,10 @@ class CompiledStep:
         self._lr_override: float | None = None
         # Config(nonfinite): the program skips updates whose gradient norm is not finite; the runtime
         # counts them on the device (AdamW's step input counts applied updates) and under "raise"
-        # reads the last step's flag when the step is next used (_raise_if_nonfinite)
+        # reads a step's flag two calls later, or when the state is next read (_raise_if_nonfinite)
         self.nonfinite = nonfinite if self.program.outputs_of(OutputKind.NONFINITE) else "ignore"
         self._skipped = torch.zeros((), dtype=torch.float32, device=device)
-        self._unchecked: tuple[int, dict] | None = None
+        self._unchecked: list[tuple[int, dict]] = []
         # evaluate(): `evaluation` compiles the eval-mode program on first use (runtime/evaluate.py)
         self._compile_evaluation, self._evaluation = evaluation, None
         self._codegen_on, self._verbose = codegen, verbose
@@ -121,7 +121,7 @@ class CompiledStep:
 
     def __call__(self, batch) -> dict[str, torch.Tensor]:
         leaves = self.batch_spec.flatten(batch)
-        self._raise_if_nonfinite()
+        self._raise_if_nonfinite(keep=1)
         if self._model is not None and self._model.training != self._traced_training:
             import warnings
 
@@ -154,21 +154,23 @@ class CompiledStep:
         self._skipped += skipped
         metrics["skipped"] = skipped
         if self.nonfinite == "raise":
-            self._unchecked = (self.step_count, {"skipped": skipped, "grad_norm": metrics["grad_norm"], "flags": flags})
+            self._unchecked.append((self.step_count, {"skipped": skipped, "grad_norm": metrics["grad_norm"],
+                                                      "flags": flags}))
         return metrics
 
-    def _raise_if_nonfinite(self) -> None:
-        """Under Config(nonfinite="raise"): if the last step's gradients were not finite, raise on every
-        rank (they agree: the norm is global), naming the first parameter whose gradient was not."""
-        if self._unchecked is None:
-            return
-        number, last = self._unchecked
-        self._unchecked = None
-        if not bool(last["skipped"]):
-            return
-        from .nonfinite import nonfinite_error
+    def _raise_if_nonfinite(self, keep: int = 0) -> None:
+        """Under Config(nonfinite="raise"): read the flags of the steps not checked yet, all but the
+        last `keep` of them, and raise on every rank alike if one was not finite (the norm that
+        decided is global), naming the first parameter whose gradient was not. A call checks the step
+        before the last (keep=1): reading a flag waits for its step, and by then that step is done,
+        so the host still runs one step ahead. Reads of the state check every step (keep=0)."""
+        while len(self._unchecked) > keep:
+            number, last = self._unchecked.pop(0)
+            if bool(last["skipped"]):
+                from .nonfinite import nonfinite_error
 
-        raise nonfinite_error(self, number, float(last["grad_norm"]), last["flags"])
+                self._unchecked.clear()
+                raise nonfinite_error(self, number, self.step_count, float(last["grad_norm"]), last["flags"])
 
     def evaluate(self, batch) -> dict[str, torch.Tensor]:
         """The loss (and loss_fn's metrics) of `batch` under the current parameters, in eval mode
