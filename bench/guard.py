@@ -79,7 +79,8 @@ def main():
     print(f"\nGPT {args.model}, batch {args.batch} x {args.seq}, one {torch.cuda.get_device_name()}")
     print(f"{'replay':<12} {'nonfinite':<9} {'ms/step':>8} {'vs ignore':>9}  (the first ignore run of the replay)")
     for r in rows:
-        print(f"{r['replay']:<12} {r['nonfinite']:<9} {r['ms']:>8.2f} {r['ms'] / base[r['replay']]:>9.3f}")
+        ratio = f"{r['ms'] / base[r['replay']]:>9.3f}" if r["replay"] in base else f"{'-':>9}"
+        print(f"{r['replay']:<12} {r['nonfinite']:<9} {r['ms']:>8.2f} {ratio}")
     evaluation = next(r for r in rows if "evaluate_ms" in r)
     print(f"evaluate ({evaluation['replay']} step, nonfinite={evaluation['nonfinite']}): "
           f"{evaluation['evaluate_ms']:.2f} ms (eager replay, codegen off), first call "
