@@ -21,12 +21,15 @@ def tokens(rows, seq):
 
 
 def mismatched_rank(kind):
-    """Rank 1 builds a narrower MLP (dp) or passes shorter sequences (pp)."""
+    """Rank 1 builds a narrower MLP (dp), passes another Config (config) or shorter sequences (pp)."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     if kind == "dp":
         model, batch, mesh = GPT(GPTConfig.preset("tiny", d_ff=64 if rank else 96)), tokens(4, 16), fxshard.Mesh(dp=2)
         config = fxshard.Config()
+    elif kind == "config":  # ZeRO-1 on rank 1, ZeRO-3 on rank 0
+        model, batch, mesh = GPT(GPTConfig.preset("tiny")), tokens(4, 16), fxshard.Mesh(dp=2)
+        config = fxshard.Config(sharding="optim" if rank else "optim_grads_params")
     else:
         model, mesh = GPT(GPTConfig.preset("tiny", n_layer=2)), fxshard.Mesh(pp=2)
         batch, config = tokens(4, 8 if rank else 16), fxshard.Config(microbatches=2)
@@ -38,12 +41,15 @@ def mismatched_rank(kind):
 
 
 def test_ranks_that_compiled_different_programs_fail_together_naming_the_first_difference():
-    for kind in ("dp", "pp"):
+    for kind in ("dp", "config", "pp"):
         messages = run_local(mismatched_rank, 2, kind, backend="gloo")
         assert messages[0] is not None and messages[0] == messages[1], messages
         if kind == "dp":  # the first unit whose size differs: layers.0's MLP
             assert "group 'dp' [0, 1] would issue different collectives" in messages[0]
             assert "unit layers.0" in messages[0] and "rank 0: all_gather_into_tensor of" in messages[0]
+        elif kind == "config":  # ZeRO-3 gathers the first unit before the forward; ZeRO-1 does not
+            assert "group 'dp' [0, 1] would issue different collectives" in messages[0], messages[0]
+            assert "rank 0: all_gather_into_tensor of" in messages[0] and "[fwd, pre, unit pre]" in messages[0]
         else:
             # the first activation sent: 2 rows of 16 positions on stage 0, of 8 on stage 1
             assert "pipeline stages 0 and 1 disagree on their transfers: #1 between them is 0 -> 1: (2, 16, 64)" \
