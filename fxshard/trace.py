@@ -102,7 +102,7 @@ def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     try:
         with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta(), \
                 annotate_layers(step_module.target[0], model, layer_paths), \
-                moe.capacity_factor_override(config.moe_capacity_factor), RouteGroupedMM():
+                moe.capacity_factor_override(config.moe_capacity_factor), RouteGroupedMM(), _tracing_flags():
             joint = aot_export_joint_with_descriptors(
                 stack, step_module, (fake_params, fake_buffers, fake_leaves))
             joint_gm = joint.graph_module
@@ -336,6 +336,19 @@ class _ProgramBuilder:
         names = list(grad_nodes)
         return append_update(self.graph, self.train, self.fake_mode, names, [param_nodes[n] for n in names],
                              [grad_nodes[n] for n in names], state_nodes, lr, step)
+
+
+@contextlib.contextmanager
+def _tracing_flags():
+    """Tell libraries that they are being traced, as torch.export's non-strict mode does: with
+    `torch.compiler.is_compiling()` / `is_exporting()` true, transformers and torch itself take their
+    traceable paths (no host reads of masks, no fast paths that branch on tensor values)."""
+    compiling, exporting = torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag
+    torch.compiler._is_compiling_flag = torch.compiler._is_exporting_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag = compiling, exporting
 
 
 def _microbatch_shape(leaf, microbatches: int) -> tuple[int, ...]:

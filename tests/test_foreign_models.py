@@ -176,3 +176,28 @@ def test_transformers_moe_with_grouped_mm_experts_traces_in_fp32_and_trains_like
 
     parity = eager_parity(model, loss, batches, ADAMW)
     assert parity.max_loss_rel < 1e-5 and parity.max_param_rel < 1e-4, parity.losses
+
+
+@pytest.mark.parametrize("inputs", ["padding_mask", "packed_positions"])
+def test_transformers_llama_with_attention_masks_or_packed_sequences_trains_like_eager(inputs):
+    """Tracing sets torch.compiler's compiling/exporting flags as torch.export does, so transformers
+    builds its masks with tensor ops instead of reading them on the host (fxshard/trace.py)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(3):
+        idx = torch.randint(0, 64, (2, 8), generator=generator)
+        if inputs == "padding_mask":  # the second row is left-padded by 3
+            mask = torch.ones(2, 8, dtype=torch.long)
+            mask[1, :3] = 0
+            batches.append({"input_ids": idx, "attention_mask": mask, "labels": torch.where(mask.bool(), idx, -100)})
+        else:  # two sequences in each row, told apart by where the positions restart
+            positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 0, 1, 2, 3]])
+            batches.append({"input_ids": idx, "position_ids": positions, "labels": idx})
+    parity = eager_parity(model, lambda m, b: m(**b, use_cache=False).loss, batches, ADAMW)
+    assert parity.max_loss_rel < 1e-5 and parity.max_param_rel < 1e-4, parity.losses
+    assert not torch.compiler.is_compiling() and not torch.compiler.is_exporting()  # the flags are restored
