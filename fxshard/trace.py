@@ -102,10 +102,12 @@ def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     try:
         with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta(), \
                 annotate_layers(step_module.target[0], model, layer_paths), \
-                moe.capacity_factor_override(config.moe_capacity_factor), RouteGroupedMM(), _tracing_flags():
+                moe.capacity_factor_override(config.moe_capacity_factor), RouteGroupedMM(), _tracing_flags(), \
+                _cast_forward_inputs(model, config.param_dtype):
             joint = aot_export_joint_with_descriptors(
                 stack, step_module, (fake_params, fake_buffers, fake_leaves))
             joint_gm = joint.graph_module
+        _check_matmul_dtypes(joint_gm, config.param_dtype)
     except FxShardError:
         raise
     except Exception as error:  # translate the tracer's failure into the user's terms
@@ -336,6 +338,50 @@ class _ProgramBuilder:
         names = list(grad_nodes)
         return append_update(self.graph, self.train, self.fake_mode, names, [param_nodes[n] for n in names],
                              [grad_nodes[n] for n in names], state_nodes, lr, step)
+
+
+@contextlib.contextmanager
+def _cast_forward_inputs(model: nn.Module, dtype: torch.dtype | None):
+    """Config(param_dtype): floating-point tensors passed to the model's forward are cast to it, as
+    FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True) does (targets that loss_fn reads from the
+    batch itself keep their dtype)."""
+    if dtype is None:
+        yield
+        return
+
+    def cast(_module, args, kwargs):
+        def to(value):
+            return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+        return torch.utils._pytree.tree_map(to, (args, kwargs))
+
+    handle = model.register_forward_pre_hook(cast, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten.baddbmm.default, torch.ops.aten.convolution.default}
+
+
+def _check_matmul_dtypes(joint_gm: fx.GraphModule, param_dtype: torch.dtype | None) -> None:
+    """Refuse at shard() what would fail in the first step: a matmul or convolution of two dtypes
+    (the fake kernels accept it, the real ones do not)."""
+    for node in joint_gm.graph.nodes:
+        if node.target not in _MATMULS:
+            continue
+        dtypes = sorted({str(a.meta["val"].dtype) for a in node.args if isinstance(a, fx.Node)
+                         and isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].is_floating_point()})
+        if len(dtypes) > 1:
+            layer = (node.meta.get("custom") or {}).get(meta.ANNOTATION_LAYER, "outside the layers")
+            hint = (f"a tensor reaches the model in another dtype than Config(param_dtype={param_dtype}): fxshard casts "
+                    f"the floating-point tensors passed to the model's forward, not those that enter another way "
+                    f"(loss_fn calling another method than forward, tensors made inside the model); cast them "
+                    f"there with .to({param_dtype})") if param_dtype is not None else \
+                "cast one operand so that both have the same dtype"
+            raise FxShardError(f"the step multiplies {' by '.join(dtypes)} ({node.target.__name__} in {layer}), "
+                               f"which torch's kernels refuse at run time: {hint}")
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 
 import copy
 
+import pytest
 import torch
 
 import fxshard
@@ -9,6 +10,7 @@ from fxshard import meta
 from fxshard.models import GPT, GPTConfig
 from fxshard.passes.fsdp import FSDPConfig, fsdp
 from fxshard.testing import SimulatedRanks, relative, torch_optimizer
+from test_nonfinite import Regressor, regression_batches, regression_loss
 
 ADAMW = fxshard.optim.AdamW(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 MIXED = fxshard.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -127,3 +129,18 @@ def test_bf16_gradients_reach_adamw_without_an_fp32_copy():
                 and n.meta["val"].dtype == torch.float32 and n.args[0].meta["val"].dtype == torch.bfloat16
                 and n.meta["val"].dim() > 0]
     assert not casts_up, [n.name for n in casts_up]
+
+
+def test_float_batch_inputs_are_cast_to_param_dtype_where_they_enter_the_model():
+    """As FSDP2's cast_forward_inputs: tensors passed to the model's forward take param_dtype (the
+    target stays fp32 in the loss); a tensor entering another way is refused at shard(), not in step 1."""
+    torch.manual_seed(0)
+    model, batches = Regressor(), regression_batches(2)
+    config = fxshard.Config(param_dtype=torch.bfloat16)
+    step = fxshard.shard(model, regression_loss, batches[0], optimizer=ADAMW, config=config)
+    loss = step(batches[0])["loss"].item()
+    want = regression_loss(model, batches[0]).item()  # fp32 eager: bf16 compute agrees to bf16's precision
+    assert abs(loss - want) <= 2e-2 * abs(want), (loss, want)
+    with pytest.raises(fxshard.FxShardError, match=r"multiplies torch.bfloat16 by torch.float32 \(addmm.default in "
+                                                   r"layers.0\).*casts the floating-point tensors passed to"):
+        fxshard.shard(model, lambda m, b: ((m.forward(b["x"]) - b["y"]) ** 2).mean(), batches[0], config=config)

@@ -1,12 +1,12 @@
-"""The README's main job runs and learns."""
+"""The README's main job runs and learns; so does the transformers example."""
 
 import importlib.util
 import pathlib
 
 
-def load_train():
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train.py"
-    spec = importlib.util.spec_from_file_location("train_example", path)
+def load_train(script="train.py"):
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / script
+    spec = importlib.util.spec_from_file_location(f"{path.stem}_example", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -18,6 +18,16 @@ def test_train_example_loss_falls(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "step 150 loss" in out and "done: 150 steps" in out
     assert (tmp_path / "00_traced.summary.txt").exists()
+
+
+def test_transformers_example_learns_saves_and_starts_from_its_weights(tmp_path):
+    """A Llama built from a config, padded rows with attention masks; --save writes save_pretrained's
+    safetensors, which --weights loads (fxshard.load_hf) into a new run."""
+    example = load_train("train_hf.py")
+    trained = example.main(["--steps", "60", "--log-every", "30", "--save", str(tmp_path / "hf")])
+    assert trained["last_loss"] < 0.9 * trained["first_loss"] and trained["eval_loss"] < trained["first_loss"]
+    resumed = example.main(["--steps", "1", "--weights", str(tmp_path / "hf")])
+    assert resumed["losses"][0] < 0.95 * trained["first_loss"], (resumed, trained["first_loss"])
 
 
 def test_train_example_with_two_data_parallel_processes():
