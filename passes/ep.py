@@ -177,9 +177,11 @@ class _Rewrite:
         seeds = [n for n in self.old.nodes if n.op == "call_function" and n.target in self.roles]
         if not seeds:
             raise FxShardError(
-                f"Mesh(ep={self.cfg.ep}) but the program has no expert ops: expert parallelism rewrites MoE layers "
-                f"whose experts run through fxshard.ops.grouped_mm (or the fused grouped MLP) on tokens routed "
-                f"by fxshard.moe.dispatch, as fxshard.models.MoEGPT does; use ep=1 for this model")
+                f"Mesh(ep={self.cfg.ep}) but the program has no MoE layer fxshard can split over ranks: expert "
+                f"parallelism rewrites MoE layers whose experts run through fxshard.ops.grouped_mm (or the fused "
+                f"grouped MLP) on tokens routed by fxshard.moe.dispatch, as fxshard.models.MoEGPT does; MoE "
+                f"layers written elsewhere (transformers, torchtitan) are not recognized yet. Use ep=1 for this "
+                f"model (its experts then train replicated or sharded over dp)")
         self.layers: dict[fx.Node, _Layer] = {}
         self.layer_of: dict[fx.Node, _Layer] = {}
         for seed in seeds:
