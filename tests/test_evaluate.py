@@ -134,3 +134,22 @@ def evaluate_zero3():
 def test_evaluate_under_zero3_on_real_processes():
     for loss, want in run_local(evaluate_zero3, 2, backend="gloo"):
         assert abs(loss - want) <= 1e-6 * abs(want), (loss, want)
+
+
+def test_switching_the_model_to_eval_after_shard_warns_once_and_changes_nothing():
+    import warnings
+
+    import pytest
+
+    torch.manual_seed(0)
+    model = DropoutRegressor()
+    batch = regression_batches(1)[0]
+    step = fxshard.shard(model, regression_loss, batch, optimizer=ADAMW)
+    model.eval()
+    with pytest.warns(UserWarning, match=r"switched to eval mode after shard\(\); the compiled step keeps the mode "
+                                         r"it was traced in \(train\). Use step.evaluate"):
+        step(batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(batch)  # said once
+    assert not model.training  # the user's model keeps the mode they gave it

@@ -122,14 +122,7 @@ class CompiledStep:
     def __call__(self, batch) -> dict[str, torch.Tensor]:
         leaves = self.batch_spec.flatten(batch)
         self._raise_if_nonfinite(keep=1)
-        if self._model is not None and self._model.training != self._traced_training:
-            import warnings
-
-            warnings.warn(f"the model was switched to {'train' if self._model.training else 'eval'} mode after "
-                          f"shard(); the compiled step keeps the mode it was traced in "
-                          f"({'train' if self._traced_training else 'eval'}). Use step.evaluate(batch) to "
-                          f"evaluate (eval mode, no update)", stacklevel=2)
-            self._model = None  # said once
+        self._warn_if_mode_changed()
         if self._replay is not None and self._replay.is_captured:
             metrics = self._replay.replay(leaves, self.lr, float(self.step_count + 1), self._skipped)
             self.step_count += 1
@@ -138,6 +131,17 @@ class CompiledStep:
         if self._replay is not None and self.step_count >= CudaGraphReplay.WARMUP_STEPS:
             self._replay.capture(self)
         return metrics
+
+    def _warn_if_mode_changed(self) -> None:
+        if self._model is None or self._model.training == self._traced_training:
+            return
+        import warnings
+
+        mode = {True: "train", False: "eval"}
+        warnings.warn(f"the model was switched to {mode[self._model.training]} mode after shard(); the compiled step "
+                      f"keeps the mode it was traced in ({mode[self._traced_training]}). Use step.evaluate(batch) to "
+                      f"evaluate (eval mode, no update)", stacklevel=3)
+        self._model = None  # said once
 
     @property
     def skipped_steps(self) -> int:
