@@ -79,8 +79,7 @@ class CompiledStep:
         self._codegen_on, self._verbose = codegen, verbose
         # the model's train/eval mode at shard(): changing it later changes nothing, which __call__ says once
         self._model, self._traced_training = model, (model.training if model is not None else None)
-        run = (bind_groups(self.program, {axis: g.group_name for axis, g in self.groups.items()})
-               if self.groups else self.program.graph_module)
+        run = self._bound(self.program)
         # optimizer updates write into the state tensors they read (see runtime/reinplace.py)
         self._run, self.in_place_updates = reinplace(run)
         self.sm_carveout_stretches = 0  # runs of matmuls inside all-to-all windows that run narrower, CUDA only
@@ -98,6 +97,12 @@ class CompiledStep:
         if cuda_graphs:
             _check_capturable(self.program)
         self._replay = CudaGraphReplay() if cuda_graphs else None
+
+    def _bound(self, program: Program) -> fx.GraphModule:
+        """The program's graph with its collectives naming this rank's process groups."""
+        if not self.groups:
+            return program.graph_module
+        return bind_groups(program, {axis: g.group_name for axis, g in self.groups.items()})
 
     def lowerings(self) -> str:
         """One line: what the runtime changed in the program before running it."""
@@ -202,8 +207,7 @@ class CompiledStep:
         if self.groups:  # the eval programs' communication must agree across ranks too
             check_agreement(program.graph, self.groups, self.device,
                             self.program.stage.stage if self.program.stage is not None else None)
-        run = (bind_groups(program, {axis: g.group_name for axis, g in self.groups.items()})
-               if self.groups else program.graph_module)
+        run = self._bound(program)
         if self._codegen_on:
             run, _ = compile_regions(run, progress=progress_printer(self._verbose))
         return program, run
