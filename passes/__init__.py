@@ -19,6 +19,7 @@ from .interleave import interleave_microbatches
 from .lower_schedule import lower_schedule
 from .narrow_grads import narrow_grads
 from .overlap import fill_ep_windows
+from .recognize_moe import recognize_moe
 from .pipeline import split_stages
 
 
@@ -33,6 +34,10 @@ PIPELINE: list[Pass] = [
     Pass("fuse_grouped_mlp",
          lambda program, mesh, config, stage: fuse_grouped_mlp(program),
          lambda mesh, config: config.fuse_grouped_mlp),
+    # MoE layers written with plain torch ops (transformers, torchtitan): their facts, for the ep pass
+    Pass("recognize_moe",
+         lambda program, mesh, config, stage: recognize_moe(program),
+         lambda mesh, config: mesh is not None and mesh.ep > 1),
     # per-rank expert computation and all-to-alls; FSDP then shards experts over edp, the rest over dp
     Pass("ep",
          lambda program, mesh, config, stage: expert_parallel(

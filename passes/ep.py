@@ -102,7 +102,7 @@ def _val(node):
     return node.meta.get("val") if isinstance(node, fx.Node) else node
 
 
-def _first_tensor(value):
+def first_tensor(value):
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, (list, tuple)):
@@ -110,17 +110,17 @@ def _first_tensor(value):
     return None
 
 
-def _keeps_dim0(node: fx.Node) -> bool:
+def keeps_dim0(node: fx.Node) -> bool:
     """True when output element [i, ...] reads only input elements [i, ...] (dim 0 is carried along)."""
     target = node.target
-    out = _first_tensor(_val(node))
+    out = first_tensor(_val(node))
     if out is None or out.dim() == 0:
         return False
     if target in _PLAIN:
         return True
     if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
         return True
-    source = _first_tensor(_val(node.args[0][0] if target is _aten.cat.default else node.args[0]))
+    source = first_tensor(_val(node.args[0][0] if target is _aten.cat.default else node.args[0]))
     if source is None:
         return False
     if target in _ALONG_DIM:
@@ -202,9 +202,12 @@ class _Rewrite:
             if layer is None:
                 if facts is None:
                     raise FxShardError(
-                        f"{seed.name} ({seed.target}) takes offsets that fxshard.moe.dispatch did not compute; "
-                        f"expert parallelism needs tokens routed by fxshard.moe.dispatch (it reads the capacity "
-                        f"and top-k from there)")
+                        f"{seed.name} ({seed.target}) in {meta.layer(offsets) or 'the model'} takes offsets that "
+                        f"fxshard.moe.dispatch did not compute and that fxshard did not recognize as an MoE "
+                        f"layer's: {offsets.meta.get(meta.MOE_REJECTED, 'not examined')}. Expert parallelism needs "
+                        f"the experts' rows sorted by the top-k expert ids whose counts give the offsets "
+                        f"(passes/recognize_moe.py); register the module's forward written with fxshard.moe "
+                        f"(fxshard.register_moe, README \"MoE layers from other libraries\"), or use ep=1")
                 experts = facts["experts"]
                 if experts % self.cfg.ep:
                     raise FxShardError(f"Mesh(ep={self.cfg.ep}) must divide the number of experts; MoE layer "
@@ -223,13 +226,13 @@ class _Rewrite:
             if node in downstream or node.op != "call_function" or meta.phase(node) == meta.OPTIM:
                 continue
             if any(i in downstream for i in node.all_input_nodes) and (
-                    node.target is operator.getitem and node.args[0] in self.layer_of or _keeps_dim0(node)):
+                    node.target is operator.getitem and node.args[0] in self.layer_of or keeps_dim0(node)):
                 downstream.add(node)
         upstream = set(self.layer_of)
         for node in reversed(self.old.nodes):
             if node in upstream:
                 for source in node.all_input_nodes:
-                    if source.op == "call_function" and source in downstream and _keeps_dim0(source):
+                    if source.op == "call_function" and source in downstream and keeps_dim0(source):
                         upstream.add(source)
         region = set(self.layer_of) | {n for n in downstream if n.target is operator.getitem and
                                        n.args[0] in self.layer_of} | (downstream & upstream)
@@ -277,13 +280,13 @@ class _Rewrite:
                     raise FxShardError(f"expert weights must be parameters; {spec.name} is {spec.kind.value}")
                 self.expert_params[spec.name] = experts
                 continue
-            if not _keeps_dim0(node) or meta.phase(node) == meta.OPTIM:
+            if not keeps_dim0(node) or meta.phase(node) == meta.OPTIM:
                 raise FxShardError(
                     f"expert parallelism splits expert weights along dim 0, but {node.name} ({node.target}) mixes "
                     f"experts on the way from a parameter to an expert op (an indexed expert layout stacks "
                     f"per-expert parameters: use expert_weights='grouped')")
-            stack += [(i, experts) for i in node.all_input_nodes if _first_tensor(_val(i)) is not None
-                      and _first_tensor(_val(i)).dim() >= 1 and _first_tensor(_val(i)).shape[0] == experts]
+            stack += [(i, experts) for i in node.all_input_nodes if first_tensor(_val(i)) is not None
+                      and first_tensor(_val(i)).dim() >= 1 and first_tensor(_val(i)).shape[0] == experts]
         # Everything downstream of an expert parameter or a weight gradient, outside the region.
         self.expert_nodes: dict[fx.Node, int] = dict(weights)
         for node in self.old.nodes:
@@ -297,7 +300,7 @@ class _Rewrite:
                 continue
             sources = [i for i in node.all_input_nodes if i in self.expert_nodes]
             if sources and node not in self.expert_nodes:
-                if not _keeps_dim0(node):
+                if not keeps_dim0(node):
                     raise FxShardError(
                         f"{node.name} ({node.target}) reads expert weights (or their gradients) across experts; "
                         f"expert parallelism keeps only E/K experts per rank and cannot compute it")
@@ -442,12 +445,12 @@ class _Rewrite:
         entries = []
         for node in nodes:
             roles = self.roles[node.target][0] if node.target in self.roles else None
-            out = _first_tensor(_val(node))
+            out = first_tensor(_val(node))
             for position, arg in enumerate(node.args):
                 for source in (arg if isinstance(arg, (list, tuple)) else [arg]):
                     if not isinstance(source, fx.Node) or source in self.region or source in entries:
                         continue
-                    value = _first_tensor(_val(source))
+                    value = first_tensor(_val(source))
                     is_row = (roles[position] == "row" if roles is not None else
                               value is not None and out is not None and value.dim() == out.dim() and
                               value.dim() >= 1 and value.shape[0] == layer.rows)

@@ -73,17 +73,21 @@ grouped_mm.register_autograd(_backward, setup_context=_setup_context)
 
 
 class RouteGroupedMM(torch.overrides.TorchFunctionMode):
-    """While tracing: `torch._grouped_mm` / `F.grouped_mm` calls of the MoE forward form (2-D rows,
-    3-D [E, in, out] weights, int32 cumulative row ends `offs`, no bias) in a dtype other than bf16
-    run as `fxshard::grouped_mm` on the transposed weight view, which computes the same rows.
+    """While tracing: grouped GEMMs of the MoE forward form (2-D rows, 3-D [E, in, out] weights, int32
+    cumulative row ends `offs`, no bias) run as `fxshard::grouped_mm` on the transposed weight view,
+    which computes the same rows. Caught: `torch._grouped_mm`, `F.grouped_mm` (any dtype) and
+    transformers' `transformers::grouped_mm_fallback` (what its experts call while torch.compiler
+    says it is compiling and the weights are not bf16). Other forms pass through.
 
-    Why: transformers' experts (Mixtral, Qwen-MoE: the "grouped_mm" experts implementation) call
-    them, and torch's fake kernel of `aten._grouped_mm` accepts only bf16 although the CPU kernel
-    runs fp32, so an fp32 model could not be traced. bf16 calls and other forms pass through."""
+    Why: `fxshard::grouped_mm` is the one expert GEMM the passes read (expert parallelism, the fused
+    grouped MLP, `passes/recognize_moe.py`), with its data and weight gradients as separate nodes;
+    and torch's fake kernel of `aten._grouped_mm` accepts only bf16 although the CPU kernel runs fp32,
+    so an fp32 model calling it could not be traced. Where the op runs is the backend registry's
+    choice (on a Hopper GPU in bf16, `torch._grouped_mm` itself)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _GROUPED_MM_FUNCTIONS:
+        if func in _GROUPED_MM_FUNCTIONS or _op_name(func) == "transformers::grouped_mm_fallback":
             routed = _route(*args, **kwargs)
             if routed is not None:
                 return routed
@@ -94,9 +98,17 @@ _GROUPED_MM_FUNCTIONS = tuple(f for f in (getattr(torch, "_grouped_mm", None),
                                           getattr(torch.nn.functional, "grouped_mm", None)) if f is not None)
 
 
+def _op_name(func) -> str | None:
+    """"namespace::name" of a torch.ops operator (packet or overload), else None."""
+    if isinstance(func, torch._ops.OpOverload):
+        return func._schema.name
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        return func._qualified_op_name
+    return None
+
+
 def _route(mat_a, mat_b, offs=None, bias=None, out_dtype=None, **unknown):
     if (unknown or bias is not None or offs is None or mat_a.dim() != 2 or mat_b.dim() != 3
-            or mat_a.dtype == torch.bfloat16 or mat_b.dtype != mat_a.dtype
-            or (out_dtype is not None and out_dtype != mat_a.dtype)):
+            or mat_b.dtype != mat_a.dtype or (out_dtype is not None and out_dtype != mat_a.dtype)):
         return None
     return grouped_mm(mat_a, offs.to(torch.int32), mat_b.transpose(-2, -1))

@@ -1,0 +1,254 @@
+"""Recognize MoE layers written elsewhere (transformers, torchtitan) by what they compute.
+
+`fxshard.moe.dispatch` writes its static facts (experts, top-k, tokens, capacity) into the metadata
+of the offsets it computes, and the expert-parallel pass reads them there. A MoE layer written with
+plain torch ops has expert GEMMs (`fxshard::grouped_mm`: tracing routes `torch._grouped_mm`,
+`F.grouped_mm` and transformers' fallback op to it, fxshard/ops/grouped_mm.py) whose offsets carry
+no facts. This pass finds them by matching the dataflow that makes such a layer correct:
+
+    ids      = the flattened indices of a `topk` over [T, E] router scores     [T*k], k distinct per token
+    perm     = sort(ids).indices  (or argsort(ids), stable or not)             [T*k]
+    offsets  = cumsum(count of each expert in ids or in sort(ids).values)      [E]  (histc, bincount,
+               or scatter_add of ones; an int cast anywhere on the way)
+    rows     = tokens[perm // k] (index, index_select or gather), or tokens[perm], then any row-wise
+               ops, e.g. a multiplication by scores[perm] (torchtitan's score_before_experts)
+    experts  = fxshard::grouped_mm(rows, offsets, weight[E, ...]) ... row-wise ops ... grouped_mm
+
+so every row the expert ops read belongs to the expert that `offsets` assigns it to: row i is
+assignment perm[i], whose expert is the i-th smallest id, and the counts of ids are the group sizes.
+That is the layout `fxshard.moe.dispatch` produces with no capacity, so the pass writes the same
+facts (`capacity` None: dropless; `style` "sorted") into the offsets' metadata. The weighted combine
+(un-permute and sum over k, transformers; scatter_add into the tokens, torchtitan) is left as the
+model wrote it: the expert-parallel pass returns the expert outputs in the original row order, so
+any combine still reads the rows it expects.
+
+Rejected (the facts are not written, and the expert-parallel pass's error says which check failed):
+offsets whose counts come from another key than the one the rows are sorted by, counts that are not
+accumulated into cumulative ends, ids that are not a top-k's indices (a token could then reach one
+expert twice, and the all-to-all buffers are sized on k distinct experts per token), rows the sort
+did not order, or a row count other than T*k.
+
+Invariant: the program is unchanged but for metadata (the same nodes compute the same values);
+`notes["moe_recognized"]` lists each recognized layer and `notes["moe_unrecognized"]` the reasons.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from fxshard import meta, moe
+from fxshard.program import Program
+
+from .ep import first_tensor, keeps_dim0
+
+_aten = torch.ops.aten
+_EXPERT_OPS = {torch.ops.fxshard.grouped_mm.default: 0}  # forward expert op -> position of its rows argument
+
+_INT_PASSTHROUGH = {_aten._to_copy.default, _aten.clone.default, _aten.alias.default, _aten.detach.default,
+                    _aten.lift_fresh_copy.default}
+_RESHAPES = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default}
+
+
+class _NoMatch(Exception):
+    pass
+
+
+def recognize_moe(program: Program) -> Program:
+    """`program` with the facts of every recognized MoE layer written on its offsets (module docstring)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(program.graph, env))
+    recognized, rejected = [], []
+    for offsets in _unannotated_offsets(graph):
+        try:
+            facts = _match(offsets)
+        except _NoMatch as reason:
+            offsets.meta[meta.MOE_REJECTED] = str(reason)
+            rejected.append(f"{meta.layer(offsets) or offsets.name}: {reason}")
+            continue
+        offsets.meta.pop(meta.MOE_REJECTED, None)
+        offsets.meta["custom"] = {**(offsets.meta.get("custom") or {}), moe.ANNOTATION: facts}
+        recognized.append(f"{meta.layer(offsets) or offsets.name} (microbatch {meta.microbatch(offsets)}): "
+                          f"{facts['experts']} experts, top-{facts['top_k']}, {facts['tokens']} tokens, dropless")
+    notes = {**program.notes, "moe_recognized": recognized}
+    if rejected:
+        notes["moe_unrecognized"] = rejected
+    return program.replace(graph_module=fx.GraphModule(program.graph_module, graph), notes=notes)
+
+
+def _unannotated_offsets(graph: fx.Graph) -> list[fx.Node]:
+    found = []
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in _EXPERT_OPS and meta.phase(node) == meta.FWD:
+            offsets = node.args[1]
+            if moe.ANNOTATION not in (offsets.meta.get("custom") or {}) and offsets not in found:
+                found.append(offsets)
+    return found
+
+
+def _match(offsets: fx.Node) -> dict:
+    experts_ops = [u for u in offsets.users if u.target in _EXPERT_OPS and meta.phase(u) == meta.FWD]
+    experts = {_val(op.args[2]).shape[0] for op in experts_ops}
+    rows = {_val(op.args[_EXPERT_OPS[op.target]]).shape[0] for op in experts_ops}
+    if len(experts) != 1 or len(rows) != 1:
+        raise _NoMatch("its expert ops disagree on the number of experts or rows")
+    (n_experts,), (n_rows,) = experts, rows
+    key, bins = _counted_key(offsets)
+    if bins != n_experts:
+        raise _NoMatch(f"the offsets count {bins} bins but the expert weights hold {n_experts} experts")
+    topk = _topk_of(key)
+    if topk is None:
+        raise _NoMatch("the offsets count a key that is neither a top-k's flattened indices nor their sorted values")
+    top_k = topk.args[1]
+    scores = _val(topk.args[0])
+    tokens = scores.numel() // scores.shape[-1]
+    if tokens * top_k != n_rows:
+        raise _NoMatch(f"the expert ops read {n_rows} rows, not tokens x top-k = {tokens} x {top_k}")
+    perms = _sort_permutations(topk)
+    if not perms:
+        raise _NoMatch("no sort of the top-k's flattened indices orders the rows")
+    in_order = _RowOrder(perms, top_k, offsets, n_rows)
+    for op in experts_ops:
+        row_input = op.args[_EXPERT_OPS[op.target]]
+        if not in_order(row_input):
+            raise _NoMatch(f"the rows {op.name} reads are not the tokens in the order of the sort of the "
+                           f"top-k indices (or row-wise ops of them)")
+    return {"experts": n_experts, "top_k": top_k, "tokens": tokens, "capacity": None, "slots": False,
+            "style": "sorted"}
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+def _through(node, targets):
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets:
+        node = node.args[0]
+    return node
+
+
+def _counted_key(offsets: fx.Node) -> tuple[fx.Node, int]:
+    """offsets = cumsum(counts of key over `bins` experts): (key, bins)."""
+    cumsum = _through(offsets, _INT_PASSTHROUGH)
+    if not (isinstance(cumsum, fx.Node) and cumsum.target is _aten.cumsum.default and _val(cumsum).dim() == 1
+            and cumsum.args[1] in (0, -1)):
+        raise _NoMatch("the offsets are not a cumulative sum (expected cumsum of per-expert counts)")
+    counts = _through(cumsum.args[0], _INT_PASSTHROUGH)
+    bins = _val(counts).shape[0]
+    if counts.target is _aten.histc.default:
+        low, high = (list(counts.args[2:4]) + [0, 0])[:2] if len(counts.args) > 2 else (0, 0)
+        low, high = counts.kwargs.get("min", low), counts.kwargs.get("max", high)
+        if low != 0 or high not in (bins - 1, bins):  # one bin per expert id
+            raise _NoMatch(f"histc(bins={bins}, min={low}, max={high}) does not count one expert id per bin")
+        return _through(counts.args[0], _INT_PASSTHROUGH), bins
+    if counts.target is _aten.bincount.default:
+        return counts.args[0], bins
+    if counts.target in (_aten.scatter_add.default,) and counts.args[1] == 0 and _is_ones(counts.args[3]):
+        return counts.args[2], bins
+    raise _NoMatch(f"the offsets accumulate {counts.target}, not a per-expert count (histc, bincount, "
+                   f"scatter_add of ones)")
+
+
+def _is_ones(node) -> bool:
+    node = _through(node, _INT_PASSTHROUGH)
+    if node.target is _aten.ones_like.default:
+        return True
+    if node.target in (_aten.ones.default, _aten.full.default):
+        return node.target is _aten.ones.default or node.args[1] == 1
+    return False
+
+
+def _flat_indices_of(node: fx.Node) -> fx.Node | None:
+    """The topk node when `node` is its indices flattened to 1-D (views and int casts only)."""
+    node = _through(node, _INT_PASSTHROUGH | _RESHAPES | {_aten.flatten.using_ints})
+    if (isinstance(node, fx.Node) and node.target is operator.getitem and node.args[1] == 1
+            and node.args[0].target is _aten.topk.default):
+        topk = node.args[0]
+        dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
+        if dim % _val(topk.args[0]).dim() == _val(topk.args[0]).dim() - 1:  # over the experts, per token
+            return topk
+    return None
+
+
+def _topk_of(key: fx.Node) -> fx.Node | None:
+    """The topk whose flattened indices `key` is, directly or as the values of their ascending sort."""
+    direct = _flat_indices_of(key)
+    if direct is not None:
+        return direct
+    if key.target is operator.getitem and key.args[1] == 0 and _is_ascending_sort(key.args[0]):
+        return _flat_indices_of(key.args[0].args[0])
+    return None
+
+
+def _is_ascending_sort(node) -> bool:
+    if not (isinstance(node, fx.Node) and node.target in (_aten.sort.default, _aten.sort.stable)):
+        return False
+    descending = node.kwargs.get("descending", False)
+    if node.target is _aten.sort.default and len(node.args) > 2:
+        descending = node.args[2]
+    return not descending and _val(node.args[0]).dim() == 1
+
+
+def _sort_permutations(topk: fx.Node) -> set[fx.Node]:
+    """The `indices` outputs of every ascending sort of the topk's flattened indices."""
+    graph = topk.graph
+    found = set()
+    for node in graph.nodes:
+        if _is_ascending_sort(node) and _flat_indices_of(node.args[0]) is topk:
+            found |= {u for u in node.users if u.target is operator.getitem and u.args[1] == 1}
+    return found
+
+
+class _RowOrder:
+    """Is a row-space tensor (dim 0 = the R assignments) in the order of one of the sorts?"""
+
+    def __init__(self, perms: set[fx.Node], top_k: int, offsets: fx.Node, rows: int):
+        self.perms, self.top_k, self.offsets, self.rows = perms, top_k, offsets, rows
+        self.memo: dict[fx.Node, bool] = {}
+
+    def __call__(self, node) -> bool:
+        if not isinstance(node, fx.Node):
+            return False
+        if node not in self.memo:
+            self.memo[node] = False  # no cycles in a graph; guards the recursion anyway
+            self.memo[node] = self.decide(node)
+        return self.memo[node]
+
+    def is_perm_index(self, index) -> bool:
+        """perm, perm // k, or either reshaped to a column and expanded (torch.gather's index)."""
+        index = _through(index, {_aten.expand.default, *_RESHAPES, *_INT_PASSTHROUGH})
+        if index in self.perms:
+            return True
+        if isinstance(index, fx.Node) and index.args and index.args[0] in self.perms:
+            if index.target is _aten.floor_divide.default and index.args[1] == self.top_k:
+                return True
+            if index.target is _aten.div.Tensor_mode and index.args[1] == self.top_k and \
+                    index.kwargs.get("rounding_mode") == "floor":
+                return True
+        return False
+
+    def decide(self, node: fx.Node) -> bool:
+        if node.op != "call_function":
+            return False
+        target = node.target
+        if target in _EXPERT_OPS and node.args[1] is self.offsets:
+            return True
+        if target is _aten.index.Tensor:
+            indices = node.args[1]
+            return len(indices) == 1 and self.is_perm_index(indices[0])
+        if target is _aten.index_select.default:
+            return node.args[1] in (0, -_val(node.args[0]).dim()) and self.is_perm_index(node.args[2])
+        if target is _aten.gather.default:
+            return node.args[1] == 0 and self.is_perm_index(node.args[2])
+        if not self.is_rows(node) or not keeps_dim0(node):  # the row-wise rule the EP pass moves ops by
+            return False
+        row_inputs = [i for i in node.all_input_nodes if self.is_rows(i)]
+        return bool(row_inputs) and all(self(i) for i in row_inputs)
+
+    def is_rows(self, node: fx.Node) -> bool:
+        """Has dim 0 of R rows (a tuple-valued node such as a split: its first tensor does)."""
+        value = first_tensor(_val(node))
+        return value is not None and value.dim() >= 1 and value.shape[0] == self.rows
