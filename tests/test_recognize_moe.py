@@ -1,0 +1,170 @@
+"""MoE layers written elsewhere get expert parallelism (passes/recognize_moe.py): transformers'
+experts and a torchtitan-style MoE train under Mesh(dp, ep) like their un-rewritten program, and
+look-alikes that would be wrong to split are refused with the reason."""
+
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+import fxshard
+from fxshard.passes import run_pipeline
+from fxshard.passes.fsdp import STRATEGIES
+from fxshard.testing import SimulatedRanks
+
+SGD = fxshard.optim.SGD(lr=0.5)
+
+
+class TitanMoE(nn.Module):
+    """torchtitan's MoE (models/moe/moe.py) as it computes, in fp32, without the alignment padding of
+    its grouped GEMM: a softmax/sigmoid top-k router, histc counts, a stable argsort, a gather of the
+    tokens by sorted index // k, scores applied before or after the experts, three grouped GEMMs,
+    an optional shared expert, and a scatter_add combine. `variant` breaks one link on purpose."""
+
+    def __init__(self, dim, hidden, experts, top_k, score_before=True, shared=True, variant=None):
+        super().__init__()
+        self.experts, self.top_k, self.score_before, self.variant = experts, top_k, score_before, variant
+        self.gate = nn.Linear(dim, experts, bias=False)
+        if variant == "other_key":  # a second router, frozen: only its choice is read
+            self.other_gate = nn.Linear(dim, experts, bias=False).requires_grad_(False)
+        self.w1 = nn.Parameter(torch.randn(experts, hidden, dim) * dim ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(experts, dim, hidden) * hidden ** -0.5)
+        self.w3 = nn.Parameter(torch.randn(experts, hidden, dim) * dim ** -0.5)
+        self.shared = nn.Sequential(nn.Linear(dim, hidden, bias=False), nn.SiLU(),
+                                    nn.Linear(hidden, dim, bias=False)) if shared else None
+        self.register_buffer("tokens_per_expert", torch.zeros(experts), persistent=False)
+
+    def forward(self, x):
+        bs, slen, dim = x.shape
+        x = x.view(-1, dim)
+        scores = F.softmax(self.gate(x).float(), dim=1)
+        top_scores, ids = torch.topk(scores, k=self.top_k, dim=1)
+        if self.variant == "hashed":  # expert ids that no top-k chose: a token may reach an expert twice
+            ids = (torch.arange(ids.numel()).view_as(ids) * 7 // 3) % self.experts
+        counted = ids
+        if self.variant == "other_key":  # counts from another router's choice than the rows' sort
+            counted = torch.topk(self.other_gate(x), k=self.top_k, dim=1).indices
+        counts = torch.histc(counted.view(-1).float(), bins=self.experts, min=0, max=self.experts)
+        with torch.no_grad():
+            self.tokens_per_expert.add_(counts)
+        order = torch.argsort(ids.view(-1), stable=True)
+        sorted_scores = top_scores.view(-1)[order]
+        token_of_row = (order // self.top_k).reshape(-1, 1).expand(-1, dim)
+        rows = torch.gather(x, 0, token_of_row)
+        if self.variant == "unsorted":  # rows in token order while the offsets assume expert order
+            rows = x.repeat_interleave(self.top_k, dim=0)
+        if self.score_before:
+            rows = rows * sorted_scores.reshape(-1, 1)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        if self.variant == "counts":  # group sizes where cumulative ends belong
+            offsets = counts.to(torch.int32)
+        h = F.silu(torch._grouped_mm(rows, self.w1.transpose(-2, -1), offs=offsets))
+        h = h * torch._grouped_mm(rows, self.w3.transpose(-2, -1), offs=offsets)
+        out_rows = torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offsets)
+        if not self.score_before:
+            out_rows = out_rows * sorted_scores.reshape(-1, 1)
+        out = self.shared(x) if self.shared is not None else torch.zeros_like(x)
+        out = out.scatter_add(0, token_of_row, out_rows)
+        return out.view(bs, slen, dim)
+
+
+class TitanBlock(nn.Module):
+    def __init__(self, dim, **moe):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.moe = TitanMoE(dim, 8, **moe)
+
+    def forward(self, h):
+        return h + self.moe(self.norm(h))
+
+
+class TitanStyleMoEModel(nn.Module):
+    def __init__(self, vocab=32, dim=16, layers=2, **moe):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleDict({str(i): TitanBlock(dim, **moe) for i in range(layers)})
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, batch):
+        h = self.tok_embeddings(batch["idx"])
+        for layer in self.layers.values():
+            h = layer(h)
+        return F.cross_entropy(self.output(h).flatten(0, 1), batch["tgt"].flatten())
+
+
+def local_batches(world, vocab, rows=2, seq=8, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [{"idx": torch.randint(0, vocab, (rows, seq), generator=generator),
+             "tgt": torch.randint(0, vocab, (rows, seq), generator=generator)} for _ in range(world)]
+
+
+def assert_ep_trains_like_one_device(model, loss_fn, local, mesh, config=fxshard.Config()):
+    """One SGD step under `mesh`: every rank's loss is the mean of the un-rewritten program's losses on
+    the ranks' batches and every parameter the mean of its updates (as tests/passes/test_ep.py)."""
+    traced = fxshard.trace(model, loss_fn, local[0], optimizer=SGD, config=config)
+    programs = run_pipeline(traced, mesh, config)
+    recognized = next(p for p in programs if p.name == "recognize_moe")
+    assert len(recognized.notes["moe_recognized"]) == 2, recognized.notes
+    assert any(n.target is torch.ops._c10d_functional.all_to_all_single.default for n in programs[-1].graph.nodes)
+    ranks = SimulatedRanks(programs[-1], model, SGD, mesh)
+    metrics = ranks.step(local)
+    singles = [SimulatedRanks(traced, model, SGD, fxshard.Mesh()) for _ in local]
+    expected = [single.step([batch])[0] for single, batch in zip(singles, local)]
+    mean_loss = sum(e["loss"] for e in expected) / len(local)
+    for rank_metrics in metrics:
+        assert torch.allclose(rank_metrics["loss"], mean_loss, rtol=1e-5, atol=1e-7)
+    reference = [single.parameters() for single in singles]
+    for rank in range(len(local)):
+        params = ranks.parameters(rank)
+        for name in reference[0]:
+            mean = sum(r[name] for r in reference) / len(local)
+            assert torch.allclose(params[name], mean, rtol=1e-5, atol=1e-6), (name, rank)
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3Moe", "Mixtral"])
+def test_transformers_moe_layers_are_recognized_and_split_over_expert_ranks(architecture):
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, f"{architecture}Config")(
+        vocab_size=64, hidden_size=32, intermediate_size=16, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=8, num_local_experts=4, num_experts=4,
+        num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{architecture}ForCausalLM")(config)
+
+    def loss(m, b):
+        return F.cross_entropy(m(b["idx"]).logits.flatten(0, 1), b["tgt"].flatten())
+
+    assert_ep_trains_like_one_device(model, loss, local_batches(2, 64), fxshard.Mesh(dp=2, ep=2))
+
+
+@settings(max_examples=4)
+@given(mesh=st.sampled_from([(2, 2), (4, 2), (4, 4)]), experts_per_rank=st.integers(1, 2), top_k=st.integers(1, 3),
+       score_before=st.booleans(), shared=st.booleans(), sharding=st.sampled_from(STRATEGIES), overlap=st.booleans())
+def test_torchtitan_style_moe_is_recognized_and_trains_like_one_device(mesh, experts_per_rank, top_k, score_before,
+                                                                      shared, sharding, overlap):
+    world, ep = mesh
+    experts = ep * experts_per_rank
+    torch.manual_seed(0)
+    model = TitanStyleMoEModel(experts=experts, top_k=min(top_k, experts), score_before=score_before, shared=shared)
+    config = fxshard.Config(sharding=sharding, ep_overlap=overlap)
+    assert_ep_trains_like_one_device(model, lambda m, b: m(b), local_batches(world, 32), fxshard.Mesh(dp=world, ep=ep),
+                                     config)
+
+
+@pytest.mark.parametrize("variant, reason", [
+    ("other_key", "no sort of the top-k's flattened indices orders the rows"),
+    ("unsorted", "not the tokens in the order of the sort"),
+    ("hashed", "neither a top-k's flattened indices"),
+    ("counts", "not a cumulative sum"),
+])
+def test_look_alikes_are_not_split_and_the_error_says_why(variant, reason):
+    torch.manual_seed(0)
+    model = TitanStyleMoEModel(experts=4, top_k=2, variant=variant)
+    batch = local_batches(1, 32)[0]
+    fxshard.trace(model, lambda m, b: m(b), batch)  # a model fxshard traces on one device
+    with pytest.raises(fxshard.FxShardError, match=re.escape(reason)) as error:
+        fxshard.check(model, lambda m, b: m(b), batch, mesh=fxshard.Mesh(dp=2, ep=2))
+    assert "in layers.0 " in str(error.value) and "fxshard.register_moe" in str(error.value)
