@@ -37,7 +37,9 @@ _MESSAGES = (
      "keep the computation in torch ops"),
 )
 _FIX = ("fxshard traces one static-shape graph; compute the value with tensor ops instead "
-        "(torch.where instead of `if`, masks instead of boolean indexing, fixed-size outputs)")
+        "(torch.where instead of `if`, masks instead of boolean indexing, fixed-size outputs). An MoE layer "
+        "that loops over the experts its tokens chose: register a forward for it written with fxshard.moe "
+        "(fxshard.register_moe), without editing the model")
 
 
 def _chain(error: BaseException):

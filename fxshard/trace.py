@@ -26,6 +26,7 @@ from .errors import FxShardError
 from .errors_trace import explain_trace_failure
 from .graph import inline
 from .layers import annotate_layers, find_layers
+from .moe_modules import swapped_forwards
 from .ops.grouped_mm import RouteGroupedMM
 from .optim import AdamW, Optimizer
 from .optimizer_graph import TrainSpec, append_update
@@ -103,7 +104,7 @@ def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
         with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta(), \
                 annotate_layers(step_module.target[0], model, layer_paths), \
                 moe.capacity_factor_override(config.moe_capacity_factor), RouteGroupedMM(), _tracing_flags(), \
-                _cast_forward_inputs(model, config.param_dtype):
+                _cast_forward_inputs(model, config.param_dtype), swapped_forwards(model) as swapped:
             joint = aot_export_joint_with_descriptors(
                 stack, step_module, (fake_params, fake_buffers, fake_leaves))
             joint_gm = joint.graph_module
@@ -118,6 +119,8 @@ def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     program = builder.build(joint_gm)
     program.notes["trace_seconds"] = round(time.perf_counter() - started, 3)
     program.notes["layers"] = layer_paths
+    if swapped:
+        program.notes["moe_forwards"] = swapped
     return program
 
 

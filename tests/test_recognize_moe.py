@@ -13,9 +13,10 @@ from hypothesis import given, settings, strategies as st
 import fxshard
 from fxshard.passes import run_pipeline
 from fxshard.passes.fsdp import STRATEGIES
-from fxshard.testing import SimulatedRanks
+from fxshard.testing import SimulatedRanks, eager_parity
 
 SGD = fxshard.optim.SGD(lr=0.5)
+ADAMW = fxshard.optim.AdamW(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
 class TitanMoE(nn.Module):
@@ -101,13 +102,14 @@ def local_batches(world, vocab, rows=2, seq=8, seed=0):
              "tgt": torch.randint(0, vocab, (rows, seq), generator=generator)} for _ in range(world)]
 
 
-def assert_ep_trains_like_one_device(model, loss_fn, local, mesh, config=fxshard.Config()):
+def assert_ep_trains_like_one_device(model, loss_fn, local, mesh, config=fxshard.Config(), recognized_layers=2):
     """One SGD step under `mesh`: every rank's loss is the mean of the un-rewritten program's losses on
-    the ranks' batches and every parameter the mean of its updates (as tests/passes/test_ep.py)."""
+    the ranks' batches and every parameter the mean of its updates (as tests/passes/test_ep.py).
+    `recognized_layers`: how many MoE layers passes/recognize_moe.py had to recognize."""
     traced = fxshard.trace(model, loss_fn, local[0], optimizer=SGD, config=config)
     programs = run_pipeline(traced, mesh, config)
     recognized = next(p for p in programs if p.name == "recognize_moe")
-    assert len(recognized.notes["moe_recognized"]) == 2, recognized.notes
+    assert len(recognized.notes["moe_recognized"]) == recognized_layers, recognized.notes
     assert any(n.target is torch.ops._c10d_functional.all_to_all_single.default for n in programs[-1].graph.nodes)
     ranks = SimulatedRanks(programs[-1], model, SGD, mesh)
     metrics = ranks.step(local)
@@ -124,20 +126,41 @@ def assert_ep_trains_like_one_device(model, loss_fn, local, mesh, config=fxshard
             assert torch.allclose(params[name], mean, rtol=1e-5, atol=1e-6), (name, rank)
 
 
-@pytest.mark.parametrize("architecture", ["Qwen3Moe", "Mixtral"])
-def test_transformers_moe_layers_are_recognized_and_split_over_expert_ranks(architecture):
+def transformers_moe(architecture, implementation):
     transformers = pytest.importorskip("transformers")
     config = getattr(transformers, f"{architecture}Config")(
         vocab_size=64, hidden_size=32, intermediate_size=16, moe_intermediate_size=16, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, head_dim=8, num_local_experts=4, num_experts=4,
-        num_experts_per_tok=2)
+        num_experts_per_tok=2, experts_implementation=implementation)
     torch.manual_seed(0)
     model = getattr(transformers, f"{architecture}ForCausalLM")(config)
+    assert model.config._experts_implementation == implementation
+    return model
 
-    def loss(m, b):
-        return F.cross_entropy(m(b["idx"]).logits.flatten(0, 1), b["tgt"].flatten())
 
-    assert_ep_trains_like_one_device(model, loss, local_batches(2, 64), fxshard.Mesh(dp=2, ep=2))
+def hf_loss(model, batch):
+    return F.cross_entropy(model(batch["idx"]).logits.flatten(0, 1), batch["tgt"].flatten())
+
+
+@pytest.mark.parametrize("architecture, implementation", [("Qwen3Moe", "grouped_mm"), ("Mixtral", "batched_mm")])
+def test_transformers_moe_layers_are_recognized_and_split_over_expert_ranks(architecture, implementation):
+    model = transformers_moe(architecture, implementation)
+    assert_ep_trains_like_one_device(model, hf_loss, local_batches(2, 64), fxshard.Mesh(dp=2, ep=2))
+
+
+@pytest.mark.parametrize("implementation", ["eager", "batched_mm"])
+def test_transformers_experts_on_other_implementations_trace_as_grouped_mm_and_train_like_eager(implementation):
+    """"eager" loops over the experts it finds on the host (untraceable); both trace as transformers'
+    grouped_mm experts (fxshard/moe_modules.py) and train like the model running its own code."""
+    model = transformers_moe("Qwen3Moe", implementation)
+    batches = local_batches(3, 64)
+    program = fxshard.trace(model, hf_loss, batches[0])
+    assert program.notes["moe_forwards"] == [
+        f"model.layers.{i}.mlp.experts: Qwen3MoeExperts, transformers' {implementation!r} experts traced as its "
+        f"'grouped_mm' experts (same function)" for i in range(2)]
+    parity = eager_parity(model, hf_loss, batches, ADAMW)
+    assert parity.max_loss_rel < 1e-5 and parity.max_param_rel < 1e-4, parity.losses
+    assert "forward" not in vars(model.model.layers[0].mlp.experts)  # the model's own forward is back
 
 
 @settings(max_examples=4)
@@ -168,3 +191,81 @@ def test_look_alikes_are_not_split_and_the_error_says_why(variant, reason):
     with pytest.raises(fxshard.FxShardError, match=re.escape(reason)) as error:
         fxshard.check(model, lambda m, b: m(b), batch, mesh=fxshard.Mesh(dp=2, ep=2))
     assert "in layers.0 " in str(error.value) and "fxshard.register_moe" in str(error.value)
+
+
+class LoopMoE(nn.Module):
+    """An MoE whose experts run in a Python loop over the routing read on the host: fxshard cannot trace
+    it (the token counts decide the shapes), and registers a forward that computes the same."""
+
+    def __init__(self, dim=16, hidden=8, experts=4, top_k=2):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.fc1 = nn.Parameter(torch.randn(experts, hidden, dim) * dim ** -0.5)
+        self.fc2 = nn.Parameter(torch.randn(experts, dim, hidden) * hidden ** -0.5)
+
+    def route(self, x):
+        weights, chosen = torch.topk(F.softmax(self.router(x), dim=-1), self.top_k, dim=-1)
+        return weights, chosen
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.route(flat)
+        out = torch.zeros_like(flat)
+        for expert in chosen.unique().tolist():
+            token, slot = torch.where(chosen == expert)
+            h = F.gelu(flat[token] @ self.fc1[expert].T) @ self.fc2[expert].T
+            out = out.index_add(0, token, h * weights[token, slot, None])
+        return out.view_as(x)
+
+
+def loop_moe_with_fxshard(module, x):
+    """LoopMoE's function written with fxshard's primitives."""
+    flat = x.reshape(-1, x.shape[-1])
+    weights, chosen = module.route(flat)
+    routed = fxshard.moe.dispatch(flat, chosen, module.fc1.shape[0])
+    h = F.gelu(fxshard.ops.grouped_mm(routed.rows, routed.offsets, module.fc1))
+    rows = fxshard.ops.grouped_mm(h, routed.offsets, module.fc2)
+    return fxshard.moe.combine(rows, routed, weights, tokens=flat.shape[0]).view_as(x)
+
+
+class LoopMoEModel(nn.Module):
+    def __init__(self, vocab=32, dim=16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList([LoopMoE(dim), LoopMoE(dim)])
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, batch):
+        h = self.embed(batch["idx"])
+        for layer in self.layers:
+            h = h + layer(h)
+        return F.cross_entropy(self.head(h).flatten(0, 1), batch["tgt"].flatten())
+
+
+@pytest.fixture
+def registered_loop_moe():
+    fxshard.register_moe(LoopMoE, loop_moe_with_fxshard)
+    yield
+    fxshard.register_moe(LoopMoE, None)
+
+
+def test_an_unrecognizable_moe_trains_through_its_registered_forward(registered_loop_moe):
+    torch.manual_seed(0)
+    model = LoopMoEModel()
+    batches = local_batches(3, 32)
+    parity = eager_parity(model, lambda m, b: m(b), batches, ADAMW)  # the eager side runs the loop
+    assert parity.max_loss_rel < 1e-5 and parity.max_param_rel < 1e-4, parity.losses
+    # fxshard.moe.dispatch wrote the layers' facts: nothing left to recognize
+    assert_ep_trains_like_one_device(model, lambda m, b: m(b), local_batches(2, 32), fxshard.Mesh(dp=2, ep=2),
+                                     recognized_layers=0)
+
+
+def test_without_its_registration_the_loop_moe_fails_to_trace_and_bad_registrations_are_refused():
+    torch.manual_seed(0)
+    with pytest.raises(fxshard.FxShardError, match="output shape depends on tensor values(.|\n)*fxshard.register_moe"):
+        fxshard.trace(LoopMoEModel(), lambda m, b: m(b), local_batches(1, 32)[0])
+    with pytest.raises(fxshard.FxShardError, match="takes an nn.Module subclass"):
+        fxshard.register_moe(LoopMoE(), loop_moe_with_fxshard)
+    with pytest.raises(fxshard.FxShardError, match="must be callable"):
+        fxshard.register_moe(LoopMoE, "forward")
