@@ -8,11 +8,12 @@ DIR`, e.g. what `--save DIR` or `save_pretrained` wrote). The loss is the model'
 
     python examples/train_hf.py                            # Llama-like, one process, CPU
     python examples/train_hf.py --arch qwen3_moe --dp 2    # MoE, 2 processes, ZeRO-3
+    python examples/train_hf.py --arch qwen3_moe --dp 2 --ep 2   # the experts split over the 2 ranks
     python examples/train_hf.py --pp 2 --dp 2              # 4 processes: 2 stages x 2 data-parallel
     python examples/train_hf.py --save hf_out && python examples/train_hf.py --weights hf_out --steps 20
 
-`--ep` is passed to fxshard as is: expert parallelism needs MoE layers written with `fxshard.moe`,
-so a transformers MoE is refused with an error that says so (see docs/architecture.md).
+`--ep` splits the experts: fxshard recognizes transformers' MoE layers in the traced graph
+(passes/recognize_moe.py) and moves their tokens by all-to-all (`--dump DIR` shows both).
 """
 
 from __future__ import annotations
