@@ -30,14 +30,14 @@ class Pass(NamedTuple):
 
 
 PIPELINE: list[Pass] = [
-    # before sharding: it rewrites one device's math, and FSDP then shards whatever ops it finds
-    Pass("fuse_grouped_mlp",
-         lambda program, mesh, config, stage: fuse_grouped_mlp(program),
-         lambda mesh, config: config.fuse_grouped_mlp),
     # MoE layers written with plain torch ops (transformers, torchtitan): their facts, for the ep pass
     Pass("recognize_moe",
          lambda program, mesh, config, stage: recognize_moe(program),
          lambda mesh, config: mesh is not None and mesh.ep > 1),
+    # before sharding: it rewrites one device's math, and FSDP then shards whatever ops it finds
+    Pass("fuse_grouped_mlp",
+         lambda program, mesh, config, stage: fuse_grouped_mlp(program),
+         lambda mesh, config: config.fuse_grouped_mlp),
     # per-rank expert computation and all-to-alls; FSDP then shards experts over edp, the rest over dp
     Pass("ep",
          lambda program, mesh, config, stage: expert_parallel(

@@ -45,7 +45,8 @@ from fxshard.program import Program
 from .ep import first_tensor, keeps_dim0
 
 _aten = torch.ops.aten
-_EXPERT_OPS = {torch.ops.fxshard.grouped_mm.default: 0}  # forward expert op -> position of its rows argument
+# forward expert ops (rows, offsets, weight [E, ...], ...), found before or after fuse_grouped_mlp
+_EXPERT_OPS = {torch.ops.fxshard.grouped_mm.default, torch.ops.fxshard.grouped_mlp_fwd.default}
 
 _INT_PASSTHROUGH = {_aten._to_copy.default, _aten.clone.default, _aten.alias.default, _aten.detach.default,
                     _aten.lift_fresh_copy.default}
@@ -92,7 +93,7 @@ def _unannotated_offsets(graph: fx.Graph) -> list[fx.Node]:
 def _match(offsets: fx.Node) -> dict:
     experts_ops = [u for u in offsets.users if u.target in _EXPERT_OPS and meta.phase(u) == meta.FWD]
     experts = {_val(op.args[2]).shape[0] for op in experts_ops}
-    rows = {_val(op.args[_EXPERT_OPS[op.target]]).shape[0] for op in experts_ops}
+    rows = {_val(op.args[0]).shape[0] for op in experts_ops}
     if len(experts) != 1 or len(rows) != 1:
         raise _NoMatch("its expert ops disagree on the number of experts or rows")
     (n_experts,), (n_rows,) = experts, rows
@@ -112,8 +113,7 @@ def _match(offsets: fx.Node) -> dict:
         raise _NoMatch("no sort of the top-k's flattened indices orders the rows")
     in_order = _RowOrder(perms, top_k, offsets, n_rows)
     for op in experts_ops:
-        row_input = op.args[_EXPERT_OPS[op.target]]
-        if not in_order(row_input):
+        if not in_order(op.args[0]):
             raise _NoMatch(f"the rows {op.name} reads are not the tokens in the order of the sort of the "
                            f"top-k indices (or row-wise ops of them)")
     return {"experts": n_experts, "top_k": top_k, "tokens": tokens, "capacity": None, "slots": False,

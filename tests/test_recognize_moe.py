@@ -124,6 +124,7 @@ def assert_ep_trains_like_one_device(model, loss_fn, local, mesh, config=fxshard
         for name in reference[0]:
             mean = sum(r[name] for r in reference) / len(local)
             assert torch.allclose(params[name], mean, rtol=1e-5, atol=1e-6), (name, rank)
+    return programs
 
 
 def transformers_moe(architecture, implementation):
@@ -142,10 +143,15 @@ def hf_loss(model, batch):
     return F.cross_entropy(model(batch["idx"]).logits.flatten(0, 1), batch["tgt"].flatten())
 
 
-@pytest.mark.parametrize("architecture, implementation", [("Qwen3Moe", "grouped_mm"), ("Mixtral", "batched_mm")])
-def test_transformers_moe_layers_are_recognized_and_split_over_expert_ranks(architecture, implementation):
+@pytest.mark.parametrize("architecture, implementation, fused", [("Qwen3Moe", "grouped_mm", True),
+                                                                   ("Mixtral", "batched_mm", False)])
+def test_transformers_moe_layers_are_recognized_and_split_over_expert_ranks(architecture, implementation, fused):
     model = transformers_moe(architecture, implementation)
-    assert_ep_trains_like_one_device(model, hf_loss, local_batches(2, 64), fxshard.Mesh(dp=2, ep=2))
+    config = fxshard.Config(fuse_grouped_mlp=fused)
+    programs = assert_ep_trains_like_one_device(model, hf_loss, local_batches(2, 64), fxshard.Mesh(dp=2, ep=2), config)
+    if fused:  # transformers' gate_up split and SiLU are the fused op's swiglu
+        fused_layers = next(p for p in programs if p.name == "fuse_grouped_mlp").notes["fused_grouped_mlp"]
+        assert [line.split(":")[0] for line in fused_layers] == ["model.layers.0", "model.layers.1"]
 
 
 @pytest.mark.parametrize("implementation", ["eager", "batched_mm"])
