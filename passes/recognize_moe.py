@@ -11,7 +11,8 @@ no facts. This pass finds them by matching the dataflow that makes such a layer 
     offsets  = cumsum(count of each expert in ids or in sort(ids).values)      [E]  (histc, bincount,
                or scatter_add of ones; an int cast anywhere on the way)
     rows     = tokens[perm // k] (index, index_select or gather), or tokens[perm], then any row-wise
-               ops, e.g. a multiplication by scores[perm] (torchtitan's score_before_experts)
+               ops with other rows in the same order, e.g. a multiplication by scores[perm]
+               (torchtitan's score_before_experts) or a mask computed from sort(ids).values
     experts  = fxshard::grouped_mm(rows, offsets, weight[E, ...]) ... row-wise ops ... grouped_mm
 
 so every row the expert ops read belongs to the expert that `offsets` assigns it to: row i is
@@ -111,7 +112,7 @@ def _match(offsets: fx.Node) -> dict:
     perms = _sort_permutations(topk)
     if not perms:
         raise _NoMatch("no sort of the top-k's flattened indices orders the rows")
-    in_order = _RowOrder(perms, top_k, offsets, n_rows)
+    in_order = _RowOrder(topk, perms, offsets, n_rows)
     for op in experts_ops:
         if not in_order(op.args[0]):
             raise _NoMatch(f"the rows {op.name} reads are not the tokens in the order of the sort of the "
@@ -205,8 +206,9 @@ def _sort_permutations(topk: fx.Node) -> set[fx.Node]:
 class _RowOrder:
     """Is a row-space tensor (dim 0 = the R assignments) in the order of one of the sorts?"""
 
-    def __init__(self, perms: set[fx.Node], top_k: int, offsets: fx.Node, rows: int):
-        self.perms, self.top_k, self.offsets, self.rows = perms, top_k, offsets, rows
+    def __init__(self, topk: fx.Node, perms: set[fx.Node], offsets: fx.Node, rows: int):
+        self.topk, self.perms, self.offsets, self.rows = topk, perms, offsets, rows
+        self.top_k = topk.args[1]
         self.memo: dict[fx.Node, bool] = {}
 
     def __call__(self, node) -> bool:
@@ -236,6 +238,9 @@ class _RowOrder:
         target = node.target
         if target in _EXPERT_OPS and node.args[1] is self.offsets:
             return True
+        if target is operator.getitem and node.args[1] == 0 and _is_ascending_sort(node.args[0]) and \
+                _flat_indices_of(node.args[0].args[0]) is self.topk:
+            return True  # the sorted ids (the same for every ascending sort): sort(ids).values[i] = ids[perm[i]]
         if target is _aten.index.Tensor:
             indices = node.args[1]
             return len(indices) == 1 and self.is_perm_index(indices[0])

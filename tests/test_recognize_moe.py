@@ -57,6 +57,8 @@ class TitanMoE(nn.Module):
         rows = torch.gather(x, 0, token_of_row)
         if self.variant == "unsorted":  # rows in token order while the offsets assume expert order
             rows = x.repeat_interleave(self.top_k, dim=0)
+        if self.variant == "sentinel":  # transformers 5.17 masks rows whose sorted id is out of range
+            rows = rows.masked_fill((torch.sort(ids.view(-1), stable=True).values >= self.experts).unsqueeze(-1), 0.0)
         if self.score_before:
             rows = rows * sorted_scores.reshape(-1, 1)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
@@ -181,6 +183,12 @@ def test_torchtitan_style_moe_is_recognized_and_trains_like_one_device(mesh, exp
     config = fxshard.Config(sharding=sharding, ep_overlap=overlap)
     assert_ep_trains_like_one_device(model, lambda m, b: m(b), local_batches(world, 32), fxshard.Mesh(dp=world, ep=ep),
                                      config)
+
+
+def test_rows_masked_by_the_sorted_ids_are_still_in_expert_order():
+    torch.manual_seed(0)
+    model = TitanStyleMoEModel(experts=4, top_k=2, variant="sentinel")
+    assert_ep_trains_like_one_device(model, lambda m, b: m(b), local_batches(2, 32), fxshard.Mesh(dp=2, ep=2))
 
 
 @pytest.mark.parametrize("variant, reason", [
