@@ -78,17 +78,20 @@ def _transformers_experts(module: nn.Module) -> tuple[Callable, str] | None:
 @contextlib.contextmanager
 def swapped_forwards(model: nn.Module) -> Iterator[list[str]]:
     """Every registered module of `model` runs its registered forward inside; yields "path: how" lines."""
-    swapped, lines = [], []
+    swapped, lines = [], []  # (module, the instance's own forward attribute if it had one)
     try:
         for path, module in model.named_modules():
             found = _forward_for(module)
             if found is None:
                 continue
             forward, how = found
+            swapped.append((module, vars(module).get("forward")))
             module.forward = types.MethodType(forward, module)  # an instance attribute, shadowing the class's
-            swapped.append(module)
             lines.append(f"{path}: {type(module).__name__}, {how}")
         yield lines
     finally:
-        for module in swapped:
-            del module.forward
+        for module, own in swapped:
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own
