@@ -60,6 +60,8 @@ class _NoMatch(Exception):
 
 def recognize_moe(program: Program) -> Program:
     """`program` with the facts of every recognized MoE layer written on its offsets (module docstring)."""
+    if not _unannotated_offsets(program.graph):  # every layer routed by fxshard.moe: the graph as it is
+        return program.replace(notes={**program.notes, "moe_recognized": []})
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     graph.output(graph.graph_copy(program.graph, env))

@@ -256,12 +256,12 @@ def test_expert_parallel_inside_the_pipeline_trains_like_one_device(strategy, ki
     pieces = token_microbatches(64, 2 * microbatches, seq=16)
     program = fxshard.trace(model, model_loss, pieces[0], optimizer=optimizer)
     stages = [run_pipeline(program, mesh, config, stage=stage) for stage in range(mesh.pp)]
-    assert [p.name for p in stages[0]][:3] == ["traced", "ep", "pipeline"]
+    assert [p.name for p in stages[0]][:4] == ["traced", "recognize_moe", "ep", "pipeline"]
     for programs in stages:  # fsdp and overlap keep the transfer order lower_schedule chose
         transfers = [[(n.target, n.args[-2], str(n.meta["val"].shape)) for n in p.graph.nodes
                       if n.op == "call_function" and n.target in (torch.ops.fxshard.send.default,
                                                                   torch.ops.fxshard.recv.default)]
-                     for p in programs[2:]]
+                     for p in programs[3:]]
         assert transfers[0] and all(t == transfers[0] for t in transfers)
     ranks = SimulatedRanks([s[-1] for s in stages], model, optimizer, mesh)
     local = [concatenated(pieces[:microbatches]), concatenated(pieces[microbatches:])]
