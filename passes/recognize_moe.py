@@ -41,6 +41,7 @@ import torch
 import torch.fx as fx
 
 from fxshard import meta, moe
+from fxshard.graph import call_argument
 from fxshard.program import Program
 
 from .ep import first_tensor, keeps_dim0
@@ -60,13 +61,14 @@ class _NoMatch(Exception):
 
 def recognize_moe(program: Program) -> Program:
     """`program` with the facts of every recognized MoE layer written on its offsets (module docstring)."""
-    if not _unannotated_offsets(program.graph):  # every layer routed by fxshard.moe: the graph as it is
+    pending = _unannotated_offsets(program.graph)
+    if not pending:  # every layer routed by fxshard.moe: the graph as it is
         return program.replace(notes={**program.notes, "moe_recognized": []})
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     graph.output(graph.graph_copy(program.graph, env))
     recognized, rejected = [], []
-    for offsets in _unannotated_offsets(graph):
+    for offsets in (env[node] for node in pending):
         try:
             facts = _match(offsets)
         except _NoMatch as reason:
@@ -136,20 +138,18 @@ def _through(node, targets):
 def _counted_key(offsets: fx.Node) -> tuple[fx.Node, int]:
     """offsets = cumsum(counts of key over `bins` experts): (key, bins)."""
     cumsum = _through(offsets, _INT_PASSTHROUGH)
-    if not (isinstance(cumsum, fx.Node) and cumsum.target is _aten.cumsum.default and _val(cumsum).dim() == 1
-            and cumsum.args[1] in (0, -1)):
+    if not (isinstance(cumsum, fx.Node) and cumsum.target is _aten.cumsum.default and _val(cumsum).dim() == 1):
         raise _NoMatch("the offsets are not a cumulative sum (expected cumsum of per-expert counts)")
     counts = _through(cumsum.args[0], _INT_PASSTHROUGH)
     bins = _val(counts).shape[0]
     if counts.target is _aten.histc.default:
-        low, high = (list(counts.args[2:4]) + [0, 0])[:2] if len(counts.args) > 2 else (0, 0)
-        low, high = counts.kwargs.get("min", low), counts.kwargs.get("max", high)
+        low, high = call_argument(counts, "min"), call_argument(counts, "max")
         if low != 0 or high not in (bins - 1, bins):  # one bin per expert id
             raise _NoMatch(f"histc(bins={bins}, min={low}, max={high}) does not count one expert id per bin")
         return _through(counts.args[0], _INT_PASSTHROUGH), bins
     if counts.target is _aten.bincount.default:
         return counts.args[0], bins
-    if counts.target in (_aten.scatter_add.default,) and counts.args[1] == 0 and _is_ones(counts.args[3]):
+    if counts.target is _aten.scatter_add.default and counts.args[1] == 0 and _is_ones(counts.args[3]):
         return counts.args[2], bins
     raise _NoMatch(f"the offsets accumulate {counts.target}, not a per-expert count (histc, bincount, "
                    f"scatter_add of ones)")
@@ -157,11 +157,8 @@ def _counted_key(offsets: fx.Node) -> tuple[fx.Node, int]:
 
 def _is_ones(node) -> bool:
     node = _through(node, _INT_PASSTHROUGH)
-    if node.target is _aten.ones_like.default:
-        return True
-    if node.target in (_aten.ones.default, _aten.full.default):
-        return node.target is _aten.ones.default or node.args[1] == 1
-    return False
+    return node.target in (_aten.ones_like.default, _aten.ones.default) or \
+        node.target is _aten.full.default and node.args[1] == 1
 
 
 def _flat_indices_of(node: fx.Node) -> fx.Node | None:
@@ -170,8 +167,8 @@ def _flat_indices_of(node: fx.Node) -> fx.Node | None:
     if (isinstance(node, fx.Node) and node.target is operator.getitem and node.args[1] == 1
             and node.args[0].target is _aten.topk.default):
         topk = node.args[0]
-        dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
-        if dim % _val(topk.args[0]).dim() == _val(topk.args[0]).dim() - 1:  # over the experts, per token
+        scores = _val(topk.args[0])
+        if call_argument(topk, "dim") % scores.dim() == scores.dim() - 1:  # over the experts, per token
             return topk
     return None
 
@@ -189,10 +186,7 @@ def _topk_of(key: fx.Node) -> fx.Node | None:
 def _is_ascending_sort(node) -> bool:
     if not (isinstance(node, fx.Node) and node.target in (_aten.sort.default, _aten.sort.stable)):
         return False
-    descending = node.kwargs.get("descending", False)
-    if node.target is _aten.sort.default and len(node.args) > 2:
-        descending = node.args[2]
-    return not descending and _val(node.args[0]).dim() == 1
+    return not call_argument(node, "descending") and _val(node.args[0]).dim() == 1
 
 
 def _sort_permutations(topk: fx.Node) -> set[fx.Node]:
@@ -217,7 +211,6 @@ class _RowOrder:
         if not isinstance(node, fx.Node):
             return False
         if node not in self.memo:
-            self.memo[node] = False  # no cycles in a graph; guards the recursion anyway
             self.memo[node] = self.decide(node)
         return self.memo[node]
 
@@ -247,9 +240,9 @@ class _RowOrder:
             indices = node.args[1]
             return len(indices) == 1 and self.is_perm_index(indices[0])
         if target is _aten.index_select.default:
-            return node.args[1] in (0, -_val(node.args[0]).dim()) and self.is_perm_index(node.args[2])
+            return node.args[1] % _val(node.args[0]).dim() == 0 and self.is_perm_index(node.args[2])
         if target is _aten.gather.default:
-            return node.args[1] == 0 and self.is_perm_index(node.args[2])
+            return node.args[1] % _val(node.args[0]).dim() == 0 and self.is_perm_index(node.args[2])
         if not self.is_rows(node) or not keeps_dim0(node):  # the row-wise rule the EP pass moves ops by
             return False
         row_inputs = [i for i in node.all_input_nodes if self.is_rows(i)]
