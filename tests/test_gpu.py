@@ -14,6 +14,10 @@ from fxshard.passes.fsdp import STRATEGIES
 from fxshard.testing import eager_parity, relative, torch_optimizer
 
 ADAMW = fxshard.optim.AdamW(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+# Parameters against eager with Inductor codegen (on by default on CUDA): fused kernels round
+# differently, and AdamW's 1/sqrt(v) magnifies that where a gradient is near eps (measured 1.4e-4 on
+# MoEGPT tiny over NCCL, 2x H200); losses keep their 1e-5 bound.
+CODEGEN_PARAM_BOUND = 2e-4
 
 
 def cuda_batches(count, rows=4, seq=32, device="cuda", seed=0):
@@ -38,7 +42,7 @@ def test_fp32_parity_on_cuda(make_model, codegen):
     assert parity.max_loss_rel < 1e-5, parity.losses
     # Inductor's fused reductions sum in another order; AdamW divides near-zero gradients by their
     # near-zero second moments, so after 20 steps MoEGPT's parameters differ by 1.03e-4 (H200)
-    assert parity.max_param_rel < (2e-4 if codegen else 1e-4)
+    assert parity.max_param_rel < (CODEGEN_PARAM_BOUND if codegen else 1e-4)
 
 
 @pytest.mark.gpu
@@ -108,7 +112,7 @@ def test_fsdp_over_nccl_matches_single_device_eager(model_name, cuda_graphs):
             for ours, eager in zip(losses, ref_losses):
                 assert abs(ours - eager) / abs(eager) < 1e-5, (strategy, rank, losses, ref_losses)
             for name, p in model.named_parameters():
-                assert relative(params[name], p.cpu()) < 1e-4, (strategy, name)
+                assert relative(params[name], p.cpu()) < CODEGEN_PARAM_BOUND, (strategy, name)
 
 
 def _adamw_inputs(seed):
@@ -393,7 +397,9 @@ def test_pipeline_over_nccl_matches_single_device_eager():
 
 def _graphed_and_eager_over_nccl(batches, ep=1, extra=None):
     """MoEGPT tiny, bf16, ZeRO-3 over all ranks (with ep > 1: experts over ep, capacity, ep_overlap;
-    `extra`: more Config fields), replayed eagerly and from a CUDA graph."""
+    `extra`: more Config fields), replayed eagerly and from a CUDA graph; aten replay (codegen=None),
+    as in test_cuda_graph_replay_is_bit_identical_to_eager: Inductor's kernels are not bitwise
+    deterministic run to run."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = f"cuda:{rank}"
     local = [{k: v[rank * 2:(rank + 1) * 2].to(device) for k, v in b.items()} for b in batches]
@@ -403,7 +409,7 @@ def _graphed_and_eager_over_nccl(batches, ep=1, extra=None):
         model = MoEGPT(MoEGPTConfig.preset("tiny", capacity_factor=1.0 if ep > 1 else None)).to(device)
         step = fxshard.shard(model, model_loss, local[0], optimizer=ADAMW, mesh=fxshard.Mesh(dp=world, ep=ep),
                              config=fxshard.Config(cuda_graphs=cuda_graphs, param_dtype=torch.bfloat16,
-                                                   reduce_dtype=torch.float32,
+                                                   reduce_dtype=torch.float32, codegen=None,
                                                    **{"ep_overlap": ep > 1, "ep_chunks": 2, **(extra or {})}))
         losses = [step(b)["loss"].item() for b in local]
         results.append((losses, step._replay is not None and step._replay.is_captured,
@@ -429,7 +435,7 @@ def test_cuda_graph_replay_with_a_mesh_is_bit_identical_to_eager_replay(expert_p
 
 def _all_to_all_backends_over_nccl(batches):
     """MoEGPT tiny, bf16, ep = world with dual-batch overlap: NCCL all-to-alls eagerly, then copy-engine
-    all-to-alls eagerly and from a CUDA graph."""
+    all-to-alls eagerly and from a CUDA graph (aten replay: Inductor's kernels are not bitwise deterministic)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = f"cuda:{rank}"
     local = [{k: v[rank * 2:(rank + 1) * 2].to(device) for k, v in b.items()} for b in batches]
@@ -438,7 +444,8 @@ def _all_to_all_backends_over_nccl(batches):
         torch.manual_seed(0)
         model = MoEGPT(MoEGPTConfig.preset("tiny", capacity_factor=1.0)).to(device)
         config = fxshard.Config(cuda_graphs=cuda_graphs, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                ep_overlap=True, microbatches=2, ep_interleave="dual-batch", ep_all_to_all=all_to_all)
+                                codegen=None, ep_overlap=True, microbatches=2, ep_interleave="dual-batch",
+                                ep_all_to_all=all_to_all)
         step = fxshard.shard(model, model_loss, local[0], optimizer=ADAMW, mesh=fxshard.Mesh(dp=world, ep=world),
                              config=config)
         assert (step.copy_engine_all_to_alls > 0) == (all_to_all == "copy-engine")
@@ -541,7 +548,8 @@ def test_expert_parallel_over_nccl_matches_single_device_eager():
             for ours, eager in zip(losses, ref_losses):
                 assert abs(ours - eager) / abs(eager) < 1e-5, (ep, strategy, rank, losses, ref_losses)
             for name, value in params.items():
-                assert relative(value, dict(model.named_parameters())[name].cpu()) < 1e-4, (ep, strategy, name)
+                assert relative(value, dict(model.named_parameters())[name].cpu()) < CODEGEN_PARAM_BOUND, \
+                    (ep, strategy, name)
 
 
 @pytest.mark.gpu
