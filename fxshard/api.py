@@ -211,9 +211,6 @@ def _check_mesh(mesh) -> None:
 
 def _first_microbatch(example_batch, config: Config):
     """Mesh(pp>1): the first of the `config.microbatches` pieces the pipeline splits each batch into."""
-    if config.cuda_graphs:
-        raise FxShardError("Config(cuda_graphs=True) does not run pipelines yet (point-to-point capture is "
-                           "untested on 2 GPUs); leave it off with Mesh(pp>1)")
     microbatches = config.microbatches
     batch_spec = BatchSpec.from_example(example_batch)
     rows = batch_spec.leaves[0].shape[0] if batch_spec.leaves[0].shape else 0

@@ -395,6 +395,41 @@ def test_pipeline_over_nccl_matches_single_device_eager():
                 assert relative(value, dict(model.named_parameters())[name].cpu()) < 1e-4, (pp, schedule, name)
 
 
+def _pipeline_graphed_and_eager(configs, data):
+    """Each (model, schedule, virtual stages) at pp=2, bf16, aten replay: eagerly, then from a CUDA graph."""
+    rank = dist.get_rank()
+    device = f"cuda:{rank}"
+    local = [{k: v.to(device) for k, v in b.items()} for b in data]
+    results = []
+    for model_name, schedule, virtual in configs:
+        for cuda_graphs in (False, True):
+            torch.manual_seed(0)
+            model = (GPT(GPTConfig.preset("tiny", n_layer=4)) if model_name == "gpt"
+                     else MoEGPT(MoEGPTConfig.preset("tiny", n_layer=4))).to(device)
+            config = fxshard.Config(schedule=schedule, virtual_stages=virtual, microbatches=4, sharding="no_shard",
+                                    param_dtype=torch.bfloat16, reduce_dtype=torch.float32, codegen=None,
+                                    cuda_graphs=cuda_graphs)
+            step = fxshard.shard(model, model_loss, local[0], optimizer=ADAMW, mesh=fxshard.Mesh(pp=2), config=config)
+            losses, params = _losses_and_parameters(step, local)
+            results.append((losses, params, step._replay is not None and step._replay.is_captured))
+    return results
+
+
+@pytest.mark.multigpu
+def test_pipeline_cuda_graph_replay_is_bit_identical_to_eager_replay():
+    """The whole per-stage step, sends and receives included, captured in one CUDA graph per rank."""
+    configs = [("gpt", "1f1b", 1), ("gpt", "interleaved-1f1b", 2), ("gpt", "zb-h1", 1), ("moe_gpt", "1f1b", 1)]
+    per_rank = run_local(_pipeline_graphed_and_eager, 2, configs, cuda_batches(6, rows=8, device="cpu"),
+                         backend="nccl")
+    for results in per_rank:
+        for index, config in enumerate(configs):
+            (eager_losses, eager_params, _), (graphed_losses, graphed_params, captured) = results[2 * index:2 * index + 2]
+            assert captured, config
+            assert graphed_losses == eager_losses, (config, eager_losses, graphed_losses)
+            for name, value in eager_params.items():
+                assert torch.equal(value, graphed_params[name]), (config, name)
+
+
 def _graphed_and_eager_over_nccl(batches, ep=1, extra=None):
     """MoEGPT tiny, bf16, ZeRO-3 over all ranks (with ep > 1: experts over ep, capacity, ep_overlap;
     `extra`: more Config fields), replayed eagerly and from a CUDA graph; aten replay (codegen=None),
