@@ -6,6 +6,7 @@ PHASE = "fxshard_phase"   # "fwd" | "bwd" | "optim"
 LAYER = "fxshard_layer"   # "pre", "post", or a layer's module path such as "layers.3"
 PARAM = "fxshard_param"   # parameter name on parameter inputs, their gradients and updates
 MICROBATCH = "fxshard_microbatch"  # which microbatch's forward/backward a node belongs to (0-based)
+ACTION = "fxshard_action"  # in a pipeline stage's program: the schedule action that made the node ("F0:3")
 # On the optimizer phase's non-finite flags (Config(nonfinite)): the tensor each flag is about.
 NONFINITE_TENSORS = "fxshard_nonfinite_tensors"
 
@@ -32,6 +33,10 @@ def param(node) -> str | None:
 
 def microbatch(node) -> int:
     return node.meta.get(MICROBATCH, 0)
+
+
+def action(node) -> str | None:
+    return node.meta.get(ACTION)
 
 # Set by passes on the collectives they insert, for the dumps.
 UNIT = "fxshard_unit"            # the FSDP unit a collective moves

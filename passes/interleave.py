@@ -30,6 +30,7 @@ from fxshard import meta
 from fxshard.config import EP_INTERLEAVINGS as PAIRINGS
 from fxshard.errors import FxShardError
 from fxshard.graph import reordered
+from fxshard.ops.p2p import P2P_OPS as _P2P
 from fxshard.program import Program
 
 
@@ -51,6 +52,32 @@ def interleave_microbatches(program: Program, pairing: str = "combined-1f1b") ->
                  "dual-batch": "forward m with forward m+1, backward m with backward m+1"}[pairing]
     notes = dict(program.notes, interleave=f"{pairing}: {described} interleaved at communication issues, "
                                             f"{microbatches} microbatches")
+    return program.replace(graph_module=reordered(program.graph_module, order), notes=notes)
+
+
+def interleave_actions(program: Program, pairs: list[tuple[str, str]]) -> Program:
+    """A pipeline stage's program (passes/lower_schedule.py) with each pair of schedule actions
+    (forward F, backward B; `meta.ACTION` names them) interleaved at communication issues: the
+    combined 1F1B of a pipeline's steady state, where one microbatch's all-to-alls run under the
+    other's compute. The pairs come from `fxshard.schedule.combine_pairs`, which puts no transfer
+    between the two actions of a pair and has proven that order deadlock-free with both actions'
+    receives waited for before the pair and both sends issued after it.
+
+    Invariant: as `interleave_microbatches` (same nodes and arguments, another topological order,
+    bit-identical values), and the sequence of sends and receives is unchanged."""
+    order = list(program.graph.nodes)
+    transfers = [n for n in order if n.target in _P2P]
+    for forward, backward in pairs:
+        second = [n for n in order if meta.action(n) == forward and n.op != "placeholder"]
+        first = [n for n in order if meta.action(n) == backward and n.op != "placeholder"]
+        if not first or not second:
+            raise FxShardError(f"combined 1F1B pairs {forward} with {backward}, but the program has no nodes of "
+                               f"{forward if not second else backward}")
+        order = _merge(order, first, second)
+    if [n for n in order if n.target in _P2P] != transfers:
+        raise AssertionError("interleaving actions reordered the stage's sends and receives")
+    notes = dict(program.notes, interleave=f"combined-1f1b in the pipeline: {len(pairs)} forward/backward pairs "
+                                            f"interleaved at communication issues ({', '.join(f'{f}+{b}' for f, b in pairs)})")
     return program.replace(graph_module=reordered(program.graph_module, order), notes=notes)
 
 

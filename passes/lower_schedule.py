@@ -299,21 +299,27 @@ class _Lowering:
                 for name in self.pipeline.chunks[action.chunk].grads:
                     self.remaining[name] = self.remaining.get(name, 0) + 1
         for action in self.actions:
-            kind = action.kind
-            if kind in ("RF", "RB"):
-                self.receive(action)
-            elif kind in ("SF", "SB"):
-                self.send(action)
-            elif kind == "F":
-                self.forward(action.chunk, action.mb)
-            elif kind == "B":
-                self.backward(action.chunk, action.mb)
-            elif kind == "W":
-                self.weight_gradient(action.chunk, action.mb)
-            elif kind != "OPT":
-                raise FxShardError(f"lower_schedule does not lower {kind} actions")
+            before = len(self.graph.nodes)
+            self.lower(action)
+            for node in list(self.graph.nodes)[before:]:  # what this action added (passes pair actions by it)
+                node.meta.setdefault(meta.ACTION, str(action))
         assert not self.stash and not self.weight_inputs and not self.inbox, "actions left values unread"
         return self.finish(trained)
+
+    def lower(self, action: Action) -> None:
+        kind = action.kind
+        if kind in ("RF", "RB"):
+            self.receive(action)
+        elif kind in ("SF", "SB"):
+            self.send(action)
+        elif kind == "F":
+            self.forward(action.chunk, action.mb)
+        elif kind == "B":
+            self.backward(action.chunk, action.mb)
+        elif kind == "W":
+            self.weight_gradient(action.chunk, action.mb)
+        elif kind != "OPT":
+            raise FxShardError(f"lower_schedule does not lower {kind} actions")
 
     def all_reduce(self, value: fx.Node, group: str, phase: str, layer: str) -> fx.Node:
         (node,) = inline(self.graph, lambda t: [_c10d.wait_tensor(_c10d.all_reduce(t, "sum", group))], [value],
