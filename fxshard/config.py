@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 # FSDP strategies, Megatron's names (ZeRO: none, 1, 2, 3); passes/fsdp.py documents each.
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zb-h1")
+PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zb-h1", "dualpipev")
 EP_INTERLEAVINGS = ("combined-1f1b", "dual-batch")
 EP_ALL_TO_ALLS = ("nccl", "copy-engine")
 CODEGENS = ("auto", "inductor", None)
@@ -47,11 +47,15 @@ class Config:
         (collectives included; not with Mesh(pp>1) yet).
     fuse_grouped_mlp: rewrite each MoE expert MLP (grouped GEMM -> activation -> grouped GEMM, forward
         and backward) into the fused `fxshard::grouped_mlp` op (passes/fuse_grouped_mlp.py).
-    schedule: with Mesh(pp=P): "1f1b" (default), "interleaved-1f1b", "gpipe" or "zb-h1" (zero bubble:
-        weight gradients split off and delayed into the bubbles); `microbatches` is the
-        number of pipeline microbatches M, `virtual_stages` V chunks per rank (interleaved: M % P == 0).
+    schedule: with Mesh(pp=P): "1f1b" (default), "interleaved-1f1b", "gpipe", "zb-h1" (zero bubble:
+        weight gradients split off and delayed into the bubbles) or "dualpipev" (DeepSeek's DualPipeV:
+        two chunks per rank placed in a V, rank r holding chunks r and 2P-1-r, so the first and the
+        last chunk share rank 0; zero-bubble W's; M >= 2P-1; it sets virtual_stages to 2, and refuses
+        any other value than 1 or 2); `microbatches` is the number of pipeline microbatches M,
+        `virtual_stages` V chunks per rank (interleaved: M % P == 0).
         Or a `fxshard.schedule.Schedule` of one's own (per-rank action lists, e.g. read with
-        `Schedule.from_json`): it sets `microbatches` and `virtual_stages`, and `shard` checks it with
+        `Schedule.from_json`; its `placement` says which rank holds each chunk, "loop" or "v"): it
+        sets `microbatches` and `virtual_stages`, and `shard` checks it with
         the simulator (every dependency met, point-to-point deadlock-free) before lowering it.
     stage_layers: layers per pipeline chunk (P*V counts); default: balanced by parameter bytes.
     moe_capacity_factor: bound every `fxshard.moe.dispatch` call to ceil(factor * tokens * top_k /
@@ -144,6 +148,11 @@ class Config:
             raise FxShardError(f"virtual_stages must be an int >= 1, got {self.virtual_stages!r}")
         if self.virtual_stages > 1 and self.schedule == "1f1b":
             object.__setattr__(self, "schedule", "interleaved-1f1b")
+        if self.schedule == "dualpipev":
+            if self.virtual_stages not in (1, 2):
+                raise FxShardError(f"schedule='dualpipev' runs two chunks per rank, got virtual_stages="
+                                   f"{self.virtual_stages}; leave virtual_stages at 1 or set 2")
+            object.__setattr__(self, "virtual_stages", 2)
         if self.stage_layers is not None:
             object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
         if self.moe_capacity_factor is not None and not (isinstance(self.moe_capacity_factor, (int, float))

@@ -283,8 +283,10 @@ def dump_schedule(schedule, plan, directory) -> list[str]:
 
     os.makedirs(directory, exist_ok=True)
     simulation = simulate(schedule, {"F": 1.0, "B": 2.0})
-    issued = Schedule(issue_order(schedule), schedule.stages, schedule.virtual, schedule.microbatches, schedule.name)
-    lines = [f"schedule {schedule.name}: P={schedule.stages} V={schedule.virtual} M={schedule.microbatches}; "
+    issued = Schedule(issue_order(schedule), schedule.stages, schedule.virtual, schedule.microbatches, schedule.name,
+                      schedule.placement)
+    lines = [f"schedule {schedule.name}: P={schedule.stages} V={schedule.virtual} M={schedule.microbatches} "
+             f"placement={schedule.placement}; "
              f"this is stage {plan.stage}",
              "", "actions per rank:", str(schedule), "",
              "as the lowered programs issue them (receives early; one transfer order per pair of ranks):",

@@ -3,9 +3,11 @@
 An action is one short token: `F1:3` (forward of chunk 1, microbatch 3), `B1:3` (its input
 gradient, or the whole backward when W is not split off), `W1:3` (weight gradient), `SF1:3>2` /
 `RF1:3<0` (send / receive of chunk 1's microbatch-3 activation to / from rank 2 / 0), `SB…`/`RB…`
-for activation gradients, and `OPT`. Chunk c lives on rank c mod P (P×V chunks for V virtual stages).
+for activation gradients, and `OPT`. P×V chunks for V virtual stages; the schedule's placement says which
+rank holds each (`Schedule.rank_of`).
 
-Generators: `gpipe`, `one_f_one_b`, `interleaved_one_f_one_b` (Megatron's order), `zero_bubble_h1`. `simulate` checks
+Generators: `gpipe`, `one_f_one_b`, `interleaved_one_f_one_b` (Megatron's order), `zero_bubble_h1`,
+`dualpipe_v` (V placement). `simulate` checks
 a schedule without running a model (every dependency satisfied, no deadlock) and reports makespan,
 bubble fraction and peak live activations per rank.
 """
@@ -20,6 +22,7 @@ import networkx as nx
 from .errors import FxShardError
 
 COMPUTE = ("F", "B", "W")
+PLACEMENTS = ("loop", "v")
 
 
 @dataclass(frozen=True)
@@ -51,36 +54,51 @@ class Action:
         return cls(kind, int(chunk), int(mb), peer)
 
 
+def place(chunk: int, stages: int, placement: str) -> int:
+    """The rank holding `chunk` = v*P + i: rank i under "loop"; under "v" the odd rounds walk back,
+    rank P-1-i, so with V=2 rank r holds chunks r and 2P-1-r (first and last chunk on rank 0)."""
+    v, i = divmod(chunk, stages)
+    return stages - 1 - i if placement == "v" and v % 2 else i
+
+
 @dataclass(frozen=True)
 class Schedule:
-    """`ranks[r]` is rank r's ordered actions; P ranks, V chunks per rank, M microbatches."""
+    """`ranks[r]` is rank r's ordered actions; P ranks, V chunks per rank, M microbatches, and the
+    placement of chunks on ranks ("loop" or "v", see `place`); `rank_of` is the one source of it."""
 
     ranks: tuple[tuple[Action, ...], ...]
     stages: int
     virtual: int
     microbatches: int
     name: str = ""
+    placement: str = "loop"
+
+    def __post_init__(self):
+        if self.placement not in PLACEMENTS:
+            raise FxShardError(f"Schedule placement {self.placement!r}; choose one of {PLACEMENTS} (\"v\": rank r "
+                               f"holds chunks r and 2P-1-r)")
 
     @property
     def chunks(self) -> int:
         return self.stages * self.virtual
 
     def rank_of(self, chunk: int) -> int:
-        return chunk % self.stages
+        return place(chunk, self.stages, self.placement)
 
     def __str__(self) -> str:
         return "\n".join(f"rank {r}: " + " ".join(map(str, actions)) for r, actions in enumerate(self.ranks))
 
     def to_json(self) -> str:
         return json.dumps({"name": self.name, "stages": self.stages, "virtual": self.virtual,
-                           "microbatches": self.microbatches,
+                           "microbatches": self.microbatches, "placement": self.placement,
                            "ranks": [[str(a) for a in actions] for actions in self.ranks]})
 
     @classmethod
     def from_json(cls, text: str) -> "Schedule":
         data = json.loads(text)
         return cls(tuple(tuple(Action.parse(t) for t in actions) for actions in data["ranks"]),
-                   data["stages"], data["virtual"], data["microbatches"], data["name"])
+                   data["stages"], data["virtual"], data["microbatches"], data["name"],
+                   data.get("placement", "loop"))  # written before placements existed: loop
 
 
 def _check(stages: int, virtual: int, microbatches: int) -> None:
@@ -89,27 +107,28 @@ def _check(stages: int, virtual: int, microbatches: int) -> None:
 
 
 def add_communication(order: list[list[Action]], stages: int, virtual: int, microbatches: int,
-                      name: str) -> Schedule:
+                      name: str, placement: str = "loop") -> Schedule:
     """Insert the receive before and the send after every compute action whose neighbour chunk lives
-    on another rank, and the optimizer step at the end."""
+    on another rank (under `placement`), and the optimizer step at the end."""
     chunks = stages * virtual
     ranks = []
     for rank, actions in enumerate(order):
         out = []
         for action in actions:
             c, mb = action.chunk, action.mb
-            if action.kind == "F" and c > 0 and (c - 1) % stages != rank:
-                out.append(Action("RF", c, mb, (c - 1) % stages))
-            if action.kind == "B" and c < chunks - 1 and (c + 1) % stages != rank:
-                out.append(Action("RB", c, mb, (c + 1) % stages))
+            before, after = place(c - 1, stages, placement), place(c + 1, stages, placement)
+            if action.kind == "F" and c > 0 and before != rank:
+                out.append(Action("RF", c, mb, before))
+            if action.kind == "B" and c < chunks - 1 and after != rank:
+                out.append(Action("RB", c, mb, after))
             out.append(action)
-            if action.kind == "F" and c < chunks - 1 and (c + 1) % stages != rank:
-                out.append(Action("SF", c, mb, (c + 1) % stages))
-            if action.kind == "B" and c > 0 and (c - 1) % stages != rank:
-                out.append(Action("SB", c, mb, (c - 1) % stages))
+            if action.kind == "F" and c < chunks - 1 and after != rank:
+                out.append(Action("SF", c, mb, after))
+            if action.kind == "B" and c > 0 and before != rank:
+                out.append(Action("SB", c, mb, before))
         out.append(Action("OPT"))
         ranks.append(tuple(out))
-    return Schedule(tuple(ranks), stages, virtual, microbatches, name)
+    return Schedule(tuple(ranks), stages, virtual, microbatches, name, placement)
 
 
 def gpipe(stages: int, microbatches: int, virtual: int = 1) -> Schedule:
@@ -221,6 +240,68 @@ def zero_bubble_h1(stages: int, microbatches: int) -> Schedule:
     return add_communication(order, stages, 1, microbatches, "zb-h1")
 
 
+def dualpipe_v(stages: int, microbatches: int) -> Schedule:
+    """DualPipeV (DeepSeek's DualPipe folded into a V; torch.distributed.pipelining's
+    ScheduleDualPipeV) with B / W split as in zero bubble. Two chunks per rank in V placement: rank r
+    runs chunk r on the way down and chunk 2P-1-r on the way back up (phases 0 and 1), so the first
+    and last chunk (embedding and loss) share rank 0 and the turn (chunks P-1, P) is local to rank
+    P-1. Rank r's actions, phase by phase (`F0` a forward of phase 0's chunk; `B1` a whole backward,
+    B then its W at once; `I1` a B whose W is queued; `W` the oldest queued W):
+
+        2(P-r-1) x  F0            fill the way down
+        r+1      x  F0 F1         reach the turn
+        P-r-1    x  I1 W F1       first backwards; a W runs while the next activation arrives
+        M-2P+r+1 x  F0 B1 F1 B0   steady state: each forward next to a backward of the other phase
+                                  (DualPipe overlaps the pair; here they run one after the other)
+        P-r-1    x  B1 F1 B0      the way down has no forwards left
+        r+1      x  B1 B0         drain; the last r+1 of these 2(r+1) backwards are I, not B
+        P-r-1    x  W I0
+        r+1      x  W             the queued W's fill the tail
+
+    Each phase's microbatches run in order 0..M-1. Needs M >= 2P-1, so that rank 0's steady state
+    runs M-2P+1 >= 0 times (DeepSeek's and torch's DualPipeV ask for M >= 2P; 2P-1 passes the same
+    checks). Live activations: at most 2P+1 chunk forwards per rank, a chunk being half a 1F1B
+    stage (1F1B's first rank holds P stages' worth)."""
+    _check(stages, 2, microbatches)
+    if microbatches < 2 * stages - 1:
+        raise FxShardError(f"dualpipev needs at least 2 x pp - 1 microbatches, got M={microbatches} for "
+                           f"pp={stages}; use Config(microbatches=M) with M >= {2 * stages - 1}, e.g. {2 * stages}")
+    order = []
+    for rank in range(stages):
+        rest, turn = stages - rank - 1, rank + 1
+        drain = ["B1", "B0"] * turn
+        drain[turn:] = ["I" + token[1] for token in drain[turn:]]
+        tokens = (["F0"] * 2 * rest + ["F0", "F1"] * turn + ["I1", "W", "F1"] * rest
+                  + ["F0", "B1", "F1", "B0"] * (microbatches - 2 * stages + turn) + ["B1", "F1", "B0"] * rest
+                  + drain + ["W", "I0"] * rest + ["W"] * turn)
+        order.append(_expand_phases(tokens, (rank, 2 * stages - 1 - rank)))
+    return add_communication(order, stages, 2, microbatches, "dualpipev", placement="v")
+
+
+def _expand_phases(tokens: list[str], chunks: tuple[int, int]) -> list[Action]:
+    """`dualpipe_v`'s tokens as actions: each phase's forwards and backwards take its microbatches in
+    order; a `W` takes the oldest weight gradient an `I` left queued."""
+    forwards, backwards, queued, actions = [0, 0], [0, 0], [], []
+    for token in tokens:
+        if token == "W":
+            actions.append(Action("W", *queued.pop(0)))
+            continue
+        phase = int(token[1])
+        chunk = chunks[phase]
+        if token[0] == "F":
+            actions.append(Action("F", chunk, forwards[phase]))
+            forwards[phase] += 1
+            continue
+        mb = backwards[phase]
+        backwards[phase] += 1
+        actions.append(Action("B", chunk, mb))
+        if token[0] == "B":
+            actions.append(Action("W", chunk, mb))
+        else:
+            queued.append((chunk, mb))
+    return actions
+
+
 def build(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
     """The schedule `Config(schedule=name)` names (fxshard.config.PIPELINE_SCHEDULES)."""
     if name == "gpipe":
@@ -229,6 +310,11 @@ def build(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedu
         if virtual != 1:
             raise FxShardError("schedule='zb-h1' runs one chunk per rank; leave virtual_stages=1")
         return zero_bubble_h1(stages, microbatches)
+    if name == "dualpipev":
+        if virtual != 2:
+            raise FxShardError(f"schedule='dualpipev' runs two chunks per rank (V placement), got virtual_stages="
+                               f"{virtual}; use virtual_stages=2 (Config sets it when left at 1)")
+        return dualpipe_v(stages, microbatches)
     if name == "1f1b" and virtual == 1:
         return one_f_one_b(stages, microbatches)
     if name in ("1f1b", "interleaved-1f1b"):

@@ -85,7 +85,8 @@ def pipeline_schedule(mesh, config):
         user = config.schedule
         if not any(a.kind in ("SF", "RF", "SB", "RB") for actions in user.ranks for a in actions):
             compute = [[a for a in actions if a.kind in schedule.COMPUTE] for actions in user.ranks]
-            user = schedule.add_communication(compute, user.stages, user.virtual, user.microbatches, user.name)
+            user = schedule.add_communication(compute, user.stages, user.virtual, user.microbatches, user.name,
+                                              user.placement)
         return user
     return schedule.build(config.schedule, mesh.pp, config.microbatches, config.virtual_stages)
 

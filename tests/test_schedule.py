@@ -147,3 +147,54 @@ def test_a_users_own_schedule_is_checked_and_lowered():
         run_pipeline(program, fxshard.Mesh(pp=2), fxshard.Config(schedule=broken), stage=0)
     with pytest.raises(fxshard.FxShardError, match="for 2 stages, but the mesh has pp=4"):
         run_pipeline(program, fxshard.Mesh(pp=4), fxshard.Config(schedule=own), stage=0)
+
+
+@given(stages=st.integers(1, 4), extra=st.integers(0, 6))
+def test_dualpipev_runs_each_rank_s_v_of_chunks_without_deadlock_and_beats_zb_h1(stages, extra):
+    from fxshard.schedule import dualpipe_v, zero_bubble_h1
+
+    microbatches = 2 * stages - 1 + extra  # the least it takes, and more
+    schedule = dualpipe_v(stages, microbatches)
+    schedules.check_point_to_point(schedule, schedules.issue_order(schedule))
+    for rank, actions in enumerate(schedule.ranks):  # rank r: chunk r on the way down, 2P-1-r back up
+        assert {a.chunk for a in actions if a.kind in schedules.COMPUTE} == {rank, 2 * stages - 1 - rank}
+    kinds = [a.kind for actions in schedule.ranks for a in actions]
+    assert kinds.count("W") == kinds.count("B") == 2 * stages * microbatches
+    split = simulate(schedule, {"F": 1.0, "B": 1.0, "W": 1.0})  # simulate also checks every dependency
+    zero_bubble = simulate(zero_bubble_h1(stages, microbatches), {"F": 1.0, "B": 1.0, "W": 1.0})
+    assert split.makespan <= zero_bubble.makespan
+    if stages > 1:
+        assert split.bubble_fraction < zero_bubble.bubble_fraction
+    assert max(split.peak_activations) <= 2 * stages + 1  # chunk forwards, each half a stage
+
+
+def test_v_placement_puts_the_first_and_last_chunk_on_rank_0_and_survives_json():
+    from fxshard.schedule import add_communication, dualpipe_v
+
+    schedule = dualpipe_v(4, 8)
+    assert [schedule.rank_of(c) for c in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert [one_f_one_b(4, 8).rank_of(c) for c in range(4)] == [0, 1, 2, 3]
+    # the turn is local to the last rank: no transfer between chunks 3 and 4
+    turn = {("SF", 3), ("RF", 4), ("SB", 4), ("RB", 3)}
+    assert not [a for actions in schedule.ranks for a in actions if (a.kind, a.chunk) in turn]
+    assert {a.peer for a in schedule.ranks[0] if a.peer is not None} == {1}
+    assert Schedule.from_json(schedule.to_json()) == schedule
+    assert Schedule.from_json(schedule.to_json().replace(', "placement": "v"', "")).placement == "loop"
+    compute = [[a for a in actions if a.kind in schedules.COMPUTE] for actions in schedule.ranks]
+    assert add_communication(compute, 4, 2, 8, "dualpipev", placement="v") == schedule
+    with pytest.raises(FxShardError, match="placement 'w'"):
+        Schedule((), 2, 2, 4, "bad", placement="w")
+
+
+def test_dualpipev_config_sets_two_chunks_per_rank_and_refuses_too_few_microbatches():
+    import fxshard
+    from fxshard.schedule import build, dualpipe_v
+
+    assert fxshard.Config(schedule="dualpipev").virtual_stages == 2
+    assert build("dualpipev", 2, 4, virtual=2) == dualpipe_v(2, 4)
+    with pytest.raises(FxShardError, match="virtual_stages=3"):
+        fxshard.Config(schedule="dualpipev", virtual_stages=3)
+    with pytest.raises(FxShardError, match="virtual_stages=2"):
+        build("dualpipev", 2, 4)
+    with pytest.raises(FxShardError, match=r"M >= 5, e.g. 6"):
+        dualpipe_v(3, 4)
