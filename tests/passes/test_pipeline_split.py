@@ -84,19 +84,22 @@ def check_pipeline(model, loss_fn, microbatches, schedule, stage_layers=None):
 
 
 @given(layers=st.integers(1, 4), stages=st.integers(1, 3), virtual=st.integers(1, 2), rounds=st.integers(1, 2),
-       kind=st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1"]), data=st.data())
+       kind=st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev"]), data=st.data())
 def test_every_schedule_over_the_split_computes_eager_losses_and_gradients(layers, stages, virtual, rounds,
                                                                           kind, data):
     if kind in ("1f1b", "zb-h1"):
         virtual = 1
+    if kind == "dualpipev":  # two chunks per rank, in a V
+        layers, virtual = max(layers, 2), 2
     if stages * virtual > layers:
-        virtual = 1
-        stages = data.draw(st.integers(1, layers), label="stages")
-    microbatches = stages * rounds
+        virtual = 2 if kind == "dualpipev" else 1
+        stages = data.draw(st.integers(1, layers // virtual), label="stages")
+    microbatches = 2 * stages - 2 + rounds if kind == "dualpipev" else stages * rounds
     schedule = {"gpipe": lambda: schedules.gpipe(stages, microbatches, virtual),
                 "1f1b": lambda: schedules.one_f_one_b(stages, microbatches),
                 "interleaved": lambda: schedules.interleaved_one_f_one_b(stages, microbatches, virtual),
-                "zb-h1": lambda: schedules.zero_bubble_h1(stages, microbatches)}[kind]()
+                "zb-h1": lambda: schedules.zero_bubble_h1(stages, microbatches),
+                "dualpipev": lambda: schedules.dualpipe_v(stages, microbatches)}[kind]()
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=24, d_model=16, n_layer=layers, n_head=2, d_ff=24))
     check_pipeline(model, model_loss, token_microbatches(24, microbatches), schedule)
@@ -125,6 +128,24 @@ def test_tied_embedding_gets_a_partial_gradient_on_the_first_and_the_last_chunk(
                    and n.args[2] == "pp" and meta.phase(n) == meta.BWD]
         assert len(reduces) == 1 and reduces[0].meta["val"].shape == model.wte.weight.shape
     assert stages[1].grad_norm.counted_elsewhere == {"wte.weight"} and not stages[0].grad_norm.counted_elsewhere
+
+
+def test_dualpipev_keeps_the_tied_embedding_and_head_on_rank_0_with_no_all_reduce():
+    """V placement: chunk 0 (embedding) and chunk 2P-1 (head, loss) both run on stage 0, so the tied
+    weight's two partial gradients add up there and no stage pair exchanges it."""
+    from test_foreign_models import GPT2
+
+    torch.manual_seed(0)
+    model = GPT2(layers=4)
+    pipeline, stages = check_pipeline(model, lambda m, b: m(b["idx"], b["tgt"]), token_microbatches(40, 3),
+                                      schedules.dualpipe_v(2, 3))
+    assert "wte.weight" in pipeline.chunks[0].grads and "wte.weight" in pipeline.chunks[3].grads
+    assert "wte.weight" in stages[0].stage.params_by_stage[0] and "wte.weight" not in stages[1].stage.params_by_stage[1]
+    for program in stages:
+        assert not [n for n in program.graph.nodes if n.target is torch.ops._c10d_functional.all_reduce.default
+                    and meta.phase(n) == meta.BWD]
+        assert not program.grad_norm.counted_elsewhere and not program.stage.groups
+    assert "chunks [0, 3]" in stages[0].notes["pipeline"] and "chunks [1, 2]" in stages[1].notes["pipeline"]
 
 
 def test_layers_are_balanced_by_parameter_bytes_or_set_by_stage_layers():
@@ -183,7 +204,7 @@ def test_constants_are_copied_into_every_chunk_that_reads_them(kind):
 
 
 @given(strategy=st.sampled_from(["no_shard", "optim", "optim_grads", "optim_grads_params"]),
-       kind=st.sampled_from(["1f1b", "interleaved-1f1b", "zb-h1", "gpipe"]), tied=st.booleans())
+       kind=st.sampled_from(["1f1b", "interleaved-1f1b", "zb-h1", "gpipe", "dualpipev"]), tied=st.booleans())
 def test_fsdp_over_dp_inside_the_pipeline_trains_like_one_device(strategy, kind, tied):
     """Mesh(pp=2, dp=2): the pass list (pipeline, then fsdp on each stage's program) on the simulator,
     two AdamW steps against eager PyTorch on the global batch."""
