@@ -8,6 +8,7 @@ random half is unpredictable and ignored.
     python examples/train.py --model gpt --steps 100 --dump dumps/
     python examples/train.py --dp 2                # 2 local processes (gloo on CPU, NCCL on GPU), ZeRO-3
     python examples/train.py --pp 2 --dp 2         # 4 processes: 2 pipeline stages (1F1B) x 2 data-parallel
+    python examples/train.py --pp 2 --schedule dualpipev --model gpt --preset small  # 4 chunks, in a V
     python examples/train.py --dp 4 --ep 2         # 4 processes, MoE experts split over pairs of ranks
     python examples/train.py --pp 2 --dp 2 --ep 2  # 4 processes: 2 stages, each 2 ranks sharing the experts
 """
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import fxshard
+from fxshard.config import PIPELINE_SCHEDULES
 from fxshard.launch import run_local
 from fxshard.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig
 
@@ -60,7 +62,7 @@ def parse_args(argv=None):
     parser.add_argument("--ep-all-to-all", default="nccl", choices=["nccl", "copy-engine"],
                         help="on GPUs: how EP all-to-alls move data (copy-engine: peer memcpys, no SMs held)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (multiplies the processes)")
-    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "interleaved-1f1b", "gpipe"])
+    parser.add_argument("--schedule", default="1f1b", choices=PIPELINE_SCHEDULES)
     parser.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches (with --pp > 1)")
     parser.add_argument("--virtual-stages", type=int, default=1, help="chunks per pipeline rank (interleaved)")
     parser.add_argument("--save", metavar="DIR", help="write a checkpoint here (every --save-every steps, and at the end); "
