@@ -169,6 +169,8 @@ def test_dualpipev_runs_each_rank_s_v_of_chunks_without_deadlock_and_beats_zb_h1
 
 
 def test_v_placement_puts_the_first_and_last_chunk_on_rank_0_and_survives_json():
+    import fxshard
+    from fxshard.passes import pipeline_schedule
     from fxshard.schedule import add_communication, dualpipe_v
 
     schedule = dualpipe_v(4, 8)
@@ -182,6 +184,8 @@ def test_v_placement_puts_the_first_and_last_chunk_on_rank_0_and_survives_json()
     assert Schedule.from_json(schedule.to_json().replace(', "placement": "v"', "")).placement == "loop"
     compute = [[a for a in actions if a.kind in schedules.COMPUTE] for actions in schedule.ranks]
     assert add_communication(compute, 4, 2, 8, "dualpipev", placement="v") == schedule
+    own = Schedule(tuple(map(tuple, compute)), 4, 2, 8, "dualpipev", placement="v")  # a user's, compute only
+    assert pipeline_schedule(fxshard.Mesh(pp=4), fxshard.Config(schedule=own)) == schedule
     with pytest.raises(FxShardError, match="placement 'w'"):
         Schedule((), 2, 2, 4, "bad", placement="w")
 
