@@ -1,103 +1,576 @@
-"""Pipeline benchmark: 1F1B, interleaved 1F1B and ZB-H1 for GPT 1b over P GPUs.
+"""Pipeline benchmark: fxshard's schedules, eager and graphed, next to torch.distributed.pipelining.
 
-    python bench/pipeline.py --gpus 2 --microbatches 8 --out bench/pipeline.json
+    python bench/pipeline.py --gpus 2 --out bench/pipeline.json                      # 2x H200, the issue's job
+    python bench/pipeline.py --device cpu --model tiny --n-layer 4 --seq 64 --gpus 2  # CPU smoke test (gloo)
 
-Each schedule is lowered into one program per stage (passes/lower_schedule.py) and run by
-CompiledStep. Per schedule it prints ms/step (median), tokens/s and the simulator's bubble for the
-schedule with backward = 2x forward. The measured bubble needs per-action timing inside the one
-executable (CUDA events recorded by graph nodes at action boundaries), which is not built yet.
+GPT 1b (fxshard.models.GPT, untied head), pp=P (--gpus), M=8 microbatches of 1x2048, bf16 compute with fp32
+master weights, AdamW, the same data (seed 0) in every mode. Every mode runs in its own spawned job of P
+processes (NCCL; gloo with --device cpu), so a failing mode is reported and the others go on; each row prints
+as its mode completes, and the modes can be split over several invocations (--peers, --schedules, --replays,
+another --out). Modes:
+
+    pipelining-1f1b       torch.distributed.pipelining, Schedule1F1B, one chunk per rank
+    pipelining-interleaved  the peer the issue names: ScheduleInterleaved1F1B, V=2 chunks per rank placed in a
+                          loop (rank r holds chunks r and r+P)
+    pipelining-interleaved-compile  the same with torch.compile on each transformer block (torchtitan's recipe)
+    <schedule>-eager      fxshard, Mesh(pp=P), Config(schedule=...), eager replay of each stage's program
+    <schedule>-graphed    the same replayed from one CUDA graph per rank (Config(cuda_graphs=True); GPU only)
+
+with <schedule> one of --schedules: 1f1b, interleaved-v2 (interleaved 1F1B, V=2, loop placement), zb-h1
+(zero bubble, weight gradients split off), and, opt-in (--schedules ... dualpipev), dualpipev (two chunks
+per rank in V placement, B / W split), skipped with the reason where fxshard.schedule.build does not know
+it. fxshard modes use the default codegen (Inductor on CUDA, aten replay on CPU), no data parallelism
+(sharding="no_shard").
+
+The peer, as a user of torch.distributed.pipelining would write it: one nn.Module per chunk (the embedding and
+its blocks, or its blocks and the final norm and head), cut at the same layers as fxshard's chunks (fxshard's
+own `assign_layers`, balanced by parameter bytes; fxshard modes print their cut and it is checked against the
+peer's), `PipelineStage` per chunk, loss = the model's cross entropy (GPT.loss) per microbatch, gradients
+scaled by 1/M (the mean over microbatches, as fxshard). Precision (--peer-precision): "bf16" (default) holds
+the stage modules in bf16 and fp32 master copies; after the schedule's step the bf16 gradients (accumulated
+over microbatches in bf16) are copied into the masters, fused torch.optim.AdamW steps the masters, and
+`torch._foreach_copy_` writes them back into the bf16 modules: bf16 activations everywhere, as fxshard's
+param_dtype. "autocast": fp32 modules, the step under torch.autocast(bf16) (weights cast once per step by
+autocast's cache; the residual stream stays fp32, so activations and point-to-point are twice the bytes).
+
+Columns: ms/step (median over --steps, each step timed alone between a barrier and a synchronize, the
+slowest rank), tokens/s (the pipeline's M x batch x seq per step), "vs peer" = pipelining-interleaved's
+ms / this mode's ms (> 1: faster than the peer), "vs best peer" the same against the fastest
+pipelining mode of the job, "vs eager" = the same schedule's eager ms / graphed ms, peak GiB (max over
+ranks, after setup), the loss of the first and the last warm-up step (the same model, data and optimizer in
+every mode: they should agree to bf16 rounding).
+
+Measured bubble: after timing, one more step per mode under torch.profiler (CUDA activity only). Per rank,
+busy = the union of GPU kernel, memset and device-to-device memcpy intervals that are not communication
+(NCCL kernels, peer-to-peer memcpys), window = first to last GPU activity of the step on that rank (NCCL
+included), bubble = 1 - busy / window; the table shows the mean over ranks (the simulator's bubble is its
+mean over ranks too), the JSON each rank's and their max. The optimizer's kernels count as busy and lie
+in the window (not subtracted; the simulator has no optimizer). Kernels replayed from a CUDA graph appear in the trace or not depending on torch
+and CUPTI: a graphed mode gets a bubble only where the trace holds kernels launched by its graph launch
+(matched by correlation id), else "n/a" with the reason, never an estimate. On CPU it is always n/a.
+The profiled step of an eager mode carries the profiler's own host overhead, which a host-bound step
+shows as extra bubble. --trace-dir keeps each mode's trace per rank (chrome://tracing, Perfetto).
+Simulated bubble: fxshard.schedule.simulate on the schedule with F=1, B=2 (F=1, B=1, W=1 where the
+schedule splits W off), communication free; a pipelining mode gets the fxshard schedule of the same
+kind (1F1B, interleaved 1F1B V=2), whose order may differ slightly from torch's.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
+import json
 import os
+import shutil
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import fxshard  # noqa: E402
+from fxshard import meta  # noqa: E402
 from fxshard.launch import run_local  # noqa: E402
+from fxshard.layers import find_layers  # noqa: E402
 from fxshard.models import GPT, GPTConfig  # noqa: E402
+from fxshard.models.blocks import rope_tables  # noqa: E402
+from fxshard.passes.pipeline import assign_layers  # noqa: E402
 from fxshard.schedule import build, simulate  # noqa: E402
-from common import write_json  # noqa: E402
+from common import device_name, write_json  # noqa: E402
 
-SCHEDULES = {"1f1b": ("1f1b", 1), "interleaved-v2": ("interleaved-1f1b", 2), "zb-h1": ("zb-h1", 1)}
+# fxshard schedule -> (Config(schedule=...), virtual stages)
+SCHEDULES = {"1f1b": ("1f1b", 1), "interleaved-v2": ("interleaved-1f1b", 2), "zb-h1": ("zb-h1", 1),
+             "dualpipev": ("dualpipev", 2)}
+# pipelining mode -> (chunks per rank, torch.compile each block)
+PEERS = {"pipelining-1f1b": (1, False), "pipelining-interleaved": (2, False),
+         "pipelining-interleaved-compile": (2, True)}
+PEER = "pipelining-interleaved"  # the issue's yardstick: ScheduleInterleaved1F1B
+PEER_SCHEDULE = {1: ("1f1b", 1), 2: ("interleaved-1f1b", 2)}  # the fxshard schedule a peer is simulated as
 
 
-def run(name, microbatches, batch, seq, steps, warmup):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = f"cuda:{rank}"
-    torch.cuda.set_device(device)
-    schedule_name, virtual = SCHEDULES[name]
-    cfg = GPTConfig.preset("1b")
+@dataclass(frozen=True)
+class Setup:
+    """What every mode's job shares."""
+
+    model: str
+    n_layer: int | None
+    device: str           # "cuda" or "cpu"
+    microbatches: int
+    batch: int            # sequences per microbatch
+    seq: int
+    warmup: int
+    steps: int
+    peer_precision: str   # "bf16" or "autocast"
+    trace_dir: str | None
+
+    def config(self) -> GPTConfig:
+        overrides = {} if self.n_layer is None else {"n_layer": self.n_layer}
+        return GPTConfig.preset(self.model, **overrides)
+
+
+def build_model(setup: Setup, device) -> GPT:
     torch.manual_seed(0)
     with torch.device(device):
-        model = GPT(cfg)
+        return GPT(setup.config())
+
+
+def batch_for(setup: Setup, device) -> dict[str, torch.Tensor]:
+    """The whole step's batch, M x batch rows, the same on every rank and in every mode."""
     generator = torch.Generator().manual_seed(0)
-    data = {"idx": torch.randint(0, cfg.vocab_size, (batch * microbatches, seq), generator=generator).to(device),
-            "tgt": torch.randint(0, cfg.vocab_size, (batch * microbatches, seq), generator=generator).to(device)}
-    config = fxshard.Config(schedule=schedule_name, virtual_stages=virtual, microbatches=microbatches,
-                            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, sharding="no_shard")
+    rows, vocab = setup.batch * setup.microbatches, setup.config().vocab_size
+    return {"idx": torch.randint(0, vocab, (rows, setup.seq), generator=generator).to(device),
+            "tgt": torch.randint(0, vocab, (rows, setup.seq), generator=generator).to(device)}
+
+
+def this_device(setup: Setup) -> torch.device:
+    if setup.device == "cpu":
+        return torch.device("cpu")
+    device = torch.device("cuda", dist.get_rank())
+    torch.cuda.set_device(device)
+    return device
+
+
+def synchronize(setup: Setup) -> None:
+    if setup.device == "cuda":
+        torch.cuda.synchronize()
+
+
+def chunk_layers(model: GPT, chunks: int) -> list[list[str]]:
+    """fxshard's cut of `model` into `chunks` pipeline chunks (passes/pipeline.py: blocks balanced by
+    parameter bytes, "pre" (embedding) joining the first chunk, "post" (norm, head, loss) the last)."""
+    layers = find_layers(model)
+    param_bytes = {layer: sum(p.numel() * p.element_size() for p in model.get_submodule(layer).parameters())
+                   for layer in layers}
+    return assign_layers(layers, chunks, param_bytes)
+
+
+def stage_parameter_names(model: GPT, groups: list[list[str]], rank_of, stages: int) -> list[list[str]]:
+    """The parameter names each rank holds when chunk c lives on rank `rank_of(c)`, sorted."""
+    prefixes = {meta.PRE: ["tok_emb."], meta.POST: ["norm.", "head."]}
+    names: list[set[str]] = [set() for _ in range(stages)]
+    for c, group in enumerate(groups):
+        for layer in group:
+            for prefix in prefixes.get(layer, [layer + "."]):
+                names[rank_of(c)] |= {n for n, _ in model.named_parameters() if n.startswith(prefix)}
+    return [sorted(n) for n in names]
+
+
+class GPTChunk(nn.Module):
+    """One pipeline chunk of GPT for torch.distributed.pipelining: the embedding (first chunk) and/or the
+    final norm and head (last chunk) around its blocks. Takes token ids (first chunk) or the residual
+    stream; returns the residual stream or the logits. Holds the model's own modules (no copy)."""
+
+    def __init__(self, model: GPT, layers: list[str], seq: int):
+        super().__init__()
+        cfg = model.cfg
+        self.tok_emb = model.tok_emb if meta.PRE in layers else None
+        blocks = [layer for layer in layers if layer not in (meta.PRE, meta.POST)]
+        self.layers = nn.ModuleList(model.get_submodule(layer) for layer in blocks)
+        self.norm = model.norm if meta.POST in layers else None
+        self.head = model.head if meta.POST in layers else None
+        # fp32 tables, computed once (plain attributes: a .to(bf16) of the module leaves them fp32, as in GPT)
+        self.cos, self.sin = rope_tables(seq, cfg.d_model // cfg.n_head, cfg.rope_theta, model.head.weight.device)
+
+    def forward(self, x):
+        if self.tok_emb is not None:
+            x = self.tok_emb(x)
+        for layer in self.layers:
+            x = layer(x, self.cos, self.sin)
+        if self.head is not None:
+            x = self.head(self.norm(x))
+        return x
+
+
+def cross_entropy(logits, target):
+    """GPT.loss on one microbatch's logits."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
+def run_peer(mode: str, setup: Setup) -> dict:
+    """One rank of a torch.distributed.pipelining mode (see the module docstring)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = this_device(setup)
+    virtual, compiled = PEERS[mode]
+    model = build_model(setup, device)
+    groups = chunk_layers(model, world * virtual)
+    indices = [rank + v * world for v in range(virtual)]  # loop placement, as fxshard's chunk c on rank c mod P
+    modules = [GPTChunk(model, groups[c], setup.seq) for c in indices]
+    del model  # the other ranks' blocks are freed with it
+    params = [p for module in modules for p in module.parameters()]
+    if setup.peer_precision == "bf16":
+        masters = [nn.Parameter(p.detach().clone()) for p in params]
+        for module in modules:
+            module.to(torch.bfloat16)
+        params = [p for module in modules for p in module.parameters()]
+        optimizer = torch.optim.AdamW(masters, lr=1e-4, fused=True)
+    else:
+        masters = None
+        optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    if compiled:
+        for module in modules:
+            for block in module.layers:
+                block.compile()
+    stages = [PipelineStage(module, c, world * virtual, device) for module, c in zip(modules, indices)]
+    if virtual == 1:
+        schedule = Schedule1F1B(stages[0], n_microbatches=setup.microbatches, loss_fn=cross_entropy)
+    else:
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=setup.microbatches, loss_fn=cross_entropy)
+    # the merged logits of all microbatches (M x S x vocab) are not needed: skip them where torch allows
+    quiet = {"return_outputs": False} if "return_outputs" in inspect.signature(schedule.step).parameters else {}
+    data = batch_for(setup, device)
+
+    def step():
+        losses: list[torch.Tensor] = []
+        with torch.autocast(setup.device, dtype=torch.bfloat16, enabled=setup.peer_precision == "autocast"):
+            if rank == 0:  # chunk 0 (the embedding) lives on rank 0
+                schedule.step(data["idx"], **quiet)
+            elif rank == world - 1:  # the last chunk (head, loss) on rank P-1
+                schedule.step(target=data["tgt"], losses=losses, **quiet)
+            else:
+                schedule.step(**quiet)
+        if masters is not None:
+            for master, low in zip(masters, params):
+                master.grad = low.grad.float()
+                low.grad = None
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if masters is not None:
+            with torch.no_grad():
+                torch._foreach_copy_(params, masters)
+        return torch.stack(losses).mean() if losses else None
+
+    result = measure(step, setup, mode, graphed=False)
+    result["params_by_stage"] = None
+    return result
+
+
+def run_fxshard(schedule_name: str, virtual: int, graphed: bool, label: str, setup: Setup) -> dict:
+    """One rank of an fxshard mode: Mesh(pp=P), the schedule, eager replay or CUDA graphs."""
+    world = dist.get_world_size()
+    device = this_device(setup)
+    model = build_model(setup, device)
+    data = batch_for(setup, device)
+    config = fxshard.Config(schedule=schedule_name, virtual_stages=virtual, microbatches=setup.microbatches,
+                            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, sharding="no_shard",
+                            cuda_graphs=graphed)
+    started = time.perf_counter()
     step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=fxshard.optim.AdamW(lr=1e-4),
                          mesh=fxshard.Mesh(pp=world), config=config)
+    compile_s = time.perf_counter() - started
     del model
-    torch.cuda.empty_cache()
-    for _ in range(warmup):
-        step(data)
+    if setup.device == "cuda":
+        torch.cuda.empty_cache()
+    result = measure(lambda: step(data)["loss"], setup, label, graphed)
+    result["compile_s"] = compile_s
+    result["pipeline"] = step.program.notes.get("pipeline")
+    plan = step.program.stage
+    result["params_by_stage"] = [sorted(names) for names in plan.params_by_stage] if plan is not None else None
+    return result
+
+
+def measure(step_fn, setup: Setup, label: str, graphed: bool) -> dict:
+    """Warm up, time `setup.steps` steps one by one, then profile one more (the bubble). `step_fn()`
+    trains one step and returns its loss (or None on a rank that does not compute it), read during
+    the warm-up only: the same model and data in every mode, so the losses should agree to bf16."""
+    if setup.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    warmup_losses = []
+    for _ in range(setup.warmup):
+        loss = step_fn()
+        if loss is not None:
+            warmup_losses.append(loss.item())
+    synchronize(setup)
+    warmup_s = time.perf_counter() - started
     step_ms = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
+    for _ in range(setup.steps):
+        synchronize(setup)
         dist.barrier()
         started = time.perf_counter()
-        step(data)
-        torch.cuda.synchronize()
+        step_fn()
+        synchronize(setup)
         step_ms.append((time.perf_counter() - started) * 1e3)
-    peaks = [None] * world
-    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated())
-    return {"step_ms": step_ms, "peaks": peaks}
+    peak = torch.cuda.max_memory_allocated() if setup.device == "cuda" else None
+    bubble = profile_bubble(step_fn, setup, label, graphed)
+    return {"step_ms": step_ms, "warmup_s": warmup_s, "peak_bytes": peak, "warmup_losses": warmup_losses, **bubble}
+
+
+def profile_bubble(step_fn, setup: Setup, label: str, graphed: bool) -> dict:
+    """One step under torch.profiler; this rank's bubble from its GPU activity (see the module docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activity = ProfilerActivity.CUDA if setup.device == "cuda" else ProfilerActivity.CPU
+    synchronize(setup)
+    dist.barrier()
+    synchronize(setup)
+    with profile(activities=[activity]) as prof:
+        step_fn()
+        synchronize(setup)
+    with tempfile.TemporaryDirectory() as scratch:
+        path = os.path.join(scratch, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as handle:
+            events = json.load(handle).get("traceEvents", [])
+        if setup.trace_dir:
+            os.makedirs(setup.trace_dir, exist_ok=True)
+            shutil.copy(path, os.path.join(setup.trace_dir, f"{label}_rank{dist.get_rank()}.json"))
+    return gpu_bubble(events, graphed)
+
+
+def is_communication(event: dict) -> bool:
+    name = event.get("name", "")
+    return "nccl" in name.lower() or "PtoP" in name
+
+
+def gpu_bubble(events: list[dict], graphed: bool = False) -> dict:
+    """busy / window of the GPU activity in one process's chrome trace (its own GPU; timestamps in
+    microseconds). A `graphed` step gets a bubble only where the trace holds kernels launched by its
+    graph launch (matched by correlation id): the few kernels outside the graph are not the step."""
+    activity, graph_launches, launched_by = [], set(), []
+    for event in events:
+        category = str(event.get("cat", "")).lower()
+        args = event.get("args") or {}
+        if event.get("ph") != "X":
+            continue
+        if category in ("cuda_runtime", "cuda_driver") and str(event.get("name", "")).startswith(
+                ("cudaGraphLaunch", "cuGraphLaunch")):
+            graph_launches.add(args.get("correlation"))
+        if category not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        start = float(event["ts"])
+        end = start + float(event.get("dur", 0.0))
+        is_copy_elsewhere = category == "gpu_memcpy" and "DtoD" not in event.get("name", "")
+        activity.append((start, end, is_communication(event) or is_copy_elsewhere))
+        if category == "kernel":
+            launched_by.append(args.get("correlation"))
+    result = {"bubble": None, "kernels": len(launched_by), "graph_kernels": None, "busy_ms": None, "window_ms": None,
+              "bubble_note": None}
+    if graphed:
+        result["graph_kernels"] = sum(1 for c in launched_by if c in graph_launches)
+        if not graph_launches:
+            return {**result, "bubble_note": "no CUDA graph launch in the trace"}
+        if not result["graph_kernels"]:
+            return {**result, "bubble_note": "the CUDA graph's kernels are not in the trace"}
+    if not launched_by:
+        return {**result, "bubble_note": "no GPU kernels in the trace"}
+    window = max(end for _, end, _ in activity) - min(start for start, _, _ in activity)
+    busy = union_length([(start, end) for start, end, is_comm in activity if not is_comm])
+    result.update(bubble=1 - busy / window if window > 0 else None, busy_ms=busy / 1e3, window_ms=window / 1e3)
+    return result
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by `intervals` (overlapping streams count once)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
+
+
+def simulated_bubble(schedule_name: str, stages: int, microbatches: int, virtual: int) -> float:
+    """The simulator's mean idle fraction: F=1, B=2, or F=1, B=1, W=1 where W is split off."""
+    schedule = build(schedule_name, stages, microbatches, virtual)
+    splits_w = any(a.kind == "W" for actions in schedule.ranks for a in actions)
+    cost = {"F": 1.0, "B": 1.0, "W": 1.0} if splits_w else {"F": 1.0, "B": 2.0}
+    return simulate(schedule, cost).bubble_fraction
+
+
+def unavailable_schedule(name: str, stages: int, microbatches: int) -> str | None:
+    """Why this fxshard cannot build schedule `name` (dualpipev is new), or None."""
+    schedule_name, virtual = SCHEDULES[name]
+    try:
+        build(schedule_name, stages, microbatches, virtual)
+    except Exception as error:  # noqa: BLE001 - any reason is reported, and the mode skipped
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def job(kind: str, name: str, setup: Setup, graphed: bool = False) -> dict:
+    """One mode on this rank (the function each spawned process runs)."""
+    if kind == "peer":
+        return run_peer(name, setup)
+    schedule_name, virtual = SCHEDULES[name]
+    return run_fxshard(schedule_name, virtual, graphed, f"{name}-{'graphed' if graphed else 'eager'}", setup)
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def combine(mode: str, ranks: list[dict], setup: Setup, simulated: float) -> dict:
+    """One table row from every rank's result."""
+    step_ms = [max(values) for values in zip(*(r["step_ms"] for r in ranks))]  # each step: the slowest rank
+    ms = median(step_ms)
+    bubbles = [r["bubble"] for r in ranks]
+    measured = None if any(b is None for b in bubbles) else sum(bubbles) / len(bubbles)
+    peaks = [r["peak_bytes"] for r in ranks if r["peak_bytes"] is not None]
+    losses = next((r["warmup_losses"] for r in reversed(ranks) if r["warmup_losses"]), [])
+    note = next((f"rank {i}: {r['bubble_note']}" for i, r in enumerate(ranks) if r.get("bubble_note")), None)
+    return {"mode": mode, "ms_per_step": ms, "tokens_per_s": setup.microbatches * setup.batch * setup.seq / (ms / 1e3),
+            "bubble_measured": measured, "bubble_measured_max": None if measured is None else max(bubbles),
+            "bubble_simulated": simulated, "bubble_note": note, "peak_bytes": max(peaks) if peaks else None,
+            "warmup_losses": losses, "step_ms_all": step_ms,
+            "per_rank": [{k: r.get(k) for k in PER_RANK} for r in ranks]}
+
+
+PER_RANK = ("bubble", "bubble_note", "kernels", "graph_kernels", "busy_ms", "window_ms", "peak_bytes", "warmup_s",
+            "compile_s", "pipeline")  # what the JSON keeps of each rank's result
+
+
+HEADER = (f"{'mode':<32} {'ms/step':>9} {'tokens/s':>9} {'vs peer':>8} {'vs best peer':>12} {'vs eager':>8} "
+          f"{'bubble meas.':>12} {'bubble sim.':>11} {'peak GiB':>8} {'loss warm-up 1st, last':>22}")
+
+
+def format_row(row: dict, rows: list[dict]) -> str:
+    by_mode = {r["mode"]: r for r in rows}
+    peers = [r["ms_per_step"] for r in rows if r["mode"] in PEERS]
+
+    def ratio(other_ms):
+        return f"{other_ms / row['ms_per_step']:.2f}x" if other_ms else "-"
+
+    peer = by_mode.get(PEER)
+    eager = by_mode.get(row["mode"].replace("-graphed", "-eager")) if row["mode"].endswith("-graphed") else None
+
+    def percent(value):
+        return "n/a" if value is None else f"{value:.1%}"
+
+    peak = "-" if row["peak_bytes"] is None else f"{row['peak_bytes'] / 2**30:.1f}"
+    losses = row["warmup_losses"]
+    loss = f"{losses[0]:.4f}, {losses[-1]:.4f}" if losses else "-"
+    return (f"{row['mode']:<32} {row['ms_per_step']:>9.1f} {row['tokens_per_s']:>9.0f} "
+            f"{ratio(peer['ms_per_step'] if peer else None):>8} {ratio(min(peers) if peers else None):>12} "
+            f"{ratio(eager['ms_per_step'] if eager else None):>8} {percent(row['bubble_measured']):>12} "
+            f"{percent(row['bubble_simulated']):>11} {peak:>8} {loss:>22}")
+
+
+def planned_modes(args) -> list[tuple[str, str, bool]]:
+    """(kind, name, graphed) of every mode to run, in order: the peers, then each fxshard schedule eager
+    and graphed (graphed on CUDA only; a schedule this fxshard cannot build is skipped, saying why)."""
+    modes = [("peer", name, False) for name in args.peers]
+    replays = [r for r in args.replays if args.device == "cuda" or r == "eager"]
+    for name in args.schedules:
+        reason = unavailable_schedule(name, args.gpus, args.microbatches)
+        if reason:
+            print(f"{name}: not in this fxshard ({reason[:200]}); skipped", flush=True)
+            continue
+        modes += [("fxshard", name, replay == "graphed") for replay in replays]
+    return modes
+
+
+def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model: GPT) -> dict | None:
+    """One mode in its own job of `gpus` processes: its table row, or None (the failure printed)."""
+    mode = name if kind == "peer" else f"{name}-{'graphed' if graphed else 'eager'}"
+    started = time.perf_counter()
+    try:
+        ranks = run_local(job, gpus, kind, name, setup, graphed,
+                          backend="nccl" if setup.device == "cuda" else "gloo")
+    except Exception as error:  # report and go on: one failing mode must not hide the others
+        print(f"{mode:<32} failed after {time.perf_counter() - started:.0f}s: {type(error).__name__}: "
+              f"{str(error)[-600:]}", flush=True)
+        return None
+    schedule_name, virtual = PEER_SCHEDULE[PEERS[name][0]] if kind == "peer" else SCHEDULES[name]
+    row = combine(mode, ranks, setup, simulated_bubble(schedule_name, gpus, setup.microbatches, virtual))
+    row["job_s"] = time.perf_counter() - started
+    details = [f"warm-up {max(r['warmup_s'] for r in ranks):.1f}s",
+               f"kernels traced per rank {[r['kernels'] for r in ranks]}"]
+    if kind == "fxshard":
+        details.insert(0, f"fxshard.shard {max(r['compile_s'] for r in ranks):.1f}s")
+        placement = build(schedule_name, gpus, setup.microbatches, virtual).rank_of
+        expected = stage_parameter_names(model, chunk_layers(model, gpus * virtual), placement, gpus)
+        if ranks[0]["params_by_stage"] != expected:  # fxshard's own cut against the one the peer is built with
+            details.append(f"WARNING: fxshard's stages hold other parameters than this bench's cut "
+                           f"({[len(n) for n in ranks[0]['params_by_stage']]} vs {[len(n) for n in expected]})")
+    row["details"] = details
+    return row
+
+
+def print_targets(rows: list[dict]) -> None:
+    """The issue's targets per fxshard mode: graphed >= 1.1x eager, >= 1.2x the peer, measured bubble
+    within 2 points of the simulated one (an eager row: the last two, for reference)."""
+    by_mode = {r["mode"]: r for r in rows}
+    peer = by_mode.get(PEER)
+    print("\ntargets (graphed >= 1.1x eager, >= 1.2x pipelining-interleaved, |bubble measured - simulated| <= 2 pp):")
+    for row in rows:
+        if row["mode"] in PEERS:
+            continue
+        eager = by_mode.get(row["mode"].replace("-graphed", "-eager")) if row["mode"].endswith("-graphed") else None
+        parts = []
+        if eager:
+            speedup = eager["ms_per_step"] / row["ms_per_step"]
+            parts.append(f"vs eager {speedup:.2f}x ({'met' if speedup >= 1.1 else 'NOT met'})")
+        if peer:
+            speedup = peer["ms_per_step"] / row["ms_per_step"]
+            verdict = ('met' if speedup >= 1.2 else 'NOT met') if row["mode"].endswith("-graphed") else "no target"
+            parts.append(f"vs peer {speedup:.2f}x ({verdict})")
+        if row["bubble_measured"] is not None:
+            gap = (row["bubble_measured"] - row["bubble_simulated"]) * 100
+            parts.append(f"bubble {gap:+.1f} pp ({'met' if abs(gap) <= 2 else 'NOT met'})")
+        else:
+            parts.append("bubble n/a")
+        print(f"  {row['mode']}: " + ", ".join(parts))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gpus", type=int, default=4)
+    parser.add_argument("--gpus", type=int, default=2, help="pipeline stages P (one process each)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--model", default="1b", help="GPTConfig preset")
+    parser.add_argument("--n-layer", type=int, help="override the preset's block count (tiny has 2: use 4 for V=2)")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--batch", type=int, default=1, help="sequences per microbatch")
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=4, help="steps before timing (CUDA graphs capture at the 3rd)")
+    parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS))
+    parser.add_argument("--schedules", nargs="*", default=["1f1b", "interleaved-v2", "zb-h1"], choices=list(SCHEDULES))
+    parser.add_argument("--replays", nargs="+", default=["eager", "graphed"], choices=["eager", "graphed"])
+    parser.add_argument("--peer-precision", choices=["bf16", "autocast"], default="bf16")
+    parser.add_argument("--trace-dir", help="keep each mode's profiler trace per rank here")
     parser.add_argument("--out", default="bench/pipeline.json")
     args = parser.parse_args()
-    print(f"GPT 1b, pp={args.gpus}, M={args.microbatches}, microbatch {args.batch}x{args.seq}, "
-          f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    print(f"{'schedule':<16} {'ms/step':>9} {'tokens/s':>10} {'bubble simulated':>16} {'peak GiB':>9}", flush=True)
-    rows = []
-    for name in args.schedules:
-        started = time.perf_counter()
-        try:
-            result = run_local(run, args.gpus, name, args.microbatches, args.batch, args.seq, args.steps,
-                               args.warmup, backend="nccl")[0]
-        except Exception as error:  # report and go on
-            print(f"{name:<16} failed after {time.perf_counter() - started:.0f}s: {type(error).__name__}: "
-                  f"{str(error)[:300]}", flush=True)
-            continue
-        schedule_name, virtual = SCHEDULES[name]
-        predicted = simulate(build(schedule_name, args.gpus, args.microbatches, virtual),
-                             {"F": 1.0, "B": 2.0}).bubble_fraction
-        ms = sorted(result["step_ms"])[len(result["step_ms"]) // 2]
-        tokens = args.microbatches * args.batch * args.seq / (ms / 1e3)
-        row = {"schedule": name, "ms_per_step": ms, "tokens_per_s": tokens, "bubble_simulated": predicted,
-               "peak_bytes": max(result["peaks"]), "step_ms_all": result["step_ms"]}
-        rows.append(row)
-        print(f"{name:<16} {ms:>9.1f} {tokens:>10.0f} {predicted:>16.1%} {row['peak_bytes'] / 2**30:>9.1f}",
+    setup = Setup(args.model, args.n_layer, args.device, args.microbatches, args.batch, args.seq,
+                  max(args.warmup, 1), args.steps, args.peer_precision, args.trace_dir)
+    model = build_model(setup, "meta")
+    params = sum(p.numel() for p in model.parameters())
+    print(f"GPT {args.model} ({params / 1e9:.2f}B, {setup.config().n_layer} blocks), pp={args.gpus}, "
+          f"M={args.microbatches}, microbatch {args.batch}x{args.seq}, {device_name()}, torch {torch.__version__}, "
+          f"peer precision {args.peer_precision}", flush=True)
+    for virtual in sorted({PEERS[p][0] for p in args.peers} | {SCHEDULES[s][1] for s in args.schedules}):
+        groups = chunk_layers(model, args.gpus * virtual)
+        print(f"  cut into {args.gpus * virtual} chunks: " + " | ".join(", ".join(group) for group in groups),
               flush=True)
-    write_json(args.out, gpus=args.gpus, microbatches=args.microbatches,
-               rows=rows)
+    modes = planned_modes(args)
+    print(HEADER, flush=True)
+    rows = []
+    for kind, name, graphed in modes:
+        row = run_mode(kind, name, graphed, setup, args.gpus, model)
+        if row is not None:
+            rows.append(row)
+            print(format_row(row, rows), flush=True)
+            print(f"  {row['job_s']:.0f}s in all; " + "; ".join(row["details"]), flush=True)
+    print("\nall modes (ratios against every row of the job):")
+    print(HEADER)
+    for row in rows:
+        print(format_row(row, rows))
+    for row in rows:
+        if row["bubble_note"]:
+            print(f"  {row['mode']}: bubble n/a, {row['bubble_note']}")
+    print_targets(rows)
+    write_json(args.out, model=args.model, params=params, gpus=args.gpus, microbatches=args.microbatches,
+               batch=args.batch, seq=args.seq, peer_precision=args.peer_precision, rows=rows)
 
 
 if __name__ == "__main__":
