@@ -230,11 +230,11 @@ def _stage_groups(program: Program, mesh: Mesh, timeout_s: float) -> dict:
 
 def _dump_schedule(programs: list[Program], mesh: Mesh, config: Config) -> None:
     """The schedule next to the stage's programs: `pipeline.txt` and the simulator's `pipeline.svg`."""
-    from fxshard.passes import pipeline_schedule
+    from fxshard.passes import lowered_schedule
 
     from .dump import dump_schedule
 
-    dump_schedule(pipeline_schedule(mesh, config), programs[-1].stage, config.dump_dir)
+    dump_schedule(lowered_schedule(mesh, config)[0], programs[-1].stage, config.dump_dir)
 
 
 def _check_arguments(model, loss_fn, optimizer, config) -> None:

@@ -14,6 +14,8 @@ bubble fraction and peak live activations per rank.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 
@@ -465,11 +467,83 @@ def issue_order(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
     return tuple(order)
 
 
-def check_point_to_point(schedule: Schedule, order: tuple[tuple[Action, ...], ...]) -> None:
+def _pairable(first: Action, second: Action) -> bool:
+    """A forward and a backward of different microbatches (neither reads the other), in either order."""
+    return {first.kind, second.kind} == {"F", "B"} and first.mb != second.mb
+
+
+def pair_actions(schedule: Schedule, pairs) -> Schedule:
+    """`schedule` with each rank's `pairs` (two compute actions that follow each other among its
+    compute actions) made adjacent: the transfers between them move out, receives before the
+    pair and sends after it."""
+    ranks = []
+    for actions, rank_pairs in zip(schedule.ranks, pairs):
+        actions = list(actions)
+        for first, second in rank_pairs:
+            start, end = actions.index(first), actions.index(second)
+            while start > 0 and actions[start - 1].kind in ("RF", "RB"):  # the first one's receive
+                start -= 1
+            between = actions[start:end + 1]
+            receives = [a for a in between if a.kind in ("RF", "RB")]
+            sends = [a for a in between if a.kind in ("SF", "SB")]
+            actions[start:end + 1] = [*receives, first, second, *sends]
+        ranks.append(tuple(actions))
+    return dataclasses.replace(schedule, ranks=tuple(ranks))
+
+
+@functools.lru_cache(maxsize=16)
+def combine_pairs(schedule: Schedule) -> tuple[Schedule, tuple[tuple[tuple[Action, Action], ...], ...]]:
+    """Megatron's combined 1F1B inside a pipeline: on each rank, a forward and a backward of another
+    microbatch that follow each other among its compute actions (1F1B's steady state: F m+w next
+    to B m, or B m next to F m+1 on the last stage) become a pair, which the `interleave` pass runs
+    interleaved at the MoE all-to-alls so that each one's all-to-alls run under the other's compute.
+
+    The pair's transfers move out of it (`pair_actions`): both receives before it, both sends after
+    it, so a forward's activation now leaves after the pair. Returns the reordered schedule (named
+    "<name>+combined") and each rank's pairs in order. A pair is only made where
+    `check_point_to_point` still proves the whole order deadlock-free with both receives waited on
+    before the pair starts: pairs are taken greedily, rank by rank, and one that would close a
+    cycle (GPipe's turn) is left unpaired."""
+    candidates = []
+    for actions in schedule.ranks:
+        compute, mine, index = [a for a in actions if a.kind in COMPUTE], [], 0
+        while index + 1 < len(compute):
+            if _pairable(compute[index], compute[index + 1]):
+                mine.append((compute[index], compute[index + 1]))
+                index += 2
+            else:
+                index += 1
+        candidates.append(mine)
+
+    def holds(pairs) -> bool:
+        combined = pair_actions(schedule, pairs)
+        try:
+            check_point_to_point(combined, issue_order(combined), pairs)
+        except FxShardError:
+            return False
+        return True
+
+    chosen = candidates
+    if not holds(candidates):
+        chosen = [[] for _ in candidates]
+        for rank, mine in enumerate(candidates):
+            for pair in mine:
+                chosen[rank].append(pair)
+                if not holds(chosen):
+                    chosen[rank].pop()
+    pairs = tuple(tuple(mine) for mine in chosen)
+    combined = pair_actions(schedule, pairs)
+    return dataclasses.replace(combined, name=f"{schedule.name}+combined"), pairs
+
+
+def check_point_to_point(schedule: Schedule, order: tuple[tuple[Action, ...], ...], pairs=()) -> None:
     """Raise FxShardError unless `order` (each rank's actions in issue order) runs to the end when
     every pair of ranks matches its transfers in issue order, one at a time (a send completes only
     together with its receive, and only once its value is computed), and each rank computes in
-    order, waiting for the receives its compute reads: the model of NCCL point-to-point."""
+    order, waiting for the receives its compute reads: the model of NCCL point-to-point. A send is
+    issued after the compute before it in the rank's order. `pairs` (each rank's pairs of actions
+    from `combine_pairs`, run interleaved): the first action of a pair waits for both actions'
+    receives."""
     chunks = schedule.chunks
     compute = [[a for a in actions if a.kind in COMPUTE] for actions in order]
     transfers = {(rank, peer): [a for a in actions if a.peer == peer and a.kind in ("SF", "SB", "RF", "RB")]
@@ -477,7 +551,21 @@ def check_point_to_point(schedule: Schedule, order: tuple[tuple[Action, ...], ..
     done: set[tuple[int, str, int, int]] = set()  # (rank, kind, chunk, mb)
     position = {key: 0 for key in [*transfers, *range(len(order))]}
 
+    partner = {(rank, first): second for rank, mine in enumerate(pairs) for first, second in mine}
+    gate = {}  # (rank, send) -> the compute action before it in the rank's order (None: nothing)
+    for rank, actions in enumerate(order):
+        last = None
+        for action in actions:
+            if action.kind in COMPUTE:
+                last = action
+            elif action.kind in ("SF", "SB"):
+                gate[rank, action] = last
+
     def ready(rank: int, action: Action) -> bool:
+        return all((rank, *need) in done for need in needs_of(rank, action) + (
+            needs_of(rank, partner[rank, action]) if (rank, action) in partner else []))
+
+    def needs_of(rank: int, action: Action) -> list[tuple[str, int, int]]:
         c, mb = action.chunk, action.mb
         needs = []
         if action.kind == "F" and c > 0:
@@ -488,7 +576,7 @@ def check_point_to_point(schedule: Schedule, order: tuple[tuple[Action, ...], ..
                 needs.append(("B", c + 1, mb) if schedule.rank_of(c + 1) == rank else ("RB", c, mb))
         if action.kind == "W":
             needs.append(("B", c, mb))
-        return all((rank, *need) in done for need in needs)
+        return needs
 
     while True:
         progressed = False
@@ -510,7 +598,8 @@ def check_point_to_point(schedule: Schedule, order: tuple[tuple[Action, ...], ..
                 raise FxShardError(f"point-to-point out of order between ranks {rank} and {peer}: rank {rank}'s "
                                    f"next transfer is {mine}, rank {peer}'s is {theirs}")
             send, sender = (mine, rank) if mine.kind.startswith("S") else (theirs, peer)
-            if (sender, send.kind[1], send.chunk, send.mb) in done:
+            issued_after = gate[sender, send]
+            if issued_after is None or (sender, issued_after.kind, issued_after.chunk, issued_after.mb) in done:
                 for side, action in ((rank, mine), (peer, theirs)):
                     done.add((side, action.kind, action.chunk, action.mb))
                 position[rank, peer] += 1

@@ -15,7 +15,7 @@ from fxshard.program import Program
 from .ep import EPConfig, expert_parallel
 from .fsdp import FSDPConfig, fsdp
 from .fuse_grouped_mlp import fuse_grouped_mlp
-from .interleave import interleave_microbatches
+from .interleave import interleave_actions, interleave_microbatches
 from .lower_schedule import lower_schedule
 from .narrow_grads import narrow_grads
 from .overlap import fill_ep_windows
@@ -57,10 +57,10 @@ PIPELINE: list[Pass] = [
          lambda program, mesh, config, stage: fill_ep_windows(program),
          lambda mesh, config: mesh is not None and mesh.ep > 1 and config.ep_overlap),
     # last: reorders whatever the passes above produced; two microbatches alternate at all-to-alls
+    # (in a pipeline: each forward/backward pair of the stage's combined 1F1B schedule)
     Pass("interleave",
-         lambda program, mesh, config, stage: interleave_microbatches(program, config.ep_interleave),
-         lambda mesh, config: mesh is not None and mesh.ep > 1 and config.ep_overlap and config.microbatches > 1
-         and mesh.pp == 1),  # in a pipeline the schedule orders the microbatches
+         lambda program, mesh, config, stage: _interleave(program, mesh, config, stage),
+         lambda mesh, config: _interleaves(mesh, config)),
     # one device, low-precision compute: nothing reduces the gradients, the optimizer reads them as they are
     Pass("narrow_grads",
          lambda program, mesh, config, stage: narrow_grads(program),
@@ -69,8 +69,35 @@ PIPELINE: list[Pass] = [
 
 
 def _pipeline(program: Program, mesh, config, stage: int) -> Program:
-    schedule = pipeline_schedule(mesh, config)
-    return lower_schedule(split_stages(program, schedule.chunks, config.stage_layers), schedule, stage)
+    schedule, pairs = lowered_schedule(mesh, config)
+    return lower_schedule(split_stages(program, schedule.chunks, config.stage_layers), schedule, stage, pairs)
+
+
+def _interleaves(mesh, config) -> bool:
+    return mesh is not None and mesh.ep > 1 and config.ep_overlap and config.microbatches > 1
+
+
+def _interleave(program: Program, mesh, config, stage: int) -> Program:
+    if mesh.pp == 1:
+        return interleave_microbatches(program, config.ep_interleave)
+    _, pairs = lowered_schedule(mesh, config)
+    return interleave_actions(program, [(str(first), str(second)) for first, second in pairs[stage]])
+
+
+def lowered_schedule(mesh, config):
+    """The schedule the pipeline pass lowers and each rank's pairs of actions that run interleaved:
+    with Mesh(ep>1) and `ep_overlap`, the combined 1F1B (fxshard.schedule.combine_pairs), else none."""
+    from fxshard import schedule
+    from fxshard.errors import FxShardError
+
+    plan = pipeline_schedule(mesh, config)
+    if not _interleaves(mesh, config):
+        return plan, tuple(() for _ in plan.ranks)
+    if config.ep_interleave != "combined-1f1b":
+        raise FxShardError(f"ep_interleave={config.ep_interleave!r} pairs two microbatches' forwards, but with "
+                           f"Mesh(pp>1) the pipeline schedule orders the microbatches; use "
+                           f"ep_interleave='combined-1f1b' (each stage's forward and backward pairs) or ep_overlap=False")
+    return schedule.combine_pairs(plan)
 
 
 def pipeline_schedule(mesh, config):

@@ -50,14 +50,16 @@ _SEND, _RECV = torch.ops.fxshard.send.default, torch.ops.fxshard.recv.default
 _CAST = torch.ops.aten._to_copy.default
 
 
-def lower_schedule(pipeline: PipelineProgram, schedule: Schedule, stage: int) -> Program:
-    """Stage `stage`'s per-rank Program for one training step. See the module docstring."""
+def lower_schedule(pipeline: PipelineProgram, schedule: Schedule, stage: int, pairs=()) -> Program:
+    """Stage `stage`'s per-rank Program for one training step. See the module docstring. `pairs`:
+    each rank's actions that the interleave pass will run interleaved (fxshard.schedule.combine_pairs),
+    checked here with the rest of the transfer order."""
     if schedule.chunks != len(pipeline.chunks):
         raise FxShardError(f"the schedule has {schedule.chunks} chunks, the pipeline program {len(pipeline.chunks)}")
     if not 0 <= stage < schedule.stages:
         raise FxShardError(f"stage {stage} is not one of the schedule's {schedule.stages} stages")
     order = issue_order(schedule)
-    check_point_to_point(schedule, order)
+    check_point_to_point(schedule, order, pairs)
     return _Lowering(pipeline, schedule, stage, order[stage]).run()
 
 

@@ -1,0 +1,122 @@
+"""Combined 1F1B inside pipelines: a stage's forward of microbatch m+w and backward of microbatch m
+interleave at the MoE all-to-alls (fxshard.schedule.combine_pairs, passes/interleave.interleave_actions)."""
+
+import copy
+import functools
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import fxshard
+from fxshard import meta
+from fxshard.models import MoEGPT, MoEGPTConfig
+from fxshard.passes import run_pipeline
+from fxshard.schedule import build, check_point_to_point, combine_pairs, gpipe, issue_order, pair_actions
+from fxshard.testing import SimulatedRanks, assert_bit_identical, relative, torch_optimizer
+
+c10d = torch.ops._c10d_functional
+
+
+@given(kind=st.sampled_from(["1f1b", "interleaved-1f1b", "zb-h1", "gpipe"]), stages=st.integers(1, 4),
+       rounds=st.integers(1, 2))
+def test_pairs_are_deadlock_free_and_hold_no_transfer(kind, stages, rounds):
+    virtual = 2 if kind == "interleaved-1f1b" else 1
+    schedule = build(kind, stages, stages * rounds + 1 if virtual == 1 else stages * rounds, virtual)
+    combined, pairs = combine_pairs(schedule)
+    check_point_to_point(combined, issue_order(combined), pairs)  # raises where it would hang
+    for actions, rank_pairs in zip(issue_order(combined), pairs):
+        for first, second in rank_pairs:
+            at = actions.index(first)
+            assert actions[at + 1] == second and {first.kind, second.kind} == {"F", "B"}
+            assert first.mb != second.mb
+    if kind == "1f1b":
+        # the steady state: every forward after the warm-up sits next to a backward of an earlier
+        # microbatch; on the last stage forward m and backward m follow each other, and pairing backward
+        # m with forward m+1 there would close a cycle (its backward's send waits for the activation
+        # that the stage before sends after its own pair, which waits for that backward)
+        for rank, rank_pairs in enumerate(pairs):
+            warmup = min(stages - rank - 1, schedule.microbatches)
+            steady = schedule.microbatches - 1 if stages == 1 else 0 if rank == stages - 1 else \
+                schedule.microbatches - warmup
+            assert len(rank_pairs) == steady, (rank, rank_pairs)
+
+
+def test_a_pairing_that_would_hang_is_not_made():
+    """GPipe's turn: pairing each rank's last forward with its first backward closes a cycle (rank 0
+    waits for a gradient that rank 1 computes only after the activation rank 0 now sends later)."""
+    schedule = gpipe(2, 2)
+    everything = [[(f, b) for f, b in zip(actions, actions[1:]) if f.kind == "F" and b.kind == "B" and f.mb != b.mb]
+                  for actions in ([a for a in r if a.kind in ("F", "B")] for r in schedule.ranks)]  # the turn
+    assert all(everything)
+    with pytest.raises(fxshard.FxShardError, match="deadlock"):
+        hanging = pair_actions(schedule, everything)
+        check_point_to_point(hanging, issue_order(hanging), everything)
+    combined, pairs = combine_pairs(schedule)
+    assert sum(map(len, pairs)) < sum(map(len, everything))
+    check_point_to_point(combined, issue_order(combined), pairs)
+
+
+@functools.lru_cache(maxsize=4)
+def pipeline_programs(kind, microbatches, interleave):
+    """MoEGPT tiny under Mesh(pp=2, dp=2, ep=2) with ep_overlap: each stage's programs after every pass."""
+    torch.manual_seed(0)
+    model = MoEGPT(MoEGPTConfig.preset("tiny", n_layer=4 if kind == "interleaved-1f1b" else 2))
+    optimizer = fxshard.optim.SGD(lr=0.05, momentum=0.9)
+    mesh = fxshard.Mesh(pp=2, dp=2, ep=2)
+    config = fxshard.Config(schedule=kind, microbatches=microbatches, sharding="optim_grads_params", ep_overlap=True,
+                            ep_interleave=interleave, virtual_stages=2 if kind == "interleaved-1f1b" else 1)
+    generator = torch.Generator().manual_seed(1)
+    pieces = [{"idx": torch.randint(0, 64, (2, 16), generator=generator),
+               "tgt": torch.randint(0, 64, (2, 16), generator=generator)} for _ in range(2 * microbatches)]
+    program = fxshard.trace(model, lambda m, b: m.loss(b), pieces[0], optimizer=optimizer)
+    stages = [run_pipeline(program, mesh, config, stage=stage) for stage in range(mesh.pp)]
+    local = [{k: torch.cat([p[k] for p in pieces[i::2]]) for k in pieces[0]} for i in range(2)]
+    return model, optimizer, mesh, stages, local, pieces
+
+
+@pytest.mark.parametrize("kind, microbatches", [("1f1b", 4), ("zb-h1", 4), ("interleaved-1f1b", 2)])
+def test_combined_pipeline_changes_the_order_not_the_values(kind, microbatches):
+    model, optimizer, mesh, stages, local, _ = pipeline_programs(kind, microbatches, "combined-1f1b")
+    assert [p.name for p in stages[0]][-2:] == ["overlap", "interleave"]
+    before, after = [s[-2] for s in stages], [s[-1] for s in stages]
+    for old, new in zip(before, after):
+        assert sorted(n.name for n in old.graph.nodes) == sorted(n.name for n in new.graph.nodes)
+    assert_bit_identical([before, after], model, optimizer, mesh,
+                         [local[mesh.coords(rank)["dp"]] for rank in range(mesh.size)])
+
+
+def test_paired_actions_alternate_at_each_all_to_all_and_train_like_eager():
+    """1F1B at pp=2: stage 0 pairs F m+1 with B m; the last stage runs F m and B m back to back, and
+    pairing its B m with F m+1 would hang (test_pairs_are_deadlock_free_and_hold_no_transfer)."""
+    model, optimizer, mesh, stages, local, pieces = pipeline_programs("1f1b", 4, "combined-1f1b")
+    first, last = stages[0][-1], stages[1][-1]
+    assert "3 forward/backward pairs" in first.notes["interleave"]
+    assert "0 forward/backward pairs" in last.notes["interleave"]
+    paired = {"F0:1": "B0:0", "F0:2": "B0:1", "F0:3": "B0:2"}
+    paired.update({b: f for f, b in paired.items()})
+    nodes = [n for n in first.graph.nodes if n.op == "call_function" and meta.action(n) in paired]
+    switches = 0
+    for i, node in enumerate(nodes):
+        if node.target is c10d.all_to_all_single.default:
+            following = next((n for n in nodes[i + 1:] if meta.action(n) in (meta.action(node), paired[meta.action(node)])
+                              and n.target is not c10d.wait_tensor.default), None)
+            switches += following is not None and meta.action(following) == paired[meta.action(node)]
+    assert switches >= 3 * 4, switches  # each pair: at least both layers' dispatch of the backward and forward
+    ranks = SimulatedRanks([s[-1] for s in stages], model, optimizer, mesh)
+    metrics = ranks.step([local[mesh.coords(rank)["dp"]] for rank in range(mesh.size)])
+    reference = copy.deepcopy(model)
+    torch_opt = torch_optimizer(optimizer, reference.parameters())
+    loss = sum(reference.loss(mb) for mb in pieces) / len(pieces)
+    loss.backward()
+    torch_opt.step()
+    for rank_metrics in metrics:
+        assert abs(rank_metrics["loss"].item() - loss.item()) <= 1e-5 * abs(loss.item())
+    params = ranks.parameters(rank=0)
+    for name, p in reference.named_parameters():
+        assert relative(params[name], p) < 1e-5, name
+
+
+def test_dual_batch_is_refused_inside_pipelines():
+    with pytest.raises(fxshard.FxShardError, match="dual-batch"):
+        pipeline_programs("1f1b", 2, "dual-batch")
