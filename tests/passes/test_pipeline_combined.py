@@ -18,11 +18,13 @@ from fxshard.testing import SimulatedRanks, assert_bit_identical, relative, torc
 c10d = torch.ops._c10d_functional
 
 
-@given(kind=st.sampled_from(["1f1b", "interleaved-1f1b", "zb-h1", "gpipe"]), stages=st.integers(1, 4),
+@given(kind=st.sampled_from(["1f1b", "interleaved-1f1b", "zb-h1", "gpipe", "dualpipev"]), stages=st.integers(1, 4),
        rounds=st.integers(1, 2))
 def test_pairs_are_deadlock_free_and_hold_no_transfer(kind, stages, rounds):
-    virtual = 2 if kind == "interleaved-1f1b" else 1
-    schedule = build(kind, stages, stages * rounds + 1 if virtual == 1 else stages * rounds, virtual)
+    virtual = 2 if kind in ("interleaved-1f1b", "dualpipev") else 1
+    microbatches = {"interleaved-1f1b": stages * rounds, "dualpipev": 2 * stages - 2 + rounds}.get(
+        kind, stages * rounds + 1)
+    schedule = build(kind, stages, microbatches, virtual)
     combined, pairs = combine_pairs(schedule)
     check_point_to_point(combined, issue_order(combined), pairs)  # raises where it would hang
     for actions, rank_pairs in zip(issue_order(combined), pairs):
