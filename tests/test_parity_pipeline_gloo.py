@@ -28,14 +28,16 @@ LOSSES = {"tied": lambda m, b: m(b["idx"], b["tgt"]), "tied8": lambda m, b: m(b[
 # AdamW turns into noise-sized updates: that model's parameters are compared under SGD with momentum
 OPTIMIZERS = {"tied": fxshard.optim.SGD(lr=0.05, momentum=0.9), "tied8": fxshard.optim.SGD(lr=0.05, momentum=0.9)}
 
-# (model, Mesh pp, dp, schedule, virtual stages, microbatches[, sharding over dp[, ep]])
+# (model, Mesh pp, dp, schedule, virtual stages, microbatches[, sharding over dp[, ep[, ep_overlap: with
+# microbatches, the combined 1F1B of each stage's forward/backward pairs]]])
 WORLD_2 = [("gpt2", 2, 1, "1f1b", 1, 4), ("moe", 2, 1, "zb-h1", 1, 4), ("gpt4", 2, 1, "interleaved-1f1b", 2, 4),
            ("moe", 2, 1, "1f1b", 1, 8), ("tied", 2, 1, "1f1b", 1, 4), ("gpt4", 2, 1, "interleaved-1f1b", 2, 8)]
 # the cases (pp=2 x dp=2 under ZeRO-3, a tied embedding, MoE with ep=2 inside the stages) and
 # four stages (point-to-point between several pairs, a weight tied across stages 0 and 3); the
 # schedules x strategies x sizes grid runs on the SPMD simulator (tests/passes/test_pipeline_split.py)
 WORLD_4 = [("gpt4", 2, 2, "1f1b", 1, 4, "optim_grads_params"), ("tied", 2, 2, "1f1b", 1, 4, "optim_grads_params"),
-           ("moe", 2, 2, "1f1b", 1, 2, "optim_grads_params", 2), ("gpt8", 4, 1, "interleaved-1f1b", 2, 8),
+           ("moe", 2, 2, "1f1b", 1, 2, "optim_grads_params", 2), ("moe", 2, 2, "1f1b", 1, 4, "optim", 2, True),
+           ("gpt8", 4, 1, "interleaved-1f1b", 2, 8),
            ("tied8", 4, 1, "interleaved-1f1b", 2, 4)]
 
 
@@ -61,7 +63,8 @@ def train(configs, data, evaluate=False):
         step = fxshard.shard(MODELS[name](), loss_fn(name), local[0], optimizer=OPTIMIZERS.get(name, ADAMW), mesh=mesh,
                              config=fxshard.Config(schedule=schedule, virtual_stages=virtual,
                                                    microbatches=microbatches,
-                                                   sharding=sharding[0] if sharding else "no_shard"))
+                                                   sharding=sharding[0] if sharding else "no_shard",
+                                                   ep_overlap=len(sharding) > 2 and sharding[2]))
         losses = [step(b)["loss"].item() for b in local]
         evaluated = step.evaluate(local[0])["loss"].item() if evaluate else None
         results.append((losses, step.parameters(), evaluated))
@@ -112,10 +115,10 @@ def test_pipeline_schedules_train_like_one_device(world, configs):
             for ours, want in zip(losses, ref_losses):
                 assert abs(ours - want) <= 1e-5 * abs(want), (label, rank, losses, ref_losses)
             # MoEGPT at one row per microbatch: the losses agree to 1e-5, but after 10 AdamW steps some
-            # parameters differ by ~3e-4 relative: the 8 microbatch gradients are summed in a different
+            # parameters differ by ~3e-4 relative: the microbatch gradients are summed in a different
             # order than eager's one backward of the summed loss, and Adam's 1/sqrt(v) amplifies that for
             # elements whose gradient is near zero
-            tolerance = 1e-3 if name == "moe" and microbatches == 8 else 1e-4
+            tolerance = 1e-3 if name == "moe" and ROWS // (dp * microbatches) == 1 else 1e-4
             assert list(params) == list(ref_params), (label, rank)  # every parameter on every rank
             for pname, value in params.items():
                 assert relative(value, ref_params[pname]) < tolerance, (label, rank, pname)
