@@ -56,7 +56,7 @@ def parse_args(argv=None):
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel group size (divides --dp)")
     parser.add_argument("--ep-overlap", action="store_true", help="overlap MoE all-to-alls with compute: "
                         "independent work into their windows, and with --ep-microbatches 2 the two microbatches "
-                        "interleaved (dual-batch)")
+                        "interleaved (dual-batch); with --pp, each stage's forward/backward pairs (combined 1F1B)")
     parser.add_argument("--ep-microbatches", type=int, default=1,
                         help="with --ep > 1: gradient-accumulation microbatches per step (2: dual-batch overlap)")
     parser.add_argument("--ep-all-to-all", default="nccl", choices=["nccl", "copy-engine"],
@@ -140,7 +140,8 @@ def step_config(args, rank: int) -> fxshard.Config:
     return fxshard.Config(dump_dir=args.dump if writes else None, sharding=args.sharding, schedule=args.schedule,
                           virtual_stages=args.virtual_stages, ep_overlap=args.ep_overlap,
                           microbatches=args.microbatches if args.pp > 1 else args.ep_microbatches,
-                          ep_chunks=1, ep_interleave="dual-batch", ep_all_to_all=args.ep_all_to_all)
+                          ep_chunks=1, ep_interleave="combined-1f1b" if args.pp > 1 else "dual-batch",
+                          ep_all_to_all=args.ep_all_to_all)
 
 
 def train(args) -> dict:

@@ -234,7 +234,8 @@ def _dump_schedule(programs: list[Program], mesh: Mesh, config: Config) -> None:
 
     from .dump import dump_schedule
 
-    dump_schedule(lowered_schedule(mesh, config)[0], programs[-1].stage, config.dump_dir)
+    schedule, pairs = lowered_schedule(mesh, config)
+    dump_schedule(schedule, programs[-1].stage, config.dump_dir, pairs)
 
 
 def _check_arguments(model, loss_fn, optimizer, config) -> None:

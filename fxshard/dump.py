@@ -275,10 +275,11 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-def dump_schedule(schedule, plan, directory) -> list[str]:
+def dump_schedule(schedule, plan, directory, pairs=()) -> list[str]:
     """A pipeline stage's schedule next to its programs: `pipeline.txt` (every rank's actions as the
-    schedule gives them and as the lowered programs issue them, the simulator's makespan / bubble /
-    peak activations) and `pipeline.svg` (timeline, one lane per rank, backward = 2x forward)."""
+    schedule gives them and as the lowered programs issue them, the combined 1F1B's interleaved
+    pairs, the simulator's makespan / bubble / peak activations) and `pipeline.svg` (timeline, one
+    lane per rank, backward = 2x forward)."""
     from .schedule import Schedule, issue_order, simulate, to_svg
 
     os.makedirs(directory, exist_ok=True)
@@ -291,6 +292,9 @@ def dump_schedule(schedule, plan, directory) -> list[str]:
              "", "actions per rank:", str(schedule), "",
              "as the lowered programs issue them (receives early; one transfer order per pair of ranks):",
              str(issued), "",
+             *(["combined 1F1B, pairs run interleaved at their all-to-alls (`interleave` pass):"]
+               + [f"rank {rank}: " + (" ".join(f"{a}+{b}" for a, b in mine) or "none")
+                  for rank, mine in enumerate(pairs)] + [""] if any(pairs) else []),
              f"simulated (F=1, B=2): makespan {simulation.makespan:g}, bubble {simulation.bubble_fraction:.1%}, "
              f"peak live activations per rank {simulation.peak_activations}"]
     files = {os.path.join(directory, "pipeline.txt"): "\n".join(lines) + "\n",
