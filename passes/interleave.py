@@ -56,23 +56,25 @@ def interleave_microbatches(program: Program, pairing: str = "combined-1f1b") ->
 
 
 def interleave_actions(program: Program, pairs: list[tuple[str, str]]) -> Program:
-    """A pipeline stage's program (passes/lower_schedule.py) with each pair of schedule actions
-    (forward F, backward B; `meta.ACTION` names them) interleaved at communication issues: the
-    combined 1F1B of a pipeline's steady state, where one microbatch's all-to-alls run under the
-    other's compute. The pairs come from `fxshard.schedule.combine_pairs`, which puts no transfer
-    between the two actions of a pair and has proven that order deadlock-free with both actions'
-    receives waited for before the pair and both sends issued after it.
+    """A pipeline stage's program (passes/lower_schedule.py) with each pair of schedule actions (a
+    forward and a backward of another microbatch, in either order; `meta.ACTION` names them, e.g.
+    ("F0:2", "B0:1")) interleaved at communication issues, the backward first: the combined 1F1B
+    of a pipeline's steady state, where one microbatch's all-to-alls run under the other's compute.
+    The pairs come from `fxshard.schedule.combine_pairs`, which puts no transfer between the two
+    actions of a pair and has proven that order deadlock-free with both actions' receives waited
+    for before the pair and both sends issued after it.
 
     Invariant: as `interleave_microbatches` (same nodes and arguments, another topological order,
     bit-identical values), and the sequence of sends and receives is unchanged."""
     order = list(program.graph.nodes)
     transfers = [n for n in order if n.target in _P2P]
-    for forward, backward in pairs:
-        second = [n for n in order if meta.action(n) == forward and n.op != "placeholder"]
+    for pair in pairs:
+        backward, forward = sorted(pair, key=lambda name: not name.startswith("B"))
         first = [n for n in order if meta.action(n) == backward and n.op != "placeholder"]
+        second = [n for n in order if meta.action(n) == forward and n.op != "placeholder"]
         if not first or not second:
-            raise FxShardError(f"combined 1F1B pairs {forward} with {backward}, but the program has no nodes of "
-                               f"{forward if not second else backward}")
+            raise AssertionError(f"combined 1F1B pairs {forward} with {backward}, but the program lacks the nodes of "
+                                 f"{forward if not second else backward}")
         order = _merge(order, first, second)
     if [n for n in order if n.target in _P2P] != transfers:
         raise AssertionError("interleaving actions reordered the stage's sends and receives")
