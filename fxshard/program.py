@@ -23,7 +23,7 @@ from . import meta
 
 class InputKind(enum.Enum):
     PARAM = "param"          # a trainable or frozen parameter
-    OPT_STATE = "opt_state"  # one optimizer slot of one parameter ("exp_avg/<param>")
+    OPT_STATE = "opt_state"  # one optimizer slot of one parameter or flat unit (Input.optimizer_slot)
     BUFFER = "buffer"        # a module buffer
     BATCH = "batch"          # one leaf of the batch pytree
     LR = "lr"                # learning rate, a 0-d float32 tensor
@@ -60,19 +60,91 @@ STAGE_LOCAL = Placement("stage_local", "pp")  # held by this pipeline stage only
 
 @dataclass(frozen=True)
 class Input:
+    """One input of a Program. An optimizer slot says which parameter input it belongs to (`owner`)
+    and which of the optimizer's slots it is (`slot`); a flat unit's parameter input and its slots
+    say which unit of `Program.units` they hold (`unit`). `name` keys the state, checkpoints and
+    dumps ("exp_avg/layers.0.weight", "unit/layers.0", "exp_avg/unit/layers.0"): build these inputs
+    with `flat_unit` and `optimizer_slot`, and read the fields, never the name."""
+
     kind: InputKind
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool = False
     placement: Placement = REPLICATED
+    owner: str | None = None  # OPT_STATE: the name of the PARAM input this slot belongs to
+    slot: str | None = None   # OPT_STATE: the optimizer's name for it ("exp_avg", "momentum_buffer")
+    unit: str | None = None   # a flat unit's PARAM and OPT_STATE inputs: the FlatUnit's name
+
+    def __post_init__(self):
+        _check_fields(self)
+
+    @classmethod
+    def flat_unit(cls, unit: FlatUnit, shape: tuple[int, ...], placement: Placement = REPLICATED) -> Input:
+        """The PARAM input holding `unit` (whole, or this rank's shard: `shape`), "unit/<unit>"."""
+        return cls(InputKind.PARAM, _unit_name(unit.name), tuple(shape), unit.dtype, unit.trainable, placement,
+                   unit=unit.name)
+
+    @classmethod
+    def optimizer_slot(cls, slot: str, owner: str | FlatUnit, shape: tuple[int, ...], dtype: torch.dtype,
+                       placement: Placement = REPLICATED) -> Input:
+        """The OPT_STATE input of optimizer slot `slot` of `owner` (a parameter's name, or a flat unit),
+        "<slot>/<owner's input>"."""
+        return cls(InputKind.OPT_STATE, shape=tuple(shape), dtype=dtype, placement=placement,
+                   **_slot_fields(slot, owner))
 
 
 @dataclass(frozen=True)
 class Output:
+    """One output of a Program; `owner`, `slot` and `unit` as on `Input` (an updated optimizer slot
+    or flat unit is named like the input it replaces)."""
+
     kind: OutputKind
     name: str
     placement: Placement = REPLICATED
+    owner: str | None = None
+    slot: str | None = None
+    unit: str | None = None
+
+    def __post_init__(self):
+        _check_fields(self)
+
+    @classmethod
+    def flat_unit(cls, unit: FlatUnit, placement: Placement = REPLICATED) -> Output:
+        """The updated `unit` (whole, or this rank's shard), named like its input."""
+        return cls(OutputKind.PARAM, _unit_name(unit.name), placement, unit=unit.name)
+
+    @classmethod
+    def optimizer_slot(cls, slot: str, owner: str | FlatUnit, placement: Placement = REPLICATED) -> Output:
+        """The updated optimizer slot `slot` of `owner`, named like its input."""
+        return cls(OutputKind.OPT_STATE, placement=placement, **_slot_fields(slot, owner))
+
+
+def _unit_name(unit: str) -> str:
+    return f"unit/{unit}"
+
+
+def _slot_fields(slot: str, owner: str | FlatUnit) -> dict:
+    unit = owner.name if isinstance(owner, FlatUnit) else None
+    owner = _unit_name(unit) if unit is not None else owner
+    return {"name": f"{slot}/{owner}", "owner": owner, "slot": slot, "unit": unit}
+
+
+def _check_fields(spec: Input | Output) -> None:
+    """An optimizer slot has `slot` and `owner` and a flat unit's tensors their `unit`, and the name
+    is the one those give (the name keys state and checkpoints; the fields are what code reads)."""
+    owner = _unit_name(spec.unit) if spec.unit is not None else spec.owner
+    if spec.kind in (InputKind.OPT_STATE, OutputKind.OPT_STATE):
+        matches = None not in (spec.slot, owner) and spec.owner == owner and spec.name == f"{spec.slot}/{owner}"
+    elif spec.unit is not None:
+        matches = (spec.kind in (InputKind.PARAM, OutputKind.PARAM) and spec.slot is None and spec.owner is None
+                   and spec.name == owner)
+    else:
+        matches = spec.slot is None and spec.owner is None
+    if not matches:
+        raise ValueError(f"{spec.kind.value} input or output {spec.name!r} does not match its fields (owner "
+                         f"{spec.owner!r}, slot {spec.slot!r}, unit {spec.unit!r}): build it with "
+                         f"optimizer_slot or flat_unit")
 
 
 @dataclass(frozen=True)
@@ -197,11 +269,11 @@ class Program:
     def code(self) -> str:
         return self.graph_module.code
 
-    def unit_named(self, input_name: str) -> "FlatUnit | None":
-        """The flat unit a PARAM input named "unit/<unit>" holds, or None for a whole parameter."""
-        if not input_name.startswith("unit/"):
+    def unit_of(self, spec: Input | Output) -> "FlatUnit | None":
+        """The flat unit `spec` holds (a unit's PARAM, or one of its optimizer slots), or None."""
+        if spec.unit is None:
             return None
-        return next(u for u in self.units if u.name == input_name[len("unit/"):])
+        return next(u for u in self.units if u.name == spec.unit)
 
     def inputs_of(self, kind: InputKind) -> list[Input]:
         return [i for i in self.inputs if i.kind is kind]

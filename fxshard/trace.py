@@ -144,10 +144,13 @@ class _ProgramBuilder:
 
     def placeholder(self, kind: InputKind, name: str, value: torch.Tensor, requires_grad=False,
                     **node_meta) -> fx.Node:
-        node = self.graph.placeholder(_identifier(f"{kind.value}_{name}"))
+        return self.add_input(Input(kind, name, tuple(value.shape), value.dtype, requires_grad), value, **node_meta)
+
+    def add_input(self, spec: Input, value: torch.Tensor, **node_meta) -> fx.Node:
+        node = self.graph.placeholder(_identifier(f"{spec.kind.value}_{spec.name}"))
         node.meta["val"] = value
         node.meta.update(node_meta)
-        self.inputs.append(Input(kind, name, tuple(value.shape), value.dtype, requires_grad))
+        self.inputs.append(spec)
         return node
 
     def build(self, joint_gm: fx.GraphModule) -> Program:
@@ -160,8 +163,8 @@ class _ProgramBuilder:
             state_nodes = {}
             for name in trainable:
                 for slot, value in self.optimizer.init_state(param_nodes[name].meta["val"]).items():
-                    state_nodes[name, slot] = self.placeholder(
-                        InputKind.OPT_STATE, f"{slot}/{name}", value, **{meta.PARAM: name})
+                    state_nodes[name, slot] = self.add_input(
+                        Input.optimizer_slot(slot, name, value.shape, value.dtype), value, **{meta.PARAM: name})
             offset = len(self.params)
             buffer_nodes = [self.placeholder(InputKind.BUFFER, name, flat_inputs[offset + i].meta["val"])
                             for i, name in enumerate(self.buffers)]
@@ -211,7 +214,7 @@ class _ProgramBuilder:
             outputs.append(Output(OutputKind.PARAM, name))
             values.append(node)
         for (name, slot), node in new_states.items():
-            outputs.append(Output(OutputKind.OPT_STATE, f"{slot}/{name}"))
+            outputs.append(Output.optimizer_slot(slot, name))
             values.append(node)
         buffer_names = list(self.buffers)
         for index, node in mutations.items():

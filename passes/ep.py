@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx as fx
@@ -326,12 +326,11 @@ class _Rewrite:
         return self.finish()
 
     def placeholder(self, spec: Input, old: fx.Node) -> fx.Node:
-        owner = spec.name.split("/", 1)[1] if spec.kind is InputKind.OPT_STATE else spec.name
+        owner = spec.owner if spec.kind is InputKind.OPT_STATE else spec.name
         new = self.graph.node_copy(old)
         if owner in self.expert_params and spec.kind in (InputKind.PARAM, InputKind.OPT_STATE):
             local = spec.shape[0] // self.cfg.ep
-            spec = Input(spec.kind, spec.name, (local, *spec.shape[1:]), spec.dtype, spec.requires_grad,
-                         EXPERT_SHARDED)
+            spec = replace(spec, shape=(local, *spec.shape[1:]), placement=EXPERT_SHARDED)
             with self.fake:
                 new.meta["val"] = old.meta["val"].new_empty((local, *spec.shape[1:]))
         self.inputs.append(spec)
@@ -613,7 +612,7 @@ class _Rewrite:
         names = [s.name for s in trainable]
         params = [self.env[placeholders[name]] for name in names]
         grad_nodes = [self.lookup(grads[name]) for name in names]
-        states = {tuple(s.name.split("/", 1)[::-1]): self.env[placeholders[s.name]]
+        states = {(s.owner, s.slot): self.env[placeholders[s.name]]
                   for s in self.program.inputs if s.kind is InputKind.OPT_STATE}
         lr, step = (self.env[placeholders[name]] for name in ("lr", "step"))
         grad_norm, new_params, new_states, nonfinite = append_update(self.graph, self.program.train, self.fake, names, params,
@@ -630,14 +629,15 @@ class _Rewrite:
                 outputs.append(spec)
                 values.append(nonfinite)
             elif spec.kind is OutputKind.PARAM:
-                outputs.append(Output(spec.kind, spec.name,
-                                      EXPERT_SHARDED if spec.name in self.expert_params else spec.placement))
+                if spec.name in self.expert_params:
+                    spec = replace(spec, placement=EXPERT_SHARDED)
+                outputs.append(spec)
                 values.append(new_params[spec.name])
             elif spec.kind is OutputKind.OPT_STATE:
-                slot, owner = spec.name.split("/", 1)
-                outputs.append(Output(spec.kind, spec.name,
-                                      EXPERT_SHARDED if owner in self.expert_params else spec.placement))
-                values.append(new_states[owner, slot])
+                if spec.owner in self.expert_params:
+                    spec = replace(spec, placement=EXPERT_SHARDED)
+                outputs.append(spec)
+                values.append(new_states[spec.owner, spec.slot])
         outputs_by_layer: dict[str, list] = {}
         for layer in self.layers.values():
             if not layer.region or id(layer) not in self.plans:

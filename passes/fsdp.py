@@ -164,8 +164,7 @@ class _Rewrite:
         self.unit_inputs, self.state_inputs, seen = {}, {}, set()
         for spec in self.program.inputs:
             old = self.old_placeholders[spec.name]
-            owner = spec.name.split("/", 1)[1] if spec.kind is InputKind.OPT_STATE else spec.name
-            unit = self.unit_of.get(owner)
+            unit = self.unit_of.get(spec.owner if spec.kind is InputKind.OPT_STATE else spec.name)
             if unit is None:
                 self.env[old] = self.placeholder(spec, old.meta["val"], meta.layer(old))
                 continue
@@ -179,14 +178,10 @@ class _Rewrite:
             if spec.kind is InputKind.PARAM and unit.name not in seen:
                 seen.add(unit.name)
                 self.unit_inputs[unit.name] = self.placeholder(
-                    Input(InputKind.PARAM, f"unit/{unit.name}", (size,), unit.dtype, unit.trainable, shard_param),
-                    value, layer, unit.name)
-            elif spec.kind is InputKind.OPT_STATE:
-                slot = spec.name.split("/", 1)[0]
-                if (unit.name, slot) not in self.state_inputs:
-                    self.state_inputs[unit.name, slot] = self.placeholder(
-                        Input(InputKind.OPT_STATE, f"{slot}/unit/{unit.name}", (size,), unit.dtype, False,
-                              shard_state), value, layer, unit.name)
+                    Input.flat_unit(unit, (size,), shard_param), value, layer, unit.name)
+            elif spec.kind is InputKind.OPT_STATE and (unit.name, spec.slot) not in self.state_inputs:
+                self.state_inputs[unit.name, spec.slot] = self.placeholder(
+                    Input.optimizer_slot(spec.slot, unit, (size,), unit.dtype, shard_state), value, layer, unit.name)
         self.coords = {}  # ZeRO-1/2: each unit axis's coordinate picks this rank's slice
         if cfg.shards_optimizer and not cfg.shards_params:
             device = next(iter(self.unit_inputs.values())).meta["val"].device
@@ -374,12 +369,13 @@ class _Rewrite:
             if cfg.shards_optimizer and not cfg.shards_params:
                 new = self.wait(self.issue_all_gather(unit, meta.OPTIM, new), meta.OPTIM, new.meta.get(meta.LAYER))
             placement = Placement("sharded", unit.axis) if cfg.shards_params else REPLICATED
-            outputs.append(Output(OutputKind.PARAM, f"unit/{unit.name}", placement))
+            outputs.append(Output.flat_unit(unit, placement))
             values.append(new)
-        axis_of = {unit.name: unit.axis for unit in trained}
+        units_by_name = {unit.name: unit for unit in trained}
         for (unit_name, slot), node in new_states.items():
-            placement = Placement("sharded", axis_of[unit_name]) if cfg.shards_optimizer else REPLICATED
-            outputs.append(Output(OutputKind.OPT_STATE, f"{slot}/unit/{unit_name}", placement))
+            unit = units_by_name[unit_name]
+            placement = Placement("sharded", unit.axis) if cfg.shards_optimizer else REPLICATED
+            outputs.append(Output.optimizer_slot(slot, unit, placement))
             values.append(node)
         for spec, value in zip(self.program.outputs, old_values):
             if spec.kind is OutputKind.BUFFER:

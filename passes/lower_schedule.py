@@ -31,6 +31,8 @@ are those the input program's optimizer would produce from the gradient of that 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.fx as fx
 
@@ -110,14 +112,14 @@ class _Lowering:
                 if spec.name not in local_params:
                     continue
                 placement = STAGE_LOCAL if spec.placement == REPLICATED else spec.placement
-                spec = Input(spec.kind, spec.name, spec.shape, spec.dtype, spec.requires_grad, placement)
+                spec = dataclasses.replace(spec, placement=placement)
             elif spec.kind is InputKind.OPT_STATE:
-                if spec.name.split("/", 1)[1] not in trained:
+                if spec.owner not in trained:
                     continue
-                spec = Input(spec.kind, spec.name, spec.shape, spec.dtype, spec.requires_grad, STAGE_LOCAL)
+                spec = dataclasses.replace(spec, placement=STAGE_LOCAL)
             elif spec.kind is InputKind.BATCH:  # the whole batch of the step: M microbatches
                 shape = (value.shape[0] * self.microbatches, *value.shape[1:])
-                spec = Input(spec.kind, spec.name, shape, spec.dtype, spec.requires_grad, spec.placement)
+                spec = dataclasses.replace(spec, shape=shape)
                 with self.fake:
                     value = torch.empty(shape, dtype=value.dtype, device=value.device)
             placeholder = self.graph.placeholder(node.name)
@@ -365,7 +367,7 @@ class _Lowering:
             metric_outputs.append(spec)
             metric_values.append(self.all_reduce(value, "pp", meta.FWD, meta.POST))
         elsewhere = frozenset(n for n in trained if self.holders[n][0] != self.stage)
-        states = {(spec.name.split("/", 1)[1], spec.name.split("/", 1)[0]): self.env[spec.name]
+        states = {(spec.owner, spec.slot): self.env[spec.name]
                   for spec in self.inputs if spec.kind is InputKind.OPT_STATE}
         grad_norm, new_params, new_states, nonfinite = append_update(
             self.graph, self.source.train, self.fake, trained, [self.env[n] for n in trained],
@@ -376,7 +378,7 @@ class _Lowering:
             outputs.append(Output(OutputKind.PARAM, name, STAGE_LOCAL))
             values.append(new_params[name])
         for (name, slot), node in new_states.items():
-            outputs.append(Output(OutputKind.OPT_STATE, f"{slot}/{name}", STAGE_LOCAL))
+            outputs.append(Output.optimizer_slot(slot, name, STAGE_LOCAL))
             values.append(node)
         outputs += metric_outputs
         values += metric_values

@@ -81,13 +81,13 @@ def test_pieces_hold_the_global_tensors_and_are_written_once(case):
                 name = piece.key[len("model."):]
                 local = state[piece.state].view(-1)[piece.local:piece.local + piece.numel]
                 assert torch.equal(local, tensors[name].detach().reshape(-1)[window].to(local.dtype)), (case, rank, piece)
-        units = {f"unit/{u.name}": u for u in program.units}
+        specs = {(spec.kind, spec.name): spec for spec in program.inputs}
         for (kind, name), count in held.items():
             if kind is InputKind.COORD:
                 continue
             assert count.max() <= 1, (case, rank, name)  # no element in two pieces
-            owner = name.split("/", 1)[1] if kind is InputKind.OPT_STATE else name
-            padding = units[owner].padding if owner in units else 0
+            unit = program.unit_of(specs[kind, name])
+            padding = unit.padding if unit is not None else 0
             # every element but the unit's padding (which sits at the end of the last shard) is held
             assert count.numel() - count.sum() <= padding, (case, rank, name, count.sum(), padding)
     for key, count in written.items():

@@ -54,15 +54,8 @@ def global_tensors(traced: Program) -> dict[str, tuple[tuple[int, ...], torch.dt
             result[model_key(spec.name)] = (tuple(spec.shape), spec.dtype)
     for spec in traced.inputs:
         if spec.kind is InputKind.OPT_STATE:
-            slot, name = _slot_and_owner(spec)
-            result[optimizer_key(name, slot)] = (tuple(spec.shape), spec.dtype)
+            result[optimizer_key(spec.owner, spec.slot)] = (tuple(spec.shape), spec.dtype)
     return result
-
-
-def _slot_and_owner(spec: Input) -> tuple[str, str]:
-    """An optimizer-state input's slot and the parameter input it belongs to ("exp_avg/unit/layers.0")."""
-    slot, owner = spec.name.split("/", 1)
-    return slot, owner
 
 
 def state_pieces(program: Program, traced: Program, coords: dict[str, int]) -> list[Piece]:
@@ -75,8 +68,8 @@ def state_pieces(program: Program, traced: Program, coords: dict[str, int]) -> l
     for spec in program.inputs:
         if spec.kind not in (InputKind.PARAM, InputKind.OPT_STATE, InputKind.BUFFER):
             continue
-        slot, owner = _slot_and_owner(spec) if spec.kind is InputKind.OPT_STATE else (None, spec.name)
-        unit = program.unit_named(owner)
+        slot, owner = (spec.slot, spec.owner) if spec.kind is InputKind.OPT_STATE else (None, spec.name)
+        unit = program.unit_of(spec)
         state = (spec.kind, spec.name)
         # the flat range [low, low + numel) of the unit (or of the tensor) this state tensor holds
         sharded = spec.placement.kind == "sharded" and unit is not None
@@ -114,8 +107,7 @@ class _Whole:
 def _placement_of(program: Program, spec: Input):
     if spec.kind is not InputKind.OPT_STATE:
         return spec.placement
-    owner = _slot_and_owner(spec)[1]
-    return next(s.placement for s in program.inputs if s.kind is InputKind.PARAM and s.name == owner)
+    return next(s.placement for s in program.inputs if s.kind is InputKind.PARAM and s.name == spec.owner)
 
 
 def _writes(plan, name: str, coords: dict[str, int], replicas: tuple[str, ...]) -> bool:

@@ -68,12 +68,12 @@ def initial_state(program: Program, source, optimizer, coords: dict[str, int]) -
     if experts:
         source = ExpertSlices(source, experts, coords["ep"])
     whole = {spec.name for spec in program.inputs
-             if spec.kind is InputKind.BUFFER or spec.kind is InputKind.PARAM and program.unit_named(spec.name) is None}
+             if spec.kind is InputKind.BUFFER or spec.kind is InputKind.PARAM and spec.unit is None}
     tensors = source.tensors_named(whole)
     state: State = {}
     for spec in program.inputs:
         if spec.kind is InputKind.PARAM:
-            unit = program.unit_named(spec.name)
+            unit = program.unit_of(spec)
             if unit is None:
                 value = tensors[spec.name]
             else:
@@ -81,9 +81,8 @@ def initial_state(program: Program, source, optimizer, coords: dict[str, int]) -
                 value = source.unit_shard(unit, rank)
             state[spec.kind, spec.name] = value
         elif spec.kind is InputKind.OPT_STATE:
-            slot, owner = spec.name.split("/", 1)
             template = torch.empty(spec.shape, dtype=spec.dtype, device=source.device)
-            state[spec.kind, spec.name] = optimizer.init_state(template)[slot]
+            state[spec.kind, spec.name] = optimizer.init_state(template)[spec.slot]
         elif spec.kind is InputKind.BUFFER:
             state[spec.kind, spec.name] = tensors[spec.name]
         elif spec.kind is InputKind.COORD:
@@ -117,7 +116,7 @@ def local_parameters(program: Program, state: State, gather) -> dict[str, torch.
         if spec.kind is not InputKind.PARAM:
             continue
         value = state[spec.kind, spec.name]
-        unit = program.unit_named(spec.name)
+        unit = program.unit_of(spec)
         if unit is None:
             result[spec.name] = value.clone()  # a snapshot: the state is updated in place
             continue
