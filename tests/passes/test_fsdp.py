@@ -8,7 +8,7 @@ import fxshard
 from fxshard import meta
 from fxshard.models import GPT, GPTConfig
 from fxshard.passes.fsdp import STRATEGIES, FSDPConfig, fsdp
-from fxshard.program import InputKind
+from fxshard.program import Input, InputKind, OutputKind
 from fxshard.testing import SimulatedRanks
 from strategies import MLPStack, mse, regression_batch, widths, worlds
 
@@ -156,6 +156,28 @@ def test_zero3_holds_a_quarter_of_the_state_per_rank():
     assert state_bytes(per_rank) >= state_bytes(single) / 4
 
 
+def test_optimizer_slots_and_units_say_what_they_belong_to_in_fields_matching_their_names():
+    """Traced: each trainable parameter's AdamW slots name it (`owner`) and the slot; after ZeRO-3 each
+    unit's parameter input and slots name the unit, and the slots' owner is that unit's input. The
+    names ("exp_avg/<param>", "unit/<unit>", "exp_avg/unit/<unit>") key state and checkpoints."""
+    torch.manual_seed(0)
+    batch = {"idx": torch.zeros(2, 8, dtype=torch.long), "tgt": torch.zeros(2, 8, dtype=torch.long)}
+    traced = fxshard.trace(GPT(GPTConfig.preset("tiny")), lambda m, b: m.loss(b), batch, optimizer=ADAMW)
+    sharded = fsdp(traced, FSDPConfig(2, "optim_grads_params"))
+    for program, owners in ((traced, {p.name: None for p in traced.inputs_of(InputKind.PARAM)}),
+                            (sharded, {f"unit/{u.name}": u for u in sharded.units})):
+        for specs in (program.inputs_of(InputKind.OPT_STATE), program.outputs_of(OutputKind.OPT_STATE)):
+            assert sorted((s.owner, s.slot) for s in specs) == sorted(
+                (owner, slot) for owner in owners for slot in ("exp_avg", "exp_avg_sq"))
+            for spec in specs:
+                assert spec.name == f"{spec.slot}/{spec.owner}" and program.unit_of(spec) is owners[spec.owner]
+    assert all(spec.unit is None for spec in traced.inputs_of(InputKind.PARAM))
+    for spec in [*sharded.inputs_of(InputKind.PARAM), *sharded.outputs_of(OutputKind.PARAM)]:
+        assert spec.name == f"unit/{spec.unit}" and sharded.unit_of(spec).name == spec.unit
+    with pytest.raises(ValueError, match="does not match its fields"):
+        Input(InputKind.OPT_STATE, "exp_avg/layers.0.weight", (4,), torch.float32)  # no owner, no slot
+
+
 def test_peak_memory_per_rank_falls_with_zero3(capsys):
     from fxshard.dump import peak_live_bytes
 
@@ -185,11 +207,11 @@ def test_frozen_parameters_are_sharded_under_zero3_and_never_change(widths, worl
     frozen_units = [u for u in program.units if not u.trainable]
     if strategy == "optim_grads_params":
         assert {m.name for u in frozen_units for m in u.members} == frozen
-        shard_inputs = {i.name: i for i in program.inputs}
+        shard_inputs = {i.unit: i for i in program.inputs_of(InputKind.PARAM)}
         for unit in frozen_units:
-            spec = shard_inputs[f"unit/{unit.name}"]
+            spec = shard_inputs[unit.name]
             assert spec.placement.kind == "sharded" and spec.shape == (unit.shard_numel,)
-            assert not any(o.name == f"unit/{unit.name}" for o in program.outputs)  # never updated
+            assert not any(o.unit == unit.name for o in program.outputs)  # never updated
     else:
         assert not frozen_units
     # (check_fsdp_matches compared every parameter after training, frozen ones included);
