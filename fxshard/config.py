@@ -44,7 +44,7 @@ class Config:
     microbatches: split each step's batch into this many microbatches along dim 0 and accumulate their
         gradients before one reduction and one update (the loss is their mean).
     cuda_graphs: after two eager warm-up steps, capture the whole step into one CUDA graph and replay it
-        (collectives included; not with Mesh(pp>1) yet).
+        (collectives included; with Mesh(pp>1) each stage's step, sends and receives included).
     fuse_grouped_mlp: rewrite each MoE expert MLP (grouped GEMM -> activation -> grouped GEMM, forward
         and backward) into the fused `fxshard::grouped_mlp` op (passes/fuse_grouped_mlp.py).
     schedule: with Mesh(pp=P): "1f1b" (default), "interleaved-1f1b", "gpipe", "zb-h1" (zero bubble:

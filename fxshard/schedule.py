@@ -445,7 +445,7 @@ def issue_order(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
     for rank, actions in enumerate(schedule.ranks):
         for index, action in enumerate(actions):
             if action.kind in ("SF", "SB"):
-                key = (timing.end[rank, index], rank, action.kind, action.chunk, action.mb)
+                key = (timing.end[rank, index], rank, index)  # a sender's sends in the order it issues them
                 messages.setdefault(frozenset((rank, action.peer)), []).append((key, rank, action))
     after: dict[tuple[int, Action | None], list[Action]] = {}  # (rank, anchor send or None) -> receives
     for pair, sends in messages.items():
@@ -502,8 +502,9 @@ def combine_pairs(schedule: Schedule) -> tuple[Schedule, tuple[tuple[tuple[Actio
     it, so a forward's activation now leaves after the pair. Returns the reordered schedule (named
     "<name>+combined") and each rank's pairs in order. A pair is only made where
     `check_point_to_point` still proves the whole order deadlock-free with both receives waited on
-    before the pair starts: pairs are taken greedily, rank by rank, and one that would close a
-    cycle (GPipe's turn) is left unpaired."""
+    before the pair starts: pairs are taken greedily, rank by rank (a rank's pairs at once where
+    they hold, else one by one), and one that would close a cycle (GPipe's turn, 1F1B's last
+    stage) is left unpaired."""
     candidates = []
     for actions in schedule.ranks:
         compute, mine, index = [a for a in actions if a.kind in COMPUTE], [], 0
@@ -524,9 +525,13 @@ def combine_pairs(schedule: Schedule) -> tuple[Schedule, tuple[tuple[tuple[Actio
         return True
 
     chosen = candidates
-    if not holds(candidates):
+    if not holds(candidates):  # a rank's candidates as a block where they hold, else one by one
         chosen = [[] for _ in candidates]
         for rank, mine in enumerate(candidates):
+            chosen[rank] = list(mine)
+            if holds(chosen):
+                continue
+            chosen[rank] = []
             for pair in mine:
                 chosen[rank].append(pair)
                 if not holds(chosen):

@@ -309,6 +309,7 @@ class _Rewrite:
             if (node, region) not in self.remat:  # recompute the view/cast from this region's all-gather
                 copy = self.graph.node_copy(node, lambda n: self.lookup(n, region))
                 copy.meta[meta.PHASE] = meta.BWD
+                copy.meta.pop(meta.ACTION, None)  # not the forward action's node any more
                 self.remat[node, region] = copy
             return self.remat[node, region]
         return self.env[node]

@@ -75,6 +75,10 @@ def interleave_actions(program: Program, pairs: list[tuple[str, str]]) -> Progra
         if not first or not second:
             raise AssertionError(f"combined 1F1B pairs {forward} with {backward}, but the program lacks the nodes of "
                                  f"{forward if not second else backward}")
+        position = {n: i for i, n in enumerate(order)}
+        span = order[min(position[first[0]], position[second[0]]):max(position[first[-1]], position[second[-1]])]
+        if any(n.target in _P2P for n in span):
+            raise AssertionError(f"a send or receive lies between the nodes of {forward} and {backward}")
         order = _merge(order, first, second)
     if [n for n in order if n.target in _P2P] != transfers:
         raise AssertionError("interleaving actions reordered the stage's sends and receives")
