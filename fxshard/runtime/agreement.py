@@ -171,3 +171,23 @@ def check_agreement(graph: fx.Graph, groups: dict, device: torch.device, stage: 
     index, (mine, theirs) = first_difference([_decode(texts[b][a]), _decode(texts[a][b])])
     raise FxShardError(f"pipeline stages {a} and {b} disagree on their transfers: #{index + 1} between them is "
                        f"{mine or 'nothing'} on stage {a} and {theirs or 'nothing'} on stage {b}; {_HINT}")
+
+
+def connect_pipeline_peers(graph: fx.Graph, group, device: torch.device) -> None:
+    """Open this stage's point-to-point connections before the first step, every stage in one
+    order. NCCL creates a pair's communicator at the pair's first send or receive and holds both
+    ranks there until both arrive; a step's first transfers can go round a ring (interleaved 1F1B at
+    P >= 3: stage r first receives from r-1 while r-1 first receives from r-2, ...), which would
+    wait in a circle. Here each pair (lo, hi) exchanges one element, lo to hi, in ascending order of
+    pairs: every rank's pairs are part of one total order, so the lowest pair not yet connected
+    always has both its ranks at it."""
+    import torch.distributed as dist
+
+    me = dist.get_rank(group)
+    peers = {node.args[-2] for node in graph.nodes if node.op == "call_function" and node.target in P2P_OPS}
+    token = torch.zeros(1, device=device)
+    for peer in sorted(peers, key=lambda p: (min(me, p), max(me, p))):
+        if me < peer:
+            dist.send(token, group=group, group_dst=peer)
+        else:
+            dist.recv(token, group=group, group_src=peer)
