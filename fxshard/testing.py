@@ -170,3 +170,25 @@ def assert_bit_identical(programs, model, optimizer, mesh, local_batches, steps:
                 assert torch.equal(value, other_metrics[rank][name]), (rank, name)
         for name, value in params.items():
             assert torch.equal(value, other_params[name]), name
+
+
+def assert_step_like_eager(programs, model, optimizer, mesh, local_batches, pieces, loss_fn,
+                           tolerance: float = 1e-5) -> None:
+    """One step of `programs` (every rank's, or one per pipeline stage) on the simulated ranks of
+    `mesh`, rank r on `local_batches[r]`, against one eager step of a copy of `model` on the mean of
+    `loss_fn` over `pieces` (the same rows as the ranks' microbatches): every rank's loss and every
+    parameter within `tolerance`, relative."""
+    import copy
+
+    ranks = SimulatedRanks(programs, model, optimizer, mesh)
+    metrics = ranks.step(local_batches)
+    reference = copy.deepcopy(model)
+    eager_optimizer = torch_optimizer(optimizer, reference.parameters())
+    loss = sum(loss_fn(reference, piece) for piece in pieces) / len(pieces)
+    loss.backward()
+    eager_optimizer.step()
+    for rank_metrics in metrics:
+        assert abs(rank_metrics["loss"].item() - loss.item()) <= tolerance * abs(loss.item())
+    params = ranks.parameters(rank=0)
+    for name, p in reference.named_parameters():
+        assert relative(params[name], p) < tolerance, name

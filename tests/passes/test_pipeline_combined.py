@@ -1,7 +1,6 @@
 """Combined 1F1B inside pipelines: a stage's forward of microbatch m+w and backward of microbatch m
 interleave at the MoE all-to-alls (fxshard.schedule.combine_pairs, passes/interleave.interleave_actions)."""
 
-import copy
 import functools
 
 import pytest
@@ -13,7 +12,7 @@ from fxshard import meta
 from fxshard.models import MoEGPT, MoEGPTConfig
 from fxshard.passes import run_pipeline
 from fxshard.schedule import build, check_point_to_point, combine_pairs, gpipe, issue_order, pair_actions
-from fxshard.testing import SimulatedRanks, assert_bit_identical, relative, torch_optimizer
+from fxshard.testing import assert_bit_identical, assert_step_like_eager
 
 c10d = torch.ops._c10d_functional
 
@@ -105,18 +104,8 @@ def test_paired_actions_alternate_at_each_all_to_all_and_train_like_eager():
                               and n.target is not c10d.wait_tensor.default), None)
             switches += following is not None and meta.action(following) == paired[meta.action(node)]
     assert switches >= 3 * 4, switches  # each pair: at least both layers' dispatch of the backward and forward
-    ranks = SimulatedRanks([s[-1] for s in stages], model, optimizer, mesh)
-    metrics = ranks.step([local[mesh.coords(rank)["dp"]] for rank in range(mesh.size)])
-    reference = copy.deepcopy(model)
-    torch_opt = torch_optimizer(optimizer, reference.parameters())
-    loss = sum(reference.loss(mb) for mb in pieces) / len(pieces)
-    loss.backward()
-    torch_opt.step()
-    for rank_metrics in metrics:
-        assert abs(rank_metrics["loss"].item() - loss.item()) <= 1e-5 * abs(loss.item())
-    params = ranks.parameters(rank=0)
-    for name, p in reference.named_parameters():
-        assert relative(params[name], p) < 1e-5, name
+    assert_step_like_eager([s[-1] for s in stages], model, optimizer, mesh,
+                           [local[mesh.coords(rank)["dp"]] for rank in range(mesh.size)], pieces, lambda m, b: m.loss(b))
 
 
 def test_dual_batch_is_refused_inside_pipelines():
