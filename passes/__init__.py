@@ -12,6 +12,7 @@ from typing import Callable, NamedTuple
 
 from fxshard.program import Program
 
+from .causal_attention import causal_attention
 from .ep import EPConfig, expert_parallel
 from .fsdp import FSDPConfig, fsdp
 from .fuse_grouped_mlp import fuse_grouped_mlp
@@ -30,6 +31,10 @@ class Pass(NamedTuple):
 
 
 PIPELINE: list[Pass] = [
+    # attention masks that are the causal pattern (built by the model's own code) -> is_causal
+    Pass("causal_attention",
+         lambda program, mesh, config, stage: causal_attention(program),
+         lambda mesh, config: True),
     # MoE layers written with plain torch ops (transformers, torchtitan): their facts, for the ep pass
     Pass("recognize_moe",
          lambda program, mesh, config, stage: recognize_moe(program),
@@ -120,9 +125,12 @@ def pipeline_schedule(mesh, config):
 
 def run_pipeline(program: Program, mesh, config, pipeline: list[Pass] | None = None, stage: int = 0) -> list[Program]:
     """The traced program followed by the program after each enabled pass, in order (for pipeline
-    stage `stage` under Mesh(pp>1))."""
+    stage `stage` under Mesh(pp>1)). A pass that hands back its input unchanged (nothing to
+    rewrite) adds no program."""
     programs = [program]
     for step in PIPELINE if pipeline is None else pipeline:
         if step.is_enabled(mesh, config):
-            programs.append(step.run(programs[-1], mesh, config, stage).replace(name=step.name))
+            result = step.run(programs[-1], mesh, config, stage)
+            if result is not programs[-1]:
+                programs.append(result.replace(name=step.name))
     return programs
