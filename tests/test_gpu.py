@@ -652,3 +652,32 @@ def test_transformers_moe_in_bf16_runs_fxshard_grouped_ops_fused_in_a_cuda_graph
         eager.append(value.item())
     for ours, theirs in zip(results[0], eager):
         assert abs(ours - theirs) <= 2e-2 * abs(theirs), (results[0], eager)
+
+
+@pytest.mark.gpu
+def test_transformers_llama_on_cuda_runs_its_causal_mask_as_is_causal():
+    """transformers builds its causal mask as a tensor while traced; on CUDA the traced attention is
+    the memory-efficient kernel with that mask, which passes/causal_attention.py turns into its
+    is_causal form. fp32 parity against transformers run eagerly."""
+    transformers = pytest.importorskip("transformers")
+    from fxshard.graph import call_argument
+    from fxshard.passes import run_pipeline
+    from fxshard.passes.causal_attention import ATTENTION_MASKS
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).cuda()
+    batches = [{"input_ids": b["idx"]} for b in cuda_batches(4, rows=2, seq=32)]
+
+    def loss_fn(m, b):
+        return m(**b, labels=b["input_ids"], use_cache=False).loss
+
+    programs = run_pipeline(fxshard.trace(model, loss_fn, batches[0]), None, fxshard.Config())
+    attention = [n for n in programs[-1].graph.nodes if n.op == "call_function" and n.target in ATTENTION_MASKS]
+    assert programs[-1].name == "causal_attention" and len(attention) == 4, [p.name for p in programs]
+    assert all(call_argument(n, ATTENTION_MASKS[n.target]) is None and call_argument(n, "is_causal")
+               for n in attention)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    parity = eager_parity(model, loss_fn, batches, ADAMW, config=fxshard.Config(codegen=None))
+    assert parity.max_loss_rel < 1e-5 and parity.max_param_rel < 1e-4, parity
