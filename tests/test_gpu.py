@@ -680,4 +680,7 @@ def test_transformers_llama_on_cuda_runs_its_causal_mask_as_is_causal():
                for n in attention)
     torch.backends.cuda.matmul.allow_tf32 = False
     parity = eager_parity(model, loss_fn, batches, ADAMW, config=fxshard.Config(codegen=None))
-    assert parity.max_loss_rel < 1e-5 and parity.max_param_rel < 1e-4, parity
+    # parameters: eager transformers skips the mask and lets SDPA pick its kernel, the trace runs the
+    # memory-efficient one; AdamW's 1/sqrt(v) magnifies the rounding difference near eps (measured
+    # 1.66e-4 on an H200, the same with the pass switched off); losses agree to 1.1e-7
+    assert parity.max_loss_rel < 1e-5 and parity.max_param_rel < 3e-4, parity
