@@ -6,9 +6,9 @@ traced, because skipping it there is a data-dependent check. Such a mask reads n
 step. This pass evaluates it once (aten, on the device the graph names) and, where every slice of
 it is the causal pattern (query i sees keys 0..i: SDPA's top-left convention, as a boolean mask or
 an additive one of 0 and a large negative number), it takes the mask out of the attention forward
-and backward calls that read it and sets their `is_causal` flag instead: the kernel skips the
-masked blocks instead of reading a mask (on CUDA, the memory-efficient kernel computes half the
-blocks of a square causal mask, and flash attention becomes eligible where it was not).
+and backward calls that read it and sets their `is_causal` flag instead: the kernel (the one the
+trace chose: on CUDA the memory-efficient one, as SDPA picks for a masked call) skips the blocks
+above the diagonal instead of reading a mask. Switching to another kernel (flash) is not done here.
 
 Invariant: the program computes the same function; an attention call with `is_causal` and with the
 equivalent mask differ only in floating-point summation order. Calls whose mask reads an input
