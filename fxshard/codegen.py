@@ -51,7 +51,7 @@ from .ops.p2p import P2P_OPS
 import torch.nn as nn
 
 from . import meta
-from .graph import ancestors, is_pure, is_view, mutates
+from .graph import ancestors, attribute, evaluate, is_pure, is_view, mutates
 
 # ops whose output shape depends on values: Inductor needs unbacked symbols for them; left to aten
 _DATA_DEPENDENT = {"nonzero", "masked_select", "unique", "_unique2", "unique_consecutive", "_local_scalar_dense",
@@ -251,7 +251,7 @@ def compile_regions(graph_module: fx.GraphModule, compiler: Callable | None = No
             progress(f"codegen: region {region.index + 1} of {len(regions)} ({len(region.nodes)} nodes, "
                      f"{region.where}) {region.status}; {time.perf_counter() - started:.1f}s elapsed")
     graph = _outer_graph(source, regions)
-    attributes = {n.target: folded[n.target] if n.target in folded else _attribute(graph_module, n.target)
+    attributes = {n.target: folded[n.target] if n.target in folded else attribute(graph_module, n.target)
                   for n in graph.nodes if n.op == "get_attr"}
     result = fx.GraphModule({**attributes, **modules}, graph)
     return result, CodegenReport(regions, time.perf_counter() - started, folded)
@@ -272,15 +272,7 @@ def fold_constants(graph: fx.Graph, module: nn.Module) -> dict[str, torch.Tensor
     boundary = [n for n, cost in costly.items() if cost and n.op == "call_function"
                 and isinstance(n.meta.get("val"), torch.Tensor) and any(u not in costly for u in n.users)
                 and n.meta["val"].numel() * n.meta["val"].element_size() <= FOLD_LIMIT_BYTES]
-    needed = ancestors(boundary)
-    values: dict[fx.Node, object] = {}
-    for node in graph.nodes:
-        if node in needed:
-            if node.op == "get_attr":
-                values[node] = _attribute(module, node.target)
-            else:
-                args, kwargs = fx.node.map_arg((node.args, node.kwargs), values.__getitem__)
-                values[node] = node.target(*args, **kwargs)
+    values = evaluate(graph, module, ancestors(boundary))
     folded = {}
     first_op = next(n for n in graph.nodes if n.op != "placeholder")  # constants go first: they cut no region
     for node in boundary:
@@ -311,12 +303,6 @@ def _hoist_getitems(graph: fx.Graph) -> None:
             for user in getitems:
                 anchor.append(user)
                 anchor = user
-
-
-def _attribute(module: nn.Module, target: str):
-    for part in target.split("."):
-        module = getattr(module, part)
-    return module
 
 
 def _outer_graph(source: fx.Graph, regions: list[Region]) -> fx.Graph:

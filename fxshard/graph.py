@@ -37,6 +37,27 @@ def ancestors(nodes) -> set[fx.Node]:
     return seen
 
 
+def attribute(module, target: str):
+    """What a `get_attr` node of `target` ("a.b.c") reads from `module`."""
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def evaluate(graph: fx.Graph, module, needed: set[fx.Node]) -> dict[fx.Node, object]:
+    """The values of the `needed` nodes of `graph`, which read no placeholder: their ops run with
+    aten in graph order, `get_attr` reads from `module`."""
+    values: dict[fx.Node, object] = {}
+    for node in graph.nodes:
+        if node in needed:
+            if node.op == "get_attr":
+                values[node] = attribute(module, node.target)
+            else:
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), values.__getitem__)
+                values[node] = node.target(*args, **kwargs)
+    return values
+
+
 def mutates(node: fx.Node) -> bool:
     """`node` calls an op that writes one of its arguments."""
     schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fxshard.graph import ancestors, call_argument, is_pure
+from fxshard.graph import ancestors, call_argument, evaluate, is_pure
 from fxshard.program import Program
 
 aten = torch.ops.aten
@@ -80,18 +80,10 @@ def _is_causal(mask: fx.Node, graph_module: fx.GraphModule) -> bool:
     needed = ancestors([mask])
     if any(n.op == "placeholder" or not (is_pure(n) or n.op == "get_attr") for n in needed):
         return False
-    values: dict[fx.Node, object] = {}
     try:
-        for node in graph_module.graph.nodes:
-            if node in needed:
-                if node.op == "get_attr":
-                    values[node] = _attribute(graph_module, node.target)
-                else:
-                    args, kwargs = fx.node.map_arg((node.args, node.kwargs), values.__getitem__)
-                    values[node] = node.target(*args, **kwargs)
+        value = evaluate(graph_module.graph, graph_module, needed)[mask]
     except (RuntimeError, NotImplementedError):  # e.g. a meta-device constant: leave the mask
         return False
-    value = values[mask]
     if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.is_meta:
         return False
     rows, columns = value.shape[-2:]
@@ -102,12 +94,6 @@ def _is_causal(mask: fx.Node, graph_module: fx.GraphModule) -> bool:
         return False
     blocked = value <= torch.finfo(value.dtype).min / 2  # -inf or dtype.min: exp() of it is 0
     return bool(((value == 0) == allowed).all() and (blocked == ~allowed).all())
-
-
-def _attribute(module, target: str):
-    for part in target.split("."):
-        module = getattr(module, part)
-    return module
 
 
 def _copy(graph_module: fx.GraphModule) -> fx.GraphModule:
