@@ -85,6 +85,15 @@ def call_argument(node: fx.Node, name: str):
     return node.kwargs.get(name, arguments[position].default_value)
 
 
+def set_call_argument(node: fx.Node, name: str, value) -> None:
+    """Set argument `name` of an op call, where it is passed by position, else by name."""
+    position = next(i for i, argument in enumerate(node.target._schema.arguments) if argument.name == name)
+    if position < len(node.args):
+        node.args = (*node.args[:position], value, *node.args[position + 1:])
+    else:
+        node.kwargs = {**node.kwargs, name: value}
+
+
 def is_view(node: fx.Node) -> bool:
     """`node` returns an alias of an input (a view, or getitem of a tuple): it writes no memory."""
     schema = getattr(node.target, "_schema", None)

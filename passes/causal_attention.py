@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fxshard.graph import ancestors, call_argument, evaluate, is_pure
+from fxshard.graph import ancestors, call_argument, evaluate, is_pure, reordered, set_call_argument
 from fxshard.program import Program
 
 aten = torch.ops.aten
@@ -46,17 +46,18 @@ def causal_attention(program: Program) -> Program:
     causal = [mask for mask, users in masks.items() if _rewritable(users) and _is_causal(mask, graph_module)]
     if not causal:
         return program
-    graph_module = _copy(graph_module)
+    graph_module = reordered(graph_module, list(graph_module.graph.nodes))  # a copy to rewrite
     copies = {n.name: n for n in graph_module.graph.nodes}
     calls = 0
     for mask in causal:
         for user in masks[mask]:
             node = copies[user.name]
-            _set_argument(node, ATTENTION_MASKS[node.target], None)
-            _set_argument(node, "is_causal", True)
+            set_call_argument(node, ATTENTION_MASKS[node.target], None)
+            set_call_argument(node, "is_causal", True)
             calls += 1
+    computed = ancestors(copies[mask.name] for mask in causal)
     for node in reversed(list(graph_module.graph.nodes)):  # the mask computation nothing reads any more
-        if not node.users and (is_pure(node) or node.op == "get_attr"):
+        if node in computed and not node.users:
             graph_module.graph.erase_node(node)
     graph_module.recompile()
     notes = dict(program.notes, causal_attention=f"{calls} attention calls read a mask that is the causal pattern "
@@ -94,18 +95,3 @@ def _is_causal(mask: fx.Node, graph_module: fx.GraphModule) -> bool:
         return False
     blocked = value <= torch.finfo(value.dtype).min / 2  # -inf or dtype.min: exp() of it is 0
     return bool(((value == 0) == allowed).all() and (blocked == ~allowed).all())
-
-
-def _copy(graph_module: fx.GraphModule) -> fx.GraphModule:
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(graph_module.graph, {}))
-    return fx.GraphModule(graph_module, graph)
-
-
-def _set_argument(node: fx.Node, name: str, value) -> None:
-    arguments = node.target._schema.arguments
-    position = next(i for i, argument in enumerate(arguments) if argument.name == name)
-    if position < len(node.args):
-        node.args = (*node.args[:position], value, *node.args[position + 1:])
-    else:
-        node.kwargs = {**node.kwargs, name: value}
