@@ -26,11 +26,15 @@ from common import write_json  # noqa: E402
 MODELS = {"gpt-1b": ("GPT", "1b"), "moe-1b": ("MoEGPT", "1b"), "gpt-tiny": ("GPT", "tiny")}
 
 
-def measure(model_name: str, codegen: str | None, batch: int, seq: int, iters: int) -> dict:
-    """In this process: shard the model, time shard() and `iters` graphed steps."""
+def measure(model_name: str, codegen: str | None, batch: int, seq: int, iters: int, regions: str = "layer") -> dict:
+    """In this process: shard the model, time shard() and `iters` graphed steps. `regions`: "layer"
+    (codegen's default: a region per layer's forward and backward) or "communication" (regions end
+    only at fixed nodes: on one device, the whole forward and backward in one region)."""
     import fxshard
+    import fxshard.codegen
     from fxshard import models
 
+    fxshard.codegen.REGIONS_BY_LAYER = regions == "layer"
     kind, preset = MODELS[model_name]
     cfg = getattr(models, f"{kind}Config").preset(preset)
     torch.manual_seed(0)
@@ -51,16 +55,16 @@ def measure(model_name: str, codegen: str | None, batch: int, seq: int, iters: i
     for _ in range(iters):
         step(data)
     torch.cuda.synchronize()
-    return {"model": model_name, "codegen": codegen, "shard_s": shard_s,
+    return {"model": model_name, "codegen": codegen, "regions": regions, "shard_s": shard_s,
             "ms_per_step": (time.perf_counter() - started) / iters * 1e3,
             "codegen_line": step.codegen.line() if step.codegen else None}
 
 
-def in_subprocess(model_name, codegen, batch, seq, iters, cache_dir) -> dict:
+def in_subprocess(model_name, codegen, batch, seq, iters, cache_dir, regions="layer") -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
     script = (f"import json, sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
               f"from codegen import measure; "
-              f"print('RESULT ' + json.dumps(measure({model_name!r}, {codegen!r}, {batch}, {seq}, {iters})))")
+              f"print('RESULT ' + json.dumps(measure({model_name!r}, {codegen!r}, {batch}, {seq}, {iters}, {regions!r})))")
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     sys.stderr.write(done.stderr[-3000:])
     line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
@@ -75,22 +79,26 @@ def main():
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--regions", nargs="+", default=["layer"], choices=["layer", "communication"],
+                        help="how codegen cuts regions: per layer (default) or only at communication")
     parser.add_argument("--out", default="bench/codegen.json")
     args = parser.parse_args()
     rows = []
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, batch {args.batch} x {args.seq}", flush=True)
-    print(f"{'model':<10} {'run':<12} {'shard s':>8} {'ms/step':>8}  codegen", flush=True)
+    print(f"{'model':<10} {'regions':<13} {'run':<12} {'shard s':>8} {'ms/step':>8}  codegen", flush=True)
     for model_name in args.models:
-        cache_dir = tempfile.mkdtemp(prefix="inductor-cache-")
-        for run, codegen in (("cold", "inductor"), ("warm", "inductor"), ("no codegen", None)):
+        runs = [(regions, run, "inductor") for regions in args.regions for run in ("cold", "warm")]
+        for regions, run, codegen in runs + [("-", "no codegen", None)]:
+            if run == "cold":
+                cache_dir = tempfile.mkdtemp(prefix="inductor-cache-")
             try:
-                row = in_subprocess(model_name, codegen, args.batch, args.seq, args.iters, cache_dir)
+                row = in_subprocess(model_name, codegen, args.batch, args.seq, args.iters, cache_dir, regions)
             except RuntimeError as error:
-                print(f"{model_name:<10} {run:<12} failed: {str(error)[:400]}", flush=True)
+                print(f"{model_name:<10} {regions:<13} {run:<12} failed: {str(error)[:400]}", flush=True)
                 continue
             row["run"] = run
             rows.append(row)
-            print(f"{model_name:<10} {run:<12} {row['shard_s']:>8.1f} {row['ms_per_step']:>8.1f}  "
+            print(f"{model_name:<10} {regions:<13} {run:<12} {row['shard_s']:>8.1f} {row['ms_per_step']:>8.1f}  "
                   f"{row['codegen_line'] or '-'}", flush=True)
     write_json(args.out, batch=args.batch, seq=args.seq, rows=rows)
 

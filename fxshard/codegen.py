@@ -12,7 +12,9 @@ chose, the *fixed* nodes:
 - aten ops that mutate an argument, and ops whose output shape depends on data (nonzero & co.);
 - placeholders, get_attr, the output.
 
-Each maximal run of consecutive non-fixed nodes is a *region*. A region is replaced by one call of
+Each run of consecutive non-fixed nodes is a *region*; a run also ends where the program reaches a
+layer's forward or backward (of a microbatch) for the first time, so every layer is a region of its
+own even where no communication cuts the graph (one device). A region is replaced by one call of
 its compiled code, with its inputs and outputs threaded through; fixed nodes stay exactly where they
 were. So the sequence of collectives, waits and sends is the one the dump shows, and no compiled
 kernel can absorb a wait: a region lies wholly between two fixed nodes.
@@ -63,6 +65,8 @@ INDUCTOR_OPTIONS = {"fallback_random": True, "triton.cudagraphs": False}
 _CHEAP = {"full", "zeros", "ones", "empty", "empty_strided", "scalar_tensor", "arange", "iota", "lift_fresh_copy",
           "_to_copy", "clone", "alias"}
 FOLD_LIMIT_BYTES = 64 << 20  # a larger input-free result stays in its region (memory held for good otherwise)
+# regions end where a layer begins (find_regions); False: only at fixed nodes (bench/codegen.py compares)
+REGIONS_BY_LAYER = True
 
 
 def is_fixed(node: fx.Node) -> bool:
@@ -107,16 +111,29 @@ class Region:
         return f"{phase} {layer}"
 
 
-def find_regions(graph: fx.Graph) -> list[Region]:
-    """The maximal runs of consecutive non-fixed nodes, each with what it reads and what is read of it."""
-    runs, run = [], []
+def find_regions(graph: fx.Graph, by_layer: bool | None = None) -> list[Region]:
+    """The runs of consecutive non-fixed nodes, each with what it reads and what is read of it.
+
+    Fixed nodes end a run. With `by_layer`, so does the first node of each (phase, microbatch, layer)
+    the program reaches: every layer's forward and backward is a region of its own (with the few
+    nodes of a neighbouring layer that the backward orders in between), so the same code at
+    another depth is one structure key and compiles once, however little communication there is to
+    cut at (one device: otherwise the whole forward and backward is a single region)."""
+    by_layer = REGIONS_BY_LAYER if by_layer is None else by_layer
+    runs, run, seen = [], [], set()
     for node in graph.nodes:
         if is_fixed(node):
             if run:
                 runs.append(run)
             run = []
-        else:
-            run.append(node)
+            continue
+        part = (meta.phase(node), meta.microbatch(node), meta.layer(node))
+        if by_layer and part not in seen:
+            seen.add(part)
+            if run:
+                runs.append(run)
+            run = []
+        run.append(node)
     regions = []
     for nodes in runs:
         inside = set(nodes)
@@ -209,19 +226,20 @@ class CodegenReport:
 
 
 def compile_regions(graph_module: fx.GraphModule, compiler: Callable | None = None,
-                    progress: Callable[[str], None] | None = None) -> tuple[fx.GraphModule, CodegenReport]:
+                    progress: Callable[[str], None] | None = None,
+                    by_layer: bool | None = None) -> tuple[fx.GraphModule, CodegenReport]:
     """A copy of `graph_module` whose regions each run as one compiled call; and what was done.
 
     `compiler(gm, region) -> callable` compiles one region (default: Inductor); an exception from it
     makes that region fall back to aten replay with a warning. `progress(line)` hears about regions
-    as they compile."""
+    as they compile. `by_layer`: regions also end where a layer begins (find_regions)."""
     compiler = compiler or inductor_compile
     started = time.perf_counter()
     source = fx.Graph()
     source.output(source.graph_copy(graph_module.graph, {}))
     folded = fold_constants(source, graph_module)
     _hoist_getitems(source)
-    regions = find_regions(source)
+    regions = find_regions(source, by_layer)
     compiled_by_key: dict[str, Callable | None] = {}
     modules: dict[str, nn.Module] = {}
     for region in regions:

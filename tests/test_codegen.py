@@ -147,16 +147,25 @@ def test_input_free_compute_is_folded_into_constants_once():
     assert_bit_identical([program, program.replace(graph_module=compiled)], model, ADAMW, fxshard.Mesh(dp=1), batches[:1])
 
 
-def test_identical_layers_compile_once():
-    torch.manual_seed(0)
-    model = GPT(GPTConfig.preset("tiny", n_layer=4))
-    batch = token_batches(64, 2, 8, 1)[0]
-    traced = fxshard.trace(model, lambda m, b: m.loss(b), batch, optimizer=ADAMW)
-    program = fsdp(traced, FSDPConfig(2, "optim_grads_params", 1))
-    calls = []
-    _, report = compile_regions(program.graph_module, compiler=lambda gm, region: calls.append(region) or gm)
-    assert report.count("cache hit") >= 2 * 2  # the middle layers' forward and backward regions repeat
-    assert len(calls) == report.count("compiled") == len({r.key for r in calls})
+@pytest.mark.parametrize("world", [1, 2])
+def test_identical_layers_compile_once(world):
+    """Every layer's forward and backward is a region, with or without communication to cut at:
+    the number of regions compiled does not grow with the depth."""
+    compiled = {}
+    for n_layer in (4, 6):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig.preset("tiny", n_layer=n_layer))
+        batch = token_batches(64, 2, 8, 1)[0]
+        program = fxshard.trace(model, lambda m, b: m.loss(b), batch, optimizer=ADAMW)
+        if world > 1:
+            program = fsdp(program, FSDPConfig(world, "optim_grads_params", 1))
+        calls = []
+        _, report = compile_regions(program.graph_module, compiler=lambda gm, region: calls.append(region) or gm)
+        assert report.count("cache hit") >= 2 * (n_layer - 2)  # the middle layers' forward and backward repeat
+        assert len(calls) == report.count("compiled") == len({r.key for r in calls})
+        assert {f"fwd layers.{i}" for i in range(n_layer)} <= {r.where for r in report.regions}
+        compiled[n_layer] = len(calls)
+    assert compiled[4] == compiled[6]
 
 
 def pipeline_stages(mesh, config, model, batch):
