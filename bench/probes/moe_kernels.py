@@ -65,6 +65,10 @@ def main():
             with open(os.path.join(args.out, "kernels", f"{name}.py"), "w") as handle:
                 handle.write(f"# from {path}\n" + text[max(begin, 0):end if end > 0 else start + 6000])
             break
+    import shutil
+    for index, path in enumerate(dict.fromkeys(files)):
+        if os.path.exists(path):
+            shutil.copy(path, os.path.join(args.out, "kernels", f"module_{index}.py"))
     print("kernel sources for", len(os.listdir(os.path.join(args.out, "kernels"))), "of", len(names), "triton kernels")
 
 
