@@ -15,8 +15,10 @@ import sys
 
 import torch
 
-import fxshard
-from fxshard.models import MoEGPT, MoEGPTConfig
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import fxshard  # noqa: E402
+from fxshard.models import MoEGPT, MoEGPTConfig  # noqa: E402
 
 
 def main():
