@@ -25,6 +25,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--mesh", action="store_true", help="Mesh(dp=1, ep=1), as bench/moe.py's one-GPU run "
+                        "(gradients reduced in reduce_dtype as with more GPUs; without a mesh they stay bf16)")
     args = parser.parse_args()
     os.makedirs(os.path.join(args.out, "kernels"), exist_ok=True)
     cfg = MoEGPTConfig(vocab_size=32000, d_model=2048, n_layer=args.layers, n_head=16, n_expert=64, top_k=8,
@@ -37,7 +39,7 @@ def main():
     config = fxshard.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, sharding="optim",
                             cuda_graphs=True, dump_dir=os.path.join(args.out, "dump"))
     step = fxshard.shard(model, lambda m, b: m.loss_and_metrics(b), data, optimizer=fxshard.optim.AdamW(lr=1e-5),
-                         config=config)
+                         mesh=fxshard.Mesh(dp=1, ep=1) if args.mesh else None, config=config)
     del model
     for _ in range(4):
         step(data)
