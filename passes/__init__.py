@@ -66,10 +66,11 @@ PIPELINE: list[Pass] = [
     Pass("interleave",
          lambda program, mesh, config, stage: _interleave(program, mesh, config, stage),
          lambda mesh, config: _interleaves(mesh, config)),
-    # one device, low-precision compute: nothing reduces the gradients, the optimizer reads them as they are
+    # low-precision compute: gradients nothing reduces (one device, FSDP units on one-rank axes) reach
+    # the optimizer as they are
     Pass("narrow_grads",
          lambda program, mesh, config, stage: narrow_grads(program),
-         lambda mesh, config: mesh is None and config.param_dtype is not None),
+         lambda mesh, config: config.param_dtype is not None),
 ]
 
 
