@@ -43,7 +43,7 @@ from fxshard.ops.p2p import P2P_OPS  # noqa: F401  (registers fxshard::send / re
 from fxshard.optimizer_graph import append_update
 from fxshard.program import (REPLICATED, STAGE_LOCAL, GradientNorm, Input, InputKind, Output, OutputKind, Program,
                              StagePlan)
-from fxshard.schedule import COMPUTE, Action, Schedule, check_point_to_point, issue_order
+from fxshard.schedule import COMPUTE, ZERO, Action, Schedule, check_point_to_point, issue_order
 
 from .pipeline import Chunk, PipelineProgram
 
@@ -322,7 +322,7 @@ class _Lowering:
             self.backward(action.chunk, action.mb)
         elif kind == "W":
             self.weight_gradient(action.chunk, action.mb)
-        elif kind != "OPT":
+        elif kind not in ("OPT", *ZERO):  # ZeRO's collectives are the fsdp pass's (StagePlan.actions)
             raise FxShardError(f"lower_schedule does not lower {kind} actions")
 
     def all_reduce(self, value: fx.Node, group: str, phase: str, layer: str) -> fx.Node:
