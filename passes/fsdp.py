@@ -404,7 +404,8 @@ class _Rewrite:
         found.update({p: None for p in positions})
         return found
 
-    def lookup(self, node: fx.Node, region: tuple, phase: str = meta.BWD) -> fx.Node:
+    def lookup(self, node: fx.Node, region: tuple, phase: str) -> fx.Node:
+        """The copy of `node` that a node of `region` (and `phase`) reads."""
         if node in self.member_of_node:
             return self.views[region if self.cfg.shards_params else ALL][self.member_of_node[node]]
         if self.cfg.shards_params and node in self.derived and self.rematerializes(node, region):
