@@ -278,8 +278,8 @@ if __name__ == "__main__":
 def dump_schedule(schedule, plan, directory, pairs=()) -> list[str]:
     """A pipeline stage's schedule next to its programs: `pipeline.txt` (every rank's actions as the
     schedule gives them and as the lowered programs issue them, the combined 1F1B's interleaved
-    pairs, the simulator's makespan / bubble / peak activations) and `pipeline.svg` (timeline, one
-    lane per rank, backward = 2x forward)."""
+    pairs, ZeRO's collectives, the simulator's makespan / bubble / peak activations) and
+    `pipeline.svg` (timeline, one lane per rank, backward = 2x forward)."""
     from .schedule import Schedule, issue_order, simulate, to_svg
 
     os.makedirs(directory, exist_ok=True)
@@ -295,6 +295,7 @@ def dump_schedule(schedule, plan, directory, pairs=()) -> list[str]:
              *(["combined 1F1B, pairs run interleaved at their all-to-alls (`interleave` pass):"]
                + [f"rank {rank}: " + (" ".join(f"{a}+{b}" for a, b in mine) or "none")
                   for rank, mine in enumerate(pairs)] + [""] if any(pairs) else []),
+             *_zero_legend(schedule),
              f"simulated (F=1, B=2): makespan {simulation.makespan:g}, bubble {simulation.bubble_fraction:.1%}, "
              f"peak live activations per rank {simulation.peak_activations}"]
     files = {os.path.join(directory, "pipeline.txt"): "\n".join(lines) + "\n",
@@ -303,3 +304,13 @@ def dump_schedule(schedule, plan, directory, pairs=()) -> list[str]:
         with open(path, "w") as handle:
             handle.write(text)
     return list(files)
+
+
+def _zero_legend(schedule) -> list[str]:
+    """What the U / R / G actions in the listing mean, and how many each rank runs."""
+    counts = [{kind: sum(a.kind == kind for a in actions) for kind in "URG"} for actions in schedule.ranks]
+    if not any(sum(c.values()) for c in counts):
+        return []
+    return ["ZeRO over dp: U c all-gathers chunk c's parameters (fsdp issues it there, waits at first use), "
+            "R c frees the gathered copy, G c reduces chunk c's gradients; per rank "
+            + ", ".join(f"r{rank} {c['U']} U {c['G']} G" for rank, c in enumerate(counts)), ""]

@@ -7,6 +7,7 @@ LAYER = "fxshard_layer"   # "pre", "post", or a layer's module path such as "lay
 PARAM = "fxshard_param"   # parameter name on parameter inputs, their gradients and updates
 MICROBATCH = "fxshard_microbatch"  # which microbatch's forward/backward a node belongs to (0-based)
 ACTION = "fxshard_action"  # in a pipeline stage's program: the schedule action that made the node ("F0:3")
+ACTION_INDEX = "fxshard_action_index"  # ... and its position in the stage's actions (StagePlan.actions)
 # On the optimizer phase's non-finite flags (Config(nonfinite)): the tensor each flag is about.
 NONFINITE_TENSORS = "fxshard_nonfinite_tensors"
 
@@ -37,6 +38,10 @@ def microbatch(node) -> int:
 
 def action(node) -> str | None:
     return node.meta.get(ACTION)
+
+
+def action_index(node) -> int | None:
+    return node.meta.get(ACTION_INDEX)
 
 # Set by passes on the collectives they insert, for the dumps.
 UNIT = "fxshard_unit"            # the FSDP unit a collective moves

@@ -228,13 +228,17 @@ class GradientNorm:
 @dataclass(frozen=True)
 class StagePlan:
     """What a per-rank pipeline program needs to know about the other stages (passes/lower_schedule.py):
-    this rank's `stage` of `stages`, the parameters (and buffers) each stage holds, and the process
-    groups of stage subsets its collectives name (axis -> stage indices), besides "pp" itself."""
+    this rank's `stage` of `stages`, the parameters (and buffers) each stage holds, the process
+    groups of stage subsets its collectives name (axis -> stage indices), besides "pp" itself, and
+    this rank's actions (fxshard.schedule.Action) in the order the program runs them, ZeRO's U / R /
+    G included: a node made by an action carries its position here (`meta.ACTION_INDEX`), and the
+    fsdp pass issues its all-gathers and reductions where the U and G actions are."""
 
     stage: int
     stages: int
     params_by_stage: tuple[tuple[str, ...], ...]
     groups: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    actions: tuple = ()
 
     def owner(self, name: str) -> int:
         """The first stage holding `name` (a tied parameter is equal on every stage holding it)."""

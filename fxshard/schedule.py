@@ -6,6 +6,12 @@ gradient, or the whole backward when W is not split off), `W1:3` (weight gradien
 for activation gradients, and `OPT`. P×V chunks for V virtual stages; the schedule's placement says which
 rank holds each (`Schedule.rank_of`).
 
+ZeRO over the data-parallel axis adds per-chunk collectives of the dp group (torch.distributed.
+pipelining's UNSHARD / RESHARD / REDUCE_GRAD): `U1` all-gathers chunk 1's parameters, `R1` frees
+the gathered copy, `G1` reduces chunk 1's gradients (reduce-scatter, or all-reduce without sharded
+optimizer state). `add_zero_actions` places them; `simulate` runs U and G on a communication
+stream of their own, concurrent with compute.
+
 Generators: `gpipe`, `one_f_one_b`, `interleaved_one_f_one_b` (Megatron's order), `zero_bubble_h1`,
 `dualpipe_v` (V placement). `simulate` checks
 a schedule without running a model (every dependency satisfied, no deadlock) and reports makespan,
@@ -24,19 +30,23 @@ import networkx as nx
 from .errors import FxShardError
 
 COMPUTE = ("F", "B", "W")
+TRANSFERS = ("SF", "RF", "SB", "RB")
+ZERO = ("U", "R", "G")   # per-chunk collectives over dp: unshard, reshard, reduce-grad
 PLACEMENTS = ("loop", "v")
 
 
 @dataclass(frozen=True)
 class Action:
-    kind: str                # F, B, W, SF, RF, SB, RB, OPT
+    kind: str                # F, B, W, SF, RF, SB, RB, U, R, G, OPT
     chunk: int = -1
-    mb: int = -1
+    mb: int = -1             # -1 for U / R / G: they act on a chunk once, not per microbatch
     peer: int | None = None  # the other rank of a send / receive
 
     def __str__(self) -> str:
         if self.kind == "OPT":
             return "OPT"
+        if self.kind in ZERO:
+            return f"{self.kind}{self.chunk}"
         token = f"{self.kind}{self.chunk}:{self.mb}"
         if self.peer is not None:
             token += (">" if self.kind.startswith("S") else "<") + str(self.peer)
@@ -51,8 +61,14 @@ class Action:
             if mark in token:
                 token, peer_text = token.split(mark)
                 peer = int(peer_text)
-        kind = next(k for k in ("SF", "RF", "SB", "RB", "F", "B", "W") if token.startswith(k))
-        chunk, mb = token[len(kind):].split(":")
+        kind = next((k for k in (*TRANSFERS, *COMPUTE, *ZERO) if token.startswith(k)), None)
+        rest = token[len(kind or ""):]
+        if kind in ZERO and rest.isdigit() and peer is None:
+            return cls(kind, int(rest))
+        chunk, _, mb = rest.partition(":")
+        if kind is None or kind in ZERO or not (chunk.isdigit() and mb.isdigit()):
+            raise FxShardError(f"schedule action {token!r}: write F1:3, B1:3, W1:3 (chunk:microbatch), SF1:3>2, "
+                               f"RF1:3<0, SB / RB likewise (>peer, <peer), U1 / R1 / G1 (chunk) or OPT")
         return cls(kind, int(chunk), int(mb), peer)
 
 
@@ -131,6 +147,92 @@ def add_communication(order: list[list[Action]], stages: int, virtual: int, micr
         out.append(Action("OPT"))
         ranks.append(tuple(out))
     return Schedule(tuple(ranks), stages, virtual, microbatches, name, placement)
+
+
+MAX_UNSHARDED = 2  # chunks a rank keeps gathered at once: 1F1B's steady state runs a forward and a backward
+
+
+def add_zero_actions(schedule: Schedule, unshard: bool, prefetch: int = 1,
+                     max_unsharded: int = MAX_UNSHARDED) -> Schedule:
+    """`schedule` with the collectives ZeRO needs over dp as actions, per chunk and rank:
+
+    G c   after chunk c's last gradient-producing action of the step (its last W, or its last B when
+          the schedule does not split W off), once: the chunk's gradients are final there
+    U c   with `unshard` (ZeRO-3): before chunk c's use, `prefetch` compute actions early, so that
+          its all-gather runs under them; the chunk stays gathered (one U per step) unless more than
+          `max_unsharded` chunks would be at once. Then the unsharded chunk used again latest is
+          resharded (Belady's choice; a chunk is only evicted for one that is used sooner, and only
+          after it was used), like torch.distributed.pipelining's max_active_stages
+    R c   after the last use of each U c window: the gathered copy is free
+
+    U goes before the receives that lead into its compute action, R and G after the sends that
+    follow theirs: ZeRO's collectives never sit between a compute action and its transfers."""
+    if prefetch < 0 or max_unsharded < 1:
+        raise FxShardError(f"ZeRO actions need prefetch >= 0 and max_unsharded >= 1, got {prefetch} and "
+                           f"{max_unsharded}")
+    ranks = []
+    for actions in schedule.ranks:
+        compute = [i for i, a in enumerate(actions) if a.kind in COMPUTE]
+        before: dict[int, list[Action]] = {}  # action position -> ZeRO actions right before / after it
+        after: dict[int, list[Action]] = {}
+        ends = []
+        for chunk in dict.fromkeys(actions[i].chunk for i in compute):
+            produces = "W" if any(actions[i].kind == "W" and actions[i].chunk == chunk for i in compute) else "B"
+            ends.append((max(k for k, i in enumerate(compute) if actions[i].kind == produces and
+                             actions[i].chunk == chunk), 0, Action("G", chunk)))
+        if unshard:
+            for chunk, opened, last in unshard_windows([actions[i].chunk for i in compute], prefetch, max_unsharded):
+                before.setdefault(_lead_in(actions, compute[opened]), []).append(Action("U", chunk))
+                ends.append((last, 1, Action("R", chunk)))
+        for last, _, action in sorted(ends, key=lambda item: item[:2]):
+            after.setdefault(_follow_up(actions, compute[last]), []).append(action)
+        out = []
+        for index, action in enumerate(actions):
+            out += before.get(index, []) + [action] + after.get(index, [])
+        ranks.append(tuple(out))
+    return dataclasses.replace(schedule, ranks=tuple(ranks))
+
+
+def unshard_windows(chunks: list[int], prefetch: int, max_unsharded: int) -> list[tuple[int, int, int]]:
+    """For a rank's compute actions (the chunk of each, in order): the windows in which a chunk is
+    gathered, as (chunk, index of the compute action it is gathered before, index of its last use in
+    the window), in order of opening. See `add_zero_actions`."""
+    uses: dict[int, list[int]] = {}
+    for index, chunk in enumerate(chunks):
+        uses.setdefault(chunk, []).append(index)
+
+    def next_use(chunk: int, index: int) -> float:
+        return next((u for u in uses[chunk] if u >= index), float("inf"))
+
+    active: dict[int, int] = {}  # unsharded chunk -> where its window opened
+    windows = []
+    for index in range(len(chunks)):
+        for chunk in dict.fromkeys(chunks[index:index + prefetch + 1]):  # needed now, then soonest first
+            if chunk in active:
+                continue
+            if len(active) >= max_unsharded:
+                used = [c for c in active if any(active[c] <= u < index for u in uses[c])]
+                victim = max(used, key=lambda c: next_use(c, index), default=None)
+                if victim is None or next_use(victim, index) <= next_use(chunk, index):
+                    break  # the unsharded chunks are all needed sooner: gather this one later
+                windows.append((victim, active.pop(victim), max(u for u in uses[victim] if u < index)))
+            active[chunk] = index
+    windows += [(chunk, opened, uses[chunk][-1]) for chunk, opened in active.items()]
+    return sorted(windows, key=lambda window: window[1])
+
+
+def _lead_in(actions, index: int) -> int:
+    """The position of the first of the receives that lead into compute action `index`."""
+    while index > 0 and actions[index - 1].kind in ("RF", "RB"):
+        index -= 1
+    return index
+
+
+def _follow_up(actions, index: int) -> int:
+    """The position of the last of the sends that follow compute action `index`."""
+    while index + 1 < len(actions) and actions[index + 1].kind in ("SF", "SB"):
+        index += 1
+    return index
 
 
 def gpipe(stages: int, microbatches: int, virtual: int = 1) -> Schedule:
@@ -337,22 +439,102 @@ class Simulation:
         return sum(self.bubble) / len(self.bubble)
 
 
+def check_zero_actions(schedule: Schedule) -> None:
+    """Raise FxShardError unless the schedule's ZeRO actions (if any) are well placed: with U
+    actions, every compute action of a chunk lies inside a U..R window of that chunk on its rank
+    (each U closed by an R before the next U of the chunk); with G actions, each rank reduces each
+    of its chunks once, after the chunk's last gradient-producing action (B, or W where split off)."""
+    kinds = {a.kind for actions in schedule.ranks for a in actions}
+    for rank, actions in enumerate(schedule.ranks):
+        unsharded: set[int] = set()
+        last_gradient: dict[int, int] = {}
+        reduced: dict[int, int] = {}
+        split = {a.chunk for a in actions if a.kind == "W"}  # chunks whose W actions produce the gradients
+        for index, action in enumerate(actions):
+            c = action.chunk
+            if action.kind in ZERO and schedule.rank_of(c) != rank:
+                raise FxShardError(f"{action} runs on rank {rank}, but chunk {c} lives on rank {schedule.rank_of(c)}")
+            if action.kind == "U":
+                if c in unsharded:
+                    raise FxShardError(f"rank {rank}: U{c} at position {index} gathers chunk {c} again before R{c}")
+                unsharded.add(c)
+            elif action.kind == "R":
+                if c not in unsharded:
+                    raise FxShardError(f"rank {rank}: R{c} at position {index} frees chunk {c}, which no U{c} gathered")
+                unsharded.remove(c)
+            elif action.kind in COMPUTE:
+                if "U" in kinds and c not in unsharded:
+                    raise FxShardError(f"rank {rank}: {action} runs outside a U{c}..R{c} window, on chunk {c}'s sharded "
+                                       f"parameters; gather them before it (U{c}) and free them after (R{c})")
+                if action.kind == ("W" if c in split else "B"):
+                    last_gradient[c] = index
+            elif action.kind == "G":
+                if c in reduced:
+                    raise FxShardError(f"rank {rank}: G{c} appears twice; chunk {c}'s gradients are reduced once a step")
+                reduced[c] = index
+        if unsharded:
+            raise FxShardError(f"rank {rank}: U{min(unsharded)} has no R{min(unsharded)} after it")
+        if "G" not in kinds:
+            continue
+        for c, index in last_gradient.items():
+            if c not in reduced:
+                raise FxShardError(f"rank {rank} never reduces chunk {c}'s gradients: add G{c} after its last "
+                                   f"{actions[index]}")
+            if reduced[c] < index:
+                raise FxShardError(f"rank {rank}: G{c} comes before {actions[index]}, which still adds to chunk "
+                                   f"{c}'s gradients; move G{c} after it")
+        opt = next((i for i, a in enumerate(actions) if a.kind == "OPT"), len(actions))
+        late = [c for c, index in reduced.items() if index > opt]
+        if late:
+            raise FxShardError(f"rank {rank}: G{late[0]} comes after OPT, which updates with its gradients")
+
+
 def simulate(schedule: Schedule, cost: dict[str, float] | None = None) -> Simulation:
     """Check `schedule` and time it. `cost[kind]` is the time of one action of a stage (split over
     its V chunks); `cost[f"{kind}{chunk}"]`, where given, is one chunk's own time (measured costs).
-    Communication is free and sends never block; a receive waits for its send."""
+    Point-to-point communication is free and sends never block; a receive waits for its send.
+
+    ZeRO's collectives (U, G; `add_zero_actions`) run on a communication stream of their own per
+    rank, one after the other, each issued once the compute action before it in the rank's list is
+    done (`cost["U"]`, `cost["G"]`, default 0: free); R is free. A compute action of chunk c waits
+    for the all-gather of its U c, and OPT for every collective of its rank. Only compute counts
+    as busy: a collective that compute cannot hide shows as bubble."""
     cost = {"F": 1.0, "B": 2.0, "W": 0.0, **(cost or {})}
+    check_zero_actions(schedule)
     graph = nx.DiGraph()
-    where: dict[Action, tuple[int, int]] = {}
+    where: dict[tuple, tuple[int, int]] = {}
     for rank, actions in enumerate(schedule.ranks):
+        previous = collective = computed = None  # the rank's last action in order, collective, compute action
+        gathered: dict[int, tuple[int, int]] = {}  # chunk -> the node of its latest U
+        seen: dict[Action, int] = {}
         for index, action in enumerate(actions):
-            key = (action.kind, action.chunk, action.mb, rank if action.kind == "OPT" else None)
+            node = (rank, index)
+            if action.kind in ZERO:  # once per chunk and window: keyed by how many came before on the rank
+                seen[action] = seen.get(action, -1) + 1
+                key = (action.kind, action.chunk, seen[action], rank)
+            else:
+                key = (action.kind, action.chunk, action.mb, rank if action.kind == "OPT" else None)
             if key in where:
                 raise FxShardError(f"{action} appears twice (rank {rank} and rank {where[key][0]})")
-            where[key] = (rank, index)
-            graph.add_node((rank, index), action=action)
-            if index:
-                graph.add_edge((rank, index - 1), (rank, index))
+            where[key] = node
+            graph.add_node(node, action=action)
+            if action.kind in ("U", "G"):  # the communication stream
+                for source in (collective, computed):
+                    if source is not None:
+                        graph.add_edge(source, node)
+                collective = node
+                if action.kind == "U":
+                    gathered[action.chunk] = node
+                continue
+            if previous is not None:
+                graph.add_edge(previous, node)
+            previous = node
+            if action.kind in COMPUTE:
+                computed = node
+                if action.chunk in gathered:
+                    graph.add_edge(gathered[action.chunk], node)
+            if action.kind == "OPT" and collective is not None:
+                graph.add_edge(collective, node)
     chunks = schedule.chunks
 
     def need(node, kind, chunk, mb, why):
@@ -401,7 +583,7 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None) -> Simula
     for node in nx.topological_sort(graph):
         action = graph.nodes[node]["action"]
         own = f"{action.kind}{action.chunk}"
-        if action.kind not in COMPUTE:
+        if action.kind not in COMPUTE + ("U", "G"):
             duration = 0.0
         elif own in cost:
             duration = cost[own]
@@ -412,7 +594,7 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None) -> Simula
     makespan = max(end.values())
     bubble, peaks = [], []
     for rank, actions in enumerate(schedule.ranks):
-        busy = sum(end[rank, i] - start[rank, i] for i in range(len(actions)))
+        busy = sum(end[rank, i] - start[rank, i] for i, a in enumerate(actions) if a.kind in COMPUTE)
         bubble.append(1 - busy / makespan if makespan else 0.0)
         frees = "W" if any(a.kind == "W" for a in actions) else "B"  # activations live until the weight gradient
         live = peak = 0
@@ -475,7 +657,8 @@ def _pairable(first: Action, second: Action) -> bool:
 def pair_actions(schedule: Schedule, pairs) -> Schedule:
     """`schedule` with each rank's `pairs` (two compute actions that follow each other among its
     compute actions) made adjacent: the transfers between them move out, receives before the
-    pair and sends after it."""
+    pair and sends after it; likewise ZeRO's actions, U before the pair (both actions' chunks are
+    gathered while it runs), R and G after it."""
     ranks = []
     for actions, rank_pairs in zip(schedule.ranks, pairs):
         actions = list(actions)
@@ -484,8 +667,8 @@ def pair_actions(schedule: Schedule, pairs) -> Schedule:
             while start > 0 and actions[start - 1].kind in ("RF", "RB"):  # the first one's receive
                 start -= 1
             between = actions[start:end + 1]
-            receives = [a for a in between if a.kind in ("RF", "RB")]
-            sends = [a for a in between if a.kind in ("SF", "SB")]
+            receives = [a for a in between if a.kind in ("RF", "RB", "U")]  # and gathers: before the pair
+            sends = [a for a in between if a.kind in ("SF", "SB", "R", "G")]  # and frees, reductions: after
             actions[start:end + 1] = [*receives, first, second, *sends]
         ranks.append(tuple(actions))
     return dataclasses.replace(schedule, ranks=tuple(ranks))
@@ -620,10 +803,12 @@ def check_point_to_point(schedule: Schedule, order: tuple[tuple[Action, ...], ..
 
 
 _COLORS = {"F": "#6fa8dc", "B": "#e69138", "W": "#93c47d"}
+_COLLECTIVE_COLORS = {"U": "#8e7cc3", "G": "#c27ba0"}
 
 
 def to_svg(schedule: Schedule, simulation: Simulation, scale: float = 24.0) -> str:
-    """A timeline: one lane per rank, one block per compute action, labelled with its microbatch."""
+    """A timeline: one lane per rank, one block per compute action, labelled with its microbatch; a
+    ZeRO collective that takes time (U, G) is a thin bar under the lane (its communication stream)."""
     lane, width = 28, simulation.makespan * scale + 70
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" '
              f'height="{lane * len(schedule.ranks) + 30}" font-family="monospace" font-size="10">',
@@ -633,6 +818,10 @@ def to_svg(schedule: Schedule, simulation: Simulation, scale: float = 24.0) -> s
         y = rank * lane + 4
         parts.append(f'<text x="2" y="{y + 16}">r{rank}</text>')
         for index, action in enumerate(actions):
+            x0, x1 = simulation.start[rank, index] * scale + 30, simulation.end[rank, index] * scale + 30
+            if action.kind in _COLLECTIVE_COLORS and x1 > x0:
+                parts.append(f'<rect x="{x0:.1f}" y="{y + lane - 7}" width="{x1 - x0:.1f}" height="3" '
+                             f'fill="{_COLLECTIVE_COLORS[action.kind]}"><title>{action}</title></rect>')
             if action.kind not in _COLORS:
                 continue
             x0, x1 = simulation.start[rank, index] * scale + 30, simulation.end[rank, index] * scale + 30

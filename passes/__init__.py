@@ -92,11 +92,12 @@ def _interleave(program: Program, mesh, config, stage: int) -> Program:
 
 def lowered_schedule(mesh, config):
     """The schedule the pipeline pass lowers and each rank's pairs of actions that run interleaved:
-    with Mesh(ep>1) and `ep_overlap`, the combined 1F1B (fxshard.schedule.combine_pairs), else none."""
+    with Mesh(dp>1), ZeRO's collectives as actions (`zero_schedule`); with Mesh(ep>1) and
+    `ep_overlap`, the combined 1F1B (fxshard.schedule.combine_pairs), else no pairs."""
     from fxshard import schedule
     from fxshard.errors import FxShardError
 
-    plan = pipeline_schedule(mesh, config)
+    plan = zero_schedule(pipeline_schedule(mesh, config), mesh, config)
     if not _interleaves(mesh, config):
         return plan, tuple(() for _ in plan.ranks)
     if config.ep_interleave != "combined-1f1b":
@@ -104,6 +105,29 @@ def lowered_schedule(mesh, config):
                            f"Mesh(pp>1) the pipeline schedule orders the microbatches; use "
                            f"ep_interleave='combined-1f1b' (each stage's forward and backward pairs) or ep_overlap=False")
     return schedule.combine_pairs(plan)
+
+
+def zero_schedule(plan, mesh, config):
+    """`plan` with the collectives the fsdp pass issues over dp as actions (fxshard.schedule.
+    add_zero_actions), where there is a dp axis: every strategy reduces each chunk's gradients (G);
+    ZeRO-3 (`optim_grads_params`) also gathers each chunk's parameters (U) and frees them (R), U
+    `fsdp_prefetch` compute actions ahead. A schedule that has ZeRO actions already (a user's own)
+    keeps them, if the strategy asks for the same kinds."""
+    from fxshard import schedule
+    from fxshard.errors import FxShardError
+
+    if mesh.dp == 1:
+        return plan
+    unshard = config.sharding == "optim_grads_params"
+    kinds = {a.kind for actions in plan.ranks for a in actions} & set(schedule.ZERO)
+    if not kinds:
+        return schedule.add_zero_actions(plan, unshard, config.fsdp_prefetch)
+    wanted = {"U", "R", "G"} if unshard else {"G"}
+    if kinds != wanted:
+        raise FxShardError(f"the schedule's ZeRO actions are {sorted(kinds)}, but sharding={config.sharding!r} over "
+                           f"dp={mesh.dp} issues {sorted(wanted)}; leave them out of the schedule (fxshard adds them) "
+                           f"or write {' / '.join(sorted(wanted))} for every chunk")
+    return plan
 
 
 def pipeline_schedule(mesh, config):
@@ -116,8 +140,8 @@ def pipeline_schedule(mesh, config):
             raise FxShardError(f"Config(schedule=...) is a schedule for {config.schedule.stages} stages, but the "
                                f"mesh has pp={mesh.pp}")
         user = config.schedule
-        if not any(a.kind in ("SF", "RF", "SB", "RB") for actions in user.ranks for a in actions):
-            compute = [[a for a in actions if a.kind in schedule.COMPUTE] for actions in user.ranks]
+        if not any(a.kind in schedule.TRANSFERS for actions in user.ranks for a in actions):
+            compute = [[a for a in actions if a.kind in schedule.COMPUTE + schedule.ZERO] for actions in user.ranks]
             user = schedule.add_communication(compute, user.stages, user.virtual, user.microbatches, user.name,
                                               user.placement)
         return user

@@ -17,6 +17,15 @@ Overlap is graph order: a unit's all-gather is issued `prefetch` units ahead of 
 waited on just before it; a unit's reduce-scatter is issued as soon as its last gradient exists and
 waited on only when the optimizer phase starts.
 
+A pipeline stage's program (passes/lower_schedule.py) whose actions hold ZeRO's collectives
+(fxshard.schedule.add_zero_actions; `StagePlan.actions`) gets them where the schedule says: under
+ZeRO-3 a unit is gathered once per U..R window of the chunk reading it, every unit of the chunk
+issued at the U (the schedule's prefetch) and each waited on just before its first use in the
+window, and that copy serves every F / B / W of the chunk until the window's R (R itself is no
+node: the copy is dead after its last reader). A unit's reduction is issued at its chunk's G.
+Without such actions (no dp axis in the schedule, or no pipeline) a unit is gathered once per
+(phase, microbatch) region as described above.
+
 After the expert-parallel pass (Mesh(dp=N, ep=K)), expert parameters (placed `sharded(ep)`: this
 rank's E/K experts) form units of their own on axis `edp`, the N/K ranks that own the same experts;
 their gradients, which already sum the ep group's contributions, are divided by K and averaged over
@@ -37,6 +46,7 @@ from fxshard.graph import fake_mode_of, inline
 from fxshard.optimizer_graph import append_update
 from fxshard.program import (EXPERT_SHARDED, REPLICATED, FlatUnit, Input, InputKind, Output, OutputKind, Placement,
                              Program)
+from fxshard.schedule import COMPUTE
 
 STRATEGIES = SHARDING_STRATEGIES
 _c10d = torch.ops._c10d_functional
@@ -111,6 +121,38 @@ def group_into_units(program: Program, world: int, include_frozen: bool = False,
     return units
 
 
+class ZeroActions:
+    """Where a pipeline stage's ZeRO actions (`StagePlan.actions`) put the pass's collectives: the
+    window (chunk, how many U's of that chunk came before) of each compute action, the position of
+    each U window's opening and of each chunk's G."""
+
+    def __init__(self, actions: tuple):
+        self.actions, self.count = actions, len(actions)
+        self.window: dict[int, tuple[int, int]] = {}    # compute action position -> (chunk, U window)
+        self.opened: dict[tuple[int, int], int] = {}    # (chunk, U window) -> position of its U
+        self.reduced: dict[int, int] = {}               # chunk -> position of its G
+        self.chunk = {index: a.chunk for index, a in enumerate(actions)}
+        windows: dict[int, int] = {}
+        for index, action in enumerate(actions):
+            if action.kind == "U":
+                windows[action.chunk] = windows.get(action.chunk, -1) + 1
+                self.opened[action.chunk, windows[action.chunk]] = index
+            elif action.kind in COMPUTE and action.chunk in windows:
+                self.window[index] = (action.chunk, windows[action.chunk])
+            elif action.kind == "G":
+                self.reduced[action.chunk] = index
+
+    @classmethod
+    def of(cls, program: Program) -> "ZeroActions | None":
+        actions = program.stage.actions if program.stage is not None else ()
+        return cls(actions) if any(a.kind in ("U", "G") for a in actions) else None
+
+    def position(self, node: fx.Node) -> int:
+        """The position of the action that made `node`; nodes made after every action come last."""
+        index = meta.action_index(node)
+        return self.count if index is None else index
+
+
 class _Rewrite:
     """Builds the per-rank graph in one walk over the single-device graph."""
 
@@ -125,7 +167,10 @@ class _Rewrite:
         self.compute_dtype = self.hoist_casts() if cfg.shards_params else {}
         self.env: dict[fx.Node, fx.Node] = {}
         self.inputs: list[Input] = []
-        # A region is (phase, microbatch): each gets its own all-gather under ZeRO-3.
+        self.zero = ZeroActions.of(program)
+        self.windows = cfg.shards_params and self.zero is not None and bool(self.zero.opened)
+        # A region is (phase, microbatch), or with ZeRO actions a U window (chunk, window): each gets
+        # its own all-gather under ZeRO-3.
         self.views: dict[tuple, dict[str, fx.Node]] = {}   # region -> param name -> view node
         self.remat: dict[tuple, fx.Node] = {}              # (forward node, region) -> recomputed copy
         self.derived: dict[fx.Node, set[str]] = {}         # set by plan_gathers under ZeRO-3
@@ -214,9 +259,8 @@ class _Rewrite:
             gathered.meta[meta.COMM_BYTES] = unit.shard_numel * gathered.meta["val"].element_size()
         return gathered
 
-    def wait_and_view(self, unit: FlatUnit, issued: fx.Node | None, flat: fx.Node, region: tuple) -> None:
+    def wait_and_view(self, unit: FlatUnit, issued: fx.Node | None, flat: fx.Node, region: tuple, phase: str) -> None:
         """Wait for `issued` (if a collective), then view each member out of the flat buffer."""
-        phase = region[0]
         members = unit.members
 
         collective = issued is not None and issued.target in meta.COLLECTIVE_ISSUES
@@ -273,43 +317,103 @@ class _Rewrite:
                 derived[node] = set().union(*(derived[i] for i in node.all_input_nodes))
         return derived
 
-    def plan_gathers(self):
-        """(issue_before, wait_before): old node -> [(unit, region)] to emit just before copying it.
+    def region(self, node: fx.Node) -> tuple | None:
+        """The region whose all-gather `node` reads parameters from: its U window with ZeRO actions
+        (None outside compute actions), else its (phase, microbatch)."""
+        if self.windows:
+            return self.zero.window.get(self.zero.position(node))
+        return meta.phase(node), meta.microbatch(node)
 
-        Every (region, unit) that reads parameters is one gather, in order of first use; the gather
-        is issued at the first use of the one `prefetch` places earlier and waited on at its own."""
+    def rematerializes(self, derived: fx.Node, region: tuple) -> bool:
+        """Whether a read of `derived` (a view or cast of parameters) from `region` recomputes it
+        from that region's all-gather instead of keeping the gathered copy it was made from alive."""
+        if self.windows:
+            return region != self.region(derived)
+        return region[0] == meta.BWD
+
+    def plan_gathers(self, walk: list[fx.Node], anchors: dict[int, fx.Node | None]):
+        """(issue_before, wait_before): old node -> [(unit, region, phase)] to emit just before copying it.
+
+        Every (region, unit) that reads parameters is one gather, in order of first use, waited on at
+        that use. It is issued at the first use of the one `prefetch` places earlier, or, with ZeRO
+        actions, at the U that opens the window (`anchors`: U position -> the first node after it)."""
         issue_before, wait_before = {}, {}
         if not self.cfg.shards_params:
             return issue_before, wait_before
         self.derived = derived = self.derived_units()
         first_use: dict[tuple, fx.Node] = {}   # (region, unit name) -> node, in first-use order
-        first_node = None
-        for node in self.old.nodes:
-            phase = meta.phase(node)
-            if phase not in (meta.FWD, meta.BWD) or node.op == "placeholder" or node in self.member_of_node:
+        for node in walk:
+            if meta.phase(node) not in (meta.FWD, meta.BWD):
                 continue
-            first_node = first_node or node
-            region = (phase, meta.microbatch(node))
+            region = self.region(node)
             for source in node.all_input_nodes:
-                if source in self.member_of_node or (phase == meta.BWD and source in derived):
+                if source in self.member_of_node or (source in derived and self.rematerializes(source, region)):
+                    if region is None:
+                        raise AssertionError(f"{node.name} reads parameters outside the schedule's compute actions")
                     for unit_name in sorted(derived[source]):
                         first_use.setdefault((region, unit_name), node)
         units = {u.name: u for u in self.units}
         events = list(first_use)
+        first_node = next((n for n in walk if meta.phase(n) in (meta.FWD, meta.BWD)), None)
         for index, (region, unit_name) in enumerate(events):
-            anchor = first_use[events[index - self.cfg.prefetch]] if index >= self.cfg.prefetch else first_node
-            issue_before.setdefault(anchor, []).append((units[unit_name], region))
-            wait_before.setdefault(first_use[region, unit_name], []).append((units[unit_name], region))
+            if self.windows:
+                anchor = anchors[self.zero.opened[region]]
+            else:
+                anchor = first_use[events[index - self.cfg.prefetch]] if index >= self.cfg.prefetch else first_node
+            use = first_use[region, unit_name]
+            issue_before.setdefault(anchor, []).append((units[unit_name], region, meta.phase(use)))
+            wait_before.setdefault(use, []).append((units[unit_name], region, meta.phase(use)))
         return issue_before, wait_before
 
-    def lookup(self, node: fx.Node, region: tuple) -> fx.Node:
+    def plan_reductions(self, walk: list[fx.Node], anchors: dict[int, fx.Node | None]):
+        """(reduce_after, reduce_before): old node -> units whose gradient reduction is issued right
+        after copying it (the unit's last gradient) or, with ZeRO actions, just before it (the first
+        node after the G of the chunk whose action made the last gradient; None: after every node)."""
+        self.grad_nodes = {meta.param(n): n for n in self.old.nodes if meta.phase(n) == meta.BWD and meta.param(n)}
+        position = {n: i for i, n in enumerate(self.old.nodes)}
+        reduce_after, reduce_before = {}, {}
+        self.reduced_at: dict[str, int] = {}  # unit -> the position of the G its reduction carries out
+        for unit in self.units:
+            if not unit.trainable:
+                continue
+            last = max((self.grad_nodes[m.name] for m in unit.members), key=position.get)
+            if self.zero is not None:
+                made_by = self.zero.position(last)
+                reduced = self.zero.reduced.get(self.zero.chunk.get(made_by))
+                if reduced is not None and reduced >= made_by:
+                    reduce_before.setdefault(anchors[reduced], []).append(unit)
+                    self.reduced_at[unit.name] = reduced
+                    continue
+            reduce_after.setdefault(last, []).append(unit)
+        return reduce_after, reduce_before
+
+    def anchors(self, walk: list[fx.Node]) -> dict[int, fx.Node | None]:
+        """ZeRO action position -> the first node of the walk made by a later action (None: none is)."""
+        if self.zero is None:
+            return {}
+        positions = sorted([*self.zero.opened.values(), *self.zero.reduced.values()])
+        found: dict[int, fx.Node | None] = {}
+        previous = -1
+        for node in walk:
+            made_by = self.zero.position(node)
+            if made_by < previous:
+                raise AssertionError(f"{node.name} (action {meta.action(node)}) comes after nodes of a later action")
+            previous = made_by
+            while positions and positions[0] < made_by:
+                found[positions.pop(0)] = node
+        found.update({p: None for p in positions})
+        return found
+
+    def lookup(self, node: fx.Node, region: tuple, phase: str) -> fx.Node:
+        """The copy of `node` that a node of `region` (and `phase`) reads."""
         if node in self.member_of_node:
             return self.views[region if self.cfg.shards_params else ALL][self.member_of_node[node]]
-        if self.cfg.shards_params and region[0] == meta.BWD and node in self.derived:
+        if self.cfg.shards_params and node in self.derived and self.rematerializes(node, region):
             if (node, region) not in self.remat:  # recompute the view/cast from this region's all-gather
-                copy = self.graph.node_copy(node, lambda n: self.lookup(n, region))
-                copy.meta[meta.PHASE] = meta.BWD
+                copy = self.graph.node_copy(node, lambda n: self.lookup(n, region, phase))
+                copy.meta[meta.PHASE] = phase
                 copy.meta.pop(meta.ACTION, None)  # not the forward action's node any more
+                copy.meta.pop(meta.ACTION_INDEX, None)
                 self.remat[node, region] = copy
             return self.remat[node, region]
         return self.env[node]
@@ -319,38 +423,51 @@ class _Rewrite:
         self.make_inputs()
         if not self.cfg.shards_params:
             for unit in self.units:
-                self.wait_and_view(unit, None, self.unit_inputs[unit.name], ALL)
-        issue_before, wait_before = self.plan_gathers()
+                self.wait_and_view(unit, None, self.unit_inputs[unit.name], ALL, meta.FWD)
+        walk = [n for n in self.old.nodes if n.op not in ("placeholder", "output") and meta.phase(n) != meta.OPTIM
+                and n not in self.member_of_node]  # a hoisted cast: the gathered views replace it
+        anchors = self.anchors(walk)
+        issue_before, wait_before = self.plan_gathers(walk, anchors)
+        reduce_after, reduce_before = self.plan_reductions(walk, anchors)
         old_output = next(n for n in self.old.nodes if n.op == "output")
         old_values = list(old_output.args[0])
         loss_node = old_values[0]
-        grad_nodes = {meta.param(n): n for n in self.old.nodes if meta.phase(n) == meta.BWD and meta.param(n)}
-        position = {n: i for i, n in enumerate(self.old.nodes)}
-        last_grad = {max((grad_nodes[m.name] for m in unit.members), key=position.get): unit
-                     for unit in self.units if unit.trainable}
         issued_gathers, reductions = {}, {}
         loss_reduce = None
-        for node in self.old.nodes:
-            if node.op in ("placeholder", "output") or meta.phase(node) == meta.OPTIM:
-                continue
-            if node in self.member_of_node:  # a hoisted cast: the gathered views replace it
-                continue
-            region = (meta.phase(node), meta.microbatch(node))
-            for unit, unit_region in issue_before.get(node, []):
-                issued_gathers[unit.name, unit_region] = self.issue_all_gather(unit, unit_region[0])
-            for unit, unit_region in wait_before.get(node, []):
-                self.wait_and_view(unit, issued_gathers.pop((unit.name, unit_region)), None, unit_region)
-            copy = self.graph.node_copy(node, lambda n: self.lookup(n, region))
+        for node in walk:
+            for unit in reduce_before.get(node, []):
+                reductions[unit.name] = self.reduce(unit)
+            for unit, region, phase in issue_before.get(node, []):
+                issued_gathers[unit.name, region] = self.issue_all_gather(unit, phase)
+                if self.windows:
+                    self.tag(issued_gathers[unit.name, region], self.zero.opened[region])
+            for unit, region, phase in wait_before.get(node, []):
+                self.wait_and_view(unit, issued_gathers.pop((unit.name, region)), None, region, phase)
+            region = self.region(node)
+            copy = self.graph.node_copy(node, lambda n: self.lookup(n, region, meta.phase(node)))
             self.env[node] = copy
             if node is loss_node:
                 (loss_reduce,) = inline(self.graph, lambda t: [_c10d.all_reduce(t, "avg", self.cfg.axis)], [copy],
                                         fake_mode=self.fake, phase=meta.FWD, layer=meta.POST)
                 loss_reduce.meta[meta.COMM_BYTES] = copy.meta["val"].element_size()
-            if node in last_grad:
-                unit = last_grad[node]
-                reductions[unit.name] = self.issue_gradient_reduction(
-                    unit, [self.env[grad_nodes[m.name]] for m in unit.members])
+            for unit in reduce_after.get(node, []):
+                reductions[unit.name] = self.reduce(unit)
+        for unit in reduce_before.get(None, []):  # a G after every node of the walk
+            reductions[unit.name] = self.reduce(unit)
         return self.finish(old_values, loss_reduce, reductions)
+
+    def reduce(self, unit: FlatUnit) -> fx.Node:
+        """Issue `unit`'s gradient reduction (at its chunk's G, where the schedule has one)."""
+        issued = self.issue_gradient_reduction(unit, [self.env[self.grad_nodes[m.name]] for m in unit.members])
+        if unit.name in self.reduced_at:
+            self.tag(issued, self.reduced_at[unit.name])
+        return issued
+
+    def tag(self, node: fx.Node, position: int) -> None:
+        """Mark a collective with the ZeRO action it carries out (U or G; a unit's own shard is no node)."""
+        if node.op == "call_function":
+            node.meta[meta.ACTION] = str(self.zero.actions[position])
+            node.meta[meta.ACTION_INDEX] = position
 
     def finish(self, old_values, loss_reduce, reductions) -> Program:
         cfg = self.cfg

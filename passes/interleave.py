@@ -62,7 +62,9 @@ def interleave_actions(program: Program, pairs: list[tuple[str, str]]) -> Progra
     of a pipeline's steady state, where one microbatch's all-to-alls run under the other's compute.
     The pairs come from `fxshard.schedule.combine_pairs`, which puts no transfer between the two
     actions of a pair and has proven that order deadlock-free with both actions' receives waited
-    for before the pair and both sends issued after it.
+    for before the pair and both sends issued after it. ZeRO's collectives (dp all-gathers at U,
+    reductions at G: not point-to-point) lie outside pairs too: `pair_actions` moves U before the
+    pair and R, G after it, so both chunks' parameters are gathered before the pair runs.
 
     Invariant: as `interleave_microbatches` (same nodes and arguments, another topological order,
     bit-identical values), and the sequence of sends and receives is unchanged."""

@@ -12,6 +12,10 @@ parameters and state out — whose graph holds, in the schedule's order, every a
             at the end of the step
     recv    `fxshard::recv`, issued early (fxshard.schedule.issue_order: right after the previous
             transfer with the same peer) and waited on just before the action that reads it
+    U/R/G   ZeRO's per-chunk collectives over dp: no nodes here. The program's StagePlan lists
+            them among its actions and each node carries its action's position there
+            (`meta.ACTION_INDEX`), so the fsdp pass issues a chunk's all-gathers at its U and its
+            gradient reductions at its G
 
 Gradients accumulate over microbatches as the B / W actions produce them; each parameter's total
 (divided by M: the loss is the mean over microbatches) is final after its last action, where the
@@ -43,7 +47,7 @@ from fxshard.ops.p2p import P2P_OPS  # noqa: F401  (registers fxshard::send / re
 from fxshard.optimizer_graph import append_update
 from fxshard.program import (REPLICATED, STAGE_LOCAL, GradientNorm, Input, InputKind, Output, OutputKind, Program,
                              StagePlan)
-from fxshard.schedule import COMPUTE, Action, Schedule, check_point_to_point, issue_order
+from fxshard.schedule import COMPUTE, ZERO, Action, Schedule, check_point_to_point, issue_order
 
 from .pipeline import Chunk, PipelineProgram
 
@@ -302,11 +306,12 @@ class _Lowering:
             if action.kind == produces_grads:
                 for name in self.pipeline.chunks[action.chunk].grads:
                     self.remaining[name] = self.remaining.get(name, 0) + 1
-        for action in self.actions:
+        for index, action in enumerate(self.actions):
             before = len(self.graph.nodes)
             self.lower(action)
             for node in list(self.graph.nodes)[before:]:  # what this action added (passes pair actions by it)
                 node.meta.setdefault(meta.ACTION, str(action))
+                node.meta.setdefault(meta.ACTION_INDEX, index)
         assert not self.stash and not self.weight_inputs and not self.inbox, "actions left values unread"
         return self.finish(trained)
 
@@ -322,7 +327,7 @@ class _Lowering:
             self.backward(action.chunk, action.mb)
         elif kind == "W":
             self.weight_gradient(action.chunk, action.mb)
-        elif kind != "OPT":
+        elif kind not in ("OPT", *ZERO):  # ZeRO's collectives are the fsdp pass's (StagePlan.actions)
             raise FxShardError(f"lower_schedule does not lower {kind} actions")
 
     def all_reduce(self, value: fx.Node, group: str, phase: str, layer: str) -> fx.Node:
@@ -389,12 +394,14 @@ class _Lowering:
         self.graph.lint()
         gm = fx.GraphModule(self.source.graph_module, self.graph)
         groups = {tied_group(stages, count): stages for stages in self.holders.values() if len(stages) > 1}
-        plan = StagePlan(self.stage, count, self.params_by_stage, tuple(sorted(groups.items())))
+        plan = StagePlan(self.stage, count, self.params_by_stage, tuple(sorted(groups.items())), self.actions)
         layers = [layer for c in self.local for layer in c.layers]
         notes = dict(self.source.notes, pipeline=(
             f"stage {self.stage} of {count}: chunks {[c.index for c in self.local]} (layers {', '.join(layers)}), "
             f"schedule {self.schedule.name}, {self.microbatches} microbatches, "
             f"{sum(a.kind in COMPUTE for a in self.actions)} compute actions, "
-            f"{sum(a.kind in ('SF', 'SB') for a in self.actions)} sends, {sum(a.kind in ('RF', 'RB') for a in self.actions)} receives"))
+            f"{sum(a.kind in ('SF', 'SB') for a in self.actions)} sends, {sum(a.kind in ('RF', 'RB') for a in self.actions)} receives"
+            + "".join(f", {sum(a.kind == kind for a in self.actions)} {kind}" for kind in ZERO
+                      if any(a.kind == kind for a in self.actions))))
         return self.source.replace(graph_module=gm, inputs=tuple(self.inputs), outputs=tuple(outputs), notes=notes,
                                    grad_norm=GradientNorm(("pp",), elsewhere), stage=plan)

@@ -202,3 +202,136 @@ def test_dualpipev_config_sets_two_chunks_per_rank_and_refuses_too_few_microbatc
         build("dualpipev", 2, 4)
     with pytest.raises(FxShardError, match=r"M >= 5, e.g. 6"):
         dualpipe_v(3, 4)
+
+
+def zero_bracketing(schedule):
+    """Independently of `check_zero_actions`: per rank, each compute action's chunk is gathered (inside a
+    U..R window), and each chunk's G comes after its last gradient-producing action and before OPT."""
+    for rank, actions in enumerate(schedule.ranks):
+        open_windows, windows = set(), {}
+        for index, action in enumerate(actions):
+            if action.kind == "U":
+                open_windows.add(action.chunk)
+                windows[action.chunk] = windows.get(action.chunk, 0) + 1
+            elif action.kind == "R":
+                open_windows.remove(action.chunk)
+            elif action.kind in schedules.COMPUTE and any(a.kind == "U" for a in actions):
+                assert action.chunk in open_windows, (rank, index, action)
+        assert not open_windows
+        for chunk in {a.chunk for a in actions if a.kind in schedules.COMPUTE}:
+            kind = "W" if Action("W", chunk, 0) in actions else "B"
+            last = max(i for i, a in enumerate(actions) if a.kind == kind and a.chunk == chunk)
+            assert actions.index(Action("G", chunk)) > last
+            assert actions.index(Action("G", chunk)) < actions.index(Action("OPT"))
+        yield windows
+
+
+@given(kind=st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dualpipev"]), stages=st.integers(1, 4),
+       rounds=st.integers(1, 3), prefetch=st.integers(0, 3), max_unsharded=st.integers(1, 3), unshard=st.booleans())
+def test_zero_actions_bracket_every_use_reduce_after_the_last_gradient_and_cost_nothing_by_default(
+        kind, stages, rounds, prefetch, max_unsharded, unshard):
+    from fxshard.schedule import add_zero_actions, check_point_to_point, combine_pairs, issue_order
+
+    virtual = 2 if kind in ("interleaved-1f1b", "dualpipev") else 1
+    microbatches = 2 * stages - 2 + rounds if kind == "dualpipev" else stages * rounds
+    plain = schedules.build(kind, stages, microbatches, virtual)
+    zero = add_zero_actions(plain, unshard, prefetch, max_unsharded)
+    assert [[a for a in r if a.kind not in schedules.ZERO] for r in zero.ranks] == [list(r) for r in plain.ranks]
+    for windows in zero_bracketing(zero):
+        if unshard and max_unsharded >= virtual:  # each chunk gathered once a step
+            assert set(windows.values()) == {1}
+    assert Schedule.from_json(zero.to_json()) == zero
+    # free collectives change no time: the same compute timeline as without them
+    before, after = simulate(plain), simulate(zero)
+    assert after.makespan == before.makespan and after.bubble == before.bubble
+    compute = [(r, i) for r, actions in enumerate(zero.ranks) for i, a in enumerate(actions) if a.kind in "FBW"]
+    assert sorted(after.start[n] for n in compute) == sorted(before.start[r, i] for r, actions in enumerate(plain.ranks)
+                                                             for i, a in enumerate(actions) if a.kind in "FBW")
+    check_point_to_point(zero, issue_order(zero))
+    combined, pairs = combine_pairs(zero)  # pairs keep ZeRO's collectives outside, like the transfers
+    list(zero_bracketing(combined))
+    for actions, mine in zip(combined.ranks, pairs):
+        for first, second in mine:
+            assert actions[actions.index(first) + 1] == second
+
+
+def test_collectives_show_as_bubble_only_where_compute_cannot_hide_them():
+    from fxshard.schedule import add_zero_actions
+
+    comm = {"F": 1.0, "B": 2.0, "U": 0.5, "G": 0.5}
+    # 1F1B: rank 0's first gather and last reduction have nothing to hide under; every later rank
+    # gathers while it waits for its first activation and reduces before rank 0's last backward ends
+    plain = one_f_one_b(4, 8)
+    zero = add_zero_actions(plain, unshard=True)
+    assert simulate(zero, comm).makespan == simulate(plain, comm).makespan + 1.0
+    assert all(b > a for a, b in zip(simulate(plain, comm).bubble, simulate(zero, comm).bubble))
+    # interleaved V=2: chunk 2's gather runs under chunk 0's forwards when prefetched one action ahead;
+    # without prefetch it waits, and with one chunk gathered at a time every switch of chunk waits
+    plain = interleaved_one_f_one_b(2, 4, 2)
+    base = simulate(plain, comm).makespan
+    ahead = simulate(add_zero_actions(plain, True, prefetch=1), comm).makespan
+    late = simulate(add_zero_actions(plain, True, prefetch=0), comm).makespan
+    thrash = simulate(add_zero_actions(plain, True, prefetch=1, max_unsharded=1), comm).makespan
+    assert ahead == base + (0.5 + 0.5) / 2  # the first chunk's gather and the last chunk's reduction
+    assert base < ahead < late < thrash
+    # reductions alone (ZeRO-1/2, no_shard): only the last one is exposed
+    assert simulate(add_zero_actions(plain, False), comm).makespan == base + 0.5 / 2
+    svg = to_svg(zero, simulate(zero, comm))
+    assert svg.count("<rect") == 4 * 8 * 2 + 4 * 2  # a compute block each, a bar per U and G
+
+
+def test_zero_actions_print_as_tokens_and_misplaced_ones_are_rejected():
+    from fxshard.schedule import add_zero_actions
+
+    assert [str(Action.parse(t)) for t in ("U1", "R12", "G0")] == ["U1", "R12", "G0"]
+    assert Action.parse("U1") == Action("U", 1) and Action.parse("R1") != Action.parse("RF1:0<0")
+    for bad in ("U1:0", "X1", "F1", "G"):
+        with pytest.raises(FxShardError, match="schedule action"):
+            Action.parse(bad)
+    zero = add_zero_actions(one_f_one_b(2, 2), unshard=True)
+    assert str(zero).splitlines() == [
+        "rank 0: U0 F0:0 SF0:0>1 F0:1 SF0:1>1 RB0:0<1 B0:0 RB0:1<1 B0:1 G0 R0 OPT",
+        "rank 1: U1 RF1:0<0 F1:0 B1:0 SB1:0>0 RF1:1<0 F1:1 B1:1 SB1:1>0 G1 R1 OPT"]
+
+    def edited(rank, tokens):
+        ranks = list(zero.ranks)
+        ranks[rank] = tuple(map(Action.parse, tokens.split()))
+        return Schedule(tuple(ranks), 2, 1, 2, "edited")
+
+    cases = {"outside a U0..R0 window": "U0 F0:0 SF0:0>1 R0 F0:1 SF0:1>1 RB0:0<1 B0:0 RB0:1<1 B0:1 G0 OPT",
+             "again before R0": "U0 F0:0 SF0:0>1 U0 F0:1 SF0:1>1 RB0:0<1 B0:0 RB0:1<1 B0:1 G0 R0 OPT",
+             "which no U0 gathered": "U0 F0:0 SF0:0>1 F0:1 SF0:1>1 RB0:0<1 B0:0 RB0:1<1 B0:1 G0 R0 R0 OPT",
+             "U0 has no R0": "U0 F0:0 SF0:0>1 F0:1 SF0:1>1 RB0:0<1 B0:0 RB0:1<1 B0:1 G0 OPT",
+             "G0 comes before B0:1": "U0 F0:0 SF0:0>1 F0:1 SF0:1>1 RB0:0<1 B0:0 G0 RB0:1<1 B0:1 R0 OPT",
+             "never reduces chunk 0": "U0 F0:0 SF0:0>1 F0:1 SF0:1>1 RB0:0<1 B0:0 RB0:1<1 B0:1 R0 OPT",
+             "G0 appears twice": "U0 F0:0 SF0:0>1 F0:1 SF0:1>1 RB0:0<1 B0:0 RB0:1<1 B0:1 G0 G0 R0 OPT",
+             "G0 comes after OPT": "U0 F0:0 SF0:0>1 F0:1 SF0:1>1 RB0:0<1 B0:0 RB0:1<1 B0:1 R0 OPT G0",
+             "chunk 1 lives on rank 1": "U0 U1 F0:0 SF0:0>1 F0:1 SF0:1>1 RB0:0<1 B0:0 RB0:1<1 B0:1 G0 R0 R1 OPT"}
+    for message, tokens in cases.items():
+        with pytest.raises(FxShardError, match=message):
+            simulate(edited(0, tokens))
+
+
+def test_the_pass_list_adds_zero_actions_for_the_strategy_and_keeps_a_users_own():
+    import fxshard
+    from fxshard.passes import lowered_schedule
+
+    def kinds(mesh, **config):
+        plan, _ = lowered_schedule(mesh, fxshard.Config(microbatches=4, **config))
+        return sorted({a.kind for actions in plan.ranks for a in actions} & set(schedules.ZERO))
+
+    assert kinds(fxshard.Mesh(pp=2, dp=2), sharding="optim_grads_params") == ["G", "R", "U"]
+    assert kinds(fxshard.Mesh(pp=2, dp=2), sharding="optim") == ["G"]
+    assert kinds(fxshard.Mesh(pp=2, dp=2), sharding="no_shard") == ["G"]
+    assert kinds(fxshard.Mesh(pp=2)) == []  # no dp axis: nothing to gather or reduce
+    own = Schedule.from_json('{"name": "mine", "stages": 2, "virtual": 1, "microbatches": 2, "ranks": '
+                             '[["U0", "F0:0", "F0:1", "B0:0", "B0:1", "G0", "R0"], '
+                             '["U1", "F1:0", "B1:0", "F1:1", "B1:1", "R1", "G1"]]}')
+    plan, _ = lowered_schedule(fxshard.Mesh(pp=2, dp=2), fxshard.Config(schedule=own, sharding="optim_grads_params"))
+    assert [str(a) for a in plan.ranks[1] if a.kind in schedules.ZERO] == ["U1", "R1", "G1"]  # kept as written
+    with pytest.raises(FxShardError, match=r"sharding='no_shard' over dp=2 issues \['G'\]"):
+        lowered_schedule(fxshard.Mesh(pp=2, dp=2), fxshard.Config(schedule=own, sharding="no_shard"))
+    compute = Schedule(tuple(tuple(a for a in r if a.kind in schedules.COMPUTE) for r in own.ranks), 2, 1, 2, "mine")
+    plan, _ = lowered_schedule(fxshard.Mesh(pp=2, dp=2), fxshard.Config(schedule=compute, sharding="optim_grads_params"))
+    assert plan == schedules.add_zero_actions(schedules.add_communication(
+        [list(r) for r in compute.ranks], 2, 1, 2, "mine"), True)
