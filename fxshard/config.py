@@ -36,7 +36,10 @@ class Config:
         that compile at different speeds.
     sharding: on a mesh, what FSDP shards over `dp` (Megatron's names): "no_shard" (DDP), "optim"
         (ZeRO-1), "optim_grads" (ZeRO-2), "optim_grads_params" (ZeRO-3).
-    fsdp_prefetch: issue a unit's all-gather this many units ahead of its first use.
+    fsdp_prefetch: issue a unit's all-gather this many units ahead of its first use. With Mesh(pp>1)
+        under ZeRO-3: this many compute actions of the stage's schedule ahead of the chunk's first use
+        (the schedule's U action, fxshard.schedule.add_zero_actions); the chunk then stays gathered
+        while the step uses it (at most two chunks per rank at once).
     param_dtype: compute with parameters cast to this dtype (e.g. torch.bfloat16); masters and
         optimizer state keep the model's dtype. Under ZeRO-3 the cast happens on the shard, before the
         all-gather. None: no cast.
