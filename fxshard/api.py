@@ -67,11 +67,12 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
             print(f"fxshard: wrote graph dumps to {config.dump_dir}", file=sys.stderr)
     batch_spec = BatchSpec.from_example(example_batch)
     if groups:  # before anything is materialized: ranks that would issue different collectives stop here
-        from .runtime.agreement import check_agreement, connect_pipeline_peers
+        from .runtime.agreement import check_agreement, check_pipeline_streams, connect_pipeline_peers
 
         check_agreement(programs[-1].graph, groups, batch_spec.device,
                         stage if programs[-1].stage is not None else None)
         if programs[-1].stage is not None:
+            check_pipeline_streams(groups["pp"], mesh, config)
             connect_pipeline_peers(programs[-1].graph, groups["pp"], batch_spec.device)
     # A meta-device model is initialized here, per module and seeded by module path (fxshard.init):
     # each rank materializes only its own shards.

@@ -724,20 +724,34 @@ def combine_pairs(schedule: Schedule) -> tuple[Schedule, tuple[tuple[tuple[Actio
     return dataclasses.replace(combined, name=f"{schedule.name}+combined"), pairs
 
 
-def check_point_to_point(schedule: Schedule, order: tuple[tuple[Action, ...], ...], pairs=()) -> None:
+def check_point_to_point(schedule: Schedule, order: tuple[tuple[Action, ...], ...], pairs=(),
+                         streams: str = "pair") -> None:
     """Raise FxShardError unless `order` (each rank's actions in issue order) runs to the end when
     every pair of ranks matches its transfers in issue order, one at a time (a send completes only
     together with its receive, and only once its value is computed), and each rank computes in
     order, waiting for the receives its compute reads: the model of NCCL point-to-point. A send is
     issued after the compute before it in the rank's order. `pairs` (each rank's pairs of actions
     from `combine_pairs`, run interleaved): the first action of a pair waits for both actions'
-    receives."""
+    receives.
+
+    `streams`: "pair", one in-order stream per pair of ranks (NCCL's default: a communicator per
+    pair); "group", one in-order stream per rank for all its transfers (a process group initialized
+    with `device_id`, whose one communicator carries every send and receive): a transfer then also
+    waits for every transfer the rank issued before it, to any peer."""
+    if streams not in ("pair", "group"):
+        raise ValueError(f"streams={streams!r}; 'pair' or 'group'")
     chunks = schedule.chunks
     compute = [[a for a in actions if a.kind in COMPUTE] for actions in order]
     transfers = {(rank, peer): [a for a in actions if a.peer == peer and a.kind in ("SF", "SB", "RF", "RB")]
                  for rank, actions in enumerate(order) for peer in range(schedule.stages)}
     done: set[tuple[int, str, int, int]] = set()  # (rank, kind, chunk, mb)
     position = {key: 0 for key in [*transfers, *range(len(order))]}
+    # "group": each rank's transfers to every peer, in issue order; only the first not done can run
+    issued = [[a for a in actions if a.kind in ("SF", "SB", "RF", "RB")] for actions in order]
+    head = [0] * len(order)
+
+    def at_head(rank: int, action: Action) -> bool:
+        return streams == "pair" or issued[rank][head[rank]] == action
 
     partner = {(rank, first): second for rank, mine in enumerate(pairs) for first, second in mine}
     gate = {}  # (rank, send) -> the compute action before it in the rank's order (None: nothing)
@@ -782,6 +796,8 @@ def check_point_to_point(schedule: Schedule, order: tuple[tuple[Action, ...], ..
             if position[peer, rank] >= len(other):
                 continue
             theirs = other[position[peer, rank]]
+            if not (at_head(rank, mine) and at_head(peer, theirs)):
+                continue
             if _matching(mine) != (theirs.kind, theirs.chunk, theirs.mb):
                 raise FxShardError(f"point-to-point out of order between ranks {rank} and {peer}: rank {rank}'s "
                                    f"next transfer is {mine}, rank {peer}'s is {theirs}")
@@ -790,6 +806,7 @@ def check_point_to_point(schedule: Schedule, order: tuple[tuple[Action, ...], ..
             if issued_after is None or (sender, issued_after.kind, issued_after.chunk, issued_after.mb) in done:
                 for side, action in ((rank, mine), (peer, theirs)):
                     done.add((side, action.kind, action.chunk, action.mb))
+                    head[side] += 1
                 position[rank, peer] += 1
                 position[peer, rank] += 1
                 progressed = True
@@ -798,8 +815,8 @@ def check_point_to_point(schedule: Schedule, order: tuple[tuple[Action, ...], ..
     stuck = [f"rank {r}: {compute[r][position[r]]}" for r in range(len(order)) if position[r] < len(compute[r])]
     stuck += [f"rank {r} -> {p}: {q[position[r, p]]}" for (r, p), q in transfers.items() if position[r, p] < len(q)]
     if stuck:
-        raise FxShardError(f"pipeline schedule {schedule.name} deadlocks with in-order point-to-point: "
-                           + "; ".join(stuck))
+        model = "in-order point-to-point" if streams == "pair" else "every transfer of a rank on one stream"
+        raise FxShardError(f"pipeline schedule {schedule.name} deadlocks with {model}: " + "; ".join(stuck))
 
 
 _COLORS = {"F": "#6fa8dc", "B": "#e69138", "W": "#93c47d"}

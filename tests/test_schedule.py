@@ -1,8 +1,10 @@
 """Pipeline schedules: every generated schedule is valid, and the simulator reproduces the closed forms."""
 
 import pytest
-from hypothesis import given, strategies as st
+import torch
+from hypothesis import given, settings, strategies as st
 
+import fxshard
 from fxshard import FxShardError
 from fxshard import schedule as schedules
 from fxshard.schedule import (Action, Schedule, gpipe, interleaved_one_f_one_b, one_f_one_b, simulate,
@@ -335,3 +337,37 @@ def test_the_pass_list_adds_zero_actions_for_the_strategy_and_keeps_a_users_own(
     plan, _ = lowered_schedule(fxshard.Mesh(pp=2, dp=2), fxshard.Config(schedule=compute, sharding="optim_grads_params"))
     assert plan == schedules.add_zero_actions(schedules.add_communication(
         [list(r) for r in compute.ranks], 2, 1, 2, "mine"), True)
+
+
+@settings(max_examples=12, deadline=None)
+@given(name=st.sampled_from(["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "dualpipev"]), stages=st.integers(2, 4),
+       rounds=st.integers(1, 2))
+def test_one_stream_per_rank_hangs_only_interleaved_schedules_at_three_stages_or_more(name, stages, rounds):
+    """NCCL with one communicator for the stage group (init_process_group(device_id=...)) runs a rank's
+    transfers in issue order across peers: the built-in order holds for every schedule but interleaved
+    1F1B at P >= 3, which the checker refuses naming the model."""
+    virtual = 2 if name in ("interleaved-1f1b", "dualpipev") else 1
+    microbatches = stages * rounds if name != "dualpipev" else 2 * stages * rounds
+    schedule = schedules.build(name, stages, microbatches, virtual)
+    order = schedules.issue_order(schedule)
+    schedules.check_point_to_point(schedule, order)
+    if name == "interleaved-1f1b" and stages >= 3:
+        with pytest.raises(FxShardError, match="every transfer of a rank on one stream"):
+            schedules.check_point_to_point(schedule, order, streams="group")
+    else:
+        schedules.check_point_to_point(schedule, order, streams="group")
+
+
+def test_a_process_group_bound_to_a_device_refuses_a_schedule_that_would_hang_on_it(monkeypatch):
+    import types
+
+    from fxshard.runtime import agreement
+
+    monkeypatch.setattr(agreement, "_backend", lambda group: "nccl")
+    bound = types.SimpleNamespace(bound_device_id=torch.device("cuda", 0))
+    mesh = fxshard.Mesh(pp=4)
+    interleaved = fxshard.Config(schedule="interleaved-1f1b", virtual_stages=2, microbatches=8)
+    with pytest.raises(FxShardError, match=r"device_id=cuda:0.*without device_id"):
+        agreement.check_pipeline_streams(bound, mesh, interleaved)
+    agreement.check_pipeline_streams(bound, mesh, fxshard.Config(schedule="1f1b", microbatches=8))
+    agreement.check_pipeline_streams(types.SimpleNamespace(bound_device_id=None), mesh, interleaved)

@@ -173,6 +173,47 @@ def check_agreement(graph: fx.Graph, groups: dict, device: torch.device, stage: 
                        f"{mine or 'nothing'} on stage {a} and {theirs or 'nothing'} on stage {b}; {_HINT}")
 
 
+def check_pipeline_streams(group, mesh, config) -> None:
+    """Refuse a pipeline schedule that would hang on the process group it runs on.
+
+    A process group initialized with `device_id` (`init_process_group(..., device_id=...)`) is
+    created eagerly, and NCCL then sends and receives over the group's one communicator: every
+    transfer of a rank waits for the ones it issued before, to any peer, instead of only those to
+    the same peer (fxshard's launcher leaves `device_id` out). `check_point_to_point` with
+    `streams="group"` models that; interleaved 1F1B at P >= 3 deadlocks there."""
+    from .. import schedule as schedules
+    from ..passes import lowered_schedule
+
+    bound = getattr(group, "bound_device_id", None) or _default_bound_device()
+    if bound is None or _backend(group) != "nccl":
+        return
+    plan, pairs = lowered_schedule(mesh, config)
+    try:
+        schedules.check_point_to_point(plan, schedules.issue_order(plan), pairs, streams="group")
+    except FxShardError as error:
+        raise FxShardError(
+            f"the process group was initialized with device_id={bound}, so NCCL runs every "
+            f"point-to-point transfer of a stage on one communicator, in issue order, and the {plan.name} schedule "
+            f"would hang there ({error}). Initialize the process group without device_id (as fxshard's launcher "
+            f"does: each pair of stages then gets its own communicator), or use a schedule without this cycle "
+            f"(e.g. schedule='1f1b', 'zb-h1' or 'dualpipev')") from None
+
+
+def _default_bound_device():
+    import torch.distributed as dist
+
+    return dist._get_default_group().bound_device_id if dist.is_initialized() else None
+
+
+def _backend(group) -> str:
+    import torch.distributed as dist
+
+    try:
+        return str(dist.get_backend(group)).lower()
+    except (RuntimeError, ValueError):
+        return ""
+
+
 def connect_pipeline_peers(graph: fx.Graph, group, device: torch.device) -> None:
     """Open this stage's point-to-point connections before the first step, every stage in one
     order. NCCL creates a pair's communicator at the pair's first send or receive and holds both
