@@ -201,8 +201,9 @@ def check_pipeline_streams(group, mesh, config) -> None:
 
 def _default_bound_device():
     import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_group
 
-    return dist._get_default_group().bound_device_id if dist.is_initialized() else None
+    return _get_default_group().bound_device_id if dist.is_initialized() else None
 
 
 def _backend(group) -> str:
