@@ -134,13 +134,21 @@ def written_bytes_by_op(program: Program) -> Counter:
 
 def peak_live_bytes(program: Program) -> int:
     """Peak bytes of live tensors while the graph runs in order: all inputs, plus every produced
-    tensor from its node until its last use (views cost nothing; multi-output nodes count once).
-    This is the per-rank memory the program asks for, before allocator effects."""
+    tensor from its node until the last use of it or of any view of it (views cost nothing but keep
+    their base alive: the members viewed out of an all-gathered flat unit; multi-output nodes count
+    once). This is the per-rank memory the program asks for, before allocator effects."""
     nodes = list(program.graph.nodes)
+    base = {}  # a view -> the node whose memory it aliases
+    for node in nodes:
+        if node.op == "call_function" and is_view(node) and node.all_input_nodes:
+            source = node.all_input_nodes[0]
+            base[node] = base.get(source, source)
     last_use = {}
     for index, node in enumerate(nodes):
         for source in node.all_input_nodes:
             last_use[source] = index
+            if source in base:
+                last_use[base[source]] = index
     inputs = sum(_nbytes(_value(n)) for n in nodes if n.op == "placeholder")
     live, peak, frees = 0, 0, defaultdict(list)
     for index, node in enumerate(nodes):
