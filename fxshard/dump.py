@@ -161,6 +161,21 @@ def peak_live_bytes(program: Program) -> int:
     return inputs + peak
 
 
+def _updates_lines(program: Program) -> list[str]:
+    """The optimizer phase (`Program.updates`): how many tensors it updates, over which axes each
+    one's squared gradient norm is summed, and which this rank leaves to another."""
+    if not program.updates:
+        return []
+    by_axes = Counter(" x ".join(u.norm_axes) or "this rank" for u in program.updates)
+    line = (f"optimizer phase: {len(program.updates)} updates"
+            + (f" ({program.train.optimizer.__class__.__name__})" if program.train is not None else "")
+            + "; gradient norm summed over " + ", ".join(f"{axes} ({n})" for axes, n in by_axes.items()))
+    elsewhere = [u.name for u in program.updates if not u.counted]
+    if elsewhere:
+        line += "; counted by another rank: " + ", ".join(elsewhere)
+    return [line, ""]
+
+
 def summarize(program: Program) -> str:
     nodes = [n for n in program.graph.nodes if n.op not in ("placeholder", "output")]
     by_phase = Counter(meta.phase(n) for n in nodes)
@@ -180,6 +195,7 @@ def summarize(program: Program) -> str:
     lines.append(f"{'peak live':<12} {'':>6} {_format_bytes(peak_live_bytes(program)):>12}"
                  f"   (inputs + live intermediates, per rank)")
     lines.append("")
+    lines.extend(_updates_lines(program))
     table: dict[str, Counter] = defaultdict(Counter)
     for node in nodes:
         table[meta.layer(node)][meta.phase(node)] += 1

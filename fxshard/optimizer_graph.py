@@ -7,6 +7,7 @@ shards) rebuild the phase with the same code the tracer used.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.fx as fx
@@ -15,6 +16,7 @@ import torch.fx.traceback as fx_traceback
 from . import meta
 from .graph import inline
 from .optim import Optimizer
+from .program import Update
 
 
 @dataclass(frozen=True)
@@ -27,27 +29,23 @@ class TrainSpec:
     guard_nonfinite: bool = False
 
 
-def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, names: list[str], params: list[fx.Node],
-                  grads: list[fx.Node], states: dict[tuple[str, str], fx.Node], lr: fx.Node, step: fx.Node,
-                  norm_group: str | tuple[str, ...] | dict | None = None,
-                  not_in_norm: frozenset[str] = frozenset()):
-    """Insert the optimizer phase at the graph's insertion point.
+def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence[Update], params: list[fx.Node],
+                  grads: list[fx.Node], states: dict[tuple[str, str], fx.Node], lr: fx.Node, step: fx.Node):
+    """Insert the optimizer phase of `updates` at the graph's insertion point.
 
-    `names[i]` names the tensor `params[i]` (a parameter, or a flat unit shard); with `norm_group`
-    (one mesh axis or several), the squared gradient norm is summed over those groups first (each rank
-    holds part of the gradients), or a dict giving each name its own;
-    names in `not_in_norm` are left out of this rank's part (another rank counts them: tied weights).
+    `params[i]` and `grads[i]` are the tensor and gradient of `updates[i]`, `states[name, slot]` its
+    optimizer state. The squared gradient norm is summed over each update's `norm_axes` (every rank
+    reduces every group of axes, even one it has nothing to count for: collectives must match),
+    updates not `counted` left out of this rank's part.
     With `spec.guard_nonfinite`, the update is skipped, on every rank alike, where the (global) norm
     is not finite, and the fourth value is a bool vector node: which of this rank's counted gradients
     (names in its meta[meta.NONFINITE_TENSORS]) are not finite; else None.
     Returns (grad_norm, {name: new tensor}, {(name, slot): new state}, nonfinite flags or None).
     """
+    names = [update.name for update in updates]
     slots = [[slot for (owner, slot) in states if owner == name] for name in names]
-
-    def groups_of(name: str) -> tuple[str, ...]:
-        group = norm_group.get(name, ()) if isinstance(norm_group, dict) else norm_group
-        return (group,) if isinstance(group, str) else tuple(group or ())
-
+    axes_of = {update.name: update.norm_axes for update in updates}
+    not_in_norm = frozenset(update.name for update in updates if not update.counted)
     optimizer, clip = spec.optimizer, spec.clip_grad_norm
     count = len(names)
     counted_names = [name for name in names if name not in not_in_norm]
@@ -63,9 +61,9 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, names: list[str],
         # one reduction per gradient (vector_norm), not a squared copy of it summed afterwards
         local = {name: torch.linalg.vector_norm(g, dtype=torch.float32).square()
                  for name, g in zip(names, grads) if name not in not_in_norm}
-        by_groups: dict[tuple[str, ...], list] = {groups_of(name): [] for name in names}
+        by_groups: dict[tuple[str, ...], list] = {axes_of[name]: [] for name in names}
         for name in counted_names:
-            by_groups[groups_of(name)].append(local[name])
+            by_groups[axes_of[name]].append(local[name])
         squares = grads[0].new_zeros((), dtype=torch.float32)
         for groups, counted in by_groups.items():
             part = torch.stack(counted or [torch.linalg.vector_norm(grads[0] * 0, dtype=torch.float32)]).sum()

@@ -214,15 +214,19 @@ class FlatUnit:
 
 
 @dataclass(frozen=True)
-class GradientNorm:
-    """How the optimizer phase's gradient norm is put together beyond one rank's gradients: the
-    squared norm is summed over `axes` (each rank of them holds different gradients: pipeline
-    stages), and the parameters in `counted_elsewhere` are left out of this rank's part (another
-    rank counts them: a weight tied across stages). A pass that rebuilds the optimizer phase
-    (FSDP's units) keeps both."""
+class Update:
+    """One entry of the optimizer phase: the tensor `name` (a parameter, or an FSDP unit's flat shard
+    on this rank) is updated from its gradient with the program's optimizer (`Program.train`, the
+    state slots its optimizer names). Its squared gradient norm is summed over the ranks along
+    `norm_axes` (they hold other parts of the gradient: pipeline stages, ZeRO shards, expert ranks),
+    and this rank counts it in the norm unless `counted` is False (another rank does: a weight tied
+    across pipeline stages). Passes that change what the optimizer sees map a program's updates to
+    theirs (lower_schedule keeps its stage's and sums over `pp`; fsdp makes one per unit) and
+    rebuild the phase from them (fxshard.optimizer_graph.append_update)."""
 
-    axes: tuple[str, ...] = ()
-    counted_elsewhere: frozenset[str] = frozenset()
+    name: str
+    norm_axes: tuple[str, ...] = ()
+    counted: bool = True
 
 
 @dataclass(frozen=True)
@@ -259,7 +263,7 @@ class Program:
     units: tuple["FlatUnit", ...] = ()         # flat parameter buffers, once a pass made them
     name: str = "traced"
     notes: dict = field(default_factory=dict)  # free-form facts a pass wants in the dump
-    grad_norm: GradientNorm = GradientNorm()
+    updates: tuple[Update, ...] = ()           # the optimizer phase, one entry per tensor it updates
     stage: StagePlan | None = None             # set by lower_schedule: one stage of a pipeline
 
     def replace(self, **changes) -> "Program":
@@ -272,6 +276,9 @@ class Program:
     @property
     def code(self) -> str:
         return self.graph_module.code
+
+    def update_of(self, name: str) -> Update:
+        return next(u for u in self.updates if u.name == name)
 
     def unit_of(self, spec: Input | Output) -> "FlatUnit | None":
         """The flat unit `spec` holds (a unit's PARAM, or one of its optimizer slots), or None."""

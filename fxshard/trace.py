@@ -30,7 +30,7 @@ from .moe_modules import swapped_forwards
 from .ops.grouped_mm import RouteGroupedMM
 from .optim import AdamW, Optimizer
 from .optimizer_graph import TrainSpec, append_update
-from .program import Input, InputKind, Output, OutputKind, Program
+from .program import Input, InputKind, Output, OutputKind, Program, Update
 from .batch import BatchSpec
 
 
@@ -226,7 +226,8 @@ class _ProgramBuilder:
         self.graph.output(tuple(values))
         _assign_layers(self.graph, param_nodes)
         self.graph.lint()
-        return Program(fx.GraphModule(self.root, self.graph), tuple(self.inputs), tuple(outputs), train=self.train)
+        return Program(fx.GraphModule(self.root, self.graph), tuple(self.inputs), tuple(outputs), train=self.train,
+                       updates=self.updates)
 
     def slice_batch(self, batch_nodes: list[fx.Node], microbatch: int) -> list[fx.Node]:
         if self.microbatches == 1:
@@ -341,9 +342,9 @@ class _ProgramBuilder:
         return loss, metrics, [grads.get(i) for i in range(len(self.params))], mutations
 
     def append_optimizer(self, param_nodes, grad_nodes, state_nodes, lr, step):
-        names = list(grad_nodes)
-        return append_update(self.graph, self.train, self.fake_mode, names, [param_nodes[n] for n in names],
-                             [grad_nodes[n] for n in names], state_nodes, lr, step)
+        self.updates = tuple(Update(name) for name in grad_nodes)
+        return append_update(self.graph, self.train, self.fake_mode, self.updates,
+                             [param_nodes[n] for n in grad_nodes], list(grad_nodes.values()), state_nodes, lr, step)
 
 
 @contextlib.contextmanager

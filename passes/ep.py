@@ -606,17 +606,16 @@ class _Rewrite:
     def finish(self) -> Program:
         old_output = next(n for n in self.old.nodes if n.op == "output")
         old_values = list(old_output.args[0])
-        trainable = [s for s in self.program.inputs if s.kind is InputKind.PARAM and s.requires_grad]
         grads = {meta.param(n): n for n in self.old.nodes if meta.phase(n) == meta.BWD and meta.param(n)}
         placeholders = dict(zip([i.name for i in self.program.inputs], self.program.placeholders()))
-        names = [s.name for s in trainable]
-        params = [self.env[placeholders[name]] for name in names]
-        grad_nodes = [self.lookup(grads[name]) for name in names]
+        updates = self.program.updates  # the same tensors: experts become this rank's shard of them
+        params = [self.env[placeholders[u.name]] for u in updates]
+        grad_nodes = [self.lookup(grads[u.name]) for u in updates]
         states = {(s.owner, s.slot): self.env[placeholders[s.name]]
                   for s in self.program.inputs if s.kind is InputKind.OPT_STATE}
         lr, step = (self.env[placeholders[name]] for name in ("lr", "step"))
-        grad_norm, new_params, new_states, nonfinite = append_update(self.graph, self.program.train, self.fake, names, params,
-                                                          grad_nodes, states, lr, step)
+        grad_norm, new_params, new_states, nonfinite = append_update(self.graph, self.program.train, self.fake, updates,
+                                                                     params, grad_nodes, states, lr, step)
         outputs, values = [], []
         for spec, value in zip(self.program.outputs, old_values):
             if spec.kind is OutputKind.LOSS or spec.kind is OutputKind.METRIC or spec.kind is OutputKind.BUFFER:

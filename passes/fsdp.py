@@ -45,7 +45,7 @@ from fxshard.errors import FxShardError
 from fxshard.graph import fake_mode_of, inline
 from fxshard.optimizer_graph import append_update
 from fxshard.program import (EXPERT_SHARDED, REPLICATED, FlatUnit, Input, InputKind, Output, OutputKind, Placement,
-                             Program)
+                             Program, Update)
 from fxshard.schedule import COMPUTE
 
 STRATEGIES = SHARDING_STRATEGIES
@@ -93,7 +93,7 @@ def fsdp(program: Program, cfg: FSDPConfig) -> Program:
     batch statistics (MoE load balancing, BatchNorm) are per local batch, as in any data parallelism.
     """
     units = group_into_units(program, cfg.world, include_frozen=cfg.shards_params, ep=cfg.ep,
-                             apart=program.grad_norm.counted_elsewhere)
+                             apart=frozenset(u.name for u in program.updates if not u.counted))
     return _Rewrite(program, units, cfg).run()
 
 
@@ -474,12 +474,11 @@ class _Rewrite:
         trained = [unit for unit in self.units if unit.trainable]
         grads = [self.wait(reductions[u.name], meta.OPTIM, meta.layer(reductions[u.name])) for u in trained]
         params = [self.own_shard(unit) for unit in trained]
-        names = [unit.name for unit in trained]
+        updates = self.unit_updates(trained)
         states = {key: node for key, node in self.state_inputs.items()}
         lr, step = (self.env[self.old_placeholders[name]] for name in ("lr", "step"))
         grad_norm, new_params, new_states, nonfinite = append_update(
-            self.graph, self.program.train, self.fake, names, params, grads, states, lr, step,
-            norm_group=self.norm_groups(trained), not_in_norm=self.counted_elsewhere(trained))
+            self.graph, self.program.train, self.fake, updates, params, grads, states, lr, step)
         outputs, values = [Output(OutputKind.LOSS, "loss"), Output(OutputKind.GRAD_NORM, "grad_norm")], []
         values += [self.wait(loss_reduce, meta.OPTIM, meta.POST), grad_norm]
         for unit in trained:
@@ -513,25 +512,27 @@ class _Rewrite:
         notes = dict(self.program.notes, fsdp=f"{cfg.strategy}, world {cfg.world}, prefetch {cfg.prefetch}, "
                                               f"{len(self.units)} units")
         return self.program.replace(graph_module=gm, inputs=tuple(self.inputs), outputs=tuple(outputs),
-                                    units=tuple(self.units), notes=notes)
+                                    units=tuple(self.units), notes=notes, updates=updates)
 
-    def norm_groups(self, units: list[FlatUnit]):
-        """Over which groups each unit's squared gradient norm is summed: where its gradient is split.
-        Sharded, the units partition all parameters over `dp` (expert shards over edp x ep = dp too);
-        replicated, only expert units are split (over `ep`). Axes the input program already sums over
-        (pipeline stages) come on top."""
-        outer = self.program.grad_norm.axes
-        if self.cfg.shards_optimizer:
-            return (*outer, self.cfg.axis)
-        if not any(unit.experts for unit in units):
-            return outer or None
-        return {unit.name: (*outer, "ep") if unit.experts else outer for unit in units}
-
-    def counted_elsewhere(self, units: list[FlatUnit]) -> frozenset[str]:
-        """Units whose parameters another rank counts in the gradient norm (group_into_units gives
-        such parameters units of their own)."""
-        elsewhere = self.program.grad_norm.counted_elsewhere
-        return frozenset(u.name for u in units if all(m.name in elsewhere for m in u.members))
+    def unit_updates(self, units: list[FlatUnit]) -> tuple[Update, ...]:
+        """The input program's updates of each unit's members, mapped to one update of the unit.
+        Its gradient norm sums where the members' did (pipeline stages) and where the unit's gradient
+        is split: sharded, the units partition all parameters over `dp` (expert shards over
+        edp x ep = dp too); replicated, only expert units are split (over `ep`). It counts on this
+        rank unless none of its members did (group_into_units gives such parameters units of their
+        own: a weight tied across stages)."""
+        updates = []
+        for unit in units:
+            members = [self.program.update_of(m.name) for m in unit.members]
+            outer = members[0].norm_axes
+            if any(m.norm_axes != outer for m in members):
+                raise AssertionError(f"unit {unit.name}'s members sum their norms over different axes")
+            if self.cfg.shards_optimizer:
+                axes = (*outer, self.cfg.axis)
+            else:
+                axes = (*outer, "ep") if unit.experts else outer
+            updates.append(Update(unit.name, axes, counted=any(m.counted for m in members)))
+        return tuple(updates)
 
     def own_shard(self, unit: FlatUnit) -> fx.Node:
         """The tensor this rank's optimizer updates: the shard, or for ZeRO-1/2 its slice of the full flat."""

@@ -23,7 +23,7 @@ FSDP pass, which runs next in the pass list, issues its reduction. A parameter h
 stages (tied embedding and head) has its partial gradients summed over them with an all-reduce.
 The loss (the mean over microbatches, computed on the last chunk's stage) and reported metrics
 (summed over microbatches) are all-reduced over `pp`, so every stage returns them; the gradient
-norm sums over `pp`, a tied parameter counted on its first stage only (`Program.grad_norm`).
+norm sums over `pp`, a tied parameter counted on its first stage only (`Program.updates`).
 A parameter's cast to the compute dtype and compute that reads no input (RoPE's tables) run once
 per step, not per microbatch.
 
@@ -45,7 +45,7 @@ from fxshard.errors import FxShardError
 from fxshard.graph import fake_mode_of, inline, is_pure
 from fxshard.ops.p2p import P2P_OPS  # noqa: F401  (registers fxshard::send / recv)
 from fxshard.optimizer_graph import append_update
-from fxshard.program import (REPLICATED, STAGE_LOCAL, GradientNorm, Input, InputKind, Output, OutputKind, Program,
+from fxshard.program import (REPLICATED, STAGE_LOCAL, Input, InputKind, Output, OutputKind, Program,
                              StagePlan)
 from fxshard.schedule import COMPUTE, ZERO, Action, Schedule, check_point_to_point, issue_order
 
@@ -371,17 +371,19 @@ class _Lowering:
             value = value if value is not None else self.zeros_like_output(spec.name)
             metric_outputs.append(spec)
             metric_values.append(self.all_reduce(value, "pp", meta.FWD, meta.POST))
-        elsewhere = frozenset(n for n in trained if self.holders[n][0] != self.stage)
+        # this stage's updates: summed over the stages, a tied parameter counted on its first holder
+        updates = tuple(dataclasses.replace(update, norm_axes=("pp", *update.norm_axes),
+                                            counted=update.counted and self.holders[update.name][0] == self.stage)
+                        for update in self.source.updates if update.name in trained)
         states = {(spec.owner, spec.slot): self.env[spec.name]
                   for spec in self.inputs if spec.kind is InputKind.OPT_STATE}
         grad_norm, new_params, new_states, nonfinite = append_update(
-            self.graph, self.source.train, self.fake, trained, [self.env[n] for n in trained],
-            [self.grads[n] for n in trained], states, self.env["lr"], self.env["step"], norm_group="pp",
-            not_in_norm=elsewhere)
+            self.graph, self.source.train, self.fake, updates, [self.env[u.name] for u in updates],
+            [self.grads[u.name] for u in updates], states, self.env["lr"], self.env["step"])
         values.append(grad_norm)
-        for name in trained:
-            outputs.append(Output(OutputKind.PARAM, name, STAGE_LOCAL))
-            values.append(new_params[name])
+        for update in updates:
+            outputs.append(Output(OutputKind.PARAM, update.name, STAGE_LOCAL))
+            values.append(new_params[update.name])
         for (name, slot), node in new_states.items():
             outputs.append(Output.optimizer_slot(slot, name, STAGE_LOCAL))
             values.append(node)
@@ -404,4 +406,4 @@ class _Lowering:
             + "".join(f", {sum(a.kind == kind for a in self.actions)} {kind}" for kind in ZERO
                       if any(a.kind == kind for a in self.actions))))
         return self.source.replace(graph_module=gm, inputs=tuple(self.inputs), outputs=tuple(outputs), notes=notes,
-                                   grad_norm=GradientNorm(("pp",), elsewhere), stage=plan)
+                                   updates=updates, stage=plan)
