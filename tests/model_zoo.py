@@ -267,14 +267,16 @@ def build(name, seed=0):
 
 
 def masked_batches(name, steps, rows=4, seed=0):
-    """`steps` batches of `rows` rows: every odd row right-padded (its last 3 tokens masked out and
-    ignored by the labels). Causal LMs predict every real token; BERT's masked LM every third."""
+    """`steps` batches of `rows` rows: every odd row padded by 3 (masked out and ignored by the labels),
+    on the right in the first half of the rows, on the left in the second (a query row that sees no key).
+    Causal LMs predict every real token; BERT's masked LM every third."""
     generator = torch.Generator().manual_seed(seed)
     batches = []
     for _ in range(steps):
         ids = torch.randint(0, VOCAB, (rows, SEQ), generator=generator)
         mask = torch.ones(rows, SEQ, dtype=torch.long)
-        mask[1::2, -3:] = 0
+        mask[1:rows // 2:2, -3:] = 0
+        mask[rows // 2 + 1::2, :3] = 0
         labels = torch.where(mask.bool(), ids, IGNORE)
         if name == "bert":
             labels[:, torch.arange(SEQ) % 3 != 0] = IGNORE

@@ -27,9 +27,14 @@ MOE = [name for name, (_, _, is_moe) in MODELS.items() if is_moe]
 MODES = {  # mode: (mesh, config), each on two ranks; their step's loss is the mean over 2 row ranges
     "dp2_zero3": (fxshard.Mesh(dp=2), fxshard.Config(sharding="optim_grads_params")),
     "pp2_1f1b": (fxshard.Mesh(pp=2), fxshard.Config(schedule="1f1b", microbatches=2)),
-    "dp2_ep2": (fxshard.Mesh(dp=2, ep=2), fxshard.Config(sharding="optim_grads_params")),
+    "dp2_ep2": (fxshard.Mesh(dp=2, ep=2), fxshard.Config(sharding="optim_grads_params", ep_overlap=True, ep_chunks=2)),
 }
-CASES = [(mode, name) for mode in MODES for name in MODELS if mode != "dp2_ep2" or name in MOE]
+# torchtitan's MoE counts its tokens per expert into a buffer in the forward (for the load-balancing
+# bias its optimizer hook updates); a pipeline's lowered program does not carry buffer updates yet
+BUFFER_UPDATES = pytest.mark.xfail(strict=True, reason="split_stages refuses forwards that update buffers: "
+                                   "passes/lower_schedule.py does not thread a buffer through the microbatches")
+CASES = [pytest.param(mode, name, marks=BUFFER_UPDATES if (mode, name) == ("pp2_1f1b", "titan_deepseek_v3") else ())
+         for mode in MODES for name in MODELS if mode != "dp2_ep2" or name in MOE]
 # The attention key bias has an exactly-zero true gradient (softmax is shift-invariant per query), so
 # both runs move it by AdamW-scaled rounding noise (measured: GPT-2 9e-4, BERT 0.59 relative after 10
 # steps, one device): those elements are left out of the parameter comparison; the loss is not affected.
@@ -92,11 +97,21 @@ def assert_like_eager(name, losses, params, eager):
         assert relative(compared(pname, params[pname]), compared(pname, value)) < 1e-4, pname
 
 
+LAYERS = {"llama": "model.layers", "gpt2": "transformer.h", "bert": "bert.encoder.layer", "mixtral": "model.layers",
+          "qwen3_moe": "model.layers", "titan_llama3": "layers", "titan_deepseek_v3": "layers"}
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_one_device(name, batches):
-    step = fxshard.shard(build(name), MODELS[name][1], batches[name][0], optimizer=ADAMW)
+    model = build(name)
+    step = fxshard.shard(model, MODELS[name][1], batches[name][0], optimizer=ADAMW)
     losses = [step(batch)["loss"].item() for batch in batches[name]]
     assert_like_eager(name, losses, step.parameters(), eager_losses(name, batches[name], 1, ADAMW))
+    # the blocks found in the module tree (a ModuleDict in torchtitan's), without Config(layers=...)
+    blocks = len(model.get_submodule(LAYERS[name]))
+    assert step.programs[0].notes["layers"] == [f"{LAYERS[name]}.{i}" for i in range(blocks)]
+    if name in ("mixtral", "qwen3_moe"):  # transformers' default experts call torch._grouped_mm, here in fp32
+        assert model.config._experts_implementation == "grouped_mm"
 
 
 @pytest.mark.parametrize("mode, name", CASES)
