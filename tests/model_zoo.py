@@ -223,7 +223,7 @@ def transformers_model(name):
                        num_key_value_heads=2, **no_dropout)),
         "gpt2": ("GPT2Config", "GPT2LMHeadModel",  # lm_head tied to wte
                  dict(n_positions=SEQ, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-                      attn_pdrop=0.0)),
+                      attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)),
         "bert": ("BertConfig", "BertForMaskedLM",  # the decoder tied to the word embeddings
                  dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                       max_position_embeddings=SEQ, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
