@@ -294,7 +294,7 @@ def rows_of(batch, start, stop):
 def eager_losses(name, batches, pieces, optimizer):
     """The model trained eagerly with torch.optim: each step's loss is the mean of `loss(piece)` over
     the batch's `pieces` equal row ranges (data-parallel ranks, or microbatches), as fxshard defines a
-    step's loss; returns the losses and the final parameters."""
+    step's loss; returns the losses, the final parameters and the final buffers."""
     from fxshard.testing import torch_optimizer
 
     model = build(name)
@@ -308,7 +308,7 @@ def eager_losses(name, batches, pieces, optimizer):
         loss.backward()
         torch_opt.step()
         losses.append(loss.item())
-    return losses, dict(model.named_parameters())
+    return losses, dict(model.named_parameters()), dict(model.named_buffers())
 
 
 def within(ours: float, eager: float, tolerance: float) -> bool:

@@ -64,7 +64,8 @@ def train_case(mode, name, batches):
     losses = [step(batch)["loss"].item() for batch in local]
     recognized = next((p.notes.get("moe_recognized", []) for p in step.programs if p.name == "recognize_moe"), [])
     ops = Counter(str(node.target) for node in step.program.graph.nodes if node.op == "call_function")
-    return {"losses": losses, "params": step.parameters(), "recognized": recognized, "ops": ops}
+    return {"losses": losses, "params": step.parameters(), "buffers": step.buffers(), "recognized": recognized,
+            "ops": ops}
 
 
 def train_matrix(cases, batches):
@@ -92,11 +93,28 @@ def distributed(request, batches):
 
 
 def assert_like_eager(name, losses, params, eager):
-    eager_loss, eager_params = eager
+    eager_loss, eager_params, _ = eager
     assert all(within(ours, want, 1e-5) for ours, want in zip(losses, eager_loss)), (losses, eager_loss)
     assert sorted(params) == sorted(eager_params)
     for pname, value in eager_params.items():
         assert relative(compared(pname, params[pname]), compared(pname, value)) < 1e-4, pname
+
+
+def assert_buffers_like_eager(name, per_rank, eager):
+    """Each rank's buffers (a pipeline stage: those it reads) as eager's after the same steps, and every
+    buffer eager's forward updated (torchtitan's MoE counts tokens into one) on some rank. Not under data
+    parallelism: there a rank's buffer updates see its own rows, as BatchNorm's statistics do under DDP."""
+    eager_buffers = eager[2]
+    initial = dict(build(name).named_buffers())
+    updated = {b for b, value in eager_buffers.items() if not torch.equal(value, initial[b])}
+    assert updated <= set().union(*per_rank) <= set(eager_buffers)
+    for buffers in per_rank:
+        for bname, value in buffers.items():
+            assert relative(as_real(value), as_real(eager_buffers[bname])) < 1e-6, bname
+
+
+def as_real(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor.float()
 
 
 LAYERS = {"llama": "model.layers", "gpt2": "transformer.h", "bert": "bert.encoder.layer", "mixtral": "model.layers",
@@ -108,7 +126,9 @@ def test_one_device(name, batches):
     model = build(name)
     step = fxshard.shard(model, MODELS[name][1], batches[name][0], optimizer=ADAMW)
     losses = [step(batch)["loss"].item() for batch in batches[name]]
-    assert_like_eager(name, losses, step.parameters(), eager_losses(name, batches[name], 1, ADAMW))
+    eager = eager_losses(name, batches[name], 1, ADAMW)
+    assert_like_eager(name, losses, step.parameters(), eager)
+    assert_buffers_like_eager(name, [step.buffers()], eager)
     # the blocks found in the module tree (a ModuleDict in torchtitan's), without Config(layers=...)
     blocks = len(model.get_submodule(LAYERS[name]))
     assert step.programs[0].notes["layers"] == [f"{LAYERS[name]}.{i}" for i in range(blocks)]
@@ -130,6 +150,8 @@ def test_distributed(mode, name, batches, distributed):
             assert ops["_c10d_functional.reduce_scatter_tensor.default"] > 0
         else:  # two stages: activations and their gradients cross between the ranks
             assert ops["fxshard.send.default"] > 0 and ops["fxshard.recv.default"] > 0
+    if mode == "pp2_1f1b":
+        assert_buffers_like_eager(name, [results[mode, name]["buffers"] for results in distributed], eager)
         if mode == "dp2_ep2":  # every MoE layer recognized and its tokens moved by all-to-alls
             assert len(result["recognized"]) == MOE_LAYERS[name], result["recognized"]
             assert ops["_c10d_functional.all_to_all_single.default"] > 0
