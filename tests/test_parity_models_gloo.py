@@ -33,8 +33,9 @@ MODES = {  # mode: (mesh, config), each on two ranks; their step's loss is the m
 }
 # torchtitan's MoE counts its tokens per expert into a buffer in the forward (for the load-balancing
 # bias its optimizer hook updates); a pipeline's lowered program does not carry buffer updates yet
-BUFFER_UPDATES = pytest.mark.xfail(strict=True, raises=fxshard.FxShardError, reason="split_stages refuses forwards that update buffers: "
-                                   "passes/lower_schedule.py does not thread a buffer through the microbatches")
+BUFFER_UPDATES = pytest.mark.xfail(strict=True, raises=fxshard.FxShardError,
+                                   reason="split_stages refuses forwards that update buffers: passes/lower_schedule.py "
+                                          "does not thread a buffer through the microbatches")
 CASES = [pytest.param(mode, name, marks=BUFFER_UPDATES if (mode, name) == ("pp2_1f1b", "titan_deepseek_v3") else ())
          for mode in MODES for name in MODELS if mode != "dp2_ep2" or name in MOE]
 # The attention key bias has an exactly-zero true gradient (softmax is shift-invariant per query), so
@@ -134,6 +135,11 @@ def test_one_device(name, batches):
     assert step.programs[0].notes["layers"] == [f"{LAYERS[name]}.{i}" for i in range(blocks)]
     if name in ("mixtral", "qwen3_moe"):  # transformers' default experts call torch._grouped_mm, here in fp32
         assert model.config._experts_implementation == "grouped_mm"
+    MODELS[name][1](model, batches[name][0]).backward()  # what ZERO_GRADIENT leaves out has no gradient
+    grads = {pname: p.grad for pname, p in model.named_parameters()}
+    for pname, rows in ZERO_GRADIENT.items():
+        if pname in grads:
+            assert grads[pname][rows].abs().max() <= 1e-6 * grads[pname].abs().max() + 1e-9, pname
 
 
 @pytest.mark.parametrize("mode, name", CASES)
