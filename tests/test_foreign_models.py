@@ -153,8 +153,8 @@ def test_blocks_in_a_module_dict_are_the_layers_for_units_and_pipeline_cuts():
     # four layers to cut between: two stages of two chunks each
     fxshard.check(model, lambda m, b: m(b), batch, mesh=fxshard.Mesh(pp=2),
                   config=fxshard.Config(schedule="interleaved-1f1b", virtual_stages=2, microbatches=2))
-    parity = eager_parity(model, lambda m, b: m(b), [batch] * 3, ADAMW)
-    assert parity.max_loss_rel < 1e-5
+    # torchtitan-style models with ModuleDict blocks train like eager on one device, under ZeRO-3 and
+    # pp=2: the model matrix, tests/test_parity_models_gloo.py
 
 
 def test_transformers_llama_with_packed_sequences_trains_like_eager():
