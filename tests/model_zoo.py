@@ -134,16 +134,49 @@ class GroupedExperts(nn.Module):
         return torch._grouped_mm(h, self.w2_EDF.transpose(-2, -1), offs=offsets)
 
 
+class LocalTokenDispatcher(nn.Module):
+    """Rows in expert order: a stable argsort of the flattened expert ids, each row the token of its
+    sorted index // top_k; the combine scales the experts' outputs by the scores in fp32 and
+    scatter_adds them back to the tokens."""
+
+    def __init__(self, top_k):
+        super().__init__()
+        self.top_k = top_k
+
+    def dispatch(self, x_TD, top_scores_TK, ids_TK):
+        order = torch.argsort(ids_TK.view(-1), stable=True)
+        sorted_scores = top_scores_TK.view(-1)[order]
+        token_of_row = order // self.top_k
+        return x_TD[token_of_row], (token_of_row, sorted_scores)
+
+    def combine(self, rows, metadata, x_TD):
+        token_of_row, sorted_scores = metadata
+        rows = (rows.to(torch.float32) * sorted_scores.reshape(-1, 1)).to(rows.dtype)
+        return torch.zeros_like(x_TD).scatter_add(0, token_of_row.reshape(-1, 1).expand(-1, x_TD.shape[-1]), rows)
+
+
+class RoutedExperts(nn.Module):
+    def __init__(self, dim, hidden, num_experts, top_k):
+        super().__init__()
+        self.inner_experts = GroupedExperts(dim, hidden, num_experts)
+        self.token_dispatcher = LocalTokenDispatcher(top_k)
+
+    def forward(self, x_BLD, top_scores, ids, counts):
+        x_TD = x_BLD.reshape(-1, x_BLD.shape[-1])
+        rows, metadata = self.token_dispatcher.dispatch(x_TD, top_scores.reshape(-1, ids.shape[-1]),
+                                                        ids.reshape(-1, ids.shape[-1]))
+        out_TD = self.token_dispatcher.combine(self.inner_experts(rows, counts), metadata, x_TD)
+        return out_TD.view_as(x_BLD)
+
+
 class MoE(nn.Module):
-    """torchtitan's MoE with its LocalTokenDispatcher: counts from a one-hot routing map, a stable
-    argsort of the expert ids, rows indexed by sorted index // top_k, the scores applied to the
-    experts' outputs in fp32, a scatter_add back to the tokens, plus the shared experts."""
+    """torchtitan's MoE: the router, counts from a one-hot routing map (also accumulated into a buffer
+    for the load-balancing bias that its optimizer hook updates), the routed experts, the shared ones."""
 
     def __init__(self, dim, hidden, num_experts=4, top_k=2):
         super().__init__()
-        self.top_k = top_k
         self.router = TokenChoiceTopKRouter(dim, num_experts, top_k)
-        self.experts = GroupedExperts(dim, hidden, num_experts)
+        self.routed_experts = RoutedExperts(dim, hidden, num_experts, top_k)
         self.shared_experts = FeedForward(dim, hidden)
         self.register_buffer("expert_bias_E", torch.zeros(num_experts), persistent=True)
         self.register_buffer("tokens_per_expert_E", torch.zeros(num_experts), persistent=False)
@@ -155,14 +188,7 @@ class MoE(nn.Module):
         if self.training:
             with torch.no_grad():
                 self.tokens_per_expert_E.add_(counts)
-        x = x_BLD.reshape(-1, x_BLD.shape[-1])
-        order = torch.argsort(ids.view(-1), stable=True)
-        sorted_scores = top_scores.view(-1)[order]
-        token_of_row = order // self.top_k
-        out_rows = self.experts(x[token_of_row], counts)
-        out_rows = (out_rows.to(torch.float32) * sorted_scores.reshape(-1, 1)).to(out_rows.dtype)
-        out = torch.zeros_like(x).scatter_add(0, token_of_row.reshape(-1, 1).expand(-1, x.shape[-1]), out_rows)
-        return out.view_as(x_BLD) + self.shared_experts(x_BLD)
+        return self.routed_experts(x_BLD, top_scores, ids, counts) + self.shared_experts(x_BLD)
 
 
 class TransformerBlock(nn.Module):
