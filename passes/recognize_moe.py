@@ -9,7 +9,8 @@ no facts. This pass finds them by matching the dataflow that makes such a layer 
     ids      = the flattened indices of a `topk` over [T, E] router scores     [T*k], k distinct per token
     perm     = sort(ids).indices  (or argsort(ids), stable or not)             [T*k]
     offsets  = cumsum(count of each expert in ids or in sort(ids).values)      [E]  (histc, bincount,
-               or scatter_add of ones; an int cast anywhere on the way)
+               scatter_add of ones, or the sum over tokens of a one-hot routing map
+               zeros[..., E].scatter(-1, ids, True), torchtitan's; an int cast anywhere on the way)
     rows     = tokens[perm // k] (index, index_select or gather), or tokens[perm], then any row-wise
                ops with other rows in the same order, e.g. a multiplication by scores[perm]
                (torchtitan's score_before_experts) or a mask computed from sort(ids).values
@@ -151,8 +152,36 @@ def _counted_key(offsets: fx.Node) -> tuple[fx.Node, int]:
         return counts.args[0], bins
     if counts.target is _aten.scatter_add.default and counts.args[1] == 0 and _is_ones(counts.args[3]):
         return counts.args[2], bins
+    if counts.target is _aten.sum.dim_IntList:
+        return _one_hot_key(counts), bins
     raise _NoMatch(f"the offsets accumulate {counts.target}, not a per-expert count (histc, bincount, "
-                   f"scatter_add of ones)")
+                   f"scatter_add of ones, or the sum of a one-hot routing map)")
+
+
+def _one_hot_key(counts: fx.Node) -> fx.Node:
+    """counts = sum over every dim but the last of zeros[..., E].scatter(-1, key, True): a routing map
+    with a one where a token chose an expert (torchtitan's MoE). With the key a top-k's indices (distinct
+    per token, checked by the caller) each one is one assignment, so the sum counts each expert's rows."""
+    routing_map = _through(counts.args[0], _INT_PASSTHROUGH)
+    if not (isinstance(routing_map, fx.Node) and routing_map.target is _aten.scatter.value):
+        raise _NoMatch("the offsets sum something other than a routing map scattered from the expert ids")
+    base, dim, key, value = routing_map.args[:4]
+    shape = _val(routing_map).shape
+    summed = sorted(d % len(shape) for d in counts.args[1])
+    if summed != list(range(len(shape) - 1)) or call_argument(counts, "keepdim"):
+        raise _NoMatch(f"the offsets sum a routing map of shape {tuple(shape)} over dims {counts.args[1]}, not over "
+                       f"every dim but the experts'")
+    if dim % len(shape) != len(shape) - 1 or value not in (1, True) or not _is_zeros(base) or \
+            _val(key).shape[:-1] != shape[:-1]:
+        raise _NoMatch("the routing map the offsets sum is not ones scattered into zeros at the expert ids")
+    return key
+
+
+def _is_zeros(node) -> bool:
+    node = _through(node, _INT_PASSTHROUGH)
+    return isinstance(node, fx.Node) and (node.target in (_aten.zeros_like.default, _aten.zeros.default,
+                                                          _aten.new_zeros.default)
+                                          or node.target is _aten.full.default and node.args[1] in (0, False))
 
 
 def _is_ones(node) -> bool:

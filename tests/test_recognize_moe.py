@@ -23,11 +23,14 @@ class TitanMoE(nn.Module):
     """torchtitan's MoE (models/moe/moe.py) as it computes, in fp32, without the alignment padding of
     its grouped GEMM: a softmax/sigmoid top-k router, histc counts, a stable argsort, a gather of the
     tokens by sorted index // k, scores applied before or after the experts, three grouped GEMMs,
-    an optional shared expert, and a scatter_add combine. `variant` breaks one link on purpose."""
+    an optional shared expert, and a scatter_add combine. `counting="one_hot"` counts as torchtitan
+    0.3.0 does: the sum over tokens of a routing map with True scattered at the chosen experts.
+    `variant` breaks one link on purpose."""
 
-    def __init__(self, dim, hidden, experts, top_k, score_before=True, shared=True, variant=None):
+    def __init__(self, dim, hidden, experts, top_k, score_before=True, shared=True, variant=None, counting="histc"):
         super().__init__()
         self.experts, self.top_k, self.score_before, self.variant = experts, top_k, score_before, variant
+        self.counting = counting
         self.gate = nn.Linear(dim, experts, bias=False)
         if variant == "other_key":  # a second router, frozen: only its choice is read
             self.other_gate = nn.Linear(dim, experts, bias=False).requires_grad_(False)
@@ -48,7 +51,12 @@ class TitanMoE(nn.Module):
         counted = ids
         if self.variant == "other_key":  # counts from another router's choice than the rows' sort
             counted = torch.topk(self.other_gate(x), k=self.top_k, dim=1).indices
-        counts = torch.histc(counted.view(-1).float(), bins=self.experts, min=0, max=self.experts)
+        if self.counting == "one_hot":
+            counts = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, counted, True).sum(dim=0)
+        else:
+            counts = torch.histc(counted.view(-1).float(), bins=self.experts, min=0, max=self.experts)
+        if self.variant == "weighted_map":  # a map of twos: each count doubled
+            counts = torch.zeros_like(scores).scatter_(-1, counted, 2.0).sum(dim=0)
         with torch.no_grad():
             self.tokens_per_expert.add_(counts)
         order = torch.argsort(ids.view(-1), stable=True)
@@ -173,16 +181,25 @@ def test_transformers_experts_on_other_implementations_trace_as_grouped_mm_and_t
 
 @settings(max_examples=4)
 @given(mesh=st.sampled_from([(2, 2), (4, 2), (4, 4)]), experts_per_rank=st.integers(1, 2), top_k=st.integers(1, 3),
-       score_before=st.booleans(), shared=st.booleans(), sharding=st.sampled_from(STRATEGIES), overlap=st.booleans())
+       score_before=st.booleans(), shared=st.booleans(), sharding=st.sampled_from(STRATEGIES), overlap=st.booleans(),
+       counting=st.sampled_from(["histc", "one_hot"]))
 def test_torchtitan_style_moe_is_recognized_and_trains_like_one_device(mesh, experts_per_rank, top_k, score_before,
-                                                                      shared, sharding, overlap):
+                                                                      shared, sharding, overlap, counting):
     world, ep = mesh
     experts = ep * experts_per_rank
     torch.manual_seed(0)
-    model = TitanStyleMoEModel(experts=experts, top_k=min(top_k, experts), score_before=score_before, shared=shared)
+    model = TitanStyleMoEModel(experts=experts, top_k=min(top_k, experts), score_before=score_before, shared=shared,
+                               counting=counting)
     config = fxshard.Config(sharding=sharding, ep_overlap=overlap)
     assert_ep_trains_like_one_device(model, lambda m, b: m(b), local_batches(world, 32), fxshard.Mesh(dp=world, ep=ep),
                                      config)
+
+
+def test_counts_summed_from_a_one_hot_routing_map_are_recognized():
+    """torchtitan 0.3.0: zeros_like(scores, bool).scatter_(-1, ids, True).sum(tokens) as the counts."""
+    torch.manual_seed(0)
+    model = TitanStyleMoEModel(experts=4, top_k=2, counting="one_hot", score_before=False)
+    assert_ep_trains_like_one_device(model, lambda m, b: m(b), local_batches(2, 32), fxshard.Mesh(dp=2, ep=2))
 
 
 def test_rows_masked_by_the_sorted_ids_are_still_in_expert_order():
@@ -196,6 +213,7 @@ def test_rows_masked_by_the_sorted_ids_are_still_in_expert_order():
     ("unsorted", "not the tokens in the order of the sort"),
     ("hashed", "neither a top-k's flattened indices"),
     ("counts", "not a cumulative sum"),
+    ("weighted_map", "not ones scattered into zeros at the expert ids"),
 ])
 def test_look_alikes_are_not_split_and_the_error_says_why(variant, reason):
     torch.manual_seed(0)
