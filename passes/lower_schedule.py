@@ -17,6 +17,11 @@ parameters and state out — whose graph holds, in the schedule's order, every a
             (`meta.ACTION_INDEX`), so the fsdp pass issues a chunk's all-gathers at its U and its
             gradient reductions at its G
 
+Buffers a chunk's forward updates (`Chunk.buffers`) carry over from microbatch to microbatch in the
+order the forwards run (the schedule runs a chunk's forwards in microbatch order, as eager gradient
+accumulation does); each backward reads the parameters and buffers its own forward read, and the
+stage returns each buffer's final value (placement stage-local).
+
 Gradients accumulate over microbatches as the B / W actions produce them; each parameter's total
 (divided by M: the loss is the mean over microbatches) is final after its last action, where the
 FSDP pass, which runs next in the pass list, issues its reduction. A parameter held by several
@@ -98,6 +103,8 @@ class _Lowering:
         self.once: dict[tuple, fx.Node] = {}    # what a node computes (once_key) -> its one copy per step
         self.outbox: dict[tuple[str, int, int], list[fx.Node]] = {}  # ("F"|"B", chunk, mb) -> values it hands on
         self.inbox: dict[tuple[str, int, int], list[fx.Node]] = {}   # received, not yet waited on
+        self.buffers: dict[str, fx.Node] = {}   # buffer name -> its value after the forwards lowered so far
+        self.read: dict[tuple[int, int], list[fx.Node]] = {}  # (chunk, mb) -> the parameters its forward read
         self.stash: dict[tuple[int, int], dict[str, fx.Node]] = {}   # (chunk, mb) -> forward values its backward reads
         self.weight_inputs: dict[tuple[int, int], list[fx.Node]] = {}
         self.grads: dict[str, fx.Node] = {}      # parameter -> its gradient summed so far
@@ -184,7 +191,8 @@ class _Lowering:
         return (node.target, repr(args), repr(sorted(kwargs.items())))
 
     def params_of(self, chunk: Chunk) -> list[fx.Node]:
-        return [self.env[name] for name in chunk.params]
+        """The chunk's parameters and buffers, each buffer as the forwards lowered so far left it."""
+        return [self.buffers.get(name, self.env[name]) for name in chunk.params]
 
     # ---- point to point -----------------------------------------------------------------------
     def receive(self, action: Action) -> None:
@@ -242,7 +250,10 @@ class _Lowering:
         chunk = self.pipeline.chunks[c]
         received = self.neighbour("F", c - 1, mb, meta.FWD) if c > 0 else []
         leaves = [self.batch_rows(i, mb) for i in chunk.batch]
-        outputs = self.copy(chunk.forward, [*self.params_of(chunk), *leaves, *received], mb, len(chunk.params))
+        params = self.read[c, mb] = self.params_of(chunk)  # its backward reads the buffers this forward saw
+        outputs = self.copy(chunk.forward, [*params, *leaves, *received], mb, len(chunk.params))
+        for name in reversed(chunk.buffers):  # microbatch m+1's forward reads what m's wrote, as in eager
+            self.buffers[name] = outputs.pop()
         for name in reversed(chunk.metrics):
             value = outputs.pop()
             self.metrics[name] = value if name not in self.metrics else self.add(self.metrics[name], value, meta.FWD)
@@ -260,11 +271,11 @@ class _Lowering:
         received = [] if last else self.neighbour("B", c + 1, mb, meta.BWD)
         saved = self.stash.pop((c, mb))
         leaves = [self.batch_rows(i, mb) for i in chunk.batch]
-        inputs = [*self.params_of(chunk), *leaves, *[saved[n] for n in chunk.saved], *received]
+        inputs = [*self.read.pop((c, mb)), *leaves, *[saved[n] for n in chunk.saved], *received]
         sent = len(chunk.grad_send)
         if self.split_backward:
             outputs = self.copy(chunk.backward_input, inputs, mb, len(chunk.params))
-            self.weight_inputs[c, mb] = [*inputs[len(chunk.params):], *outputs[sent:]]
+            self.weight_inputs[c, mb] = [*inputs, *outputs[sent:]]
         else:
             outputs = self.copy(chunk.backward, inputs, mb, len(chunk.params))
             self.accumulate(chunk, outputs[sent:])
@@ -273,7 +284,7 @@ class _Lowering:
 
     def weight_gradient(self, c: int, mb: int) -> None:
         chunk = self.pipeline.chunks[c]
-        inputs = [*self.params_of(chunk), *self.weight_inputs.pop((c, mb))]
+        inputs = self.weight_inputs.pop((c, mb))
         self.accumulate(chunk, self.copy(chunk.backward_weight, inputs, mb, len(chunk.params)))
 
     def add(self, total: fx.Node, value: fx.Node, phase: str) -> fx.Node:
@@ -389,6 +400,10 @@ class _Lowering:
             values.append(node)
         outputs += metric_outputs
         values += metric_values
+        for spec in self.source.outputs_of(OutputKind.BUFFER):  # updated by this stage's forwards
+            if spec.name in self.buffers:
+                outputs.append(dataclasses.replace(spec, placement=STAGE_LOCAL))
+                values.append(self.buffers[spec.name])
         if nonfinite is not None:
             outputs.append(Output(OutputKind.NONFINITE, "nonfinite"))
             values.append(nonfinite)

@@ -61,6 +61,7 @@ class Chunk:
     backward_input: fx.GraphModule | None = None   # (params, batch, saved, grad_recv) -> (grad_send, carry)
     backward_weight: fx.GraphModule | None = None  # (params, batch, saved, grad_recv, carry) -> param grads
     carry: tuple[str, ...] = ()
+    buffers: tuple[str, ...] = ()  # buffers the forward updates (BatchNorm statistics, routing counts): its last outputs
 
     @property
     def forward_outputs(self) -> tuple[str, ...]:
@@ -145,9 +146,6 @@ def split_stages(program: Program, chunks: int, stage_layers: list[int] | None =
     if any(meta.microbatch(n) for n in graph.nodes):
         raise FxShardError("split_stages takes the program of one microbatch; the pipeline runtime "
                            "feeds microbatches itself (leave Config(microbatches) to the schedule)")
-    if program.outputs_of(OutputKind.BUFFER):
-        raise FxShardError("the model updates buffers in its forward (e.g. BatchNorm statistics); "
-                           "pipeline parallelism does not support buffer updates yet")
     layers = [layer for layer in program.notes.get("layers", [])]
     placeholders = dict(zip(program.placeholders(), program.inputs))
     param_bytes: dict[str, int] = {}
@@ -197,6 +195,12 @@ class _Splitter:
         loss = self.program.output_nodes()[0]
         self.metric_nodes = {node: spec.name for spec, node in zip(self.program.outputs, self.program.output_nodes())
                              if spec.kind is OutputKind.METRIC}
+        self.buffer_nodes = {node: spec.name for spec, node in zip(self.program.outputs, self.program.output_nodes())
+                             if spec.kind is OutputKind.BUFFER}
+        for node, name in self.buffer_nodes.items():
+            if node not in where or where[node][0] != "fwd":
+                raise FxShardError(f"buffer {name!r} is updated outside the forward of a layer (by {node.name}); "
+                                   f"pipeline stages update buffers only in their forward")
         # forward values a later chunk reads (its forward or its backward); backward values an earlier chunk reads
         last_reader: dict[fx.Node, int] = {}
         first_reader: dict[fx.Node, int] = {}
@@ -313,8 +317,10 @@ class _Splitter:
                                f"optimizer may read")
         has_loss = loss in fwd_set
         metrics = [n for n in self.metric_nodes if n in fwd_set]
+        buffers = [n for n in self.buffer_nodes if n in fwd_set]
         forward = self.subgraph(fwd_nodes, [*params, *batch, *recv],
-                                [*send, *[s for s in saved if s not in send], *([loss] if has_loss else []), *metrics])
+                                [*send, *[s for s in saved if s not in send], *([loss] if has_loss else []), *metrics,
+                                 *buffers])
         partials = []
         for name, info in grads.items():
             partials.append((name, info["parts"][c], info["cast"]))
@@ -328,7 +334,8 @@ class _Splitter:
                      tuple(n.name for n in recv), tuple(n.name for n in send), tuple(n.name for n in saved),
                      has_loss, tuple(self.metric_nodes[n] for n in metrics),
                      tuple(n.name for n in grad_recv), tuple(n.name for n in grad_send),
-                     tuple(name for name, _, _ in partials), backward_input, backward_weight, carry)
+                     tuple(name for name, _, _ in partials), backward_input, backward_weight, carry,
+                     tuple(self.buffer_nodes[n] for n in buffers))
 
     def subgraph(self, nodes, inputs, outputs, partials=()) -> fx.GraphModule:
         graph = fx.Graph()

@@ -14,7 +14,7 @@ from fxshard.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig
 from fxshard.passes import run_pipeline
 from fxshard.passes.lower_schedule import lower_schedule
 from fxshard.passes.pipeline import assign_layers, split_stages
-from fxshard.program import InputKind, OutputKind
+from fxshard.program import STAGE_LOCAL, InputKind, OutputKind
 from fxshard.testing import SimulatedRanks, assert_step_like_eager, relative, torch_optimizer
 
 
@@ -33,8 +33,9 @@ def concatenated(microbatches):
 
 
 def unsplit_program_run(program, params, batch):
-    """The un-rewritten program on one microbatch: (loss, {param: gradient}). Traced with plain SGD at
-    lr 1, so each gradient is the parameter minus its update."""
+    """The un-rewritten program on one microbatch: (loss, {param: gradient}), and the buffers it
+    updates written back into `params`. Traced with plain SGD at lr 1, so each gradient is the
+    parameter minus its update."""
     args = []
     leaves = iter(torch.utils._pytree.tree_leaves(batch))
     for spec in program.inputs:
@@ -46,6 +47,7 @@ def unsplit_program_run(program, params, batch):
             args.append(params[spec.name])
     outputs = dict(zip([(o.kind, o.name) for o in program.outputs], program.graph_module(*args)))
     grads = {name: params[name] - value for (kind, name), value in outputs.items() if kind is OutputKind.PARAM}
+    params.update({name: value for (kind, name), value in outputs.items() if kind is OutputKind.BUFFER})
     return outputs[OutputKind.LOSS, "loss"], grads
 
 
@@ -71,8 +73,8 @@ def check_pipeline(model, loss_fn, microbatches, schedule, stage_layers=None):
             scale = max(p.grad.abs().max().item(), 1e-6)
             tolerance = 1e-5 * scale + 1e-6 * params[name].abs().max().item()  # param - update rounds
             assert (params[name] - updated[name] - p.grad).abs().max().item() <= tolerance, name
-    # and against the program the split was cut from, microbatch by microbatch
-    params.update(dict(model.named_buffers()))
+    # and against the program the split was cut from, microbatch by microbatch (buffers carried over)
+    params.update({name: b.clone() for name, b in model.named_buffers()})
     unsplit = [unsplit_program_run(program, params, mb) for mb in microbatches]
     assert abs(metrics[0]["loss"].item() - sum(loss.item() for loss, _ in unsplit) / len(unsplit)) <= \
         1e-5 * abs(ref_loss.item())
@@ -288,3 +290,67 @@ def test_expert_parallel_inside_the_pipeline_trains_like_one_device(strategy, ki
     local = [concatenated(pieces[:microbatches]), concatenated(pieces[microbatches:])]
     assert_step_like_eager([s[-1] for s in stages], model, optimizer, mesh,
                            [local[mesh.coords(rank)["dp"]] for rank in range(mesh.size)], pieces, model_loss)
+
+
+class _EmaLayer(torch.nn.Module):
+    """Reads a buffer in its forward and then updates it in place (as BatchNorm's statistics or a
+    router's token counts): microbatch m+1's forward sees m's update, and each backward needs the
+    value its own forward read (tanh's derivative at lin(x) + ema)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+        self.register_buffer("ema", torch.zeros(width))
+
+    def forward(self, x):
+        y = torch.tanh(self.lin(x) + self.ema)
+        self.ema.mul_(0.5).add_(y.detach().mean(0))
+        return y
+
+
+class _EmaStack(torch.nn.Module):
+    def __init__(self, width=6, depth=4):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_EmaLayer(width) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@given(kind=st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1"]), rounds=st.integers(1, 2),
+       seed=st.integers(0, 3))
+def test_buffers_updated_in_the_forward_thread_through_the_microbatches_of_every_stage(kind, rounds, seed):
+    """Each stage's buffers after the step are eager's after running the microbatches in order (and
+    every stage program returns those it holds); losses and gradients match eager's."""
+    stages, virtual = 2, 2 if kind == "interleaved" else 1
+    microbatches = stages * rounds
+    schedule = {"gpipe": lambda: schedules.gpipe(stages, microbatches),
+                "1f1b": lambda: schedules.one_f_one_b(stages, microbatches),
+                "interleaved": lambda: schedules.interleaved_one_f_one_b(stages, microbatches, virtual),
+                "zb-h1": lambda: schedules.zero_bubble_h1(stages, microbatches)}[kind]()
+    torch.manual_seed(seed)
+    model = _EmaStack()
+    batches = [{"x": torch.randn(3, 6), "y": torch.randn(3, 6)} for _ in range(microbatches)]
+
+    def loss_fn(m, b):
+        return torch.nn.functional.mse_loss(m(b["x"]), b["y"])
+
+    reference = copy.deepcopy(model)
+    pipeline, stage_programs = check_pipeline(model, loss_fn, batches, schedule)
+    assert sum(len(c.buffers) for c in pipeline.chunks) == 4
+    with torch.no_grad():
+        for batch in batches:
+            reference(batch["x"])
+    ranks = SimulatedRanks(stage_programs, model, fxshard.optim.SGD(lr=1.0), fxshard.Mesh(pp=stages))
+    ranks.step([concatenated(batches)] * stages)
+    held = {}
+    for stage, state in enumerate(ranks.states):
+        outputs = stage_programs[stage].outputs_of(OutputKind.BUFFER)
+        assert outputs and all(o.placement == STAGE_LOCAL for o in outputs)
+        held.update({o.name: state[InputKind.BUFFER, o.name] for o in outputs})
+    expected = dict(reference.named_buffers())
+    assert held.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(held[name], value, rtol=1e-5, atol=1e-6)
