@@ -182,10 +182,12 @@ class ScaledBlock(torch.nn.Module):
         return torch.tanh(self.linear(x)) * torch.tensor([0.5, 2.0]).repeat(x.shape[-1] // 2)
 
 
-class ScaledBlocks(torch.nn.Module):
-    def __init__(self, width=8, layers=3):
+class Blocks(torch.nn.Module):
+    """`layers` blocks made by `block(width)`, applied in order (the layers the split cuts between)."""
+
+    def __init__(self, block, width, layers):
         super().__init__()
-        self.layers = torch.nn.ModuleList(ScaledBlock(width) for _ in range(layers))
+        self.layers = torch.nn.ModuleList(block(width) for _ in range(layers))
 
     def forward(self, x):
         for layer in self.layers:
@@ -196,7 +198,7 @@ class ScaledBlocks(torch.nn.Module):
 @pytest.mark.parametrize("kind", ["1f1b", "zb-h1"])
 def test_constants_are_copied_into_every_chunk_that_reads_them(kind):
     torch.manual_seed(0)
-    model = ScaledBlocks()
+    model = Blocks(ScaledBlock, 8, 3)
     generator = torch.Generator().manual_seed(0)
     microbatches = [{"x": torch.randn(2, 8, generator=generator), "y": torch.randn(2, 8, generator=generator)}
                     for _ in range(3)]
@@ -308,17 +310,6 @@ class _EmaLayer(torch.nn.Module):
         return y
 
 
-class _EmaStack(torch.nn.Module):
-    def __init__(self, width=6, depth=4):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(_EmaLayer(width) for _ in range(depth))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 @given(kind=st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1"]), rounds=st.integers(1, 2),
        seed=st.integers(0, 3))
 def test_buffers_updated_in_the_forward_thread_through_the_microbatches_of_every_stage(kind, rounds, seed):
@@ -331,7 +322,7 @@ def test_buffers_updated_in_the_forward_thread_through_the_microbatches_of_every
                 "interleaved": lambda: schedules.interleaved_one_f_one_b(stages, microbatches, virtual),
                 "zb-h1": lambda: schedules.zero_bubble_h1(stages, microbatches)}[kind]()
     torch.manual_seed(seed)
-    model = _EmaStack()
+    model = Blocks(_EmaLayer, 6, 4)
     batches = [{"x": torch.randn(3, 6), "y": torch.randn(3, 6)} for _ in range(microbatches)]
 
     def loss_fn(m, b):
