@@ -30,13 +30,16 @@ class TrainSpec:
 
 
 def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence[Update], params: list[fx.Node],
-                  grads: list[fx.Node], states: dict[tuple[str, str], fx.Node], lr: fx.Node, step: fx.Node):
+                  grads: list[fx.Node], states: dict[tuple[str, str], fx.Node], lr: fx.Node, step: fx.Node,
+                  norm_groups: Sequence[tuple[str, ...]] = ()):
     """Insert the optimizer phase of `updates` at the graph's insertion point.
 
     `params[i]` and `grads[i]` are the tensor and gradient of `updates[i]`, `states[name, slot]` its
-    optimizer state. The squared gradient norm is summed over each update's `norm_axes` (every rank
-    reduces every group of axes, even one it has nothing to count for: collectives must match),
-    updates not `counted` left out of this rank's part.
+    optimizer state. The squared gradient norm is summed over each update's `norm_axes`, updates not
+    `counted` left out of this rank's part. The ranks of a group must issue the same all-reduces in
+    the same order: the groups of axes are reduced in sorted order, and `norm_groups` names those
+    other ranks reduce though this one may update nothing summed over them (a pipeline stage without
+    experts, where another stage's expert units sum over `ep`); this rank adds zero there.
     With `spec.guard_nonfinite`, the update is skipped, on every rank alike, where the (global) norm
     is not finite, and the fourth value is a bool vector node: which of this rank's counted gradients
     (names in its meta[meta.NONFINITE_TENSORS]) are not finite; else None.
@@ -46,6 +49,7 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence
     slots = [[slot for (owner, slot) in states if owner == name] for name in names]
     axes_of = {update.name: update.norm_axes for update in updates}
     not_in_norm = frozenset(update.name for update in updates if not update.counted)
+    all_groups = sorted({*axes_of.values(), *norm_groups})
     optimizer, clip = spec.optimizer, spec.clip_grad_norm
     count = len(names)
     counted_names = [name for name in names if name not in not_in_norm]
@@ -61,7 +65,7 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence
         # one reduction per gradient (vector_norm), not a squared copy of it summed afterwards
         local = {name: torch.linalg.vector_norm(g, dtype=torch.float32).square()
                  for name, g in zip(names, grads) if name not in not_in_norm}
-        by_groups: dict[tuple[str, ...], list] = {axes_of[name]: [] for name in names}
+        by_groups: dict[tuple[str, ...], list] = {group: [] for group in all_groups}
         for name in counted_names:
             by_groups[axes_of[name]].append(local[name])
         squares = grads[0].new_zeros((), dtype=torch.float32)

@@ -478,7 +478,8 @@ class _Rewrite:
         states = {key: node for key, node in self.state_inputs.items()}
         lr, step = (self.env[self.old_placeholders[name]] for name in ("lr", "step"))
         grad_norm, new_params, new_states, nonfinite = append_update(
-            self.graph, self.program.train, self.fake, updates, params, grads, states, lr, step)
+            self.graph, self.program.train, self.fake, updates, params, grads, states, lr, step,
+            norm_groups=self.norm_groups())
         outputs, values = [Output(OutputKind.LOSS, "loss"), Output(OutputKind.GRAD_NORM, "grad_norm")], []
         values += [self.wait(loss_reduce, meta.OPTIM, meta.POST), grad_norm]
         for unit in trained:
@@ -533,6 +534,15 @@ class _Rewrite:
                 axes = (*outer, "ep") if unit.experts else outer
             updates.append(Update(unit.name, axes, counted=any(m.counted for m in members)))
         return tuple(updates)
+
+    def norm_groups(self) -> tuple[tuple[str, ...], ...]:
+        """Every group of axes some rank sums its units' gradient norms over (`unit_updates`), whether or
+        not this rank holds such units: replicated expert units sum over `ep`, and a pipeline stage
+        without experts must still take part in that all-reduce (every rank of `pp` issues the same)."""
+        outer = ("pp",) if self.program.stage is not None else ()
+        if self.cfg.shards_optimizer:
+            return ((*outer, self.cfg.axis),)
+        return (outer, (*outer, "ep")) if self.cfg.ep > 1 else (outer,)
 
     def own_shard(self, unit: FlatUnit) -> fx.Node:
         """The tensor this rank's optimizer updates: the shard, or for ZeRO-1/2 its slice of the full flat."""

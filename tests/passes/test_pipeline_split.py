@@ -345,3 +345,32 @@ def test_buffers_updated_in_the_forward_thread_through_the_microbatches_of_every
     assert held.keys() == expected.keys()
     for name, value in expected.items():
         torch.testing.assert_close(held[name], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim"])
+def test_a_stage_without_experts_joins_the_expert_gradient_norm_all_reduce(strategy):
+    """DeepSeek-V3 style: the first layer is dense, so under Mesh(pp=2, dp=2, ep=2) stage 0 holds no
+    expert units. With replicated units the experts' squared norm sums over `ep`; stage 0 must issue
+    that all-reduce too (the pp group's members issue the same collectives), and every rank reports
+    eager's gradient norm."""
+    from model_zoo import MODELS, build, masked_batches, rows_of
+
+    name, mesh = "titan_deepseek_v3", fxshard.Mesh(pp=2, dp=2, ep=2)
+    config = fxshard.Config(schedule="1f1b", microbatches=2, sharding=strategy)
+    optimizer = fxshard.optim.AdamW(lr=1e-3)
+    model, loss_fn = build(name), MODELS[name][1]
+    batch = masked_batches(name, 1, 4)[0]
+    program = fxshard.trace(model, loss_fn, rows_of(batch, 0, 1), optimizer=optimizer)
+    stages = [run_pipeline(program, mesh, config, stage=s)[-1] for s in range(2)]
+    optim_reduces = [[n.args[2] for n in p.graph.nodes if meta.phase(n) == meta.OPTIM
+                      and n.target is torch.ops._c10d_functional.all_reduce.default] for p in stages]
+    assert optim_reduces[0] == optim_reduces[1]
+    assert not any(u.name.endswith(":experts") for u in stages[0].updates)
+    ranks = SimulatedRanks(stages, model, optimizer, mesh)
+    local = [rows_of(batch, 0, 2), rows_of(batch, 2, 4)]
+    metrics = ranks.step([local[mesh.coords(r)["dp"]] for r in range(mesh.size)])
+    reference = copy.deepcopy(model)
+    (sum(loss_fn(reference, rows_of(batch, i, i + 1)) for i in range(4)) / 4).backward()
+    norm = torch.sqrt(sum(p.grad.float().square().sum() for p in reference.parameters() if p.grad is not None))
+    for rank_metrics in metrics:
+        assert relative(rank_metrics["grad_norm"], norm) < 1e-5
