@@ -25,7 +25,7 @@ half the bytes written and read twice more.
 Invariant: the same parameter and optimizer-state updates, bit for bit (the widening is exact,
 commutes with views and concatenation, and with a power-of-two scaling of a normal number; AdamW's
 arithmetic is unchanged), except for scaled gradients below bf16's normal range (|g| < 2^-126 * ep),
-which may round; the gradient-norm metric equal up to the order in which the norm kernel sums.
+which may round (an fp16 flat gradient that is scaled keeps its fp32 copy: fp16's range is narrow); the gradient-norm metric equal up to the order in which the norm kernel sums.
 """
 
 from __future__ import annotations
@@ -97,14 +97,14 @@ def _narrow_flat_gradient(graph: fx.Graph, cat: fx.Node, fake_mode) -> int:
     if len(narrow) != 1:
         return 0
     chain = [cat]  # the cat, then a scaling by a power of two (1/ep for expert units)
-    if len(cat.users) == 1:
+    (dtype,) = narrow
+    if len(cat.users) == 1 and dtype == torch.bfloat16:  # exact in bf16 (fp32's exponent range), not in fp16
         (user,) = cat.users
         if (user.target is _aten.mul.Tensor and user.args[0] is cat and isinstance(user.args[1], float)
                 and math.frexp(user.args[1])[0] == 0.5 and not user.kwargs):
             chain.append(user)
     if not _only_optimizer_reads(chain[-1]):
         return 0
-    (dtype,) = narrow
     for part in parts:
         cast = part.args[0]
         part.replace_input_with(cast, cast.all_input_nodes[0])

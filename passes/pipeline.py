@@ -226,6 +226,15 @@ class _Splitter:
         result = []
         for c in range(count):
             result.append(self.build_chunk(c, fwd[c], bwd[c], sends, grad_sends, loss))
+        for chunk in result:  # a buffer carries over between microbatches only within the chunk updating it
+            for other in result:
+                shared = [b for b in chunk.buffers if other is not chunk and b in other.params]
+                if shared:
+                    raise FxShardError(
+                        f"buffer {shared[0]!r} is updated in the forward of layers {list(chunk.layers)} and read by "
+                        f"layers {list(other.layers)}, which fall into another pipeline chunk: the chunks would see "
+                        f"different values. Put those layers into one stage (Config(stage_layers=...)), or keep the "
+                        f"buffer in the layer that updates it")
         return PipelineProgram(tuple(result), self.program, tuple(tuple(g) for g in self.groups))
 
     def find_input_free(self) -> set[fx.Node]:

@@ -103,3 +103,19 @@ def test_flat_gradients_of_units_on_one_rank_axes_are_narrowed_bit_identically(c
         assert want_state.keys() == our_state.keys()
         for key, value in want_state.items():
             assert torch.equal(our_state[key], value), key
+
+
+def test_an_fp16_flat_gradient_scaled_by_one_over_ep_keeps_its_fp32_copy():
+    """Halving in fp16 rounds gradients below 2^-14 * ep (common in fp16); the pass leaves such a unit's
+    widening cast in place, so at dp=2 x ep=2 (expert units scaled, the rest reduced) nothing is narrowed."""
+    from fxshard.passes import run_pipeline
+
+    torch.manual_seed(0)
+    model = MoEGPT(MoEGPTConfig.preset("tiny", n_expert=4))
+    optimizer = fxshard.optim.AdamW(lr=1e-2)
+    config = fxshard.Config(param_dtype=torch.float16, reduce_dtype=torch.float32, sharding="optim")
+    batch = {"idx": torch.randint(0, 64, (2, 8)), "tgt": torch.randint(0, 64, (2, 8))}
+    program = fxshard.trace(model, lambda m, b: m.loss(b), batch, optimizer=optimizer, config=config)
+    programs = run_pipeline(program, fxshard.Mesh(dp=2, ep=2), config)
+    assert programs[-1].name == "fsdp"
+    assert [p.name for p in run_pipeline(program, fxshard.Mesh(dp=1), config)][-1] == "narrow_grads"  # unscaled

@@ -374,3 +374,36 @@ def test_a_stage_without_experts_joins_the_expert_gradient_norm_all_reduce(strat
     norm = torch.sqrt(sum(p.grad.float().square().sum() for p in reference.parameters() if p.grad is not None))
     for rank_metrics in metrics:
         assert relative(rank_metrics["grad_norm"], norm) < 1e-5
+
+
+def test_a_buffer_updated_in_one_chunk_and_read_in_another_is_refused():
+    """A model-level buffer that layer 0 reads and layer 1 updates: across a cut, the two chunks would
+    read different values, so the split refuses it and names the buffer and the layers."""
+
+    class Layer(torch.nn.Module):
+        def __init__(self, width, updates):
+            super().__init__()
+            self.lin, self.updates = torch.nn.Linear(width, width), updates
+
+        def forward(self, x, shared):
+            y = torch.tanh(self.lin(x) + shared)
+            if self.updates:
+                shared.mul_(0.5).add_(y.detach().mean(0))
+            return y
+
+    class Shared(torch.nn.Module):
+        def __init__(self, width=6):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer(width, False), Layer(width, True)])
+            self.register_buffer("shared", torch.zeros(width))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x, self.shared)
+            return x
+
+    batch = {"x": torch.randn(3, 6), "y": torch.randn(3, 6)}
+    program = fxshard.trace(Shared(), lambda m, b: torch.nn.functional.mse_loss(m(b["x"]), b["y"]), batch)
+    with pytest.raises(fxshard.FxShardError, match=r"buffer 'shared' is updated .* read by layers .*stage_layers"):
+        split_stages(program, 2)
+    assert len(split_stages(program, 1).chunks) == 1  # one chunk holds both: nothing to refuse
