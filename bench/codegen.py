@@ -31,10 +31,8 @@ def measure(model_name: str, codegen: str | None, batch: int, seq: int, iters: i
     (codegen's default: a region per layer's forward and backward) or "communication" (regions end
     only at fixed nodes: on one device, the whole forward and backward in one region)."""
     import fxshard
-    import fxshard.codegen
     from fxshard import models
 
-    fxshard.codegen.REGIONS_BY_LAYER = regions == "layer"
     kind, preset = MODELS[model_name]
     cfg = getattr(models, f"{kind}Config").preset(preset)
     torch.manual_seed(0)
@@ -43,7 +41,7 @@ def measure(model_name: str, codegen: str | None, batch: int, seq: int, iters: i
     generator = torch.Generator().manual_seed(0)
     data = {key: torch.randint(0, cfg.vocab_size, (batch, seq), generator=generator).cuda() for key in ("idx", "tgt")}
     config = fxshard.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cuda_graphs=True,
-                            codegen=codegen, verbose=True)
+                            codegen=codegen, codegen_regions=regions if regions != "-" else "layer", verbose=True)
     started = time.perf_counter()
     step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=fxshard.optim.AdamW(lr=1e-4), config=config)
     shard_s = time.perf_counter() - started

@@ -65,8 +65,6 @@ INDUCTOR_OPTIONS = {"fallback_random": True, "triton.cudagraphs": False}
 _CHEAP = {"full", "zeros", "ones", "empty", "empty_strided", "scalar_tensor", "arange", "iota", "lift_fresh_copy",
           "_to_copy", "clone", "alias"}
 FOLD_LIMIT_BYTES = 64 << 20  # a larger input-free result stays in its region (memory held for good otherwise)
-# regions end where a layer begins (find_regions); False: only at fixed nodes (bench/codegen.py compares)
-REGIONS_BY_LAYER = True
 
 
 def is_fixed(node: fx.Node) -> bool:
@@ -111,7 +109,7 @@ class Region:
         return f"{phase} {layer}"
 
 
-def find_regions(graph: fx.Graph, by_layer: bool | None = None) -> list[Region]:
+def find_regions(graph: fx.Graph, by_layer: bool = True) -> list[Region]:
     """The runs of consecutive non-fixed nodes, each with what it reads and what is read of it.
 
     Fixed nodes end a run. With `by_layer`, so does the first node of each (phase, microbatch, layer)
@@ -119,7 +117,6 @@ def find_regions(graph: fx.Graph, by_layer: bool | None = None) -> list[Region]:
     nodes of a neighbouring layer that the backward orders in between), so the same code at
     another depth is one structure key and compiles once, however little communication there is to
     cut at (one device: otherwise the whole forward and backward is a single region)."""
-    by_layer = REGIONS_BY_LAYER if by_layer is None else by_layer
     runs, run, seen = [], [], set()
     for node in graph.nodes:
         if is_fixed(node):
@@ -227,7 +224,7 @@ class CodegenReport:
 
 def compile_regions(graph_module: fx.GraphModule, compiler: Callable | None = None,
                     progress: Callable[[str], None] | None = None,
-                    by_layer: bool | None = None) -> tuple[fx.GraphModule, CodegenReport]:
+                    by_layer: bool = True) -> tuple[fx.GraphModule, CodegenReport]:
     """A copy of `graph_module` whose regions each run as one compiled call; and what was done.
 
     `compiler(gm, region) -> callable` compiles one region (default: Inductor); an exception from it

@@ -19,6 +19,7 @@ PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zb-h1", "dualpipev")
 EP_INTERLEAVINGS = ("combined-1f1b", "dual-batch")
 EP_ALL_TO_ALLS = ("nccl", "copy-engine")
 CODEGENS = ("auto", "inductor", None)
+CODEGEN_REGIONS = ("layer", "communication")
 NONFINITE_MODES = ("raise", "skip", "ignore")
 
 
@@ -87,6 +88,10 @@ class Config:
         whose order fxshard chose (communication, custom ops), which keep their order
         (fxshard/codegen.py); None replays it aten op by op; "auto" (default): "inductor" on CUDA,
         None on CPU (Inductor's CPU backend compiles C++: tens of seconds per new program).
+    codegen_regions: where compiled regions end besides those nodes. "layer" (default): also where a
+        layer's forward or backward begins, so identical layers compile once (a shorter compile);
+        "communication": only at those nodes (one device: the whole step is one region, which Inductor
+        may fuse across layer boundaries; bench/codegen.py compares the two).
     nonfinite: what a step does whose gradients are not all finite (a NaN or inf anywhere, on any rank;
         checked in the graph from the global gradient norm). "raise" (default): the update is not
         applied and an FxShardError names the step and the first parameter (or FSDP unit) whose
@@ -122,6 +127,7 @@ class Config:
     ep_interleave: str = "combined-1f1b"
     ep_all_to_all: str = "nccl"
     codegen: str | None = "auto"
+    codegen_regions: str = "layer"
     nonfinite: str = "raise"
 
     def __post_init__(self):
@@ -174,6 +180,8 @@ class Config:
             raise FxShardError(f"nonfinite={self.nonfinite!r}; choose one of {NONFINITE_MODES}")
         if self.codegen not in CODEGENS:
             raise FxShardError(f"codegen={self.codegen!r}; choose one of {CODEGENS}")
+        if self.codegen_regions not in CODEGEN_REGIONS:
+            raise FxShardError(f"codegen_regions={self.codegen_regions!r}; choose one of {CODEGEN_REGIONS}")
         if not isinstance(self.collective_timeout_s, (int, float)) or not self.collective_timeout_s > 0:
             raise FxShardError(f"collective_timeout_s must be a number of seconds > 0, got {self.collective_timeout_s!r}")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:

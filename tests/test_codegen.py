@@ -73,6 +73,8 @@ def test_codegen_is_off_on_cpu_by_default_and_validated():
     assert step.codegen is None and "codegen: off" in step.lowerings()
     with pytest.raises(fxshard.FxShardError, match="codegen='triton'; choose one of"):
         fxshard.Config(codegen="triton")
+    with pytest.raises(fxshard.FxShardError, match="codegen_regions='block'; choose one of"):
+        fxshard.Config(codegen_regions="block")
 
 
 @settings(deadline=None)
@@ -165,6 +167,9 @@ def test_identical_layers_compile_once(world):
         assert len(calls) == report.count("compiled") == len({r.key for r in calls})
         assert {f"fwd layers.{i}" for i in range(n_layer)} <= {r.where for r in report.regions}
         compiled[n_layer] = len(calls)
+        if world == 1:  # Config(codegen_regions="communication"): nothing to cut at on one device
+            _, whole = compile_regions(program.graph_module, compiler=lambda gm, region: gm, by_layer=False)
+            assert whole.count("compiled") == 1 and whole.regions[0].where != "fwd layers.0"
     assert compiled[4] == compiled[6]
 
 

@@ -49,6 +49,7 @@ class CompiledStep:
     def __init__(self, programs: list[Program], state: State, batch_spec: BatchSpec, optimizer: Optimizer,
                  device: torch.device, groups: dict | None = None, cuda_graphs: bool = False,
                  sm_carveout: int | None = None, all_to_all: str = "nccl", codegen: bool = False,
+                 codegen_by_layer: bool = True,
                  verbose: bool = False, coords: dict[str, int] | None = None, rank: int = 0,
                  mesh_description: str = "one device", expert_layouts: dict | None = None,
                  model_class: str = "", model_config=None, nonfinite: str = "ignore",
@@ -76,7 +77,7 @@ class CompiledStep:
         self._unchecked: list[tuple[int, dict]] = []
         # evaluate(): `evaluation` compiles the eval-mode program on first use (runtime/evaluate.py)
         self._compile_evaluation, self._evaluation = evaluation, None
-        self._codegen_on, self._verbose = codegen, verbose
+        self._codegen_on, self._codegen_by_layer, self._verbose = codegen, codegen_by_layer, verbose
         # the model's train/eval mode at shard(): changing it later changes nothing, which __call__ says once
         self._model, self._traced_training = model, (model.training if model is not None else None)
         run = self._bound(self.program)
@@ -91,7 +92,8 @@ class CompiledStep:
         # last: the compute between the nodes placed above is compiled; those nodes keep their order
         self.codegen: CodegenReport | None = None
         if codegen:
-            self._run, self.codegen = compile_regions(self._run, progress=progress_printer(verbose))
+            self._run, self.codegen = compile_regions(self._run, progress=progress_printer(verbose),
+                                                      by_layer=codegen_by_layer)
         if cuda_graphs and device.type != "cuda":
             raise FxShardError(f"Config(cuda_graphs=True) needs a CUDA device; the batch is on {device}")
         if cuda_graphs:
@@ -209,7 +211,7 @@ class CompiledStep:
                             self.program.stage.stage if self.program.stage is not None else None)
         run = self._bound(program)
         if self._codegen_on:
-            run, _ = compile_regions(run, progress=progress_printer(self._verbose))
+            run, _ = compile_regions(run, progress=progress_printer(self._verbose), by_layer=self._codegen_by_layer)
         return program, run
 
     def _arguments(self, leaves, program: Program | None = None):
