@@ -317,6 +317,12 @@ class _Lowering:
             if action.kind == produces_grads:
                 for name in self.pipeline.chunks[action.chunk].grads:
                     self.remaining[name] = self.remaining.get(name, 0) + 1
+        for c in {c.index for c in self.local if c.buffers}:  # buffers carry over in microbatch order, as in eager
+            order = [a.mb for a in self.actions if a.kind == "F" and a.chunk == c]
+            if order != sorted(order):
+                raise FxShardError(f"the schedule runs chunk {c}'s forwards in microbatch order {order}, but the chunk "
+                                   f"updates buffers {list(self.pipeline.chunks[c].buffers)} in its forward, which "
+                                   f"eager PyTorch updates microbatch by microbatch: run them in order")
         for index, action in enumerate(self.actions):
             before = len(self.graph.nodes)
             self.lower(action)

@@ -407,3 +407,20 @@ def test_a_buffer_updated_in_one_chunk_and_read_in_another_is_refused():
     with pytest.raises(fxshard.FxShardError, match=r"buffer 'shared' is updated .* read by layers .*stage_layers"):
         split_stages(program, 2)
     assert len(split_stages(program, 1).chunks) == 1  # one chunk holds both: nothing to refuse
+
+
+def test_a_schedule_running_forwards_out_of_order_is_refused_where_the_chunk_updates_buffers():
+    torch.manual_seed(0)
+    model = Blocks(_EmaLayer, 6, 2)
+    batch = {"x": torch.randn(3, 6), "y": torch.randn(3, 6)}
+    program = fxshard.trace(model, lambda m, b: torch.nn.functional.mse_loss(m(b["x"]), b["y"]), batch)
+    pipeline = split_stages(program, 2)
+    ordered = schedules.gpipe(2, 2)
+    swapped = [list(actions) for actions in ordered.ranks]
+    first, second = (i for i, a in enumerate(swapped[0]) if a.kind == "F")
+    swapped[0][first], swapped[0][second] = swapped[0][second], swapped[0][first]
+    compute = [[a for a in actions if a.kind in schedules.COMPUTE] for actions in swapped]
+    reordered = schedules.add_communication(compute, 2, 1, 2, "swapped")
+    lower_schedule(pipeline, ordered, 0)
+    with pytest.raises(fxshard.FxShardError, match=r"chunk 0's forwards in microbatch order \[1, 0\]"):
+        lower_schedule(pipeline, reordered, 0)
