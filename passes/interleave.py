@@ -40,14 +40,14 @@ def interleave_microbatches(program: Program, pairing: str = "combined-1f1b") ->
         raise FxShardError(f"microbatch interleaving {pairing!r}; choose one of {PAIRINGS}")
     nodes = list(program.graph.nodes)
     microbatches = 1 + max(meta.microbatch(n) for n in nodes)
-    order = nodes
+    order, latest = nodes, _latest_microbatch(nodes)
     if pairing == "combined-1f1b":
         for m in range(microbatches - 1):
-            order = _merge(order, _part(order, meta.BWD, m), _part(order, meta.FWD, m + 1))
+            order = _merge(order, _part(order, latest, meta.BWD, m), _part(order, latest, meta.FWD, m + 1))
     else:
         for m in range(0, microbatches - 1, 2):
-            order = _merge(order, _part(order, meta.FWD, m), _part(order, meta.FWD, m + 1))
-            order = _merge(order, _part(order, meta.BWD, m), _part(order, meta.BWD, m + 1))
+            order = _merge(order, _part(order, latest, meta.FWD, m), _part(order, latest, meta.FWD, m + 1))
+            order = _merge(order, _part(order, latest, meta.BWD, m), _part(order, latest, meta.BWD, m + 1))
     described = {"combined-1f1b": "backward m with forward m+1",
                  "dual-batch": "forward m with forward m+1, backward m with backward m+1"}[pairing]
     notes = dict(program.notes, interleave=f"{pairing}: {described} interleaved at communication issues, "
@@ -89,8 +89,22 @@ def interleave_actions(program: Program, pairs: list[tuple[str, str]]) -> Progra
     return program.replace(graph_module=reordered(program.graph_module, order), notes=notes)
 
 
-def _part(order: list[fx.Node], phase: str, m: int) -> list[fx.Node]:
-    return [n for n in order if meta.phase(n) == phase and meta.microbatch(n) == m and n.op != "placeholder"]
+def _latest_microbatch(order: list[fx.Node]) -> dict[fx.Node, int]:
+    """Each node's microbatch for merging: its own, or the latest one among what it reads in its phase.
+    Nodes that passes add without a microbatch (the fsdp pass's flat gradient of a unit, built once
+    the last microbatch's gradients are accumulated) count as 0; left in microbatch 0's sequence, such
+    a node would be placed only after all of microbatch 0's remaining work, far from the accumulation
+    it reads: codegen would then write the accumulated gradient out and read it back, instead of
+    fusing the add into the flat buffer's write."""
+    latest: dict[fx.Node, int] = {}
+    for node in order:
+        latest[node] = max([meta.microbatch(node)] + [latest[i] for i in node.all_input_nodes
+                                                      if meta.phase(i) == meta.phase(node)])
+    return latest
+
+
+def _part(order: list[fx.Node], latest: dict[fx.Node, int], phase: str, m: int) -> list[fx.Node]:
+    return [n for n in order if meta.phase(n) == phase and latest[n] == m and n.op != "placeholder"]
 
 
 def _merge(order: list[fx.Node], first: list[fx.Node], second: list[fx.Node]) -> list[fx.Node]:

@@ -9,6 +9,7 @@ from fxshard import meta
 from fxshard.models import MoEGPT, MoEGPTConfig
 from fxshard.passes import run_pipeline
 from fxshard.passes.fsdp import STRATEGIES
+from fxshard.codegen import is_communication
 from fxshard.passes.interleave import interleave_microbatches
 from fxshard.testing import assert_bit_identical
 from strategies import rank_batches
@@ -77,3 +78,22 @@ def switches(program, pairs=((("bwd", 0), ("fwd", 1)),)) -> int:
                                   and (meta.phase(n), meta.microbatch(n)) in pair), None)
                 count += following is not None and (meta.phase(following), meta.microbatch(following)) == other
     return count
+
+
+@pytest.mark.parametrize("pairing", ["combined-1f1b", "dual-batch"])
+def test_a_units_flat_gradient_stays_next_to_the_accumulation_it_reads(pairing):
+    """The fsdp pass builds a unit's flat gradient (a cat of its accumulated gradients) without a
+    microbatch of its own; interleaving keeps it with the last microbatch's accumulation it reads, so
+    no communication separates them and codegen fuses the add into the flat buffer's write."""
+    _, program = before_interleaving()
+    after = interleave_microbatches(program, pairing)
+    nodes = list(after.graph.nodes)
+    position = {node: i for i, node in enumerate(nodes)}
+    flats = [n for n in nodes if n.target is torch.ops.aten.cat.default and meta.phase(n) == meta.BWD
+             and meta.MICROBATCH not in n.meta and any(i.target is torch.ops.aten.view.default for i in n.all_input_nodes)]
+    assert flats
+    for flat in flats:
+        read = max((position[i.args[0]] if i.target is torch.ops.aten.view.default else position[i])
+                   for i in flat.all_input_nodes)
+        between = [n.name for n in nodes[read:position[flat]] if is_communication(n)]
+        assert not between, f"{flat.name} waits behind {between}"
