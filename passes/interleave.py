@@ -3,9 +3,9 @@
 With gradient accumulation the traced step runs forward 0, backward 0, forward 1, backward 1, ...
 Nodes of different microbatches do not depend on each other (until the gradients are added up), so
 they may be ordered freely against each other. This pass merges two microbatches' sequences into one
-that switches from one to the other right after a communication is issued (an all-to-all of the
-expert-parallel pass, or any other collective): while one microbatch's tokens travel, the other
-computes. Two pairings:
+that switches from one to the other right after a communication is issued (a dispatch or combine
+all-to-all of the expert-parallel pass, or any other collective; not the expert-parallel count
+exchange, see `_switches_at`): while one microbatch's tokens travel, the other computes. Two pairings:
 
     combined-1f1b  backward m with forward m+1: Megatron's combined 1F1B overlap of expert-parallel
                    all-to-alls; activations of one microbatch alive at a time, as before
@@ -103,6 +103,16 @@ def _latest_microbatch(order: list[fx.Node]) -> dict[fx.Node, int]:
     return latest
 
 
+def _switches_at(node: fx.Node) -> bool:
+    """A communication issue worth switching microbatches at: any collective but the expert-parallel
+    pass's count exchange ("route": a few bytes per expert). Its latency is covered by the permutation
+    work that follows it, and a switch there cuts the other microbatch's attention short: with balanced
+    routing the count exchange reads nothing of its layer's forward, so it is issued right after the
+    previous layer's combine wait and took the other microbatch's whole combine window away (nothing
+    but three small matmuls ran under it)."""
+    return node.target in meta.COLLECTIVE_ISSUES and node.meta.get(meta.MOE_PIECE) != "route"
+
+
 def _part(order: list[fx.Node], latest: dict[fx.Node, int], phase: str, m: int) -> list[fx.Node]:
     return [n for n in order if meta.phase(n) == phase and latest[n] == m and n.op != "placeholder"]
 
@@ -141,7 +151,7 @@ def _merge(order: list[fx.Node], first: list[fx.Node], second: list[fx.Node]) ->
         if node in done:
             continue
         place(node)
-        if node.target in meta.COLLECTIVE_ISSUES:
+        if _switches_at(node):
             turn = 1 - turn
     placed += [n for n in order[start:] if n not in done]
     return order[:start] + placed

@@ -97,3 +97,29 @@ def test_a_units_flat_gradient_stays_next_to_the_accumulation_it_reads(pairing):
                    for i in flat.all_input_nodes)
         between = [n.name for n in nodes[read:position[flat]] if is_communication(n)]
         assert not between, f"{flat.name} waits behind {between}"
+
+
+def test_dual_batch_does_not_switch_at_the_count_exchange():
+    """With balanced routing the count exchange reads nothing of its layer's forward: issued right
+    after the previous combine wait, a switch there would leave the other microbatch's combine with
+    nothing to hide behind. In each layer's forward, microbatch 0's dispatch hides microbatch 1's
+    attention, and microbatch 1's combine hides microbatch 0's attention of the next layer."""
+    torch.manual_seed(0)
+    model = MoEGPT(MoEGPTConfig.preset("tiny", routing="balanced"))
+    config = fxshard.Config(microbatches=2, ep_overlap=True, ep_chunks=1, sharding="no_shard", ep_interleave="dual-batch")
+    programs = run_pipeline(fxshard.trace(model, lambda m, b: m.loss_and_metrics(b), rank_batches(1, 4)[0],
+                                          config=config), fxshard.Mesh(dp=2, ep=2), config)
+    nodes = list(programs[-1].graph.nodes)
+    position = {node: i for i, node in enumerate(nodes)}
+    hiding = []
+    for node in nodes:
+        if (node.target is c10d.all_to_all_single.default and meta.phase(node) == meta.FWD
+                and node.meta[meta.MOE_PIECE] != "route"):
+            wait = next(user for user in node.users if user.target is c10d.wait_tensor.default)
+            other = 1 - meta.microbatch(node)
+            if any("scaled_dot_product" in str(n.target) and meta.microbatch(n) == other
+                   for n in nodes[position[node] + 1:position[wait]]):
+                hiding.append((meta.layer(node), meta.microbatch(node), node.meta[meta.MOE_PIECE]))
+    layers = [f"layers.{i}" for i in range(model.cfg.n_layer)]
+    assert sorted(hiding) == sorted([(layer, 0, "dispatch") for layer in layers] +
+                                    [(layer, 1, "combine") for layer in layers[:-1]])
