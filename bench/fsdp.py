@@ -14,6 +14,8 @@ and the ratio to the single-GPU no-communication time of the same model and batc
     fsdp2-compile   the same with torch.compile on each block (torchtitan's recipe)
     fxshard         N GPUs, fxshard ZeRO-3 (optim_grads_params), codegen, CUDA graphs (--eager-replay: without)
     fxshard-aten    the same without codegen
+    fxshard-ctasN   fxshard with NCCL_MAX_CTAS=N (its collectives on at most N SMs, fewer taken from
+                    compute; slower collectives), e.g. fxshard-ctas8; likewise fsdp2-compile-ctasN
 
 "vs compile" is the ratio to nocomm-compile of the same batch (the issue's yardstick). Each fxshard
 mode prints how long fxshard.shard took (trace, passes, codegen) and what codegen compiled.
@@ -221,6 +223,9 @@ def main():
         baseline = compiled_baseline = None
         for mode in args.modes:
             started = time.perf_counter()
+            base_mode, _, ctas = mode.partition("-ctas")
+            if ctas:  # NCCL reads it when a communicator is made: in the ranks spawned below
+                os.environ["NCCL_MAX_CTAS"] = ctas
             try:
                 if mode in ("nocomm-eager", "nocomm-compile"):
                     ms, peak = run_eager_single(cfg, batch, args.seq, args.warmup, args.iters,
@@ -232,7 +237,7 @@ def main():
                     gpus = 1
                 else:
                     gpus = args.gpus
-                    ms, peak = run_local(distributed_mode, gpus, mode, cfg, batch, args.seq, args.warmup,
+                    ms, peak = run_local(distributed_mode, gpus, base_mode, cfg, batch, args.seq, args.warmup,
                                          args.iters, backend="nccl")[0]
             except Exception as error:  # report and go on: one failing mode must not hide the others
                 print(f"{mode:<20} failed after {time.perf_counter() - started:.0f}s: "
@@ -240,6 +245,7 @@ def main():
                 continue
             finally:
                 torch.cuda.empty_cache()
+                os.environ.pop("NCCL_MAX_CTAS", None)
             tokens = batch * args.seq
             if mode == "nocomm-eager":  # the baseline: plain PyTorch on one GPU
                 baseline = ms
