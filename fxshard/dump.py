@@ -222,9 +222,48 @@ _GEMMS = ("mm", "addmm", "bmm", "grouped_mm", "grouped_mm_wgrad", "grouped_mlp_f
           "_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
+def flops(node: fx.Node) -> int:
+    """The floating-point operations of one GEMM-class node (torch's flop counter formulas for aten's
+    matmuls and attention, which count causal attention whole; fxshard's grouped ops by their rows
+    and weights), 0 for any other node. The dump shows each collective's window in FLOPs: a count of
+    GEMMs alone does not tell three router matmuls from an attention layer."""
+    if node.op != "call_function":
+        return 0
+    value = fx.node.map_arg((node.args, node.kwargs), _value)
+    args, kwargs = value
+    name = _op_name(node)
+    if name == "grouped_mm":  # x [rows, in], weight [E, out, in]
+        return 2 * args[0].shape[0] * args[2].shape[1] * args[2].shape[2]
+    if name == "grouped_mm_wgrad":  # grad_out [rows, out], x [rows, in]
+        return 2 * args[0].shape[0] * args[0].shape[1] * args[1].shape[1]
+    if name in ("grouped_mlp_fwd", "grouped_mlp_dgrad"):  # both GEMMs of every row: x / grad_out, w1, w2
+        w1, w2 = (args[2], args[3]) if name == "grouped_mlp_fwd" else (args[3], args[4])
+        return 2 * args[0].shape[0] * (w1.shape[1] * w1.shape[2] + w2.shape[1] * w2.shape[2])
+    if name == "grouped_mlp_wgrad":  # grad_out, grad_h, x, act: both weight gradients
+        grad_out, grad_h, x, act = args[:4]
+        return 2 * x.shape[0] * (grad_h.shape[1] * x.shape[1] + grad_out.shape[1] * act.shape[1])
+    from torch.utils.flop_counter import flop_registry
+
+    packet = getattr(node.target, "overloadpacket", None)
+    formula = flop_registry.get(_FLOP_ALIASES.get(packet, packet))
+    if formula is None:
+        return 0
+    try:
+        return int(formula(*args, out_val=_value(node), **kwargs))
+    except (TypeError, ValueError, IndexError, AttributeError):  # a formula for another signature
+        return 0
+
+
+_aten = torch.ops.aten
+_FLOP_ALIASES = {  # the CPU kernels of attention take the arguments of the CUDA flash kernels
+    _aten._scaled_dot_product_flash_attention_for_cpu: _aten._scaled_dot_product_flash_attention,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _aten._scaled_dot_product_flash_attention_backward,
+}
+
+
 def _collectives_table(program: Program) -> list[str]:
     """Every collective a pass inserted: position, op, unit, phase, bytes, and what overlaps it (the
-    GEMM-class ops between its issue and its wait); then totals per op."""
+    GEMM-class ops between its issue and its wait, and their FLOPs); then totals per op."""
     nodes = list(program.graph.nodes)
     position_of = {node: i for i, node in enumerate(nodes)}
     rows, totals = [], Counter()
@@ -234,9 +273,11 @@ def _collectives_table(program: Program) -> list[str]:
         op = _op_name(node)
         totals[op] += node.meta[meta.COMM_BYTES]
         waits = [position_of[u] for u in node.users if _op_name(u) == "wait_tensor"]
-        window = [_op_name(n) for n in nodes[position + 1:min(waits)]] if waits else []
-        gemms = sum(name in _GEMMS for name in window)
-        overlap = f"{gemms} GEMM{'s' if gemms != 1 else ''} / {len(window)} ops" if waits else "-"
+        window = nodes[position + 1:min(waits)] if waits else []
+        gemms = sum(_op_name(n) in _GEMMS for n in window)
+        work = sum(flops(n) for n in window) / 1e9
+        overlap = (f"{gemms} GEMM{'s' if gemms != 1 else ''}, {work:.3g} GFLOP / {len(window)} ops"
+                   if waits else "-")
         rows.append(f"{position:>8} {op:<24} {node.meta.get(meta.UNIT, '-'):<20} {meta.phase(node):<6} "
                     f"{_format_bytes(node.meta[meta.COMM_BYTES]):>12}   {overlap}")
     if not rows:

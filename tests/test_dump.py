@@ -83,3 +83,26 @@ def test_the_graph_the_runtime_runs_is_dumped_and_reported(tmp_path, capsys):
     runtime = (tmp_path / f"{len(step.programs):02d}_runtime.py").read_text()
     assert "adamw_update_" in runtime and f"{step.in_place_updates} in-place optimizer updates" in runtime
     assert f"runtime lowerings of 'traced': {step.in_place_updates} in-place" in capsys.readouterr().err
+
+
+def test_collective_windows_are_given_in_flops():
+    """Each collective's window is given in FLOPs as well as GEMMs: a Linear's forward and weight
+    gradient are 2 * 4 * 8 * 16 each; a grouped GEMM counts its rows times its experts' weights."""
+    from fxshard.dump import flops, summarize
+    from fxshard.passes import run_pipeline
+
+    program = fxshard.trace(torch.nn.Linear(8, 16, bias=False), lambda m, b: m(b).sum(), torch.randn(4, 8))
+    assert sum(flops(n) for n in program.graph.nodes) == 2 * (2 * 4 * 8 * 16)
+
+    torch.manual_seed(0)
+    batch = {"idx": torch.zeros(2, 8, dtype=torch.long), "tgt": torch.zeros(2, 8, dtype=torch.long)}
+    config = fxshard.Config(ep_overlap=True)
+    program = run_pipeline(fxshard.trace(MoEGPT(MoEGPTConfig.preset("tiny")), lambda m, b: m.loss(b), batch,
+                                         config=config), fxshard.Mesh(dp=2, ep=2), config)[-1]
+    grouped = [n for n in program.graph.nodes if str(n.target) == "fxshard.grouped_mm.default"]
+    for node in grouped:
+        x, weight = node.args[0].meta["val"], node.args[2].meta["val"]
+        assert flops(node) == 2 * x.shape[0] * weight.shape[1] * weight.shape[2] > 0
+    rows = [line for line in summarize(program).splitlines() if "layers.1:combine" in line and " bwd " in line]
+    assert rows and all("GFLOP" in row for row in rows)
+    assert any(float(row.split("GEMMs, ")[1].split(" GFLOP")[0]) > 0 for row in rows)
