@@ -3,9 +3,9 @@
 With gradient accumulation the traced step runs forward 0, backward 0, forward 1, backward 1, ...
 Nodes of different microbatches do not depend on each other (until the gradients are added up), so
 they may be ordered freely against each other. This pass merges two microbatches' sequences into one
-that switches from one to the other right after a communication is issued (a dispatch or combine
-all-to-all of the expert-parallel pass, or any other collective; not the expert-parallel count
-exchange, see `_switches_at`): while one microbatch's tokens travel, the other computes. Two pairings:
+that switches from one to the other right after a dispatch or combine all-to-all of the
+expert-parallel pass is issued (not at other collectives, see `_switches_at`): while one
+microbatch's tokens travel, the other computes. Two pairings:
 
     combined-1f1b  backward m with forward m+1: Megatron's combined 1F1B overlap of expert-parallel
                    all-to-alls; activations of one microbatch alive at a time, as before
@@ -104,13 +104,15 @@ def _latest_microbatch(order: list[fx.Node]) -> dict[fx.Node, int]:
 
 
 def _switches_at(node: fx.Node) -> bool:
-    """A communication issue worth switching microbatches at: any collective but the expert-parallel
-    pass's count exchange ("route": a few bytes per expert). Its latency is covered by the permutation
-    work that follows it, and a switch there cuts the other microbatch's attention short: with balanced
-    routing the count exchange reads nothing of its layer's forward, so it is issued right after the
-    previous layer's combine wait and took the other microbatch's whole combine window away (nothing
-    but three small matmuls ran under it)."""
-    return node.target in meta.COLLECTIVE_ISSUES and node.meta.get(meta.MOE_PIECE) != "route"
+    """Where the merge switches microbatches: right after a dispatch or combine all-to-all of the
+    expert-parallel pass is issued, the one kind of collective whose result the issuing microbatch
+    needs before it can go on. Not at the count exchange ("route": a few bytes per expert, its latency
+    covered by the permutation work after it; with balanced routing it reads nothing of its layer, so
+    it is issued right after the previous combine's wait, and a switch there took the other
+    microbatch's whole combine window away). Not at ZeRO's gradient reductions and gathers: the issuing
+    microbatch has work left that does not need them, and a switch at the last microbatch's gradient
+    reduction sent it away before its own next dispatch, so the two fell out of step."""
+    return meta.is_moe_all_to_all(node) and node.meta.get(meta.MOE_PIECE) != "route"
 
 
 def _part(order: list[fx.Node], latest: dict[fx.Node, int], phase: str, m: int) -> list[fx.Node]:

@@ -123,3 +123,21 @@ def test_dual_batch_does_not_switch_at_the_count_exchange():
     layers = [f"layers.{i}" for i in range(model.cfg.n_layer)]
     assert sorted(hiding) == sorted([(layer, 0, "dispatch") for layer in layers] +
                                     [(layer, 1, "combine") for layer in layers[:-1]])
+
+
+@pytest.mark.parametrize("sharding", ["no_shard", "optim"])
+def test_dual_batch_microbatches_take_turns_at_every_all_to_all(sharding):
+    """Dispatches and combines are issued by the two microbatches in turn, in both phases: the
+    gradient reductions the last microbatch issues (all-reduces, reduce-scatters over dp) are no
+    switch points, so it is not sent away before its own next dispatch."""
+    torch.manual_seed(0)
+    model = MoEGPT(MoEGPTConfig.preset("tiny"))
+    config = fxshard.Config(microbatches=2, ep_overlap=True, ep_chunks=1, sharding=sharding, ep_interleave="dual-batch")
+    programs = run_pipeline(fxshard.trace(model, lambda m, b: m.loss_and_metrics(b), rank_batches(1, 4)[0],
+                                          optimizer=fxshard.optim.AdamW(lr=1e-3), config=config),
+                            fxshard.Mesh(dp=2, ep=2), config)
+    for phase in (meta.FWD, meta.BWD):
+        issuers = [meta.microbatch(n) for n in programs[-1].graph.nodes
+                   if n.target is c10d.all_to_all_single.default and meta.phase(n) == phase
+                   and n.meta[meta.MOE_PIECE] != "route"]
+        assert issuers == [0, 1] * (len(issuers) // 2) and len(issuers) == 2 * 2 * model.cfg.n_layer, (phase, issuers)
