@@ -144,8 +144,9 @@ def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None, codegen="inductor"):
     del model
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    ctas = os.environ.get("NCCL_MAX_CTAS")
     label = (f"fxshard{dist.get_world_size()}" if mesh is not None else "nocomm-fxshard") + \
-        f"{'' if codegen else '-aten'}_b{batch}"
+        f"{'' if codegen else '-aten'}{f'-ctas{ctas}' if ctas and mesh is not None else ''}_b{batch}"
     return timed(lambda: step(data), warmup, iters, label), torch.cuda.max_memory_allocated()
 
 
@@ -172,7 +173,8 @@ def run_fsdp2(cfg, batch, seq, warmup, iters, compiled=False):
         optimizer.zero_grad(set_to_none=True)
 
     torch.cuda.reset_peak_memory_stats()
-    label = f"fsdp2{'-compile' if compiled else ''}_{dist.get_world_size()}_b{batch}"
+    ctas = os.environ.get("NCCL_MAX_CTAS")
+    label = f"fsdp2{'-compile' if compiled else ''}{f'-ctas{ctas}' if ctas else ''}_{dist.get_world_size()}_b{batch}"
     return timed(step, warmup, iters, label), torch.cuda.max_memory_allocated()
 
 
@@ -224,6 +226,10 @@ def main():
         for mode in args.modes:
             started = time.perf_counter()
             base_mode, _, ctas = mode.partition("-ctas")
+            if ctas and (not ctas.isdigit() or base_mode.startswith("nocomm")):
+                print(f"{mode:<20} skipped: -ctasN takes a number of SMs and a mode with communication", flush=True)
+                continue
+            exported = os.environ.get("NCCL_MAX_CTAS")
             if ctas:  # NCCL reads it when a communicator is made: in the ranks spawned below
                 os.environ["NCCL_MAX_CTAS"] = ctas
             try:
@@ -245,7 +251,10 @@ def main():
                 continue
             finally:
                 torch.cuda.empty_cache()
-                os.environ.pop("NCCL_MAX_CTAS", None)
+                if ctas and exported is None:
+                    os.environ.pop("NCCL_MAX_CTAS")
+                elif ctas:
+                    os.environ["NCCL_MAX_CTAS"] = exported
             tokens = batch * args.seq
             if mode == "nocomm-eager":  # the baseline: plain PyTorch on one GPU
                 baseline = ms

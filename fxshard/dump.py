@@ -225,13 +225,21 @@ _GEMMS = ("mm", "addmm", "bmm", "grouped_mm", "grouped_mm_wgrad", "grouped_mlp_f
 def flops(node: fx.Node) -> int:
     """The floating-point operations of one GEMM-class node (torch's flop counter formulas for aten's
     matmuls and attention, which count causal attention whole; fxshard's grouped ops by their rows
-    and weights), 0 for any other node. The dump shows each collective's window in FLOPs: a count of
-    GEMMs alone does not tell three router matmuls from an attention layer."""
+    and weights), 0 for any other node or one whose shapes are unknown. The dump shows each
+    collective's window in FLOPs: a count of GEMMs alone does not tell three router matmuls from an
+    attention layer. Grouped GEMMs count every row of their buffer: exact with a capacity (the slots
+    are computed, padding included), an upper bound for dropless layers, whose buffer after an
+    expert-parallel dispatch is sized for the worst case while only the rows received are computed."""
     if node.op != "call_function":
         return 0
-    value = fx.node.map_arg((node.args, node.kwargs), _value)
-    args, kwargs = value
-    name = _op_name(node)
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), _value)
+    try:
+        return _grouped_flops(_op_name(node), args) or _aten_flops(node, args, kwargs)
+    except Exception:  # noqa: BLE001 - an estimate for the dump; a shape it cannot read counts 0
+        return 0
+
+
+def _grouped_flops(name: str, args) -> int:
     if name == "grouped_mm":  # x [rows, in], weight [E, out, in]
         return 2 * args[0].shape[0] * args[2].shape[1] * args[2].shape[2]
     if name == "grouped_mm_wgrad":  # grad_out [rows, out], x [rows, in]
@@ -242,16 +250,23 @@ def flops(node: fx.Node) -> int:
     if name == "grouped_mlp_wgrad":  # grad_out, grad_h, x, act: both weight gradients
         grad_out, grad_h, x, act = args[:4]
         return 2 * x.shape[0] * (grad_h.shape[1] * x.shape[1] + grad_out.shape[1] * act.shape[1])
+    return 0
+
+
+def _aten_flops(node: fx.Node, args, kwargs) -> int:
     from torch.utils.flop_counter import flop_registry
 
     packet = getattr(node.target, "overloadpacket", None)
     formula = flop_registry.get(_FLOP_ALIASES.get(packet, packet))
-    if formula is None:
-        return 0
-    try:
-        return int(formula(*args, out_val=_value(node), **kwargs))
-    except (TypeError, ValueError, IndexError, AttributeError):  # a formula for another signature
-        return 0
+    return 0 if formula is None else int(formula(*args, out_val=_value(node), **kwargs))
+
+
+def _format_flops(n: float) -> str:
+    for unit in ("", "K", "M", "G"):
+        if n < 1000:
+            return f"{n:.3g} {unit}FLOP"
+        n /= 1000
+    return f"{n:,.2f} TFLOP"
 
 
 _aten = torch.ops.aten
@@ -275,15 +290,14 @@ def _collectives_table(program: Program) -> list[str]:
         waits = [position_of[u] for u in node.users if _op_name(u) == "wait_tensor"]
         window = nodes[position + 1:min(waits)] if waits else []
         gemms = sum(_op_name(n) in _GEMMS for n in window)
-        work = sum(flops(n) for n in window) / 1e9
-        overlap = (f"{gemms} GEMM{'s' if gemms != 1 else ''}, {work:.3g} GFLOP / {len(window)} ops"
-                   if waits else "-")
+        work = _format_flops(sum(flops(n) for n in window))
+        overlap = f"{gemms} GEMM{'s' if gemms != 1 else ''}, {work} / {len(window)} ops" if waits else "-"
         rows.append(f"{position:>8} {op:<24} {node.meta.get(meta.UNIT, '-'):<20} {meta.phase(node):<6} "
                     f"{_format_bytes(node.meta[meta.COMM_BYTES]):>12}   {overlap}")
     if not rows:
         return []
     lines = ["", f"{'position':>8} {'collective':<24} {'unit':<20} {'phase':<6} {'bytes/rank':>12}   "
-                 f"overlaps (issue to wait)", *rows]
+                 f"overlaps (issue to wait; dropless grouped GEMMs' FLOPs an upper bound)", *rows]
     lines.append("collective bytes per step (per rank): " + ", ".join(
         f"{op} {_format_bytes(size)}" for op, size in totals.items()) +
         f"; total {_format_bytes(sum(totals.values()))}")

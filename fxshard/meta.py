@@ -50,6 +50,7 @@ COMM_BYTES = "fxshard_comm_bytes"  # bytes one rank sends into the collective
 # a node belongs to ("route": the all-to-all plan, "dispatch", "experts", "combine"), and which
 # token-row chunk (ep_overlap); the pieces a combined fwd/bwd schedule would interleave.
 MOE_PIECE = "fxshard_moe_piece"
+MOE_ROUTE = "route"  # the MOE_PIECE of a layer's count exchange (a few bytes per expert)
 MOE_CHUNK = "fxshard_moe_chunk"
 MOE_REJECTED = "fxshard_moe_rejected"  # on offsets passes/recognize_moe did not recognize: why
 

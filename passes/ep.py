@@ -502,7 +502,7 @@ class _Rewrite:
             return [slot, *sources, counts, tokens_per_expert, dropped]
 
         phase = meta.phase(layer.offsets)
-        out = self.inline(layer, route, [self.env[layer.offsets]], phase, "route")
+        out = self.inline(layer, route, [self.env[layer.offsets]], phase, meta.MOE_ROUTE)
         n = chunks
         out[1 + n].meta[meta.COMM_BYTES] = k * local * 8
         plan = {"slot": out[0], "sources": out[1:1 + n], "counts": out[1 + n], "tokens_per_expert": out[2 + n],
@@ -517,7 +517,7 @@ class _Rewrite:
         if part not in plan:
             n = layer.chunks
             arranged = self.inline(layer, self.arrange(layer), [plan["counts"], self.env[layer.offsets]],
-                                   meta.phase(layer.offsets), "route")
+                                   meta.phase(layer.offsets), meta.MOE_ROUTE)
             plan.update(local_order=arranged[:n], inverse=arranged[n:2 * n], local_offsets=arranged[2 * n:])
         return plan[part]
 

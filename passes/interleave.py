@@ -112,7 +112,7 @@ def _switches_at(node: fx.Node) -> bool:
     microbatch's whole combine window away). Not at ZeRO's gradient reductions and gathers: the issuing
     microbatch has work left that does not need them, and a switch at the last microbatch's gradient
     reduction sent it away before its own next dispatch, so the two fell out of step."""
-    return meta.is_moe_all_to_all(node) and node.meta.get(meta.MOE_PIECE) != "route"
+    return meta.is_moe_all_to_all(node) and node.meta.get(meta.MOE_PIECE) != meta.MOE_ROUTE
 
 
 def _part(order: list[fx.Node], latest: dict[fx.Node, int], phase: str, m: int) -> list[fx.Node]:

@@ -87,7 +87,10 @@ def test_the_graph_the_runtime_runs_is_dumped_and_reported(tmp_path, capsys):
 
 def test_collective_windows_are_given_in_flops():
     """Each collective's window is given in FLOPs as well as GEMMs: a Linear's forward and weight
-    gradient are 2 * 4 * 8 * 16 each; a grouped GEMM counts its rows times its experts' weights."""
+    gradient are 2 * 4 * 8 * 16 each, causal attention 4 * B * H * S^2 * D forward (counted whole, as
+    torch's flop counter does), and the fused grouped MLP the FLOPs of the grouped GEMMs it replaces."""
+    import re
+
     from fxshard.dump import flops, summarize
     from fxshard.passes import run_pipeline
 
@@ -96,13 +99,19 @@ def test_collective_windows_are_given_in_flops():
 
     torch.manual_seed(0)
     batch = {"idx": torch.zeros(2, 8, dtype=torch.long), "tgt": torch.zeros(2, 8, dtype=torch.long)}
-    config = fxshard.Config(ep_overlap=True)
-    program = run_pipeline(fxshard.trace(MoEGPT(MoEGPTConfig.preset("tiny")), lambda m, b: m.loss(b), batch,
-                                         config=config), fxshard.Mesh(dp=2, ep=2), config)[-1]
-    grouped = [n for n in program.graph.nodes if str(n.target) == "fxshard.grouped_mm.default"]
-    for node in grouped:
-        x, weight = node.args[0].meta["val"], node.args[2].meta["val"]
-        assert flops(node) == 2 * x.shape[0] * weight.shape[1] * weight.shape[2] > 0
-    rows = [line for line in summarize(program).splitlines() if "layers.1:combine" in line and " bwd " in line]
-    assert rows and all("GFLOP" in row for row in rows)
-    assert any(float(row.split("GEMMs, ")[1].split(" GFLOP")[0]) > 0 for row in rows)
+    totals = {}
+    for fused in (False, True):
+        config = fxshard.Config(ep_overlap=True, fuse_grouped_mlp=fused)
+        program = run_pipeline(fxshard.trace(MoEGPT(MoEGPTConfig.preset("tiny")), lambda m, b: m.loss(b), batch,
+                                             config=config), fxshard.Mesh(dp=2, ep=2), config)[-1]
+        grouped = [n for n in program.graph.nodes if "fxshard.grouped_" in str(n.target)]
+        assert any("grouped_mlp" in str(n.target) for n in grouped) == fused
+        totals[fused] = sum(flops(n) for n in grouped)
+        if not fused:
+            attention = next(n for n in program.graph.nodes if "scaled_dot_product" in str(n.target))
+            b, h, s, d = attention.args[0].meta["val"].shape
+            assert flops(attention) == 4 * b * h * s * s * d
+            rows = [line for line in summarize(program).splitlines() if "layers.1:combine" in line and " bwd " in line]
+            work = [float(m.group(1)) for row in rows for m in [re.search(r"([\d.e+-]+) [KMGT]?FLOP", row)] if m]
+            assert rows and len(work) == len(rows) and max(work) > 0
+    assert totals[True] == totals[False] > 0

@@ -62,7 +62,8 @@ def main():
     torch.cuda.set_device(0)
     cfg = GPTConfig.preset("1b")
     generator = torch.Generator().manual_seed(0)
-    data = {k: torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=generator).cuda() for k in ("idx", "tgt")}
+    data = {k: torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=generator).cuda()
+            for k in ("idx", "tgt")}
     results = {}
     for label, mesh in (("one-gpu", None), (f"zero3-dp{args.world}-fake", fxshard.Mesh(dp=args.world))):
         torch.manual_seed(0)
@@ -96,7 +97,7 @@ def main():
               f"{sum(counts.values()):.0f} kernels/step", flush=True)
         for name, (t, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
             print(f"    {name:14s} {t:8.2f} ms  {n:6.0f} kernels", flush=True)
-        del step, prof
+        step = prof = None  # its CUDA graph and memory pool, before the next variant
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "fake_mesh.json"), "w") as handle:
         json.dump(results, handle, indent=1)

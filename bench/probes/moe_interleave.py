@@ -70,7 +70,8 @@ def main():
     generator = torch.Generator().manual_seed(0)
     data = {k: torch.randint(0, cfg.vocab_size, (2, 4096), generator=generator).cuda() for k in ("idx", "tgt")}
     results = {}
-    variants = [(overlap, codegen) for codegen in ([True] if args.no_aten else [True, False]) for overlap in (False, True)]
+    codegens = [True] if args.no_aten else [True, False]
+    variants = [(overlap, codegen) for codegen in codegens for overlap in (False, True)]
     for overlap, codegen in variants:
         label = ("nocomm-overlap1" if overlap else "nocomm") + ("" if codegen else "-aten")
         torch.manual_seed(0)
@@ -103,7 +104,7 @@ def main():
                           "kernels_per_step": sum(counts.values()), "kernel_ms": times, "kernel_counts": counts}
         print(f"{label}: {ms:.2f} ms/step, compiled in {compile_s:.1f}s, {regions} regions, "
               f"{sum(counts.values()):.0f} kernels/step, GPU time {sum(times.values()):.2f} ms/step", flush=True)
-        del step, runner, prof
+        step = runner = prof = None  # every CUDA graph and its memory pool, before the next variant
         gc.collect()
         torch.cuda.empty_cache()
     for suffix in ("", "-aten"):
@@ -113,11 +114,14 @@ def main():
         names = set(base["kernel_ms"]) | set(other["kernel_ms"])
         diff = sorted(((other["kernel_ms"].get(n, 0) - base["kernel_ms"].get(n, 0), n) for n in names), reverse=True)
         print(f"\nkernels costing more in nocomm-overlap1{suffix} than nocomm{suffix} (ms/step, count/step):")
+        def counts(name):
+            return f"{base['kernel_counts'].get(name, 0):5.0f} -> {other['kernel_counts'].get(name, 0):5.0f}"
+
         for delta, name in diff[:25]:
-            print(f"  {delta:+7.3f}  {base['kernel_counts'].get(name, 0):5.0f} -> {other['kernel_counts'].get(name, 0):5.0f}  {name[:110]}")
+            print(f"  {delta:+7.3f}  {counts(name)}  {name[:110]}")
         print("  ... and the most saved:")
         for delta, name in diff[-8:]:
-            print(f"  {delta:+7.3f}  {base['kernel_counts'].get(name, 0):5.0f} -> {other['kernel_counts'].get(name, 0):5.0f}  {name[:110]}")
+            print(f"  {delta:+7.3f}  {counts(name)}  {name[:110]}")
     with open(os.path.join(args.out, "interleave.json"), "w") as handle:
         json.dump(results, handle, indent=1)
 

@@ -6,10 +6,10 @@ from hypothesis import given, strategies as st
 
 import fxshard
 from fxshard import meta
+from fxshard.codegen import is_communication
 from fxshard.models import MoEGPT, MoEGPTConfig
 from fxshard.passes import run_pipeline
 from fxshard.passes.fsdp import STRATEGIES
-from fxshard.codegen import is_communication
 from fxshard.passes.interleave import interleave_microbatches
 from fxshard.testing import assert_bit_identical
 from strategies import rank_batches
@@ -80,17 +80,23 @@ def switches(program, pairs=((("bwd", 0), ("fwd", 1)),)) -> int:
     return count
 
 
-@pytest.mark.parametrize("pairing", ["combined-1f1b", "dual-batch"])
-def test_a_units_flat_gradient_stays_next_to_the_accumulation_it_reads(pairing):
+@pytest.mark.parametrize("sharding, microbatches", [("no_shard", 2), ("optim_grads_params", 3)])
+def test_a_units_flat_gradient_stays_next_to_the_accumulation_it_reads(sharding, microbatches):
     """The fsdp pass builds a unit's flat gradient (a cat of its accumulated gradients) without a
     microbatch of its own; interleaving keeps it with the last microbatch's accumulation it reads, so
     no communication separates them and codegen fuses the add into the flat buffer's write."""
-    _, program = before_interleaving()
-    after = interleave_microbatches(program, pairing)
-    nodes = list(after.graph.nodes)
+    torch.manual_seed(0)
+    model = MoEGPT(MoEGPTConfig.preset("tiny"))
+    config = fxshard.Config(microbatches=microbatches, ep_overlap=True, ep_chunks=1, sharding=sharding,
+                            ep_interleave="dual-batch")
+    batch = rank_batches(1, 12 if microbatches == 3 else 4)[0]
+    program = run_pipeline(fxshard.trace(model, lambda m, b: m.loss_and_metrics(b), batch, config=config),
+                           fxshard.Mesh(dp=2, ep=2), config)[-1]
+    nodes = list(program.graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
     flats = [n for n in nodes if n.target is torch.ops.aten.cat.default and meta.phase(n) == meta.BWD
-             and meta.MICROBATCH not in n.meta and any(i.target is torch.ops.aten.view.default for i in n.all_input_nodes)]
+             and meta.MICROBATCH not in n.meta
+             and any(i.target is torch.ops.aten.view.default for i in n.all_input_nodes)]
     assert flats
     for flat in flats:
         read = max((position[i.args[0]] if i.target is torch.ops.aten.view.default else position[i])
@@ -106,7 +112,8 @@ def test_dual_batch_does_not_switch_at_the_count_exchange():
     attention, and microbatch 1's combine hides microbatch 0's attention of the next layer."""
     torch.manual_seed(0)
     model = MoEGPT(MoEGPTConfig.preset("tiny", routing="balanced"))
-    config = fxshard.Config(microbatches=2, ep_overlap=True, ep_chunks=1, sharding="no_shard", ep_interleave="dual-batch")
+    config = fxshard.Config(microbatches=2, ep_overlap=True, ep_chunks=1, sharding="no_shard",
+                            ep_interleave="dual-batch")
     programs = run_pipeline(fxshard.trace(model, lambda m, b: m.loss_and_metrics(b), rank_batches(1, 4)[0],
                                           config=config), fxshard.Mesh(dp=2, ep=2), config)
     nodes = list(programs[-1].graph.nodes)
