@@ -1,0 +1,225 @@
+"""The order a rank's lowered program issues its actions in (`issue_order`), the combined 1F1B's
+forward/backward pairs (`combine_pairs`), and the model of NCCL's in-order point-to-point that
+proves an order deadlock-free (`check_point_to_point`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from ..errors import FxShardError
+from .model import COMPUTE, Action, Schedule
+from .simulator import simulate
+
+
+def _matching(action: Action) -> tuple[str, int, int]:
+    """The (kind, chunk, mb) of the other side of a transfer: SF c:m pairs with RF c+1:m, SB c:m with RB c-1:m."""
+    kind, c, mb = action.kind, action.chunk, action.mb
+    return {"SF": ("RF", c + 1, mb), "RF": ("SF", c - 1, mb), "SB": ("RB", c - 1, mb), "RB": ("SB", c + 1, mb)}[kind]
+
+
+def issue_order(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
+    """Each rank's actions in the order its lowered program issues them.
+
+    Compute and sends stay where the schedule has them. Between two ranks, transfers follow one
+    order on both sides: messages sorted by when their sender produces them (`simulate`'s times;
+    a message whose producer depends on another message is produced strictly after it). Each
+    receive moves up to right after the previous transfer with the same peer in that order: issued
+    early, waited on where its data is first read. That is what in-order matching per pair of
+    ranks needs (NCCL runs a pair's sends and receives on one stream, in issue order);
+    `check_point_to_point` proves the result deadlock-free."""
+    timing = simulate(schedule)
+    messages: dict[frozenset, list] = {}
+    for rank, actions in enumerate(schedule.ranks):
+        for index, action in enumerate(actions):
+            if action.kind in ("SF", "SB"):
+                key = (timing.end[rank, index], rank, index)  # a sender's sends in the order it issues them
+                messages.setdefault(frozenset((rank, action.peer)), []).append((key, rank, action))
+    after: dict[tuple[int, Action | None], list[Action]] = {}  # (rank, anchor send or None) -> receives
+    for pair, sends in messages.items():
+        anchors = {rank: None for rank in pair}
+        for _, sender, action in sorted(sends, key=lambda item: item[0]):
+            (receiver,) = pair - {sender} if len(pair) == 2 else (sender,)
+            kind, chunk, mb = _matching(action)
+            after.setdefault((receiver, anchors[receiver]), []).append(Action(kind, chunk, mb, sender))
+            anchors[sender] = action
+    order = []
+    for rank, actions in enumerate(schedule.ranks):
+        out = list(after.get((rank, None), []))
+        for action in actions:
+            if action.kind in ("RF", "RB"):
+                continue
+            out.append(action)
+            out.extend(after.get((rank, action), []))
+        order.append(tuple(out))
+    return tuple(order)
+
+
+def _pairable(first: Action, second: Action) -> bool:
+    """A forward and a backward of different microbatches (neither reads the other), in either order."""
+    return {first.kind, second.kind} == {"F", "B"} and first.mb != second.mb
+
+
+def pair_actions(schedule: Schedule, pairs) -> Schedule:
+    """`schedule` with each rank's `pairs` (two compute actions that follow each other among its
+    compute actions) made adjacent: the transfers between them move out, receives before the
+    pair and sends after it; likewise ZeRO's actions, U before the pair (both actions' chunks are
+    gathered while it runs), R and G after it."""
+    ranks = []
+    for actions, rank_pairs in zip(schedule.ranks, pairs):
+        actions = list(actions)
+        for first, second in rank_pairs:
+            start, end = actions.index(first), actions.index(second)
+            while start > 0 and actions[start - 1].kind in ("RF", "RB"):  # the first one's receive
+                start -= 1
+            between = actions[start:end + 1]
+            receives = [a for a in between if a.kind in ("RF", "RB", "U")]  # and gathers: before the pair
+            sends = [a for a in between if a.kind in ("SF", "SB", "R", "G")]  # and frees, reductions: after
+            actions[start:end + 1] = [*receives, first, second, *sends]
+        ranks.append(tuple(actions))
+    return dataclasses.replace(schedule, ranks=tuple(ranks))
+
+
+@functools.lru_cache(maxsize=16)
+def combine_pairs(schedule: Schedule) -> tuple[Schedule, tuple[tuple[tuple[Action, Action], ...], ...]]:
+    """Megatron's combined 1F1B inside a pipeline: on each rank, a forward and a backward of another
+    microbatch that follow each other among its compute actions (1F1B's steady state: F m+w next
+    to B m, or B m next to F m+1 on the last stage) become a pair, which the `interleave` pass runs
+    interleaved at the MoE all-to-alls so that each one's all-to-alls run under the other's compute.
+
+    The pair's transfers move out of it (`pair_actions`): both receives before it, both sends after
+    it, so a forward's activation now leaves after the pair. Returns the reordered schedule (named
+    "<name>+combined") and each rank's pairs in order. A pair is only made where
+    `check_point_to_point` still proves the whole order deadlock-free with both receives waited on
+    before the pair starts: pairs are taken greedily, rank by rank (a rank's pairs at once where
+    they hold, else one by one), and one that would close a cycle (GPipe's turn, 1F1B's last
+    stage) is left unpaired."""
+    candidates = []
+    for actions in schedule.ranks:
+        compute, mine, index = [a for a in actions if a.kind in COMPUTE], [], 0
+        while index + 1 < len(compute):
+            if _pairable(compute[index], compute[index + 1]):
+                mine.append((compute[index], compute[index + 1]))
+                index += 2
+            else:
+                index += 1
+        candidates.append(mine)
+
+    def holds(pairs) -> bool:
+        combined = pair_actions(schedule, pairs)
+        try:
+            check_point_to_point(combined, issue_order(combined), pairs)
+        except FxShardError:
+            return False
+        return True
+
+    chosen = candidates
+    if not holds(candidates):  # a rank's candidates as a block where they hold, else one by one
+        chosen = [[] for _ in candidates]
+        for rank, mine in enumerate(candidates):
+            chosen[rank] = list(mine)
+            if holds(chosen):
+                continue
+            chosen[rank] = []
+            for pair in mine:
+                chosen[rank].append(pair)
+                if not holds(chosen):
+                    chosen[rank].pop()
+    pairs = tuple(tuple(mine) for mine in chosen)
+    combined = pair_actions(schedule, pairs)
+    return dataclasses.replace(combined, name=f"{schedule.name}+combined"), pairs
+
+
+def check_point_to_point(schedule: Schedule, order: tuple[tuple[Action, ...], ...], pairs=(),
+                         streams: str = "pair") -> None:
+    """Raise FxShardError unless `order` (each rank's actions in issue order) runs to the end when
+    every pair of ranks matches its transfers in issue order, one at a time (a send completes only
+    together with its receive, and only once its value is computed), and each rank computes in
+    order, waiting for the receives its compute reads: the model of NCCL point-to-point. A send is
+    issued after the compute before it in the rank's order. `pairs` (each rank's pairs of actions
+    from `combine_pairs`, run interleaved): the first action of a pair waits for both actions'
+    receives.
+
+    `streams`: "pair", one in-order stream per pair of ranks (NCCL's default: a communicator per
+    pair); "group", one in-order stream per rank for all its transfers (a process group initialized
+    with `device_id`, whose one communicator carries every send and receive): a transfer then also
+    waits for every transfer the rank issued before it, to any peer."""
+    if streams not in ("pair", "group"):
+        raise ValueError(f"streams={streams!r}; 'pair' or 'group'")
+    chunks = schedule.chunks
+    compute = [[a for a in actions if a.kind in COMPUTE] for actions in order]
+    transfers = {(rank, peer): [a for a in actions if a.peer == peer and a.kind in ("SF", "SB", "RF", "RB")]
+                 for rank, actions in enumerate(order) for peer in range(schedule.stages)}
+    done: set[tuple[int, str, int, int]] = set()  # (rank, kind, chunk, mb)
+    position = {key: 0 for key in [*transfers, *range(len(order))]}
+    # "group": each rank's transfers to every peer, in issue order; only the first not done can run
+    issued = [[a for a in actions if a.kind in ("SF", "SB", "RF", "RB")] for actions in order]
+    head = [0] * len(order)
+
+    def at_head(rank: int, action: Action) -> bool:
+        return streams == "pair" or issued[rank][head[rank]] == action
+
+    partner = {(rank, first): second for rank, mine in enumerate(pairs) for first, second in mine}
+    gate = {}  # (rank, send) -> the compute action before it in the rank's order (None: nothing)
+    for rank, actions in enumerate(order):
+        last = None
+        for action in actions:
+            if action.kind in COMPUTE:
+                last = action
+            elif action.kind in ("SF", "SB"):
+                gate[rank, action] = last
+
+    def ready(rank: int, action: Action) -> bool:
+        return all((rank, *need) in done for need in needs_of(rank, action) + (
+            needs_of(rank, partner[rank, action]) if (rank, action) in partner else []))
+
+    def needs_of(rank: int, action: Action) -> list[tuple[str, int, int]]:
+        c, mb = action.chunk, action.mb
+        needs = []
+        if action.kind == "F" and c > 0:
+            needs.append(("F", c - 1, mb) if schedule.rank_of(c - 1) == rank else ("RF", c, mb))
+        if action.kind == "B":
+            needs.append(("F", c, mb))
+            if c < chunks - 1:
+                needs.append(("B", c + 1, mb) if schedule.rank_of(c + 1) == rank else ("RB", c, mb))
+        if action.kind == "W":
+            needs.append(("B", c, mb))
+        return needs
+
+    while True:
+        progressed = False
+        for rank, actions in enumerate(compute):
+            while position[rank] < len(actions) and ready(rank, actions[position[rank]]):
+                action = actions[position[rank]]
+                done.add((rank, action.kind, action.chunk, action.mb))
+                position[rank] += 1
+                progressed = True
+        for (rank, peer), queue in transfers.items():
+            if rank > peer or position[rank, peer] >= len(queue):
+                continue
+            other = transfers[peer, rank]
+            mine = queue[position[rank, peer]]
+            if position[peer, rank] >= len(other):
+                continue
+            theirs = other[position[peer, rank]]
+            if not (at_head(rank, mine) and at_head(peer, theirs)):
+                continue
+            if _matching(mine) != (theirs.kind, theirs.chunk, theirs.mb):
+                raise FxShardError(f"point-to-point out of order between ranks {rank} and {peer}: rank {rank}'s "
+                                   f"next transfer is {mine}, rank {peer}'s is {theirs}")
+            send, sender = (mine, rank) if mine.kind.startswith("S") else (theirs, peer)
+            issued_after = gate[sender, send]
+            if issued_after is None or (sender, issued_after.kind, issued_after.chunk, issued_after.mb) in done:
+                for side, action in ((rank, mine), (peer, theirs)):
+                    done.add((side, action.kind, action.chunk, action.mb))
+                    head[side] += 1
+                position[rank, peer] += 1
+                position[peer, rank] += 1
+                progressed = True
+        if not progressed:
+            break
+    stuck = [f"rank {r}: {compute[r][position[r]]}" for r in range(len(order)) if position[r] < len(compute[r])]
+    stuck += [f"rank {r} -> {p}: {q[position[r, p]]}" for (r, p), q in transfers.items() if position[r, p] < len(q)]
+    if stuck:
+        model = "in-order point-to-point" if streams == "pair" else "every transfer of a rank on one stream"
+        raise FxShardError(f"pipeline schedule {schedule.name} deadlocks with {model}: " + "; ".join(stuck))

@@ -1,0 +1,142 @@
+"""`simulate`: checks a schedule (every dependency satisfied, no deadlock) and times it under unit or
+measured costs, ZeRO's collectives on a communication stream of their own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+
+from ..errors import FxShardError
+from .model import COMPUTE, ZERO, Action, Schedule
+from .zero import check_zero_actions
+
+
+@dataclass
+class Simulation:
+    makespan: float
+    bubble: list[float]            # idle fraction of the makespan, per rank
+    peak_activations: list[int]    # most forwards whose backward has not run yet, per rank
+    start: dict                    # (rank, index) -> start time
+    end: dict
+
+    @property
+    def bubble_fraction(self) -> float:
+        return sum(self.bubble) / len(self.bubble)
+
+
+def simulate(schedule: Schedule, cost: dict[str, float] | None = None) -> Simulation:
+    """Check `schedule` and time it. `cost[kind]` is the time of one action of a stage (split over
+    its V chunks); `cost[f"{kind}{chunk}"]`, where given, is one chunk's own time (measured costs).
+    Point-to-point communication is free and sends never block; a receive waits for its send.
+
+    ZeRO's collectives (U, G; `add_zero_actions`) run on a communication stream of their own per
+    rank, one after the other, each issued once the compute action before it in the rank's list is
+    done (`cost["U"]`, `cost["G"]`, default 0: free); R is free. A compute action of chunk c waits
+    for the all-gather of its U c, and OPT for every collective of its rank. Only compute counts
+    as busy: a collective that compute cannot hide shows as bubble."""
+    cost = {"F": 1.0, "B": 2.0, "W": 0.0, **(cost or {})}
+    check_zero_actions(schedule)
+    graph = nx.DiGraph()
+    where: dict[tuple, tuple[int, int]] = {}
+    for rank, actions in enumerate(schedule.ranks):
+        previous = collective = computed = None  # the rank's last action in order, collective, compute action
+        gathered: dict[int, tuple[int, int]] = {}  # chunk -> the node of its latest U
+        seen: dict[Action, int] = {}
+        for index, action in enumerate(actions):
+            node = (rank, index)
+            if action.kind in ZERO:  # once per chunk and window: keyed by how many came before on the rank
+                seen[action] = seen.get(action, -1) + 1
+                key = (action.kind, action.chunk, seen[action], rank)
+            else:
+                key = (action.kind, action.chunk, action.mb, rank if action.kind == "OPT" else None)
+            if key in where:
+                raise FxShardError(f"{action} appears twice (rank {rank} and rank {where[key][0]})")
+            where[key] = node
+            graph.add_node(node, action=action)
+            if action.kind in ("U", "G"):  # the communication stream
+                for source in (collective, computed):
+                    if source is not None:
+                        graph.add_edge(source, node)
+                collective = node
+                if action.kind == "U":
+                    gathered[action.chunk] = node
+                continue
+            if previous is not None:
+                graph.add_edge(previous, node)
+            previous = node
+            if action.kind in COMPUTE:
+                computed = node
+                if action.chunk in gathered:
+                    graph.add_edge(gathered[action.chunk], node)
+            if action.kind == "OPT" and collective is not None:
+                graph.add_edge(collective, node)
+    chunks = schedule.chunks
+
+    def need(node, kind, chunk, mb, why):
+        source = where.get((kind, chunk, mb, None))
+        if source is None:
+            raise FxShardError(f"{graph.nodes[node]['action']} on rank {node[0]} needs {kind}{chunk}:{mb} "
+                               f"({why}), which no rank runs")
+        graph.add_edge(source, node)
+
+    for node, data in list(graph.nodes(data=True)):
+        action, rank = data["action"], node[0]
+        c, mb = action.chunk, action.mb
+        if action.kind in COMPUTE and schedule.rank_of(c) != rank:
+            raise FxShardError(f"{action} runs on rank {rank}, but chunk {c} lives on rank {schedule.rank_of(c)}")
+        if action.kind == "F" and c > 0:
+            if schedule.rank_of(c - 1) != rank:
+                need(node, "RF", c, mb, "its input activation")
+            else:
+                need(node, "F", c - 1, mb, "its input activation")
+        elif action.kind == "B":
+            need(node, "F", c, mb, "its own forward")
+            if c < chunks - 1:
+                if schedule.rank_of(c + 1) != rank:
+                    need(node, "RB", c, mb, "the output gradient")
+                else:
+                    need(node, "B", c + 1, mb, "the output gradient")
+        elif action.kind == "W":
+            need(node, "B", c, mb, "its input-gradient pass")
+        elif action.kind == "RF":
+            need(node, "SF", c - 1, mb, "the matching send")
+        elif action.kind == "RB":
+            need(node, "SB", c + 1, mb, "the matching send")
+        elif action.kind == "SF":
+            need(node, "F", c, mb, "the value it sends")
+        elif action.kind == "SB":
+            need(node, "B", c, mb, "the value it sends")
+    expected = {(k, c, mb) for k in ("F", "B") for c in range(chunks) for mb in range(schedule.microbatches)}
+    present = {(k, c, mb) for (k, c, mb, _) in where if k in ("F", "B")}
+    if present != expected:
+        missing = sorted(expected - present)[:5]
+        raise FxShardError(f"schedule misses compute actions, e.g. {missing}")
+    if not nx.is_directed_acyclic_graph(graph):
+        cycle = nx.find_cycle(graph)
+        raise FxShardError("deadlock: " + " -> ".join(f"r{r}:{graph.nodes[(r, i)]['action']}" for (r, i), _ in cycle))
+    start, end = {}, {}
+    for node in nx.topological_sort(graph):
+        action = graph.nodes[node]["action"]
+        own = f"{action.kind}{action.chunk}"
+        if action.kind not in COMPUTE + ("U", "G"):
+            duration = 0.0
+        elif own in cost:
+            duration = cost[own]
+        else:
+            duration = cost.get(action.kind, 0.0) / schedule.virtual
+        start[node] = max((end[p] for p in graph.predecessors(node)), default=0.0)
+        end[node] = start[node] + duration
+    makespan = max(end.values())
+    bubble, peaks = [], []
+    for rank, actions in enumerate(schedule.ranks):
+        busy = sum(end[rank, i] - start[rank, i] for i, a in enumerate(actions) if a.kind in COMPUTE)
+        bubble.append(1 - busy / makespan if makespan else 0.0)
+        frees = "W" if any(a.kind == "W" for a in actions) else "B"  # activations live until the weight gradient
+        live = peak = 0
+        for action in actions:
+            live += action.kind == "F"
+            live -= action.kind == frees
+            peak = max(peak, live)
+        peaks.append(peak)
+    return Simulation(makespan, bubble, peaks, start, end)
