@@ -13,9 +13,9 @@ optimizer state). `add_zero_actions` places them; `simulate` runs U and G on a c
 stream of their own, concurrent with compute.
 
 Generators: `gpipe`, `one_f_one_b`, `interleaved_one_f_one_b` (Megatron's order), `zero_bubble_h1`,
-`dualpipe_v` (V placement). `simulate` checks
-a schedule without running a model (every dependency satisfied, no deadlock) and reports makespan,
-bubble fraction and peak live activations per rank.
+`dualpipe_v` (V placement). `simulate` checks a schedule without running a model (every
+dependency satisfied, no deadlock) and reports makespan, bubble fraction and peak live activations
+per rank.
 
 Modules: `model` (Action, Schedule, placement, add_communication), `generators` (the named
 schedules, `build`), `zero` (ZeRO's U / R / G actions), `simulator` (`simulate`), `order` (issue
