@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import fxshard  # noqa: E402
 from fxshard.models import GPT, GPTConfig  # noqa: E402
-from moe_interleave import kernel_times  # noqa: E402
+from moe_interleave import time_and_profile  # noqa: E402
 
 
 def kind(name: str) -> str:
@@ -76,17 +76,8 @@ def main():
                              mesh=mesh, config=config)
         compile_s = time.perf_counter() - started
         del model
-        for _ in range(args.warmup):
-            step(data)
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        for _ in range(args.iters):
-            step(data)
-        torch.cuda.synchronize()
-        ms = (time.perf_counter() - started) / args.iters * 1e3
-        prof, times, counts = kernel_times(lambda: step(data))
-        with open(os.path.join(args.out, f"{label}.txt"), "w") as handle:
-            handle.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=80, max_name_column_width=100))
+        ms, times, counts = time_and_profile(lambda: step(data), args.warmup, args.iters,
+                                             os.path.join(args.out, f"{label}.txt"))
         kinds = defaultdict(lambda: [0.0, 0])
         for name, t in times.items():
             kinds[kind(name)][0] += t
@@ -97,7 +88,7 @@ def main():
               f"{sum(counts.values()):.0f} kernels/step", flush=True)
         for name, (t, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
             print(f"    {name:14s} {t:8.2f} ms  {n:6.0f} kernels", flush=True)
-        step = prof = None  # its CUDA graph and memory pool, before the next variant
+        step = None  # its CUDA graph and memory pool, before the next variant
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "fake_mesh.json"), "w") as handle:
         json.dump(results, handle, indent=1)

@@ -36,18 +36,30 @@ from fxshard.runtime import CompiledStep  # noqa: E402
 from moe import without_all_to_all  # noqa: E402
 
 
-def kernel_times(step_fn, steps=2):
+def time_and_profile(step_fn, warmup: int, iters: int, table_path: str, steps: int = 2):
+    """ms per step over `iters` steps after `warmup`, then a CUDA profile of `steps` more: the kernel table
+    into `table_path`, and per kernel name its GPU ms and launches per step."""
     from torch.profiler import ProfilerActivity, profile
 
+    for _ in range(warmup):
+        step_fn()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(iters):
+        step_fn()
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - started) / iters * 1e3
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step_fn()
         torch.cuda.synchronize()
+    with open(table_path, "w") as handle:
+        handle.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=80, max_name_column_width=100))
     times, counts = defaultdict(float), defaultdict(int)
     for event in prof.key_averages():
         times[event.key] += event.device_time_total / steps / 1e3
         counts[event.key] += event.count / steps
-    return prof, dict(times), dict(counts)
+    return ms, dict(times), dict(counts)
 
 
 def main():
@@ -88,23 +100,14 @@ def main():
         del model
         runner = CompiledStep([without_all_to_all(step.program)], step.state, step.batch_spec, step.optimizer,
                               step.device, step.groups, True, codegen=codegen)
-        for _ in range(args.warmup):
-            runner(data)
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        for _ in range(args.iters):
-            runner(data)
-        torch.cuda.synchronize()
-        ms = (time.perf_counter() - started) / args.iters * 1e3
-        prof, times, counts = kernel_times(lambda: runner(data))
-        with open(os.path.join(args.out, f"{label}.txt"), "w") as handle:
-            handle.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=80, max_name_column_width=100))
+        ms, times, counts = time_and_profile(lambda: runner(data), args.warmup, args.iters,
+                                             os.path.join(args.out, f"{label}.txt"))
         regions = len(runner.codegen.regions) if getattr(runner, "codegen", None) else 0
         results[label] = {"ms_per_step": ms, "compile_s": compile_s, "regions": regions,
                           "kernels_per_step": sum(counts.values()), "kernel_ms": times, "kernel_counts": counts}
         print(f"{label}: {ms:.2f} ms/step, compiled in {compile_s:.1f}s, {regions} regions, "
               f"{sum(counts.values()):.0f} kernels/step, GPU time {sum(times.values()):.2f} ms/step", flush=True)
-        step = runner = prof = None  # every CUDA graph and its memory pool, before the next variant
+        step = runner = None  # every CUDA graph and its memory pool, before the next variant
         gc.collect()
         torch.cuda.empty_cache()
     for suffix in ("", "-aten"):
