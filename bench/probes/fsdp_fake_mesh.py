@@ -20,14 +20,13 @@ import time
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import fxshard  # noqa: E402
 from fxshard.models import GPT, GPTConfig  # noqa: E402
-from moe_interleave import time_and_profile  # noqa: E402
+from moe_interleave import fake_world, time_and_profile  # noqa: E402
 
 
 def kind(name: str) -> str:
@@ -56,10 +55,7 @@ def main():
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=0, world_size=args.world, store=FakeStore())
-    torch.cuda.set_device(0)
+    fake_world(args.world)
     cfg = GPTConfig.preset("1b")
     generator = torch.Generator().manual_seed(0)
     data = {k: torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=generator).cuda()

@@ -36,6 +36,15 @@ from fxshard.runtime import CompiledStep  # noqa: E402
 from moe import without_all_to_all  # noqa: E402
 
 
+def fake_world(world: int) -> None:
+    """This process as rank 0 of `world` ranks whose collectives do nothing (torch's FakeProcessGroup),
+    on GPU 0: rank 0's program of a mesh, built and run on one GPU."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    torch.cuda.set_device(0)
+
+
 def time_and_profile(step_fn, warmup: int, iters: int, table_path: str, steps: int = 2):
     """ms per step over `iters` steps after `warmup`, then a CUDA profile of `steps` more: the kernel table
     into `table_path`, and per kernel name its GPU ms and launches per step."""
@@ -73,10 +82,7 @@ def main():
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=0, world_size=args.world, store=FakeStore())
-    torch.cuda.set_device(0)
+    fake_world(args.world)
     cfg = MoEGPTConfig(vocab_size=32000, d_model=2048, n_layer=args.layers, n_head=16, n_expert=64, top_k=8,
                        d_ff_expert=1024, d_ff_shared=None, capacity_factor=1.0, routing="balanced")
     generator = torch.Generator().manual_seed(0)
