@@ -10,7 +10,6 @@ top 40, DIR/kernels/<name>.py: the kernel's source and the region's graph it cam
 
 import argparse
 import os
-import re
 import sys
 
 import torch
