@@ -23,3 +23,46 @@ def write_json(path: str, **fields) -> None:
         json.dump({"date": datetime.date.today().isoformat(), "device": device_name(),
                    "torch": torch.__version__, **fields}, handle, indent=1)
     print(f"wrote {path}")
+
+
+def kernel_timeline(trace_path: str, steps: int, is_comm) -> dict:
+    """From a profiler's chrome trace of `steps` steps: per step, how long the GPU ran any kernel, how long
+    communication kernels (`is_comm(name)`) ran, how much of that other kernels ran alongside, and how much
+    ran alone (exposed). Spans are unions over streams, so overlapping kernels count once."""
+    with open(trace_path) as handle:
+        kernels = [e for e in json.load(handle)["traceEvents"] if e.get("cat") == "kernel" and "dur" in e]
+    comm = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if is_comm(e["name"])])
+    compute = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels
+                      if not is_comm(e["name"]) and not e["name"].startswith("nccl")])
+    busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
+    overlapped = _intersection(comm, compute)
+
+    def per_step(microseconds):
+        return microseconds / steps / 1e3
+
+    comm_ms = per_step(sum(b - a for a, b in comm))
+    return {"gpu_busy_ms": per_step(sum(b - a for a, b in busy)), "comm_kernels_ms": comm_ms,
+            "comm_overlapped_ms": per_step(overlapped), "comm_exposed_ms": comm_ms - per_step(overlapped)}
+
+
+def _union(spans):
+    merged = []
+    for start, stop in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], stop)
+        else:
+            merged.append([start, stop])
+    return merged
+
+
+def _intersection(first, second) -> float:
+    """Total length where two sorted lists of disjoint spans overlap."""
+    total, i, j = 0.0, 0, 0
+    while i < len(first) and j < len(second):
+        (a, b), (c, d) = first[i], second[j]
+        total += max(0.0, min(b, d) - max(a, c))
+        if b < d:
+            i += 1
+        else:
+            j += 1
+    return total

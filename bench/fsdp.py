@@ -24,6 +24,7 @@ mode prints how long fxshard.shard took (trace, passes, codegen) and what codege
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -36,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import fxshard  # noqa: E402
 from fxshard.launch import run_local  # noqa: E402
 from fxshard.models import GPT, GPTConfig  # noqa: E402
-from common import H200_BF16_DENSE_PEAK, write_json  # noqa: E402
+from common import H200_BF16_DENSE_PEAK, kernel_timeline, write_json  # noqa: E402
 
 
 def flops_per_token(cfg: GPTConfig, seq: int) -> float:
@@ -75,7 +76,9 @@ def timed(step_fn, warmup: int, iters: int, label: str = "") -> float:
 
 
 def profile(step_fn, path, steps=2):
-    """GPU kernel time per op over `steps` steps, the top 45 by total CUDA time, into `path`."""
+    """GPU kernel time per op over `steps` steps, the top 45 by total CUDA time, into `path`; and from the
+    kernel timeline (`<path>.timeline.json`, printed): NCCL kernel time per step and how much of it ran
+    with no compute kernel alongside (communication left exposed)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -88,6 +91,15 @@ def profile(step_fn, path, steps=2):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as handle:
         handle.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70))
+    trace = path[:-4] + ".trace.json"
+    prof.export_chrome_trace(trace)
+    timeline = kernel_timeline(trace, steps, lambda name: name.startswith("nccl"))
+    os.remove(trace)
+    with open(path[:-4] + ".timeline.json", "w") as handle:
+        json.dump(timeline, handle, indent=1)
+    print(f"  {os.path.basename(path)[:-4]}: GPU busy {timeline['gpu_busy_ms']:.2f} ms/step; NCCL kernels "
+          f"{timeline['comm_kernels_ms']:.2f} ms, {timeline['comm_exposed_ms']:.2f} ms of it with no other kernel "
+          f"running", flush=True)
 
 
 def build_model(cfg, device):

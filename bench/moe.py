@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
@@ -52,7 +51,7 @@ import fxshard  # noqa: E402
 from fxshard.launch import run_local  # noqa: E402
 from fxshard.models import MoEGPT, MoEGPTConfig  # noqa: E402
 from fxshard.runtime import CompiledStep  # noqa: E402
-from common import H200_BF16_DENSE_PEAK, write_json  # noqa: E402
+from common import H200_BF16_DENSE_PEAK, kernel_timeline, write_json  # noqa: E402
 
 _c10d = torch.ops._c10d_functional
 
@@ -122,28 +121,10 @@ def profile(step_fn, path, steps=2) -> dict:
         handle.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
     trace = path[:-4] + ".trace.json"
     prof.export_chrome_trace(trace)
-    with open(trace) as handle:
-        kernels = [e for e in json.load(handle)["traceEvents"] if e.get("cat") == "kernel" and "dur" in e]
+    timeline = kernel_timeline(trace, steps, lambda name: "AllToAll" in name or "SendRecv" in name)
     os.remove(trace)
-    is_a2a = [("AllToAll" in e["name"] or "SendRecv" in e["name"]) for e in kernels]
-    a2a = _union([(e["ts"], e["ts"] + e["dur"]) for e, flag in zip(kernels, is_a2a) if flag])
-    compute = _union([(e["ts"], e["ts"] + e["dur"]) for e, flag in zip(kernels, is_a2a)
-                      if not flag and not e["name"].startswith("nccl")])
-    busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
-    overlap = sum(max(0, min(b, d) - max(a, c)) for a, b in a2a for c, d in compute)
-    length = lambda spans: sum(b - a for a, b in spans) / steps / 1e3  # noqa: E731
-    return {"gpu_busy_ms": length(busy), "all_to_all_kernels_ms": length(a2a),
-            "all_to_all_overlapped_ms": overlap / steps / 1e3}
-
-
-def _union(spans):
-    merged = []
-    for start, stop in sorted(spans):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], stop)
-        else:
-            merged.append([start, stop])
-    return merged
+    return {"gpu_busy_ms": timeline["gpu_busy_ms"], "all_to_all_kernels_ms": timeline["comm_kernels_ms"],
+            "all_to_all_overlapped_ms": timeline["comm_overlapped_ms"]}
 
 
 def expert_compute_alone(args) -> float:
