@@ -9,7 +9,9 @@ and one reduce-scatter. Strategies, with Megatron's names:
                         shard, the updated shards are all-gathered into the full params
     optim_grads         ZeRO-2: as optim; in one step without accumulation the two programs coincide
     optim_grads_params  ZeRO-3: params stay sharded; all-gathered before the forward uses a unit and
-                        again before the backward does (the forward's copy is dead by then)
+                        again before the backward does (the forward's copy is dead by then), except
+                        the unit the forward ends with, which the backward begins with: nothing is
+                        gathered between its two uses, so its forward copy serves both
 
 A unit on an axis of one rank (expert units when N = K) is its own shard: it gets no collectives.
 
@@ -174,6 +176,7 @@ class _Rewrite:
         self.views: dict[tuple, dict[str, fx.Node]] = {}   # region -> param name -> view node
         self.remat: dict[tuple, fx.Node] = {}              # (forward node, region) -> recomputed copy
         self.derived: dict[fx.Node, set[str]] = {}         # set by plan_gathers under ZeRO-3
+        self.kept: dict[tuple, tuple] = {}                 # (region, unit name) -> region whose copy it reads
 
     def hoist_casts(self) -> dict[str, torch.dtype]:
         """Units whose every parameter is only used through one cast (mixed precision) are gathered
@@ -329,6 +332,8 @@ class _Rewrite:
         from that region's all-gather instead of keeping the gathered copy it was made from alive."""
         if self.windows:
             return region != self.region(derived)
+        if all((region, unit) in self.kept for unit in self.derived.get(derived, ())):
+            return False  # the forward's copy of every unit it reads is kept into this region
         return region[0] == meta.BWD
 
     def plan_gathers(self, walk: list[fx.Node], anchors: dict[int, fx.Node | None]):
@@ -354,6 +359,11 @@ class _Rewrite:
                         first_use.setdefault((region, unit_name), node)
         units = {u.name: u for u in self.units}
         events = list(first_use)
+        if not self.windows:  # a unit gathered twice in a row: the second use reads the first copy
+            for previous, (region, unit_name) in zip(list(events), list(events)[1:]):
+                if previous[1] == unit_name and previous[0] == (meta.FWD, region[1]) and region[0] == meta.BWD:
+                    self.kept[region, unit_name] = previous[0]
+                    events.remove((region, unit_name))
         first_node = next((n for n in walk if meta.phase(n) in (meta.FWD, meta.BWD)), None)
         for index, (region, unit_name) in enumerate(events):
             if self.windows:
@@ -407,7 +417,12 @@ class _Rewrite:
     def lookup(self, node: fx.Node, region: tuple, phase: str) -> fx.Node:
         """The copy of `node` that a node of `region` (and `phase`) reads."""
         if node in self.member_of_node:
-            return self.views[region if self.cfg.shards_params else ALL][self.member_of_node[node]]
+            name = self.member_of_node[node]
+            if not self.cfg.shards_params:
+                region = ALL
+            elif (region, self.unit_of[name].name) in self.kept:
+                region = self.kept[region, self.unit_of[name].name]
+            return self.views[region][name]
         if self.cfg.shards_params and node in self.derived and self.rematerializes(node, region):
             if (node, region) not in self.remat:  # recompute the view/cast from this region's all-gather
                 copy = self.graph.node_copy(node, lambda n: self.lookup(n, region, phase))

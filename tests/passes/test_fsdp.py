@@ -100,9 +100,10 @@ def test_all_gathers_are_prefetched_one_unit_ahead_and_waited_just_before_use():
     gathers = [n for n in nodes if n.target is c10d.all_gather_into_tensor.default and meta.phase(n) != meta.OPTIM]
     for phase in (meta.FWD, meta.BWD):
         ordered = [g for g in gathers if meta.phase(g) == phase]
-        # forward: pre, layers.0, layers.1, post; the embedding's backward needs no weight, so "pre"
-        # is not gathered again
-        expected = ["pre", "layers.0", "layers.1", "post"] if phase == meta.FWD else ["post", "layers.1", "layers.0"]
+        # forward: pre, layers.0, layers.1, post; the backward begins with "post", whose forward copy
+        # it keeps (nothing is gathered in between), and the embedding's backward needs no weight, so
+        # neither "post" nor "pre" is gathered again
+        expected = ["pre", "layers.0", "layers.1", "post"] if phase == meta.FWD else ["layers.1", "layers.0"]
         assert [g.meta[meta.UNIT] for g in ordered] == expected
         first_uses = []
         for gather in ordered:
