@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import time
 
 import torch
 
@@ -23,6 +24,18 @@ def write_json(path: str, **fields) -> None:
         json.dump({"date": datetime.date.today().isoformat(), "device": device_name(),
                    "torch": torch.__version__, **fields}, handle, indent=1)
     print(f"wrote {path}")
+
+
+def timed(fn, warmup: int, iters: int) -> float:
+    """ms per call of `fn` (a CUDA step) over `iters` calls after `warmup`."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) / iters * 1e3
 
 
 def kernel_timeline(trace_path: str, steps: int, is_comm) -> dict:

@@ -22,19 +22,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import fxshard  # noqa: E402
 from fxshard.models import GPT, GPTConfig  # noqa: E402
-from common import write_json  # noqa: E402
+from common import timed, write_json  # noqa: E402
 from fsdp import batch_for  # noqa: E402
-
-
-def timed(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - started) / iters * 1e3
 
 
 def main():

@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import fxshard  # noqa: E402
 from fxshard.models import MoEGPT, MoEGPTConfig  # noqa: E402
 from fxshard.runtime import CompiledStep  # noqa: E402
+from common import timed  # noqa: E402
 from moe import without_all_to_all  # noqa: E402
 
 
@@ -50,14 +51,7 @@ def time_and_profile(step_fn, warmup: int, iters: int, table_path: str, steps: i
     into `table_path`, and per kernel name its GPU ms and launches per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(warmup):
-        step_fn()
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(iters):
-        step_fn()
-    torch.cuda.synchronize()
-    ms = (time.perf_counter() - started) / iters * 1e3
+    ms = timed(step_fn, warmup, iters)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step_fn()
