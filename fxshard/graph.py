@@ -149,3 +149,49 @@ def _fresh(value):
     if isinstance(value, torch.Tensor):
         return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
     return value
+
+
+def flops(node: fx.Node) -> int:
+    """The floating-point operations of one GEMM-class node (torch's flop counter formulas for aten's
+    matmuls and attention, which count causal attention whole; fxshard's grouped ops by their rows
+    and weights), 0 for any other node or one whose shapes are unknown. The dump shows each
+    collective's window in FLOPs: a count of GEMMs alone does not tell three router matmuls from an
+    attention layer. Grouped GEMMs count every row of their buffer: exact with a capacity (the slots
+    are computed, padding included), an upper bound for dropless layers, whose buffer after an
+    expert-parallel dispatch is sized for the worst case while only the rows received are computed."""
+    if node.op != "call_function":
+        return 0
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    try:
+        return _grouped_flops(getattr(node.target, "__name__", "").replace(".default", ""), args) or _aten_flops(node, args, kwargs)
+    except Exception:  # noqa: BLE001 - an estimate for the dump; a shape it cannot read counts 0
+        return 0
+
+
+def _grouped_flops(name: str, args) -> int:
+    if name == "grouped_mm":  # x [rows, in], weight [E, out, in]
+        return 2 * args[0].shape[0] * args[2].shape[1] * args[2].shape[2]
+    if name == "grouped_mm_wgrad":  # grad_out [rows, out], x [rows, in]
+        return 2 * args[0].shape[0] * args[0].shape[1] * args[1].shape[1]
+    if name in ("grouped_mlp_fwd", "grouped_mlp_dgrad"):  # both GEMMs of every row: x / grad_out, w1, w2
+        w1, w2 = (args[2], args[3]) if name == "grouped_mlp_fwd" else (args[3], args[4])
+        return 2 * args[0].shape[0] * (w1.shape[1] * w1.shape[2] + w2.shape[1] * w2.shape[2])
+    if name == "grouped_mlp_wgrad":  # grad_out, grad_h, x, act: both weight gradients
+        grad_out, grad_h, x, act = args[:4]
+        return 2 * x.shape[0] * (grad_h.shape[1] * x.shape[1] + grad_out.shape[1] * act.shape[1])
+    return 0
+
+
+def _aten_flops(node: fx.Node, args, kwargs) -> int:
+    from torch.utils.flop_counter import flop_registry
+
+    packet = getattr(node.target, "overloadpacket", None)
+    formula = flop_registry.get(_FLOP_ALIASES.get(packet, packet))
+    return 0 if formula is None else int(formula(*args, out_val=node.meta.get("val"), **kwargs))
+
+
+_aten = torch.ops.aten
+_FLOP_ALIASES = {  # the CPU kernels of attention take the arguments of the CUDA flash kernels
+    _aten._scaled_dot_product_flash_attention_for_cpu: _aten._scaled_dot_product_flash_attention,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _aten._scaled_dot_product_flash_attention_backward,
+}

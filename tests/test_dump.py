@@ -91,7 +91,8 @@ def test_collective_windows_are_given_in_flops():
     torch's flop counter does), and the fused grouped MLP the FLOPs of the grouped GEMMs it replaces."""
     import re
 
-    from fxshard.dump import flops, summarize
+    from fxshard.dump import summarize
+    from fxshard.graph import flops
     from fxshard.passes import run_pipeline
 
     program = fxshard.trace(torch.nn.Linear(8, 16, bias=False), lambda m, b: m(b).sum(), torch.randn(4, 8))

@@ -5,7 +5,7 @@
 Builds rank 0's program of bench/moe.py's MoEGPT (Mesh(dp=world, ep=world), 2 microbatches,
 ep_overlap) with a meta-device model and torch's FakeProcessGroup (no GPU, no second process), and for
 every all-to-all prints the bytes it sends to the peers and the compute between its issue and its wait
-(`fxshard.dump.flops`: matmuls, attention, grouped GEMMs). With an assumed link bandwidth and an assumed
+(`fxshard.graph.flops`: matmuls, attention, grouped GEMMs). With an assumed link bandwidth and an assumed
 GEMM rate it estimates what stays exposed: sum over all-to-alls of max(0, transfer - window compute).
 The model ignores everything but GEMM-class FLOPs and bytes, so it ranks orders, it does not predict
 milliseconds; it found two interleaving defects that left windows empty (bench/RESULTS.md, 2026-11-24).
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import fxshard  # noqa: E402
 from fxshard import meta  # noqa: E402
-from fxshard.dump import flops  # noqa: E402
+from fxshard.graph import flops  # noqa: E402
 from fxshard.models import MoEGPT, MoEGPTConfig  # noqa: E402
 from fxshard.passes import run_pipeline  # noqa: E402
 

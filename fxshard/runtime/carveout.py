@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from .. import meta
+from ..graph import flops
 
 _c10d = torch.ops._c10d_functional
 
@@ -72,15 +73,17 @@ def carve_out_sms_for_all_to_alls(graph_module: fx.GraphModule, sms: int,
     return fx.GraphModule(graph_module, graph), stretches
 
 
-_MATMULS = {torch.ops.aten.mm.default: lambda a, b, *_: 2 * a.shape[0] * a.shape[1] * b.shape[1],
-            torch.ops.aten.addmm.default: lambda bias, a, b, *_: 2 * a.shape[0] * a.shape[1] * b.shape[1],
-            torch.ops.aten.bmm.default: lambda a, b, *_: 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]}
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 
 
 def _matmul_flops(node: fx.Node) -> float | None:
     """FLOPs of a matmul node (cuBLAS, or fxshard's grouped expert GEMMs); None for anything else."""
     if node.op != "call_function":
         return None
+    if node.target in _MATMULS or (getattr(node.target, "namespace", None) == "fxshard"
+                                   and "grouped_m" in str(node.target)):
+        return float(flops(node))
+    return None
     values = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
     if node.target in _MATMULS:
         return float(_MATMULS[node.target](*values))
