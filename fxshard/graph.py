@@ -117,7 +117,8 @@ def inline(graph: fx.Graph, fn: Callable, inputs: Sequence[fx.Node], *, fake_mod
     """Trace `fn(*input values) -> sequence of tensors` and insert its nodes; return the output nodes.
 
     Nodes get `phase`, `layer` (if given) and `extra_meta`; a node traced under
-    `torch.fx.traceback.annotate({meta.ANNOTATION_PARAM: name})` also gets that parameter name.
+    `torch.fx.traceback.annotate({key: value})` with fxshard's meta keys (fxshard.meta: the
+    parameter an update is for, the unit and bytes of a collective) also gets those entries.
     """
     with fake_mode:  # fresh values: copied nodes share their `val`, and make_fx keys inputs by identity
         values = [_fresh(node.meta["val"]) for node in inputs]
@@ -137,9 +138,9 @@ def inline(graph: fx.Graph, fn: Callable, inputs: Sequence[fx.Node], *, fake_mod
         copy.meta[meta.PHASE] = phase
         if layer is not None:
             copy.meta[meta.LAYER] = layer
-        param_name = (node.meta.get("custom") or {}).get(meta.ANNOTATION_PARAM)
-        if param_name is not None:
-            copy.meta[meta.PARAM] = param_name
+        # annotations with fxshard's meta keys (the parameter an update is for, a collective's unit)
+        copy.meta.update({key: value for key, value in (node.meta.get("custom") or {}).items()
+                          if key.startswith("fxshard_")})
         copy.meta.update(extra_meta or {})
         env[node] = copy
     raise AssertionError("traced function has no output")

@@ -7,7 +7,7 @@ shards) rebuild the phase with the same code the tracer used.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -29,9 +29,27 @@ class TrainSpec:
     guard_nonfinite: bool = False
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """Gradients that reach the optimizer phase unreduced, and the traceable function that issues a
+    reduction there: `issue(name, unreduced gradient)` -> the issued functional collective (the phase
+    waits on it). The updates that read none of them run while those reductions are in flight.
+
+    Under the non-finite guard the skip is then decided before they land: from each rank's squared
+    norm of its unreduced gradient, summed over the update's norm_axes as the reduced one is. Where the
+    reduction is a mean over ranks within those axes, that sum bounds the reduced gradient's squared
+    norm (||mean_r g_r||^2 <= sum_r ||g_r||^2), so where it is finite so is the gradient norm, and a
+    gradient that is not finite on any rank makes it not finite too. The two differ only where the
+    squares overflow float32 (a gradient norm near 1.8e19): the guard may skip such a step although
+    the reduced norm just fits. Not with clipping, which needs the reduced norm before any update."""
+
+    names: frozenset[str]
+    issue: Callable[[str, torch.Tensor], torch.Tensor]
+
+
 def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence[Update], params: list[fx.Node],
                   grads: list[fx.Node], states: dict[tuple[str, str], fx.Node], lr: fx.Node, step: fx.Node,
-                  norm_groups: Sequence[tuple[str, ...]] = ()):
+                  norm_groups: Sequence[tuple[str, ...]] = (), deferred: Deferred | None = None):
     """Insert the optimizer phase of `updates` at the graph's insertion point.
 
     `params[i]` and `grads[i]` are the tensor and gradient of `updates[i]`, `states[name, slot]` its
@@ -40,9 +58,12 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence
     the same order: the groups of axes are reduced in sorted order, and `norm_groups` names those
     other ranks reduce though this one may update nothing summed over them (a pipeline stage without
     experts, where another stage's expert units sum over `ep`); this rank adds zero there.
+    The gradients of `deferred.names` are unreduced: their reductions are issued at the start of the
+    phase, and updated last, after the others (Deferred).
     With `spec.guard_nonfinite`, the update is skipped, on every rank alike, where the (global) norm
-    is not finite, and the fourth value is a bool vector node: which of this rank's counted gradients
-    (names in its meta[meta.NONFINITE_TENSORS]) are not finite; else None.
+    is not finite, and the fourth value is a bool vector node: whether the update was skipped, then
+    which of this rank's counted gradients (names in its meta[meta.NONFINITE_TENSORS]) are not
+    finite; else None.
     Returns (grad_norm, {name: new tensor}, {(name, slot): new state}, nonfinite flags or None).
     """
     names = [update.name for update in updates]
@@ -53,46 +74,83 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence
     optimizer, clip = spec.optimizer, spec.clip_grad_norm
     count = len(names)
     counted_names = [name for name in names if name not in not_in_norm]
+    late = [name for name in names if deferred is not None and name in deferred.names]
+    if late and clip is not None:
+        raise AssertionError("deferred gradient reductions with clip_grad_norm: every update needs the reduced norm")
 
     def update(*flat):
         # Gradients come in the dtype they were computed or reduced in (bf16 under param_dtype=bf16
         # without a reduction); each optimizer applies them in the master's dtype. No fp32 copy of a
         # gradient is written for the norm (computed in fp32 from the gradient as it is) or for AdamW
         # (its fused op widens the gradient as it loads it): 8 bytes per parameter per step less.
-        params, grads = flat[:count], flat[count:2 * count]
+        params, grads = flat[:count], dict(zip(names, flat[count:2 * count]))
         state_values, (lr, step) = flat[2 * count:-2], flat[-2:]
-        # every rank reduces every group, even one it has nothing to count for (collectives must match)
-        # one reduction per gradient (vector_norm), not a squared copy of it summed afterwards
-        local = {name: torch.linalg.vector_norm(g, dtype=torch.float32).square()
-                 for name, g in zip(names, grads) if name not in not_in_norm}
-        by_groups: dict[tuple[str, ...], list] = {group: [] for group in all_groups}
-        for name in counted_names:
-            by_groups[axes_of[name]].append(local[name])
-        squares = grads[0].new_zeros((), dtype=torch.float32)
-        for groups, counted in by_groups.items():
-            part = torch.stack(counted or [torch.linalg.vector_norm(grads[0] * 0, dtype=torch.float32)]).sum()
-            for group in groups:
-                part = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(part, "sum", group))
-            squares = squares + part
-        grad_norm = squares.sqrt()
-        if clip is not None:  # scaled in the master's dtype
-            coefficient = torch.clamp(clip / (grad_norm + 1e-6), max=1.0)
-            grads = [g.to(p.dtype) * coefficient.to(p.dtype) for p, g in zip(params, grads)]
-        shared = optimizer.scalars(lr, step)
-        flags = []
-        if spec.guard_nonfinite:  # the norm is global: every rank skips alike
-            shared["skip"] = torch.logical_not(torch.isfinite(grad_norm))
-            flags = [torch.logical_not(torch.isfinite(torch.stack([local[n] for n in counted_names])))] \
-                if counted_names else [torch.zeros(0, dtype=torch.bool, device=grad_norm.device)]
-        new_params, new_states, position = [], [], 0
-        for name, p, g, own_slots in zip(names, params, grads, slots):
-            state = dict(zip(own_slots, state_values[position:position + len(own_slots)]))
+        states, position = {}, 0
+        for name, own_slots in zip(names, slots):
+            states[name] = dict(zip(own_slots, state_values[position:position + len(own_slots)]))
             position += len(own_slots)
-            with fx_traceback.annotate({meta.ANNOTATION_PARAM: name}):
-                new_p, new_s = optimizer.update(p, g, state, shared)
-            new_params.append(new_p)
-            new_states.extend(new_s[slot] for slot in own_slots)
-        return [grad_norm, *new_params, *new_states, *flags]
+
+        def squared(g):  # one reduction per gradient (vector_norm), not a squared copy summed afterwards
+            return torch.linalg.vector_norm(g, dtype=torch.float32).square()
+
+        def global_sum(local: dict) -> torch.Tensor:
+            """The sum of `local`'s squares over every rank of each update's norm axes (every rank
+            reduces every group, even one it has nothing to count for: collectives must match)."""
+            by_groups: dict[tuple[str, ...], list] = {group: [] for group in all_groups}
+            for name in counted_names:
+                by_groups[axes_of[name]].append(local[name])
+            total = flat[count].new_zeros((), dtype=torch.float32)
+            for groups, counted in by_groups.items():
+                part = torch.stack(counted or [torch.linalg.vector_norm(flat[count] * 0, dtype=torch.float32)]).sum()
+                for group in groups:
+                    part = torch.ops._c10d_functional.wait_tensor(
+                        torch.ops._c10d_functional.all_reduce(part, "sum", group))
+                total = total + part
+            return total
+
+        def nonfinite_flags(local: dict) -> list:  # before the last updates: no region after them
+            if not spec.guard_nonfinite:
+                return []
+            each = [local[name] for name in counted_names]
+            return [torch.cat([shared["skip"].reshape(1), torch.logical_not(torch.isfinite(torch.stack(each)))
+                               if each else shared["skip"].new_zeros(0)])]
+
+        shared = optimizer.scalars(lr, step)
+        new_params, new_states = {}, {}
+
+        def apply(chosen):
+            for name in chosen:
+                with fx_traceback.annotate({meta.ANNOTATION_PARAM: name}):
+                    new_params[name], new_states[name] = optimizer.update(
+                        params[names.index(name)], grads[name], states[name], shared)
+
+        local = {name: squared(grads[name]) for name in counted_names if name not in late}
+        if late:  # decide the skip from the unreduced gradients, then update while they are reduced
+            if spec.guard_nonfinite:
+                unreduced = {name: squared(grads[name]) for name in late if name not in not_in_norm}
+                bound = global_sum({**local, **unreduced})
+                shared["skip"] = torch.logical_not(torch.isfinite(bound))
+            issued = {name: deferred.issue(name, grads[name]) for name in late}
+            apply([name for name in names if name not in late])
+            for name in late:
+                grads[name] = torch.ops._c10d_functional.wait_tensor(issued[name])
+                if name not in not_in_norm:
+                    local[name] = squared(grads[name])
+            grad_norm = global_sum(local).sqrt()
+            flags = nonfinite_flags(local)
+            apply(late)
+        else:
+            grad_norm = global_sum(local).sqrt()
+            if clip is not None:  # scaled in the master's dtype
+                coefficient = torch.clamp(clip / (grad_norm + 1e-6), max=1.0)
+                grads = {name: g.to(p.dtype) * coefficient.to(p.dtype)
+                         for (name, g), p in zip(grads.items(), params)}
+            if spec.guard_nonfinite:  # the norm is global: every rank skips alike
+                shared["skip"] = torch.logical_not(torch.isfinite(grad_norm))
+            flags = nonfinite_flags(local)
+            apply(names)
+        return [grad_norm, *(new_params[name] for name in names),
+                *(new_states[name][slot] for name, own in zip(names, slots) for slot in own), *flags]
 
     state_nodes = [states[name, slot] for name, own in zip(names, slots) for slot in own]
     outputs = inline(graph, update, [*params, *grads, *state_nodes, lr, step], fake_mode=fake_mode,

@@ -38,8 +38,9 @@ class OutputKind(enum.Enum):
     OPT_STATE = "opt_state"  # the updated optimizer slot
     BUFFER = "buffer"        # the new value of a buffer the forward mutated
     METRIC = "metric"        # a scalar loss_fn reported next to the loss ((loss, {name: value}))
-    NONFINITE = "nonfinite"  # Config(nonfinite): bool vector, which of this rank's gradients are not
-                             # finite (the output node's meta[meta.NONFINITE_TENSORS] names them)
+    NONFINITE = "nonfinite"  # Config(nonfinite): bool vector, whether the update was skipped, then which
+                             # of this rank's gradients are not finite (the output node's
+                             # meta[meta.NONFINITE_TENSORS] names them)
 
 
 @dataclass(frozen=True)

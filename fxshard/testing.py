@@ -116,7 +116,7 @@ class SimulatedRanks:
                 else:
                     metrics[rank][spec.name] = value
         if any(spec.kind is OutputKind.NONFINITE for spec in self.program.outputs):
-            self.skipped += int(not torch.isfinite(metrics[0]["grad_norm"]))  # as CompiledStep counts
+            self.skipped += int(metrics[0]["nonfinite"][0])  # as CompiledStep counts
         return metrics
 
     def groups(self) -> dict[str, list[list[int]]]:

@@ -17,7 +17,10 @@ A unit on an axis of one rank (expert units when N = K) is its own shard: it get
 
 Overlap is graph order: a unit's all-gather is issued `prefetch` units ahead of its first use and
 waited on just before it; a unit's reduce-scatter is issued as soon as its last gradient exists and
-waited on only when the optimizer phase starts.
+waited on only when the optimizer phase starts. The units whose last gradient the backward makes
+once its last layer has begun (that layer and "pre") are reduced by the optimizer phase instead,
+issued before any update and waited after the other units' updates, which run under them
+(`deferred_units`; optimizer_graph.Deferred says how the non-finite guard decides first).
 
 A pipeline stage's program (passes/lower_schedule.py) whose actions hold ZeRO's collectives
 (fxshard.schedule.add_zero_actions; `StagePlan.actions`) gets them where the schedule says: under
@@ -40,12 +43,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 
 from fxshard import meta
 from fxshard.config import SHARDING_STRATEGIES
 from fxshard.errors import FxShardError
 from fxshard.graph import fake_mode_of, inline
-from fxshard.optimizer_graph import append_update
+from fxshard.optimizer_graph import Deferred, append_update
 from fxshard.program import (EXPERT_SHARDED, REPLICATED, FlatUnit, Input, InputKind, Output, OutputKind, Placement,
                              Program, Update)
 from fxshard.schedule import COMPUTE
@@ -279,25 +283,42 @@ class _Rewrite:
             node.meta[meta.PARAM] = member.name
             self.views.setdefault(region, {})[member.name] = node
 
-    def issue_gradient_reduction(self, unit: FlatUnit, grads: list[fx.Node]) -> fx.Node:
-        world, axis, padding = unit.world, unit.axis, unit.padding
-        shards = self.cfg.shards_optimizer
+    def flatten_gradient(self, unit: FlatUnit, grads: list[fx.Node]) -> fx.Node:
+        """`unit`'s gradient as one flat buffer laid out like the unit (expert gradients scaled by 1/K)."""
+        padding = unit.padding
         scale = 1 / self.cfg.ep if unit.experts else None  # expert grads already sum their ep group
 
-        def reduce(*grads):
+        def flatten(*grads):
             flat = torch.cat([g.reshape(-1) for g in grads] + ([grads[0].new_zeros(padding)] if padding else []))
-            if scale is not None:
-                flat = flat * scale
-            if world == 1:  # the mean over one rank
-                return [flat]
-            if shards:
-                return [_c10d.reduce_scatter_tensor(flat, "avg", world, axis)]
-            return [_c10d.all_reduce(flat, "avg", axis)]
+            return [flat if scale is None else flat * scale]
 
-        (issued,) = inline(self.graph, reduce, grads, fake_mode=self.fake, phase=meta.BWD,
+        (flat,) = inline(self.graph, flatten, grads, fake_mode=self.fake, phase=meta.BWD,
+                         extra_meta=self.unit_meta(unit))
+        return flat
+
+    def reduction(self, unit: FlatUnit):
+        """The traceable issue of `unit`'s gradient reduction: the mean over the ranks of its axis,
+        reduce-scattered where the optimizer is sharded (nothing on a one-rank axis)."""
+        world, axis, shards = unit.world, unit.axis, self.cfg.shards_optimizer
+
+        def issue(flat):
+            if world == 1:
+                return flat
+            if shards:
+                return _c10d.reduce_scatter_tensor(flat, "avg", world, axis)
+            return _c10d.all_reduce(flat, "avg", axis)
+        return issue
+
+    def reduction_meta(self, unit: FlatUnit, flat: fx.Node) -> dict:
+        return {**self.unit_meta(unit), meta.COMM_BYTES: unit.padded_numel * flat.meta["val"].element_size()}
+
+    def issue_gradient_reduction(self, unit: FlatUnit, grads: list[fx.Node]) -> fx.Node:
+        flat = self.flatten_gradient(unit, grads)
+        issue = self.reduction(unit)
+        (issued,) = inline(self.graph, lambda f: [issue(f)], [flat], fake_mode=self.fake, phase=meta.BWD,
                            extra_meta=self.unit_meta(unit))
-        if world > 1:
-            issued.meta[meta.COMM_BYTES] = unit.padded_numel * grads[0].meta["val"].element_size()
+        if unit.world > 1:
+            issued.meta.update(self.reduction_meta(unit, flat))
         return issued
 
     def wait(self, issued: fx.Node, phase: str, layer: str) -> fx.Node:
@@ -397,6 +418,25 @@ class _Rewrite:
             reduce_after.setdefault(last, []).append(unit)
         return reduce_after, reduce_before
 
+    def deferred_units(self, walk: list[fx.Node], reduce_after: dict) -> dict[str, FlatUnit]:
+        """The units whose gradient reductions are issued in the optimizer phase instead
+        (optimizer_graph.Deferred): those whose last gradient is made once the backward of the layer
+        it ends with has begun. Such a reduction has little compute left to hide behind; issued
+        with the others' updates after it, it runs under them, and the non-finite guard decides the
+        skip from the unreduced gradients first. Only where no update needs the reduced norm first:
+        a sharded optimizer (each unit's norm sums over dp), no clipping, no pipeline."""
+        if (not self.cfg.shards_optimizer or self.zero is not None or self.program.stage is not None
+                or self.program.train.clip_grad_norm is not None):
+            return {}
+        order = [unit for node in walk for unit in reduce_after.get(node, []) if unit.world > 1 and not unit.experts]
+        layer_of = {unit.name: meta.layer(self.old_placeholders[unit.members[0].name]) for unit in order}
+        layered = [unit for unit in order if layer_of[unit.name] not in (meta.PRE, meta.POST)]
+        if not order:
+            return {}
+        last = layer_of[(layered or order)[-1].name]
+        start = next(i for i, unit in enumerate(order) if layer_of[unit.name] == last)
+        return {unit.name: unit for unit in order[start:]}
+
     def anchors(self, walk: list[fx.Node]) -> dict[int, fx.Node | None]:
         """ZeRO action position -> the first node of the walk made by a later action (None: none is)."""
         if self.zero is None:
@@ -444,6 +484,7 @@ class _Rewrite:
         anchors = self.anchors(walk)
         issue_before, wait_before = self.plan_gathers(walk, anchors)
         reduce_after, reduce_before = self.plan_reductions(walk, anchors)
+        self.deferred = self.deferred_units(walk, reduce_after)
         old_output = next(n for n in self.old.nodes if n.op == "output")
         old_values = list(old_output.args[0])
         loss_node = old_values[0]
@@ -466,7 +507,11 @@ class _Rewrite:
                                         fake_mode=self.fake, phase=meta.FWD, layer=meta.POST)
                 loss_reduce.meta[meta.COMM_BYTES] = copy.meta["val"].element_size()
             for unit in reduce_after.get(node, []):
-                reductions[unit.name] = self.reduce(unit)
+                if unit.name in self.deferred:  # reduced in the optimizer phase: only laid out here
+                    reductions[unit.name] = self.flatten_gradient(
+                        unit, [self.env[self.grad_nodes[m.name]] for m in unit.members])
+                else:
+                    reductions[unit.name] = self.reduce(unit)
         for unit in reduce_before.get(None, []):  # a G after every node of the walk
             reductions[unit.name] = self.reduce(unit)
         return self.finish(old_values, loss_reduce, reductions)
@@ -487,14 +532,15 @@ class _Rewrite:
     def finish(self, old_values, loss_reduce, reductions) -> Program:
         cfg = self.cfg
         trained = [unit for unit in self.units if unit.trainable]
-        grads = [self.wait(reductions[u.name], meta.OPTIM, meta.layer(reductions[u.name])) for u in trained]
+        grads = [reductions[u.name] if u.name in self.deferred else
+                 self.wait(reductions[u.name], meta.OPTIM, meta.layer(reductions[u.name])) for u in trained]
         params = [self.own_shard(unit) for unit in trained]
         updates = self.unit_updates(trained)
         states = {key: node for key, node in self.state_inputs.items()}
         lr, step = (self.env[self.old_placeholders[name]] for name in ("lr", "step"))
         grad_norm, new_params, new_states, nonfinite = append_update(
             self.graph, self.program.train, self.fake, updates, params, grads, states, lr, step,
-            norm_groups=self.norm_groups())
+            norm_groups=self.norm_groups(), deferred=self.deferred_reductions(reductions))
         outputs, values = [Output(OutputKind.LOSS, "loss"), Output(OutputKind.GRAD_NORM, "grad_norm")], []
         values += [self.wait(loss_reduce, meta.OPTIM, meta.POST), grad_norm]
         for unit in trained:
@@ -529,6 +575,17 @@ class _Rewrite:
                                               f"{len(self.units)} units")
         return self.program.replace(graph_module=gm, inputs=tuple(self.inputs), outputs=tuple(outputs),
                                     units=tuple(self.units), notes=notes, updates=updates)
+
+    def deferred_reductions(self, flats: dict[str, fx.Node]) -> Deferred | None:
+        """The deferred units' reductions, issued by the optimizer phase (each marked like the others)."""
+        if not self.deferred:
+            return None
+
+        def issue(name, flat):
+            unit = self.deferred[name]
+            with fx_traceback.annotate(self.reduction_meta(unit, flats[name])):
+                return self.reduction(unit)(flat)
+        return Deferred(frozenset(self.deferred), issue)
 
     def unit_updates(self, units: list[FlatUnit]) -> tuple[Update, ...]:
         """The input program's updates of each unit's members, mapped to one update of the unit.

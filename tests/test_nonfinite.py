@@ -149,3 +149,52 @@ def test_every_rank_skips_a_step_whose_gradients_one_rank_poisoned(layout, bad_r
     expected = reference.parameters(mesh.size - 1)
     for name, value in skipping.parameters(mesh.size - 1).items():
         assert torch.equal(value, expected[name]), name
+
+
+class Shifted(Regressor):
+    """A Regressor whose input shift ("pre") gets the batch's weights `w` as an extra gradient: an inf
+    in `w` on one rank makes that gradient, and no other, not finite there."""
+
+    def __init__(self):
+        super().__init__()
+        self.shift = nn.Parameter(torch.zeros(8))
+
+    def forward(self, x):
+        return super().forward(x + self.shift)
+
+
+def shifted_loss(model, batch):
+    return regression_loss(model, batch) + (model.shift * batch["w"]).sum()
+
+
+def test_a_gradient_reduced_under_the_updates_that_is_not_finite_on_one_rank_skips_every_rank():
+    """ZeRO-3 reduces the last units' gradients ("pre" here) in the optimizer phase, under the
+    other units' updates (passes/fsdp.py deferred_units): the skip is decided from the unreduced
+    gradients, and one rank's inf there still skips the step on both."""
+    from fxshard.passes.fsdp import FSDPConfig, fsdp
+
+    torch.manual_seed(0)
+    model, mesh = Shifted(), fxshard.Mesh(dp=2)
+    batches = [[dict(batch, w=torch.ones(8)) for batch in regression_batches(2, seed=step)] for step in range(3)]
+    config = fxshard.Config(nonfinite="skip")
+    program = fsdp(fxshard.trace(model, shifted_loss, batches[0][0], optimizer=ADAMW, config=config),
+                   FSDPConfig(2, "optim_grads_params"))
+    deferred = [n.meta["fxshard_unit"] for n in program.graph.nodes
+                if n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default and n.meta["fxshard_phase"] == "optim"]
+    assert "pre" in deferred
+    skipping, reference = (SimulatedRanks(program, model, ADAMW, mesh) for _ in range(2))
+    inf_first = torch.ones(8)
+    inf_first[0] = float("inf")  # rank 1's gradient; reduced, it lands in rank 0's shard of "pre"
+    bad = [batches[1][0], dict(batches[1][1], w=inf_first)]
+    skipping.step(batches[0])
+    metrics = skipping.step(bad)
+    assert all(bool(m["nonfinite"][0]) for m in metrics)  # skipped, on both ranks
+    assert [bool(m["nonfinite"][1:].any()) for m in metrics] == [True, False]
+    skipping.step(batches[2])
+    for local in (batches[0], batches[2]):
+        reference.step(local)
+    assert skipping.skipped == 1
+    for rank in range(2):
+        expected = reference.parameters(rank)
+        for name, value in skipping.parameters(rank).items():
+            assert torch.equal(value, expected[name]), (name, rank)

@@ -20,7 +20,7 @@ def flagged(step, flags: torch.Tensor) -> list[tuple[int, str]]:
     order = {spec.name: i for i, spec in enumerate(step.programs[0].inputs) if spec.kind is InputKind.PARAM}
     units = {unit.name: unit for unit in program.units}  # FSDP's optimizer updates units' shards
     found = []
-    for name, bad in zip(names, flags.tolist()):
+    for name, bad in zip(names, flags[1:].tolist()):  # flags[0]: whether the step was skipped
         if not bad:
             continue
         unit = units.get(name)

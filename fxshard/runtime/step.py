@@ -161,7 +161,7 @@ class CompiledStep:
         if self.nonfinite == "ignore":
             return metrics
         flags = metrics.pop("nonfinite")
-        skipped = torch.logical_not(torch.isfinite(metrics["grad_norm"]))
+        skipped = flags[0]  # the program's own decision (optimizer_graph.append_update)
         self._skipped += skipped
         metrics["skipped"] = skipped
         if self.nonfinite == "raise":

@@ -132,6 +132,8 @@ def test_reduce_scatters_follow_their_last_gradient_and_wait_in_the_optimizer_ph
     for scatter in scatters:
         (wait,) = scatter.users
         assert meta.phase(wait) == meta.OPTIM and position[wait] > last_backward
+        if meta.phase(scatter) == meta.OPTIM:  # deferred (test_the_last_reductions_run_under_the_updates)
+            continue
         unit = next(u for u in program.units if u.name == scatter.meta[meta.UNIT])
         # gradients carry their parameter's name; the all-gather's views carry it too, and the unit
         grads = [n for n in nodes if meta.phase(n) == meta.BWD and meta.param(n) in {m.name for m in unit.members}
@@ -141,6 +143,43 @@ def test_reduce_scatters_follow_their_last_gradient_and_wait_in_the_optimizer_ph
         assert all(n.target in (torch.ops.aten.view.default, torch.ops.aten.cat.default,
                                 torch.ops.aten.constant_pad_nd.default, torch.ops.aten._unsafe_view.default)
                    for n in chain), [n.name for n in chain]
+
+
+@pytest.mark.parametrize("nonfinite", ["raise", "ignore"])
+def test_the_last_reductions_run_under_the_updates(nonfinite):
+    """The units whose gradients the backward makes last (the last layer it reaches, and "pre") are
+    reduced in the optimizer phase: issued before any update (after the non-finite guard's one
+    scalar all-reduce), waited after every other unit's update, then updated themselves."""
+    torch.manual_seed(0)
+    batch = {"idx": torch.zeros(2, 8, dtype=torch.long), "tgt": torch.zeros(2, 8, dtype=torch.long)}
+    program = fsdp(fxshard.trace(GPT(GPTConfig.preset("tiny")), lambda m, b: m.loss(b), batch,
+                                 config=fxshard.Config(nonfinite=nonfinite)),
+                   FSDPConfig(2, "optim_grads_params", 1))
+    nodes = list(program.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    deferred = [n for n in nodes if n.target is c10d.reduce_scatter_tensor.default and meta.phase(n) == meta.OPTIM]
+    assert sorted(n.meta[meta.UNIT] for n in deferred) == ["layers.0", "pre"]
+    updates = {meta.param(n): n for n in nodes if n.target is torch.ops.fxshard.adamw_update.default}
+    assert set(updates) == {"pre", "layers.0", "layers.1", "post"}
+    first_update = min(position[n] for n in updates.values())
+    scalar_reductions = [n for n in nodes if n.target is c10d.all_reduce.default and meta.phase(n) == meta.OPTIM
+                         and position[n] < first_update]
+    assert len(scalar_reductions) == (1 if nonfinite == "raise" else 0)
+    assert all(position[n] < position[scatter] for n in scalar_reductions for scatter in deferred)
+    for scatter in deferred:
+        (wait,) = scatter.users
+        assert meta.COMM_BYTES in scatter.meta and position[scatter] < first_update
+        assert all(position[updates[name]] < position[wait] for name in ("layers.1", "post"))
+        assert position[wait] < position[updates[scatter.meta[meta.UNIT]]]
+
+
+def test_with_clipping_every_reduction_follows_its_last_gradient():
+    torch.manual_seed(0)
+    batch = {"idx": torch.zeros(2, 8, dtype=torch.long), "tgt": torch.zeros(2, 8, dtype=torch.long)}
+    program = fsdp(fxshard.trace(GPT(GPTConfig.preset("tiny")), lambda m, b: m.loss(b), batch,
+                                 config=fxshard.Config(clip_grad_norm=1.0)), FSDPConfig(2, "optim_grads_params", 1))
+    scatters = [n for n in program.graph.nodes if n.target is c10d.reduce_scatter_tensor.default]
+    assert len(scatters) == 4 and all(meta.phase(n) == meta.BWD for n in scatters)
 
 
 def test_zero3_holds_a_quarter_of_the_state_per_rank():
