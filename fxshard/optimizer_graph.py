@@ -41,10 +41,14 @@ class Deferred:
     norm (||mean_r g_r||^2 <= sum_r ||g_r||^2), so where it is finite so is the gradient norm, and a
     gradient that is not finite on any rank makes it not finite too. The two differ only where the
     squares overflow float32 (a gradient norm near 1.8e19): the guard may skip such a step although
-    the reduced norm just fits. Not with clipping, which needs the reduced norm before any update."""
+    the reduced norm just fits. Not with clipping, which needs the reduced norm before any update.
+
+    `after`: updates that run after the deferred ones instead of before (ZeRO-1/2: units with no
+    collective after their update, under which the deferred units' all-gathers then run)."""
 
     names: frozenset[str]
     issue: Callable[[str, torch.Tensor], torch.Tensor]
+    after: frozenset[str] = frozenset()
 
 
 def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence[Update], params: list[fx.Node],
@@ -59,7 +63,8 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence
     other ranks reduce though this one may update nothing summed over them (a pipeline stage without
     experts, where another stage's expert units sum over `ep`); this rank adds zero there.
     The gradients of `deferred.names` are unreduced: their reductions are issued at the start of the
-    phase, and updated last, after the others (Deferred).
+    phase, and they are updated after the others but `deferred.after`; the gradient norm comes last.
+    Otherwise the norm comes first, then every update in the order given.
     With `spec.guard_nonfinite`, the update is skipped, on every rank alike, where the (global) norm
     is not finite, and the fourth value is a bool vector node: whether the update was skipped, then
     which of this rank's counted gradients (names in its meta[meta.NONFINITE_TENSORS]) are not
@@ -131,14 +136,15 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence
                 bound = global_sum({**local, **unreduced})
                 shared["skip"] = torch.logical_not(torch.isfinite(bound))
             issued = {name: deferred.issue(name, grads[name]) for name in late}
-            apply([name for name in names if name not in late])
+            apply([name for name in names if name not in late and name not in deferred.after])
             for name in late:
                 grads[name] = torch.ops._c10d_functional.wait_tensor(issued[name])
                 if name not in not_in_norm:
                     local[name] = squared(grads[name])
-            grad_norm = global_sum(local).sqrt()
             flags = nonfinite_flags(local)
             apply(late)
+            apply([name for name in names if name in deferred.after and name not in late])
+            grad_norm = global_sum(local).sqrt()  # a metric only: its all-reduce waits for nothing else
         else:
             grad_norm = global_sum(local).sqrt()
             if clip is not None:  # scaled in the master's dtype

@@ -488,7 +488,8 @@ class _Rewrite:
         old_output = next(n for n in self.old.nodes if n.op == "output")
         old_values = list(old_output.args[0])
         loss_node = old_values[0]
-        issued_gathers, reductions = {}, {}
+        metric_values = {value for spec, value in zip(self.program.outputs, old_values) if spec.kind is OutputKind.METRIC}
+        issued_gathers, reductions, self.metric_sums = {}, {}, {}
         loss_reduce = None
         for node in walk:
             for unit in reduce_before.get(node, []):
@@ -506,6 +507,8 @@ class _Rewrite:
                 (loss_reduce,) = inline(self.graph, lambda t: [_c10d.all_reduce(t, "avg", self.cfg.axis)], [copy],
                                         fake_mode=self.fake, phase=meta.FWD, layer=meta.POST)
                 loss_reduce.meta[meta.COMM_BYTES] = copy.meta["val"].element_size()
+            if node in metric_values:  # summed over the ranks, issued as soon as it exists
+                self.metric_sums[node] = self.sum_metric(copy)
             for unit in reduce_after.get(node, []):
                 if unit.name in self.deferred:  # reduced in the optimizer phase: only laid out here
                     reductions[unit.name] = self.flatten_gradient(
@@ -515,6 +518,13 @@ class _Rewrite:
         for unit in reduce_before.get(None, []):  # a G after every node of the walk
             reductions[unit.name] = self.reduce(unit)
         return self.finish(old_values, loss_reduce, reductions)
+
+    def sum_metric(self, value: fx.Node) -> fx.Node:
+        """Issue the sum over the ranks of a metric loss_fn reports (waited at the end of the step)."""
+        (issued,) = inline(self.graph, lambda t: [_c10d.all_reduce(t, "sum", self.cfg.axis)], [value],
+                           fake_mode=self.fake, phase=meta.phase(value) or meta.FWD, layer=meta.POST)
+        issued.meta[meta.COMM_BYTES] = value.meta["val"].element_size() * value.meta["val"].numel()
+        return issued
 
     def reduce(self, unit: FlatUnit) -> fx.Node:
         """Issue `unit`'s gradient reduction (at its chunk's G, where the schedule has one)."""
@@ -532,21 +542,32 @@ class _Rewrite:
     def finish(self, old_values, loss_reduce, reductions) -> Program:
         cfg = self.cfg
         trained = [unit for unit in self.units if unit.trainable]
-        grads = [reductions[u.name] if u.name in self.deferred else
-                 self.wait(reductions[u.name], meta.OPTIM, meta.layer(reductions[u.name])) for u in trained]
-        params = [self.own_shard(unit) for unit in trained]
         updates = self.unit_updates(trained)
+        # ZeRO-1/2 all-gather each updated shard: those units are updated first, each gather issued
+        # right after its update, so that it runs under the updates that follow
+        gathers = cfg.shards_optimizer and not cfg.shards_params
+        first = sorted(trained, key=lambda unit: not (gathers and unit.world > 1))
+        grads = [reductions[u.name] if u.name in self.deferred else
+                 self.wait(reductions[u.name], meta.OPTIM, meta.layer(reductions[u.name])) for u in first]
+        params = [self.own_shard(unit) for unit in first]
         states = {key: node for key, node in self.state_inputs.items()}
         lr, step = (self.env[self.old_placeholders[name]] for name in ("lr", "step"))
+        update_of = {update.name: update for update in updates}
         grad_norm, new_params, new_states, nonfinite = append_update(
-            self.graph, self.program.train, self.fake, updates, params, grads, states, lr, step,
-            norm_groups=self.norm_groups(), deferred=self.deferred_reductions(reductions))
+            self.graph, self.program.train, self.fake, [update_of[u.name] for u in first], params, grads, states,
+            lr, step, norm_groups=self.norm_groups(), deferred=self.deferred_reductions(reductions))
+        gathered = {}
+        for unit in first if gathers else ():
+            new = new_params[unit.name]
+            gathered[unit.name] = self.issue_all_gather(unit, meta.OPTIM, new)
+            if gathered[unit.name].target in meta.COLLECTIVE_ISSUES:
+                new.append(gathered[unit.name])  # moved up: issued as soon as the update exists
         outputs, values = [Output(OutputKind.LOSS, "loss"), Output(OutputKind.GRAD_NORM, "grad_norm")], []
         values += [self.wait(loss_reduce, meta.OPTIM, meta.POST), grad_norm]
         for unit in trained:
             new = new_params[unit.name]
-            if cfg.shards_optimizer and not cfg.shards_params:
-                new = self.wait(self.issue_all_gather(unit, meta.OPTIM, new), meta.OPTIM, new.meta.get(meta.LAYER))
+            if gathers:
+                new = self.wait(gathered[unit.name], meta.OPTIM, new.meta.get(meta.LAYER))
             placement = Placement("sharded", unit.axis) if cfg.shards_params else REPLICATED
             outputs.append(Output.flat_unit(unit, placement))
             values.append(new)
@@ -561,10 +582,9 @@ class _Rewrite:
                 outputs.append(spec)
                 values.append(self.env[value])
             elif spec.kind is OutputKind.METRIC:  # reported metrics are summed over the ranks
-                (total,) = inline(self.graph, lambda t: [_c10d.wait_tensor(_c10d.all_reduce(t, "sum", cfg.axis))],
-                                  [self.env[value]], fake_mode=self.fake, phase=meta.OPTIM, layer=meta.POST)
+                issued = self.metric_sums.get(value) or self.sum_metric(self.env[value])
                 outputs.append(spec)
-                values.append(total)
+                values.append(self.wait(issued, meta.OPTIM, meta.POST))
         if nonfinite is not None:
             outputs.append(Output(OutputKind.NONFINITE, "nonfinite"))
             values.append(nonfinite)
@@ -577,15 +597,19 @@ class _Rewrite:
                                     units=tuple(self.units), notes=notes, updates=updates)
 
     def deferred_reductions(self, flats: dict[str, fx.Node]) -> Deferred | None:
-        """The deferred units' reductions, issued by the optimizer phase (each marked like the others)."""
+        """The deferred units' reductions, issued by the optimizer phase (each marked like the others).
+        Under ZeRO-1/2 the deferred units' updated shards are all-gathered: the units with no
+        collective (one-rank axes: experts at N = K) are updated after them, under those gathers."""
         if not self.deferred:
             return None
+        gathers = self.cfg.shards_optimizer and not self.cfg.shards_params
+        after = frozenset(unit.name for unit in self.units if gathers and unit.trainable and unit.world == 1)
 
         def issue(name, flat):
             unit = self.deferred[name]
             with fx_traceback.annotate(self.reduction_meta(unit, flats[name])):
                 return self.reduction(unit)(flat)
-        return Deferred(frozenset(self.deferred), issue)
+        return Deferred(frozenset(self.deferred), issue, after)
 
     def unit_updates(self, units: list[FlatUnit]) -> tuple[Update, ...]:
         """The input program's updates of each unit's members, mapped to one update of the unit.

@@ -1,5 +1,7 @@
 """The FSDP pass: per-rank programs (SPMD simulator) train like the single-device program."""
 
+import operator
+
 import pytest
 import torch
 from hypothesis import given, strategies as st
@@ -259,3 +261,39 @@ def test_frozen_parameters_are_sharded_under_zero3_and_never_change(widths, worl
     ranks_params = SimulatedRanks(program, model, ADAMW, fxshard.Mesh(dp=world)).parameters(0)
     for name in frozen:
         assert torch.equal(ranks_params[name], before[name])
+
+
+def test_zero1_gathers_each_updated_shard_under_the_updates_that_follow():
+    """ZeRO-1 all-gathers every updated shard: the units that have such a gather are updated first,
+    each gather issued right after its update and waited at the end; the units with no collective
+    (experts at dp = ep: one-rank axis) are updated last, under the deferred units' gathers. The
+    reported metrics' sums are issued in the forward, where they exist."""
+    from fxshard.models import MoEGPT, MoEGPTConfig
+    from fxshard.passes import run_pipeline
+
+    torch.manual_seed(0)
+    model = MoEGPT(MoEGPTConfig(vocab_size=16, d_model=8, n_layer=2, n_head=2, n_expert=4, top_k=2, d_ff_expert=8))
+    batch = {"idx": torch.zeros(2, 4, dtype=torch.long), "tgt": torch.zeros(2, 4, dtype=torch.long)}
+    config = fxshard.Config(sharding="optim")
+    program = run_pipeline(fxshard.trace(model, lambda m, b: m.loss_and_metrics(b), batch, optimizer=ADAMW,
+                                         config=config), fxshard.Mesh(dp=2, ep=2), config)[-1]
+    nodes = list(program.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    updates = [n for n in nodes if n.target is torch.ops.fxshard.adamw_update.default]
+    gathers = {n.meta[meta.UNIT]: n for n in nodes
+               if n.target is c10d.all_gather_into_tensor.default and meta.phase(n) == meta.OPTIM}
+    units = {u.name: u for u in program.units}
+    order = [meta.param(n) for n in updates]
+    assert set(gathers) == {name for name in order if units[name].world > 1}
+    assert all(units[name].world == 1 for name in order[len(gathers):])  # gathered units first
+    for update in updates:
+        name = meta.param(update)
+        if name in gathers:  # nothing but the update's own outputs between it and its gather's issue
+            between = nodes[position[update] + 1:position[gathers[name]]]
+            assert all(n.target is operator.getitem and n.args[0] is update for n in between), between
+            (wait,) = gathers[name].users
+            assert position[wait] > position[updates[-1]]
+    deferred = [n for n in nodes if n.target is c10d.reduce_scatter_tensor.default and meta.phase(n) == meta.OPTIM]
+    assert deferred and all(position[n] < position[updates[0]] for n in deferred)
+    metric_sums = [n for n in nodes if n.target is c10d.all_reduce.default and meta.phase(n) == meta.FWD]
+    assert len(metric_sums) == 1 + len(program.outputs_of(OutputKind.METRIC))  # the loss's mean and the metrics
