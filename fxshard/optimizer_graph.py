@@ -39,21 +39,26 @@ class Deferred:
     norm of its unreduced gradient, summed over the update's norm_axes as the reduced one is. Where the
     reduction is a mean over ranks within those axes, that sum bounds the reduced gradient's squared
     norm (||mean_r g_r||^2 <= sum_r ||g_r||^2), so where it is finite so is the gradient norm, and a
-    gradient that is not finite on any rank makes it not finite too. The two differ only where the
-    squares overflow float32 (a gradient norm near 1.8e19): the guard may skip such a step although
-    the reduced norm just fits. Not with clipping, which needs the reduced norm before any update.
+    gradient that is not finite on any rank makes it not finite too. The bound sums each rank's own
+    squares, so it can overflow float32 (3.4e38) where the reduced norm does not: gradients near
+    1.8e19 / sqrt(ranks) that agree over the ranks, or larger ones that cancel in the mean. The guard
+    then skips a step the reduced norm alone would not have (runtime/nonfinite.py's error says so).
+    Not with clipping, which needs the reduced norm before any update.
 
-    `after`: updates that run after the deferred ones instead of before (ZeRO-1/2: units with no
-    collective after their update, under which the deferred units' all-gathers then run)."""
+    `wait(name, issued)` waits for one (default: a plain wait_tensor). `after`: updates that run after
+    the deferred ones instead of before (ZeRO-1/2: units with no collective after their update, under
+    which the deferred units' all-gathers then run)."""
 
     names: frozenset[str]
     issue: Callable[[str, torch.Tensor], torch.Tensor]
+    wait: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, issued: torch.ops._c10d_functional.wait_tensor(issued)
     after: frozenset[str] = frozenset()
 
 
 def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence[Update], params: list[fx.Node],
                   grads: list[fx.Node], states: dict[tuple[str, str], fx.Node], lr: fx.Node, step: fx.Node,
-                  norm_groups: Sequence[tuple[str, ...]] = (), deferred: Deferred | None = None):
+                  norm_groups: Sequence[tuple[str, ...]] = (), deferred: Deferred | None = None,
+                  order: Sequence[str] | None = None):
     """Insert the optimizer phase of `updates` at the graph's insertion point.
 
     `params[i]` and `grads[i]` are the tensor and gradient of `updates[i]`, `states[name, slot]` its
@@ -62,11 +67,12 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence
     the same order: the groups of axes are reduced in sorted order, and `norm_groups` names those
     other ranks reduce though this one may update nothing summed over them (a pipeline stage without
     experts, where another stage's expert units sum over `ep`); this rank adds zero there.
-    The gradients of `deferred.names` are unreduced: their reductions are issued at the start of the
-    phase, and they are updated after the others but `deferred.after`; the gradient norm comes last.
-    Otherwise the norm comes first, then every update in the order given.
+    Updates run in `order` (names; default: as `updates` lists them), the gradient norm summed in
+    `updates`' order either way. The gradients of `deferred.names` are unreduced: their reductions
+    are issued at the start of the phase, and they are updated after the others but
+    `deferred.after`; the gradient norm comes last. Otherwise the norm comes first, then the updates.
     With `spec.guard_nonfinite`, the update is skipped, on every rank alike, where the (global) norm
-    is not finite, and the fourth value is a bool vector node: whether the update was skipped, then
+    is not finite (with deferred reductions: where the bound Deferred describes is not), and the fourth value is a bool vector node: whether the update was skipped, then
     which of this rank's counted gradients (names in its meta[meta.NONFINITE_TENSORS]) are not
     finite; else None.
     Returns (grad_norm, {name: new tensor}, {(name, slot): new state}, nonfinite flags or None).
@@ -79,7 +85,10 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence
     optimizer, clip = spec.optimizer, spec.clip_grad_norm
     count = len(names)
     counted_names = [name for name in names if name not in not_in_norm]
-    late = [name for name in names if deferred is not None and name in deferred.names]
+    order = list(names if order is None else order)
+    if sorted(order) != sorted(names):
+        raise AssertionError(f"the update order {order} is not an order of the updates {names}")
+    late = [name for name in order if deferred is not None and name in deferred.names]
     if late and clip is not None:
         raise AssertionError("deferred gradient reductions with clip_grad_norm: every update needs the reduced norm")
 
@@ -136,14 +145,14 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence
                 bound = global_sum({**local, **unreduced})
                 shared["skip"] = torch.logical_not(torch.isfinite(bound))
             issued = {name: deferred.issue(name, grads[name]) for name in late}
-            apply([name for name in names if name not in late and name not in deferred.after])
+            apply([name for name in order if name not in late and name not in deferred.after])
             for name in late:
-                grads[name] = torch.ops._c10d_functional.wait_tensor(issued[name])
+                grads[name] = deferred.wait(name, issued[name])
                 if name not in not_in_norm:
                     local[name] = squared(grads[name])
             flags = nonfinite_flags(local)
             apply(late)
-            apply([name for name in names if name in deferred.after and name not in late])
+            apply([name for name in order if name in deferred.after and name not in late])
             grad_norm = global_sum(local).sqrt()  # a metric only: its all-reduce waits for nothing else
         else:
             grad_norm = global_sum(local).sqrt()
@@ -154,7 +163,7 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence
             if spec.guard_nonfinite:  # the norm is global: every rank skips alike
                 shared["skip"] = torch.logical_not(torch.isfinite(grad_norm))
             flags = nonfinite_flags(local)
-            apply(names)
+            apply(order)
         return [grad_norm, *(new_params[name] for name in names),
                 *(new_states[name][slot] for name, own in zip(names, slots) for slot in own), *flags]
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from .runtime.nonfinite import was_skipped
+
 from . import optim as fx_optim
 from .spmd import simulate  # noqa: F401  (part of the testing API)
 
@@ -116,7 +118,7 @@ class SimulatedRanks:
                 else:
                     metrics[rank][spec.name] = value
         if any(spec.kind is OutputKind.NONFINITE for spec in self.program.outputs):
-            self.skipped += int(metrics[0]["nonfinite"][0])  # as CompiledStep counts
+            self.skipped += int(was_skipped(metrics[0]["nonfinite"]))  # as CompiledStep counts
         return metrics
 
     def groups(self) -> dict[str, list[list[int]]]:

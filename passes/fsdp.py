@@ -17,10 +17,12 @@ A unit on an axis of one rank (expert units when N = K) is its own shard: it get
 
 Overlap is graph order: a unit's all-gather is issued `prefetch` units ahead of its first use and
 waited on just before it; a unit's reduce-scatter is issued as soon as its last gradient exists and
-waited on only when the optimizer phase starts. The units whose last gradient the backward makes
-once its last layer has begun (that layer and "pre") are reduced by the optimizer phase instead,
-issued before any update and waited after the other units' updates, which run under them
-(`deferred_units`; optimizer_graph.Deferred says how the non-finite guard decides first).
+waited on only when the optimizer phase starts. Under a sharded optimizer without clipping or
+pipeline, the units (not experts) whose last gradient the backward makes once its last layer has
+begun (that layer and "pre") are reduced by the optimizer phase instead, issued before any update and
+waited after the other units' updates, which run under them (`deferred_units`;
+optimizer_graph.Deferred says how the non-finite guard decides first). ZeRO-1/2 update the units
+whose updated shard is all-gathered first, each gather issued right after its update.
 
 A pipeline stage's program (passes/lower_schedule.py) whose actions hold ZeRO's collectives
 (fxshard.schedule.add_zero_actions; `StagePlan.actions`) gets them where the schedule says: under
@@ -548,14 +550,14 @@ class _Rewrite:
         gathers = cfg.shards_optimizer and not cfg.shards_params
         first = sorted(trained, key=lambda unit: not (gathers and unit.world > 1))
         grads = [reductions[u.name] if u.name in self.deferred else
-                 self.wait(reductions[u.name], meta.OPTIM, meta.layer(reductions[u.name])) for u in first]
-        params = [self.own_shard(unit) for unit in first]
+                 self.wait(reductions[u.name], meta.OPTIM, meta.layer(reductions[u.name])) for u in trained]
+        params = [self.own_shard(unit) for unit in trained]
         states = {key: node for key, node in self.state_inputs.items()}
         lr, step = (self.env[self.old_placeholders[name]] for name in ("lr", "step"))
-        update_of = {update.name: update for update in updates}
         grad_norm, new_params, new_states, nonfinite = append_update(
-            self.graph, self.program.train, self.fake, [update_of[u.name] for u in first], params, grads, states,
-            lr, step, norm_groups=self.norm_groups(), deferred=self.deferred_reductions(reductions))
+            self.graph, self.program.train, self.fake, updates, params, grads, states, lr, step,
+            norm_groups=self.norm_groups(), deferred=self.deferred_reductions(reductions),
+            order=[unit.name for unit in first])
         gathered = {}
         for unit in first if gathers else ():
             new = new_params[unit.name]
@@ -606,10 +608,13 @@ class _Rewrite:
         after = frozenset(unit.name for unit in self.units if gathers and unit.trainable and unit.world == 1)
 
         def issue(name, flat):
-            unit = self.deferred[name]
-            with fx_traceback.annotate(self.reduction_meta(unit, flats[name])):
-                return self.reduction(unit)(flat)
-        return Deferred(frozenset(self.deferred), issue, after)
+            with fx_traceback.annotate(self.reduction_meta(self.deferred[name], flats[name])):
+                return self.reduction(self.deferred[name])(flat)
+
+        def wait(name, issued):
+            with fx_traceback.annotate(self.unit_meta(self.deferred[name])):
+                return _c10d.wait_tensor(issued)
+        return Deferred(frozenset(self.deferred), issue, wait, after)
 
     def unit_updates(self, units: list[FlatUnit]) -> tuple[Update, ...]:
         """The input program's updates of each unit's members, mapped to one update of the unit.

@@ -198,3 +198,45 @@ def test_a_gradient_reduced_under_the_updates_that_is_not_finite_on_one_rank_ski
         expected = reference.parameters(rank)
         for name, value in skipping.parameters(rank).items():
             assert torch.equal(value, expected[name]), (name, rank)
+
+
+@pytest.mark.parametrize("poisoned_param", ["shift", "head.bias"])
+def test_raise_names_the_one_parameter_whose_gradient_is_not_finite(poisoned_param):
+    torch.manual_seed(0)
+    good = [dict(batch, w=torch.ones(8)) for batch in regression_batches(2)]
+
+    def loss(model, batch):  # batch["w"] is the named parameter's extra gradient
+        extra = model.shift * batch["w"] if poisoned_param == "shift" else model.head.bias * batch["w"][:1]
+        return regression_loss(model, batch) + extra.sum()
+
+    step = fxshard.shard(Shifted(), loss, good[0], optimizer=ADAMW)
+    step(dict(good[0], w=torch.full((8,), float("inf"))))
+    with pytest.raises(fxshard.FxShardError) as caught:
+        step.parameters()
+    assert f"the first parameter whose gradient is not finite is {poisoned_param} (on rank 0)" in str(caught.value)
+
+
+def test_a_bound_that_overflows_where_the_reduced_norm_does_not_skips_and_says_so():
+    """The corner Deferred documents: huge gradients of opposite sign on the two ranks cancel in the
+    mean (finite gradient norm), but their squares overflow the bound the skip is decided from."""
+    import types
+
+    from fxshard.passes.fsdp import FSDPConfig, fsdp
+    from fxshard.runtime.nonfinite import nonfinite_error
+
+    torch.manual_seed(0)
+    model, mesh = Shifted(), fxshard.Mesh(dp=2)
+    batches = [[dict(batch, w=torch.ones(8)) for batch in regression_batches(2, seed=step)] for step in range(2)]
+    program = fsdp(fxshard.trace(model, shifted_loss, batches[0][0], optimizer=ADAMW,
+                                 config=fxshard.Config(nonfinite="skip")), FSDPConfig(2, "optim_grads_params"))
+    ranks = SimulatedRanks(program, model, ADAMW, mesh)
+    huge = [torch.ones(8), torch.ones(8)]
+    huge[0][0], huge[1][0] = 1.5e19, -1.5e19
+    before = ranks.parameters(0)
+    metrics = ranks.step([dict(batch, w=w) for batch, w in zip(batches[1], huge)])
+    assert torch.isfinite(metrics[0]["grad_norm"]) and ranks.skipped == 1
+    assert all(torch.equal(value, before[name]) for name, value in ranks.parameters(0).items())
+    view = types.SimpleNamespace(program=ranks.program, programs=ranks.programs, rank=0)
+    message = str(nonfinite_error(view, 1, 1, float(metrics[0]["grad_norm"]), metrics[0]["nonfinite"]))
+    assert message.startswith("step 1: the gradients are too large to check (grad norm ") and \
+        "overflow float32" in message, message

@@ -4,11 +4,19 @@ its experts, its pipeline stage's parameters)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import meta
 from ..errors import FxShardError
 from ..program import InputKind, OutputKind
+
+
+def was_skipped(flags: torch.Tensor) -> torch.Tensor:
+    """Whether the step was skipped (0-d bool): the program's own decision, the flags' first entry
+    (optimizer_graph.append_update); the rest say which of this rank's gradients were not finite."""
+    return flags[0]
 
 
 def flagged(step, flags: torch.Tensor) -> list[tuple[int, str]]:
@@ -45,16 +53,21 @@ def nonfinite_error(step, number: int, last: int, grad_norm: float, flags: torch
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
     found = sorted(entry for entries in everyone for entry in entries)
-    if not found:
-        where = "no rank found a non-finite gradient of its own (the norm's reduction overflowed)"
-    else:
+    what = "the gradients are not finite"
+    if found:
         _, rank, text = found[0]
         where = f"the first parameter whose gradient is not finite is {text.format(rank=rank)}"
+    elif math.isfinite(grad_norm):  # decided from the unreduced gradients (optimizer_graph.Deferred)
+        what = "the gradients are too large to check"
+        where = ("the squares of some rank's gradients before their reduce-scatter overflow float32 "
+                 "(values near 1e19), although their mean over the ranks does not")
+    else:
+        where = "no rank found a non-finite gradient of its own (the norm's reduction overflowed)"
     after = (f"those after step {number - 1}" if last == number else
              f"those after step {last} (step {number + 1}" + (f" to {last}" if last > number + 1 else "") +
              " ran before this check; metrics['skipped'] says which of them applied its update)")
     return FxShardError(
-        f"step {number}: the gradients are not finite (grad norm {grad_norm}); {where}. That step's update "
+        f"step {number}: {what} (grad norm {grad_norm}); {where}. That step's update "
         f"was not applied: parameters and optimizer state are {after}. Look for a NaN or inf in "
         f"that step's batch, a learning rate that diverges, or an overflow in the model; "
         f"Config(nonfinite='skip') skips such steps and goes on (metrics['skipped'])")

@@ -14,6 +14,7 @@ from ..optim import Optimizer, lr_at
 from ..program import InputKind, OutputKind, Program
 from ..ops.p2p import P2P_OPS
 from ..codegen import CodegenReport, compile_regions, progress_printer
+from .nonfinite import was_skipped
 from .carveout import carve_out_sms_for_all_to_alls
 from .copy_engine import lower_all_to_alls_to_copy_engines
 from .reinplace import reinplace
@@ -69,7 +70,7 @@ class CompiledStep:
         self.groups = groups or {}
         self.step_count = 0
         self._lr_override: float | None = None
-        # Config(nonfinite): the program skips updates whose gradient norm is not finite; the runtime
+        # Config(nonfinite): the program skips updates whose gradients are not finite; the runtime
         # counts them on the device (AdamW's step input counts applied updates) and under "raise"
         # reads a step's flag two calls later, or when the state is next read (_raise_if_nonfinite)
         self.nonfinite = nonfinite if self.program.outputs_of(OutputKind.NONFINITE) else "ignore"
@@ -161,7 +162,7 @@ class CompiledStep:
         if self.nonfinite == "ignore":
             return metrics
         flags = metrics.pop("nonfinite")
-        skipped = flags[0]  # the program's own decision (optimizer_graph.append_update)
+        skipped = was_skipped(flags)
         self._skipped += skipped
         metrics["skipped"] = skipped
         if self.nonfinite == "raise":
