@@ -431,10 +431,10 @@ class _Rewrite:
                 or self.program.train.clip_grad_norm is not None):
             return {}
         order = [unit for node in walk for unit in reduce_after.get(node, []) if unit.world > 1 and not unit.experts]
-        layer_of = {unit.name: meta.layer(self.old_placeholders[unit.members[0].name]) for unit in order}
-        layered = [unit for unit in order if layer_of[unit.name] not in (meta.PRE, meta.POST)]
         if not order:
             return {}
+        layer_of = {unit.name: meta.layer(self.old_placeholders[unit.members[0].name]) for unit in order}
+        layered = [unit for unit in order if layer_of[unit.name] not in (meta.PRE, meta.POST)]
         last = layer_of[(layered or order)[-1].name]
         start = next(i for i, unit in enumerate(order) if layer_of[unit.name] == last)
         return {unit.name: unit for unit in order[start:]}
@@ -584,7 +584,7 @@ class _Rewrite:
                 outputs.append(spec)
                 values.append(self.env[value])
             elif spec.kind is OutputKind.METRIC:  # reported metrics are summed over the ranks
-                issued = self.metric_sums.get(value) or self.sum_metric(self.env[value])
+                issued = self.metric_sums[value] if value in self.metric_sums else self.sum_metric(self.env[value])
                 outputs.append(spec)
                 values.append(self.wait(issued, meta.OPTIM, meta.POST))
         if nonfinite is not None:
