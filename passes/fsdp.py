@@ -99,6 +99,8 @@ def fsdp(program: Program, cfg: FSDPConfig) -> Program:
     `program`'s update would produce from the gradient of that mean. For a batch-mean loss with
     equal local batches this is exactly one device training on the concatenated batch; terms with
     batch statistics (MoE load balancing, BatchNorm) are per local batch, as in any data parallelism.
+    The non-finite guard skips the steps `program`'s skips, and with deferred reductions also those
+    whose unreduced gradients' squares overflow float32 (optimizer_graph.Deferred).
     """
     units = group_into_units(program, cfg.world, include_frozen=cfg.shards_params, ep=cfg.ep,
                              apart=frozenset(u.name for u in program.updates if not u.counted))
