@@ -512,7 +512,7 @@ class _Rewrite:
                                         fake_mode=self.fake, phase=meta.FWD, layer=meta.POST)
                 loss_reduce.meta[meta.COMM_BYTES] = copy.meta["val"].element_size()
             if node in metric_values:  # summed over the ranks, issued as soon as it exists
-                self.metric_sums[node] = self.sum_metric(copy)
+                self.metric_sums[node] = self.sum_metric(copy, meta.phase(copy) or meta.FWD)
             for unit in reduce_after.get(node, []):
                 if unit.name in self.deferred:  # reduced in the optimizer phase: only laid out here
                     reductions[unit.name] = self.flatten_gradient(
@@ -523,10 +523,10 @@ class _Rewrite:
             reductions[unit.name] = self.reduce(unit)
         return self.finish(old_values, loss_reduce, reductions)
 
-    def sum_metric(self, value: fx.Node) -> fx.Node:
+    def sum_metric(self, value: fx.Node, phase: str) -> fx.Node:
         """Issue the sum over the ranks of a metric loss_fn reports (waited at the end of the step)."""
         (issued,) = inline(self.graph, lambda t: [_c10d.all_reduce(t, "sum", self.cfg.axis)], [value],
-                           fake_mode=self.fake, phase=meta.phase(value) or meta.FWD, layer=meta.POST)
+                           fake_mode=self.fake, phase=phase, layer=meta.POST)
         issued.meta[meta.COMM_BYTES] = value.meta["val"].element_size() * value.meta["val"].numel()
         return issued
 
@@ -586,7 +586,8 @@ class _Rewrite:
                 outputs.append(spec)
                 values.append(self.env[value])
             elif spec.kind is OutputKind.METRIC:  # reported metrics are summed over the ranks
-                issued = self.metric_sums[value] if value in self.metric_sums else self.sum_metric(self.env[value])
+                issued = self.metric_sums[value] if value in self.metric_sums else \
+                    self.sum_metric(self.env[value], meta.OPTIM)
                 outputs.append(spec)
                 values.append(self.wait(issued, meta.OPTIM, meta.POST))
         if nonfinite is not None:
