@@ -89,6 +89,11 @@ class FSDPConfig:
     def shards_optimizer(self) -> bool:
         return self.strategy != "no_shard"
 
+    @property
+    def gathers_updates(self) -> bool:
+        """ZeRO-1/2: full parameters, sharded optimizer: each updated shard is all-gathered."""
+        return self.shards_optimizer and not self.shards_params
+
 
 def fsdp(program: Program, cfg: FSDPConfig) -> Program:
     """Shard `program` over `cfg.world` data-parallel ranks.
@@ -239,7 +244,7 @@ class _Rewrite:
                 self.state_inputs[unit.name, spec.slot] = self.placeholder(
                     Input.optimizer_slot(spec.slot, unit, (size,), unit.dtype, shard_state), value, layer, unit.name)
         self.coords = {}  # ZeRO-1/2: each unit axis's coordinate picks this rank's slice
-        if cfg.shards_optimizer and not cfg.shards_params:
+        if cfg.gathers_updates:
             device = next(iter(self.unit_inputs.values())).meta["val"].device
             for axis in dict.fromkeys(unit.axis for unit in self.units):
                 with self.fake:
@@ -549,7 +554,7 @@ class _Rewrite:
         updates = self.unit_updates(trained)
         # ZeRO-1/2 all-gather each updated shard: those units are updated first, each gather issued
         # right after its update, so that it runs under the updates that follow
-        gathers = cfg.shards_optimizer and not cfg.shards_params
+        gathers = cfg.gathers_updates
         first = sorted(trained, key=lambda unit: not (gathers and unit.world > 1))
         grads = [reductions[u.name] if u.name in self.deferred else
                  self.wait(reductions[u.name], meta.OPTIM, meta.layer(reductions[u.name])) for u in trained]
@@ -607,8 +612,8 @@ class _Rewrite:
         collective (one-rank axes: experts at N = K) are updated after them, under those gathers."""
         if not self.deferred:
             return None
-        gathers = self.cfg.shards_optimizer and not self.cfg.shards_params
-        after = frozenset(unit.name for unit in self.units if gathers and unit.trainable and unit.world == 1)
+        after = frozenset(unit.name for unit in self.units
+                          if self.cfg.gathers_updates and unit.trainable and unit.world == 1)
 
         def issue(name, flat):
             with fx_traceback.annotate(self.reduction_meta(self.deferred[name], flats[name])):
@@ -651,7 +656,7 @@ class _Rewrite:
     def own_shard(self, unit: FlatUnit) -> fx.Node:
         """The tensor this rank's optimizer updates: the shard, or for ZeRO-1/2 its slice of the full flat."""
         flat = self.unit_inputs[unit.name]
-        if self.cfg.shards_params or not self.cfg.shards_optimizer or unit.world == 1:
+        if not self.cfg.gathers_updates or unit.world == 1:
             return flat
         world, size = unit.world, unit.shard_numel
         (shard,) = inline(self.graph, lambda full, coord: [full.view(world, size).index_select(0, coord).view(size)],
