@@ -18,6 +18,7 @@ SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zb-h1", "dualpipev")
 EP_INTERLEAVINGS = ("combined-1f1b", "dual-batch")
 EP_ALL_TO_ALLS = ("nccl", "copy-engine")
+FSDP_COLLECTIVES = ("nccl", "copy-engine")
 CODEGENS = ("auto", "inductor", None)
 CODEGEN_REGIONS = ("layer", "communication")
 NONFINITE_MODES = ("raise", "skip", "ignore")
@@ -84,6 +85,12 @@ class Config:
         while it runs) or "copy-engine" (peer-to-peer memcpys through symmetric memory on a side
         stream, no SMs beyond two one-block barriers; GPUs of one host with peer access:
         fxshard/runtime/copy_engine.py). CPU/gloo always uses the process group's all-to-all.
+    fsdp_collectives: how the fsdp pass's all-gathers and reduce-scatters move data on CUDA: "nccl"
+        or "copy-engine" (as ep_all_to_all: peer-to-peer memcpys, no SMs taken from the GEMMs they
+        overlap; a reduce-scatter adds one small sum kernel; GPUs of one host with peer access). Each
+        collective's result lives in a region of one symmetric workspace per group, reused once no
+        later node reads it (fxshard/runtime/workspace_plan.py; `step.lowerings()` prints its size).
+        CPU/gloo always uses the process group's collectives.
     codegen: "inductor" compiles the step's compute with Inductor, region by region between the nodes
         whose order fxshard chose (communication, custom ops), which keep their order
         (fxshard/codegen.py); None replays it aten op by op; "auto" (default): "inductor" on CUDA,
@@ -128,6 +135,7 @@ class Config:
     ep_sm_carveout: int | None = None
     ep_interleave: str = "combined-1f1b"
     ep_all_to_all: str = "nccl"
+    fsdp_collectives: str = "nccl"
     codegen: str | None = "auto"
     codegen_regions: str = "layer"
     nonfinite: str = "raise"
@@ -178,6 +186,8 @@ class Config:
             raise FxShardError(f"ep_sm_carveout must be an int >= 0 (SMs) or None, got {self.ep_sm_carveout!r}")
         if self.ep_all_to_all not in EP_ALL_TO_ALLS:
             raise FxShardError(f"ep_all_to_all={self.ep_all_to_all!r}; choose one of {EP_ALL_TO_ALLS}")
+        if self.fsdp_collectives not in FSDP_COLLECTIVES:
+            raise FxShardError(f"fsdp_collectives={self.fsdp_collectives!r}; choose one of {FSDP_COLLECTIVES}")
         if self.nonfinite not in NONFINITE_MODES:
             raise FxShardError(f"nonfinite={self.nonfinite!r}; choose one of {NONFINITE_MODES}")
         if self.codegen not in CODEGENS:

@@ -54,6 +54,8 @@ class Collective:
     input_split_sizes: Sequence[int] | None = None
     src: int | None = None
     peer: int | None = None  # point-to-point: the other rank's index in the group
+    # a copy-engine collective (fxshard/runtime/copy_engine.py): (byte offset, workspace bytes, copied out)
+    region: tuple[int, int, bool] | None = None
 
     def __str__(self):
         if self.op in ("send", "recv"):
@@ -85,6 +87,17 @@ def _request(node: fx.Node, args, kwargs) -> Collective | None:
     if target is _fxshard_recv:
         shape, dtype, device, peer, group = args
         return Collective("recv", torch.empty(shape, dtype=dtype, device=device), str(group), peer=peer)
+    lowered = getattr(target, "copy_engine_of", None)
+    if lowered == "all_to_all_single":
+        tensor, output_splits, input_splits, group, region, total, copy_out = args
+        return Collective(lowered, tensor, str(group), output_split_sizes=output_splits,
+                          input_split_sizes=input_splits, region=(region, total, copy_out))
+    if lowered == "all_gather_into_tensor":
+        tensor, _, group, region, total, copy_out = args
+        return Collective(lowered, tensor, str(group), region=(region, total, copy_out))
+    if lowered == "reduce_scatter_tensor":
+        tensor, reduce_op, _, group, region, total = args
+        return Collective(lowered, tensor, str(group), reduce_op=reduce_op, region=(region, total, True))
     if getattr(target, "namespace", None) == "_c10d_functional" and target is not _c10d.wait_tensor.default:
         raise FxShardError(f"the SPMD simulator does not implement {target}; add it to fxshard/spmd.py")
     return None
@@ -144,7 +157,7 @@ def combine(requests: list[Collective]) -> list[torch.Tensor]:
 
 
 def _check_matching(group: str, requests: list[Collective]) -> None:
-    kinds = {(r.op, r.reduce_op, r.tensor.dtype) for r in requests}
+    kinds = {(r.op, r.reduce_op, r.tensor.dtype, r.region) for r in requests}
     if len(kinds) != 1:
         raise FxShardError(f"mismatched collectives on group {group!r}: " + ", ".join(map(str, requests)))
 
@@ -161,6 +174,7 @@ def simulate(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[Any]],
     pending: dict[int, Collective] = {}
     outputs: dict[int, Any] = {}
     mail: dict[tuple[int, int], list[torch.Tensor]] = {}  # (sender, receiver) -> messages in order
+    workspaces: dict[tuple[int, str], torch.Tensor] = {}  # (rank, group) -> its copy-engine workspace
 
     def advance(rank: int, value=None):
         while True:
@@ -205,7 +219,9 @@ def simulate(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[Any]],
                     continue
                 requests = [pending.pop(m) for m in members]
                 _check_matching(group, requests)
-                for member, result in zip(members, combine(requests)):
+                for index, (member, result) in enumerate(zip(members, combine(requests))):
+                    if requests[index].region is not None:
+                        result = _through_workspace(workspaces, member, index, requests, result)
                     advance(member, result)
                 progressed = True
         if not progressed:
@@ -215,6 +231,27 @@ def simulate(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[Any]],
             waiting = "; ".join(f"rank {rank}: {request}" for rank, request in sorted(pending.items()))
             raise FxShardError(f"deadlock: no group has all its members at a collective ({waiting})")
     return [outputs[rank] for rank in range(len(runners))]
+
+
+def _through_workspace(workspaces: dict, rank: int, index: int, requests: list[Collective],
+                       result: torch.Tensor) -> torch.Tensor:
+    """A copy-engine collective's result as the GPUs have it: what lands in this rank's region of its
+    group's workspace is written there the moment every member has issued the collective (the earliest
+    a copy could land), over whatever the region held; the result is the region itself, unless it is
+    copied out (a returned result) or reduced (a reduce-scatter sums what landed into a new tensor). So
+    a region the plan hands out while an earlier result in it is still read changes what is computed."""
+    request = requests[index]
+    offset, total, copied_out = request.region
+    key = (rank, request.group)
+    if key not in workspaces or workspaces[key].numel() < total:
+        workspaces[key] = torch.zeros(total, dtype=torch.uint8, device=result.device)
+    landed = result
+    if request.op == "reduce_scatter_tensor":  # every member's chunk for this rank, in member order
+        landed = torch.stack([r.tensor.chunk(len(requests), dim=0)[index] for r in requests])
+    nbytes = landed.numel() * landed.element_size()
+    region = workspaces[key][offset:offset + nbytes].view(landed.dtype).view(landed.shape)
+    region.copy_(landed)
+    return result if copied_out else region
 
 
 def _peer(groups: dict[str, list[list[int]]], request: Collective, rank: int) -> int:

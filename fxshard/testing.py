@@ -71,9 +71,11 @@ class SimulatedRanks:
     """Train a per-rank Program on N simulated ranks in this process (the SPMD simulator runs the
     collectives). The counterpart of CompiledStep for property tests: fast, deterministic, no spawning."""
 
-    def __init__(self, program, model, optimizer, mesh):
+    def __init__(self, program, model, optimizer, mesh, lowering=None):
         """`model`: a model with real weights, or an fxshard.init.MetaInit for a meta-device one.
-        `program`: every rank's Program, or a list of one per pipeline stage (Mesh(pp>1))."""
+        `program`: every rank's Program, or a list of one per pipeline stage (Mesh(pp>1)).
+        `lowering`: a runtime lowering (GraphModule -> GraphModule) to run each rank's graph through,
+        as CompiledStep does (e.g. runtime/copy_engine.py's, whose regions the simulator emulates)."""
         from .runtime.state import initial_state
 
         self.optimizer, self.mesh = optimizer, mesh
@@ -81,6 +83,8 @@ class SimulatedRanks:
         stages = program if isinstance(program, (list, tuple)) else [program] * mesh.pp
         self.programs = [stages[mesh.coords(rank)["pp"]] for rank in range(self.world)]
         self.program = self.programs[0]
+        lowered = {id(p): (lowering or (lambda gm: gm))(p.graph_module) for p in self.programs}
+        self.graphs = [lowered[id(p)] for p in self.programs]
         self.states = [initial_state(self.programs[rank], model, optimizer, mesh.coords(rank))
                        for rank in range(self.world)]
         self.step_count = 0
@@ -106,7 +110,7 @@ class SimulatedRanks:
                 else:
                     args.append(self.states[rank][spec.kind, spec.name])
             inputs.append(args)
-        outputs = simulate([p.graph_module for p in self.programs], inputs, self.groups())
+        outputs = simulate(self.graphs, inputs, self.groups())
         kinds = {OutputKind.PARAM: InputKind.PARAM, OutputKind.OPT_STATE: InputKind.OPT_STATE,
                  OutputKind.BUFFER: InputKind.BUFFER}
         metrics = []

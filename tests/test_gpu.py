@@ -501,6 +501,84 @@ def test_copy_engine_all_to_all_is_bit_identical_to_nccl():
                 assert torch.equal(value, params[name]), name
 
 
+def _copy_engine_collectives_on_one_rank():
+    """Each copy-engine collective called directly on a one-rank group (the copies then go to this GPU's
+    own region): shapes, offsets, the sum, copy-out, and capture in a CUDA graph."""
+    from fxshard.runtime.copy_engine import (copy_engine_all_gather, copy_engine_all_to_all,
+                                             copy_engine_reduce_scatter)
+
+    group = dist.group.WORLD.group_name
+    wait = torch.ops._c10d_functional.wait_tensor
+    x = torch.arange(12, dtype=torch.float32, device="cuda").reshape(6, 2)
+    results = {}
+
+    def run():
+        gathered = copy_engine_all_gather(x, 1, group, 0, 4096)
+        exchanged = copy_engine_all_to_all(x * 2, [6], [6], group, 1024, 4096)
+        reduced = copy_engine_reduce_scatter(x + 1, "avg", 1, group, 2048, 4096)
+        copied = copy_engine_all_gather(x - 1, 1, group, 3072, 4096, True)
+        results.update(gathered=wait(gathered) + 0, exchanged=wait(exchanged) + 0, reduced=wait(reduced) + 0,
+                       copied=wait(copied), copied_ptr=copied.data_ptr(), region_ptr=gathered.data_ptr())
+    run()
+    torch.cuda.synchronize()
+    eager = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in results.items()}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    x.mul_(3)
+    graph.replay()
+    torch.cuda.synchronize()
+    return {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in eager.items()}, \
+        {k: v.cpu() for k, v in results.items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.gpu
+def test_copy_engine_collectives_compute_their_collective_on_one_rank():
+    ((eager, graphed),) = run_local(_copy_engine_collectives_on_one_rank, 1, backend="nccl")
+    x = torch.arange(12, dtype=torch.float32).reshape(6, 2)
+    for values, scale in ((eager, 1), (graphed, 3)):
+        assert torch.equal(values["gathered"], x * scale)
+        assert torch.equal(values["exchanged"], 2 * x * scale)
+        assert torch.equal(values["reduced"], x * scale + 1)
+        assert torch.equal(values["copied"], x * scale - 1)
+    assert eager["copied_ptr"] != eager["region_ptr"] + 3072  # copied out of its region
+
+
+def _fsdp_collective_backends_over_nccl(batches, sharding):
+    """GPT tiny, bf16 compute / fp32 reduce, `sharding` over 2 ranks: the fsdp pass's all-gathers and
+    reduce-scatters on NCCL eagerly, then on the copy engines eagerly and from a CUDA graph (aten replay)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = f"cuda:{rank}"
+    local = [{k: v[rank * 2:(rank + 1) * 2].to(device) for k, v in b.items()} for b in batches]
+    results = []
+    for collectives, cuda_graphs in (("nccl", False), ("copy-engine", False), ("copy-engine", True)):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig.preset("tiny")).to(device)
+        config = fxshard.Config(cuda_graphs=cuda_graphs, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                codegen=None, sharding=sharding, fsdp_collectives=collectives)
+        step = fxshard.shard(model, model_loss, local[0], optimizer=ADAMW, mesh=fxshard.Mesh(dp=world),
+                             config=config)
+        lowered = step.copy_engine.all_gathers + step.copy_engine.reduce_scatters
+        assert (lowered > 0) == (collectives == "copy-engine")
+        losses = [step(b)["loss"].item() for b in local]
+        results.append((losses, {k: v.cpu() for k, v in step.parameters().items()}))
+    return results
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("sharding", ["optim", "optim_grads_params"])
+def test_copy_engine_fsdp_collectives_are_bit_identical_to_nccl(sharding):
+    """Two ranks: NCCL's avg of two fp32 values is exact either way (a scaling by 1/2), so the copy
+    engines' sum-then-halve matches bit for bit; with more ranks the summation order may differ."""
+    per_rank = run_local(_fsdp_collective_backends_over_nccl, 2, cuda_batches(6, rows=4, device="cpu"), sharding,
+                         backend="nccl")
+    for (nccl_losses, nccl_params), *others in per_rank:
+        for losses, params in others:
+            assert losses == nccl_losses
+            for name, value in nccl_params.items():
+                assert torch.equal(value, params[name]), name
+
+
 @pytest.mark.gpu
 def test_cuda_graphs_refuse_expert_ops_that_read_offsets_on_the_host():
     model = MoEGPT(MoEGPTConfig.preset("tiny")).cuda()  # fp32 experts: the reference backend

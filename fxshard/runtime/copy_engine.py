@@ -1,31 +1,39 @@
-"""Lowering for execution: expert-parallel all-to-alls moved by the GPUs' copy engines, not by SMs.
+"""Lowering for execution: collectives moved by the GPUs' copy engines, not by SMs.
 
-NCCL's all-to-all is a kernel: while it runs it holds SMs, and the GEMMs the overlap passes place
-next to it run slower (bench/RESULTS.md, 2026-11-23: 15-26% longer, the largest part of what
-overlap leaves exposed). Between GPUs of one host with peer access, the same exchange can be done
-by the copy engines (DMA, no SMs) through symmetric memory, in the spirit of PyTorch's
-"low-contention" collectives. Each lowered all-to-all owns a region of one symmetric workspace
-(every rank allocates the same layout): at a barrier every rank has reached this all-to-all (so,
-in program order, it has finished reading this region's contents from the previous step); each
-rank then writes the rows meant for peer p straight into p's region with a peer-to-peer memcpy
-(its own rows: a local one); at a second barrier every rank's rows have landed, and the region is
-the result. All of it runs on a side stream; the `wait_tensor` the graph already has for the
-all-to-all makes the compute stream wait for it there (and not earlier). The barriers are small
-kernels of one block each; everything else is copies. Under CUDA graphs it is captured like any
-other stream work. Memory: the workspace holds every lowered all-to-all's result at once (the sum
-of their sizes, allocated on the first step; `workspace_bytes()`), where NCCL's results are
-transient. The functional collectives key pending work by storage, and the regions share one: a
-`wait_tensor` on one result also waits for every other copy-engine all-to-all issued before it and
-not yet waited for (never less than it needs; a region per allocation would make each wait exact,
-at one symmetric allocation and rendezvous per all-to-all).
+An NCCL collective is a kernel: while it runs it holds SMs, and the GEMMs the overlap passes place
+next to it run slower (bench/RESULTS.md, 2026-11-23: an EP all-to-all made them 15-26% longer, the
+largest part of what overlap left exposed). Between GPUs of one host with peer access, the same
+exchange can be done by the copy engines (DMA, no SMs) through symmetric memory, in the spirit of
+PyTorch's "low-contention" collectives. Three are lowered:
 
-Invariant: the lowered graph computes the same values as its input: an all_to_all_single with
-equal splits delivers chunk `rank` of every peer's input, in peer order, which is what the copies
-assemble (bit-identical: they are copies). Only equal splits are lowered (fxshard's EP buffers are
-fixed-size per destination); anything else keeps NCCL.
+- `all_to_all_single` with equal splits (the EP pass's dispatch and combine: Config(ep_all_to_all));
+- `all_gather_into_tensor` and `reduce_scatter_tensor` (sum or avg: the fsdp pass's gathers and
+  gradient reductions: Config(fsdp_collectives)).
+
+Each lowered collective owns a region of its group's symmetric workspace (every rank allocates the
+same layout). At a barrier every rank has reached this collective (so, in program order, it has
+finished reading whatever the region held before: workspace_plan.py places regions so that this is
+enough); each rank then writes what peer p receives straight into p's region with a peer-to-peer
+memcpy (its own part: a local one); at a second barrier every rank's part has landed. An all-to-all's
+or all-gather's region is its result; a reduce-scatter's holds every rank's chunk for this rank, which
+one small kernel sums (and divides, for avg) into a fresh output. All of it runs on one side stream;
+the `wait_tensor` the graph already has makes the compute stream wait for it there (and not
+earlier): each result is its own tensor (its own storage), so a wait waits for its collective and
+what the side stream ran before it, never for a collective issued later. The barriers are kernels of
+one block; the rest is copies. Under CUDA graphs it is captured like any other stream work. A result
+that the program returns (ZeRO-1/2's gathered parameters become the next step's state) is copied out
+of the workspace on the side stream, so no state lives in a region that a later collective reuses.
+
+Invariant: the lowered graph computes the same values as its input: the copies assemble exactly what
+the collective delivers (bit-identical for the all-to-all and the all-gather; the reduce-scatter's sum
+adds the same values, in rank order). Checked on CPU by the SPMD simulator with each region really
+shared (fxshard/spmd.py: a region reused while still read changes the results), on GPUs against NCCL
+(tests/test_gpu.py).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -34,6 +42,7 @@ from torch import Tensor
 
 from .. import meta
 from ..errors import FxShardError
+from .workspace_plan import plan_regions
 
 _c10d = torch.ops._c10d_functional
 
@@ -44,14 +53,14 @@ _STREAMS: dict[int, torch.cuda.Stream] = {}
 
 def _workspace(group_name: str, nbytes: int):
     """The group's symmetric workspace (at least `nbytes`), allocated and exchanged on first use: a
-    collective call, which every rank reaches at the same all-to-all. (Two compiled steps on one group
-    share it; a larger one replaces it at its first all-to-all, and the old one is kept.)"""
+    collective call, which every rank reaches at the same collective. (Two compiled steps on one group
+    share it; a larger one replaces it at its first collective, and the old one is kept.)"""
     from torch.distributed import _symmetric_memory as symm
 
     held = _WORKSPACES.get(group_name)
     if held is None or held[0].numel() < nbytes:
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"copy-engine all-to-all: workspace for {group_name} must be allocated before "
+            raise RuntimeError(f"copy-engine collectives: workspace for {group_name} must be allocated before "
                                "CUDA-graph capture (the warm-up steps do that)")
         if held is not None:
             _RETIRED.append(held)
@@ -61,14 +70,15 @@ def _workspace(group_name: str, nbytes: int):
             held = _WORKSPACES[group_name] = (tensor, symm.rendezvous(tensor, group_name))
         except (RuntimeError, ValueError) as error:
             raise FxShardError(
-                f"Config(ep_all_to_all='copy-engine') could not set up {nbytes / 2**30:.2f} GiB of symmetric "
-                f"memory for process group {group_name}: {error}. It needs the EP group's GPUs on one host with "
-                "peer access (NVLink) and that much free memory; use ep_all_to_all='nccl' otherwise") from error
+                f"copy-engine collectives (Config(ep_all_to_all='copy-engine') or Config(fsdp_collectives="
+                f"'copy-engine')) could not set up {nbytes / 2**30:.2f} GiB of symmetric memory for process group "
+                f"{group_name}: {error}. They need the group's GPUs on one host with peer access (NVLink) and that "
+                "much free memory; use ep_all_to_all='nccl' / fsdp_collectives='nccl' otherwise") from error
     return held[1]
 
 
 def workspace_bytes() -> int:
-    """Symmetric memory held by copy-engine all-to-alls in this process (outside torch's allocator stats)."""
+    """Symmetric memory held by copy-engine collectives in this process (outside torch's allocator stats)."""
     return sum(t.numel() * t.element_size() for t, _ in [*_WORKSPACES.values(), *_RETIRED])
 
 
@@ -95,51 +105,139 @@ class _Done(torch._C._distributed_c10d.Work):
         return True
 
 
-def copy_engine_all_to_all(x: Tensor, output_split_sizes, input_split_sizes, group_name: str, region: int,
-                           total_bytes: int) -> Tensor:
-    """all_to_all_single(x) with equal splits over `group_name`, moved by peer-to-peer memcpys into
-    this call's region (byte offset `region`) of the group's workspace (`total_bytes`: what its
-    program's all-to-alls need together). Returns the region at once
-    (like the functional collective); read it after `wait_tensor`."""
+def _exchange(x: Tensor, group_name: str, region: int, total_bytes: int, shape: list[int], part_for,
+              finish) -> Tensor:
+    """The shared body: on the side stream, barrier; write `part_for(peer)` at rows [rank * n, (rank +
+    1) * n) of each peer's region (viewed as `shape`, n = part rows); barrier; `finish(own region)`."""
     group = dist.distributed_c10d._resolve_process_group(group_name)
     world, rank = group.size(), group.rank()
     handle = _workspace(group_name, total_bytes)
-    x = x.contiguous()
-    rows = x.shape[0] // world
-    shape, offset = list(x.shape), region // x.element_size()
+    offset = region // x.element_size()
     stream = _side_stream(x.device)
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         handle.barrier(channel=0)  # every rank is here: done with this region's previous contents
         for step in range(world):
             peer = (rank + step) % world
-            target = handle.get_buffer(peer, shape, x.dtype, offset)
-            target[rank * rows:(rank + 1) * rows].copy_(x[peer * rows:(peer + 1) * rows])
-        handle.barrier(channel=0)  # every rank's rows for this one have landed
-        out = handle.get_buffer(rank, shape, x.dtype, offset)
+            part = part_for(peer)
+            rows = part.shape[0]
+            handle.get_buffer(peer, shape, x.dtype, offset)[rank * rows:(rank + 1) * rows].copy_(part)
+        handle.barrier(channel=0)  # every rank's part for this one has landed
+        out = finish(handle.get_buffer(rank, shape, x.dtype, offset))
         torch._C._distributed_c10d._register_work(out, _Done(x))
     return out
 
 
-_ALIGN = 256  # bytes: every region starts aligned for any dtype and for the copy engines
+def _copied_out(copy_out: bool, like: Tensor):
+    """`finish` for results read where they are, or copied into a fresh tensor (allocated on the compute
+    stream, which reads it after the wait) when the program returns them."""
+    if not copy_out:
+        return lambda region: region
+    out = torch.empty_like(like)
+    return lambda region: out.copy_(region)
 
 
-def lower_all_to_alls_to_copy_engines(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, int]:
-    """A copy of `graph_module` whose EP all-to-alls (equal splits) run on copy engines, each into its
-    own region of one workspace sized for all of them; and how many were lowered."""
+def copy_engine_all_to_all(x: Tensor, output_split_sizes, input_split_sizes, group_name: str, region: int,
+                           total_bytes: int, copy_out: bool = False) -> Tensor:
+    """all_to_all_single(x) with equal splits over `group_name`, into this call's region (byte offset
+    `region`) of the group's workspace (`total_bytes`: what its program's plan needs). Returns at once
+    (like the functional collective); read it after `wait_tensor`."""
+    x = x.contiguous()
+    world = dist.distributed_c10d._resolve_process_group(group_name).size()
+    rows = x.shape[0] // world
+    return _exchange(x, group_name, region, total_bytes, list(x.shape),
+                     lambda peer: x[peer * rows:(peer + 1) * rows], _copied_out(copy_out, x))
+
+
+def copy_engine_all_gather(shard: Tensor, world: int, group_name: str, region: int, total_bytes: int,
+                           copy_out: bool = False) -> Tensor:
+    """all_gather_into_tensor(shard, world) over `group_name`: every peer's region gets this rank's
+    shard at its rows."""
+    shard = shard.contiguous()
+    shape = [world * shard.shape[0], *shard.shape[1:]]
+    like = shard.new_empty(shape) if copy_out else None
+    return _exchange(shard, group_name, region, total_bytes, shape, lambda peer: shard, _copied_out(copy_out, like))
+
+
+def copy_engine_reduce_scatter(x: Tensor, reduce_op: str, world: int, group_name: str, region: int,
+                               total_bytes: int) -> Tensor:
+    """reduce_scatter_tensor(x, "sum" | "avg", world) over `group_name`: peer p's region gets this rank's
+    chunk p at row block `rank`; the chunks that land here are summed in rank order into a fresh tensor."""
+    x = x.contiguous()
+    rows = x.shape[0] // world
+    out = x.new_empty([rows, *x.shape[1:]])  # on the compute stream, which reads it after the wait
+
+    def reduce(landed: Tensor) -> Tensor:
+        torch.sum(landed.view(world, *out.shape), dim=0, out=out)
+        return out.div_(world) if reduce_op == "avg" else out
+    return _exchange(x, group_name, region, total_bytes, list(x.shape), lambda peer: x[peer * rows:(peer + 1) * rows],
+                     reduce)
+
+
+copy_engine_all_to_all.copy_engine_of = "all_to_all_single"  # what the SPMD simulator runs them as
+copy_engine_all_gather.copy_engine_of = "all_gather_into_tensor"
+copy_engine_reduce_scatter.copy_engine_of = "reduce_scatter_tensor"
+_LOWERED = {_c10d.all_to_all_single.default: copy_engine_all_to_all,
+            _c10d.all_gather_into_tensor.default: copy_engine_all_gather,
+            _c10d.reduce_scatter_tensor.default: copy_engine_reduce_scatter}
+COPY_ENGINE_COLLECTIVES = frozenset(_LOWERED.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyEngineLowering:
+    """What lower_to_copy_engines did: collectives lowered by kind, and the bytes each group's workspace
+    needs (against the bytes the lowered collectives' regions add up to, were none reused)."""
+    all_to_alls: int = 0
+    all_gathers: int = 0
+    reduce_scatters: int = 0
+    workspace: dict = dataclasses.field(default_factory=dict)  # group name -> bytes
+    unshared: dict = dataclasses.field(default_factory=dict)  # group name -> bytes without reuse
+
+    def line(self) -> str:
+        planned = ", ".join(f"{name}: {b / 2**20:.1f} MiB (of {self.unshared[name] / 2**20:.1f} without reuse)"
+                            for name, b in sorted(self.workspace.items()))
+        return (f"{self.all_to_alls} copy-engine all-to-alls, {self.all_gathers} all-gathers, "
+                f"{self.reduce_scatters} reduce-scatters" + (f" (workspace {planned})" if planned else ""))
+
+
+def lower_to_copy_engines(graph_module: fx.GraphModule, all_to_alls: bool = True,
+                          gathers_and_scatters: bool = False) -> tuple[fx.GraphModule, CopyEngineLowering]:
+    """A copy of `graph_module` whose chosen collectives run on copy engines: EP all-to-alls with equal
+    splits (`all_to_alls`), all-gathers and sum/avg reduce-scatters (`gathers_and_scatters`), each in a
+    region of its group's workspace that workspace_plan.plan_regions places."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(graph_module.graph, {}))
-    lowered = [node for node in graph.nodes if meta.is_moe_all_to_all(node) and _equal_splits(node)]
-    regions, total = [], 0
-    for node in lowered:  # each one's size: what the EP pass recorded it sends
-        regions.append(total)
-        total += -(-node.meta[meta.COMM_BYTES] // _ALIGN) * _ALIGN
-    for node, region in zip(lowered, regions):
-        x, out_splits, in_splits, group_name = node.args[:4]
-        node.target = copy_engine_all_to_all
-        node.args = (x, out_splits, in_splits, group_name, region, total)
+    chosen = [node for node in graph.nodes if _lowerable(node, all_to_alls, gathers_and_scatters)]
+    plan = plan_regions(graph, chosen)
+    for node in chosen:
+        region, total = plan.regions[node], plan.workspace[plan.groups[node]]
+        if node.target is _c10d.all_to_all_single.default:
+            x, out_splits, in_splits, group_name = node.args[:4]
+            node.args = (x, out_splits, in_splits, group_name, region, total, plan.copied_out[node])
+        elif node.target is _c10d.all_gather_into_tensor.default:
+            shard, world, group_name = node.args
+            node.args = (shard, world, group_name, region, total, plan.copied_out[node])
+        else:
+            x, reduce_op, world, group_name = node.args
+            node.args = (x, reduce_op, world, group_name, region, total)
+        node.target = _LOWERED[node.target]
     graph.lint()
-    return fx.GraphModule(graph_module, graph), len(lowered)
+    kinds = [node.target for node in chosen]
+    return fx.GraphModule(graph_module, graph), CopyEngineLowering(
+        kinds.count(copy_engine_all_to_all), kinds.count(copy_engine_all_gather),
+        kinds.count(copy_engine_reduce_scatter), dict(plan.workspace), dict(plan.unshared))
+
+
+def _lowerable(node: fx.Node, all_to_alls: bool, gathers_and_scatters: bool) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target is _c10d.all_to_all_single.default:
+        return all_to_alls and meta.is_moe_all_to_all(node) and _equal_splits(node)
+    if node.target is _c10d.all_gather_into_tensor.default:
+        return gathers_and_scatters
+    if node.target is _c10d.reduce_scatter_tensor.default:
+        return gathers_and_scatters and node.args[1] in ("sum", "avg")
+    return False
 
 
 def _equal_splits(node: fx.Node) -> bool:

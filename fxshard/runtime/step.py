@@ -16,7 +16,7 @@ from ..ops.p2p import P2P_OPS
 from ..codegen import CodegenReport, compile_regions, progress_printer
 from .nonfinite import was_skipped
 from .carveout import carve_out_sms_for_all_to_alls
-from .copy_engine import lower_all_to_alls_to_copy_engines
+from .copy_engine import CopyEngineLowering, lower_to_copy_engines
 from .reinplace import reinplace
 from .state import State, every_stage_parameters, full_parameters, gather_shard
 
@@ -49,7 +49,8 @@ class CompiledStep:
 
     def __init__(self, programs: list[Program], state: State, batch_spec: BatchSpec, optimizer: Optimizer,
                  device: torch.device, groups: dict | None = None, cuda_graphs: bool = False,
-                 sm_carveout: int | None = None, all_to_all: str = "nccl", codegen: bool = False,
+                 sm_carveout: int | None = None, all_to_all: str = "nccl", fsdp_collectives: str = "nccl",
+                 codegen: bool = False,
                  codegen_by_layer: bool = True,
                  verbose: bool = False, coords: dict[str, int] | None = None, rank: int = 0,
                  mesh_description: str = "one device", expert_layouts: dict | None = None,
@@ -87,9 +88,12 @@ class CompiledStep:
         self.sm_carveout_stretches = 0  # runs of matmuls inside all-to-all windows that run narrower, CUDA only
         if sm_carveout is not None and device.type == "cuda":
             self._run, self.sm_carveout_stretches = carve_out_sms_for_all_to_alls(self._run, sm_carveout)
-        self.copy_engine_all_to_alls = 0  # EP all-to-alls moved by peer memcpys (no SMs), CUDA only
-        if all_to_all == "copy-engine" and device.type == "cuda":
-            self._run, self.copy_engine_all_to_alls = lower_all_to_alls_to_copy_engines(self._run)
+        # collectives moved by peer memcpys through symmetric memory (no SMs), CUDA only
+        self.copy_engine = CopyEngineLowering()
+        if device.type == "cuda" and "copy-engine" in (all_to_all, fsdp_collectives):
+            self._run, self.copy_engine = lower_to_copy_engines(
+                self._run, all_to_alls=all_to_all == "copy-engine",
+                gathers_and_scatters=fsdp_collectives == "copy-engine")
         # last: the compute between the nodes placed above is compiled; those nodes keep their order
         self.codegen: CodegenReport | None = None
         if codegen:
@@ -101,6 +105,11 @@ class CompiledStep:
             _check_capturable(self.program)
         self._replay = CudaGraphReplay() if cuda_graphs else None
 
+    @property
+    def copy_engine_all_to_alls(self) -> int:
+        """EP all-to-alls moved by the copy engines (Config(ep_all_to_all="copy-engine"), CUDA only)."""
+        return self.copy_engine.all_to_alls
+
     def _bound(self, program: Program) -> fx.GraphModule:
         """The program's graph with its collectives naming this rank's process groups."""
         if not self.groups:
@@ -110,7 +119,7 @@ class CompiledStep:
     def lowerings(self) -> str:
         """One line: what the runtime changed in the program before running it."""
         return (f"runtime lowerings of {self.program.name!r}: {self.in_place_updates} in-place optimizer updates, "
-                f"{self.copy_engine_all_to_alls} copy-engine all-to-alls, {self.sm_carveout_stretches} "
+                f"{self.copy_engine.line()}, {self.sm_carveout_stretches} "
                 f"SM-carveout stretches; {self.codegen.line() if self.codegen else 'codegen: off (aten replay)'}")
 
     def runtime_code(self) -> str:
