@@ -14,6 +14,8 @@ and the ratio to the single-GPU no-communication time of the same model and batc
     fsdp2-compile   the same with torch.compile on each block (torchtitan's recipe)
     fxshard         N GPUs, fxshard ZeRO-3 (optim_grads_params), codegen, CUDA graphs (--eager-replay: without)
     fxshard-aten    the same without codegen
+    fxshard-ce      fxshard with Config(fsdp_collectives="copy-engine"): all-gathers and reduce-scatters
+                    moved by the copy engines (no SMs); its peak memory includes the symmetric workspace
     fxshard-ctasN   fxshard with NCCL_MAX_CTAS=N (its collectives on at most N SMs, fewer taken from
                     compute; slower collectives), e.g. fxshard-ctas8; likewise fsdp2-compile-ctasN
 
@@ -139,27 +141,31 @@ def run_eager_single(cfg, batch, seq, warmup, iters, compiled=False):
     return timed(step, warmup, iters, label), torch.cuda.max_memory_allocated()
 
 
-def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None, codegen="inductor"):
+def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None, codegen="inductor", collectives="nccl"):
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = f"cuda:{rank}"
     torch.cuda.set_device(device)
     model = build_model(cfg, device)
     data = batch_for(cfg, batch, seq, device, seed=rank)
     config = fxshard.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cuda_graphs=CUDA_GRAPHS,
-                            sharding="optim_grads_params", codegen=codegen)
+                            sharding="optim_grads_params", codegen=codegen, fsdp_collectives=collectives)
     started = time.perf_counter()
     step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=fxshard.optim.AdamW(lr=1e-4),
                          mesh=mesh, config=config)
     if rank == 0:
         print(f"  fxshard compiled in {time.perf_counter() - started:.1f}s: {step.program!r}; "
-              f"{step.codegen.line() if step.codegen else 'no codegen'}", flush=True)
+              f"{step.codegen.line() if step.codegen else 'no codegen'}; {step.copy_engine.line()}", flush=True)
     del model
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     ctas = os.environ.get("NCCL_MAX_CTAS")
     label = (f"fxshard{dist.get_world_size()}" if mesh is not None else "nocomm-fxshard") + \
-        f"{'' if codegen else '-aten'}{f'-ctas{ctas}' if ctas and mesh is not None else ''}_b{batch}"
-    return timed(lambda: step(data), warmup, iters, label), torch.cuda.max_memory_allocated()
+        f"{'' if codegen else '-aten'}{'-ce' if collectives != 'nccl' else ''}" \
+        f"{f'-ctas{ctas}' if ctas and mesh is not None else ''}_b{batch}"
+    ms = timed(lambda: step(data), warmup, iters, label)
+    from fxshard.runtime.copy_engine import workspace_bytes
+
+    return ms, torch.cuda.max_memory_allocated() + workspace_bytes()  # symmetric memory is outside the allocator
 
 
 def run_fsdp2(cfg, batch, seq, warmup, iters, compiled=False):
@@ -195,7 +201,8 @@ def distributed_mode(mode, cfg, batch, seq, warmup, iters):
         result = run_fsdp2(cfg, batch, seq, warmup, iters, compiled=mode == "fsdp2-compile")
     else:
         result = run_fxshard(cfg, batch, seq, warmup, iters, mesh=fxshard.Mesh(dp=dist.get_world_size()),
-                             codegen=None if mode == "fxshard-aten" else "inductor")
+                             codegen=None if mode == "fxshard-aten" else "inductor",
+                             collectives="copy-engine" if mode == "fxshard-ce" else "nccl")
     times = [None] * dist.get_world_size()
     dist.all_gather_object(times, result)
     return max(t for t, _ in times), max(m for _, m in times)

@@ -179,7 +179,8 @@ def run_modes(args):
         config = fxshard.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, sharding="optim",
                                 cuda_graphs=not args.eager_replay, ep_overlap=overlap, ep_chunks=chunks,
                                 microbatches=args.microbatches, ep_sm_carveout=carveout,
-                                ep_interleave=args.interleave, ep_all_to_all=a2a)
+                                ep_interleave=args.interleave, ep_all_to_all=a2a,
+                                fsdp_collectives=args.fsdp_collectives)
         started = time.perf_counter()
         step = fxshard.shard(model, lambda m, b: m.loss_and_metrics(b), data, optimizer=fxshard.optim.AdamW(lr=1e-5),
                              mesh=fxshard.Mesh(dp=world, ep=args.ep), config=config)
@@ -191,7 +192,8 @@ def run_modes(args):
         suffix = (f"-overlap{chunks}" if overlap else "") + ("-ce" if a2a == "copy-engine" else "")
         codegen = step.codegen is not None  # nocomm compiles its compute as the step does
         nocomm = CompiledStep([without_all_to_all(step.program)], step.state, step.batch_spec, step.optimizer,
-                              step.device, step.groups, not args.eager_replay, sm_carveout=carveout, codegen=codegen)
+                              step.device, step.groups, not args.eager_replay, sm_carveout=carveout, codegen=codegen,
+                              fsdp_collectives=args.fsdp_collectives)
         runs = [(f"ep{suffix}", step)]
         own_nocomm = "nocomm" + suffix.removesuffix("-ce")  # the same program for both all-to-alls
         if own_nocomm not in results:
@@ -201,7 +203,8 @@ def run_modes(args):
             # they are compared with has no copy either
             runs.insert(1, ("nocomm-nocopy", CompiledStep([without_all_to_all(step.program, copy=False)], step.state,
                                                           step.batch_spec, step.optimizer, step.device, step.groups,
-                                                          not args.eager_replay, codegen=codegen)))
+                                                          not args.eager_replay, codegen=codegen,
+                                                          fsdp_collectives=args.fsdp_collectives)))
         for label, runner in runs:
             torch.cuda.reset_peak_memory_stats()
             ms = timed(lambda: runner(data), args.warmup, args.iters)
@@ -224,7 +227,7 @@ def run_modes(args):
         results["dropped"] = dropped  # the same routing in every mode
         if rank == 0:
             print(f"  dropped assignments over capacity (all ranks, all layers): {dropped}", flush=True)
-        if a2a == "copy-engine" and rank == 0:
+        if "copy-engine" in (a2a, args.fsdp_collectives) and rank == 0:
             from fxshard.runtime.copy_engine import workspace_bytes
 
             held = workspace_bytes()
@@ -265,6 +268,9 @@ def main():
     parser.add_argument("--all-to-all", nargs="+", default=["nccl"], choices=fxshard.config.EP_ALL_TO_ALLS,
                         help="Config(ep_all_to_all) of the ep modes: each listed one gets an ep mode and the overlap "
                              "modes (copy-engine ones are labelled -ce and compared with the same nocomm)")
+    parser.add_argument("--fsdp-collectives", default="nccl", choices=fxshard.config.FSDP_COLLECTIVES,
+                        help="Config(fsdp_collectives) of every mode: ZeRO-1's reduce-scatters and gathers of "
+                             "updated shards on NCCL or on the copy engines")
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--eager-replay", action="store_true")
@@ -276,7 +282,7 @@ def main():
         args.capacity_factor = None
     print(f"MoEGPT: {args.layers} layers, hidden {args.hidden}, {args.experts} experts x d_ff {args.d_ff}, "
           f"top-{args.top_k}, {args.routing} routing, shared expert {args.d_ff_shared}, S={args.seq} x {args.microbatches} microbatch(es) per rank ({args.interleave} with overlap), {args.gpus} GPUs, ep={args.ep}, capacity factor "
-          f"{args.capacity_factor}, SM carveout {args.sm_carveout}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"{args.capacity_factor}, SM carveout {args.sm_carveout}, ZeRO collectives by {args.fsdp_collectives}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{'eager replay' if args.eager_replay else 'CUDA graphs'}", flush=True)
     results = run_local(run_modes, args.gpus, args, backend="nccl")[0]
     base, exposed = results["nocomm"], results["ep"] - results["nocomm"]

@@ -2,13 +2,14 @@
 # The 2-GPU measurements the open issues wait for, one part per device call (each fits the 10-minute
 # limit of a device command). On the device machine, from the repository root:
 #
-#     bash bench/pending_2gpu.sh moe|fsdp|pipeline|pipeline-zb|hf_moe|suite  [OUT dir, default $OUT]
+#     bash bench/pending_2gpu.sh moe|moe-ce|fsdp|pipeline|pipeline-zb|hf_moe|suite  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
 # (date, machine, command). In priority order:
 #   moe       issue 15: MoE ep=2, dual-batch, NCCL and copy-engine all-to-alls (>= 30% MFU, >= 90% hidden)
-#   fsdp      issue 15: GPT 1b ZeRO-3 at batch 4 against one GPU's compiled step, NCCL_MAX_CTAS variants,
-#             profiled (exposed NCCL time per mode)
+#   moe-ce    the same with ZeRO-1's collectives on the copy engines too (Config(fsdp_collectives))
+#   fsdp      issue 15: GPT 1b ZeRO-3 at batch 4 against one GPU's compiled step: NCCL, copy-engine
+#             collectives (fxshard-ce), NCCL_MAX_CTAS=8; profiled (exposed NCCL time per mode)
 #   pipeline  issue 14: bench/pipeline.py 1F1B and interleaved V=2 with the peer (pipeline-zb: ZB-H1)
 #   hf_moe    issue 17: the Qwen3-MoE-like transformers model at ep=2 against FSDP2 eager
 #   suite     the multigpu tests
@@ -21,7 +22,10 @@ case "$part" in
   moe) timeout 580 python bench/moe.py --gpus 2 --ep 2 --chunks 1 --all-to-all nccl copy-engine --microbatches 2 \
          --interleave dual-batch --warmup 3 --iters 8 --out "$out/moe_2xh200_$day.json" 2>&1 | tee "$out/moe.log" \
          | grep -v "codegen: region" | tail -40 ;;
-  fsdp) timeout 580 python bench/fsdp.py --gpus 2 --batch 4 --modes nocomm-compile fxshard fxshard-ctas8 fxshard-ctas16 \
+  moe-ce) timeout 580 python bench/moe.py --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine --microbatches 2 \
+         --interleave dual-batch --fsdp-collectives copy-engine --warmup 3 --iters 8 \
+         --out "$out/moe_ce_2xh200_$day.json" 2>&1 | tee "$out/moe_ce.log" | grep -v "codegen: region" | tail -40 ;;
+  fsdp) timeout 580 python bench/fsdp.py --gpus 2 --batch 4 --modes nocomm-compile fxshard fxshard-ce fxshard-ctas8 \
           --profile "$out/fsdp_profile" --out "$out/fsdp_2xh200_$day.json" 2>&1 | tee "$out/fsdp.log" \
           | grep -v "codegen: region" | tail -30 ;;
   pipeline) timeout 580 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 \
