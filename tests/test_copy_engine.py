@@ -14,7 +14,7 @@ from fxshard.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig
 from fxshard.passes import run_pipeline
 from fxshard.passes.fsdp import STRATEGIES, FSDPConfig, fsdp
 from fxshard.runtime import workspace_plan
-from fxshard.runtime.copy_engine import (copy_engine_all_gather, copy_engine_all_to_all,
+from fxshard.runtime.copy_engine import (COPY_ENGINE_COLLECTIVES, copy_engine_all_gather, copy_engine_all_to_all,
                                          copy_engine_reduce_scatter, lower_to_copy_engines)
 from fxshard.runtime.reinplace import reinplace
 from fxshard.testing import SimulatedRanks
@@ -105,10 +105,14 @@ def test_a_region_is_reused_once_its_last_reader_has_run_and_returned_results_ar
     assert plan.regions[e] == 0 and plan.lifetimes[b][1] < plan.lifetimes[e][0]
     assert plan.copied_out == {a: False, b: False, c: False, d: False, e: True}
     assert plan.workspace == {"dp": 512} and plan.unshared == {"dp": 5 * 256}
-    lowered, report = lower_to_copy_engines(fx.GraphModule(torch.nn.Module(), graph), gathers_and_scatters=True)
+    lowered, report = lower_to_copy_engines(fx.GraphModule(torch.nn.Module(), graph), gathers_and_scatters=True,
+                                            timeout_s=2.5)
     assert (report.all_gathers, report.reduce_scatters, report.all_to_alls) == (4, 1, 0)
-    targets = [n.target for n in lowered.graph.nodes if n.op == "call_function"]
+    calls = [n for n in lowered.graph.nodes if n.op == "call_function"]
+    targets = [n.target for n in calls]
     assert targets.count(copy_engine_all_gather) == 4 and targets.count(copy_engine_reduce_scatter) == 1
+    # their barriers give up after Config(collective_timeout_s) instead of hanging on a missing peer
+    assert all(n.kwargs == {"timeout_ms": 2500} for n in calls if n.target in COPY_ENGINE_COLLECTIVES)
 
 
 def simulate_both(program, model, mesh, batches, all_to_alls, gathers_and_scatters):

@@ -515,7 +515,7 @@ def _copy_engine_collectives_on_one_rank():
     def run():
         gathered = copy_engine_all_gather(x, 1, group, 0, 4096)
         exchanged = copy_engine_all_to_all(x * 2, [6], [6], group, 1024, 4096)
-        reduced = copy_engine_reduce_scatter(x + 1, "avg", 1, group, 2048, 4096)
+        reduced = copy_engine_reduce_scatter(x + 1, "avg", 1, group, 2048, 4096, timeout_ms=60_000)
         copied = copy_engine_all_gather(x - 1, 1, group, 3072, 4096, True)
         results.update(gathered=wait(gathered) + 0, exchanged=wait(exchanged) + 0, reduced=wait(reduced) + 0,
                        copied=wait(copied), copied_ptr=copied.data_ptr(), region_ptr=gathered.data_ptr())

@@ -106,9 +106,12 @@ class _Done(torch._C._distributed_c10d.Work):
 
 
 def _exchange(x: Tensor, group_name: str, region: int, total_bytes: int, shape: list[int], part_for,
-              finish) -> Tensor:
+              finish, timeout_ms: int) -> Tensor:
     """The shared body: on the side stream, barrier; write `part_for(peer)` at rows [rank * n, (rank +
-    1) * n) of each peer's region (viewed as `shape`, n = part rows); barrier; `finish(own region)`."""
+    1) * n) of each peer's region (viewed as `shape`, n = part rows); barrier; `finish(own region)`.
+    A barrier that waits longer than `timeout_ms` (0: forever) traps on the device (torch's symmetric
+    memory barrier), which fails the step's next synchronization: a peer that never arrives must not
+    hang the job, as NCCL's timeout makes sure for its collectives."""
     group = dist.distributed_c10d._resolve_process_group(group_name)
     world, rank = group.size(), group.rank()
     handle = _workspace(group_name, total_bytes)
@@ -116,13 +119,13 @@ def _exchange(x: Tensor, group_name: str, region: int, total_bytes: int, shape: 
     stream = _side_stream(x.device)
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        handle.barrier(channel=0)  # every rank is here: done with this region's previous contents
+        handle.barrier(channel=0, timeout_ms=timeout_ms)  # every rank is here: done with the region's old contents
         for step in range(world):
             peer = (rank + step) % world
             part = part_for(peer)
             rows = part.shape[0]
             handle.get_buffer(peer, shape, x.dtype, offset)[rank * rows:(rank + 1) * rows].copy_(part)
-        handle.barrier(channel=0)  # every rank's part for this one has landed
+        handle.barrier(channel=0, timeout_ms=timeout_ms)  # every rank's part for this one has landed
         out = finish(handle.get_buffer(rank, shape, x.dtype, offset))
         torch._C._distributed_c10d._register_work(out, _Done(x))
     return out
@@ -138,7 +141,7 @@ def _copied_out(copy_out: bool, like: Tensor):
 
 
 def copy_engine_all_to_all(x: Tensor, output_split_sizes, input_split_sizes, group_name: str, region: int,
-                           total_bytes: int, copy_out: bool = False) -> Tensor:
+                           total_bytes: int, copy_out: bool = False, timeout_ms: int = 0) -> Tensor:
     """all_to_all_single(x) with equal splits over `group_name`, into this call's region (byte offset
     `region`) of the group's workspace (`total_bytes`: what its program's plan needs). Returns at once
     (like the functional collective); read it after `wait_tensor`."""
@@ -146,21 +149,22 @@ def copy_engine_all_to_all(x: Tensor, output_split_sizes, input_split_sizes, gro
     world = dist.distributed_c10d._resolve_process_group(group_name).size()
     rows = x.shape[0] // world
     return _exchange(x, group_name, region, total_bytes, list(x.shape),
-                     lambda peer: x[peer * rows:(peer + 1) * rows], _copied_out(copy_out, x))
+                     lambda peer: x[peer * rows:(peer + 1) * rows], _copied_out(copy_out, x), timeout_ms)
 
 
 def copy_engine_all_gather(shard: Tensor, world: int, group_name: str, region: int, total_bytes: int,
-                           copy_out: bool = False) -> Tensor:
+                           copy_out: bool = False, timeout_ms: int = 0) -> Tensor:
     """all_gather_into_tensor(shard, world) over `group_name`: every peer's region gets this rank's
     shard at its rows."""
     shard = shard.contiguous()
     shape = [world * shard.shape[0], *shard.shape[1:]]
     like = shard.new_empty(shape) if copy_out else None
-    return _exchange(shard, group_name, region, total_bytes, shape, lambda peer: shard, _copied_out(copy_out, like))
+    return _exchange(shard, group_name, region, total_bytes, shape, lambda peer: shard, _copied_out(copy_out, like),
+                     timeout_ms)
 
 
 def copy_engine_reduce_scatter(x: Tensor, reduce_op: str, world: int, group_name: str, region: int,
-                               total_bytes: int) -> Tensor:
+                               total_bytes: int, timeout_ms: int = 0) -> Tensor:
     """reduce_scatter_tensor(x, "sum" | "avg", world) over `group_name`: peer p's region gets this rank's
     chunk p at row block `rank`; the chunks that land here are summed in rank order into a fresh tensor."""
     x = x.contiguous()
@@ -171,7 +175,7 @@ def copy_engine_reduce_scatter(x: Tensor, reduce_op: str, world: int, group_name
         torch.sum(landed.view(world, *out.shape), dim=0, out=out)
         return out.div_(world) if reduce_op == "avg" else out
     return _exchange(x, group_name, region, total_bytes, list(x.shape), lambda peer: x[peer * rows:(peer + 1) * rows],
-                     reduce)
+                     reduce, timeout_ms)
 
 
 copy_engine_all_to_all.copy_engine_of = "all_to_all_single"  # what the SPMD simulator runs them as
@@ -200,11 +204,12 @@ class CopyEngineLowering:
                 f"{self.reduce_scatters} reduce-scatters" + (f" (workspace {planned})" if planned else ""))
 
 
-def lower_to_copy_engines(graph_module: fx.GraphModule, all_to_alls: bool = True,
-                          gathers_and_scatters: bool = False) -> tuple[fx.GraphModule, CopyEngineLowering]:
+def lower_to_copy_engines(graph_module: fx.GraphModule, all_to_alls: bool = True, gathers_and_scatters: bool = False,
+                          timeout_s: float | None = None) -> tuple[fx.GraphModule, CopyEngineLowering]:
     """A copy of `graph_module` whose chosen collectives run on copy engines: EP all-to-alls with equal
     splits (`all_to_alls`), all-gathers and sum/avg reduce-scatters (`gathers_and_scatters`), each in a
-    region of its group's workspace that workspace_plan.plan_regions places."""
+    region of its group's workspace that workspace_plan.plan_regions places; their barriers give up
+    after `timeout_s` (Config(collective_timeout_s); None: never)."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(graph_module.graph, {}))
     chosen = [node for node in graph.nodes if _lowerable(node, all_to_alls, gathers_and_scatters)]
@@ -221,6 +226,7 @@ def lower_to_copy_engines(graph_module: fx.GraphModule, all_to_alls: bool = True
             x, reduce_op, world, group_name = node.args
             node.args = (x, reduce_op, world, group_name, region, total)
         node.target = _LOWERED[node.target]
+        node.kwargs = {"timeout_ms": int(timeout_s * 1000) if timeout_s else 0}
     graph.lint()
     kinds = [node.target for node in chosen]
     return fx.GraphModule(graph_module, graph), CopyEngineLowering(

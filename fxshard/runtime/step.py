@@ -50,6 +50,7 @@ class CompiledStep:
     def __init__(self, programs: list[Program], state: State, batch_spec: BatchSpec, optimizer: Optimizer,
                  device: torch.device, groups: dict | None = None, cuda_graphs: bool = False,
                  sm_carveout: int | None = None, all_to_all: str = "nccl", fsdp_collectives: str = "nccl",
+                 collective_timeout_s: float | None = None,
                  codegen: bool = False,
                  codegen_by_layer: bool = True,
                  verbose: bool = False, coords: dict[str, int] | None = None, rank: int = 0,
@@ -93,7 +94,7 @@ class CompiledStep:
         if device.type == "cuda" and "copy-engine" in (all_to_all, fsdp_collectives):
             self._run, self.copy_engine = lower_to_copy_engines(
                 self._run, all_to_alls=all_to_all == "copy-engine",
-                gathers_and_scatters=fsdp_collectives == "copy-engine")
+                gathers_and_scatters=fsdp_collectives == "copy-engine", timeout_s=collective_timeout_s)
         # last: the compute between the nodes placed above is compiled; those nodes keep their order
         self.codegen: CodegenReport | None = None
         if codegen:
