@@ -163,9 +163,11 @@ def _check_matching(group: str, requests: list[Collective]) -> None:
 
 
 def simulate(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[Any]],
-             groups: dict[str, Sequence[int] | Sequence[Sequence[int]]]) -> list[Any]:
+             groups: dict[str, Sequence[int] | Sequence[Sequence[int]]], workspaces: dict | None = None) -> list[Any]:
     """Run rank r's `graphs[r]` on `inputs[r]`; `groups` maps each group name to its global ranks
-    in group-rank order (or to a list of such lists). Returns each rank's outputs."""
+    in group-rank order (or to a list of such lists). Returns each rank's outputs. `workspaces`: the
+    ranks' copy-engine workspaces, (rank, group) -> bytes, kept by the caller from step to step as the
+    GPUs keep theirs (a fresh one per call without it)."""
     groups = {name: [list(g) for g in members] if members and not isinstance(members[0], int) else [list(members)]
               for name, members in groups.items()}
     if len(graphs) != len(inputs):
@@ -174,7 +176,7 @@ def simulate(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[Any]],
     pending: dict[int, Collective] = {}
     outputs: dict[int, Any] = {}
     mail: dict[tuple[int, int], list[torch.Tensor]] = {}  # (sender, receiver) -> messages in order
-    workspaces: dict[tuple[int, str], torch.Tensor] = {}  # (rank, group) -> its copy-engine workspace
+    workspaces = {} if workspaces is None else workspaces  # (rank, group) -> its copy-engine workspace
 
     def advance(rank: int, value=None):
         while True:

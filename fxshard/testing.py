@@ -85,6 +85,7 @@ class SimulatedRanks:
         self.program = self.programs[0]
         lowered = {id(p): (lowering or (lambda gm: gm))(p.graph_module) for p in self.programs}
         self.graphs = [lowered[id(p)] for p in self.programs]
+        self.workspaces: dict = {}  # each rank's copy-engine workspaces, kept across steps as on GPUs
         self.states = [initial_state(self.programs[rank], model, optimizer, mesh.coords(rank))
                        for rank in range(self.world)]
         self.step_count = 0
@@ -110,7 +111,7 @@ class SimulatedRanks:
                 else:
                     args.append(self.states[rank][spec.kind, spec.name])
             inputs.append(args)
-        outputs = simulate(self.graphs, inputs, self.groups())
+        outputs = simulate(self.graphs, inputs, self.groups(), self.workspaces)
         kinds = {OutputKind.PARAM: InputKind.PARAM, OutputKind.OPT_STATE: InputKind.OPT_STATE,
                  OutputKind.BUFFER: InputKind.BUFFER}
         metrics = []

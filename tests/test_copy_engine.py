@@ -3,6 +3,8 @@
 region really shared, that the lowered program computes exactly what the unlowered one does. What the
 GPU copies compute is checked on GPUs (tests/test_gpu.py: bit-identical to NCCL, eager and graphed)."""
 
+import operator
+
 import pytest
 import torch
 import torch.fx as fx
@@ -113,6 +115,70 @@ def test_a_region_is_reused_once_its_last_reader_has_run_and_returned_results_ar
     assert targets.count(copy_engine_all_gather) == 4 and targets.count(copy_engine_reduce_scatter) == 1
     # their barriers give up after Config(collective_timeout_s) instead of hanging on a missing peer
     assert all(n.kwargs == {"timeout_ms": 2500} for n in calls if n.target in COPY_ENGINE_COLLECTIVES)
+
+
+def aliased_read_graph(alias: str) -> fx.GraphModule:
+    """a = gather(x), waited at once, then read through `alias` only after b = gather(y) is issued: the
+    plan must follow the alias, or b's region is a's and the late read sees y's values."""
+    aten = torch.ops.aten
+    graph = fx.Graph()
+    x, y = graph.placeholder("x"), graph.placeholder("y")
+    x.meta["val"], y.meta["val"] = torch.empty(8), torch.empty(8)
+    a = graph.call_function(c10d.all_gather_into_tensor.default, (x, 2, "dp"))
+    waited = graph.call_function(c10d.wait_tensor.default, (a,))
+    if alias == "split":
+        kept = graph.call_function(operator.getitem, (graph.call_function(aten.split.Tensor, (waited, 8)), 1))
+    else:
+        kept = graph.call_function(*{"view": (aten.view.default, (waited, [4, 4])),
+                                     "slice": (aten.slice.Tensor, (waited, 0, 4, 12)),
+                                     "alias": (aten.alias.default, (waited,))}[alias])
+    b = graph.call_function(c10d.all_gather_into_tensor.default, (y, 2, "dp"))
+    late = graph.call_function(aten.mul.Tensor, (kept, 2.0))
+    graph.output((late, graph.call_function(c10d.wait_tensor.default, (b,))))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+@pytest.mark.parametrize("alias", ["view", "split", "slice", "alias"])
+def test_a_result_read_through_an_alias_after_the_next_issue_keeps_its_region(alias):
+    from fxshard.spmd import simulate
+
+    graph_module = aliased_read_graph(alias)
+    lowered, report = lower_to_copy_engines(graph_module, gathers_and_scatters=True)
+    assert report.workspace["dp"] == report.unshared["dp"]  # nothing could be reused
+    inputs = [[torch.arange(8.0) + 10 * rank, -torch.arange(8.0) - 10 * rank] for rank in range(2)]
+    expected = simulate([graph_module] * 2, inputs, {"dp": [0, 1]})
+    for got, want in zip(simulate([lowered] * 2, inputs, {"dp": [0, 1]}), expected):
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_a_send_an_nccl_collective_or_a_lowered_one_reads_its_input_until_it_is_done():
+    graph = fx.Graph()
+    x, y = graph.placeholder("x"), graph.placeholder("y")
+    x.meta["val"], y.meta["val"] = torch.empty(8), torch.empty(8)
+    gathers = []
+    for reader in (torch.ops.fxshard.send.default, c10d.all_reduce.default):
+        a = graph.call_function(c10d.all_gather_into_tensor.default, (x, 2, "dp"))
+        waited = graph.call_function(c10d.wait_tensor.default, (a,))
+        args = (waited, 1, "dp") if reader is torch.ops.fxshard.send.default else (waited, "sum", "dp")
+        token = graph.call_function(reader, args)
+        b = graph.call_function(c10d.all_gather_into_tensor.default, (y, 2, "dp"))
+        graph.call_function(c10d.wait_tensor.default, (b,))
+        graph.call_function(c10d.wait_tensor.default, (token,))  # the send / all-reduce may read a until here
+        gathers += [a, b]
+    plan = workspace_plan.plan_regions(graph, gathers)
+    for a, b in zip(gathers[::2], gathers[1::2]):
+        assert plan.regions[a] != plan.regions[b]
+        assert plan.lifetimes[a][1] > plan.lifetimes[b][0]
+    # a lowered collective whose input is an earlier one's result reads it while peers write its own region
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(8)
+    a = graph.call_function(c10d.all_gather_into_tensor.default, (x, 2, "dp"))
+    gathered = graph.call_function(c10d.wait_tensor.default, (a,))
+    gathered.meta["val"] = torch.empty(16)
+    c = graph.call_function(c10d.all_gather_into_tensor.default, (gathered, 2, "dp"))
+    plan = workspace_plan.plan_regions(graph, [a, c])
+    assert plan.regions == {a: 0, c: 256}
 
 
 def simulate_both(program, model, mesh, batches, all_to_alls, gathers_and_scatters):

@@ -26,9 +26,10 @@ of the workspace on the side stream, so no state lives in a region that a later 
 
 Invariant: the lowered graph computes the same values as its input: the copies assemble exactly what
 the collective delivers (bit-identical for the all-to-all and the all-gather; the reduce-scatter's sum
-adds the same values, in rank order). Checked on CPU by the SPMD simulator with each region really
-shared (fxshard/spmd.py: a region reused while still read changes the results), on GPUs against NCCL
-(tests/test_gpu.py).
+adds the same values, in rank order). Checked on CPU by the SPMD simulator with each rank's workspace
+really shared and kept across steps (fxshard/spmd.py: a region reused while a compute node still
+reads it changes the results; what it cannot see, a send's or another collective's late read, is
+checked on the plan), on GPUs against NCCL (tests/test_gpu.py).
 """
 
 from __future__ import annotations
@@ -131,12 +132,12 @@ def _exchange(x: Tensor, group_name: str, region: int, total_bytes: int, shape: 
     return out
 
 
-def _copied_out(copy_out: bool, like: Tensor):
-    """`finish` for results read where they are, or copied into a fresh tensor (allocated on the compute
-    stream, which reads it after the wait) when the program returns them."""
+def _copied_out(copy_out: bool, shape: list[int], like: Tensor):
+    """`finish` for results read where they are, or copied into a fresh tensor of `shape` (allocated on
+    the compute stream, which reads it after the wait) when the program returns them."""
     if not copy_out:
         return lambda region: region
-    out = torch.empty_like(like)
+    out = like.new_empty(shape)
     return lambda region: out.copy_(region)
 
 
@@ -149,7 +150,7 @@ def copy_engine_all_to_all(x: Tensor, output_split_sizes, input_split_sizes, gro
     world = dist.distributed_c10d._resolve_process_group(group_name).size()
     rows = x.shape[0] // world
     return _exchange(x, group_name, region, total_bytes, list(x.shape),
-                     lambda peer: x[peer * rows:(peer + 1) * rows], _copied_out(copy_out, x), timeout_ms)
+                     lambda peer: x[peer * rows:(peer + 1) * rows], _copied_out(copy_out, list(x.shape), x), timeout_ms)
 
 
 def copy_engine_all_gather(shard: Tensor, world: int, group_name: str, region: int, total_bytes: int,
@@ -158,22 +159,28 @@ def copy_engine_all_gather(shard: Tensor, world: int, group_name: str, region: i
     shard at its rows."""
     shard = shard.contiguous()
     shape = [world * shard.shape[0], *shard.shape[1:]]
-    like = shard.new_empty(shape) if copy_out else None
-    return _exchange(shard, group_name, region, total_bytes, shape, lambda peer: shard, _copied_out(copy_out, like),
-                     timeout_ms)
+    return _exchange(shard, group_name, region, total_bytes, shape, lambda peer: shard,
+                     _copied_out(copy_out, shape, shard), timeout_ms)
 
 
 def copy_engine_reduce_scatter(x: Tensor, reduce_op: str, world: int, group_name: str, region: int,
                                total_bytes: int, timeout_ms: int = 0) -> Tensor:
     """reduce_scatter_tensor(x, "sum" | "avg", world) over `group_name`: peer p's region gets this rank's
-    chunk p at row block `rank`; the chunks that land here are summed in rank order into a fresh tensor."""
+    chunk p at row block `rank`; the chunks that land here are summed in rank order into a fresh tensor,
+    in fp32 for narrower floats (one rounding at the end; NCCL rounds at every hop, and its avg scales
+    each input by 1/world first, so an fp16 sum that would overflow before the division does not here
+    either). fp32 with 2 ranks: bit-identical to NCCL (scaling by 1/2 is exact)."""
     x = x.contiguous()
     rows = x.shape[0] // world
     out = x.new_empty([rows, *x.shape[1:]])  # on the compute stream, which reads it after the wait
 
     def reduce(landed: Tensor) -> Tensor:
-        torch.sum(landed.view(world, *out.shape), dim=0, out=out)
-        return out.div_(world) if reduce_op == "avg" else out
+        chunks = landed.view(world, *out.shape)
+        if x.dtype not in (torch.float16, torch.bfloat16):
+            torch.sum(chunks, dim=0, out=out)
+            return out.div_(world) if reduce_op == "avg" else out
+        total = chunks.sum(dim=0, dtype=torch.float32)
+        return out.copy_(total.div_(world) if reduce_op == "avg" else total)
     return _exchange(x, group_name, region, total_bytes, list(x.shape), lambda peer: x[peer * rows:(peer + 1) * rows],
                      reduce, timeout_ms)
 
@@ -241,8 +248,10 @@ def _lowerable(node: fx.Node, all_to_alls: bool, gathers_and_scatters: bool) -> 
         return all_to_alls and meta.is_moe_all_to_all(node) and _equal_splits(node)
     if node.target is _c10d.all_gather_into_tensor.default:
         return gathers_and_scatters
-    if node.target is _c10d.reduce_scatter_tensor.default:
-        return gathers_and_scatters and node.args[1] in ("sum", "avg")
+    if node.target is _c10d.reduce_scatter_tensor.default:  # of floats: an integer avg stays on NCCL
+        value = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        return (gathers_and_scatters and node.args[1] in ("sum", "avg")
+                and (node.args[1] == "sum" or (value is not None and value.is_floating_point())))
     return False
 
 

@@ -5,14 +5,16 @@ barrier makes every rank's side stream wait until its compute stream has run eve
 later collective's issue, so a region whose every reader comes before that issue is free by then, on
 every rank (the program is the same on each). What a region holds is read by the nodes that use its
 result or anything that aliases it (waits, views, getitems of splits, in-place updates; an op without
-a schema counts as aliasing). A reduce-scatter's region is read only by its own sum, on the side
-stream, so it is free at once; a result the program returns is copied out of its region (and free at
+a schema counts as aliasing). A reader that is itself asynchronous (a send, or a collective that
+stays on NCCL) reads its input on another stream until its wait, so it reads until its wait. A
+reduce-scatter's region is read only by its own sum, on the side stream, so it is free at once; a result the program returns is copied out of its region (and free at
 once too), so no step's state lives in a region. Regions are placed first-fit in program order, at
 offsets aligned to 256 bytes; the next step's collectives find every region free (the step before
 finished reading them).
 
-Invariant: two collectives of one group whose regions' lifetimes overlap (each from its issue to the
-last reader of its result) get disjoint byte ranges. The SPMD simulator checks what it buys: a
+Invariant: two collectives of one group whose regions' lifetimes overlap (each the closed interval
+from its issue to the last reader of its result: a collective that reads an earlier result as its
+input overlaps it) get disjoint byte ranges. The SPMD simulator checks what it buys: a
 program run with every region really shared computes what it computes unlowered (tests/test_copy_engine.py).
 """
 
@@ -24,12 +26,15 @@ import operator
 import torch
 import torch.fx as fx
 
+from .. import meta
 from ..errors import FxShardError
+from ..ops.p2p import P2P_OPS
 
 _c10d = torch.ops._c10d_functional
 ALIGN = 256  # bytes: every region starts aligned for any dtype and for the copy engines
-_ALIASING_WITHOUT_SCHEMA_SAYING_SO = {"_unsafe_view", "reshape", "flatten", "contiguous", "view_as", "reshape_as",
-                                      "expand_as", "unflatten"}
+# ops that may return (a view of) an input although their schema has no alias annotation
+_ALIASING_WITHOUT_SCHEMA_SAYING_SO = {"_unsafe_view", "type_as", "atleast_1d", "atleast_2d", "atleast_3d",
+                                      "sum_to_size", "lift", "lift_fresh", "data"}
 
 
 @dataclasses.dataclass
@@ -67,10 +72,10 @@ def plan_regions(graph: fx.Graph, collectives: list[fx.Node]) -> RegionPlan:
     live: dict[str, list[tuple[int, int, int]]] = {}  # group -> (last reader, offset, end offset)
     for node in sorted(collectives, key=position.__getitem__):
         group, size, issued = group_of(node), region_bytes(node), position[node]
-        last, returned = _last_reader(node, position)
+        last, returned = _last_reader(node, position, set(collectives))
         if node.target is _c10d.reduce_scatter_tensor.default or returned:
             last = issued  # read on the side stream by its own sum or copy, before the next collective starts
-        held = [entry for entry in live.get(group, []) if entry[0] > issued]
+        held = [entry for entry in live.get(group, []) if entry[0] >= issued]
         offset = _first_fit(held, size)
         live[group] = held + [(last, offset, offset + size)]
         plan.regions[node], plan.groups[node], plan.copied_out[node] = offset, group, returned
@@ -90,9 +95,9 @@ def _first_fit(held: list[tuple[int, int, int]], size: int) -> int:
     return offset
 
 
-def _last_reader(node: fx.Node, position: dict) -> tuple[int, bool]:
-    """The position of the last node that reads `node`'s result through any alias, and whether the
-    program returns (an alias of) it."""
+def _last_reader(node: fx.Node, position: dict, lowered: set) -> tuple[int, bool]:
+    """The position of the last node that reads `node`'s result through any alias (an asynchronous
+    reader: its wait), and whether the program returns (an alias of) it."""
     last, returned = position[node], False
     aliases, seen = [node], {node}
     while aliases:
@@ -101,11 +106,22 @@ def _last_reader(node: fx.Node, position: dict) -> tuple[int, bool]:
             if user.op == "output":
                 returned = True
                 continue
-            last = max(last, position[user])
+            last = max(last, _read_until(user, position, lowered))
             if user not in seen and _may_alias_input(user):
                 seen.add(user)
                 aliases.append(user)
     return last, returned
+
+
+def _read_until(user: fx.Node, position: dict, lowered: set) -> int:
+    """Where `user` is done reading its inputs: at its own position, or, for a send or a collective that
+    is not lowered (its input read on NCCL's stream), at its last wait (the end of the graph without one)."""
+    asynchronous = user.op == "call_function" and user not in lowered and (
+        user.target in meta.COLLECTIVE_ISSUES or user.target in P2P_OPS)
+    if not asynchronous:
+        return position[user]
+    waits = [position[w] for w in user.users if w.target is _c10d.wait_tensor.default]
+    return max(waits) if waits else len(position)
 
 
 def _may_alias_input(node: fx.Node) -> bool:
