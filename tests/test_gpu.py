@@ -468,31 +468,41 @@ def test_cuda_graph_replay_with_a_mesh_is_bit_identical_to_eager_replay(expert_p
             assert torch.equal(value, graphed_params[name]), name
 
 
-def _all_to_all_backends_over_nccl(batches):
-    """MoEGPT tiny, bf16, ep = world with dual-batch overlap: NCCL all-to-alls eagerly, then copy-engine
-    all-to-alls eagerly and from a CUDA graph (aten replay: Inductor's kernels are not bitwise deterministic)."""
+def _copy_engines_and_nccl(batches, case):
+    """bf16 compute / fp32 reduce over every rank, NCCL eagerly, then the copy engines eagerly and from a
+    CUDA graph (aten replay: Inductor's kernels are not bitwise deterministic). `case`: "ep" (MoEGPT tiny,
+    ep = world, dual-batch overlap: the EP all-to-alls) or a sharding strategy (GPT tiny: the fsdp
+    pass's all-gathers and reduce-scatters)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = f"cuda:{rank}"
     local = [{k: v[rank * 2:(rank + 1) * 2].to(device) for k, v in b.items()} for b in batches]
     results = []
-    for all_to_all, cuda_graphs in (("nccl", False), ("copy-engine", False), ("copy-engine", True)):
+    for backend, cuda_graphs in (("nccl", False), ("copy-engine", False), ("copy-engine", True)):
         torch.manual_seed(0)
-        model = MoEGPT(MoEGPTConfig.preset("tiny", capacity_factor=1.0)).to(device)
+        if case == "ep":
+            model, mesh = MoEGPT(MoEGPTConfig.preset("tiny", capacity_factor=1.0)), fxshard.Mesh(dp=world, ep=world)
+            fields = {"ep_overlap": True, "microbatches": 2, "ep_interleave": "dual-batch", "ep_all_to_all": backend}
+        else:
+            model, mesh = GPT(GPTConfig.preset("tiny")), fxshard.Mesh(dp=world)
+            fields = {"sharding": case, "fsdp_collectives": backend}
         config = fxshard.Config(cuda_graphs=cuda_graphs, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                codegen=None, ep_overlap=True, microbatches=2, ep_interleave="dual-batch",
-                                ep_all_to_all=all_to_all)
-        step = fxshard.shard(model, model_loss, local[0], optimizer=ADAMW, mesh=fxshard.Mesh(dp=world, ep=world),
-                             config=config)
-        assert (step.copy_engine_all_to_alls > 0) == (all_to_all == "copy-engine")
+                                codegen=None, **fields)
+        step = fxshard.shard(model.to(device), model_loss, local[0], optimizer=ADAMW, mesh=mesh, config=config)
+        lowered = step.copy_engine.all_to_alls + step.copy_engine.all_gathers + step.copy_engine.reduce_scatters
+        assert (lowered > 0) == (backend == "copy-engine")
         losses = [step(b)["loss"].item() for b in local]
         results.append((losses, {k: v.cpu() for k, v in step.parameters().items()}))
     return results
 
 
 @pytest.mark.multigpu
-def test_copy_engine_all_to_all_is_bit_identical_to_nccl():
-    world = 4 if torch.cuda.device_count() >= 4 else 2
-    per_rank = run_local(_all_to_all_backends_over_nccl, world, cuda_batches(6, rows=2 * world, device="cpu"),
+@pytest.mark.parametrize("case", ["ep", "optim", "optim_grads_params"])
+def test_copy_engine_collectives_are_bit_identical_to_nccl(case):
+    """EP all-to-alls (4 ranks where there are 4 GPUs) and ZeRO-1 / ZeRO-3 collectives (2 ranks: NCCL's
+    avg of two fp32 values is exact either way, a scaling by 1/2, so the copy engines' sum-then-halve
+    matches bit for bit; with more ranks the summation order may differ)."""
+    world = 4 if case == "ep" and torch.cuda.device_count() >= 4 else 2
+    per_rank = run_local(_copy_engines_and_nccl, world, cuda_batches(6, rows=2 * world, device="cpu"), case,
                          backend="nccl")
     for (nccl_losses, nccl_params), *others in per_rank:
         for losses, params in others:
@@ -542,41 +552,6 @@ def test_copy_engine_collectives_compute_their_collective_on_one_rank():
         assert torch.equal(values["reduced"], x * scale + 1)
         assert torch.equal(values["copied"], x * scale - 1)
     assert eager["copied_ptr"] != eager["region_ptr"] + 3072  # copied out of its region
-
-
-def _fsdp_collective_backends_over_nccl(batches, sharding):
-    """GPT tiny, bf16 compute / fp32 reduce, `sharding` over 2 ranks: the fsdp pass's all-gathers and
-    reduce-scatters on NCCL eagerly, then on the copy engines eagerly and from a CUDA graph (aten replay)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = f"cuda:{rank}"
-    local = [{k: v[rank * 2:(rank + 1) * 2].to(device) for k, v in b.items()} for b in batches]
-    results = []
-    for collectives, cuda_graphs in (("nccl", False), ("copy-engine", False), ("copy-engine", True)):
-        torch.manual_seed(0)
-        model = GPT(GPTConfig.preset("tiny")).to(device)
-        config = fxshard.Config(cuda_graphs=cuda_graphs, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                codegen=None, sharding=sharding, fsdp_collectives=collectives)
-        step = fxshard.shard(model, model_loss, local[0], optimizer=ADAMW, mesh=fxshard.Mesh(dp=world),
-                             config=config)
-        lowered = step.copy_engine.all_gathers + step.copy_engine.reduce_scatters
-        assert (lowered > 0) == (collectives == "copy-engine")
-        losses = [step(b)["loss"].item() for b in local]
-        results.append((losses, {k: v.cpu() for k, v in step.parameters().items()}))
-    return results
-
-
-@pytest.mark.multigpu
-@pytest.mark.parametrize("sharding", ["optim", "optim_grads_params"])
-def test_copy_engine_fsdp_collectives_are_bit_identical_to_nccl(sharding):
-    """Two ranks: NCCL's avg of two fp32 values is exact either way (a scaling by 1/2), so the copy
-    engines' sum-then-halve matches bit for bit; with more ranks the summation order may differ."""
-    per_rank = run_local(_fsdp_collective_backends_over_nccl, 2, cuda_batches(6, rows=4, device="cpu"), sharding,
-                         backend="nccl")
-    for (nccl_losses, nccl_params), *others in per_rank:
-        for losses, params in others:
-            assert losses == nccl_losses
-            for name, value in nccl_params.items():
-                assert torch.equal(value, params[name]), name
 
 
 @pytest.mark.gpu
