@@ -248,10 +248,12 @@ def _lowerable(node: fx.Node, all_to_alls: bool, gathers_and_scatters: bool) -> 
         return all_to_alls and meta.is_moe_all_to_all(node) and _equal_splits(node)
     if node.target is _c10d.all_gather_into_tensor.default:
         return gathers_and_scatters
-    if node.target is _c10d.reduce_scatter_tensor.default:  # of floats: an integer avg stays on NCCL
+    if node.target is _c10d.reduce_scatter_tensor.default:
+        if not gathers_and_scatters:
+            return False
         value = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
-        return (gathers_and_scatters and node.args[1] in ("sum", "avg")
-                and (node.args[1] == "sum" or (value is not None and value.is_floating_point())))
+        is_float = value is not None and value.is_floating_point()
+        return node.args[1] == "sum" or (node.args[1] == "avg" and is_float)  # an integer avg stays on NCCL
     return False
 
 
