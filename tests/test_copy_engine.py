@@ -113,8 +113,63 @@ def test_a_region_is_reused_once_its_last_reader_has_run_and_returned_results_ar
     calls = [n for n in lowered.graph.nodes if n.op == "call_function"]
     targets = [n.target for n in calls]
     assert targets.count(copy_engine_all_gather) == 4 and targets.count(copy_engine_reduce_scatter) == 1
-    # their barriers give up after Config(collective_timeout_s) instead of hanging on a missing peer
-    assert all(n.kwargs == {"timeout_ms": 2500} for n in calls if n.target in COPY_ENGINE_COLLECTIVES)
+    # their barriers give up after Config(collective_timeout_s) instead of hanging on a missing peer, and
+    # each writes its place in the program into the device's marker around them (Watch reads it)
+    lowered_calls = [n for n in calls if n.target in COPY_ENGINE_COLLECTIVES]
+    assert [n.kwargs for n in lowered_calls] == [{"timeout_ms": 2500, "mark": (report.number, i)} for i in range(5)]
+    assert report.number > 0 and len(report.described) == 5
+    assert report.described[4].startswith("all_gather_into_tensor of (8,), float32 [") and "on group 'dp'" in \
+        report.described[4]
+    assert "reduce_scatter_tensor of " in report.described[2]
+
+
+def test_the_watch_names_the_collective_a_device_stopped_in_and_reports_a_stall_once(capsys):
+    """The marker is host memory the device writes (runtime/copy_engine.py): here the host writes it, as
+    a device would have before a barrier that never returns."""
+    from fxshard.runtime.copy_engine import CopyEngineLowering, Watch
+
+    graph, nodes = gather_graph()
+    _, report = lower_to_copy_engines(fx.GraphModule(torch.nn.Module(), graph), gathers_and_scatters=True,
+                                      timeout_s=5, axes={"dp": "data"})
+    word = torch.zeros(2, dtype=torch.int32)
+    watch = Watch(report, word, timeout_s=5, rank=1)
+    assert watch.waiting_in() is None  # nothing ran yet
+    word[:] = torch.tensor([report.number, 2 * 3 + 1])  # waiting in collective 3
+    assert watch.waiting_in() == report.described[3] and "on group 'data'" in report.described[3]
+    word[1] = 2 * 3 + 2  # through it: the device stopped elsewhere, if it stopped
+    assert watch.waiting_in() is None
+    word[:] = torch.tensor([report.number + 1, 7])  # another program's collective
+    assert watch.waiting_in() is None
+    assert Watch(CopyEngineLowering(), torch.zeros(2, dtype=torch.int32), 5).waiting_in() is None
+
+    word[:] = torch.tensor([report.number, 2 * 1 + 1])
+    seen = watch.poll(None, now=100.0)
+    assert watch.poll(seen, now=104.0) == seen and capsys.readouterr().err == ""  # within the timeout
+    word[1] = 2 * 2 + 1  # the next collective: the clock starts again
+    seen = watch.poll(seen, now=104.5)
+    assert seen == (5, 104.5) and watch.poll(seen, now=109.0) == seen and watch.reported is None
+    watch.poll(seen, now=110.0)
+    watch.poll(seen, now=111.0)
+    err = capsys.readouterr().err
+    assert err.count("fxshard: rank 1: waited 6 s in the copy-engine " + report.described[2]) == 1
+    assert "Config(collective_timeout_s)=5" in err and watch.reported == report.described[2]
+
+
+def test_the_watch_thread_reports_a_stall_by_itself():
+    import time
+
+    from fxshard.runtime.copy_engine import Watch
+
+    graph, _ = gather_graph()
+    _, report = lower_to_copy_engines(fx.GraphModule(torch.nn.Module(), graph), gathers_and_scatters=True)
+    word = torch.tensor([report.number, 1], dtype=torch.int32)
+    watch = Watch(report, word, timeout_s=0.2)
+    watch.start()
+    deadline = time.monotonic() + 10
+    while watch.reported is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    watch.stop()
+    assert watch.reported == report.described[0]
 
 
 def aliased_read_graph(alias: str) -> fx.GraphModule:
@@ -278,3 +333,29 @@ def test_a_workspace_that_cannot_be_set_up_says_why_and_what_to_do(monkeypatch):
     with pytest.raises(fxshard.FxShardError, match="peer access is not supported.*fsdp_collectives='nccl'"):
         copy_engine._workspace("ep_group", 2 ** 30)
     assert "ep_group" not in copy_engine._WORKSPACES
+
+
+def test_a_step_whose_device_stopped_in_a_copy_engine_collective_says_which():
+    """The runtime's error path (the device's trap itself needs two GPUs: tests/test_gpu.py): a CUDA
+    error from a step while the marker says "waiting in collective i" becomes an FxShardError naming it;
+    any other error passes through unchanged."""
+    from fxshard.runtime.copy_engine import Watch
+
+    batch = regression_batch(torch.Generator().manual_seed(0), 4)
+    step = fxshard.shard(MLPStack([4, 4]), mse, batch, optimizer=ADAMW)
+    graph, _ = gather_graph()
+    _, report = lower_to_copy_engines(fx.GraphModule(torch.nn.Module(), graph), gathers_and_scatters=True)
+    word = torch.tensor([report.number, 2 * 4 + 2], dtype=torch.int32)
+    step._watch = Watch(report, word, timeout_s=5)
+
+    def trapped(_batch):
+        raise RuntimeError("CUDA error: unspecified launch failure\nmore")
+    step._call = trapped
+    with pytest.raises(RuntimeError, match="unspecified launch failure"):  # through collective 4: not its doing
+        step(batch)
+    word[1] = 2 * 4 + 1
+    with pytest.raises(fxshard.FxShardError) as error:
+        step(batch)
+    text = str(error.value)
+    assert text.startswith("this rank's device stopped in the copy-engine " + report.described[4])
+    assert "Config(collective_timeout_s)" in text and text.endswith("CUDA said: CUDA error: unspecified launch failure")

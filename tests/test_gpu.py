@@ -2,6 +2,7 @@
 
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -515,7 +516,7 @@ def _copy_engine_collectives_on_one_rank():
     """Each copy-engine collective called directly on a one-rank group (the copies then go to this GPU's
     own region): shapes, offsets, the sum, copy-out, and capture in a CUDA graph."""
     from fxshard.runtime.copy_engine import (copy_engine_all_gather, copy_engine_all_to_all,
-                                             copy_engine_reduce_scatter)
+                                             copy_engine_reduce_scatter, marker)
 
     group = dist.group.WORLD.group_name
     wait = torch.ops._c10d_functional.wait_tensor
@@ -523,23 +524,27 @@ def _copy_engine_collectives_on_one_rank():
     results = {}
 
     def run():
-        gathered = copy_engine_all_gather(x, 1, group, 0, 4096)
-        exchanged = copy_engine_all_to_all(x * 2, [6], [6], group, 1024, 4096)
-        reduced = copy_engine_reduce_scatter(x + 1, "avg", 1, group, 2048, 4096, timeout_ms=60_000)
-        copied = copy_engine_all_gather(x - 1, 1, group, 3072, 4096, True)
+        gathered = copy_engine_all_gather(x, 1, group, 0, 4096, mark=(77, 0))
+        exchanged = copy_engine_all_to_all(x * 2, [6], [6], group, 1024, 4096, mark=(77, 1))
+        reduced = copy_engine_reduce_scatter(x + 1, "avg", 1, group, 2048, 4096, timeout_ms=60_000, mark=(77, 2))
+        copied = copy_engine_all_gather(x - 1, 1, group, 3072, 4096, True, mark=(77, 3))
         results.update(gathered=wait(gathered) + 0, exchanged=wait(exchanged) + 0, reduced=wait(reduced) + 0,
                        copied=wait(copied), copied_ptr=copied.data_ptr(), region_ptr=gathered.data_ptr())
+    word = marker(torch.cuda.current_device())
     run()
     torch.cuda.synchronize()
     eager = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in results.items()}
+    eager["marker"] = word.tolist()  # through the last collective (3): code 2 * 3 + 2
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
     x.mul_(3)
+    word.zero_()
     graph.replay()
     torch.cuda.synchronize()
-    return {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in eager.items()}, \
-        {k: v.cpu() for k, v in results.items() if isinstance(v, torch.Tensor)}
+    graphed = {k: v.cpu() for k, v in results.items() if isinstance(v, torch.Tensor)}
+    graphed["marker"] = word.tolist()
+    return {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in eager.items()}, graphed
 
 
 @pytest.mark.gpu
@@ -552,6 +557,56 @@ def test_copy_engine_collectives_compute_their_collective_on_one_rank():
         assert torch.equal(values["reduced"], x * scale + 1)
         assert torch.equal(values["copied"], x * scale - 1)
     assert eager["copied_ptr"] != eager["region_ptr"] + 3072  # copied out of its region
+    assert eager["marker"] == graphed["marker"] == [77, 8]  # the device wrote its progress to host memory
+
+
+def _stalled_copy_engine_peer(rank, out_dir):
+    """Rank 1 sleeps past Config(collective_timeout_s) before its third step; rank 0's copy-engine
+    barrier gives up and traps. Each rank writes what it saw, then leaves without any teardown (the
+    trapped CUDA context would fail it)."""
+    import json
+    import time
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=2)
+    device = f"cuda:{rank}"
+    batches = [{k: v[rank * 2:(rank + 1) * 2].to(device) for k, v in b.items()}
+               for b in cuda_batches(4, rows=4, device="cpu")]
+    torch.manual_seed(0)
+    step = fxshard.shard(GPT(GPTConfig.preset("tiny")).to(device), model_loss, batches[0], optimizer=ADAMW,
+                         mesh=fxshard.Mesh(dp=2), config=fxshard.Config(
+                             fsdp_collectives="copy-engine", collective_timeout_s=3, codegen=None))
+    seen = {"error": None}
+    start = time.monotonic()
+    try:
+        for i, batch in enumerate(batches):
+            if rank == 1 and i == 2:
+                time.sleep(15)
+            start = time.monotonic()
+            step(batch)["loss"].item()
+    except Exception as error:  # FxShardError where fxshard saw the CUDA error, RuntimeError in .item()
+        seen.update(error=f"{type(error).__name__}: {error}", after_s=time.monotonic() - start,
+                    waiting_in=step._watch.waiting_in(), reported=step._watch.reported)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
+    os._exit(0)
+
+
+@pytest.mark.multigpu
+def test_a_stalled_peer_of_a_copy_engine_collective_ends_the_step_naming_it(tmp_path):
+    import json
+
+    from fxshard.launch import _free_port
+
+    os.environ["MASTER_PORT"] = str(_free_port())
+    torch.multiprocessing.start_processes(_stalled_copy_engine_peer, args=(str(tmp_path),), nprocs=2,
+                                          start_method="spawn")
+    seen = json.loads((tmp_path / "rank0.json").read_text())
+    assert seen["error"] is not None and seen["after_s"] < 3 + 10
+    assert seen["waiting_in"] is not None and seen["waiting_in"].split(" of ")[0] in (
+        "all_gather_into_tensor", "reduce_scatter_tensor")
+    assert seen["waiting_in"] in seen["error"] or seen["reported"] == seen["waiting_in"]
 
 
 @pytest.mark.gpu

@@ -30,11 +30,23 @@ adds the same values, in rank order). Checked on CPU by the SPMD simulator with 
 really shared and kept across steps (fxshard/spmd.py: a region reused while a compute node still
 reads it changes the results; what it cannot see, a send's or another collective's late read, is
 checked on the plan), on GPUs against NCCL (tests/test_gpu.py).
+
+Where a rank waits: before its first barrier and after its second, each collective writes (lowering,
+2i+1) and (lowering, 2i+2) into a pinned host word of its device (`_MARKERS`, a one-thread kernel on
+the side stream, in stream order, captured by CUDA graphs like the rest). A barrier that times out
+traps and leaves the device unusable; the host can still read the word, and `Watch` does: an odd code
+names the collective the side stream stopped in, an even one says it stopped elsewhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
+import sys
+import threading
+import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -50,6 +62,8 @@ _c10d = torch.ops._c10d_functional
 _WORKSPACES: dict[str, tuple[Tensor, object]] = {}  # group name -> (symmetric tensor, its handle)
 _RETIRED: list = []  # workspaces outgrown by a larger program: kept, a copy may still be writing one
 _STREAMS: dict[int, torch.cuda.Stream] = {}
+_MARKERS: dict[int, Tensor] = {}  # device index -> pinned int32 [lowering, code]: how far its side stream got
+_LOWERINGS = itertools.count(1)  # numbers each lowering, so a marker names the program it came from
 
 
 def _workspace(group_name: str, nbytes: int):
@@ -90,6 +104,31 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _STREAMS[index]
 
 
+def marker(index: int) -> Tensor:
+    """The pinned host word the side stream of device `index` writes its progress into (`_mark`)."""
+    if index not in _MARKERS:
+        _MARKERS[index] = torch.zeros(2, dtype=torch.int32, pin_memory=True)
+    return _MARKERS[index]
+
+
+@functools.cache
+def _mark_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def mark(word, lowering, code):
+        tl.store(word, lowering)
+        tl.store(word + 1, code)
+    return mark
+
+
+def _mark(index: int, lowering: int, code: int) -> None:
+    """On the current stream: write (lowering, code) into device `index`'s marker, host memory the
+    device writes through (one thread; ~10 us to launch, nothing under CUDA graphs)."""
+    _mark_kernel()[(1,)](marker(index), lowering, code)
+
+
 class _Done(torch._C._distributed_c10d.Work):
     """What `wait_tensor` waits on: an event recorded on the side stream after the last copy. Holds
     the input until then, so its memory is not handed out again while the copies still read it."""
@@ -107,12 +146,13 @@ class _Done(torch._C._distributed_c10d.Work):
 
 
 def _exchange(x: Tensor, group_name: str, region: int, total_bytes: int, shape: list[int], part_for,
-              finish, timeout_ms: int) -> Tensor:
+              finish, timeout_ms: int, mark: tuple[int, int] | None) -> Tensor:
     """The shared body: on the side stream, barrier; write `part_for(peer)` at rows [rank * n, (rank +
     1) * n) of each peer's region (viewed as `shape`, n = part rows); barrier; `finish(own region)`.
     A barrier that waits longer than `timeout_ms` (0: forever) traps on the device (torch's symmetric
     memory barrier), which fails the step's next synchronization: a peer that never arrives must not
-    hang the job, as NCCL's timeout makes sure for its collectives."""
+    hang the job, as NCCL's timeout makes sure for its collectives. `mark` = (lowering, i): the
+    barriers are bracketed by the marker writes that let `Watch` name this collective."""
     group = dist.distributed_c10d._resolve_process_group(group_name)
     world, rank = group.size(), group.rank()
     handle = _workspace(group_name, total_bytes)
@@ -120,6 +160,8 @@ def _exchange(x: Tensor, group_name: str, region: int, total_bytes: int, shape: 
     stream = _side_stream(x.device)
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
+        if mark is not None:
+            _mark(x.device.index, mark[0], 2 * mark[1] + 1)  # waiting in collective i
         handle.barrier(channel=0, timeout_ms=timeout_ms)  # every rank is here: done with the region's old contents
         for step in range(world):
             peer = (rank + step) % world
@@ -127,6 +169,8 @@ def _exchange(x: Tensor, group_name: str, region: int, total_bytes: int, shape: 
             rows = part.shape[0]
             handle.get_buffer(peer, shape, x.dtype, offset)[rank * rows:(rank + 1) * rows].copy_(part)
         handle.barrier(channel=0, timeout_ms=timeout_ms)  # every rank's part for this one has landed
+        if mark is not None:
+            _mark(x.device.index, mark[0], 2 * mark[1] + 2)  # through collective i
         out = finish(handle.get_buffer(rank, shape, x.dtype, offset))
         torch._C._distributed_c10d._register_work(out, _Done(x))
     return out
@@ -142,7 +186,8 @@ def _copied_out(copy_out: bool, shape: list[int], like: Tensor):
 
 
 def copy_engine_all_to_all(x: Tensor, output_split_sizes, input_split_sizes, group_name: str, region: int,
-                           total_bytes: int, copy_out: bool = False, timeout_ms: int = 0) -> Tensor:
+                           total_bytes: int, copy_out: bool = False, timeout_ms: int = 0,
+                           mark: tuple[int, int] | None = None) -> Tensor:
     """all_to_all_single(x) with equal splits over `group_name`, into this call's region (byte offset
     `region`) of the group's workspace (`total_bytes`: what its program's plan needs). Returns at once
     (like the functional collective); read it after `wait_tensor`."""
@@ -150,21 +195,22 @@ def copy_engine_all_to_all(x: Tensor, output_split_sizes, input_split_sizes, gro
     world = dist.distributed_c10d._resolve_process_group(group_name).size()
     rows = x.shape[0] // world
     return _exchange(x, group_name, region, total_bytes, list(x.shape),
-                     lambda peer: x[peer * rows:(peer + 1) * rows], _copied_out(copy_out, list(x.shape), x), timeout_ms)
+                     lambda peer: x[peer * rows:(peer + 1) * rows], _copied_out(copy_out, list(x.shape), x), timeout_ms,
+                     mark)
 
 
 def copy_engine_all_gather(shard: Tensor, world: int, group_name: str, region: int, total_bytes: int,
-                           copy_out: bool = False, timeout_ms: int = 0) -> Tensor:
+                           copy_out: bool = False, timeout_ms: int = 0, mark: tuple[int, int] | None = None) -> Tensor:
     """all_gather_into_tensor(shard, world) over `group_name`: every peer's region gets this rank's
     shard at its rows."""
     shard = shard.contiguous()
     shape = [world * shard.shape[0], *shard.shape[1:]]
     return _exchange(shard, group_name, region, total_bytes, shape, lambda peer: shard,
-                     _copied_out(copy_out, shape, shard), timeout_ms)
+                     _copied_out(copy_out, shape, shard), timeout_ms, mark)
 
 
 def copy_engine_reduce_scatter(x: Tensor, reduce_op: str, world: int, group_name: str, region: int,
-                               total_bytes: int, timeout_ms: int = 0) -> Tensor:
+                               total_bytes: int, timeout_ms: int = 0, mark: tuple[int, int] | None = None) -> Tensor:
     """reduce_scatter_tensor(x, "sum" | "avg", world) over `group_name`: peer p's region gets this rank's
     chunk p at row block `rank`; the chunks that land here are summed in rank order into a fresh tensor,
     in fp32 for narrower floats (one rounding at the end; NCCL rounds at every hop, and its avg scales
@@ -182,7 +228,7 @@ def copy_engine_reduce_scatter(x: Tensor, reduce_op: str, world: int, group_name
         total = chunks.sum(dim=0, dtype=torch.float32)
         return out.copy_(total.div_(world) if reduce_op == "avg" else total)
     return _exchange(x, group_name, region, total_bytes, list(x.shape), lambda peer: x[peer * rows:(peer + 1) * rows],
-                     reduce, timeout_ms)
+                     reduce, timeout_ms, mark)
 
 
 copy_engine_all_to_all.copy_engine_of = "all_to_all_single"  # what the SPMD simulator runs them as
@@ -203,6 +249,8 @@ class CopyEngineLowering:
     reduce_scatters: int = 0
     workspace: dict = dataclasses.field(default_factory=dict)  # group name -> bytes
     unshared: dict = dataclasses.field(default_factory=dict)  # group name -> bytes without reuse
+    number: int = 0  # what its collectives write into the marker (0: nothing lowered)
+    described: tuple[str, ...] = ()  # collective i as an error names it (agreement.describe)
 
     def line(self) -> str:
         planned = ", ".join(f"{name}: {b / 2**20:.1f} MiB (of {self.unshared[name] / 2**20:.1f} without reuse)"
@@ -212,16 +260,22 @@ class CopyEngineLowering:
 
 
 def lower_to_copy_engines(graph_module: fx.GraphModule, all_to_alls: bool = True, gathers_and_scatters: bool = False,
-                          timeout_s: float | None = None) -> tuple[fx.GraphModule, CopyEngineLowering]:
+                          timeout_s: float | None = None,
+                          axes: dict[str, str] | None = None) -> tuple[fx.GraphModule, CopyEngineLowering]:
     """A copy of `graph_module` whose chosen collectives run on copy engines: EP all-to-alls with equal
     splits (`all_to_alls`), all-gathers and sum/avg reduce-scatters (`gathers_and_scatters`), each in a
     region of its group's workspace that workspace_plan.plan_regions places; their barriers give up
-    after `timeout_s` (Config(collective_timeout_s); None: never)."""
+    after `timeout_s` (Config(collective_timeout_s); None: never). `axes` (group name -> mesh axis)
+    names the groups in the descriptions `Watch` reports."""
+    from .agreement import describe
+
     graph = fx.Graph()
     graph.output(graph.graph_copy(graph_module.graph, {}))
     chosen = [node for node in graph.nodes if _lowerable(node, all_to_alls, gathers_and_scatters)]
     plan = plan_regions(graph, chosen)
-    for node in chosen:
+    number = next(_LOWERINGS) if chosen else 0
+    described = tuple(describe(node, (axes or {}).get(node.args[-1], node.args[-1])) for node in chosen)
+    for i, node in enumerate(chosen):
         region, total = plan.regions[node], plan.workspace[plan.groups[node]]
         if node.target is _c10d.all_to_all_single.default:
             x, out_splits, in_splits, group_name = node.args[:4]
@@ -233,12 +287,70 @@ def lower_to_copy_engines(graph_module: fx.GraphModule, all_to_alls: bool = True
             x, reduce_op, world, group_name = node.args
             node.args = (x, reduce_op, world, group_name, region, total)
         node.target = _LOWERED[node.target]
-        node.kwargs = {"timeout_ms": int(timeout_s * 1000) if timeout_s else 0}
+        node.kwargs = {"timeout_ms": int(timeout_s * 1000) if timeout_s else 0, "mark": (number, i)}
     graph.lint()
     kinds = [node.target for node in chosen]
     return fx.GraphModule(graph_module, graph), CopyEngineLowering(
         kinds.count(copy_engine_all_to_all), kinds.count(copy_engine_all_gather),
-        kinds.count(copy_engine_reduce_scatter), dict(plan.workspace), dict(plan.unshared))
+        kinds.count(copy_engine_reduce_scatter), dict(plan.workspace), dict(plan.unshared), number, described)
+
+
+class Watch:
+    """Names the copy-engine collective a rank's device stopped in, from its marker (host memory, still
+    readable after the barrier's trap has made every CUDA call of the process fail).
+
+    `waiting_in()` is for the runtime's error path; `start()` runs a daemon thread that prints the
+    same to stderr once the marker has said "waiting" in one collective for `timeout_s`, since the
+    CUDA error usually surfaces in the user's code (a `loss.item()`), where fxshard cannot catch it.
+    """
+
+    def __init__(self, lowering: CopyEngineLowering, word: Tensor, timeout_s: float | None, rank: int = 0):
+        self.lowering, self.word, self.timeout_s, self.rank = lowering, word, timeout_s, rank
+        self.reported: str | None = None  # what the thread printed
+        self._stop = threading.Event()
+
+    def waiting_in(self) -> str | None:
+        """The collective of this lowering whose barriers the side stream is in (or stopped in), or None."""
+        number, code = (int(v) for v in self.word.tolist())
+        if number != self.lowering.number or number == 0 or code % 2 == 0:
+            return None
+        return self.lowering.described[(code - 1) // 2]
+
+    def poll(self, seen: tuple | None, now: float) -> tuple | None:
+        """One look of the thread: (code, since) to remember; reports once it has waited `timeout_s`."""
+        where = self.waiting_in()
+        if where is None:
+            return None
+        code = int(self.word[1])
+        if seen is None or seen[0] != code:
+            return code, now
+        if self.reported is None and self.timeout_s and now - seen[1] >= self.timeout_s:
+            self.reported = where
+            print(f"fxshard: rank {self.rank}: waited {now - seen[1]:.0f} s in the copy-engine {where}, longer than "
+                  f"Config(collective_timeout_s)={self.timeout_s:g}: a rank of that group stalled or stopped (its own "
+                  "log says why). Its barrier traps on the device, so this process's next CUDA call fails",
+                  file=sys.stderr, flush=True)
+        return seen
+
+    def start(self) -> None:
+        if not self.timeout_s:
+            return
+        interval = min(1.0, self.timeout_s / 4)
+        ref = weakref.ref(self)
+
+        def run():
+            seen = None
+            while True:
+                watch = ref()
+                if watch is None or watch._stop.is_set():
+                    return
+                seen = watch.poll(seen, time.monotonic())
+                del watch
+                time.sleep(interval)
+        threading.Thread(target=run, name=f"fxshard-copy-engine-watch-{self.lowering.number}", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def _lowerable(node: fx.Node, all_to_alls: bool, gathers_and_scatters: bool) -> bool:

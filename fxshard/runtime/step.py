@@ -16,7 +16,7 @@ from ..ops.p2p import P2P_OPS
 from ..codegen import CodegenReport, compile_regions, progress_printer
 from .nonfinite import was_skipped
 from .carveout import carve_out_sms_for_all_to_alls
-from .copy_engine import CopyEngineLowering, lower_to_copy_engines
+from .copy_engine import CopyEngineLowering, Watch, lower_to_copy_engines, marker
 from .reinplace import reinplace
 from .state import State, every_stage_parameters, full_parameters, gather_shard
 
@@ -94,7 +94,14 @@ class CompiledStep:
         if device.type == "cuda" and "copy-engine" in (all_to_all, fsdp_collectives):
             self._run, self.copy_engine = lower_to_copy_engines(
                 self._run, all_to_alls=all_to_all == "copy-engine",
-                gathers_and_scatters=fsdp_collectives == "copy-engine", timeout_s=collective_timeout_s)
+                gathers_and_scatters=fsdp_collectives == "copy-engine", timeout_s=collective_timeout_s,
+                axes={group.group_name: axis for axis, group in self.groups.items()})
+        # names the copy-engine collective a device stopped in (their barriers trap after the timeout)
+        self._watch = None
+        if self.copy_engine.number:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self._watch = Watch(self.copy_engine, marker(index), collective_timeout_s, rank)
+            self._watch.start()
         # last: the compute between the nodes placed above is compiled; those nodes keep their order
         self.codegen: CodegenReport | None = None
         if codegen:
@@ -138,6 +145,26 @@ class CompiledStep:
         return self._lr_override if self._lr_override is not None else lr_at(self.optimizer, self.step_count + 1)
 
     def __call__(self, batch) -> dict[str, torch.Tensor]:
+        try:
+            return self._call(batch)
+        except FxShardError:
+            raise
+        except Exception as error:
+            self._raise_if_device_stopped(error)
+            raise
+
+    def _raise_if_device_stopped(self, error: BaseException) -> None:
+        """`error` (a CUDA error) as an FxShardError naming the copy-engine collective whose barrier gave
+        up, when the device stopped in one (runtime/copy_engine.py Watch)."""
+        where = self._watch.waiting_in() if self._watch is not None else None
+        if where is not None:
+            raise FxShardError(
+                f"this rank's device stopped in the copy-engine {where}: its barrier gave up after "
+                f"Config(collective_timeout_s) because a rank of that group stalled or stopped (its own error or log "
+                f"says why), and trapped, which leaves this process's CUDA context unusable. Restart the job (from "
+                f"the last checkpoint). CUDA said: {str(error).strip().splitlines()[0][:200]}") from error
+
+    def _call(self, batch) -> dict[str, torch.Tensor]:
         leaves = self.batch_spec.flatten(batch)
         self._raise_if_nonfinite(keep=1)
         self._warn_if_mode_changed()
