@@ -116,7 +116,7 @@ def _mark_kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["lowering", "code"])  # one compiled kernel for every value
     def mark(word, lowering, code):
         tl.store(word, lowering)
         tl.store(word + 1, code)
