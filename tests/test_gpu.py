@@ -231,6 +231,37 @@ def test_evaluate_on_cuda_matches_eager_eval():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("codegen", [None, "inductor"])
+def test_evaluate_replays_a_cuda_graph_of_the_live_state(codegen):
+    """With Config(cuda_graphs=True), evaluate() is captured once the training graph is (the first call
+    after that runs eagerly and captures): a replay gives what the eager call gave on the same state,
+    and after more training what the same step without CUDA graphs evaluates (aten replay: bit for bit)."""
+    batches = cuda_batches(4)
+    steps = []
+    for cuda_graphs in (True, False):
+        torch.manual_seed(0)
+        config = fxshard.Config(cuda_graphs=cuda_graphs, param_dtype=torch.bfloat16, codegen=codegen)
+        steps.append(fxshard.shard(GPT(GPTConfig.preset("tiny")).cuda(), model_loss, batches[0], optimizer=ADAMW,
+                                   config=config))
+    graphed, eager = steps
+    graphed(batches[0])
+    before = graphed.evaluate(batches[1])["loss"]  # training not captured yet: eager, nothing captured
+    assert graphed._evaluation_graph is None
+    for batch in batches[1:3]:
+        graphed(batch)
+    assert graphed._replay.is_captured
+    first = graphed.evaluate(batches[1])["loss"]  # eager, then captured
+    assert graphed._evaluation_graph is not None
+    replayed = graphed.evaluate(batches[1])["loss"]
+    assert torch.equal(replayed, first) and not torch.equal(first, before)
+    graphed(batches[3])
+    for batch in batches:
+        eager(batch)
+    ours, want = graphed.evaluate(batches[2])["loss"], eager.evaluate(batches[2])["loss"]
+    assert torch.equal(ours, want) if codegen is None else relative(ours, want) < 1e-4, (ours, want)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "quick_geglu", "gelu", "relu"])
 @pytest.mark.parametrize("counts, tail, d_model, d_ff", [
     ([37, 0, 5, 130, 0, 64], 11, 64, 48),  # one tile per expert

@@ -80,6 +80,7 @@ class CompiledStep:
         self._unchecked: list[tuple[int, dict]] = []
         # evaluate(): `evaluation` compiles the eval-mode program on first use (runtime/evaluate.py)
         self._compile_evaluation, self._evaluation = evaluation, None
+        self._evaluation_graph: EvaluationReplay | None = None  # with cuda_graphs, once training is captured
         self._codegen_on, self._codegen_by_layer, self._verbose = codegen, codegen_by_layer, verbose
         # the model's train/eval mode at shard(): changing it later changes nothing, which __call__ says once
         self._model, self._traced_training = model, (model.training if model is not None else None)
@@ -232,8 +233,14 @@ class CompiledStep:
         if self._evaluation is None:
             self._evaluation = self._build_evaluation()
         program, run = self._evaluation
+        if self._evaluation_graph is not None:
+            return self._evaluation_graph.replay(leaves)
         with torch.no_grad():
             results = self._replay_graph(run, self._arguments(leaves, program))
+            if self._replay is not None and self._replay.is_captured:
+                # the training state no longer moves (the training graph updates it in place): capture
+                # the evaluation too, after this eager call has warmed it up
+                self._evaluation_graph = EvaluationReplay(self, program, run)
         return {spec.name: value.detach() for spec, value in zip(program.outputs, results)}
 
     def _build_evaluation(self):
@@ -421,3 +428,30 @@ class CudaGraphReplay:
         self.step_number.fill_(step_number).sub_(skipped)
         self.graph.replay()
         return {name: value.clone() for name, value in self.metrics.items()}
+
+
+class EvaluationReplay:
+    """step.evaluate's program captured into a CUDA graph, for steps with Config(cuda_graphs=True).
+
+    Captured only once the training graph exists: from then on the training state stays at the
+    addresses both graphs read (the training graph and checkpoint loads write into it in place). The
+    batch is copied into fixed buffers before each replay; the results are cloned out.
+    """
+
+    def __init__(self, step: CompiledStep, program: Program, run: fx.GraphModule):
+        leaves = [torch.zeros(leaf.shape, dtype=leaf.dtype, device=step.device) for leaf in step.batch_spec.leaves]
+        args = [a.clone() if spec.kind in (InputKind.LR, InputKind.STEP) else a
+                for spec, a in zip(program.inputs, step._arguments(leaves, program))]
+        self.batch = [arg for spec, arg in zip(program.inputs, args) if spec.kind is InputKind.BATCH]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.stream(stream), torch.cuda.graph(self.graph, stream=stream):
+            self.outputs = {spec.name: value for spec, value in zip(program.outputs, run(*args))}
+        torch.cuda.current_stream().wait_stream(stream)
+
+    def replay(self, leaves) -> dict[str, torch.Tensor]:
+        for static, leaf in zip(self.batch, leaves):
+            static.copy_(leaf, non_blocking=True)
+        self.graph.replay()
+        return {name: value.detach().clone() for name, value in self.outputs.items()}
