@@ -2,7 +2,7 @@
 # The 2-GPU measurements the open issues wait for, one part per device call (each fits the 10-minute
 # limit of a device command). On the device machine, from the repository root:
 #
-#     bash bench/pending_2gpu.sh moe|moe-ce|fsdp|pipeline|pipeline-zb|hf_moe|suite  [OUT dir, default $OUT]
+#     bash bench/pending_2gpu.sh moe|moe-ce|fsdp|suite-ce|pipeline|pipeline-zb|hf_moe|suite  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
 # (date, machine, command). In priority order:
@@ -12,7 +12,8 @@
 #             collectives (fxshard-ce), NCCL_MAX_CTAS=8; profiled (exposed NCCL time per mode)
 #   pipeline  issue 14: bench/pipeline.py 1F1B and interleaved V=2 with the peer (pipeline-zb: ZB-H1)
 #   hf_moe    issue 17: the Qwen3-MoE-like transformers model at ep=2 against FSDP2 eager
-#   suite     the multigpu tests
+#   suite-ce  the multigpu tests of the copy-engine collectives (bit-identical to NCCL; a stalled peer)
+#   suite     the other multigpu tests
 set -euo pipefail
 part=${1:?usage: bench/pending_2gpu.sh PART [OUT]}
 out=${2:-${OUT:?set OUT or pass a directory}}
@@ -34,6 +35,9 @@ case "$part" in
                  --out "$out/pipeline_zb_2xh200_$day.json" 2>&1 | tee "$out/pipeline_zb.log" | grep -v "codegen: region" | tail -20 ;;
   hf_moe) timeout 580 python bench/hf_moe.py --out "$out/hf_moe_2xh200_$day.json" 2>&1 | tee "$out/hf_moe.log" \
             | grep -v "codegen: region" | tail -30 ;;
-  suite) timeout 580 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -m multigpu 2>&1 | tee "$out/suite.log" | tail -15 ;;
+  suite-ce) timeout 580 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -m multigpu -k copy_engine 2>&1 \
+              | tee "$out/suite_ce.log" | tail -15 ;;
+  suite) timeout 580 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -m multigpu -k "not copy_engine" 2>&1 \
+           | tee "$out/suite.log" | tail -15 ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
