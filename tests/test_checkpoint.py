@@ -103,3 +103,26 @@ def test_moe_gpt_checkpoints_move_between_layouts_and_train_the_same():
     from fxshard.passes import fuse_grouped_mlp
 
     assert len(fuse_grouped_mlp(program).notes["fused_grouped_mlp"]) == tiny.n_layer  # stacked weights fuse too
+
+
+def test_experts_of_another_size_saved_in_another_layout_are_refused_before_anything_changes(tmp_path):
+    """A layout conversion must check shapes too: grouped experts of width 64 do not load into an indexed
+    model of width 32 (they used to, silently cut to their first rows) nor of width 128."""
+    generator = torch.Generator().manual_seed(0)
+    batch = {"idx": torch.randint(0, 64, (2, 16), generator=generator),
+             "tgt": torch.randint(0, 64, (2, 16), generator=generator)}
+
+    def shard(**overrides):
+        torch.manual_seed(0)
+        return fxshard.shard(MoEGPT(MoEGPTConfig.preset("tiny", **overrides)), lambda m, b: m.loss(b), batch,
+                             fxshard.optim.AdamW())
+    step = shard()
+    step(batch)
+    fxshard.save(step, tmp_path / "grouped")
+    for width in (32, 128):
+        other = shard(expert_weights="indexed", d_ff_expert=width)
+        before = {key: value.clone() for key, value in other.state.items()}
+        with pytest.raises(fxshard.FxShardError, match=r"experts of 'layers\.0\.moe\.experts\.fc1\.'.* do not fit"):
+            fxshard.load(other, tmp_path / "grouped")
+        assert other.step_count == 0 and all(torch.equal(other.state[k], v) for k, v in before.items())
+    fxshard.load(shard(expert_weights="indexed"), tmp_path / "grouped")  # the same size converts

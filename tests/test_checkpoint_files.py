@@ -103,17 +103,17 @@ import os, sys, torch, fxshard
 sys.path.insert(0, {tests!r})
 from test_checkpoint_files import batches, shard
 
-class DiesWhenPickled:  # the writer process is killed in the middle of writing the new checkpoint
-    def __reduce__(self):
-        os._exit(3)
-
 step = shard()
 for batch in batches()[:3]:
     step(batch)
 fxshard.save(step, {path!r}, extra={{"epoch": 1}})
 for batch in batches()[3:5]:
     step(batch)
-fxshard.save(step, {path!r}, extra=DiesWhenPickled())
+
+def dies(*args, **kwargs):  # the writer process is killed as it writes the new checkpoint's data
+    os._exit(3)
+torch.distributed.checkpoint.FileSystemWriter.write_data = dies
+fxshard.save(step, {path!r}, extra={{"epoch": 2}})
 """
 
 
@@ -146,3 +146,60 @@ def test_an_async_save_holds_the_state_of_when_it_was_called(saved, tmp_path):
     resumed = shard()
     fxshard.load(resumed, tmp_path / "async")
     assert [resumed(batch)["loss"].item() for batch in data[3:5]] == saved[1]
+
+
+def test_a_trailing_slash_names_the_same_checkpoint_and_extra_is_kept_as_it_was_at_the_call(tmp_path):
+    """`extra` is pickled when save() is called (an async save must not see later changes), tensors in it
+    included; "dir/" and "dir" are one checkpoint, its .partial / .previous beside it, not inside."""
+    step = shard()
+    step(batches()[0])
+    seen = [1]
+    for _ in range(2):  # the second save replaces the first through "<path>.previous"
+        pending = fxshard.save(step, f"{tmp_path}/ck/", extra={"seen": seen, "t": torch.tensor([5])}, async_save=True)
+        seen.append(2)
+        pending.wait()
+        seen.pop()
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    extra = fxshard.load(shard(), f"{tmp_path}/ck/")
+    assert extra["seen"] == [1] and torch.equal(extra["t"], torch.tensor([5]))
+
+
+def test_rolling_back_past_a_non_finite_step_forgets_its_flag_and_a_corrupt_manifest_is_refused(tmp_path):
+    from strategies import MLPStack, mse, regression_batch
+
+    data = [regression_batch(torch.Generator().manual_seed(i), 4) for i in range(4)]
+    data[2]["y"][0, 0] = float("nan")
+    torch.manual_seed(0)
+    step = fxshard.shard(MLPStack([4, 4]), mse, data[0], ADAMW)  # Config(nonfinite="raise")
+    step(data[0])
+    step(data[1])
+    fxshard.save(step, tmp_path / "good")
+    assert step(data[2])["loss"].isnan()  # its flag is read two calls later ...
+    fxshard.load(step, tmp_path / "good")  # ... but the load discards that step
+    for batch in (data[1], data[3], data[3]):
+        assert step(batch)["loss"].isfinite()
+    (tmp_path / "good" / "fxshard.json").write_text("{not json")
+    with pytest.raises(fxshard.FxShardError, match="is damaged: fxshard.json is not JSON"):
+        fxshard.load(step, tmp_path / "good")
+
+
+def test_a_zero_element_buffer_round_trips(tmp_path):
+    class WithEmpty(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 1)
+            self.register_buffer("nothing", torch.zeros(0))
+
+        def forward(self, x):
+            return self.lin(x)
+
+    batch = {"x": torch.randn(4, 3), "y": torch.randn(4, 1)}
+
+    def loss(model, b):
+        return ((model(b["x"]) - b["y"]) ** 2).mean()
+    step = fxshard.shard(WithEmpty(), loss, batch, ADAMW)
+    step(batch)
+    fxshard.save(step, tmp_path / "c")
+    fresh = fxshard.shard(WithEmpty(), loss, batch, ADAMW)
+    fxshard.load(fresh, tmp_path / "c")
+    assert fresh.step_count == 1 and torch.equal(fresh.parameters()["lin.weight"], step.parameters()["lin.weight"])

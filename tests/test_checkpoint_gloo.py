@@ -184,3 +184,62 @@ def raw_dcp_job(directory: str) -> bool:
 
 def test_step_state_dict_round_trips_through_dcp_on_every_replica(tmp_path):
     assert run_local(raw_dcp_job, 2, str(tmp_path / "raw"), backend="gloo") == [True, True]
+
+
+class _Counting(torch.nn.Module):
+    """A buffer the forward updates from this rank's own batch: the dp ranks' copies differ."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+        self.register_buffer("seen", torch.zeros(16))
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        with torch.no_grad():
+            self.seen.add_(h.mean(0))
+        return self.b(h + 0.1 * self.seen)
+
+
+def own_buffers_job(directory: str):
+    """Each rank's updated buffer resumes as that rank had it; a failure of rank 0's part of a save
+    (its manifest and swap) reaches every rank as an FxShardError instead of leaving them waiting."""
+    from fxshard.checkpoint import dcp as dcp_module
+
+    rank = dist.get_rank()
+    generator = torch.Generator().manual_seed(0)
+    data = [{"x": torch.randn(8, 8, generator=generator), "y": torch.randn(8, 1, generator=generator)}
+            for _ in range(5)]
+    local = [{k: v[rank * 4:(rank + 1) * 4] for k, v in b.items()} for b in data]
+
+    def loss(model, batch):
+        return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+
+    def shard():
+        torch.manual_seed(0)
+        return fxshard.shard(_Counting(), loss, local[0], fxshard.optim.AdamW(lr=1e-2), mesh=fxshard.Mesh(dp=2))
+    step = shard()
+    for batch in local[:3]:
+        step(batch)
+    fxshard.save(step, os.path.join(directory, "ck"))
+    want = [step(batch)["loss"].item() for batch in local[3:]]
+    resumed = shard()
+    fxshard.load(resumed, os.path.join(directory, "ck"))
+    got = [resumed(batch)["loss"].item() for batch in local[3:]]
+
+    def swap_fails(staging, path):
+        raise OSError(28, "No space left on device")
+    if rank == 0:
+        dcp_module._swap_in = swap_fails
+    try:
+        fxshard.save(step, os.path.join(directory, "ck2"))
+        error = None
+    except fxshard.FxShardError as raised:
+        error = str(raised)
+    return got == want, error
+
+
+def test_own_buffers_resume_per_rank_and_a_failed_swap_on_rank_0_fails_every_rank(tmp_path):
+    for exact, error in run_local(own_buffers_job, 2, str(tmp_path), backend="gloo"):
+        assert exact
+        assert error is not None and "rank 0 could not put the written checkpoint in place (OSError: " in error

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import pickle
 import shutil
@@ -28,8 +29,8 @@ import torch.distributed.checkpoint as dcp
 from ..errors import FxShardError
 from .experts import ExpertLayout, convert_expert_tensors
 from .items import global_tensors, model_key, optimizer_key
-from .state import (PROGRESS, LoadPlanner, SavePlanner, apply_loaded, load_state_dict_into, rng_key,
-                    staging_state_dict, step_state_dict)
+from .state import (PROGRESS, LoadPlanner, SavePlanner, apply_loaded, buffers_key, load_state_dict_into, own_buffers,
+                    rng_key, staging_state_dict, step_state_dict)
 
 MANIFEST = "fxshard.json"
 FORMAT = 1
@@ -66,7 +67,7 @@ def save(step, path: str | os.PathLike, extra=None, async_save: bool = False) ->
     `async_save=True` copies the state to host memory and writes it in a background thread: the
     step stalls only for the device-to-host copy; call `.wait()` on the result before relying on
     the files (a later save waits for an earlier one itself)."""
-    path = os.fspath(path)
+    path = os.path.normpath(os.fspath(path))  # "ckpt/" is "ckpt": its ".partial" and ".previous" are siblings
     previous = getattr(step, "_pending_save", None)
     if previous is not None:
         previous.wait()
@@ -79,7 +80,8 @@ def save(step, path: str | os.PathLike, extra=None, async_save: bool = False) ->
     if _rank() == 0:
         shutil.rmtree(staging, ignore_errors=True)  # what a killed save left
     state = step_state_dict(step, copy=async_save)
-    state[extra_key(_rank())] = extra
+    state[extra_key(_rank())] = pickle.dumps(extra)  # as it is now, whatever the caller changes later
+    state[buffers_key(step.rank)] = own_buffers(step)
     manifest = _manifest(step)
     if not async_save:
         _write(state, staging, path, manifest, None, distributed)
@@ -113,14 +115,27 @@ def _write(state, staging, path, manifest, group, distributed):
     if problem:
         raise FxShardError(f"the checkpoint written to {staging} is incomplete ({problem}); {path} is unchanged")
     _barrier(group, distributed)  # every rank has checked the staging directory before it moves
+    failed = None
     if _rank() == 0:
-        manifest["seconds_to_write"] = round(time.perf_counter() - started, 3)
-        with open(os.path.join(staging, MANIFEST), "w") as handle:
-            json.dump(manifest, handle, indent=1)
-            handle.flush()
-            os.fsync(handle.fileno())
-        _swap_in(staging, path)
-    _barrier(group, distributed)
+        try:
+            manifest["seconds_to_write"] = round(time.perf_counter() - started, 3)
+            with open(os.path.join(staging, MANIFEST), "w") as handle:
+                json.dump(manifest, handle, indent=1)
+                handle.flush()
+                os.fsync(handle.fileno())
+            _swap_in(staging, path)
+        except OSError as error:
+            failed = f"{type(error).__name__}: {error}"
+    if distributed:  # every rank learns how rank 0's part went (and none waits for a rank that failed)
+        import torch.distributed as dist
+
+        told = [failed]
+        dist.broadcast_object_list(told, src=0, group=group)
+        failed = told[0]
+    if failed is not None:
+        raise FxShardError(f"saving to {path}: rank 0 could not put the written checkpoint in place ({failed}); "
+                           f"{path} is unchanged, or, if the swap was cut, {path}.previous holds the last "
+                           f"checkpoint (load finds it)")
 
 
 def _swap_in(staging: str, path: str) -> None:
@@ -137,7 +152,7 @@ def _swap_in(staging: str, path: str) -> None:
 def _manifest(step) -> dict:
     optimizer = step.optimizer
     return {"format": FORMAT, "optimizer": type(optimizer).__name__, "slots": list(optimizer.slots),
-            "step_count": step.step_count, "mesh": step.mesh_description,
+            "step_count": step.step_count, "mesh": step.mesh_description, "extra": "pickled",
             "expert_layouts": {prefix: layout.as_dict() for prefix, (layout, _) in step.expert_layouts.items()}}
 
 
@@ -164,13 +179,15 @@ def load(step, path: str | os.PathLike):
     """Load a checkpoint written by `save` (under any mesh) into `step`; returns this rank's `extra`
     (rank 0's where the saving job had fewer ranks). Every rank calls it. On any error the step is
     left unchanged and every rank raises `FxShardError`."""
-    path = _resolve(os.fspath(path))
+    path = _resolve(os.path.normpath(os.fspath(path)))
     pending = getattr(step, "_pending_save", None)
     if pending is not None:
         pending.wait()
     manifest, metadata = _read_checks(path)
     expected, conversions = _expected_keys(step, manifest)
     _check_keys(step, path, manifest, metadata.state_dict_metadata, expected)
+    for layer in conversions:
+        layer.check_shapes(path, metadata.state_dict_metadata, layer.shapes)
     state, copies = staging_state_dict(step)
     for layer in conversions:
         for key in layer.ours:
@@ -178,22 +195,27 @@ def load(step, path: str | os.PathLike):
         state.update({key: torch.empty(metadata.state_dict_metadata[key].size,
                                        dtype=metadata.state_dict_metadata[key].properties.dtype)
                       for key in layer.theirs})
-    own_extra = extra_key(_rank()) if extra_key(_rank()) in metadata.state_dict_metadata else extra_key(0)
-    objects = [own_extra] + ([rng_key(step.rank)] if rng_key(step.rank) in metadata.state_dict_metadata else [])
+    saved = metadata.state_dict_metadata
+    own_extra = extra_key(_rank()) if extra_key(_rank()) in saved else extra_key(0)
+    objects = [own_extra] + ([rng_key(step.rank)] if rng_key(step.rank) in saved else [])
+    # this rank's own copies of the buffers the step updates, where the layout is the one saved
+    same_layout = manifest.get("mesh") == step.mesh_description
+    objects += [buffers_key(step.rank)] if same_layout and buffers_key(step.rank) in saved else []
     state.update({key: None for key in objects})
     with _quiet(_is_distributed()), _as_fxshard_error(f"reading {path}; the step is unchanged"):
         dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=LoadPlanner(),
                  no_dist=not _is_distributed())
     for layer in conversions:
         layer.apply(step, state, copies)
-    apply_loaded(step, copies, state[PROGRESS], state.get(rng_key(step.rank)))
-    return state.get(own_extra)
+    apply_loaded(step, copies, state[PROGRESS], state.get(rng_key(step.rank)), state.get(buffers_key(step.rank)))
+    extra = state.get(own_extra)
+    return pickle.loads(extra) if manifest.get("extra") == "pickled" and extra is not None else extra
 
 
 def read_tensors(path: str | os.PathLike, prefix: str = "") -> dict[str, torch.Tensor]:
     """The checkpoint's global tensors whose keys start with `prefix` (`model.`, `optim.`), whole, on
     the CPU of this one process (for inspection, conversion, tests): any layout saved them."""
-    path = _resolve(os.fspath(path))
+    path = _resolve(os.path.normpath(os.fspath(path)))
     _, metadata = _read_checks(path)
     state = {key: torch.empty(value.size, dtype=value.properties.dtype)
              for key, value in metadata.state_dict_metadata.items()
@@ -220,7 +242,11 @@ def _read_checks(path: str):
         raise FxShardError(f"{path} is not a complete fxshard checkpoint (no {MANIFEST}: the save that wrote it did "
                            f"not finish, or it is not an fxshard checkpoint); load an earlier one")
     with open(manifest_file) as handle:
-        manifest = json.load(handle)
+        try:
+            manifest = json.load(handle)
+        except json.JSONDecodeError as error:
+            raise FxShardError(f"{path} is damaged: {MANIFEST} is not JSON ({error}); load an earlier checkpoint") \
+                from error
     if manifest.get("format") != FORMAT:
         raise FxShardError(f"{path} has checkpoint format {manifest.get('format')}; this fxshard reads {FORMAT}")
     problem = _missing_items(path)
@@ -238,6 +264,26 @@ class _ExpertConversion:
         self.groups = keys  # tensor group ("model" or a slot) -> (our keys, their keys), relative names
         self.ours = [k for group in keys.values() for k in group[0].values()]
         self.theirs = [k for group in keys.values() for k in group[1].values()]
+
+    def check_shapes(self, path: str, saved: dict, expected: dict) -> None:
+        """Raise, before anything is read, if the saved tensors do not convert into the shapes this
+        step holds (another model's experts): the conversion runs on meta tensors of the saved shapes."""
+        wrong = []
+        for our_keys, their_keys in self.groups.values():
+            tensors = {rel: torch.empty(saved[key].size, dtype=saved[key].properties.dtype, device="meta")
+                       for rel, key in their_keys.items() if key in saved}
+            try:
+                converted = convert_expert_tensors(tensors, self.source, self.target, self.experts, self.prefix)
+            except (FxShardError, RuntimeError, IndexError, ValueError) as error:
+                wrong.append(f"{self.prefix}: {error}")
+                continue
+            wrong += [f"{our_keys[rel]} {tuple(value.shape)} != {tuple(expected[our_keys[rel]])}"
+                      for rel, value in converted.items()
+                      if our_keys.get(rel) in expected and tuple(value.shape) != tuple(expected[our_keys[rel]])]
+        if wrong:
+            raise FxShardError(f"{path} is a checkpoint of another model: its experts of {self.prefix!r}, converted from "
+                               f"the saved layout, do not fit this model's ({'; '.join(wrong[:4])}). Shard the model "
+                               f"it was saved from (same config)")
 
     def apply(self, step, state: dict, copies: dict) -> None:
         full = {}
@@ -257,7 +303,8 @@ def _layer_keys(layout: ExpertLayout, experts: int, bias: bool) -> list[str]:
 def _expected_keys(step, manifest) -> tuple[dict, list[_ExpertConversion]]:
     """Key -> global shape this step needs from the checkpoint (None: shape decided by a conversion),
     and the expert layers to convert."""
-    expected = {key: shape for key, (shape, _) in global_tensors(step.programs[0]).items()}
+    shapes = {key: shape for key, (shape, _) in global_tensors(step.programs[0]).items()}
+    expected = dict(shapes)
     saved_layouts = manifest.get("expert_layouts", {})
     conversions = []
     for prefix, (layout, experts) in step.expert_layouts.items():
@@ -271,6 +318,7 @@ def _expected_keys(step, manifest) -> tuple[dict, list[_ExpertConversion]]:
             groups[slot] = ({r: optimizer_key(prefix + r, slot) for r in ours_rel},
                             {r: optimizer_key(prefix + r, slot) for r in theirs_rel})
         conversion = _ExpertConversion(prefix, theirs, layout, experts, groups)
+        conversion.shapes = {key: shapes[key] for key in conversion.ours if key in shapes}
         for key in conversion.ours:
             expected.pop(key, None)
         expected.update({key: None for key in conversion.theirs})
@@ -287,7 +335,8 @@ def _check_keys(step, path, manifest, saved: dict, expected: dict) -> None:
                            f"{ours_opt} (slots {list(step.optimizer.slots)}); shard with the optimizer it was saved "
                            f"with")
     tensors = {key: value for key, value in saved.items() if key.startswith(("model.", "optim."))}
-    missing = sorted(set(expected) - set(tensors))
+    empty = {key for key, shape in expected.items() if shape is not None and math.prod(shape) == 0}
+    missing = sorted(set(expected) - set(tensors) - empty)  # no rank writes an empty tensor
     unexpected = sorted(set(tensors) - set(expected))
     mis_shaped = sorted(f"{key} {tuple(tensors[key].size)} != {tuple(shape)}" for key, shape in expected.items()
                         if shape is not None and key in tensors and tuple(tensors[key].size) != tuple(shape))

@@ -7,8 +7,9 @@ rectangles whatever the checkpoint's rectangles overlap: that is the resharding,
 other. `SavePlanner` / `LoadPlanner` are DCP's default planners taught to find a rectangle in a
 `Boxes` (DCP's own lookup knows only tensors, DTensors and ShardedTensors).
 
-Beside the tensors: `fxshard.progress` (step count, learning-rate override) and `rng.rank<r>` (this
-rank's CPU and CUDA generator states), both plain objects DCP pickles.
+Beside the tensors: `fxshard.progress` (step count, learning-rate override), `rng.rank<r>` (this
+rank's CPU and CUDA generator states) and `buffers.rank<r>` (this rank's copies of the buffers its
+step updates), plain objects DCP pickles.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from ..program import InputKind, OutputKind
 from .items import Piece, boxes, global_tensors, state_pieces
 
 PROGRESS = "fxshard.progress"
@@ -27,6 +29,13 @@ PROGRESS = "fxshard.progress"
 
 def rng_key(rank: int) -> str:
     return f"rng.rank{rank}"
+
+
+def buffers_key(rank: int) -> str:
+    """This rank's own copies of the buffers its step updates (BatchNorm statistics, counters): each
+    data-parallel rank updates them from its own batches, so they differ between ranks. `model.<name>`
+    holds one rank's copy (the first along dp), which a load under another layout gives every rank."""
+    return f"buffers.rank{rank}"
 
 
 class Boxes:
@@ -119,6 +128,13 @@ def step_state_dict(step, copy: bool = False) -> dict:
     return state
 
 
+def own_buffers(step) -> dict:
+    """`buffers_key`'s value: host copies of this rank's buffers that its step updates."""
+    updated = {spec.name for spec in step.program.outputs_of(OutputKind.BUFFER)}
+    return {name: value.detach().cpu().clone() for (kind, name), value in step.state.items()
+            if kind is InputKind.BUFFER and name in updated}
+
+
 def host_copies(step, tensors: dict) -> dict:
     buffers = getattr(step, "_host_staging", None) or {}
     copies = {}
@@ -156,16 +172,25 @@ def staging_state_dict(step) -> tuple[dict, dict]:
     return state, copies
 
 
-def apply_loaded(step, copies: dict, progress: dict, rng: dict | None) -> None:
+def apply_loaded(step, copies: dict, progress: dict, rng: dict | None, own_buffers: dict | None = None) -> None:
     """Make the loaded copies the step's state: copied into the step's own tensors, whose addresses
-    a captured CUDA graph reads."""
+    a captured CUDA graph reads; then this rank's own copies of updated buffers (`buffers_key`)."""
     with torch.no_grad():
         for key, value in copies.items():
             step.state[key].copy_(value)
+        set_own_buffers(step, own_buffers)
     set_progress(step, progress, rng)
 
 
+def set_own_buffers(step, own_buffers: dict | None) -> None:
+    for name, value in (own_buffers or {}).items():
+        held = step.state.get((InputKind.BUFFER, name))
+        if held is not None and held.shape == value.shape:
+            held.copy_(value)
+
+
 def set_progress(step, progress: dict | None, rng: dict | None) -> None:
+    step._unchecked.clear()  # non-finite flags of steps the loaded state replaces
     if progress is not None:
         step.step_count = int(progress["step_count"])
         step._lr_override = progress["lr_override"]
