@@ -203,3 +203,26 @@ def test_a_zero_element_buffer_round_trips(tmp_path):
     fresh = fxshard.shard(WithEmpty(), loss, batch, ADAMW)
     fxshard.load(fresh, tmp_path / "c")
     assert fresh.step_count == 1 and torch.equal(fresh.parameters()["lin.weight"], step.parameters()["lin.weight"])
+
+
+EXITS_DURING_ASYNC_SAVE = """
+import sys, fxshard
+sys.path.insert(0, {tests!r})
+from test_checkpoint_files import batches, shard
+step = shard()
+step(batches()[0])
+fxshard.save(step, {path!r}, async_save=True)  # and the program ends at once
+"""
+
+
+def test_a_program_that_ends_during_an_async_save_finishes_it_first(tmp_path):
+    path = tmp_path / "last"
+    code = EXITS_DURING_ASYNC_SAVE.format(tests=os.path.dirname(__file__), path=str(path))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    step = shard()
+    fxshard.load(step, path)
+    assert step.step_count == 1

@@ -12,6 +12,7 @@ every rank read everything.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import math
@@ -22,6 +23,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -102,7 +104,21 @@ def save(step, path: str | os.PathLike, extra=None, async_save: bool = False) ->
     pending._thread = threading.Thread(target=run, name="fxshard-save", daemon=True)
     pending._thread.start()
     step._pending_save = pending
+    atexit.register(_finish_at_exit, weakref.ref(pending), path)
     return pending
+
+
+def _finish_at_exit(pending_ref, path: str) -> None:
+    """A program that ends while an async save still writes waits for it (its daemon thread would be
+    killed, and the checkpoint silently not written), and says so."""
+    pending = pending_ref()
+    if pending is None or pending.done():
+        return
+    print(f"fxshard: waiting for the async save to {path} before exiting", file=sys.stderr, flush=True)
+    try:
+        pending.wait()
+    except Exception as error:  # noqa: BLE001 - at exit there is no caller left to raise to
+        print(f"fxshard: the async save to {path} failed: {error}", file=sys.stderr, flush=True)
 
 
 def _write(state, staging, path, manifest, group, distributed):
