@@ -3,7 +3,7 @@
 Single-device semantics, static shapes, what `models.MoEGPT` uses and what the expert-parallel pass
 is to rewrite (dispatch -> all-to-all -> experts -> all-to-all -> combine):
 
-    dispatch(tokens [T, D], chosen [T, k], n_experts, capacity_factor, slots=False)
+    dispatch(tokens [T, D], chosen [T, k], n_experts, capacity_factor, slots=False, distinct=False)
         -> Dispatch(rows [T*k, D] sorted by expert, offsets [E] int32 (kept rows per expert,
            cumulative), order [T*k], dropped [] int64, capacity int | None)
     combine(expert_out [T*k, D], dispatch, weights [T, k], tokens=T) -> [T, D]
@@ -25,9 +25,14 @@ experts, and the residual). Dropped rows are sorted past offsets[-1], where grou
 zeros. The router's load-balancing loss is computed from the assignments before dropping.
 `fxshard.Config(moe_capacity_factor=f)` overrides the factor of every call while `shard` traces.
 
-While tracing, the nodes of a dispatch carry its static facts (experts, top_k, tokens, capacity) in
-their metadata (`node.meta["custom"]["fxshard_moe"]`): the expert-parallel pass sizes its
-all-to-all buffers from them.
+`distinct=True` promises that each token's k experts are distinct (a `topk`'s indices are): the
+expert-parallel pass then sizes its all-to-all buffers for at most one row per token and expert, which
+makes them smaller when an expert group holds fewer than k experts. Without it a token may name an
+expert more than once (hash routing), and the buffers hold every row that could arrive.
+
+While tracing, the nodes of a dispatch carry its static facts (experts, top_k, tokens, capacity,
+distinct) in their metadata (`node.meta["custom"]["fxshard_moe"]`): the expert-parallel pass sizes
+its all-to-all buffers from them.
 """
 
 from __future__ import annotations
@@ -100,7 +105,7 @@ def inverse_permutation(order: Tensor) -> Tensor:
 
 
 def dispatch(tokens: Tensor, chosen: Tensor, n_experts: int, capacity_factor: float | None = None,
-             slots: bool = False) -> Dispatch:
+             slots: bool = False, distinct: bool = False) -> Dispatch:
     count, top_k = chosen.shape
     if _capacity_override:
         capacity_factor = _capacity_override[-1]
@@ -108,7 +113,8 @@ def dispatch(tokens: Tensor, chosen: Tensor, n_experts: int, capacity_factor: fl
     if slots and capacity is None:
         raise FxShardError("moe.dispatch(slots=True) lays rows out in capacity slots and needs a capacity "
                            "factor; pass capacity_factor (e.g. 1.0), or slots=False for dropless routing")
-    facts = {"experts": n_experts, "top_k": top_k, "tokens": count, "capacity": capacity, "slots": slots}
+    facts = {"experts": n_experts, "top_k": top_k, "tokens": count, "capacity": capacity, "slots": slots,
+             "distinct": distinct}
     with torch.fx.traceback.annotate({ANNOTATION: facts}):
         if slots:
             return _dispatch_to_slots(tokens, chosen, n_experts, capacity)

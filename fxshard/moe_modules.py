@@ -59,11 +59,18 @@ def _forward_for(module: nn.Module) -> tuple[Callable, str] | None:
     return _transformers_experts(module)
 
 
+# transformers' own experts implementations that compute what its "grouped_mm" one does (a loop over
+# experts, batched GEMMs): traced as that one, which the MoE recognizer knows. A custom implementation
+# (ExpertsInterface.register) may compute something else, and is traced as written.
+_SAME_AS_GROUPED_MM = ("eager", "batched_mm")
+
+
 def _transformers_experts(module: nn.Module) -> tuple[Callable, str] | None:
-    """transformers' experts modules not on their "grouped_mm" implementation: that implementation."""
+    """transformers' experts modules on one of its implementations of the same function as
+    "grouped_mm" (`_SAME_AS_GROUPED_MM`): that implementation."""
     config = getattr(module, "config", None)
     implementation = getattr(config, "_experts_implementation", None)
-    if not hasattr(module, "_is_expert_parallel") or implementation in (None, "grouped_mm"):
+    if not hasattr(module, "_is_expert_parallel") or implementation not in _SAME_AS_GROUPED_MM:
         return None
     try:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS

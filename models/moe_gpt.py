@@ -101,7 +101,8 @@ class MoE(nn.Module):
             weights, chosen = probs.topk(k, dim=-1)
         if self.cfg.normalize_top_k:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        routed = moe.dispatch(tokens, chosen, n_expert, self.cfg.capacity_factor, slots=self.cfg.expert_slots)
+        routed = moe.dispatch(tokens, chosen, n_expert, self.cfg.capacity_factor, slots=self.cfg.expert_slots,
+                              distinct=k <= n_expert)  # a top-k, or k consecutive experts mod n_expert
         expert_out = self.experts(routed.rows, routed.offsets, routed.capacity if routed.slots else None)
         out = moe.combine(expert_out, routed, weights, tokens.shape[0])
         if self.shared is not None:

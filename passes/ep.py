@@ -148,6 +148,7 @@ class _Layer:
     tokens: int
     capacity: int | None
     rows: int
+    distinct: bool = False    # each token's k experts are distinct (fxshard.moe.dispatch(distinct=True))
     local: int = 0            # experts per rank
     chunks: int = 1           # expert groups per rank (ep_overlap), at most `local`
     bounds: tuple[int, ...] = (0,)  # local expert index where each chunk's group starts, then `local`
@@ -217,7 +218,7 @@ class _Rewrite:
                 if meta.microbatch(offsets):
                     name += f"/mb{meta.microbatch(offsets)}"
                 layer = self.layers[offsets] = _Layer(offsets, name, experts, facts["top_k"], facts["tokens"],
-                                                      facts["capacity"], rows)
+                                                      facts["capacity"], rows, facts.get("distinct", False))
                 self.size_buffers(layer)
             self.layer_of[seed] = layer
         # The expert region: expert ops, their tuple items, and the row-wise ops between two expert ops.
@@ -254,9 +255,11 @@ class _Rewrite:
         layer.chunks = chunks = min(self.cfg.chunks, local)
         layer.bounds = tuple(math.ceil(c * local / chunks) for c in range(chunks)) + (local,)
         widest = max(b - a for a, b in zip(layer.bounds, layer.bounds[1:]))
-        per_expert = layer.tokens if layer.capacity is None else min(layer.tokens, layer.capacity)
-        # each token reaches an expert at most once, and a capacity bounds each expert
-        layer.buffer = max(1, min(layer.rows, layer.tokens * min(layer.top_k, widest), widest * per_expert))
+        # with distinct experts per token a token reaches an expert at most once; a capacity bounds each expert
+        reach = min(layer.top_k, widest) if layer.distinct else layer.top_k
+        per_expert = layer.tokens * (1 if layer.distinct else layer.top_k)
+        per_expert = per_expert if layer.capacity is None else min(per_expert, layer.capacity)
+        layer.buffer = max(1, min(layer.rows, layer.tokens * reach, widest * per_expert))
 
     def find_expert_tensors(self):
         """Expert-space nodes (dim 0 = experts): the expert parameters, what is computed from them

@@ -123,7 +123,7 @@ def _match(offsets: fx.Node) -> dict:
             raise _NoMatch(f"the rows {op.name} reads are not the tokens in the order of the sort of the "
                            f"top-k indices (or row-wise ops of them)")
     return {"experts": n_experts, "top_k": top_k, "tokens": tokens, "capacity": None, "slots": False,
-            "style": "sorted"}
+            "distinct": True, "style": "sorted"}
 
 
 def _val(node):

@@ -179,6 +179,24 @@ def test_transformers_experts_on_other_implementations_trace_as_grouped_mm_and_t
     assert "forward" not in vars(model.model.layers[0].mlp.experts)  # the model's own forward is back
 
 
+def test_a_custom_transformers_experts_implementation_is_traced_as_written():
+    """Only transformers' implementations of grouped_mm's function are swapped for it: one registered by
+    the user (ExpertsInterface.register) may compute something else (e.g. weights before the experts)."""
+    from fxshard.moe_modules import _transformers_experts
+
+    class Experts(torch.nn.Module):
+        _is_expert_parallel = False
+
+        def __init__(self, implementation):
+            super().__init__()
+            self.config = type("Config", (), {"_experts_implementation": implementation})()
+    pytest.importorskip("transformers")
+    assert _transformers_experts(Experts("batched_mm")) is not None
+    assert _transformers_experts(Experts("eager")) is not None
+    for implementation in ("grouped_mm", "scores_before_experts", None):
+        assert _transformers_experts(Experts(implementation)) is None
+
+
 @settings(max_examples=4)
 @given(mesh=st.sampled_from([(2, 2), (4, 2), (4, 4)]), experts_per_rank=st.integers(1, 2), top_k=st.integers(1, 3),
        score_before=st.booleans(), shared=st.booleans(), sharding=st.sampled_from(STRATEGIES), overlap=st.booleans(),
@@ -301,3 +319,34 @@ def test_without_its_registration_the_loop_moe_fails_to_trace_and_bad_registrati
         fxshard.register_moe(LoopMoE(), loop_moe_with_fxshard)
     with pytest.raises(fxshard.FxShardError, match="must be callable"):
         fxshard.register_moe(LoopMoE, "forward")
+
+
+class HashRoutedMoE(torch.nn.Module):
+    """fxshard.moe.dispatch with two hashes of the token id as its experts: a token may name one expert
+    twice, which the all-to-all buffers must hold (they used to be sized for distinct experts)."""
+
+    def __init__(self, dim=16, hidden=8, experts=2):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(64, dim), torch.nn.Linear(dim, 64)
+        self.gate = torch.nn.Linear(dim, experts, bias=False)
+        self.fc1 = torch.nn.Parameter(torch.randn(experts, hidden, dim) * dim ** -0.5)
+        self.fc2 = torch.nn.Parameter(torch.randn(experts, dim, hidden) * hidden ** -0.5)
+
+    def forward(self, batch):
+        x = self.embed(batch["idx"]).flatten(0, 1)
+        ids, experts = batch["idx"].flatten(), self.fc1.shape[0]
+        chosen = 1 - torch.stack([ids % experts, (ids // 3) % experts], dim=-1)
+        weights = F.softmax(self.gate(x), -1).gather(1, chosen)
+        routed = fxshard.moe.dispatch(x, chosen, experts)
+        h = F.gelu(fxshard.ops.grouped_mm(routed.rows, routed.offsets, self.fc1))
+        x = x + fxshard.moe.combine(fxshard.ops.grouped_mm(h, routed.offsets, self.fc2), routed, weights, x.shape[0])
+        return F.cross_entropy(self.head(x), batch["tgt"].flatten())
+
+
+def test_a_dispatch_whose_tokens_name_an_expert_twice_trains_like_one_device():
+    batches = local_batches(2, 32)
+    repeats = [(1 - torch.stack([b["idx"] % 2, (b["idx"] // 3) % 2], -1)).flatten(0, 1) for b in batches]
+    assert all(int((r[:, 0] == r[:, 1]).sum()) > 0 for r in repeats)  # the case under test occurs
+    torch.manual_seed(0)
+    assert_ep_trains_like_one_device(HashRoutedMoE(), lambda m, b: m(b), batches, fxshard.Mesh(dp=2, ep=2),
+                                     fxshard.Config(), recognized_layers=0)  # written with fxshard.moe
