@@ -167,6 +167,8 @@ class _Rewrite:
     def __init__(self, program: Program, cfg: EPConfig):
         self.program, self.cfg = program, cfg
         self.old = program.graph
+        self.kinds = {node: spec.kind for node, spec in zip(program.placeholders(), program.inputs)}
+        self.same: dict[fx.Node, bool] = {}  # same_on_every_rank, per node
         self.fake = fake_mode_of(self.old)
         self.position = {n: i for i, n in enumerate(self.old.nodes)}
         self.roles = _expert_ops()
@@ -404,6 +406,7 @@ class _Rewrite:
             self.emit_region(self.layer_of[source], meta.phase(source))
         self.plan(layer)  # the sending side; the receiving side follows the dispatches
         entries = self.entries(layer, nodes)
+        self.check_same_on_every_rank(layer, nodes, entries)
         for chunk in range(layer.chunks):
             for entry in entries:
                 self.send(layer, entry, chunk, phase)
@@ -441,6 +444,44 @@ class _Rewrite:
 
     def is_exit(self, node: fx.Node) -> bool:
         return any(user not in self.region for user in node.users)
+
+    def check_same_on_every_rank(self, layer: _Layer, nodes: list[fx.Node], entries: list[fx.Node]) -> None:
+        """A value the region reads that is not a row travels to no one: the expert rank uses its own. So
+        it must be the same on every rank: computed from parameters, the step and constants only, never
+        from the batch (a statistic of this rank's tokens, such as a scale from their mean)."""
+        for node in nodes:
+            for source in node.all_input_nodes:
+                if (source in self.region or source is layer.offsets or source in entries or source in self.expert_nodes
+                        or self.same_on_every_rank(source)):
+                    continue
+                raise FxShardError(
+                    f"{node.name} ({node.target}) in the experts of MoE layer {layer.name} reads {source.name}, a value "
+                    f"computed from this rank's batch that is not one per row: under expert parallelism the experts "
+                    f"compute on rows from every rank, and would use their own rank's value for all of them. Compute "
+                    f"it per token (one row each) or from parameters only, or train without Mesh(ep)")
+
+    def same_on_every_rank(self, node: fx.Node) -> bool:
+        """`node` depends only on parameters, optimizer state, lr, step and constants (no batch, buffer or
+        mesh coordinate): every rank computes the same value."""
+        known = self.same
+        stack = [node]
+        while stack:
+            current = stack[-1]
+            if current in known:
+                stack.pop()
+                continue
+            if current.op == "placeholder":
+                kind = self.kinds[current]
+                known[current] = kind in (InputKind.PARAM, InputKind.OPT_STATE, InputKind.LR, InputKind.STEP)
+                stack.pop()
+                continue
+            pending = [i for i in current.all_input_nodes if i not in known]
+            if pending:
+                stack.extend(pending)
+                continue
+            known[current] = all(known[i] for i in current.all_input_nodes)
+            stack.pop()
+        return known[node]
 
     def entries(self, layer: _Layer, nodes: list[fx.Node]) -> list[fx.Node]:
         """Row-space values computed outside the region that the region's nodes read as rows."""

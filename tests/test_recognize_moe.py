@@ -350,3 +350,28 @@ def test_a_dispatch_whose_tokens_name_an_expert_twice_trains_like_one_device():
     torch.manual_seed(0)
     assert_ep_trains_like_one_device(HashRoutedMoE(), lambda m, b: m(b), batches, fxshard.Mesh(dp=2, ep=2),
                                      fxshard.Config(), recognized_layers=0)  # written with fxshard.moe
+
+
+class BatchScaledMoE(HashRoutedMoE):
+    """Divides the experts' hidden rows by a statistic of this rank's tokens: not a row, not the same on
+    every rank, so expert parallelism cannot move it with the rows."""
+
+    def forward(self, batch):
+        x = self.embed(batch["idx"]).flatten(0, 1)
+        ids = batch["idx"].flatten()
+        chosen = torch.stack([ids % 2, 1 - ids % 2], dim=-1)
+        weights = F.softmax(self.gate(x), -1).gather(1, chosen)
+        routed = fxshard.moe.dispatch(x, chosen, 2, distinct=True)
+        h = F.gelu(fxshard.ops.grouped_mm(routed.rows, routed.offsets, self.fc1)) / x.detach().abs().mean()
+        x = x + fxshard.moe.combine(fxshard.ops.grouped_mm(h, routed.offsets, self.fc2), routed, weights, x.shape[0])
+        return F.cross_entropy(self.head(x), batch["tgt"].flatten())
+
+
+def test_experts_that_read_a_statistic_of_the_ranks_own_batch_are_refused_under_expert_parallelism():
+    model = BatchScaledMoE()
+    batch = local_batches(1, 32)[0]
+    program = fxshard.trace(model, lambda m, b: m(b), batch)
+    with pytest.raises(fxshard.FxShardError, match=r"in the experts of MoE layer .* reads .*computed from this rank's "
+                                                   r"batch that is not one per row"):
+        run_pipeline(program, fxshard.Mesh(dp=2, ep=2), fxshard.Config())
+    run_pipeline(program, fxshard.Mesh(dp=2), fxshard.Config())  # data parallelism alone is fine
