@@ -93,7 +93,10 @@ def _expert_ops():
 _VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.expand.default}
 _ALONG_DIM = {_aten.split.Tensor: 2, _aten.split_with_sizes.default: 2, _aten.chunk.default: 2,
               _aten.slice.Tensor: 1, _aten.narrow.default: 1, _aten.select.int: 1, _aten.unsqueeze.default: 1,
-              _aten.squeeze.dim: 1, _aten.index_select.default: 1, _aten.cat.default: 1}
+              _aten.squeeze.dim: 1, _aten.index_select.default: 1, _aten.cat.default: 1,
+              _aten.slice_backward.default: 2, _aten.select_backward.default: 2, _aten.slice_scatter.default: 2,
+              _aten.select_scatter.default: 2}
+_BACKWARD_VIEWS = {_aten.slice_backward.default, _aten.select_backward.default}  # args[1]: the input's sizes
 _PLAIN = {_aten._to_copy.default, _aten.clone.default, _aten.alias.default, _aten.detach.default,
           operator.getitem}
 
@@ -126,7 +129,7 @@ def keeps_dim0(node: fx.Node) -> bool:
     if target in _ALONG_DIM:
         position = _ALONG_DIM[target]
         dim = node.args[position] if len(node.args) > position else node.kwargs.get("dim", 0)
-        if target is _aten.unsqueeze.default:
+        if target in (_aten.unsqueeze.default, _aten.select_backward.default):  # dim counts the output's dims
             return dim % (source.dim() + 1) != 0
         return dim % source.dim() != 0
     if target in _VIEWS:
@@ -383,6 +386,8 @@ class _Rewrite:
                 if shape and shape[0] in sizes:
                     shape[0] = sizes[shape[0]]
                 new.args = (new.args[0], shape, *new.args[2:])
+            if node.target in _BACKWARD_VIEWS and new.args[1] and new.args[1][0] in sizes:
+                new.args = (new.args[0], [sizes[new.args[1][0]], *new.args[1][1:]], *new.args[2:])
             if node.target is torch.ops.fxshard.grouped_mm_wgrad.default:
                 new.args = (*new.args[:3], sizes.get(new.args[3], new.args[3]))
         if sizes and new.op == "call_function":  # elsewhere shapes are unchanged
@@ -642,6 +647,12 @@ class _Rewrite:
             padded = torch.cat([*values, values[0].new_zeros(1, *values[0].shape[1:])])
             return [padded.index_select(0, slot)]
 
+        if (node, 0) not in self.returned:
+            raise FxShardError(
+                f"{node.name} ({node.target}), a result of the experts of MoE layer {layer.name}, is read back inside "
+                f"those experts through an op that expert parallelism does not know to act on each row alone; it "
+                f"cannot split that layer. Write the step between the expert GEMMs with row-wise ops (elementwise, "
+                f"views, slices along other dims), or train without Mesh(ep)")
         (full,) = self.inline(layer, unpack, [self.plans[id(layer)]["slot"],
                                               *[self.returned[node, c] for c in range(chunks)]], phase, "combine")
         return full

@@ -375,3 +375,29 @@ def test_experts_that_read_a_statistic_of_the_ranks_own_batch_are_refused_under_
                                                    r"batch that is not one per row"):
         run_pipeline(program, fxshard.Mesh(dp=2, ep=2), fxshard.Config())
     run_pipeline(program, fxshard.Mesh(dp=2), fxshard.Config())  # data parallelism alone is fine
+
+
+class InterleavedGateMoE(HashRoutedMoE):
+    """GPT-OSS-style gating between the expert GEMMs: gate and linear rows interleaved, h[:, ::2] and
+    h[:, 1::2] (their backward is slice_backward along dim 1, row-wise, which the EP pass must know)."""
+
+    def __init__(self):
+        super().__init__(hidden=8)
+        self.fc1 = torch.nn.Parameter(torch.randn(2, 16, 16) * 0.25)
+
+    def forward(self, batch):
+        x = self.embed(batch["idx"]).flatten(0, 1)
+        ids = batch["idx"].flatten()
+        chosen = torch.stack([ids % 2, 1 - ids % 2], dim=-1)
+        weights = F.softmax(self.gate(x), -1).gather(1, chosen)
+        routed = fxshard.moe.dispatch(x, chosen, 2, distinct=True)
+        h = fxshard.ops.grouped_mm(routed.rows, routed.offsets, self.fc1)
+        h = F.silu(h[:, ::2]) * h[:, 1::2]
+        x = x + fxshard.moe.combine(fxshard.ops.grouped_mm(h, routed.offsets, self.fc2), routed, weights, x.shape[0])
+        return F.cross_entropy(self.head(x), batch["tgt"].flatten())
+
+
+def test_interleaved_gating_between_the_expert_gemms_splits_over_expert_ranks():
+    torch.manual_seed(0)
+    assert_ep_trains_like_one_device(InterleavedGateMoE(), lambda m, b: m(b), local_batches(2, 32),
+                                     fxshard.Mesh(dp=2, ep=2), fxshard.Config(), recognized_layers=0)
