@@ -112,7 +112,9 @@ def _compile(model, loss_fn, example_batch, optimizer, mesh, config, stages=(0,)
 
     if mesh is not None and mesh.pp > 1:
         first = _first_microbatch(example_batch, config)
-        program = _trace(model, loss_fn, first, optimizer, dataclasses.replace(config, microbatches=1))
+        # one microbatch; a Schedule object would set microbatches back to its own count
+        one = dict(schedule="1f1b", virtual_stages=1) if not isinstance(config.schedule, str) else {}
+        program = _trace(model, loss_fn, first, optimizer, dataclasses.replace(config, microbatches=1, **one))
     else:
         program = _trace(model, loss_fn, example_batch, optimizer, config)
     return [run_pipeline(program, mesh, config, stage=stage) for stage in stages][-1]

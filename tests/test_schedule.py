@@ -142,6 +142,13 @@ def test_a_users_own_schedule_is_checked_and_lowered():
     assert config.microbatches == 2
     stages = [run_pipeline(program, fxshard.Mesh(pp=2), config, stage=s)[-1] for s in range(2)]
     assert all(any(n.target is torch.ops.fxshard.recv.default for n in p.graph.nodes) for p in stages)
+    # what shard() runs: the step's batch of M microbatches, one of them traced (not split again)
+    full = {k: torch.cat([v, v]) for k, v in batch.items()}
+    fxshard.check(model, lambda m, b: m.loss(b), full, mesh=fxshard.Mesh(pp=2), config=config)
+    for bad, message in (({"microbatches": 0}, "microbatches must be an int >= 1, got 0"),
+                         ({"stages": 3}, "a Schedule of 3 stages lists the actions of 2 ranks")):
+        with pytest.raises(fxshard.FxShardError, match=message):
+            schedules.Schedule(**{"ranks": own.ranks, "stages": 2, "virtual": 1, "microbatches": 2, **bad})
     broken = schedules.Schedule.from_json(
         '{"name": "broken", "stages": 2, "virtual": 1, "microbatches": 2, "ranks": '
         '[["F0:0", "B0:0", "F0:1", "B0:1"], ["F1:0", "F1:1", "B1:0", "B1:1"]]}')
