@@ -96,6 +96,14 @@ class _Lowering:
         self.params_by_stage = tuple(
             tuple(dict.fromkeys(n for c in pipeline.chunks if schedule.rank_of(c.index) == s for n in c.params))
             for s in range(schedule.stages))
+        for s, names in enumerate(self.params_by_stage):
+            for name in names:
+                if name in self.holders and s not in self.holders[name]:
+                    raise FxShardError(
+                        f"parameter {name!r} is trained on pipeline stage(s) {list(self.holders[name])} and also read "
+                        f"on stage {s} with no gradient flowing back there (e.g. through .detach()): that stage would "
+                        f"keep reading its initial value. Cut the stages so that its readers share one "
+                        f"(Config(stage_layers=...)), or let its gradient flow from every reader")
         self.split_backward = any(a.kind == "W" for a in actions)
         self.env: dict[str, fx.Node] = {}       # input name -> placeholder
         self.inputs: list[Input] = []

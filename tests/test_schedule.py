@@ -378,3 +378,30 @@ def test_a_process_group_bound_to_a_device_refuses_a_schedule_that_would_hang_on
         agreement.check_pipeline_streams(bound, mesh, interleaved)
     agreement.check_pipeline_streams(bound, mesh, fxshard.Config(schedule="1f1b", microbatches=8))
     agreement.check_pipeline_streams(types.SimpleNamespace(bound_device_id=None), mesh, interleaved)
+
+
+def test_a_parameter_trained_on_one_stage_and_read_without_gradient_on_another_is_refused():
+    """The reading stage would never see its updates (it holds no gradient to reduce)."""
+    import torch
+
+    import fxshard
+    from fxshard.passes import run_pipeline
+
+    class DetachedReader(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.out = torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+            self.gain = torch.nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            h = self.inp(x) * self.gain
+            for block in self.blocks:
+                h = h + torch.tanh(block(h))
+            return self.out(h * self.gain.detach())
+
+    batch = {"x": torch.randn(2, 4), "y": torch.randn(2, 1)}
+    program = fxshard.trace(DetachedReader(), lambda m, b: ((m(b["x"]) - b["y"]) ** 2).mean(), batch)
+    with pytest.raises(fxshard.FxShardError, match=r"parameter 'gain' is trained on pipeline stage\(s\) \[0\] and "
+                                                   r"also read on stage 1 with no gradient"):
+        run_pipeline(program, fxshard.Mesh(pp=2), fxshard.Config(microbatches=2), stage=1)

@@ -72,6 +72,9 @@ class Schedule:
     placement: str = "loop"
 
     def __post_init__(self):
+        if self.placement not in PLACEMENTS:
+            raise FxShardError(f"Schedule placement {self.placement!r}; choose one of {PLACEMENTS} (\"v\": rank r "
+                               f"holds chunks r and 2P-1-r)")
         for name in ("stages", "virtual", "microbatches"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -79,9 +82,6 @@ class Schedule:
         if len(self.ranks) != self.stages:
             raise FxShardError(f"a Schedule of {self.stages} stages lists the actions of {len(self.ranks)} ranks; "
                                f"give one action list per rank")
-        if self.placement not in PLACEMENTS:
-            raise FxShardError(f"Schedule placement {self.placement!r}; choose one of {PLACEMENTS} (\"v\": rank r "
-                               f"holds chunks r and 2P-1-r)")
 
     @property
     def chunks(self) -> int:
