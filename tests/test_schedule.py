@@ -405,3 +405,24 @@ def test_a_parameter_trained_on_one_stage_and_read_without_gradient_on_another_i
     with pytest.raises(fxshard.FxShardError, match=r"parameter 'gain' is trained on pipeline stage\(s\) \[0\] and "
                                                    r"also read on stage 1 with no gradient"):
         run_pipeline(program, fxshard.Mesh(pp=2), fxshard.Config(microbatches=2), stage=1)
+
+
+def test_a_schedule_missing_a_w_or_sending_from_another_rank_is_refused():
+    from fxshard.schedule import Action, one_f_one_b, simulate, zero_bubble_h1
+
+    zb = zero_bubble_h1(2, 2)
+    no_w = schedules.Schedule(tuple(tuple(a for a in actions if str(a) != "W1:1") for actions in zb.ranks),
+                              zb.stages, zb.virtual, zb.microbatches)
+    with pytest.raises(FxShardError, match=r"rank 1 splits weight gradients off .* B's with no W .* \[\(1, 1\)\]"):
+        simulate(no_w)
+    plain = one_f_one_b(3, 2)
+    send = next(a for a in plain.ranks[0] if a.kind == "SF")
+    moved = [list(actions) for actions in plain.ranks]
+    moved[0].remove(send)
+    moved[2].insert(0, send)
+    with pytest.raises(FxShardError, match=r"SF0:0>1 runs on rank 2, but chunk 0 lives on rank 0"):
+        simulate(schedules.Schedule(tuple(map(tuple, moved)), 3, 1, 2))
+    wrong_peer = [list(actions) for actions in plain.ranks]
+    wrong_peer[0][wrong_peer[0].index(send)] = Action("SF", 0, 0, 2)
+    with pytest.raises(FxShardError, match=r"SF0:0>2 on rank 0 names peer 2, but chunk 0's next chunk 1 lives on 1"):
+        simulate(schedules.Schedule(tuple(map(tuple, wrong_peer)), 3, 1, 2))

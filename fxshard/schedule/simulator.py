@@ -83,8 +83,15 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None) -> Simula
     for node, data in list(graph.nodes(data=True)):
         action, rank = data["action"], node[0]
         c, mb = action.chunk, action.mb
-        if action.kind in COMPUTE and schedule.rank_of(c) != rank:
+        if action.kind in COMPUTE + ("SF", "SB", "RF", "RB") and schedule.rank_of(c) != rank:
             raise FxShardError(f"{action} runs on rank {rank}, but chunk {c} lives on rank {schedule.rank_of(c)}")
+        if action.kind in ("SF", "SB", "RF", "RB") and action.peer is not None:
+            other = c + 1 if action.kind in ("SF", "RB") else c - 1  # the chunk on the other end
+            if not 0 <= other < chunks or action.peer != schedule.rank_of(other):
+                raise FxShardError(f"{action} on rank {rank} names peer {action.peer}, but chunk {c}'s "
+                                   f"{'next' if action.kind in ('SF', 'RB') else 'previous'} chunk "
+                                   f"{other if 0 <= other < chunks else '(none)'} lives on "
+                                   f"{schedule.rank_of(other) if 0 <= other < chunks else 'no rank'}")
         if action.kind == "F" and c > 0:
             if schedule.rank_of(c - 1) != rank:
                 need(node, "RF", c, mb, "its input activation")
@@ -112,6 +119,14 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None) -> Simula
     if present != expected:
         missing = sorted(expected - present)[:5]
         raise FxShardError(f"schedule misses compute actions, e.g. {missing}")
+    for rank, actions in enumerate(schedule.ranks):  # a rank with W's computes every weight gradient in a W
+        weights = sorted((a.chunk, a.mb) for a in actions if a.kind == "W")
+        inputs = sorted((a.chunk, a.mb) for a in actions if a.kind == "B")
+        if weights and weights != inputs:
+            lacking = sorted(set(inputs) - set(weights))[:5]
+            extra = sorted(w for w in set(weights) if weights.count(w) > 1 or w not in inputs)[:5]
+            raise FxShardError(f"rank {rank} splits weight gradients off its B's (it has W actions), but not one W per "
+                               f"B: B's with no W (chunk, microbatch) {lacking}, W's duplicated or without a B {extra}")
     if not nx.is_directed_acyclic_graph(graph):
         cycle = nx.find_cycle(graph)
         raise FxShardError("deadlock: " + " -> ".join(f"r{r}:{graph.nodes[(r, i)]['action']}" for (r, i), _ in cycle))
