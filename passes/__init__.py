@@ -37,7 +37,7 @@ PIPELINE: list[Pass] = [
          lambda mesh, config: True),
     # MoE layers written with plain torch ops (transformers, torchtitan): their facts, for the ep pass
     Pass("recognize_moe",
-         lambda program, mesh, config, stage: recognize_moe(program),
+         lambda program, mesh, config, stage: recognize_moe(program, config.moe_capacity_factor),
          lambda mesh, config: mesh is not None and mesh.ep > 1),
     # before sharding: it rewrites one device's math, and FSDP then shards whatever ops it finds
     Pass("fuse_grouped_mlp",

@@ -729,7 +729,7 @@ class _Rewrite:
             padding = layer.buffer * layer.chunks * k / layer.rows  # buffer rows per balanced load
             if layer.capacity is None and padding > 2:
                 capacity += (f" (buffers hold {padding:.0f}x the balanced load, all of it sent: "
-                             f"Config(moe_capacity_factor=...) bounds them)")
+                             f"Config(moe_capacity_factor=...) bounds those of fxshard.moe.dispatch calls)")
             lines.append(f"  {layer.name}: {layer.experts} experts ({layer.local}/rank), top-{layer.top_k}, "
                          f"{layer.tokens} tokens -> {layer.rows} rows, {capacity}, buffer {layer.buffer} rows x {k} "
                          f"ranks x {layer.chunks} chunk(s); all-to-all per rank: {traffic}")

@@ -37,6 +37,7 @@ Invariant: the program is unchanged but for metadata (the same nodes compute the
 from __future__ import annotations
 
 import operator
+import warnings
 
 import torch
 import torch.fx as fx
@@ -60,8 +61,10 @@ class _NoMatch(Exception):
     pass
 
 
-def recognize_moe(program: Program) -> Program:
-    """`program` with the facts of every recognized MoE layer written on its offsets (module docstring)."""
+def recognize_moe(program: Program, capacity_factor: float | None = None) -> Program:
+    """`program` with the facts of every recognized MoE layer written on its offsets (module docstring).
+    A recognized layer stays dropless: `capacity_factor` (Config(moe_capacity_factor)), which bounds
+    fxshard.moe.dispatch calls, does not apply to it, and a warning says so."""
     pending = _unannotated_offsets(program.graph)
     if not pending:  # every layer routed by fxshard.moe: the graph as it is
         return program.replace(notes={**program.notes, "moe_recognized": []})
@@ -81,6 +84,10 @@ def recognize_moe(program: Program) -> Program:
         recognized.append(f"{meta.layer(offsets) or offsets.name} (microbatch {meta.microbatch(offsets)}): "
                           f"{facts['experts']} experts, top-{facts['top_k']}, {facts['tokens']} tokens, dropless")
     notes = {**program.notes, "moe_recognized": recognized}
+    if recognized and capacity_factor is not None:
+        warnings.warn(f"Config(moe_capacity_factor={capacity_factor}) bounds fxshard.moe.dispatch calls only; the "
+                      f"{len(recognized)} MoE layer calls recognized in the model's own code stay dropless (all-to-all "
+                      f"buffers sized for the worst case)", stacklevel=2)
     if rejected:
         notes["moe_unrecognized"] = rejected
     return program.replace(graph_module=fx.GraphModule(program.graph_module, graph), notes=notes)

@@ -401,3 +401,12 @@ def test_interleaved_gating_between_the_expert_gemms_splits_over_expert_ranks():
     torch.manual_seed(0)
     assert_ep_trains_like_one_device(InterleavedGateMoE(), lambda m, b: m(b), local_batches(2, 32),
                                      fxshard.Mesh(dp=2, ep=2), fxshard.Config(), recognized_layers=0)
+
+
+def test_a_capacity_factor_does_not_apply_to_recognized_layers_and_a_warning_says_so():
+    torch.manual_seed(0)
+    model = TitanStyleMoEModel(experts=2, top_k=1, score_before=False, shared=False, counting="histc")
+    program = fxshard.trace(model, lambda m, b: m(b), local_batches(2, 32)[0])
+    with pytest.warns(UserWarning, match=r"moe_capacity_factor=1.0\) bounds fxshard.moe.dispatch calls only; the 2 "
+                                         r"MoE layer calls recognized .* stay dropless"):
+        run_pipeline(program, fxshard.Mesh(dp=2, ep=2), fxshard.Config(moe_capacity_factor=1.0))
