@@ -117,13 +117,18 @@ fxshard.save(step, {path!r}, extra={{"epoch": 2}})
 """
 
 
-def test_a_save_killed_while_writing_leaves_the_last_checkpoint_loading_and_training_exactly(saved, tmp_path):
-    path = tmp_path / "gpt"
-    code = KILLED_SAVE.format(tests=os.path.dirname(__file__), path=str(path))
+def run_script(template: str, path) -> subprocess.CompletedProcess:
+    """`template` (formatted with this directory and `path`) in a fresh Python process."""
+    code = template.format(tests=os.path.dirname(__file__), path=str(path))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
                                                        os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                            timeout=300)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_a_save_killed_while_writing_leaves_the_last_checkpoint_loading_and_training_exactly(saved, tmp_path):
+    path = tmp_path / "gpt"
+    result = run_script(KILLED_SAVE, path)
     assert result.returncode == 3, result.stderr[-2000:]
     assert os.path.isdir(f"{path}.partial")  # the killed save's leftovers
     step = shard()
@@ -217,11 +222,7 @@ fxshard.save(step, {path!r}, async_save=True)  # and the program ends at once
 
 def test_a_program_that_ends_during_an_async_save_finishes_it_first(tmp_path):
     path = tmp_path / "last"
-    code = EXITS_DURING_ASYNC_SAVE.format(tests=os.path.dirname(__file__), path=str(path))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = run_script(EXITS_DURING_ASYNC_SAVE, path)
     assert result.returncode == 0, result.stderr[-2000:]
     step = shard()
     fxshard.load(step, path)

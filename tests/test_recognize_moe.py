@@ -325,6 +325,8 @@ class HashRoutedMoE(torch.nn.Module):
     """fxshard.moe.dispatch with two hashes of the token id as its experts: a token may name one expert
     twice, which the all-to-all buffers must hold (they used to be sized for distinct experts)."""
 
+    distinct = False
+
     def __init__(self, dim=16, hidden=8, experts=2):
         super().__init__()
         self.embed, self.head = torch.nn.Embedding(64, dim), torch.nn.Linear(dim, 64)
@@ -332,20 +334,25 @@ class HashRoutedMoE(torch.nn.Module):
         self.fc1 = torch.nn.Parameter(torch.randn(experts, hidden, dim) * dim ** -0.5)
         self.fc2 = torch.nn.Parameter(torch.randn(experts, dim, hidden) * hidden ** -0.5)
 
+    def choose(self, ids):
+        return 1 - torch.stack([ids % 2, (ids // 3) % 2], dim=-1)
+
+    def hidden(self, routed, x):
+        return F.gelu(fxshard.ops.grouped_mm(routed.rows, routed.offsets, self.fc1))
+
     def forward(self, batch):
         x = self.embed(batch["idx"]).flatten(0, 1)
-        ids, experts = batch["idx"].flatten(), self.fc1.shape[0]
-        chosen = 1 - torch.stack([ids % experts, (ids // 3) % experts], dim=-1)
+        chosen = self.choose(batch["idx"].flatten())
         weights = F.softmax(self.gate(x), -1).gather(1, chosen)
-        routed = fxshard.moe.dispatch(x, chosen, experts)
-        h = F.gelu(fxshard.ops.grouped_mm(routed.rows, routed.offsets, self.fc1))
+        routed = fxshard.moe.dispatch(x, chosen, self.fc1.shape[0], distinct=self.distinct)
+        h = self.hidden(routed, x)
         x = x + fxshard.moe.combine(fxshard.ops.grouped_mm(h, routed.offsets, self.fc2), routed, weights, x.shape[0])
         return F.cross_entropy(self.head(x), batch["tgt"].flatten())
 
 
 def test_a_dispatch_whose_tokens_name_an_expert_twice_trains_like_one_device():
     batches = local_batches(2, 32)
-    repeats = [(1 - torch.stack([b["idx"] % 2, (b["idx"] // 3) % 2], -1)).flatten(0, 1) for b in batches]
+    repeats = [HashRoutedMoE().choose(b["idx"].flatten()) for b in batches]
     assert all(int((r[:, 0] == r[:, 1]).sum()) > 0 for r in repeats)  # the case under test occurs
     torch.manual_seed(0)
     assert_ep_trains_like_one_device(HashRoutedMoE(), lambda m, b: m(b), batches, fxshard.Mesh(dp=2, ep=2),
@@ -356,15 +363,13 @@ class BatchScaledMoE(HashRoutedMoE):
     """Divides the experts' hidden rows by a statistic of this rank's tokens: not a row, not the same on
     every rank, so expert parallelism cannot move it with the rows."""
 
-    def forward(self, batch):
-        x = self.embed(batch["idx"]).flatten(0, 1)
-        ids = batch["idx"].flatten()
-        chosen = torch.stack([ids % 2, 1 - ids % 2], dim=-1)
-        weights = F.softmax(self.gate(x), -1).gather(1, chosen)
-        routed = fxshard.moe.dispatch(x, chosen, 2, distinct=True)
-        h = F.gelu(fxshard.ops.grouped_mm(routed.rows, routed.offsets, self.fc1)) / x.detach().abs().mean()
-        x = x + fxshard.moe.combine(fxshard.ops.grouped_mm(h, routed.offsets, self.fc2), routed, weights, x.shape[0])
-        return F.cross_entropy(self.head(x), batch["tgt"].flatten())
+    distinct = True
+
+    def choose(self, ids):
+        return torch.stack([ids % 2, 1 - ids % 2], dim=-1)
+
+    def hidden(self, routed, x):
+        return super().hidden(routed, x) / x.detach().abs().mean()
 
 
 def test_experts_that_read_a_statistic_of_the_ranks_own_batch_are_refused_under_expert_parallelism():
@@ -377,7 +382,7 @@ def test_experts_that_read_a_statistic_of_the_ranks_own_batch_are_refused_under_
     run_pipeline(program, fxshard.Mesh(dp=2), fxshard.Config())  # data parallelism alone is fine
 
 
-class InterleavedGateMoE(HashRoutedMoE):
+class InterleavedGateMoE(BatchScaledMoE):
     """GPT-OSS-style gating between the expert GEMMs: gate and linear rows interleaved, h[:, ::2] and
     h[:, 1::2] (their backward is slice_backward along dim 1, row-wise, which the EP pass must know)."""
 
@@ -385,16 +390,9 @@ class InterleavedGateMoE(HashRoutedMoE):
         super().__init__(hidden=8)
         self.fc1 = torch.nn.Parameter(torch.randn(2, 16, 16) * 0.25)
 
-    def forward(self, batch):
-        x = self.embed(batch["idx"]).flatten(0, 1)
-        ids = batch["idx"].flatten()
-        chosen = torch.stack([ids % 2, 1 - ids % 2], dim=-1)
-        weights = F.softmax(self.gate(x), -1).gather(1, chosen)
-        routed = fxshard.moe.dispatch(x, chosen, 2, distinct=True)
+    def hidden(self, routed, x):
         h = fxshard.ops.grouped_mm(routed.rows, routed.offsets, self.fc1)
-        h = F.silu(h[:, ::2]) * h[:, 1::2]
-        x = x + fxshard.moe.combine(fxshard.ops.grouped_mm(h, routed.offsets, self.fc2), routed, weights, x.shape[0])
-        return F.cross_entropy(self.head(x), batch["tgt"].flatten())
+        return F.silu(h[:, ::2]) * h[:, 1::2]
 
 
 def test_interleaved_gating_between_the_expert_gemms_splits_over_expert_ranks():
