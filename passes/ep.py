@@ -170,7 +170,8 @@ class _Rewrite:
     def __init__(self, program: Program, cfg: EPConfig):
         self.program, self.cfg = program, cfg
         self.old = program.graph
-        self.kinds = {node: spec.kind for node, spec in zip(program.placeholders(), program.inputs)}
+        self.kinds = {node: (spec.kind, spec.name) for node, spec in zip(program.placeholders(), program.inputs)}
+        self.updated_buffers = {spec.name for spec in program.outputs_of(OutputKind.BUFFER)}  # they differ per rank
         self.same: dict[fx.Node, bool] = {}  # same_on_every_rank, per node
         self.fake = fake_mode_of(self.old)
         self.position = {n: i for i, n in enumerate(self.old.nodes)}
@@ -466,8 +467,8 @@ class _Rewrite:
                     f"it per token (one row each) or from parameters only, or train without Mesh(ep)")
 
     def same_on_every_rank(self, node: fx.Node) -> bool:
-        """`node` depends only on parameters, optimizer state, lr, step and constants (no batch, buffer or
-        mesh coordinate): every rank computes the same value."""
+        """`node` depends only on parameters, optimizer state, lr, step, buffers the step does not update
+        and constants (no batch, updated buffer or mesh coordinate): every rank computes the same value."""
         known = self.same
         stack = [node]
         while stack:
@@ -476,8 +477,9 @@ class _Rewrite:
                 stack.pop()
                 continue
             if current.op == "placeholder":
-                kind = self.kinds[current]
-                known[current] = kind in (InputKind.PARAM, InputKind.OPT_STATE, InputKind.LR, InputKind.STEP)
+                kind, name = self.kinds[current]
+                known[current] = kind in (InputKind.PARAM, InputKind.OPT_STATE, InputKind.LR, InputKind.STEP) or (
+                    kind is InputKind.BUFFER and name not in self.updated_buffers)
                 stack.pop()
                 continue
             pending = [i for i in current.all_input_nodes if i not in known]
