@@ -203,7 +203,7 @@ def load(step, path: str | os.PathLike):
     expected, conversions = _expected_keys(step, manifest)
     _check_keys(step, path, manifest, metadata.state_dict_metadata, expected)
     for layer in conversions:
-        layer.check_shapes(path, metadata.state_dict_metadata, layer.shapes)
+        layer.check_shapes(path, metadata.state_dict_metadata)
     state, copies = staging_state_dict(step)
     for layer in conversions:
         for key in layer.ours:
@@ -275,16 +275,18 @@ class _ExpertConversion:
     """An expert layer saved in another layout (grouped/indexed keys, GLU interleaving): its saved
     tensors are read whole and converted, in global coordinates, before this rank takes its pieces."""
 
-    def __init__(self, prefix: str, theirs: ExpertLayout, ours: ExpertLayout, experts: int, keys: dict):
+    def __init__(self, prefix: str, theirs: ExpertLayout, ours: ExpertLayout, experts: int, keys: dict,
+                 shapes: dict):
         self.prefix, self.source, self.target, self.experts = prefix, theirs, ours, experts
         self.groups = keys  # tensor group ("model" or a slot) -> (our keys, their keys), relative names
         self.ours = [k for group in keys.values() for k in group[0].values()]
+        self.shapes = {key: shapes[key] for key in self.ours if key in shapes}  # our key -> global shape
         self.theirs = [k for group in keys.values() for k in group[1].values()]
 
-    def check_shapes(self, path: str, saved: dict, expected: dict) -> None:
+    def check_shapes(self, path: str, saved: dict) -> None:
         """Raise, before anything is read, if the saved tensors do not convert into the shapes this
         step holds (another model's experts): the conversion runs on meta tensors of the saved shapes."""
-        wrong = []
+        wrong, expected = [], self.shapes
         for our_keys, their_keys in self.groups.values():
             tensors = {rel: torch.empty(saved[key].size, dtype=saved[key].properties.dtype, device="meta")
                        for rel, key in their_keys.items() if key in saved}
@@ -333,8 +335,7 @@ def _expected_keys(step, manifest) -> tuple[dict, list[_ExpertConversion]]:
         for slot in step.optimizer.slots:
             groups[slot] = ({r: optimizer_key(prefix + r, slot) for r in ours_rel},
                             {r: optimizer_key(prefix + r, slot) for r in theirs_rel})
-        conversion = _ExpertConversion(prefix, theirs, layout, experts, groups)
-        conversion.shapes = {key: shapes[key] for key in conversion.ours if key in shapes}
+        conversion = _ExpertConversion(prefix, theirs, layout, experts, groups, shapes)
         for key in conversion.ours:
             expected.pop(key, None)
         expected.update({key: None for key in conversion.theirs})

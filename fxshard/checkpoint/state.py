@@ -172,18 +172,19 @@ def staging_state_dict(step) -> tuple[dict, dict]:
     return state, copies
 
 
-def apply_loaded(step, copies: dict, progress: dict, rng: dict | None, own_buffers: dict | None = None) -> None:
+def apply_loaded(step, copies: dict, progress: dict, rng: dict | None, buffers: dict | None = None) -> None:
     """Make the loaded copies the step's state: copied into the step's own tensors, whose addresses
     a captured CUDA graph reads; then this rank's own copies of updated buffers (`buffers_key`)."""
     with torch.no_grad():
         for key, value in copies.items():
             step.state[key].copy_(value)
-        set_own_buffers(step, own_buffers)
+        set_own_buffers(step, buffers)
     set_progress(step, progress, rng)
 
 
-def set_own_buffers(step, own_buffers: dict | None) -> None:
-    for name, value in (own_buffers or {}).items():
+def set_own_buffers(step, buffers: dict | None) -> None:
+    """`buffers` (an `own_buffers` value) into the step's buffers of the same name and shape."""
+    for name, value in (buffers or {}).items():
         held = step.state.get((InputKind.BUFFER, name))
         if held is not None and held.shape == value.shape:
             held.copy_(value)
