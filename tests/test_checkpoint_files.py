@@ -227,3 +227,45 @@ def test_a_program_that_ends_during_an_async_save_finishes_it_first(tmp_path):
     step = shard()
     fxshard.load(step, path)
     assert step.step_count == 1
+
+
+def test_load_state_dict_is_strict_about_keys_and_shapes_and_changes_nothing_when_it_refuses():
+    step = shard()
+    source = shard()
+    source(batches()[1])
+    plain = {f"model.{name}": value for name, value in source.parameters().items()}
+    before = snapshot(step)
+    for state, expected in (({**plain, "model.lm_head.wieght": torch.zeros(1)}, r"unexpected \(1\): model\.lm_head\.wieght"),
+                            (plain, r"missing \(\d+\): optim\."),
+                            ({**plain, "model.tok_emb.weight": torch.zeros(3, 3)},
+                             r"shape differs \(1\): model\.tok_emb\.weight \(3, 3\) != \(64, 64\)")):
+        with pytest.raises(fxshard.FxShardError, match=expected):
+            step.load_state_dict(state)
+        assert_unchanged(step, before)
+    step.load_state_dict(plain, strict=False)  # the parameters, the optimizer state as it was
+    for name, value in source.parameters().items():
+        assert torch.equal(step.parameters()[name], value), name
+    step.load_state_dict(step.state_dict())  # its own form is complete
+
+
+def test_an_async_saves_thread_leaves_the_training_loops_warning_filters_alone():
+    import threading
+    import warnings
+
+    from fxshard.checkpoint.dcp import _quiet
+
+    entered, release = threading.Event(), threading.Event()
+
+    def save_thread():
+        with _quiet(False):
+            entered.set()
+            release.wait(10)
+
+    with warnings.catch_warnings():
+        thread = threading.Thread(target=save_thread)
+        thread.start()
+        entered.wait(10)
+        warnings.filterwarnings("ignore", message="set by the training loop")
+        release.set()
+        thread.join()
+        assert any(f[1] is not None and f[1].pattern == "set by the training loop" for f in warnings.filters)

@@ -162,7 +162,23 @@ def _swap_in(staging: str, path: str) -> None:
         shutil.rmtree(previous, ignore_errors=True)
         os.rename(path, previous)
     os.rename(staging, path)
+    _sync_directory(os.path.dirname(os.path.abspath(path)))  # the renames survive a power loss
     shutil.rmtree(previous, ignore_errors=True)
+
+
+def _sync_directory(directory: str) -> None:
+    """fsync a directory's entries (the files' data DCP's writer has synced already); a filesystem
+    that cannot sync directories is left as it is."""
+    try:
+        handle = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)
 
 
 def _manifest(step) -> dict:
@@ -379,10 +395,15 @@ def _as_fxshard_error(what: str):
 
 @contextlib.contextmanager
 def _quiet(distributed: bool):
-    """One process without torch.distributed is a normal fxshard job: DCP need not warn about it."""
+    """One process without torch.distributed is a normal fxshard job: DCP need not warn about it.
+    Only on the main thread: `warnings.catch_warnings` swaps the process's filter list and puts it back
+    on exit, so on an async save's thread it could undo filters the training loop sets meanwhile (an
+    async single-process save may print DCP's warning once)."""
+    if distributed or threading.current_thread() is not threading.main_thread():
+        yield
+        return
     with warnings.catch_warnings():
-        if not distributed:
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
 
 

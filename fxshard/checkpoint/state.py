@@ -15,6 +15,7 @@ step updates), plain objects DCP pickles.
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -200,11 +201,47 @@ def set_progress(step, progress: dict | None, rng: dict | None) -> None:
         set_rng_state(rng, step.device)
 
 
-def load_state_dict(step, state: dict) -> None:
+def load_state_dict(step, state: dict, strict: bool = True) -> None:
     """`step.load_state_dict`: a state dict of `step_state_dict`'s form (its views filled by DCP), or
-    plain global tensors by key; keys the step does not hold are ignored."""
+    plain global tensors by key. Plain tensors must have their global shapes; with `strict`, every
+    tensor this rank holds must be there and every key must name something of the model's (a key held
+    by another pipeline stage is not unexpected). Checked before anything is copied."""
+    check_state_dict(step, state, strict)
     load_state_dict_into(step, state, step.state)
     set_progress(step, state.get(PROGRESS), state.get(rng_key(step.rank)))
+
+
+def check_state_dict(step, state: dict, strict: bool) -> None:
+    """FxShardError, naming the keys, for tensors of the wrong shape and (with `strict`) for tensors
+    this rank holds that `state` lacks and for keys that are neither the model's nor progress, RNG or
+    updated-buffer entries."""
+    from ..errors import FxShardError
+
+    shapes = global_tensors(step.programs[0])
+    problems = []
+    wrong = [f"{key} {tuple(value.shape)} != {shapes[key][0]}" for key, value in state.items()
+             if isinstance(value, torch.Tensor) and key in shapes and tuple(value.shape) != shapes[key][0]]
+    if wrong:
+        problems.append(f"shape differs ({len(wrong)}): " + _listed(wrong))
+    if strict:
+        held = {piece.key for piece in pieces_of(step)}
+        missing = sorted(held - set(state))
+        unexpected = sorted(key for key in state if key not in shapes and key != PROGRESS
+                            and not re.fullmatch(r"(rng|buffers)\.rank\d+", str(key)))
+        if missing:
+            problems.append(f"missing ({len(missing)}): " + _listed(missing))
+        if unexpected:
+            problems.append(f"unexpected ({len(unexpected)}): " + _listed(unexpected))
+    if problems:
+        raise FxShardError(
+            f"load_state_dict: the state dict does not fit this step ({'; '.join(problems)}); nothing was "
+            f"loaded. Keys are `model.<parameter or buffer>` and `optim.<parameter>.<slot>` with the "
+            f"model's global shapes (step.state_dict() lists this rank's); load_state_dict(state, "
+            f"strict=False) loads the tensors present and ignores unknown keys")
+
+
+def _listed(items: list[str], shown: int = 5) -> str:
+    return ", ".join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")
 
 
 def load_state_dict_into(step, state: dict, targets: dict) -> None:

@@ -346,13 +346,15 @@ class CompiledStep:
         self._raise_if_nonfinite()
         return step_state_dict(self)
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
         """Copy into the live state this rank's parts of `state`: a dict like `state_dict()`'s
         (filled by `dcp.load(..., planner=fxshard.checkpoint.LoadPlanner())`) or plain global tensors
-        by key (`model.<name>`, `optim.<name>.<slot>`); keys the step does not hold are ignored."""
+        by key (`model.<name>`, `optim.<name>.<slot>`). Like torch's: with `strict` (the default) a
+        tensor this rank holds that `state` lacks, or a key that is not the model's, is an error;
+        a wrong shape always is, and nothing is loaded then."""
         from ..checkpoint.state import load_state_dict
 
-        load_state_dict(self, state)
+        load_state_dict(self, state, strict)
 
 
 _EXPERT_OPS = ("grouped_mm", "grouped_mm_wgrad", "grouped_mlp_fwd", "grouped_mlp_dgrad", "grouped_mlp_wgrad")
