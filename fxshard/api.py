@@ -50,6 +50,8 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     is_meta = any(t.is_meta for t in tensors)
     if is_meta and not all(t.is_meta for t in tensors):
         raise FxShardError("the model mixes meta-device and real tensors; build it wholly on one of them")
+    if not is_meta:
+        _check_devices(tensors, example_batch)
     stage = coords.get("pp", 0)
     programs = _compile(model, loss_fn, example_batch, optimizer, mesh, config, (stage,))
     if programs[-1].stage is not None:
@@ -77,7 +79,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     # A meta-device model is initialized here, per module and seeded by module path (fxshard.init):
     # each rank materializes only its own shards.
     source = MetaInit(model, config.seed, batch_spec.device) if is_meta else model
-    state = initial_state(programs[-1], source, optimizer, coords)
+    state = initial_state(programs[-1], source, optimizer, coords, batch_spec.device)
     codegen = config.codegen == "inductor" or (config.codegen == "auto" and batch_spec.device.type == "cuda")
 
     def compile_evaluation() -> Program:  # step.evaluate's program, compiled on its first call
@@ -102,6 +104,19 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     if config.dump_dir or config.verbose:
         _report_lowerings(step, config, len(programs))
     return step
+
+
+def _check_devices(tensors: list[torch.Tensor], example_batch) -> None:
+    """The state lives where the batch is. A model built on the host moves there (its own tensors stay
+    as they are); a model on another accelerator device than its batch is a mistake to name now, not
+    a raw device error in the first step (or, on one rank only, a hang of the others)."""
+    batch = BatchSpec.from_example(example_batch).device
+    devices = {t.device for t in tensors}
+    elsewhere = sorted(str(d) for d in devices if d != batch and d.type != "cpu")
+    if elsewhere:
+        raise FxShardError(f"the model's tensors are on {', '.join(elsewhere)} but the example batch is on {batch}; "
+                           f"put the batch on the model's device (or the model on the batch's: torch.cuda.set_device "
+                           f"on each rank, then build the model there)")
 
 
 def _compile(model, loss_fn, example_batch, optimizer, mesh, config, stages=(0,)) -> list[Program]:

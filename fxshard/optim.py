@@ -107,6 +107,6 @@ Optimizer = Union[AdamW, SGD]
 def lr_at(optimizer: Optimizer, step: int) -> float:
     """The learning rate for 1-based `step`."""
     lr = optimizer.lr(step) if callable(optimizer.lr) else optimizer.lr
-    if not isinstance(lr, (int, float)) or math.isnan(lr) or lr < 0:
-        raise FxShardError(f"the lr schedule returned {lr!r} at step {step}; it must return a float >= 0")
+    if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+        raise FxShardError(f"the lr schedule returned {lr!r} at step {step}; it must return a finite float >= 0")
     return float(lr)

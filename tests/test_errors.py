@@ -167,3 +167,13 @@ def test_check_rejects_without_processes_what_shard_would_reject_on_every_rank()
     with pytest.raises(fxshard.FxShardError, match="mesh must be fxshard.Mesh"):
         fxshard.check(model, lambda m, b: m.loss(b), batch, mesh="dp=2")
     fxshard.check(model, lambda m, b: m.loss(b), batch, mesh=fxshard.Mesh(dp=2))  # fine: returns quietly
+
+
+def test_a_model_on_another_device_than_its_batch_is_named_before_tracing():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = nn.Linear(4, 1)
+    with FakeTensorMode(allow_non_fake_inputs=True):  # a CUDA weight, without a GPU
+        model.weight = nn.Parameter(torch.empty(1, 4, device="cuda"))
+    with pytest.raises(FxShardError, match=r"model's tensors are on cuda:0 but the example batch is on cpu"):
+        fxshard.shard(model, lambda m, b: m(b["x"]).sum(), {"x": torch.randn(2, 4)})

@@ -3,6 +3,7 @@ updated, under every mesh; against eager PyTorch's model.eval() loss."""
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -62,6 +63,22 @@ def test_evaluate_is_eager_eval_mode_and_changes_nothing():
     twin(batches[2])
     for name, value in twin.parameters().items():
         assert torch.equal(step.parameters()[name], value), name
+
+
+def test_evaluate_after_the_last_step_of_an_lr_schedule_does_not_ask_it_for_another_and_state_reads_are_copies():
+    schedule = fxshard.optim.AdamW(lr=lambda step: [1e-2, 5e-3][step - 1])  # defined for two steps
+    torch.manual_seed(0)
+    batches = regression_batches(2)
+    step = fxshard.shard(DropoutRegressor(), regression_loss, batches[0], optimizer=schedule)
+    step(batches[0])
+    held = step.optimizer_state()  # copies: the next step leaves them as they were
+    frozen = {name: value.clone() for name, value in held.items()}
+    step(batches[1])
+    assert held and all(torch.equal(held[name], frozen[name]) for name in held)
+    assert any(not torch.equal(step.optimizer_state()[name], frozen[name]) for name in held)
+    assert torch.isfinite(step.evaluate(batches[0])["loss"])
+    with pytest.raises(IndexError):
+        step(batches[0])  # training does ask it: a schedule's own error, as torch's LambdaLR would raise
 
 
 def test_evaluate_reports_the_metrics_of_a_moe_model():

@@ -80,6 +80,9 @@ def test_set_lr_changes_the_update_without_retracing():
     step(batch)
     assert any(not torch.equal(before[k], v) for k, v in step.parameters().items())
     assert step.program is program
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(fxshard.FxShardError, match="finite float >= 0"):
+            step.set_lr(bad)
 
 
 def test_gradient_accumulation_over_microbatches_matches_the_whole_batch():

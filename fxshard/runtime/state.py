@@ -13,19 +13,20 @@ State = dict[tuple[InputKind, str], torch.Tensor]
 
 
 class ModelTensors:
-    """Initial tensors read from a model with real weights."""
+    """Initial tensors read from a model with real weights, put on `device` (the batch's: a model
+    built on the host trains on the device its batches are on, as FSDP's device_id moves it)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, device: torch.device):
         self.tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-        self.device = next(model.parameters()).device
+        self.device = device
 
     def tensors_named(self, names: set[str]) -> dict[str, torch.Tensor]:
         # copies: the runtime updates its state in place, and the user's model must stay as it was
-        return {name: self.tensors[name].detach().clone() for name in names}
+        return {name: self.tensors[name].detach().to(self.device, copy=True) for name in names}
 
     def unit_shard(self, unit: FlatUnit, rank: int | None) -> torch.Tensor:
         flat = unit.flatten(self.tensors)
-        return flat if rank is None else unit.shard(flat, rank)
+        return (flat if rank is None else unit.shard(flat, rank)).to(self.device)
 
 
 class ExpertSlices:
@@ -57,13 +58,15 @@ def expert_parameters(program: Program) -> dict[str, int]:
     return experts
 
 
-def initial_state(program: Program, source, optimizer, coords: dict[str, int]) -> State:
-    """Parameters (whole, or this rank's slice of a flat unit), optimizer slots, buffers, coordinates.
+def initial_state(program: Program, source, optimizer, coords: dict[str, int],
+                  device: torch.device | None = None) -> State:
+    """Parameters (whole, or this rank's slice of a flat unit), optimizer slots, buffers, coordinates,
+    on `device` (None: the model's).
 
     `source` is a model with real weights, or an object with `tensors_named(names)`, `unit_shard(unit,
     rank)` and `device` (fxshard.init.MetaInit for meta-device models)."""
     if isinstance(source, nn.Module):
-        source = ModelTensors(source)
+        source = ModelTensors(source, device or next(iter(source.parameters())).device)
     experts = expert_parameters(program)
     if experts:
         source = ExpertSlices(source, experts, coords["ep"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import traceback
 
 import torch
@@ -137,8 +138,8 @@ class CompiledStep:
 
     def set_lr(self, lr: float) -> None:
         """Use this learning rate from the next step on (overrides the optimizer's lr/schedule)."""
-        if not isinstance(lr, (int, float)) or lr < 0:
-            raise FxShardError(f"set_lr needs a float >= 0, got {lr!r}")
+        if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+            raise FxShardError(f"set_lr needs a finite float >= 0, got {lr!r}")
         self._lr_override = float(lr)
 
     @property
@@ -261,7 +262,9 @@ class CompiledStep:
 
     def _arguments(self, leaves, program: Program | None = None):
         leaves = iter(leaves)
-        lr = torch.tensor(self.lr, dtype=torch.float32, device=self.device)
+        # the evaluation program updates nothing: it has no lr to ask the schedule for (which may end
+        # at the last training step)
+        lr = torch.tensor(self.lr if program is None else 0.0, dtype=torch.float32, device=self.device)
         # the optimizer's step count (1-based) counts applied updates: calls minus skipped steps
         step = torch.tensor(float(self.step_count + 1), dtype=torch.float32, device=self.device) - self._skipped
         args = []
@@ -329,10 +332,16 @@ class CompiledStep:
         return gather_shard(shard, self.groups[axis])
 
     def buffers(self) -> dict[str, torch.Tensor]:
-        return {name: value for (kind, name), value in self.state.items() if kind is InputKind.BUFFER}
+        """This rank's buffers, as copies (later steps do not change them)."""
+        return self._state_copies(InputKind.BUFFER)
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
-        return {name: value for (kind, name), value in self.state.items() if kind is InputKind.OPT_STATE}
+        """This rank's optimizer slots (`<param>.<slot>`, or the unit's under FSDP), as copies."""
+        return self._state_copies(InputKind.OPT_STATE)
+
+    def _state_copies(self, kind: InputKind) -> dict[str, torch.Tensor]:
+        self._raise_if_nonfinite()
+        return {name: value.detach().clone() for (held, name), value in self.state.items() if held is kind}
 
     def state_dict(self) -> dict:
         """This rank's training state for torch.distributed.checkpoint, by global names: `model.<name>`
