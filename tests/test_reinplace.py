@@ -61,6 +61,24 @@ def test_a_reader_after_the_update_keeps_the_functional_form():
     assert [n.args[0].name for n in kept] == [param.name]
 
 
+def test_a_metric_that_is_a_parameter_reports_its_value_before_the_update_and_stays_as_returned():
+    class Tempered(torch.nn.Module):  # a learnable temperature, reported: read through detach + view
+        def __init__(self):
+            super().__init__()
+            self.lin, self.temp = torch.nn.Linear(4, 4), torch.nn.Parameter(torch.ones(1))
+
+        def forward(self, x):
+            return (self.lin(x) * self.temp).pow(2).mean()
+
+    batch = {"x": torch.randn(8, 4, generator=torch.Generator().manual_seed(0))}
+    step = fxshard.shard(Tempered(), lambda m, b: (m(b["x"]), {"temp": m.temp}), batch, optimizer=ADAMW)
+    assert step.in_place_updates == 2  # the Linear's weight and bias; temp keeps the functional form
+    first = step(batch)["temp"]
+    assert first.item() == 1.0
+    step(batch)
+    assert first.item() == 1.0 and step.parameters()["temp"].item() < 1.0
+
+
 def test_shard_leaves_the_users_model_unchanged_and_parameters_are_snapshots():
     model = _model()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -65,8 +65,20 @@ def reinplace(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, int]:
 
 
 def _last_read_by(value: fx.Node, node: fx.Node, order: dict[fx.Node, int]) -> bool:
-    return (isinstance(value, fx.Node) and value.op == "placeholder"
-            and all(order[user] < order[node] for user in value.users if user is not node))
+    """`value` is a placeholder that nothing reads after `node`: neither the value itself nor any view
+    of it (a metric that is a parameter, `detach` then `view`, is read by the output, after the update)."""
+    if not (isinstance(value, fx.Node) and value.op == "placeholder"):
+        return False
+    pending = [value]
+    while pending:
+        for user in pending.pop().users:
+            if user is node:
+                continue
+            if order[user] > order[node]:
+                return False
+            if is_view(user):
+                pending.append(user)
+    return True
 
 
 def _temporary(value: fx.Node, node: fx.Node) -> bool:
