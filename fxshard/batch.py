@@ -51,7 +51,9 @@ class BatchSpec:
         return cls(treespec, tuple(leaves), devices.pop())
 
     def flatten(self, batch) -> list[torch.Tensor]:
-        """The batch's leaves, checked against the example's structure, shapes and dtypes."""
+        """The batch's leaves, checked against the example's structure, shapes and dtypes, made
+        contiguous (the program was traced, and its compiled regions generated, for contiguous leaves;
+        `tokens[:, :-1]` is not)."""
         flat, treespec = pytree.tree_flatten(batch)
         if treespec != self.treespec:
             got = ["batch" + pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(batch)[0]]
@@ -75,7 +77,7 @@ class BatchSpec:
                     f"convert it (.to({spec.dtype})) or shard() again with an example of that dtype")
             if leaf.device != self.device:
                 raise FxShardError(f"batch leaf {spec.path} is on {leaf.device}, the step runs on {self.device}")
-        return flat
+        return [leaf.contiguous() for leaf in flat]
 
     def unflatten(self, leaves):
         return pytree.tree_unflatten(list(leaves), self.treespec)

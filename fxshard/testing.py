@@ -99,7 +99,7 @@ class SimulatedRanks:
         lr = lr_at(self.optimizer, self.step_count) if lr is None else lr
         inputs = []
         for rank, batch in enumerate(local_batches):
-            leaves = iter(torch.utils._pytree.tree_leaves(batch))
+            leaves = iter(leaf.contiguous() for leaf in torch.utils._pytree.tree_leaves(batch))  # as BatchSpec.flatten
             args = []
             for spec in self.programs[rank].inputs:
                 if spec.kind is InputKind.BATCH:

@@ -25,9 +25,12 @@ def replay_compiler(graph_module, region):
 
 
 def token_batches(vocab, batch, seq, count, seed=0):
+    """Token batches whose leaves are non-contiguous views of one buffer, as a data loader's slices of
+    a token buffer are (the compiled code expects contiguous leaves: the step makes them so)."""
     generator = torch.Generator().manual_seed(seed)
-    return [{"idx": torch.randint(0, vocab, (batch, seq), generator=generator),
-             "tgt": torch.randint(0, vocab, (batch, seq), generator=generator)} for _ in range(count)]
+    pairs = [torch.stack([torch.randint(0, vocab, (batch, seq), generator=generator),
+                          torch.randint(0, vocab, (batch, seq), generator=generator)], dim=-1) for _ in range(count)]
+    return [{"idx": pair[..., 0], "tgt": pair[..., 1]} for pair in pairs]
 
 
 def fixed_sequence(graph_module: fx.GraphModule) -> list[tuple]:
