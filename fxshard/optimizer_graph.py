@@ -105,7 +105,9 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence
             position += len(own_slots)
 
         def squared(g):  # one reduction per gradient (vector_norm), not a squared copy summed afterwards
-            return torch.linalg.vector_norm(g, dtype=torch.float32).square()
+            # in fp32, or fp64 for fp64 gradients (vector_norm does not narrow); the norm is reported in fp32
+            wide = torch.float64 if g.dtype == torch.float64 else torch.float32
+            return torch.linalg.vector_norm(g, dtype=wide).square().to(torch.float32)
 
         def global_sum(local: dict) -> torch.Tensor:
             """The sum of `local`'s squares over every rank of each update's norm axes (every rank
@@ -115,7 +117,7 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence
                 by_groups[axes_of[name]].append(local[name])
             total = flat[count].new_zeros((), dtype=torch.float32)
             for groups, counted in by_groups.items():
-                part = torch.stack(counted or [torch.linalg.vector_norm(flat[count] * 0, dtype=torch.float32)]).sum()
+                part = torch.stack(counted or [squared(flat[count] * 0)]).sum()
                 for group in groups:
                     part = torch.ops._c10d_functional.wait_tensor(
                         torch.ops._c10d_functional.all_reduce(part, "sum", group))

@@ -189,7 +189,14 @@ class _ProgramBuilder:
             for i, name in enumerate(self.params):
                 if name in trainable:
                     grad_nodes[name] = self.accumulate(name, grad_nodes.get(name), grads[i])
-        for name, node in grad_nodes.items():
+        claimed = set()
+        for name, node in list(grad_nodes.items()):
+            if node in claimed:  # one node is the gradient of two parameters (y = W x + (a + b)): each its own
+                with self.graph.inserting_after(node):
+                    (node,) = inline(self.graph, lambda g: [torch.ops.aten.alias(g)], [node], fake_mode=self.fake_mode,
+                                     phase=meta.BWD, layer=meta.layer(node))
+                grad_nodes[name] = node
+            claimed.add(node)
             node.meta[meta.PARAM] = name
         mutations = {len(self.params) + i: node for i, node in enumerate(buffers) if node is not buffer_nodes[i]}
         if len(losses) > 1:

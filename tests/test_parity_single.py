@@ -104,3 +104,15 @@ def test_gradient_accumulation_over_microbatches_matches_the_whole_batch():
     with pytest.raises(fxshard.FxShardError, match="divisible by 4"):
         fxshard.trace(GPT(GPTConfig.preset("tiny")), model_loss, token_batches(64, 6, 8, 1)[0],
                       config=fxshard.Config(microbatches=4))
+
+
+def test_a_float64_model_trains_like_eager_float64():
+    """The gradient norm is taken in fp64 (vector_norm does not narrow), and AdamW's bias corrections
+    are fp64 as torch's host floats are: in fp32, 1 - 0.999 ** 1 cancels to 6e-6 of the first updates."""
+    from strategies import MLPStack, mse, regression_batch
+
+    generator = torch.Generator().manual_seed(0)
+    batches = [{k: v.double() for k, v in regression_batch(generator, 8).items()} for _ in range(4)]
+    torch.manual_seed(0)
+    parity = eager_parity(MLPStack([5, 3]).double(), mse, batches, fxshard.optim.AdamW(lr=1e-2))
+    assert parity.max_loss_rel < 1e-7 and parity.max_param_rel < 1e-6, parity

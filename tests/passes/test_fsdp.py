@@ -83,6 +83,24 @@ def test_parameters_smaller_than_the_world_do_not_corrupt_neighbours(strategy):
     assert all(unit.numel < 8 or unit.padding > 0 for unit in program.units if unit.numel % 8)
 
 
+class TwoBiases(torch.nn.Module):
+    """y = W x + (a + b): autograd gives a and b one gradient node."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(3, 1, bias=False)
+        self.a, self.b = torch.nn.Parameter(torch.randn(1)), torch.nn.Parameter(torch.randn(1))
+
+    def forward(self, x):
+        return self.w(x) + (self.a + self.b)
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+def test_parameters_that_share_one_gradient_node_each_get_theirs(strategy):
+    torch.manual_seed(0)
+    check_fsdp_matches(TwoBiases(), 2, strategy, ADAMW)
+
+
 def test_global_norm_clipping_uses_all_shards():
     torch.manual_seed(0)
     check_fsdp_matches(MLPStack([5, 3]), 3, "optim_grads_params", ADAMW, clip=0.05)
