@@ -252,11 +252,18 @@ class _Rewrite:
                 self.coords[axis] = self.placeholder(Input(InputKind.COORD, axis, (1,), torch.long), value)
 
     # ---- collectives --------------------------------------------------------------------------
-    def unit_meta(self, unit: FlatUnit) -> dict:
-        return {meta.UNIT: unit.name, meta.LAYER: meta.layer(self.old_placeholders[unit.members[0].name])}
+    def unit_meta(self, unit: FlatUnit, region: tuple | None = None) -> dict:
+        """A unit's collective and view nodes' metadata; with a (phase, microbatch) region, its microbatch
+        too (passes/interleave.py moves a microbatch's gathers with its compute, not with microbatch 0's)."""
+        found = {meta.UNIT: unit.name, meta.LAYER: meta.layer(self.old_placeholders[unit.members[0].name])}
+        if region is not None and not self.windows and region[1]:
+            found[meta.MICROBATCH] = region[1]
+        return found
 
-    def issue_all_gather(self, unit: FlatUnit, phase: str, shard: fx.Node | None = None) -> fx.Node:
-        """All-gather `shard` (default: the unit's parameter shard, cast to its compute dtype)."""
+    def issue_all_gather(self, unit: FlatUnit, phase: str, shard: fx.Node | None = None,
+                         region: tuple | None = None) -> fx.Node:
+        """All-gather `shard` (default: the unit's parameter shard, cast to its compute dtype) for
+        `region`."""
         world, axis = unit.world, unit.axis
         dtype = None
         if shard is None:  # gathering the parameters for compute: in their compute dtype
@@ -270,7 +277,7 @@ class _Rewrite:
             return [s if world == 1 else _c10d.all_gather_into_tensor(s, world, axis)]
 
         (gathered,) = inline(self.graph, gather, [shard], fake_mode=self.fake, phase=phase,
-                             extra_meta=self.unit_meta(unit))
+                             extra_meta=self.unit_meta(unit, region))
         if world > 1:
             gathered.meta[meta.COMM_BYTES] = unit.shard_numel * gathered.meta["val"].element_size()
         return gathered
@@ -287,7 +294,7 @@ class _Rewrite:
             return [full[m.offset:m.offset + m.numel].view(m.shape) for m in members]
 
         nodes = inline(self.graph, views, [issued if issued is not None else flat], fake_mode=self.fake,
-                       phase=phase, extra_meta=self.unit_meta(unit))
+                       phase=phase, extra_meta=self.unit_meta(unit, region))
         for member, node in zip(members, nodes):
             node.meta[meta.PARAM] = member.name
             self.views.setdefault(region, {})[member.name] = node
@@ -504,7 +511,7 @@ class _Rewrite:
             for unit in reduce_before.get(node, []):
                 reductions[unit.name] = self.reduce(unit)
             for unit, region, phase in issue_before.get(node, []):
-                issued_gathers[unit.name, region] = self.issue_all_gather(unit, phase)
+                issued_gathers[unit.name, region] = self.issue_all_gather(unit, phase, region=region)
                 if self.windows:
                     self.tag(issued_gathers[unit.name, region], self.zero.opened[region])
             for unit, region, phase in wait_before.get(node, []):

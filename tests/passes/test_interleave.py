@@ -103,6 +103,14 @@ def test_a_units_flat_gradient_stays_next_to_the_accumulation_it_reads(sharding,
                    for i in flat.all_input_nodes)
         between = [n.name for n in nodes[read:position[flat]] if is_communication(n)]
         assert not between, f"{flat.name} waits behind {between}"
+    # ZeRO-3's all-gathers carry their microbatch: each stays ahead of its use with compute in between
+    # (counted as microbatch 0's, a later microbatch's gathers were pulled next to their waits)
+    gathers = [n for n in nodes if n.target is c10d.all_gather_into_tensor.default and meta.phase(n) != meta.OPTIM]
+    assert bool(gathers) == (sharding == "optim_grads_params")
+    for gather in gathers:
+        (wait,) = gather.users
+        assert any(n.op == "call_function" and not is_communication(n) and n.target is not c10d.wait_tensor.default
+                   for n in nodes[position[gather] + 1:position[wait]]), (gather.name, meta.microbatch(gather))
 
 
 def test_dual_batch_does_not_switch_at_the_count_exchange():
