@@ -3,6 +3,7 @@ rejects a bad configuration before any process starts."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import sys
@@ -82,11 +83,13 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     state = initial_state(programs[-1], source, optimizer, coords, batch_spec.device)
     codegen = config.codegen == "inductor" or (config.codegen == "auto" and batch_spec.device.type == "cuda")
 
+    structure = _structure_of(model)
+
     def compile_evaluation() -> Program:  # step.evaluate's program, compiled on its first call
         from .runtime.evaluate import EvalMode, forward_only
 
-        with EvalMode(model):
-            evaluation = forward_only(_compile(model, loss_fn, example_batch, optimizer, mesh, config, (stage,))[-1])
+        with EvalMode(structure):
+            evaluation = forward_only(_compile(structure, loss_fn, example_batch, optimizer, mesh, config, (stage,))[-1])
         if config.dump_dir:
             evaluation.dump(config.dump_dir, len(programs) + 1)
         return evaluation
@@ -104,6 +107,22 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     if config.dump_dir or config.verbose:
         _report_lowerings(step, config, len(programs))
     return step
+
+
+def _structure_of(model: nn.Module) -> nn.Module:
+    """What step.evaluate traces later: a copy of `model` whose parameters and buffers are meta tensors
+    of the same shapes (tracing reads nothing else of them), so that the step does not keep the
+    user's model and its weights alive (under ZeRO-3 a whole unsharded copy per rank). Other tensor
+    attributes are copied as they are. A model that cannot be deep-copied is kept itself."""
+    memo = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if id(tensor) not in memo:
+            empty = tensor.detach().to("meta")
+            memo[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception:  # modules holding locks, streams, process groups: keep the model
+        return model
 
 
 def _check_devices(tensors: list[torch.Tensor], example_batch) -> None:

@@ -81,6 +81,27 @@ def test_evaluate_after_the_last_step_of_an_lr_schedule_does_not_ask_it_for_anot
         step(batches[0])  # training does ask it: a schedule's own error, as torch's LambdaLR would raise
 
 
+def test_the_step_keeps_neither_the_model_nor_its_weights_alive_and_still_evaluates():
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = DropoutRegressor()
+    batch = regression_batches(1)[0]
+    step = fxshard.shard(model, regression_loss, batch, optimizer=ADAMW)
+    weight, whole = weakref.ref(model.head.weight), weakref.ref(model)
+    del model
+    gc.collect()
+    assert weight() is None and whole() is None
+    step(batch)
+    reference = DropoutRegressor()
+    reference.load_state_dict(step.parameters())
+    reference.eval()
+    with torch.no_grad():
+        want = regression_loss(reference, batch).item()
+    assert abs(step.evaluate(batch)["loss"].item() - want) <= 1e-6 * abs(want)
+
+
 def test_evaluate_reports_the_metrics_of_a_moe_model():
     torch.manual_seed(0)
     model = MoEGPT(MoEGPTConfig.preset("tiny"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import traceback
+import weakref
 
 import torch
 import torch.fx as fx
@@ -84,7 +85,9 @@ class CompiledStep:
         self._evaluation_graph: EvaluationReplay | None = None  # with cuda_graphs, once training is captured
         self._codegen_on, self._codegen_by_layer, self._verbose = codegen, codegen_by_layer, verbose
         # the model's train/eval mode at shard(): changing it later changes nothing, which __call__ says once
-        self._model, self._traced_training = model, (model.training if model is not None else None)
+        # (a weak reference: the step must not keep the user's model and its weights alive)
+        self._model = weakref.ref(model) if model is not None else None
+        self._traced_training = model.training if model is not None else None
         run = self._bound(self.program)
         # optimizer updates write into the state tensors they read (see runtime/reinplace.py)
         self._run, self.in_place_updates = reinplace(run)
@@ -180,12 +183,13 @@ class CompiledStep:
         return metrics
 
     def _warn_if_mode_changed(self) -> None:
-        if self._model is None or self._model.training == self._traced_training:
+        model = self._model() if self._model is not None else None
+        if model is None or model.training == self._traced_training:
             return
         import warnings
 
         mode = {True: "train", False: "eval"}
-        warnings.warn(f"the model was switched to {mode[self._model.training]} mode after shard(); the compiled step "
+        warnings.warn(f"the model was switched to {mode[model.training]} mode after shard(); the compiled step "
                       f"keeps the mode it was traced in ({mode[self._traced_training]}). Use step.evaluate(batch) to "
                       f"evaluate (eval mode, no update)", stacklevel=3)
         self._model = None  # said once
