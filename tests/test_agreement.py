@@ -40,6 +40,26 @@ def mismatched_rank(kind):
     return None
 
 
+def one_group_disagrees():
+    """Mesh(dp=2, pp=2): rank 3's MLP is narrower, so one dp group disagrees (activations, which the pp
+    groups send, keep their shapes). Every rank stops at shard(), the other dp group's too."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", n_layer=2, d_ff=64 if dist.get_rank() == 3 else 96))
+    try:
+        fxshard.shard(model, lambda m, b: m.loss(b), tokens(4, 8), mesh=fxshard.Mesh(dp=2, pp=2),
+                      config=fxshard.Config(microbatches=2, collective_timeout_s=30))
+    except fxshard.FxShardError as error:
+        return str(error)
+    return None
+
+
+def test_a_disagreement_in_one_group_stops_the_ranks_of_every_group():
+    messages = run_local(one_group_disagrees, 4, backend="gloo")
+    assert all(messages), messages
+    assert sum("would issue different collectives" in m and "another rank" not in m for m in messages) == 2, messages
+    assert sum(m.startswith("another rank's group disagrees") for m in messages) == 2, messages
+
+
 def test_ranks_that_compiled_different_programs_fail_together_naming_the_first_difference():
     for kind in ("dp", "config", "pp"):
         messages = run_local(mismatched_rank, 2, kind, backend="gloo")

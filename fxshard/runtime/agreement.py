@@ -120,6 +120,8 @@ def _all_gather_text(text: str, group, device) -> list[str]:
     data = list(text.encode())
     lengths = _all_gather_lists([len(data)], group, device)
     longest = max(length for (length,) in lengths)
+    if longest == 0:
+        return [""] * len(lengths)
     padded = _all_gather_lists(data + [0] * (longest - len(data)), group, device)
     return [bytes(row[:length]).decode() for row, (length,) in zip(padded, lengths)]
 
@@ -137,10 +139,23 @@ _HINT = ("every rank must call shard with the same model, loss, optimizer, Confi
 
 
 def check_agreement(graph: fx.Graph, groups: dict, device: torch.device, stage: int | None = None) -> None:
-    """Raise FxShardError on every rank of a group whose members would issue different collectives
-    (or, in a pipeline, mismatched transfers). `groups`: mesh axis -> this rank's process group."""
+    """Raise FxShardError on every rank of the job when the members of some group would issue different
+    collectives (or, in a pipeline, mismatched transfers). `groups`: mesh axis -> this rank's process
+    group. Every rank takes part in every check, and then all of them learn the first problem found:
+    a rank whose own groups agree must not go on into collectives its failed peers never issue."""
     import torch.distributed as dist
 
+    problem = _disagreement(graph, groups, device, stage)
+    found = [text for text in _all_gather_text(problem or "", dist.group.WORLD, device) if text]
+    if found:
+        raise FxShardError(problem or f"another rank's group disagrees, so this job stops here too: {found[0]}")
+
+
+def _disagreement(graph: fx.Graph, groups: dict, device: torch.device, stage: int | None) -> str | None:
+    """The first disagreement in this rank's groups, described (or None)."""
+    import torch.distributed as dist
+
+    problem = None
     collectives = collective_sequences(graph)
     for axis in sorted(groups):  # the same order on every rank
         group = groups[axis]
@@ -153,10 +168,10 @@ def check_agreement(graph: fx.Graph, groups: dict, device: torch.device, stage: 
         index, entries = first_difference(members)
         ranks = dist.get_process_group_ranks(group)
         issued = "; ".join(f"rank {r}: {e if e else 'nothing (its program ends)'}" for r, e in zip(ranks, entries))
-        raise FxShardError(f"the ranks of group {axis!r} {ranks} would issue different collectives: collective "
-                           f"#{index + 1} on {axis!r} is {issued}. The job would hang or corrupt data there; {_HINT}")
+        problem = problem or (f"the ranks of group {axis!r} {ranks} would issue different collectives: collective "
+                              f"#{index + 1} on {axis!r} is {issued}. The job would hang or corrupt data there; {_HINT}")
     if stage is None or "pp" not in groups:
-        return
+        return problem
     group = groups["pp"]
     stages = dist.get_world_size(group)
     transfers = transfer_sequences(graph, stage)
@@ -165,11 +180,11 @@ def check_agreement(graph: fx.Graph, groups: dict, device: torch.device, stage: 
     bad = [(a, b) for a in range(stages) for b in range(a + 1, stages)
            if digests[a][b * size:(b + 1) * size] != digests[b][a * size:(a + 1) * size]]
     if not bad:
-        return
+        return problem
     texts = [_all_gather_text(_encode(transfers.get(peer, [])), group, device) for peer in range(stages)]
     a, b = bad[0]
     index, (mine, theirs) = first_difference([_decode(texts[b][a]), _decode(texts[a][b])])
-    raise FxShardError(f"pipeline stages {a} and {b} disagree on their transfers: #{index + 1} between them is "
+    return problem or (f"pipeline stages {a} and {b} disagree on their transfers: #{index + 1} between them is "
                        f"{mine or 'nothing'} on stage {a} and {theirs or 'nothing'} on stage {b}; {_HINT}")
 
 
