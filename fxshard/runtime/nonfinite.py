@@ -4,6 +4,7 @@ its experts, its pipeline stage's parameters)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -51,7 +52,8 @@ def nonfinite_error(step, number: int, last: int, grad_norm: float, flags: torch
     everyone = [mine]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
+        with (torch.cuda.device(step.device) if step.device.type == "cuda" else contextlib.nullcontext()):
+            dist.all_gather_object(everyone, mine)  # NCCL's object transfer uses the current device
     found = sorted(entry for entries in everyone for entry in entries)
     what = "the gradients are not finite"
     if found:
