@@ -51,8 +51,9 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     is_meta = any(t.is_meta for t in tensors)
     if is_meta and not all(t.is_meta for t in tensors):
         raise FxShardError("the model mixes meta-device and real tensors; build it wholly on one of them")
+    batch_spec = BatchSpec.from_example(example_batch)
     if not is_meta:
-        _check_devices(tensors, example_batch)
+        _check_devices(tensors, batch_spec.device)
     stage = coords.get("pp", 0)
     programs = _compile(model, loss_fn, example_batch, optimizer, mesh, config, (stage,))
     if programs[-1].stage is not None:
@@ -68,7 +69,6 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
             _dump_schedule(programs, mesh, config)
         if config.verbose:
             print(f"fxshard: wrote graph dumps to {config.dump_dir}", file=sys.stderr)
-    batch_spec = BatchSpec.from_example(example_batch)
     if groups:  # before anything is materialized: ranks that would issue different collectives stop here
         from .runtime.agreement import check_agreement, check_pipeline_streams, connect_pipeline_peers
 
@@ -125,11 +125,10 @@ def _structure_of(model: nn.Module) -> nn.Module:
         return model
 
 
-def _check_devices(tensors: list[torch.Tensor], example_batch) -> None:
+def _check_devices(tensors: list[torch.Tensor], batch: torch.device) -> None:
     """The state lives where the batch is. A model built on the host moves there (its own tensors stay
     as they are); a model on another accelerator device than its batch is a mistake to name now, not
     a raw device error in the first step (or, on one rank only, a hang of the others)."""
-    batch = BatchSpec.from_example(example_batch).device
     devices = {t.device for t in tensors}
     elsewhere = sorted(str(d) for d in devices if d != batch and d.type != "cpu")
     if elsewhere:

@@ -31,8 +31,8 @@ import torch.distributed.checkpoint as dcp
 from ..errors import FxShardError
 from .experts import ExpertLayout, convert_expert_tensors
 from .items import global_tensors, model_key, optimizer_key
-from .state import (PROGRESS, LoadPlanner, SavePlanner, apply_loaded, buffers_key, load_state_dict_into, own_buffers,
-                    rng_key, staging_state_dict, step_state_dict)
+from .state import (PROGRESS, LoadPlanner, SavePlanner, apply_loaded, buffers_key, key_differences,
+                    load_state_dict_into, own_buffers, rng_key, staging_state_dict, step_state_dict)
 
 MANIFEST = "fxshard.json"
 FORMAT = 1
@@ -373,11 +373,9 @@ def _check_keys(step, path, manifest, saved: dict, expected: dict) -> None:
     unexpected = sorted(set(tensors) - set(expected))
     mis_shaped = sorted(f"{key} {tuple(tensors[key].size)} != {tuple(shape)}" for key, shape in expected.items()
                         if shape is not None and key in tensors and tuple(tensors[key].size) != tuple(shape))
-    if missing or unexpected or mis_shaped:
-        parts = [f"{label} ({len(items)}): {', '.join(items[:8])}{', ...' if len(items) > 8 else ''}"
-                 for label, items in (("missing", missing), ("unexpected", unexpected),
-                                      ("shape differs", mis_shaped)) if items]
-        raise FxShardError(f"{path} is a checkpoint of another model: {'; '.join(parts)}. Shard the model it was "
+    problems = key_differences(missing, unexpected, mis_shaped)
+    if problems:
+        raise FxShardError(f"{path} is a checkpoint of another model: {problems}. Shard the model it was "
                            f"saved from (same config), or load weights by name with fxshard.load_hf")
 
 

@@ -218,30 +218,27 @@ def check_state_dict(step, state: dict, strict: bool) -> None:
     from ..errors import FxShardError
 
     shapes = global_tensors(step.programs[0])
-    problems = []
-    wrong = [f"{key} {tuple(value.shape)} != {shapes[key][0]}" for key, value in state.items()
-             if isinstance(value, torch.Tensor) and key in shapes and tuple(value.shape) != shapes[key][0]]
-    if wrong:
-        problems.append(f"shape differs ({len(wrong)}): " + _listed(wrong))
+    mis_shaped = sorted(f"{key} {tuple(value.shape)} != {shapes[key][0]}" for key, value in state.items()
+                        if isinstance(value, torch.Tensor) and key in shapes and tuple(value.shape) != shapes[key][0])
+    missing, unexpected = [], []
     if strict:
-        held = {piece.key for piece in pieces_of(step)}
-        missing = sorted(held - set(state))
+        missing = sorted({piece.key for piece in pieces_of(step)} - set(state))
         unexpected = sorted(key for key in state if key not in shapes and key != PROGRESS
                             and not re.fullmatch(r"(rng|buffers)\.rank\d+", str(key)))
-        if missing:
-            problems.append(f"missing ({len(missing)}): " + _listed(missing))
-        if unexpected:
-            problems.append(f"unexpected ({len(unexpected)}): " + _listed(unexpected))
+    problems = key_differences(missing, unexpected, mis_shaped)
     if problems:
         raise FxShardError(
-            f"load_state_dict: the state dict does not fit this step ({'; '.join(problems)}); nothing was "
-            f"loaded. Keys are `model.<parameter or buffer>` and `optim.<parameter>.<slot>` with the "
-            f"model's global shapes (step.state_dict() lists this rank's); load_state_dict(state, "
-            f"strict=False) loads the tensors present and ignores unknown keys")
+            f"load_state_dict: the state dict does not fit this step ({problems}); nothing was loaded. Keys are "
+            f"`model.<parameter or buffer>` and `optim.<parameter>.<slot>` with the model's global shapes "
+            f"(step.state_dict() lists this rank's); load_state_dict(state, strict=False) loads the tensors "
+            f"present and ignores unknown keys")
 
 
-def _listed(items: list[str], shown: int = 5) -> str:
-    return ", ".join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")
+def key_differences(missing: list[str], unexpected: list[str], mis_shaped: list[str], shown: int = 8) -> str:
+    """Keys that do not fit, as one line ("missing (2): a, b; shape differs (1): c (2,) != (3,)"), or ""."""
+    return "; ".join(f"{label} ({len(items)}): {', '.join(items[:shown])}{', ...' if len(items) > shown else ''}"
+                     for label, items in (("missing", missing), ("unexpected", unexpected),
+                                          ("shape differs", mis_shaped)) if items)
 
 
 def load_state_dict_into(step, state: dict, targets: dict) -> None:
