@@ -94,7 +94,11 @@ def train_zero3_compiled(batches):
     step = fxshard.shard(MODELS["gpt"](), lambda m, b: m.loss(b), local_part(batches[0], rank), optimizer=ADAMW,
                          mesh=fxshard.Mesh(dp=world), config=fxshard.Config(codegen="inductor"))
     losses = [step(local_part(batch, rank))["loss"].item() for batch in batches]
-    return losses, step.parameters(), step.codegen.count("compiled"), step.codegen.count("fallback")
+    gathers = sum(n.target is torch.ops._c10d_functional.all_gather_into_tensor.default for n in step.program.graph.nodes)
+    code = step.runtime_code()
+    lowered = (step.gloo_all_gathers, gathers, code.count("fxshard.gloo_all_gather_into_tensor"),
+               code.count("_c10d_functional.all_gather_into_tensor"))
+    return losses, step.parameters(), step.codegen.count("compiled"), step.codegen.count("fallback"), lowered
 
 
 def test_zero3_with_codegen_matches_single_device_eager():
@@ -102,8 +106,10 @@ def test_zero3_with_codegen_matches_single_device_eager():
     batches = token_batches(world, STEPS, LOCAL_BATCH, SEQ)
     per_rank = run_local(train_zero3_compiled, world, batches, backend="gloo")
     ref_losses, ref_params = eager_reference("gpt", batches, world)
-    for losses, params, compiled, fallbacks in per_rank:
+    for losses, params, compiled, fallbacks, (lowered, gathers, in_code, functional_in_code) in per_rank:
         assert compiled > 0 and fallbacks == 0
+        # every all-gather runs through gloo's _allgather_base (fxshard/runtime/gloo.py), outside the regions
+        assert lowered == gathers == in_code > 0 and functional_in_code == 0, (lowered, gathers, in_code)
         for step, (ours, eager) in enumerate(zip(losses, ref_losses)):
             assert abs(ours - eager) / abs(eager) < 1e-5, (step, ours, eager)
         # Inductor's fused reductions round differently; AdamW's 1/sqrt(v) magnifies that where a

@@ -14,11 +14,13 @@ from ..batch import BatchSpec
 from ..errors import FxShardError
 from ..optim import Optimizer, lr_at
 from ..program import InputKind, OutputKind, Program
+from ..ops.gloo import GLOO_ALL_GATHER
 from ..ops.p2p import P2P_OPS
 from ..codegen import CodegenReport, compile_regions, progress_printer
 from .nonfinite import was_skipped
 from .carveout import carve_out_sms_for_all_to_alls
 from .copy_engine import CopyEngineLowering, Watch, lower_to_copy_engines, marker
+from .gloo import gloo_group_names, lower_gloo_all_gathers
 from .reinplace import reinplace
 from .state import State, every_stage_parameters, full_parameters, gather_shard
 
@@ -89,6 +91,8 @@ class CompiledStep:
         self._model = weakref.ref(model) if model is not None else None
         self._traced_training = model.training if model is not None else None
         run = self._bound(self.program)
+        # all-gathers issued through gloo's _allgather_base (runtime/gloo.py)
+        self.gloo_all_gathers = sum(node.target is GLOO_ALL_GATHER for node in run.graph.nodes)
         # optimizer updates write into the state tensors they read (see runtime/reinplace.py)
         self._run, self.in_place_updates = reinplace(run)
         self.sm_carveout_stretches = 0  # runs of matmuls inside all-to-all windows that run narrower, CUDA only
@@ -124,16 +128,19 @@ class CompiledStep:
         return self.copy_engine.all_to_alls
 
     def _bound(self, program: Program) -> fx.GraphModule:
-        """The program's graph with its collectives naming this rank's process groups."""
+        """The program's graph with its collectives naming this rank's process groups (all-gathers on
+        gloo groups issued through the entry point that is sound with several in flight)."""
         if not self.groups:
             return program.graph_module
-        return bind_groups(program, {axis: g.group_name for axis, g in self.groups.items()})
+        run = bind_groups(program, {axis: g.group_name for axis, g in self.groups.items()})
+        return lower_gloo_all_gathers(run, gloo_group_names(self.groups))[0]
 
     def lowerings(self) -> str:
         """One line: what the runtime changed in the program before running it."""
         return (f"runtime lowerings of {self.program.name!r}: {self.in_place_updates} in-place optimizer updates, "
                 f"{self.copy_engine.line()}, {self.sm_carveout_stretches} "
-                f"SM-carveout stretches; {self.codegen.line() if self.codegen else 'codegen: off (aten replay)'}")
+                f"SM-carveout stretches, {self.gloo_all_gathers} gloo all-gathers through _allgather_base; "
+                f"{self.codegen.line() if self.codegen else 'codegen: off (aten replay)'}")
 
     def runtime_code(self) -> str:
         """The readable code of the graph this step runs (the program after the runtime lowerings)."""
@@ -318,7 +325,8 @@ class CompiledStep:
             node = nodes.get(frame.line.split("=")[0].strip())
             if node is not None and node.target is torch.ops._c10d_functional.wait_tensor.default:
                 node = node.args[0]
-            if node is None or not (node.target in P2P_OPS or node.target in meta.COLLECTIVE_ISSUES):
+            if node is None or not (node.target in P2P_OPS or node.target in meta.COLLECTIVE_ISSUES
+                                    or node.target is GLOO_ALL_GATHER):
                 return None
             return describe(node, axes.get(node.args[-1], node.args[-1]))
         return None
