@@ -101,6 +101,38 @@ _PLAIN = {_aten._to_copy.default, _aten.clone.default, _aten.alias.default, _ate
           operator.getitem}
 
 
+# Row-wise ops that give zero rows where the rows they read are zero: the output is zero where ...
+_ZERO_IF_FIRST = {  # ... the first argument is (a function f with f(0) = 0, a gradient times something)
+    _aten.relu.default, _aten.gelu.default, _aten.silu.default, _aten.tanh.default, _aten.neg.default,
+    _aten.abs.default, _aten.sin.default, _aten.sign.default, _aten.mul.Scalar, _aten.div.Scalar,
+    _aten.div.Tensor, _aten.threshold_backward.default, _aten.gelu_backward.default, _aten.silu_backward.default,
+    _aten.tanh_backward.default, _aten.sigmoid_backward.default, _aten.transpose.int, _aten.permute.default,
+    *_PLAIN, *_VIEWS, *(op for op in _ALONG_DIM if op not in (_aten.cat.default, _aten.slice_scatter.default,
+                                                              _aten.select_scatter.default))}
+_ZERO_IF_ANY = {_aten.mul.Tensor}  # ... any argument is
+_ZERO_IF_ALL = {_aten.add.Tensor, _aten.sub.Tensor}  # ... every argument is (a number must be 0)
+_SCATTERS = {_aten.slice_scatter.default, _aten.select_scatter.default}  # ... the base and what lands in it are
+
+
+def _zero_rows_stay_zero(node: fx.Node, is_zero) -> bool:
+    """Whether `node` is zero in the rows where the region's values it reads are (`is_zero(input)`),
+    known from its op; False where not known."""
+    target = node.target
+    if target is _aten.cat.default:
+        return all(is_zero(a) for a in node.args[0])
+    if target is _aten.pow.Tensor_Scalar:
+        return isinstance(node.args[1], (int, float)) and node.args[1] > 0 and is_zero(node.args[0])
+    if target in _ZERO_IF_FIRST:
+        return isinstance(node.args[0], fx.Node) and is_zero(node.args[0])
+    if target in _ZERO_IF_ANY:
+        return any(isinstance(a, fx.Node) and is_zero(a) for a in node.args)
+    if target in _ZERO_IF_ALL:
+        return all(is_zero(a) if isinstance(a, fx.Node) else a == 0 for a in node.args)
+    if target in _SCATTERS:
+        return all(isinstance(a, fx.Node) and is_zero(a) for a in node.args[:2])
+    return False
+
+
 def _val(node):
     return node.meta.get("val") if isinstance(node, fx.Node) else node
 
@@ -227,6 +259,13 @@ class _Rewrite:
                                                       facts["capacity"], rows, facts.get("distinct", False))
                 self.size_buffers(layer)
             self.layer_of[seed] = layer
+            for argument, role in zip(seed.args, arg_roles):
+                if role == "weight" and isinstance(argument, fx.Node) and _val(argument).shape[0] != layer.experts:
+                    raise FxShardError(
+                        f"{seed.name} ({seed.target}) in MoE layer {layer.name} takes {argument.name}, expert "
+                        f"weights for {_val(argument).shape[0]} experts, but the layer routes its tokens among "
+                        f"{layer.experts} (fxshard.moe.dispatch's n_experts); expert parallelism splits both, so "
+                        f"they must agree")
         # The expert region: expert ops, their tuple items, and the row-wise ops between two expert ops.
         downstream = set(self.layer_of)
         for node in self.old.nodes:
@@ -325,6 +364,7 @@ class _Rewrite:
         self.received: dict[tuple[fx.Node, int], fx.Node] = {}  # (entry, chunk) -> rows, expert order
         self.returned: dict[tuple[fx.Node, int], fx.Node] = {}  # (exit, chunk) -> issued all-to-all
         self.exits: dict[fx.Node, fx.Node] = {}
+        self.zero_rows: dict[fx.Node, bool] = {}  # zero_where_unowned, per node
         self.emitted_parts: set[tuple[int, str]] = set()
         self.inputs: list[Input] = []
         for spec, node in zip(self.program.inputs, self.program.placeholders()):
@@ -447,6 +487,21 @@ class _Rewrite:
             (self.chunk_env[key],) = self.inline(layer, lambda w: [w[low:high]], [self.env[source]], phase,
                                                  "experts", chunk)
         return self.chunk_env[key]
+
+    def zero_where_unowned(self, node: fx.Node) -> bool:
+        """`node`'s rows past the last expert's (under a capacity, those of dropped assignments: the
+        rows `finish_exit` fills with zeros) are zero on one device: expert ops write zeros there, and
+        `_zero_rows_stay_zero` follows them through the region. Anything else (a row that came from
+        outside, a bias added) is not known to be zero there."""
+        if node not in self.zero_rows:
+            source = node.args[0] if node.target is operator.getitem else node
+            if isinstance(source, fx.Node) and source.target in self.roles:  # an expert op's row result
+                self.zero_rows[node] = True
+            elif node not in self.region:
+                self.zero_rows[node] = False
+            else:
+                self.zero_rows[node] = _zero_rows_stay_zero(node, self.zero_where_unowned)
+        return self.zero_rows[node]
 
     def is_exit(self, node: fx.Node) -> bool:
         return any(user not in self.region for user in node.users)
@@ -649,6 +704,13 @@ class _Rewrite:
             padded = torch.cat([*values, values[0].new_zeros(1, *values[0].shape[1:])])
             return [padded.index_select(0, slot)]
 
+        if layer.capacity is not None and not self.zero_where_unowned(node):
+            raise FxShardError(
+                f"{node.name} ({node.target}) is computed inside the experts of MoE layer {layer.name} and read "
+                f"outside them. With a capacity, the rows no expert owns (dropped assignments) hold there what that "
+                f"computation makes of a zero row; expert parallelism returns zeros for them, and only the expert "
+                f"ops' own results are zero there. Read only the experts' outputs outside them, route without a "
+                f"capacity (dropless), or train without Mesh(ep)")
         if (node, 0) not in self.returned:
             raise FxShardError(
                 f"{node.name} ({node.target}), a result of the experts of MoE layer {layer.name}, is read back inside "

@@ -301,13 +301,19 @@ def test_a_users_moe_block_gets_expert_parallelism_too(capacity, overlap, mesh):
     world, ep = mesh
     torch.manual_seed(0)
     model = ScaledExpertsMoE(capacity=capacity)
-    sgd = fxshard.optim.SGD(lr=0.5)
 
     def loss_fn(m, batch):
         return torch.nn.functional.cross_entropy(m(batch["idx"]), batch["tgt"].flatten())
 
-    local = batches_for(world, 1, rows=2, seq=4, vocab=16)[0]
     config = fxshard.Config(ep_overlap=overlap, ep_chunks=2, layers=("blocks.*",))
+    assert_ep_step_like_the_traced_program(model, loss_fn, world, ep, config)
+
+
+def assert_ep_step_like_the_traced_program(model, loss_fn, world, ep, config):
+    """One SGD step under Mesh(dp=world, ep=ep) on the simulator against the traced single-device
+    program run on each rank's batch: the mean loss, and parameters updated by the mean gradient."""
+    sgd = fxshard.optim.SGD(lr=0.5)
+    local = batches_for(world, 1, rows=2, seq=4, vocab=16)[0]
     traced = fxshard.trace(model, loss_fn, local[0], optimizer=sgd, config=config)
     program = run_pipeline(traced, fxshard.Mesh(dp=world, ep=ep), config)[-1]
     assert "ep" in program.notes
@@ -319,6 +325,51 @@ def test_a_users_moe_block_gets_expert_parallelism_too(capacity, overlap, mesh):
     reference = [s.parameters() for s in singles]
     for name, value in ranks.parameters().items():
         assert torch.allclose(value, sum(r[name] for r in reference) / world, rtol=1e-5, atol=1e-6), name
+
+
+class _HiddenReadOutside(torch.nn.Module):
+    """An MoE layer whose hidden activation, relu(h + b) (not zero where h is), also feeds the loss."""
+
+    def __init__(self, capacity, weight_experts=4):
+        super().__init__()
+        self.capacity = capacity
+        self.embed = torch.nn.Embedding(16, 8)
+        self.router = torch.nn.Linear(8, 4, bias=False)
+        self.w1 = torch.nn.Parameter(torch.randn(weight_experts, 6, 8) * 0.3)
+        self.b1 = torch.nn.Parameter(torch.rand(6) + 0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(weight_experts, 8, 6) * 0.3)
+        self.head = torch.nn.Linear(8, 16)
+
+    def forward(self, idx):
+        from fxshard import moe
+        from fxshard.ops import grouped_mm
+
+        x = self.embed(idx).flatten(0, 1)
+        weights, chosen = torch.softmax(self.router(x), -1).topk(2, dim=-1)
+        routed = moe.dispatch(x, chosen, 4, self.capacity, distinct=True)
+        hidden = torch.relu(grouped_mm(routed.rows, routed.offsets, self.w1) + self.b1)
+        out = grouped_mm(hidden, routed.offsets, self.w2)
+        return self.head(x + moe.combine(out, routed, weights, x.shape[0])), hidden.square().mean()
+
+    @staticmethod
+    def loss(model, batch):
+        logits, penalty = model(batch["idx"])
+        return torch.nn.functional.cross_entropy(logits, batch["tgt"].flatten()) + 0.1 * penalty
+
+
+def test_a_value_of_the_experts_read_outside_them_is_refused_under_a_capacity():
+    """Dropped rows hold f(0) on one device and zeros under EP: refused with a capacity, exact without."""
+    torch.manual_seed(0)
+    assert_ep_step_like_the_traced_program(_HiddenReadOutside(capacity=None), _HiddenReadOutside.loss, 2, 2,
+                                           fxshard.Config())
+    batch = batches_for(1, 1, rows=2, seq=4, vocab=16)[0][0]
+    program = fxshard.trace(_HiddenReadOutside(capacity=0.5), _HiddenReadOutside.loss, batch)
+    with pytest.raises(fxshard.FxShardError, match="read outside them. With a capacity"):
+        expert_parallel(program, EPConfig(2))
+    program = fxshard.trace(_HiddenReadOutside(capacity=None, weight_experts=8), _HiddenReadOutside.loss, batch)
+    with pytest.raises(fxshard.FxShardError, match="expert weights for 8 experts, but the layer routes its "
+                                                   "tokens among 4"):
+        expert_parallel(program, EPConfig(2))
 
 
 class _SlotExperts(torch.nn.Module):
