@@ -19,7 +19,9 @@ move the weight-gradient node later; it is one node, so it runs once). A group i
   - the activation's backward nodes read only the group's values and feed only gw1/gx;
   - both expert weights are trained (their weight gradients exist) and no bias sits between;
   - every GEMM of the group uses the same row layout (ragged, or the same capacity slots), which
-    the fused op then takes (`capacity`).
+    the fused op then takes (`capacity`);
+  - the shapes are the fused op's (D -> F -> D, the experts agreeing);
+  - it shares no GEMM with a group fused before it (a chain of three expert GEMMs fuses its first two).
 
 Invariant: the fused program computes the same loss, gradients and updates as its input (the fused
 op's forward and backward are the same functions; CPU property tests compare them numerically).
@@ -36,7 +38,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from fxshard import meta
 from fxshard.graph import call_argument, fake_mode_of, inline
-from fxshard.ops.grouped_mlp import grouped_mlp_dgrad, grouped_mlp_fwd, grouped_mlp_wgrad
+from fxshard.errors import FxShardError
+from fxshard.ops.grouped_mlp import check_arguments, grouped_mlp_dgrad, grouped_mlp_fwd, grouped_mlp_wgrad
 from fxshard.ops.grouped_mlp_backends import ACTIVATIONS
 from fxshard.program import Program
 
@@ -84,13 +87,27 @@ def fuse_grouped_mlp(program: Program) -> Program:
 
 def find_groups(graph: fx.Graph) -> list[_Group]:
     """Every fusable expert MLP in `graph` (see the module docstring for the conditions)."""
-    groups = []
+    groups, owned, read = [], set(), set()
     for y in graph.nodes:
         if y.target is _GROUPED_MM and meta.phase(y) == meta.FWD:
             group = _match(y)
-            if group is not None:
-                groups.append(group)
+            if group is None:
+                continue
+            # a chain of three GEMMs matches twice, sharing a GEMM: fusing the first group removes nodes
+            # the second one reads, so a group that overlaps one taken earlier stays unfused
+            mine = _owned(group)
+            if mine & (owned | read) or {group.x, group.grad_y} & owned:
+                continue
+            groups.append(group)
+            owned |= mine
+            read |= {group.x, group.grad_y}
     return groups
+
+
+def _owned(group: _Group) -> set[fx.Node]:
+    """The nodes fusing `group` replaces."""
+    return {group.h, *group.chain, group.y, group.grad_a, group.grad_w2, *group.act_backward, group.grad_h,
+            group.grad_w1, *([group.grad_x] if group.grad_x is not None else [])}
 
 
 def _match(y: fx.Node) -> _Group | None:
@@ -104,6 +121,8 @@ def _match(y: fx.Node) -> _Group | None:
             _capacity(h) != capacity:
         return None
     x, _, w1 = h.args[:3]
+    if not _fits_the_fused_op(x, offsets, w1, w2, activation, capacity):  # e.g. D -> F -> D2 with D2 != D
+        return None
     grad_w2 = _only(u for u in a.users if u.target is _WGRAD and u.args[1] is a and u.args[2] is offsets
                     and _capacity(u) == capacity)
     if grad_w2 is None:
@@ -123,6 +142,18 @@ def _match(y: fx.Node) -> _Group | None:
     group = _Group(x, offsets, w1, w2, h, chain, y, activation, limit, grad_y, grad_a, grad_w2, act_backward,
                    grad_h, grad_w1, grad_x, capacity)
     return group if _self_contained(group) else None
+
+
+def _fits_the_fused_op(x, offsets, w1, w2, activation, capacity) -> bool:
+    """The group's shapes are ones `grouped_mlp` takes ([E, F, D] then [E, D, F]; counts agree)."""
+    values = [node.meta.get("val") for node in (x, offsets, w1, w2)]
+    if not all(isinstance(value, torch.Tensor) for value in values):
+        return False
+    try:
+        check_arguments(*values, activation, capacity)
+    except FxShardError:
+        return False
+    return True
 
 
 def _capacity(node: fx.Node):

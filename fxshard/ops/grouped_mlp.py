@@ -52,7 +52,8 @@ def _bias_rows(bias: Tensor, offsets: Tensor, rows: int, capacity: int | None = 
     return padded.index_select(0, expert_of_rows(offsets, rows, capacity))
 
 
-def _check(x, offsets, w1, w2, activation, capacity=None):
+def check_arguments(x, offsets, w1, w2, activation, capacity=None):
+    """Raise FxShardError unless grouped_mlp takes these (x [T, D], w1 [E, F, D], w2 [E, D, F], E offsets)."""
     if activation not in ACTIVATIONS:
         raise FxShardError(f"grouped_mlp: activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
     width = w2.shape[2] * (2 if ACTIVATIONS[activation].gated else 1)
@@ -68,7 +69,7 @@ def _check(x, offsets, w1, w2, activation, capacity=None):
 def grouped_mlp_fwd(x: Tensor, offsets: Tensor, w1: Tensor, w2: Tensor, b1: Optional[Tensor],
                     b2: Optional[Tensor], activation: str, limit: float,
                     capacity: Optional[int] = None) -> tuple[Tensor, Tensor]:
-    _check(x, offsets, w1, w2, activation, capacity)
+    check_arguments(x, offsets, w1, w2, activation, capacity)
     backend = backend_for(x, w1, w2)
     h = backend.gemm(x, offsets, w1, zero_tail=False, capacity=capacity)  # the activation kernels mask
     if b1 is not None:                                                     # the rows no expert owns
@@ -81,7 +82,7 @@ def grouped_mlp_fwd(x: Tensor, offsets: Tensor, w1: Tensor, w2: Tensor, b1: Opti
 
 @grouped_mlp_fwd.register_fake
 def _fwd_fake(x, offsets, w1, w2, b1, b2, activation, limit, capacity=None):
-    _check(x, offsets, w1, w2, activation, capacity)
+    check_arguments(x, offsets, w1, w2, activation, capacity)
     return x.new_empty(x.shape[0], w2.shape[1]), x.new_empty(x.shape[0], w1.shape[1])
 
 

@@ -35,7 +35,8 @@ class Experts(nn.Module):
         super().__init__()
         width = 2 * d_ff if kind in LOOK_ALIKES or ACTIVATIONS[kind].gated else d_ff
         self.w1 = nn.Parameter(torch.randn(experts, width, d_model) * 0.3)
-        self.w2 = nn.Parameter(torch.randn(experts, d_model, d_ff) * 0.3)
+        self.w_mid = nn.Parameter(torch.randn(experts, d_ff, d_ff) * 0.3) if extra == "chain" else None
+        self.w2 = nn.Parameter(torch.randn(experts, d_model + (extra == "wider_output"), d_ff) * 0.3)
         self.b1 = nn.Parameter(torch.randn(width) * 0.1) if extra == "bias" else None
         self.kind, self.extra, self.d_ff = kind, extra, d_ff
 
@@ -52,8 +53,12 @@ class Experts(nn.Module):
             a = ACTIVATIONS[self.kind].torch(h, 7.0)
         else:
             a = LOOK_ALIKES[self.kind](h, self.d_ff)
+        if self.extra == "chain":  # a third GEMM: (h, mid) and (mid, y) both match, sharing mid
+            a = torch.relu(grouped_mm(a, offsets, self.w_mid))
         second = offsets.flip(0).cumsum(0).to(torch.int32) if self.extra == "other_offsets" else offsets
         y = grouped_mm(a, second, self.w2)
+        if self.extra == "wider_output":  # D -> F -> D + 1: the fused op's shapes do not fit
+            y = y[:, :-1]
         if self.extra == "reads_h":
             y = y + h[:, :1]
         if self.extra == "reads_a":
@@ -135,6 +140,18 @@ def test_look_alike_activations_are_left_alone(kind, experts, d_ff):
 def test_extra_consumers_biases_and_mismatched_offsets_block_the_fusion(extra, activation, experts):
     torch.manual_seed(0)
     _, fused, expected, actual = run_both(Net(4, 3, experts, activation, extra, 1), 6)
+    assert count_fused(fused) == 0
+    for ours, want in zip(actual, expected):
+        assert torch.equal(ours, want)
+
+
+def test_a_chain_of_three_expert_gemms_is_fused_once_and_a_wider_output_not_at_all():
+    torch.manual_seed(0)
+    _, fused, expected, actual = run_both(Net(4, 4, 2, "relu", "chain", 1), 6)
+    assert count_fused(fused) == 1
+    for ours, want in zip(actual, expected):
+        torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-6)
+    _, fused, expected, actual = run_both(Net(4, 3, 2, "relu", "wider_output", 1), 6)
     assert count_fused(fused) == 0
     for ours, want in zip(actual, expected):
         assert torch.equal(ours, want)
