@@ -81,7 +81,7 @@ from fxshard.layers import find_layers  # noqa: E402
 from fxshard.models import GPT, GPTConfig  # noqa: E402
 from fxshard.models.blocks import rope_tables  # noqa: E402
 from fxshard.passes.pipeline import assign_layers  # noqa: E402
-from fxshard.schedule import build, simulate  # noqa: E402
+from fxshard.schedule import build, simulate, unit_costs  # noqa: E402
 from common import device_name, write_json  # noqa: E402
 
 # fxshard schedule -> (Config(schedule=...), virtual stages)
@@ -381,9 +381,7 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
 def simulated_bubble(schedule_name: str, stages: int, microbatches: int, virtual: int) -> float:
     """The simulator's mean idle fraction: F=1, B=2, or F=1, B=1, W=1 where W is split off."""
     schedule = build(schedule_name, stages, microbatches, virtual)
-    splits_w = any(a.kind == "W" for actions in schedule.ranks for a in actions)
-    cost = {"F": 1.0, "B": 1.0, "W": 1.0} if splits_w else {"F": 1.0, "B": 2.0}
-    return simulate(schedule, cost).bubble_fraction
+    return simulate(schedule, unit_costs(schedule)).bubble_fraction
 
 
 def unavailable_schedule(name: str, stages: int, microbatches: int) -> str | None:

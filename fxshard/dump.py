@@ -312,11 +312,12 @@ def dump_schedule(schedule, plan, directory, pairs=()) -> list[str]:
     """A pipeline stage's schedule next to its programs: `pipeline.txt` (every rank's actions as the
     schedule gives them and as the lowered programs issue them, the combined 1F1B's interleaved
     pairs, ZeRO's collectives, the simulator's makespan / bubble / peak activations) and
-    `pipeline.svg` (timeline, one lane per rank, backward = 2x forward)."""
-    from .schedule import Schedule, issue_order, simulate, to_svg
+    `pipeline.svg` (timeline, one lane per rank; `unit_costs`: backward = 2x forward, or B = W = F
+    where W is split off)."""
+    from .schedule import Schedule, issue_order, simulate, to_svg, unit_costs
 
     os.makedirs(directory, exist_ok=True)
-    simulation = simulate(schedule, {"F": 1.0, "B": 2.0})
+    simulation = simulate(schedule, unit_costs(schedule))
     issued = Schedule(issue_order(schedule), schedule.stages, schedule.virtual, schedule.microbatches, schedule.name,
                       schedule.placement)
     lines = [f"schedule {schedule.name}: P={schedule.stages} V={schedule.virtual} M={schedule.microbatches} "

@@ -12,8 +12,9 @@ A group name may stand for several disjoint groups (every expert-parallel group 
 give it a list of rank lists, e.g. `{"ep": [[0, 1], [2, 3]]}` (`Mesh.all_groups()` builds them).
 
 Point-to-point (`fxshard::send` / `fxshard::recv`, fxshard/ops/p2p.py) is a mailbox per (sender,
-receiver): a send delivers and goes on, a receive pauses its rank until the message is there.
-Messages between two ranks match in order, and a receive checks the message's shape and dtype.
+receiver): a send delivers and goes on, a receive is numbered where it is issued and pauses its rank
+where the program waits for it (`wait_tensor`), until its message is there. Messages between two
+ranks match in issue order, and a receive checks the message's shape and dtype.
 This is the lenient model (nothing but data dependencies can block); the stricter one of NCCL's
 in-order streams is checked on the schedule itself (`fxshard.schedule.check_point_to_point`).
 """
@@ -54,6 +55,7 @@ class Collective:
     input_split_sizes: Sequence[int] | None = None
     src: int | None = None
     peer: int | None = None  # point-to-point: the other rank's index in the group
+    ticket: int | None = None  # a receive: its place among the receives from its peer (set where issued)
     # a copy-engine collective (fxshard/runtime/copy_engine.py): (byte offset, workspace bytes, copied out)
     region: tuple[int, int, bool] | None = None
 
@@ -103,8 +105,16 @@ def _request(node: fx.Node, args, kwargs) -> Collective | None:
     return None
 
 
+@dataclass
+class _Posted:
+    """A receive issued and not yet waited for: what its node holds until its `wait_tensor`."""
+
+    request: Collective
+
+
 def _run_rank(gm: fx.GraphModule, inputs: Sequence[Any]):
-    """Generator: yields a Collective at each collective node and expects its result back."""
+    """Generator: yields a Collective at each collective node and expects its result back (a
+    receive: its ticket where it is issued, its message where it is waited for)."""
     env: dict[fx.Node, Any] = {}
     feed = iter(inputs)
     for node in gm.graph.nodes:
@@ -119,9 +129,17 @@ def _run_rank(gm: fx.GraphModule, inputs: Sequence[Any]):
             args = fx.node.map_arg(node.args, env.__getitem__)
             kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
             if node.target is _c10d.wait_tensor.default:
-                env[node] = args[0]
+                value = args[0]
+                env[node] = (yield value.request) if isinstance(value, _Posted) else value
                 continue
+            if any(isinstance(a, _Posted) for a in args):
+                raise FxShardError(f"{node.name} reads a received tensor before the program waits for it "
+                                   f"(wait_tensor): a program fxshard's passes did not build?")
             request = _request(node, args, kwargs)
+            if request is not None and request.op == "recv":
+                yield request  # numbered among the receives from its peer; the rank goes on
+                env[node] = _Posted(request)
+                continue
             env[node] = (yield request) if request is not None else node.target(*args, **kwargs)
         elif node.op == "call_module":  # a compiled region (fxshard/codegen.py): compute only, no collectives
             args = fx.node.map_arg(node.args, env.__getitem__)
@@ -176,6 +194,7 @@ def simulate(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[Any]],
     pending: dict[int, Collective] = {}
     outputs: dict[int, Any] = {}
     mail: dict[tuple[int, int], list[torch.Tensor]] = {}  # (sender, receiver) -> messages in order
+    posted: dict[tuple[int, int], int] = {}  # (sender, receiver) -> receives issued so far
     workspaces = {} if workspaces is None else workspaces  # (rank, group) -> its copy-engine workspace
 
     def advance(rank: int, value=None):
@@ -185,6 +204,12 @@ def simulate(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[Any]],
             except StopIteration as done:
                 outputs[rank] = done.value
                 return
+            if request.op == "recv" and request.ticket is None:  # issued: number it, go on
+                pair = (_peer(groups, request, rank), rank)
+                request.ticket = posted.get(pair, 0)
+                posted[pair] = request.ticket + 1
+                value = None
+                continue
             if request.op != "send":
                 pending[rank] = request
                 return
@@ -197,10 +222,10 @@ def simulate(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[Any]],
         for rank, request in list(pending.items()):
             if request.op != "recv":
                 continue
-            messages = mail.get((_peer(groups, request, rank), rank))
-            if not messages:
+            messages = mail.get((_peer(groups, request, rank), rank), [])
+            if len(messages) <= request.ticket:
                 continue
-            message = messages.pop(0)
+            message, messages[request.ticket] = messages[request.ticket], None
             if message.shape != request.tensor.shape or message.dtype != request.tensor.dtype:
                 raise FxShardError(f"rank {rank}: {request} got a message of shape {tuple(message.shape)}, "
                                    f"{message.dtype}: sends and receives between two ranks do not match in order")

@@ -152,6 +152,14 @@ def run_pipeline(program: Program, mesh, config, pipeline: list[Pass] | None = N
     """The traced program followed by the program after each enabled pass, in order (for pipeline
     stage `stage` under Mesh(pp>1)). A pass that hands back its input unchanged (nothing to
     rewrite) adds no program."""
+    from fxshard import schedule
+    from fxshard.errors import FxShardError
+
+    stages = mesh.pp if mesh is not None else 1
+    if isinstance(config.schedule, schedule.Schedule) and config.schedule.stages != stages:
+        # with pp=1 no pipeline pass runs to say so: the schedule would be dropped without a word
+        raise FxShardError(f"Config(schedule=...) is a schedule for {config.schedule.stages} stages, but the mesh has "
+                           f"pp={stages}; use Mesh(pp={config.schedule.stages}) or a schedule for {stages} stages")
     programs = [program]
     for step in PIPELINE if pipeline is None else pipeline:
         if step.is_enabled(mesh, config):

@@ -244,7 +244,7 @@ class _Rewrite:
                 self.state_inputs[unit.name, spec.slot] = self.placeholder(
                     Input.optimizer_slot(spec.slot, unit, (size,), unit.dtype, shard_state), value, layer, unit.name)
         self.coords = {}  # ZeRO-1/2: each unit axis's coordinate picks this rank's slice
-        if cfg.gathers_updates:
+        if cfg.gathers_updates and self.unit_inputs:  # none: a pipeline stage whose parameters are all frozen
             device = next(iter(self.unit_inputs.values())).meta["val"].device
             for axis in dict.fromkeys(unit.axis for unit in self.units):
                 with self.fake:

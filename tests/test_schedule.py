@@ -92,7 +92,8 @@ def test_zero_bubble_h1_is_valid_and_fills_1f1b_bubbles_with_weight_gradients(st
     schedule = zero_bubble_h1(stages, microbatches)
     kinds = [a.kind for actions in schedule.ranks for a in actions]
     assert kinds.count("W") == kinds.count("B") == stages * microbatches
-    split = simulate(schedule, {"F": 1.0, "B": 1.0, "W": 1.0})   # B + W cost what 1F1B's B costs
+    split = simulate(schedule, schedules.unit_costs(schedule))   # B + W cost what 1F1B's B costs
+    assert schedules.unit_costs(schedule) == {"F": 1.0, "B": 1.0, "W": 1.0}  # what the dump times it with
     whole = simulate(one_f_one_b(stages, microbatches), {"F": 1.0, "B": 2.0})
     assert split.makespan <= whole.makespan
     if stages > 1 and microbatches >= stages:
@@ -156,6 +157,9 @@ def test_a_users_own_schedule_is_checked_and_lowered():
         run_pipeline(program, fxshard.Mesh(pp=2), fxshard.Config(schedule=broken), stage=0)
     with pytest.raises(fxshard.FxShardError, match="for 2 stages, but the mesh has pp=4"):
         run_pipeline(program, fxshard.Mesh(pp=4), fxshard.Config(schedule=own), stage=0)
+    for mesh in (None, fxshard.Mesh(dp=2)):  # no pipeline pass runs there to notice
+        with pytest.raises(fxshard.FxShardError, match="for 2 stages, but the mesh has pp=1"):
+            run_pipeline(program, mesh, fxshard.Config(schedule=own))
 
 
 @given(stages=st.integers(1, 4), extra=st.integers(0, 6))
@@ -289,12 +293,22 @@ def test_collectives_show_as_bubble_only_where_compute_cannot_hide_them():
     assert svg.count("<rect") == 4 * 8 * 2 + 4 * 2  # a compute block each, a bar per U and G
 
 
+def test_a_schedule_built_from_lists_or_json_without_a_name_is_a_valid_schedule():
+    built = one_f_one_b(2, 2)
+    from_lists = Schedule([list(actions) for actions in built.ranks], 2, 1, 2, built.name)
+    assert from_lists == built and hash(from_lists) == hash(built)
+    unnamed = built.to_json().replace(f'"name": "{built.name}", ', "")
+    assert Schedule.from_json(unnamed).ranks == built.ranks
+    with pytest.raises(FxShardError, match=r"needs \['stages'\]"):
+        Schedule.from_json(built.to_json().replace('"stages": 2, ', ""))
+
+
 def test_zero_actions_print_as_tokens_and_misplaced_ones_are_rejected():
     from fxshard.schedule import add_zero_actions
 
     assert [str(Action.parse(t)) for t in ("U1", "R12", "G0")] == ["U1", "R12", "G0"]
     assert Action.parse("U1") == Action("U", 1) and Action.parse("R1") != Action.parse("RF1:0<0")
-    for bad in ("U1:0", "X1", "F1", "G"):
+    for bad in ("U1:0", "X1", "F1", "G", "SF0:0>x", "SF0:0>1>2", "SF0:0<1", "W0:0<1", "RF0:0", "U1>0"):
         with pytest.raises(FxShardError, match="schedule action"):
             Action.parse(bad)
     zero = add_zero_actions(one_f_one_b(2, 2), unshard=True)

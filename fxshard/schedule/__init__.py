@@ -25,7 +25,7 @@ order, combined pairs, the point-to-point deadlock check), `svg` (`to_svg`).
 from .generators import build, dualpipe_v, gpipe, interleaved_one_f_one_b, one_f_one_b, zero_bubble_h1
 from .model import COMPUTE, PLACEMENTS, TRANSFERS, ZERO, Action, Schedule, add_communication, place
 from .order import check_point_to_point, combine_pairs, issue_order, pair_actions
-from .simulator import Simulation, simulate
+from .simulator import Simulation, simulate, unit_costs
 from .svg import to_svg
 from .zero import MAX_UNSHARDED, add_zero_actions, check_zero_actions, unshard_windows
 
@@ -33,7 +33,7 @@ __all__ = [
     "COMPUTE", "TRANSFERS", "ZERO", "PLACEMENTS", "Action", "Schedule", "place", "add_communication",
     "gpipe", "one_f_one_b", "interleaved_one_f_one_b", "zero_bubble_h1", "dualpipe_v", "build",
     "MAX_UNSHARDED", "add_zero_actions", "unshard_windows", "check_zero_actions",
-    "Simulation", "simulate",
+    "Simulation", "simulate", "unit_costs",
     "issue_order", "pair_actions", "combine_pairs", "check_point_to_point",
     "to_svg",
 ]

@@ -36,19 +36,23 @@ class Action:
     def parse(cls, token: str) -> "Action":
         if token == "OPT":
             return cls("OPT")
-        peer = None
-        for mark in "<>":
-            if mark in token:
-                token, peer_text = token.split(mark)
-                peer = int(peer_text)
         kind = next((k for k in (*TRANSFERS, *COMPUTE, *ZERO) if token.startswith(k)), None)
-        rest = token[len(kind or ""):]
-        if kind in ZERO and rest.isdigit() and peer is None:
+        text, peer, peer_ok = token, None, True
+        marks = [mark for mark in "<>" if mark in token]
+        if marks:  # a send names its peer with >, a receive with <; nothing else has one
+            text, _, peer_text = token.partition(marks[0])
+            wanted = ">" if kind in ("SF", "SB") else "<" if kind in ("RF", "RB") else None
+            peer_ok = len(marks) == 1 and marks[0] == wanted and peer_text.isdigit()
+            peer = int(peer_text) if peer_ok else None
+        rest = text[len(kind or ""):]
+        if kind in ZERO and rest.isdigit() and not marks:
             return cls(kind, int(rest))
         chunk, _, mb = rest.partition(":")
-        if kind is None or kind in ZERO or not (chunk.isdigit() and mb.isdigit()):
+        if kind is None or kind in ZERO or not (chunk.isdigit() and mb.isdigit()) or not peer_ok or \
+                (kind in TRANSFERS) != (peer is not None):
             raise FxShardError(f"schedule action {token!r}: write F1:3, B1:3, W1:3 (chunk:microbatch), SF1:3>2, "
-                               f"RF1:3<0, SB / RB likewise (>peer, <peer), U1 / R1 / G1 (chunk) or OPT")
+                               f"RF1:3<0, SB / RB likewise (a send >peer, a receive <peer), U1 / R1 / G1 (chunk) "
+                               f"or OPT")
         return cls(kind, int(chunk), int(mb), peer)
 
 
@@ -72,6 +76,8 @@ class Schedule:
     placement: str = "loop"
 
     def __post_init__(self):
+        # tuples, whatever the caller built it from: a Schedule is hashed (order.combine_pairs caches on it)
+        object.__setattr__(self, "ranks", tuple(tuple(actions) for actions in self.ranks))
         if self.placement not in PLACEMENTS:
             raise FxShardError(f"Schedule placement {self.placement!r}; choose one of {PLACEMENTS} (\"v\": rank r "
                                f"holds chunks r and 2P-1-r)")
@@ -101,8 +107,11 @@ class Schedule:
     @classmethod
     def from_json(cls, text: str) -> "Schedule":
         data = json.loads(text)
+        missing = [key for key in ("ranks", "stages", "virtual", "microbatches") if key not in data]
+        if missing:
+            raise FxShardError(f"a schedule's JSON needs {missing} (Schedule.to_json writes every field)")
         return cls(tuple(tuple(Action.parse(t) for t in actions) for actions in data["ranks"]),
-                   data["stages"], data["virtual"], data["microbatches"], data["name"],
+                   data["stages"], data["virtual"], data["microbatches"], data.get("name", ""),
                    data.get("placement", "loop"))  # written before placements existed: loop
 
 

@@ -25,6 +25,13 @@ class Simulation:
         return sum(self.bubble) / len(self.bubble)
 
 
+def unit_costs(schedule: Schedule) -> dict[str, float]:
+    """Textbook action times: F=1, B=2 (B is the whole backward); F=B=W=1 where W is split off, so a
+    zero-bubble schedule's bubble is not timed as if its weight gradients were free."""
+    splits_w = any(a.kind == "W" for actions in schedule.ranks for a in actions)
+    return {"F": 1.0, "B": 1.0, "W": 1.0} if splits_w else {"F": 1.0, "B": 2.0}
+
+
 def simulate(schedule: Schedule, cost: dict[str, float] | None = None) -> Simulation:
     """Check `schedule` and time it. `cost[kind]` is the time of one action of a stage (split over
     its V chunks); `cost[f"{kind}{chunk}"]`, where given, is one chunk's own time (measured costs).

@@ -160,6 +160,8 @@ def test_layers_are_balanced_by_parameter_bytes_or_set_by_stage_layers():
         assign_layers(layers, 6, sizes)
     with pytest.raises(fxshard.FxShardError, match="stage_layers"):
         assign_layers(layers, 2, sizes, [1, 1])
+    with pytest.raises(fxshard.FxShardError, match="stage_layers must list ints"):  # sums to 4, cuts nowhere
+        fxshard.Config(stage_layers=(1.5, 2.5))
 
 
 def test_zero_bubble_runs_the_weight_gradients_split_off_the_backward():
@@ -226,10 +228,31 @@ def test_fsdp_over_dp_inside_the_pipeline_trains_like_one_device(strategy, kind,
     config = fxshard.Config(schedule=kind, virtual_stages=2 if kind == "interleaved-1f1b" else 1,
                             microbatches=microbatches, sharding=strategy)
     steps = [token_microbatches(40, 2 * microbatches, seed=seed) for seed in range(2)]
-    program = fxshard.trace(model, loss_fn, steps[0][0], optimizer=optimizer)
-    stages = [run_pipeline(program, mesh, config, stage=stage)[-1] for stage in range(mesh.pp)]
+    stages = assert_trains_like_eager(model, loss_fn, optimizer, mesh, config, steps)
     sharded = {spec.placement.kind for p in stages for spec in p.inputs_of(InputKind.PARAM) if spec.requires_grad}
     assert sharded == ({"sharded"} if strategy == "optim_grads_params" else {"replicated"}), sharded
+
+
+def test_a_stage_whose_parameters_are_all_frozen_trains_under_every_strategy():
+    """Fine-tuning the top: the first stage (embedding, layers.0) trains nothing, so ZeRO has no unit there."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=40, d_model=16, n_layer=2, n_head=2, d_ff=24))
+    for name, p in model.named_parameters():
+        p.requires_grad_(not name.startswith(("tok_emb", "layers.0.")))
+    optimizer = fxshard.optim.AdamW(lr=1e-2)
+    steps = [token_microbatches(40, 4, seed=seed) for seed in range(2)]
+    for strategy in ("optim", "optim_grads"):  # the ones whose pass gathers updates (a StopIteration once)
+        config = fxshard.Config(microbatches=2, stage_layers=(1, 1), sharding=strategy)
+        assert_trains_like_eager(copy.deepcopy(model), model_loss, optimizer, fxshard.Mesh(pp=2, dp=2), config, steps)
+
+
+def assert_trains_like_eager(model, loss_fn, optimizer, mesh, config, steps):
+    """The pass list for every stage on the simulator, one step per entry of `steps` (each rank of dp
+    coordinate d gets the d-th half of the step's microbatches), against eager PyTorch on the global
+    batch; returns the stage programs."""
+    microbatches = config.microbatches
+    program = fxshard.trace(model, loss_fn, steps[0][0], optimizer=optimizer)
+    stages = [run_pipeline(program, mesh, config, stage=stage)[-1] for stage in range(mesh.pp)]
     ranks = SimulatedRanks(stages, model, optimizer, mesh)
     reference = copy.deepcopy(model)
     torch_opt = torch_optimizer(optimizer, reference.parameters())
@@ -245,6 +268,15 @@ def test_fsdp_over_dp_inside_the_pipeline_trains_like_one_device(strategy, kind,
     params = ranks.parameters(rank=mesh.size - 1)
     for name, p in reference.named_parameters():
         assert relative(params[name], p) < 1e-4, name
+    return stages
+
+
+def test_interleaved_1f1b_over_three_stages_runs_on_the_simulator():
+    """Each stage's first action receives from the stage before it (rank 0's from the last): receives
+    pause a rank where they are waited for, not where they are issued, or this reads as a deadlock."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=24, d_model=16, n_layer=6, n_head=2, d_ff=24))
+    check_pipeline(model, model_loss, token_microbatches(24, 3), schedules.interleaved_one_f_one_b(3, 3, 2))
 
 
 def test_the_lowered_program_issues_receives_early_and_waits_where_the_value_is_read():
