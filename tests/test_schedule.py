@@ -64,6 +64,10 @@ def test_a_missing_action_is_rejected():
     rank0 = tuple(a for a in schedule.ranks[0] if a.mb != 1 or a.kind not in ("B", "RB"))
     with pytest.raises(FxShardError, match="misses"):
         simulate(Schedule((rank0, rank1), 2, 1, 2, "missing"))
+    for peer, names in ((None, "no peer"), (0, "its own rank")):  # built as Actions: parse refuses both
+        rank0 = tuple(Action(a.kind, a.chunk, a.mb, peer) if str(a) == "SF0:0>1" else a for a in schedule.ranks[0])
+        with pytest.raises(FxShardError, match=f"SF0:0.* on rank 0 names {names}"):
+            simulate(Schedule((rank0, schedule.ranks[1]), 2, 1, 2, "bad peer"))
 
 
 def test_schedules_print_serialize_and_draw():

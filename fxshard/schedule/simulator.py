@@ -92,7 +92,11 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None) -> Simula
         c, mb = action.chunk, action.mb
         if action.kind in COMPUTE + ("SF", "SB", "RF", "RB") and schedule.rank_of(c) != rank:
             raise FxShardError(f"{action} runs on rank {rank}, but chunk {c} lives on rank {schedule.rank_of(c)}")
-        if action.kind in ("SF", "SB", "RF", "RB") and action.peer is not None:
+        if action.kind in ("SF", "SB", "RF", "RB") and (action.peer is None or action.peer == rank):
+            raise FxShardError(f"{action} on rank {rank} names {'no peer' if action.peer is None else 'its own rank'}: "
+                               f"a send or receive moves a chunk's activation or gradient to or from the rank "
+                               f"of the next or previous chunk (add_communication inserts them)")
+        if action.kind in ("SF", "SB", "RF", "RB"):
             other = c + 1 if action.kind in ("SF", "RB") else c - 1  # the chunk on the other end
             if not 0 <= other < chunks or action.peer != schedule.rank_of(other):
                 raise FxShardError(f"{action} on rank {rank} names peer {action.peer}, but chunk {c}'s "
