@@ -34,6 +34,9 @@ from .program import Input, InputKind, Output, OutputKind, Program, Update
 from .batch import BatchSpec
 
 
+RESERVED_METRICS = frozenset({"loss", "grad_norm", "nonfinite", "skipped"})  # what every step reports itself
+
+
 class _LossStep(nn.Module):
     """The module aot_autograd traces: loss_fn(model, batch) with the model's tensors passed in.
 
@@ -56,6 +59,10 @@ class _LossStep(nn.Module):
         if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
             loss, metrics = result
             self.metric_names = tuple(sorted(metrics))
+            taken = sorted(set(self.metric_names) & RESERVED_METRICS)
+            if taken:
+                raise FxShardError(f"loss_fn's metrics {taken} have names the step's own outputs use "
+                                   f"({sorted(RESERVED_METRICS)}); rename them")
             for name in self.metric_names:
                 value = metrics[name]
                 if not isinstance(value, torch.Tensor) or value.numel() != 1:
@@ -72,7 +79,19 @@ class _Apply(nn.Module):
         self.loss_fn = loss_fn
 
     def forward(self, batch):
-        return self.loss_fn(self.model, batch)
+        swapped_in = dict(self.model.named_buffers())  # the step's buffer inputs (functional_call's)
+        result = self.loss_fn(self.model, batch)
+        for name, value in self.model.named_buffers():
+            if name in swapped_in and value is not swapped_in[name]:
+                # rebound (`self.count = self.count + 1`): functional_call would drop the new value;
+                # written into the input it is an update of the buffer, like an in-place one
+                if value.shape != swapped_in[name].shape:
+                    raise FxShardError(f"the model rebinds buffer {name!r} to a tensor of shape {tuple(value.shape)}; "
+                                       f"it was {tuple(swapped_in[name].shape)}: shapes are static, so a buffer "
+                                       f"keeps its shape (update it in place, or keep the new value elsewhere)")
+                with torch.no_grad():
+                    swapped_in[name].copy_(value)
+        return result
 
 
 def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None = None,
@@ -82,6 +101,7 @@ def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     optimizer = optimizer or AdamW()
     started = time.perf_counter()
     batch_spec = BatchSpec.from_example(example_batch)
+    _check_microbatch_split(batch_spec, config.microbatches)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     if not any(p.requires_grad for p in params.values()):
@@ -411,12 +431,21 @@ def _tracing_flags():
         torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag = compiling, exporting
 
 
+def _check_microbatch_split(batch_spec: BatchSpec, microbatches: int) -> None:
+    """Microbatches are rows of dim 0 of every leaf: the leaves must share that dim, divisible by M (a
+    leaf without it, such as loss weights of shape (2,), would be cut too and silently broadcast)."""
+    if microbatches == 1:
+        return
+    rows = {leaf.shape[0] if leaf.shape else None for leaf in batch_spec.leaves}
+    if len(rows) != 1 or None in rows or next(iter(rows)) % microbatches:
+        shapes = ", ".join(f"{leaf.path} {tuple(leaf.shape)}" for leaf in batch_spec.leaves)
+        raise FxShardError(f"Config(microbatches={microbatches}) splits the batch into microbatches along dim 0 of "
+                           f"every leaf, so every leaf needs the same first dimension, divisible by {microbatches}; "
+                           f"got {shapes}. Pass per-batch constants another way (a buffer, or the loss_fn's closure)")
+
+
 def _microbatch_shape(leaf, microbatches: int) -> tuple[int, ...]:
-    if not leaf.shape or leaf.shape[0] % microbatches:
-        raise FxShardError(
-            f"Config(microbatches={microbatches}) splits every batch leaf along dim 0, but {leaf.path} has "
-            f"shape {leaf.shape}; use a batch size divisible by {microbatches}")
-    return (leaf.shape[0] // microbatches, *leaf.shape[1:])
+    return tuple(leaf.shape) if microbatches == 1 else (leaf.shape[0] // microbatches, *leaf.shape[1:])
 
 
 def _compute_dtype(param: torch.Tensor, config: Config) -> torch.dtype:

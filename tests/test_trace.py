@@ -104,3 +104,47 @@ def test_moe_gpt_1b_traces_on_meta_quickly_without_parameter_memory():
     assert report["seconds"] < 60
     assert report["grown"] < report["parameter_bytes"] / 8, f"peak RSS grew {report['grown'] / 2**20:.0f} MiB"
     assert report["param_inputs"] == report["parameters"]
+
+
+class _Rebinds(torch.nn.Module):
+    """Updates its buffers by rebinding them (a step counter, an EMA of the loss input), not in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+        self.register_buffer("count", torch.zeros(()))
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x):
+        self.count = self.count + 1
+        self.ema = 0.9 * self.ema + 0.1 * x.mean(0)
+        return self.linear(x).squeeze(-1)
+
+
+def test_a_buffer_rebound_in_forward_is_updated_like_one_updated_in_place():
+    torch.manual_seed(0)
+    batches = [{"x": torch.randn(8, 4), "y": torch.randn(8)} for _ in range(3)]
+    loss_fn = lambda m, b: ((m(b["x"]) - b["y"]) ** 2).mean()  # noqa: E731
+    model, reference = _Rebinds(), _Rebinds()
+    reference.load_state_dict(model.state_dict())
+    step = fxshard.shard(model, loss_fn, batches[0], optimizer=fxshard.optim.SGD(lr=0.1))
+    for batch in batches:
+        step(batch)
+        loss_fn(reference, batch)
+    assert step.buffers()["count"].item() == 3.0
+    torch.testing.assert_close(step.buffers()["ema"], reference.ema)
+    assert model.count.item() == 0.0  # the user's model is left as it was
+
+
+def test_metric_names_the_step_reports_itself_and_leaves_microbatches_cannot_split_are_refused():
+    linear = torch.nn.Linear(4, 1)
+    batch = {"x": torch.randn(8, 4), "y": torch.randn(8)}
+    loss = lambda m, b: ((m(b["x"]).squeeze(-1) - b["y"]) ** 2).mean()  # noqa: E731
+    with pytest.raises(fxshard.FxShardError, match=r"metrics \['grad_norm'\] have names the step's own outputs"):
+        fxshard.trace(linear, lambda m, b: (loss(m, b), {"grad_norm": loss(m, b).detach()}), batch)
+    weighted = {**batch, "weight": torch.tensor([0.5, 2.0])}  # not per row: microbatches would cut it too
+    with pytest.raises(fxshard.FxShardError, match=r"every leaf needs the same first dimension.*'weight'\] \(2,\)"):
+        fxshard.trace(linear, lambda m, b: loss(m, b) * b["weight"].sum(), weighted,
+                      config=fxshard.Config(microbatches=2))
+    scaled = {**batch, "scale": torch.tensor(2.0)}  # a 0-dim leaf: fine without microbatches
+    fxshard.trace(linear, lambda m, b: loss(m, b) * b["scale"], scaled)
