@@ -238,7 +238,9 @@ def test_load_state_dict_is_strict_about_keys_and_shapes_and_changes_nothing_whe
     for state, expected in (({**plain, "model.lm_head.wieght": torch.zeros(1)}, r"unexpected \(1\): model\.lm_head\.wieght"),
                             (plain, r"missing \(\d+\): optim\."),
                             ({**plain, "model.tok_emb.weight": torch.zeros(3, 3)},
-                             r"shape differs \(1\): model\.tok_emb\.weight \(3, 3\) != \(64, 64\)")):
+                             r"shape differs \(1\): model\.tok_emb\.weight \(3, 3\) != \(64, 64\)"),
+                            # another step's own form (Boxes), of a wider model: its shapes are checked too
+                            (shard(d_ff=96).state_dict(), r"shape differs \(\d+\): model\.layers\.0\.mlp")):
         with pytest.raises(fxshard.FxShardError, match=expected):
             step.load_state_dict(state)
         assert_unchanged(step, before)

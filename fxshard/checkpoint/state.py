@@ -218,8 +218,9 @@ def check_state_dict(step, state: dict, strict: bool) -> None:
     from ..errors import FxShardError
 
     shapes = global_tensors(step.programs[0])
-    mis_shaped = sorted(f"{key} {tuple(value.shape)} != {shapes[key][0]}" for key, value in state.items()
-                        if isinstance(value, torch.Tensor) and key in shapes and tuple(value.shape) != shapes[key][0])
+    given = {key: _global_shape(value) for key, value in state.items() if key in shapes}
+    mis_shaped = sorted(f"{key} {shape} != {shapes[key][0]}" for key, shape in given.items()
+                        if shape is not None and shape != shapes[key][0])
     missing, unexpected = [], []
     if strict:
         missing = sorted({piece.key for piece in pieces_of(step)} - set(state))
@@ -232,6 +233,15 @@ def check_state_dict(step, state: dict, strict: bool) -> None:
             f"`model.<parameter or buffer>` and `optim.<parameter>.<slot>` with the model's global shapes "
             f"(step.state_dict() lists this rank's); load_state_dict(state, strict=False) loads the tensors "
             f"present and ignores unknown keys")
+
+
+def _global_shape(value) -> tuple[int, ...] | None:
+    """The global shape a state dict's value stands for (a tensor, `Boxes` from another step's
+    `state_dict()`, a source with a `shape`), or None where it does not say."""
+    if isinstance(value, Boxes):
+        return tuple(value.global_size)
+    shape = getattr(value, "shape", None)
+    return tuple(shape) if shape is not None else None
 
 
 def key_differences(missing: list[str], unexpected: list[str], mis_shaped: list[str], shown: int = 8) -> str:
