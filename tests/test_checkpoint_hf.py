@@ -69,6 +69,30 @@ def test_safetensors_in_the_models_own_names_load_and_bad_directories_are_refuse
     empty.mkdir()
     with pytest.raises(fxshard.FxShardError, match="holds no"):
         fxshard.load_hf(step, empty)
+    with pytest.raises(fxshard.FxShardError, match="is not a directory"):
+        fxshard.load_hf(step, tmp_path / "w.safetensors")
+
+
+def test_a_llama_directory_that_computes_something_else_is_refused(tmp_path):
+    """A Llama with attention biases, another activation or norm epsilon would load its weights into this
+    GPT and compute another function: refused by what config.json states and by the tensors left over."""
+    import json
+
+    from safetensors.torch import save_file
+
+    step = shard(MODELS["llama"][0])
+    fxshard.export_hf(step, tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    for change, message in (({"attention_bias": True}, r"attention_bias True \(this model: False\)"),
+                            ({"hidden_act": "gelu"}, r"hidden_act 'gelu'"),
+                            ({"rms_norm_eps": 1e-2}, r"rms_norm_eps 0\.01")):
+        (tmp_path / "config.json").write_text(json.dumps({**written, **change}))
+        with pytest.raises(fxshard.FxShardError, match=f"computes another function than this GPT as Llama: {message}"):
+            fxshard.load_hf(step, tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    save_file({"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}, str(tmp_path / "extra.safetensors"))
+    with pytest.raises(fxshard.FxShardError, match=r"1 tensors this GPT has no place for .*q_proj\.bias"):
+        fxshard.load_hf(step, tmp_path)
 
 
 def llama_config():

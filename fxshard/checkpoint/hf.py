@@ -21,6 +21,7 @@ so any rectangle of it reads only the stored elements it covers (`safe_open(...)
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -118,6 +119,9 @@ class SafetensorsDirectory:
     def __init__(self, directory: str):
         from safetensors import safe_open
 
+        if not os.path.isdir(directory):
+            raise FxShardError(f"{directory} is not a directory; pass a directory written by save_pretrained or "
+                               f"fxshard.export_hf")
         files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
         if not files:
             raise FxShardError(f"{directory} holds no *.safetensors files; pass a directory written by "
@@ -266,12 +270,24 @@ def _sources(step, files: SafetensorsDirectory, shapes: dict, directory: str) ->
         sources = {name: files.source(name) for name in shapes}
     else:
         config_file = os.path.join(directory, "config.json")
-        architecture = None
+        theirs = {}
         if os.path.exists(config_file):
             with open(config_file) as handle:
-                architecture = (json.load(handle).get("architectures") or [None])[0]
-        _, parts = hf_layout(step.model_class, step.model_config, set(shapes))
-        missing = sorted({hf for names in parts.values() for hf in names} - set(files.shapes))
+                theirs = json.load(handle)
+        architecture = (theirs.get("architectures") or [None])[0] if isinstance(theirs, dict) else None
+        ours, parts = hf_layout(step.model_class, step.model_config, set(shapes))
+        differences = _config_differences(theirs if isinstance(theirs, dict) else {}, ours, step.model_config)
+        if differences:
+            raise FxShardError(f"{directory} ({architecture or 'no architecture'}) computes another function than this "
+                               f"{step.model_class} as {'Llama' if step.model_class == 'GPT' else 'Mixtral'}: "
+                               f"{'; '.join(differences)}. Its weights would load and compute something else; build "
+                               f"a model that has these features")
+        used = {hf for names in parts.values() for hf in names}
+        unused = sorted(set(files.shapes) - used)
+        if unused:
+            raise FxShardError(f"{directory} holds {len(unused)} tensors this {step.model_class} has no place for (e.g. "
+                               f"{', '.join(unused[:4])}): the model they come from computes more than this one")
+        missing = sorted(used - set(files.shapes))
         if missing:
             own = sorted(set(shapes) - set(files.shapes))
             raise FxShardError(f"{directory} ({architecture or 'no config.json'}) lacks {len(missing)} tensors this "
@@ -293,6 +309,27 @@ def _sources(step, files: SafetensorsDirectory, shapes: dict, directory: str) ->
         raise FxShardError(f"{directory}: tensors of other shapes than this model's: {', '.join(wrong[:6])}; "
                            f"build the model with the checkpoint's config")
     return sources
+
+
+def _config_differences(theirs: dict, ours: dict, cfg) -> list[str]:
+    """Where a Hugging Face config.json describes another function than `hf_layout`'s config for our
+    model (only what it states; transformers' defaults stand for the rest)."""
+    rope = theirs.get("rope_parameters") or theirs.get("rope_scaling") or {}
+    stated = {"hidden_act": theirs.get("hidden_act"), "attention_bias": theirs.get("attention_bias"),
+              "mlp_bias": theirs.get("mlp_bias"), "tie_word_embeddings": theirs.get("tie_word_embeddings"),
+              "num_key_value_heads": theirs.get("num_key_value_heads"), "head_dim": theirs.get("head_dim"),
+              "rope type": rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None,
+              "num_experts_per_tok": theirs.get("num_experts_per_tok") if "num_local_experts" in ours else None,
+              "sliding_window": theirs.get("sliding_window")}
+    expected = {**ours, "mlp_bias": False, "head_dim": cfg.d_model // cfg.n_head, "rope type": "default",
+                "sliding_window": None}
+    differences = [f"{key} {value!r} (this model: {expected[key]!r})" for key, value in stated.items()
+                   if value is not None and value != expected[key]]
+    for key, value in (("rms_norm_eps", theirs.get("rms_norm_eps")),
+                       ("rope_theta", theirs.get("rope_theta", rope.get("rope_theta") if isinstance(rope, dict) else None))):
+        if value is not None and not math.isclose(float(value), float(ours[key]), rel_tol=1e-6):
+            differences.append(f"{key} {value!r} (this model: {ours[key]!r})")
+    return differences
 
 
 def _expert_sources_as_stored(step, sources: dict[str, Source]) -> dict[str, Source]:
