@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 
 from typing import TYPE_CHECKING
@@ -144,7 +146,18 @@ class Config:
         if self.layers is not None:
             if isinstance(self.layers, str):
                 object.__setattr__(self, "layers", (self.layers,))
+            if not isinstance(self.layers, (tuple, list)) or not all(isinstance(p, str) for p in self.layers):
+                raise FxShardError(f"layers must be a module path pattern or a sequence of them (strings such as "
+                                   f"'layers.*'), got {self.layers!r}")
             object.__setattr__(self, "layers", tuple(self.layers))
+        for name in ("cuda_graphs", "verbose", "fuse_grouped_mlp", "ep_overlap"):  # "no" would read as True
+            if not isinstance(getattr(self, name), bool):
+                raise FxShardError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("microbatches", "virtual_stages", "ep_chunks", "fsdp_prefetch", "seed"):  # True is an int
+            if isinstance(getattr(self, name), bool):
+                raise FxShardError(f"{name} must be an int, got {getattr(self, name)!r}")
+        if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
+            raise FxShardError(f"dump_dir must be a directory path or None, got {self.dump_dir!r}")
         if self.sharding not in SHARDING_STRATEGIES:
             raise FxShardError(f"sharding={self.sharding!r}; choose one of {SHARDING_STRATEGIES}")
         if not isinstance(self.fsdp_prefetch, int) or self.fsdp_prefetch < 0:
@@ -173,6 +186,9 @@ class Config:
                                    f"{self.virtual_stages}; leave virtual_stages at 1 or set 2")
             object.__setattr__(self, "virtual_stages", 2)
         if self.stage_layers is not None:
+            if not isinstance(self.stage_layers, (tuple, list)):
+                raise FxShardError(f"stage_layers must list ints >= 0 (layers per pipeline chunk), got "
+                                   f"{self.stage_layers!r}")
             object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
             if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in self.stage_layers):
                 raise FxShardError(f"stage_layers must list ints >= 0 (layers per pipeline chunk), got "
@@ -199,5 +215,7 @@ class Config:
             raise FxShardError(f"codegen_regions={self.codegen_regions!r}; choose one of {CODEGEN_REGIONS}")
         if not isinstance(self.collective_timeout_s, (int, float)) or not self.collective_timeout_s > 0:
             raise FxShardError(f"collective_timeout_s must be a number of seconds > 0, got {self.collective_timeout_s!r}")
-        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+        if self.clip_grad_norm is not None and not (isinstance(self.clip_grad_norm, (int, float))
+                                                    and not isinstance(self.clip_grad_norm, bool)
+                                                    and self.clip_grad_norm > 0):
             raise FxShardError(f"clip_grad_norm must be > 0 or None, got {self.clip_grad_norm!r}")

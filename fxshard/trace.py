@@ -124,7 +124,8 @@ def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
         with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta(), \
                 annotate_layers(step_module.target[0], model, layer_paths), \
                 moe.capacity_factor_override(config.moe_capacity_factor), RouteGroupedMM(), _tracing_flags(), \
-                _cast_forward_inputs(model, config.param_dtype), swapped_forwards(model) as swapped:
+                _cast_forward_inputs(model, config.param_dtype), _attributes_kept(model), \
+                swapped_forwards(model) as swapped:
             joint = aot_export_joint_with_descriptors(
                 stack, step_module, (fake_params, fake_buffers, fake_leaves))
             joint_gm = joint.graph_module
@@ -429,6 +430,27 @@ def _tracing_flags():
         yield
     finally:
         torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag = compiling, exporting
+
+
+@contextlib.contextmanager
+def _attributes_kept(model: nn.Module):
+    """The model's plain attributes as they were before tracing: a forward that stores a value on its
+    module (`self.last = out`) would leave a fake tensor of the trace there (parameters, buffers and
+    submodules live in their own dicts, which functional_call restores)."""
+    own = ("_parameters", "_buffers", "_modules")
+    before = {module: {k: v for k, v in vars(module).items() if k not in own} for module in model.modules()}
+    try:
+        yield
+    finally:
+        for module, attributes in before.items():
+            for key in [k for k in vars(module) if k not in own and k not in attributes]:
+                delattr(module, key)
+            for key, value in attributes.items():
+                if vars(module).get(key, _MISSING) is not value:
+                    object.__setattr__(module, key, value)
+
+
+_MISSING = object()
 
 
 def _check_microbatch_split(batch_spec: BatchSpec, microbatches: int) -> None:

@@ -177,3 +177,15 @@ def test_a_model_on_another_device_than_its_batch_is_named_before_tracing():
         model.weight = nn.Parameter(torch.empty(1, 4, device="cuda"))
     with pytest.raises(FxShardError, match=r"model's tensors are on cuda:0 but the example batch is on cpu"):
         fxshard.shard(model, lambda m, b: m(b["x"]).sum(), {"x": torch.randn(2, 4)})
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("cuda_graphs", "no", "cuda_graphs must be True or False"),  # a string would read as True
+    ("microbatches", True, "microbatches must be an int"),
+    ("layers", 5, "layers must be a module path pattern"),
+    ("stage_layers", 4, "stage_layers must list ints"),
+    ("clip_grad_norm", "1.0", "clip_grad_norm must be > 0"),
+    ("dump_dir", 5, "dump_dir must be a directory path")])
+def test_config_fields_of_the_wrong_type_are_refused(field, value, message):
+    with pytest.raises(fxshard.FxShardError, match=message):
+        fxshard.Config(**{field: value})

@@ -148,3 +148,19 @@ def test_metric_names_the_step_reports_itself_and_leaves_microbatches_cannot_spl
                       config=fxshard.Config(microbatches=2))
     scaled = {**batch, "scale": torch.tensor(2.0)}  # a 0-dim leaf: fine without microbatches
     fxshard.trace(linear, lambda m, b: loss(m, b) * b["scale"], scaled)
+
+
+def test_tracing_leaves_the_models_attributes_as_they_were():
+    class Stash(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.calls = torch.nn.Linear(4, 1), 0
+
+        def forward(self, x):
+            self.calls += 1
+            self.last = self.linear(x)  # a fake tensor of the trace, were it kept
+            return self.last
+
+    model = Stash()
+    fxshard.trace(model, lambda m, b: m(b["x"]).square().mean(), {"x": torch.randn(8, 4)})
+    assert model.calls == 0 and not hasattr(model, "last")
