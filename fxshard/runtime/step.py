@@ -358,7 +358,8 @@ class CompiledStep:
     def state_dict(self) -> dict:
         """This rank's training state for torch.distributed.checkpoint, by global names: `model.<name>`
         and `optim.<name>.<slot>` (each the rectangles of the global tensor this rank holds, views
-        of the live state; a save writes each element from one rank), progress and RNG.
+        of the live state; a save writes each element from one rank), progress and RNG. Progress, RNG
+        and buffers are those of the moment of the call: take a new state dict for each save.
         `dcp.save(sd, planner=fxshard.checkpoint.SavePlanner())` saves it, `dcp.load(sd,
         planner=fxshard.checkpoint.LoadPlanner())` then `step.load_state_dict(sd)` loads it;
         `fxshard.save` / `load` also check, stage and swap directories."""
