@@ -296,12 +296,8 @@ class _ProgramBuilder:
     def copy_joint(self, joint_gm, env, tangents, microbatch: int = 0):
         """Copy the joint graph's nodes; the loss tangent becomes a constant 1/microbatches, created
         just before its first use so that the backward starts where the forward ends."""
-        for tangent in tangents:
-            value = tangent.meta["val"]
-            if value.numel() != 1:
-                raise FxShardError(
-                    f"loss_fn must return a scalar tensor, got shape {tuple(value.shape)}; "
-                    f"reduce it (e.g. .mean()) inside loss_fn")
+        # a tangent that is not one element belongs to a non-scalar loss or to a parameter the forward
+        # mutates in place: read_joint_outputs tells the two apart and says which
 
         def lookup(node):
             if node not in env and node in tangents:

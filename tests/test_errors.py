@@ -189,3 +189,18 @@ def test_a_model_on_another_device_than_its_batch_is_named_before_tracing():
 def test_config_fields_of_the_wrong_type_are_refused(field, value, message):
     with pytest.raises(fxshard.FxShardError, match=message):
         fxshard.Config(**{field: value})
+
+
+def test_a_parameter_clamped_in_place_in_forward_is_named_as_such_not_as_a_non_scalar_loss():
+    class Clamped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.linear.weight.clamp_(-1, 1)  # a weight constraint, written in place
+            return self.linear(x)
+
+    with pytest.raises(fxshard.FxShardError, match="the forward mutates a parameter or the batch in place"):
+        fxshard.trace(Clamped(), lambda m, b: m(b["x"]).square().mean(), {"x": torch.randn(8, 4)})
