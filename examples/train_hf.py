@@ -2,8 +2,9 @@
 rows of different lengths, right-padded, with attention masks.
 
 The model is built from a config (nothing is downloaded): a Llama-like dense model or a
-Qwen3-MoE-like one, randomly initialized, or from safetensors in the model's own names (`--weights
-DIR`, e.g. what `--save DIR` or `save_pretrained` wrote). The loss is the model's own
+Qwen3-MoE-like one, randomly initialized, or from `--weights DIR`: what `--save DIR` or
+`save_pretrained` wrote (read by transformers, which knows its own layout: MoE experts are saved one
+by one), or safetensors in the model's own names (read by `fxshard.load_hf`). The loss is the model's own
 (`model(input_ids, attention_mask, labels, use_cache=False).loss`).
 
     python examples/train_hf.py                            # Llama-like, one process, CPU
@@ -48,7 +49,8 @@ ARCHITECTURES = {  # tiny presets: CPU-sized, the shapes of the real ones
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="llama")
-    parser.add_argument("--weights", metavar="DIR", help="initialize from the safetensors in DIR (the model's names)")
+    parser.add_argument("--weights", metavar="DIR", help="initialize from DIR: what save_pretrained wrote (with its "
+                                                         "config.json), or safetensors in the model's own names")
     parser.add_argument("--save", metavar="DIR", help="at the end, save_pretrained the trained model here")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per data-parallel rank per step")
@@ -130,6 +132,9 @@ def train(args) -> dict:
     say = print if rank == processes - 1 else (lambda *a, **k: None)
     torch.manual_seed(args.seed)
     model = build_model(args).to(device)
+    from_hub_layout = args.weights and os.path.exists(os.path.join(args.weights, "config.json"))
+    if from_hub_layout:  # what save_pretrained wrote: transformers reads its own layout (MoE experts one by one)
+        model.load_state_dict(type(model).from_pretrained(args.weights).state_dict())
     generator = torch.Generator().manual_seed(args.seed + 1)
 
     def next_batch():  # every rank draws the global batch and keeps its data-parallel rows
@@ -143,7 +148,8 @@ def train(args) -> dict:
                          config=config_of(args, rank))
     say(f"compiled in {time.perf_counter() - started:.1f}s: {step.program!r}")
     if args.weights:
-        fxshard.load_hf(step, args.weights)
+        if not from_hub_layout:  # safetensors in the model's own names, read by each rank in its pieces
+            fxshard.load_hf(step, args.weights)
         say(f"initialized from {args.weights}")
     losses = []
     started = time.perf_counter()

@@ -126,3 +126,21 @@ def test_a_transformers_llama_checkpoint_trains_under_dp2_zero3_like_the_llama_i
         optimizer.step()
         assert abs(ours - loss.item()) <= 1e-5 * loss.item(), (ours, loss.item())
     assert os.path.exists(tmp_path / "config.json")
+
+
+def test_a_directory_in_another_layout_than_the_models_own_names_says_which_names_do_not_match(tmp_path):
+    from safetensors.torch import save_file
+
+    class Fused(torch.nn.Module):  # experts held fused, as transformers' MoE modules hold them
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(2, 8, 4))
+
+        def forward(self, x):
+            return torch.einsum("td,efd->tef", x, self.gate_up_proj).square().mean()
+
+    step = fxshard.shard(Fused(), lambda m, b: m(b["x"]), {"x": torch.randn(3, 4)}, ADAMW)
+    save_file({f"experts.{e}.gate_proj.weight": torch.zeros(4, 4) for e in range(2)}, str(tmp_path / "w.safetensors"))
+    with pytest.raises(fxshard.FxShardError, match=r"1 are not there \(e\.g\. gate_up_proj\) and 2 tensors there are "
+                                                   r"none of them \(e\.g\. experts\.0\.gate_proj\.weight"):
+        fxshard.load_hf(step, tmp_path)

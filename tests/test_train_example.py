@@ -23,7 +23,7 @@ def test_train_example_loss_falls(tmp_path, capsys):
 
 def test_transformers_example_learns_saves_and_starts_from_its_weights(tmp_path):
     """A Llama built from a config, padded rows with attention masks; --save writes save_pretrained's
-    safetensors, which --weights loads (fxshard.load_hf) into a new run."""
+    safetensors and config.json, which --weights reads back (transformers' from_pretrained) into a new run."""
     example = load_train("train_hf.py")
     trained = example.main(["--steps", "60", "--log-every", "30", "--save", str(tmp_path / "hf")])
     assert trained["last_loss"] < 0.9 * trained["first_loss"] and trained["eval_loss"] < trained["first_loss"]

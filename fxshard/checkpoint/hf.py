@@ -268,6 +268,15 @@ def _sources(step, files: SafetensorsDirectory, shapes: dict, directory: str) ->
     """Our parameter name -> where its global tensor comes from, checked against its shape."""
     if all(name in files.shapes for name in shapes):  # the model's own names
         sources = {name: files.source(name) for name in shapes}
+    elif step.model_class not in ("GPT", "MoEGPT"):  # no Hugging Face layout to map: say what does not match
+        lacking = sorted(set(shapes) - set(files.shapes))
+        spare = sorted(set(files.shapes) - set(shapes))
+        raise FxShardError(f"{directory} does not hold this {step.model_class}'s parameters under their own names: "
+                           f"{len(lacking)} are not there (e.g. {', '.join(lacking[:3])}) and {len(spare)} tensors there "
+                           f"are none of them (e.g. {', '.join(spare[:3])}). transformers' save_pretrained writes some "
+                           f"models in another layout than their modules hold (experts one by one where the model "
+                           f"fuses them); load such a directory with from_pretrained and pass that model to shard, or "
+                           f"save with fxshard.export_hf / safetensors in the parameters' own names")
     else:
         config_file = os.path.join(directory, "config.json")
         theirs = {}
