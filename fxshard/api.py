@@ -252,14 +252,8 @@ def _check_mesh(mesh) -> None:
 
 def _first_microbatch(example_batch, config: Config):
     """Mesh(pp>1): the first of the `config.microbatches` pieces the pipeline splits each batch into."""
-    microbatches = config.microbatches
-    batch_spec = BatchSpec.from_example(example_batch)
-    rows = batch_spec.leaves[0].shape[0] if batch_spec.leaves[0].shape else 0
-    if any(not leaf.shape or leaf.shape[0] != rows for leaf in batch_spec.leaves) or rows % microbatches:
-        raise FxShardError(f"Config(microbatches={microbatches}) splits the batch into pipeline microbatches along "
-                           f"dim 0; every batch leaf needs the same first dimension divisible by {microbatches}")
-    return torch.utils._pytree.tree_map(
-        lambda t: t[:rows // microbatches] if isinstance(t, torch.Tensor) else t, example_batch)
+    rows = BatchSpec.from_example(example_batch).split_rows(config.microbatches)
+    return torch.utils._pytree.tree_map(lambda t: t[:rows] if isinstance(t, torch.Tensor) else t, example_batch)
 
 
 def _stage_groups(program: Program, mesh: Mesh, timeout_s: float) -> dict:

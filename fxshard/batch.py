@@ -79,5 +79,18 @@ class BatchSpec:
                 raise FxShardError(f"batch leaf {spec.path} is on {leaf.device}, the step runs on {self.device}")
         return [leaf.contiguous() for leaf in flat]
 
+    def split_rows(self, microbatches: int) -> int:
+        """The rows of one of `microbatches` pieces cut along dim 0 of every leaf; FxShardError unless
+        every leaf has that dim, the same size, divisible (a leaf without it, such as loss weights of
+        shape (2,), would be cut too and silently broadcast)."""
+        rows = {leaf.shape[0] if leaf.shape else None for leaf in self.leaves}
+        if len(rows) != 1 or None in rows or next(iter(rows)) % microbatches:
+            shapes = ", ".join(f"{leaf.path} {tuple(leaf.shape)}" for leaf in self.leaves)
+            raise FxShardError(f"Config(microbatches={microbatches}) splits the batch into microbatches along dim 0 "
+                               f"of every leaf, so every leaf needs the same first dimension, divisible by "
+                               f"{microbatches}; got {shapes}. Pass per-batch constants another way (a buffer, or "
+                               f"the loss_fn's closure)")
+        return next(iter(rows)) // microbatches
+
     def unflatten(self, leaves):
         return pytree.tree_unflatten(list(leaves), self.treespec)

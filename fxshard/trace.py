@@ -101,7 +101,8 @@ def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     optimizer = optimizer or AdamW()
     started = time.perf_counter()
     batch_spec = BatchSpec.from_example(example_batch)
-    _check_microbatch_split(batch_spec, config.microbatches)
+    if config.microbatches > 1:  # microbatches are rows of every leaf (a 0-dim leaf is fine without them)
+        batch_spec.split_rows(config.microbatches)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     if not any(p.requires_grad for p in params.values()):
@@ -447,19 +448,6 @@ def _attributes_kept(model: nn.Module):
 
 
 _MISSING = object()
-
-
-def _check_microbatch_split(batch_spec: BatchSpec, microbatches: int) -> None:
-    """Microbatches are rows of dim 0 of every leaf: the leaves must share that dim, divisible by M (a
-    leaf without it, such as loss weights of shape (2,), would be cut too and silently broadcast)."""
-    if microbatches == 1:
-        return
-    rows = {leaf.shape[0] if leaf.shape else None for leaf in batch_spec.leaves}
-    if len(rows) != 1 or None in rows or next(iter(rows)) % microbatches:
-        shapes = ", ".join(f"{leaf.path} {tuple(leaf.shape)}" for leaf in batch_spec.leaves)
-        raise FxShardError(f"Config(microbatches={microbatches}) splits the batch into microbatches along dim 0 of "
-                           f"every leaf, so every leaf needs the same first dimension, divisible by {microbatches}; "
-                           f"got {shapes}. Pass per-batch constants another way (a buffer, or the loss_fn's closure)")
 
 
 def _microbatch_shape(leaf, microbatches: int) -> tuple[int, ...]:
