@@ -186,13 +186,11 @@ class Config:
                                    f"{self.virtual_stages}; leave virtual_stages at 1 or set 2")
             object.__setattr__(self, "virtual_stages", 2)
         if self.stage_layers is not None:
-            if not isinstance(self.stage_layers, (tuple, list)):
+            if not isinstance(self.stage_layers, (tuple, list)) or \
+                    not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in self.stage_layers):
                 raise FxShardError(f"stage_layers must list ints >= 0 (layers per pipeline chunk), got "
                                    f"{self.stage_layers!r}")
             object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
-            if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in self.stage_layers):
-                raise FxShardError(f"stage_layers must list ints >= 0 (layers per pipeline chunk), got "
-                                   f"{self.stage_layers!r}")
         if self.moe_capacity_factor is not None and not (isinstance(self.moe_capacity_factor, (int, float))
                                                          and self.moe_capacity_factor > 0):
             raise FxShardError(f"moe_capacity_factor must be a number > 0 or None (dropless), got "

@@ -146,9 +146,12 @@ def _layers(names) -> int:
     return 1 + max((int(m.group(1)) for n in names if (m := re.match(r"layers\.(\d+)\.", n))), default=-1)
 
 
+HUB_ARCHITECTURES = {"GPT": "Llama", "MoEGPT": "Mixtral"}  # fxshard.models class -> what it exchanges as
+
+
 def hf_layout(model_class: str, cfg, names: set[str]) -> tuple[dict, dict[str, list[str]]]:
     """(config.json, our parameter name -> the HF names it is made of, in order) for a known model."""
-    if model_class not in ("GPT", "MoEGPT") or cfg is None:
+    if model_class not in HUB_ARCHITECTURES or cfg is None:
         raise FxShardError(f"export_hf / load_hf know fxshard.models.GPT (as Llama) and MoEGPT (as Mixtral), not "
                            f"{model_class}; for another model, load safetensors in its own parameter names")
     layers = _layers(names)
@@ -268,7 +271,7 @@ def _sources(step, files: SafetensorsDirectory, shapes: dict, directory: str) ->
     """Our parameter name -> where its global tensor comes from, checked against its shape."""
     if all(name in files.shapes for name in shapes):  # the model's own names
         sources = {name: files.source(name) for name in shapes}
-    elif step.model_class not in ("GPT", "MoEGPT"):  # no Hugging Face layout to map: say what does not match
+    elif step.model_class not in HUB_ARCHITECTURES:  # no Hugging Face layout to map: say what does not match
         lacking = sorted(set(shapes) - set(files.shapes))
         spare = sorted(set(files.shapes) - set(shapes))
         raise FxShardError(f"{directory} does not hold this {step.model_class}'s parameters under their own names: "
@@ -288,7 +291,7 @@ def _sources(step, files: SafetensorsDirectory, shapes: dict, directory: str) ->
         differences = _config_differences(theirs if isinstance(theirs, dict) else {}, ours, step.model_config)
         if differences:
             raise FxShardError(f"{directory} ({architecture or 'no architecture'}) computes another function than this "
-                               f"{step.model_class} as {'Llama' if step.model_class == 'GPT' else 'Mixtral'}: "
+                               f"{step.model_class} as {HUB_ARCHITECTURES[step.model_class]}: "
                                f"{'; '.join(differences)}. Its weights would load and compute something else; build "
                                f"a model that has these features")
         used = {hf for names in parts.values() for hf in names}
@@ -300,7 +303,7 @@ def _sources(step, files: SafetensorsDirectory, shapes: dict, directory: str) ->
         if missing:
             own = sorted(set(shapes) - set(files.shapes))
             raise FxShardError(f"{directory} ({architecture or 'no config.json'}) lacks {len(missing)} tensors this "
-                               f"{step.model_class} needs as {'Llama' if step.model_class == 'GPT' else 'Mixtral'} "
+                               f"{step.model_class} needs as {HUB_ARCHITECTURES[step.model_class]} "
                                f"(e.g. {', '.join(missing[:4])}), and {len(own)} of its own parameter names (e.g. "
                                f"{', '.join(own[:4])})")
         get = files.source
