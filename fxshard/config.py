@@ -64,7 +64,7 @@ class Config:
         `Schedule.from_json`; its `placement` says which rank holds each chunk, "loop" or "v"): it
         sets `microbatches` and `virtual_stages`, and `shard` checks it with
         the simulator (every dependency met, point-to-point deadlock-free) before lowering it.
-    stage_layers: layers per pipeline chunk (P*V counts); default: balanced by parameter bytes.
+    stage_layers: layers per pipeline chunk (P*V counts); default: balanced by FLOPs (head and embedding counted).
     moe_capacity_factor: bound every `fxshard.moe.dispatch` call to ceil(factor * tokens * top_k /
         experts) assignments per expert (per call, i.e. per rank and microbatch; fxshard/moe.py gives
         the drop rule); None leaves each call's own setting (MoEGPT: dropless unless its config says).

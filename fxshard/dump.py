@@ -312,12 +312,14 @@ def dump_schedule(schedule, plan, directory, pairs=()) -> list[str]:
     """A pipeline stage's schedule next to its programs: `pipeline.txt` (every rank's actions as the
     schedule gives them and as the lowered programs issue them, the combined 1F1B's interleaved
     pairs, ZeRO's collectives, the simulator's makespan / bubble / peak activations) and
-    `pipeline.svg` (timeline, one lane per rank; `unit_costs`: backward = 2x forward, or B = W = F
-    where W is split off)."""
+    `pipeline.svg` (timeline, one lane per rank). The simulator times each chunk's actions by their
+    FLOPs (`plan.costs`), or with `unit_costs` (backward = 2x forward, or B = W = F where W is split
+    off) where the plan has none."""
     from .schedule import Schedule, issue_order, simulate, to_svg, unit_costs
 
     os.makedirs(directory, exist_ok=True)
-    simulation = simulate(schedule, unit_costs(schedule))
+    costs = dict(plan.costs) or unit_costs(schedule)
+    simulation = simulate(schedule, costs)
     issued = Schedule(issue_order(schedule), schedule.stages, schedule.virtual, schedule.microbatches, schedule.name,
                       schedule.placement)
     lines = [f"schedule {schedule.name}: P={schedule.stages} V={schedule.virtual} M={schedule.microbatches} "
@@ -330,7 +332,8 @@ def dump_schedule(schedule, plan, directory, pairs=()) -> list[str]:
                + [f"rank {rank}: " + (" ".join(f"{a}+{b}" for a, b in mine) or "none")
                   for rank, mine in enumerate(pairs)] + [""] if any(pairs) else []),
              *_zero_legend(schedule),
-             f"simulated (F=1, B=2): makespan {simulation.makespan:g}, bubble {simulation.bubble_fraction:.1%}, "
+             "simulated, each action timed by " + _describe_costs(plan.costs, schedule) + ":",
+             f"  makespan {simulation.makespan:.4g}, bubble {simulation.bubble_fraction:.1%}, "
              f"peak live activations per rank {simulation.peak_activations}"]
     files = {os.path.join(directory, "pipeline.txt"): "\n".join(lines) + "\n",
              os.path.join(directory, "pipeline.svg"): to_svg(schedule, simulation)}
@@ -338,6 +341,18 @@ def dump_schedule(schedule, plan, directory, pairs=()) -> list[str]:
         with open(path, "w") as handle:
             handle.write(text)
     return list(files)
+
+
+def _describe_costs(costs, schedule) -> str:
+    """How the simulator timed the actions: per chunk from FLOPs, or the textbook units."""
+    from .schedule import unit_costs
+
+    if not costs:
+        return "textbook units (" + ", ".join(f"{k}={v:g}" for k, v in unit_costs(schedule).items()) + ")"
+    per_chunk = [" ".join(f"{key[0]}={value:.3g}" for key, value in costs if key[1:] == str(c))
+                 for c in range(schedule.chunks)]
+    return ("its chunk's FLOPs, a stage's forward = 1 on average (" +
+            "; ".join(f"chunk {c}: {text}" for c, text in enumerate(per_chunk)) + ")")
 
 
 def _zero_legend(schedule) -> list[str]:

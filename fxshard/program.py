@@ -237,13 +237,15 @@ class StagePlan:
     groups of stage subsets its collectives name (axis -> stage indices), besides "pp" itself, and
     this rank's actions (fxshard.schedule.Action) in the order the program runs them, ZeRO's U / R /
     G included: a node made by an action carries its position here (`meta.ACTION_INDEX`), and the
-    fsdp pass issues its all-gathers and reductions where the U and G actions are."""
+    fsdp pass issues its all-gathers and reductions where the U and G actions are. `costs` are what the
+    simulator times each chunk's actions with (passes/pipeline.py `chunk_costs`: from their FLOPs)."""
 
     stage: int
     stages: int
     params_by_stage: tuple[tuple[str, ...], ...]
     groups: tuple[tuple[str, tuple[int, ...]], ...] = ()
     actions: tuple = ()
+    costs: tuple[tuple[str, float], ...] = ()
 
     def owner(self, name: str) -> int:
         """The first stage holding `name` (a tied parameter is equal on every stage holding it)."""

@@ -54,7 +54,7 @@ from fxshard.program import (REPLICATED, STAGE_LOCAL, Input, InputKind, Output, 
                              StagePlan)
 from fxshard.schedule import COMPUTE, ZERO, Action, Schedule, check_point_to_point, issue_order
 
-from .pipeline import Chunk, PipelineProgram
+from .pipeline import Chunk, PipelineProgram, chunk_costs
 
 _c10d = torch.ops._c10d_functional
 _SEND, _RECV = torch.ops.fxshard.send.default, torch.ops.fxshard.recv.default
@@ -428,7 +428,8 @@ class _Lowering:
         self.graph.lint()
         gm = fx.GraphModule(self.source.graph_module, self.graph)
         groups = {tied_group(stages, count): stages for stages in self.holders.values() if len(stages) > 1}
-        plan = StagePlan(self.stage, count, self.params_by_stage, tuple(sorted(groups.items())), self.actions)
+        plan = StagePlan(self.stage, count, self.params_by_stage, tuple(sorted(groups.items())), self.actions,
+                         tuple(chunk_costs(self.pipeline, self.schedule).items()))
         layers = [layer for c in self.local for layer in c.layers]
         notes = dict(self.source.notes, pipeline=(
             f"stage {self.stage} of {count}: chunks {[c.index for c in self.local]} (layers {', '.join(layers)}), "

@@ -1,8 +1,9 @@
 """Stage split: cut a traced Program at layer boundaries into pipeline chunks.
 
 The input is the program of one microbatch. Its layers (`pre`, the model's blocks, `post`) are
-dealt into `chunks` contiguous groups — balanced by parameter count, or as `stage_layers` says —
-with `pre` (embedding) in the first chunk and `post` (head and loss) in the last. Every forward and
+dealt into `chunks` contiguous groups — balanced by their FLOPs (`layer_costs`: the costliest chunk
+as cheap as it can be), or as `stage_layers` says — with `pre` (embedding) in the first chunk and
+`post` (head and loss) in the last. Every forward and
 backward node belongs to its layer's chunk; the optimizer phase is left out (the runtime updates
 each rank's parameters after all microbatches).
 
@@ -33,7 +34,7 @@ import torch.fx as fx
 
 from fxshard import meta
 from fxshard.errors import FxShardError
-from fxshard.graph import ancestors, is_pure
+from fxshard.graph import ancestors, flops, is_pure
 from fxshard.program import InputKind, OutputKind, Program
 
 _ADD = torch.ops.aten.add.Tensor
@@ -89,9 +90,13 @@ def _count(gm: fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function")
 
 
-def assign_layers(layers: list[str], chunks: int, param_bytes: dict[str, int],
+def assign_layers(layers: list[str], chunks: int, costs: dict[str, float],
                   stage_layers: list[int] | None = None) -> list[list[str]]:
-    """Blocks dealt into `chunks` contiguous groups; `pre` joins the first, `post` the last."""
+    """Blocks dealt into `chunks` contiguous groups; `pre` joins the first, `post` the last.
+
+    Default: the cut that makes the costliest chunk cheapest, `pre` and `post` counted in theirs
+    (`costs[layer]`, e.g. `layer_costs`: a language model's head is a block's worth of work, its
+    embedding next to none). `stage_layers` gives the counts instead."""
     if chunks < 1:
         raise FxShardError(f"a pipeline needs at least one chunk, got {chunks}")
     if chunks > max(len(layers), 1):
@@ -104,7 +109,8 @@ def assign_layers(layers: list[str], chunks: int, param_bytes: dict[str, int],
                                f"summing to the model's {len(layers)} layers")
         counts = list(stage_layers)
     else:
-        counts = _balanced(layers, chunks, param_bytes)
+        counts = _balanced([costs.get(layer, 0) for layer in layers], chunks,
+                           costs.get(meta.PRE, 0), costs.get(meta.POST, 0))
     groups, start = [], 0
     for count in counts:
         groups.append(layers[start:start + count])
@@ -114,22 +120,31 @@ def assign_layers(layers: list[str], chunks: int, param_bytes: dict[str, int],
     return groups
 
 
-def _balanced(layers, chunks, param_bytes) -> list[int]:
-    """Contiguous counts minimizing the largest chunk's parameter bytes (each chunk >= 1 layer)."""
-    weights = [max(param_bytes.get(layer, 0), 1) for layer in layers]
-    n = len(layers)
-    # best[k][i]: minimal largest-chunk weight splitting layers[:i] into k chunks
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(chunks + 1)]
-    cut = [[0] * (n + 1) for _ in range(chunks + 1)]
-    best[0][0] = 0
-    prefix = [0]
+def _balanced(weights: list[float], chunks: int, first: float = 0, last: float = 0) -> list[int]:
+    """Contiguous counts (each >= 1) minimizing the largest chunk's weight, `first` added to the first
+    chunk's and `last` to the last's; ties broken towards evener chunks (smaller sum of squares)."""
+    n = len(weights)
+    prefix = [0.0]
     for w in weights:
         prefix.append(prefix[-1] + w)
+
+    def weight(k: int, j: int, i: int) -> float:  # chunk k (1-based) holding blocks j..i-1
+        return prefix[i] - prefix[j] + (first if k == 1 else 0) + (last if k == chunks else 0)
+
+    # best[k][i]: (largest chunk weight, sum of squared chunk weights) splitting blocks[:i] into k chunks
+    inf = (float("inf"), float("inf"))
+    best = [[inf] * (n + 1) for _ in range(chunks + 1)]
+    cut = [[0] * (n + 1) for _ in range(chunks + 1)]
+    best[0][0] = (0.0, 0.0)
     for k in range(1, chunks + 1):
         for i in range(k, n + 1):
+            if k == chunks and i != n:
+                continue
             for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if best[k - 1][j] == inf:
+                    continue
+                w = weight(k, j, i)
+                value = (max(best[k - 1][j][0], w), best[k - 1][j][1] + w * w)
                 if value < best[k][i]:
                     best[k][i], cut[k][i] = value, j
     counts, i = [], n
@@ -140,6 +155,46 @@ def _balanced(layers, chunks, param_bytes) -> list[int]:
     return counts[::-1]
 
 
+def layer_costs(program: Program) -> dict[str, float]:
+    """What each layer (`pre`, the blocks, `post`) costs to run: the FLOPs of its GEMM-class nodes
+    (fxshard.graph.flops) over forward and backward. A program with no such FLOPs falls back to
+    parameter bytes, so its cut still follows where the weights are."""
+    costs: dict[str, float] = {}
+    for node in program.graph.nodes:
+        if node.op == "call_function" and meta.phase(node) in (meta.FWD, meta.BWD) and (work := flops(node)):
+            costs[meta.layer(node)] = costs.get(meta.layer(node), 0) + work
+    if costs:
+        return costs
+    for node, spec in zip(program.placeholders(), program.inputs):
+        if spec.kind is InputKind.PARAM:
+            value = node.meta["val"]
+            costs[meta.layer(node)] = costs.get(meta.layer(node), 0) + value.numel() * value.element_size()
+    return costs
+
+
+def chunk_costs(pipeline: "PipelineProgram", schedule) -> dict[str, float]:
+    """The simulator's time of every chunk's actions under `schedule` (fxshard.schedule.simulate's
+    `cost`): `F{c}`, and `B{c}` the whole backward or, where the schedule splits W off, its
+    input-gradient part with `W{c}` the weight-gradient part; from their GEMM FLOPs, scaled so that
+    a stage's forward takes 1 on average, as in `unit_costs`. Empty where the chunks have no FLOPs
+    (the simulator's defaults then)."""
+    def work(gm: fx.GraphModule) -> float:
+        return float(sum(flops(n) for n in gm.graph.nodes if n.op == "call_function"))
+
+    splits_w = any(a.kind == "W" for actions in schedule.ranks for a in actions)
+    raw = {}
+    for c in pipeline.chunks:
+        raw[f"F{c.index}"] = work(c.forward)
+        if splits_w:
+            raw.update({f"B{c.index}": work(c.backward_input), f"W{c.index}": work(c.backward_weight)})
+        else:
+            raw[f"B{c.index}"] = work(c.backward)
+    forward = sum(raw[f"F{c.index}"] for c in pipeline.chunks)
+    if not forward:
+        return {}
+    return {key: value * schedule.stages / forward for key, value in raw.items()}
+
+
 def split_stages(program: Program, chunks: int, stage_layers: list[int] | None = None) -> PipelineProgram:
     """Cut `program` (one microbatch, as traced) into `chunks` pipeline chunks. See the module docstring."""
     graph = program.graph
@@ -147,13 +202,7 @@ def split_stages(program: Program, chunks: int, stage_layers: list[int] | None =
         raise FxShardError("split_stages takes the program of one microbatch; the pipeline runtime "
                            "feeds microbatches itself (leave Config(microbatches) to the schedule)")
     layers = [layer for layer in program.notes.get("layers", [])]
-    placeholders = dict(zip(program.placeholders(), program.inputs))
-    param_bytes: dict[str, int] = {}
-    for node, spec in placeholders.items():
-        if spec.kind is InputKind.PARAM:
-            value = node.meta["val"]
-            param_bytes[meta.layer(node)] = param_bytes.get(meta.layer(node), 0) + value.numel() * value.element_size()
-    groups = assign_layers(layers, chunks, param_bytes, stage_layers)
+    groups = assign_layers(layers, chunks, layer_costs(program), stage_layers)
     chunk_of_layer = {layer: c for c, group in enumerate(groups) for layer in group}
     return _Splitter(program, groups, chunk_of_layer).run()
 

@@ -13,7 +13,7 @@ from fxshard import meta, schedule as schedules
 from fxshard.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig
 from fxshard.passes import run_pipeline
 from fxshard.passes.lower_schedule import lower_schedule
-from fxshard.passes.pipeline import assign_layers, split_stages
+from fxshard.passes.pipeline import assign_layers, chunk_costs, layer_costs, split_stages
 from fxshard.program import STAGE_LOCAL, InputKind, OutputKind
 from fxshard.testing import SimulatedRanks, assert_step_like_eager, relative, torch_optimizer
 
@@ -151,17 +151,60 @@ def test_dualpipev_keeps_the_tied_embedding_and_head_on_rank_0_with_no_all_reduc
     assert "chunks [0, 3]" in stages[0].notes["pipeline"] and "chunks [1, 2]" in stages[1].notes["pipeline"]
 
 
-def test_layers_are_balanced_by_parameter_bytes_or_set_by_stage_layers():
+def test_layers_are_balanced_by_cost_or_set_by_stage_layers():
     layers = [f"layers.{i}" for i in range(5)]
-    sizes = {"layers.0": 100, "layers.1": 100, "layers.2": 100, "layers.3": 100, "layers.4": 400}
-    assert assign_layers(layers, 2, sizes) == [["pre", *layers[:4]], ["layers.4", "post"]]
-    assert assign_layers(layers, 2, sizes, [2, 3]) == [["pre", *layers[:2]], [*layers[2:], "post"]]
+    costs = {"layers.0": 100, "layers.1": 100, "layers.2": 100, "layers.3": 100, "layers.4": 400}
+    assert assign_layers(layers, 2, costs) == [["pre", *layers[:4]], ["layers.4", "post"]]
+    assert assign_layers(layers, 2, costs, [2, 3]) == [["pre", *layers[:2]], [*layers[2:], "post"]]
+    # the head (post) counts in the last chunk: with it, 3 + 2 blocks is the even cut, not 2 + 3
+    even = {layer: 100 for layer in layers}
+    assert assign_layers(layers, 2, even) == [["pre", *layers[:2]], [*layers[2:], "post"]]
+    assert assign_layers(layers, 2, {**even, "post": 150}) == [["pre", *layers[:3]], [*layers[3:], "post"]]
     with pytest.raises(fxshard.FxShardError, match="only 5 layers"):
-        assign_layers(layers, 6, sizes)
+        assign_layers(layers, 6, costs)
     with pytest.raises(fxshard.FxShardError, match="stage_layers"):
-        assign_layers(layers, 2, sizes, [1, 1])
+        assign_layers(layers, 2, costs, [1, 1])
     with pytest.raises(fxshard.FxShardError, match="stage_layers must list ints"):  # sums to 4, cuts nowhere
         fxshard.Config(stage_layers=(1.5, 2.5))
+
+
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=7), st.integers(1, 4), st.integers(0, 9), st.integers(0, 9))
+def test_the_balanced_cut_makes_the_costliest_chunk_as_cheap_as_any_cut_can(weights, chunks, pre, post):
+    """Against every contiguous cut (brute force): no cut has a cheaper costliest chunk."""
+    import itertools
+
+    chunks = min(chunks, len(weights))
+    layers = [f"layers.{i}" for i in range(len(weights))]
+    costs = {**dict(zip(layers, weights)), "pre": pre, "post": post}
+
+    def costliest(groups):
+        return max(sum(costs[layer] for layer in group) for group in groups)
+
+    best = min(costliest(assign_layers(layers, chunks, costs, [b - a for a, b in zip((0, *cuts), (*cuts, len(layers)))]))
+               for cuts in itertools.combinations(range(1, len(layers)), chunks - 1))
+    groups = assign_layers(layers, chunks, costs)
+    assert [layer for group in groups for layer in group] == ["pre", *layers, "post"]
+    assert costliest(groups) == best
+
+
+def test_chunks_are_cut_and_timed_by_their_flops():
+    """GPT with a head as costly as two blocks: the last chunk takes fewer blocks, and the simulator
+    times each chunk's actions by its FLOPs (the dump says so)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=320, d_model=16, n_layer=6, n_head=2, d_ff=24))
+    program = fxshard.trace(model, model_loss, token_microbatches(320, 1)[0], optimizer=fxshard.optim.SGD(lr=1.0))
+    costs = layer_costs(program)
+    assert 1.9 < costs["post"] / costs["layers.0"] < 2.3 and costs["layers.0"] == costs["layers.5"]
+    pipeline = split_stages(program, 2)
+    assert [len(c.layers) for c in pipeline.chunks] == [1 + 4, 2 + 1]  # pre + 4 blocks | 2 blocks + post
+    schedule = schedules.one_f_one_b(2, 4)
+    timed = chunk_costs(pipeline, schedule)
+    assert timed["F0"] + timed["F1"] == pytest.approx(2.0) and abs(timed["F1"] / timed["F0"] - 1) < 0.1
+    assert timed["B0"] > timed["F0"] and "W0" not in timed
+    split = chunk_costs(pipeline, schedules.zero_bubble_h1(2, 4))
+    assert split["B0"] + split["W0"] == pytest.approx(timed["B0"])  # the backward's FLOPs, divided
+    stage = lower_schedule(pipeline, schedule, 1)
+    assert dict(stage.stage.costs) == timed
 
 
 def test_zero_bubble_runs_the_weight_gradients_split_off_the_backward():
@@ -388,7 +431,7 @@ def test_a_stage_without_experts_joins_the_expert_gradient_norm_all_reduce(strat
     from model_zoo import MODELS, build, masked_batches, rows_of
 
     name, mesh = "titan_deepseek_v3", fxshard.Mesh(pp=2, dp=2, ep=2)
-    config = fxshard.Config(schedule="1f1b", microbatches=2, sharding=strategy)
+    config = fxshard.Config(schedule="1f1b", microbatches=2, sharding=strategy, stage_layers=(1, 2))
     optimizer = fxshard.optim.AdamW(lr=1e-3)
     model, loss_fn = build(name), MODELS[name][1]
     batch = masked_batches(name, 1, 4)[0]

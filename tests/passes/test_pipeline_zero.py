@@ -153,6 +153,7 @@ def test_zero1_reduces_at_g_and_the_dump_lists_the_zero_actions(tmp_path):
     dump_schedule(plan, final.stage, tmp_path, pairs)
     text = (tmp_path / "pipeline.txt").read_text()
     assert "G1 OPT" in text and "U1" not in text
+    assert "timed by its chunk's FLOPs" in text and "chunk 1: F=" in text and " W=" in text  # zb-h1 splits W
     config = fxshard.Config(schedule="1f1b", microbatches=4, sharding="optim_grads_params")
     plan, pairs = lowered_schedule(MESH, config)
     dump_schedule(plan, run_pipeline(program, MESH, config, stage=0)[-1].stage, tmp_path, pairs)
