@@ -24,7 +24,7 @@ it. fxshard modes use the default codegen (Inductor on CUDA, aten replay on CPU)
 
 The peer, as a user of torch.distributed.pipelining would write it: one nn.Module per chunk (the embedding and
 its blocks, or its blocks and the final norm and head), cut at the same layers as fxshard's chunks (fxshard's
-own `assign_layers`, balanced by parameter bytes; fxshard modes print their cut and it is checked against the
+own split of the traced program, balanced by FLOPs; fxshard modes print their cut and it is checked against the
 peer's), `PipelineStage` per chunk, loss = the model's cross entropy (GPT.loss) per microbatch, gradients
 scaled by 1/M (the mean over microbatches, as fxshard). Precision (--peer-precision): "bf16" (default) holds
 the stage modules in bf16 and fp32 master copies; after the schedule's step the bf16 gradients (accumulated
@@ -50,17 +50,29 @@ and CUPTI: a graphed mode gets a bubble only where the trace holds kernels launc
 (matched by correlation id), else "n/a" with the reason, never an estimate. On CPU it is always n/a.
 The profiled step of an eager mode carries the profiler's own host overhead, which a host-bound step
 shows as extra bubble. --trace-dir keeps each mode's trace per rank (chrome://tracing, Perfetto).
-Simulated bubble: fxshard.schedule.simulate on the schedule with F=1, B=2 (F=1, B=1, W=1 where the
-schedule splits W off), communication free; a pipelining mode gets the fxshard schedule of the same
-kind (1F1B, interleaved 1F1B V=2), whose order may differ slightly from torch's.
+Simulated bubble: fxshard.schedule.simulate on the schedule with each chunk's F, B (and W) timed by
+their GEMM FLOPs (passes/pipeline.py `chunk_costs`: a last chunk holding the head takes longer),
+communication free; the JSON also has it with the textbook units F=1, B=2 (F=B=W=1 where W is split
+off), `bubble_simulated_units`. A pipelining mode gets the fxshard schedule of the same kind (1F1B,
+interleaved 1F1B V=2), whose order may differ slightly from torch's, on the same cut.
+Simulated with measured costs ("sim. meas."): the profiled step of an fxshard eager mode names each
+codegen region's call after its pipeline action (fxshard/codegen.py), so each kernel is attributed to
+its action (`action_times`); the simulator then times every chunk's F / B / W by the mean of its
+actions' GPU time over microbatches and ranks, and OPT by the busy GPU time in no such action
+(optimizer, casts, custom ops). Its graphed mode runs the same kernels and gets the same costs. The
+gap between this and the measured bubble is what the schedule's own model leaves out: point-to-point
+latency, host stalls, kernel gaps inside an action.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
+import dataclasses
 import inspect
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -77,10 +89,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import fxshard  # noqa: E402
 from fxshard import meta  # noqa: E402
 from fxshard.launch import run_local  # noqa: E402
-from fxshard.layers import find_layers  # noqa: E402
 from fxshard.models import GPT, GPTConfig  # noqa: E402
 from fxshard.models.blocks import rope_tables  # noqa: E402
-from fxshard.passes.pipeline import assign_layers  # noqa: E402
+from fxshard.passes.pipeline import chunk_costs, split_stages  # noqa: E402
 from fxshard.schedule import build, simulate, unit_costs  # noqa: E402
 from common import device_name, write_json  # noqa: E402
 
@@ -108,6 +119,7 @@ class Setup:
     steps: int
     peer_precision: str   # "bf16" or "autocast"
     trace_dir: str | None
+    cuts: tuple = ()      # (chunks, fxshard's layer groups) pairs: the peer is cut where fxshard cuts
 
     def config(self) -> GPTConfig:
         overrides = {} if self.n_layer is None else {"n_layer": self.n_layer}
@@ -141,13 +153,19 @@ def synchronize(setup: Setup) -> None:
         torch.cuda.synchronize()
 
 
-def chunk_layers(model: GPT, chunks: int) -> list[list[str]]:
-    """fxshard's cut of `model` into `chunks` pipeline chunks (passes/pipeline.py: blocks balanced by
-    parameter bytes, "pre" (embedding) joining the first chunk, "post" (norm, head, loss) the last)."""
-    layers = find_layers(model)
-    param_bytes = {layer: sum(p.numel() * p.element_size() for p in model.get_submodule(layer).parameters())
-                   for layer in layers}
-    return assign_layers(layers, chunks, param_bytes)
+def fxshard_split(model: GPT, setup: Setup, chunks: int):
+    """fxshard's split of `model` into `chunks` pipeline chunks (passes/pipeline.py: the program of one
+    microbatch, traced, blocks balanced by FLOPs with the head counted in the last chunk); `model` may
+    be on meta."""
+    rows = setup.batch
+    batch = {key: value[:rows].cpu() for key, value in batch_for(setup, "cpu").items()}
+    program = fxshard.trace(model, lambda m, b: m.loss(b), batch, optimizer=fxshard.optim.AdamW(lr=1e-4))
+    return split_stages(program, chunks)
+
+
+def chunk_layers(setup: Setup, chunks: int) -> list[list[str]]:
+    """The layers of each of fxshard's `chunks` chunks, as `main` traced them (Setup.cuts)."""
+    return [list(group) for group in dict(setup.cuts)[chunks]]
 
 
 def stage_parameter_names(model: GPT, groups: list[list[str]], rank_of, stages: int) -> list[list[str]]:
@@ -200,7 +218,7 @@ def run_peer(mode: str, setup: Setup) -> dict:
     device = this_device(setup)
     virtual, compiled = PEERS[mode]
     model = build_model(setup, device)
-    groups = chunk_layers(model, world * virtual)
+    groups = chunk_layers(setup, world * virtual)
     indices = [rank + v * world for v in range(virtual)]  # loop placement, as fxshard's chunk c on rank c mod P
     modules = [GPTChunk(model, groups[c], setup.seq) for c in indices]
     del model  # the other ranks' blocks are freed with it
@@ -268,7 +286,8 @@ def run_fxshard(schedule_name: str, virtual: int, graphed: bool, label: str, set
     del model
     if setup.device == "cuda":
         torch.cuda.empty_cache()
-    result = measure(lambda: step(data)["loss"], setup, label, graphed)
+    actions = [str(a) for a in step.program.stage.actions]
+    result = measure(lambda: step(data)["loss"], setup, label, graphed, actions)
     result["compile_s"] = compile_s
     result["pipeline"] = step.program.notes.get("pipeline")
     plan = step.program.stage
@@ -276,10 +295,11 @@ def run_fxshard(schedule_name: str, virtual: int, graphed: bool, label: str, set
     return result
 
 
-def measure(step_fn, setup: Setup, label: str, graphed: bool) -> dict:
+def measure(step_fn, setup: Setup, label: str, graphed: bool, actions: list[str] | None = None) -> dict:
     """Warm up, time `setup.steps` steps one by one, then profile one more (the bubble). `step_fn()`
     trains one step and returns its loss (or None on a rank that does not compute it), read during
-    the warm-up only: the same model and data in every mode, so the losses should agree to bf16."""
+    the warm-up only: the same model and data in every mode, so the losses should agree to bf16.
+    `actions`: an fxshard stage's actions (StagePlan.actions), to time each from its kernels."""
     if setup.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
@@ -299,11 +319,11 @@ def measure(step_fn, setup: Setup, label: str, graphed: bool) -> dict:
         synchronize(setup)
         step_ms.append((time.perf_counter() - started) * 1e3)
     peak = torch.cuda.max_memory_allocated() if setup.device == "cuda" else None
-    bubble = profile_bubble(step_fn, setup, label, graphed)
+    bubble = profile_bubble(step_fn, setup, label, graphed, actions)
     return {"step_ms": step_ms, "warmup_s": warmup_s, "peak_bytes": peak, "warmup_losses": warmup_losses, **bubble}
 
 
-def profile_bubble(step_fn, setup: Setup, label: str, graphed: bool) -> dict:
+def profile_bubble(step_fn, setup: Setup, label: str, graphed: bool, actions: list[str] | None = None) -> dict:
     """One step under torch.profiler; this rank's bubble from its GPU activity (see the module docstring)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -322,7 +342,7 @@ def profile_bubble(step_fn, setup: Setup, label: str, graphed: bool) -> dict:
         if setup.trace_dir:
             os.makedirs(setup.trace_dir, exist_ok=True)
             shutil.copy(path, os.path.join(setup.trace_dir, f"{label}_rank{dist.get_rank()}.json"))
-    return gpu_bubble(events, graphed)
+    return {**gpu_bubble(events, graphed), "action_ms": action_times(events, actions) if actions else None}
 
 
 def is_communication(event: dict) -> bool:
@@ -367,6 +387,63 @@ def gpu_bubble(events: list[dict], graphed: bool = False) -> dict:
     return result
 
 
+REGION_RANGE = re.compile(r"^fxshard region_\d+ \[.* action (\d+)\]$")
+
+
+def action_times(events: list[dict], actions: list[str]) -> dict[str, float] | None:
+    """GPU time of this rank's pipeline actions in one process's chrome trace: each kernel (not
+    communication) is attributed to the codegen region whose profiler range (`fxshard region_<i>
+    [... action <a>]`, fxshard/codegen.py) launched it, by correlation id, and so to the stage's action
+    `actions[a]`; per action, the union of its kernels' intervals. Returns {"F<c>:<mb>": ms, ...,
+    "other": ms of busy GPU time in no F / B / W action (optimizer, casts, custom ops)}, or None where
+    the trace holds no region ranges (CUDA graphs replay without them; codegen off)."""
+    ranges: dict[tuple, list[tuple[float, float, int]]] = {}
+    launches: dict[object, tuple] = {}
+    kernels = []
+    for event in events:
+        if event.get("ph") != "X":
+            continue
+        category, name = str(event.get("cat", "")).lower(), str(event.get("name", ""))
+        start, end = float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0.0))
+        if category == "user_annotation" and (match := REGION_RANGE.match(name)):
+            ranges.setdefault((event.get("pid"), event.get("tid")), []).append((start, end, int(match.group(1))))
+        elif category in ("cuda_runtime", "cuda_driver"):
+            launches[(event.get("args") or {}).get("correlation")] = (event.get("pid"), event.get("tid"), start)
+        elif category in ("kernel", "gpu_memset") or (category == "gpu_memcpy" and "DtoD" in name):
+            if not is_communication(event):
+                kernels.append((start, end, (event.get("args") or {}).get("correlation")))
+    if not ranges:
+        return None
+    for spans in ranges.values():
+        spans.sort()
+    per_action: dict[str, list[tuple[float, float]]] = {}
+    for start, end, correlation in kernels:
+        owner = "other"
+        if correlation in launches:
+            pid, tid, when = launches[correlation]
+            spans = ranges.get((pid, tid), [])
+            k = bisect.bisect_right(spans, (when, float("inf"), 0)) - 1
+            if k >= 0 and spans[k][0] <= when <= spans[k][1] and actions[spans[k][2]][0] in "FBW":
+                owner = actions[spans[k][2]]
+        per_action.setdefault(owner, []).append((start, end))
+    return {owner: union_length(intervals) / 1e3 for owner, intervals in per_action.items()}
+
+
+def measured_costs(ranks: list[dict]) -> dict[str, float] | None:
+    """The simulator's `cost` from every rank's `action_times`: per chunk and kind (F, B, W), the mean
+    over microbatches in ms; OPT the mean over ranks of the busy time in no F / B / W action."""
+    if any(r.get("action_ms") is None for r in ranks):
+        return None
+    samples: dict[str, list[float]] = {}
+    for rank in ranks:
+        for action, ms in rank["action_ms"].items():
+            if action != "other":
+                samples.setdefault(action.split(":")[0], []).append(ms)
+    costs = {key: sum(values) / len(values) for key, values in samples.items()}
+    costs["OPT"] = sum(r["action_ms"].get("other", 0.0) for r in ranks) / len(ranks)
+    return costs
+
+
 def union_length(intervals: list[tuple[float, float]]) -> float:
     """Total length covered by `intervals` (overlapping streams count once)."""
     total, reach = 0.0, float("-inf")
@@ -378,10 +455,12 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def simulated_bubble(schedule_name: str, stages: int, microbatches: int, virtual: int) -> float:
-    """The simulator's mean idle fraction: F=1, B=2, or F=1, B=1, W=1 where W is split off."""
+def simulated_bubble(schedule_name: str, stages: int, microbatches: int, virtual: int, split) -> tuple[float, float]:
+    """The simulator's mean idle fraction with each chunk's actions timed by their FLOPs
+    (`chunk_costs` of fxshard's `split`), and with the textbook units (F=1, B=2, or F=B=W=1)."""
     schedule = build(schedule_name, stages, microbatches, virtual)
-    return simulate(schedule, unit_costs(schedule)).bubble_fraction
+    return (simulate(schedule, chunk_costs(split, schedule)).bubble_fraction,
+            simulate(schedule, unit_costs(schedule)).bubble_fraction)
 
 
 def unavailable_schedule(name: str, stages: int, microbatches: int) -> str | None:
@@ -408,7 +487,7 @@ def median(values: list[float]) -> float:
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
-def combine(mode: str, ranks: list[dict], setup: Setup, simulated: float) -> dict:
+def combine(mode: str, ranks: list[dict], setup: Setup, simulated: float, simulated_units: float) -> dict:
     """One table row from every rank's result."""
     step_ms = [max(values) for values in zip(*(r["step_ms"] for r in ranks))]  # each step: the slowest rank
     ms = median(step_ms)
@@ -419,7 +498,7 @@ def combine(mode: str, ranks: list[dict], setup: Setup, simulated: float) -> dic
     note = next((f"rank {i}: {r['bubble_note']}" for i, r in enumerate(ranks) if r.get("bubble_note")), None)
     return {"mode": mode, "ms_per_step": ms, "tokens_per_s": setup.microbatches * setup.batch * setup.seq / (ms / 1e3),
             "bubble_measured": measured, "bubble_measured_max": None if measured is None else max(bubbles),
-            "bubble_simulated": simulated, "bubble_note": note, "peak_bytes": max(peaks) if peaks else None,
+            "bubble_simulated": simulated, "bubble_simulated_units": simulated_units, "bubble_note": note, "peak_bytes": max(peaks) if peaks else None,
             "warmup_losses": losses, "step_ms_all": step_ms,
             "per_rank": [{k: r.get(k) for k in PER_RANK} for r in ranks]}
 
@@ -429,7 +508,7 @@ PER_RANK = ("bubble", "bubble_note", "kernels", "graph_kernels", "busy_ms", "win
 
 
 HEADER = (f"{'mode':<32} {'ms/step':>9} {'tokens/s':>9} {'vs peer':>8} {'vs best peer':>12} {'vs eager':>8} "
-          f"{'bubble meas.':>12} {'bubble sim.':>11} {'peak GiB':>8} {'loss warm-up 1st, last':>22}")
+          f"{'bubble meas.':>12} {'sim. FLOPs':>10} {'sim. meas.':>10} {'peak GiB':>8} {'loss warm-up 1st, last':>22}")
 
 
 def format_row(row: dict, rows: list[dict]) -> str:
@@ -451,7 +530,8 @@ def format_row(row: dict, rows: list[dict]) -> str:
     return (f"{row['mode']:<32} {row['ms_per_step']:>9.1f} {row['tokens_per_s']:>9.0f} "
             f"{ratio(peer['ms_per_step'] if peer else None):>8} {ratio(min(peers) if peers else None):>12} "
             f"{ratio(eager['ms_per_step'] if eager else None):>8} {percent(row['bubble_measured']):>12} "
-            f"{percent(row['bubble_simulated']):>11} {peak:>8} {loss:>22}")
+            f"{percent(row['bubble_simulated']):>10} {percent(row.get('bubble_simulated_measured')):>10} "
+            f"{peak:>8} {loss:>22}")
 
 
 def planned_modes(args) -> list[tuple[str, str, bool]]:
@@ -468,7 +548,7 @@ def planned_modes(args) -> list[tuple[str, str, bool]]:
     return modes
 
 
-def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model: GPT) -> dict | None:
+def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model: GPT, splits: dict) -> dict | None:
     """One mode in its own job of `gpus` processes: its table row, or None (the failure printed)."""
     mode = name if kind == "peer" else f"{name}-{'graphed' if graphed else 'eager'}"
     started = time.perf_counter()
@@ -480,14 +560,21 @@ def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model
               f"{str(error)[-600:]}", flush=True)
         return None
     schedule_name, virtual = PEER_SCHEDULE[PEERS[name][0]] if kind == "peer" else SCHEDULES[name]
-    row = combine(mode, ranks, setup, simulated_bubble(schedule_name, gpus, setup.microbatches, virtual))
+    row = combine(mode, ranks, setup, *simulated_bubble(schedule_name, gpus, setup.microbatches, virtual,
+                                                        splits[virtual]))
+    row["schedule"] = (schedule_name, virtual)
+    row["action_costs_ms"] = measured_costs(ranks) if kind == "fxshard" else None
+    row["bubble_simulated_measured"] = None
+    if row["action_costs_ms"]:
+        schedule = build(schedule_name, gpus, setup.microbatches, virtual)
+        row["bubble_simulated_measured"] = simulate(schedule, row["action_costs_ms"]).bubble_fraction
     row["job_s"] = time.perf_counter() - started
     details = [f"warm-up {max(r['warmup_s'] for r in ranks):.1f}s",
                f"kernels traced per rank {[r['kernels'] for r in ranks]}"]
     if kind == "fxshard":
         details.insert(0, f"fxshard.shard {max(r['compile_s'] for r in ranks):.1f}s")
         placement = build(schedule_name, gpus, setup.microbatches, virtual).rank_of
-        expected = stage_parameter_names(model, chunk_layers(model, gpus * virtual), placement, gpus)
+        expected = stage_parameter_names(model, chunk_layers(setup, gpus * virtual), placement, gpus)
         if ranks[0]["params_by_stage"] != expected:  # fxshard's own cut against the one the peer is built with
             details.append(f"WARNING: fxshard's stages hold other parameters than this bench's cut "
                            f"({[len(n) for n in ranks[0]['params_by_stage']]} vs {[len(n) for n in expected]})")
@@ -513,11 +600,12 @@ def print_targets(rows: list[dict]) -> None:
             speedup = peer["ms_per_step"] / row["ms_per_step"]
             verdict = ('met' if speedup >= 1.2 else 'NOT met') if row["mode"].endswith("-graphed") else "no target"
             parts.append(f"vs peer {speedup:.2f}x ({verdict})")
-        if row["bubble_measured"] is not None:
-            gap = (row["bubble_measured"] - row["bubble_simulated"]) * 100
-            parts.append(f"bubble {gap:+.1f} pp ({'met' if abs(gap) <= 2 else 'NOT met'})")
-        else:
+        if row["bubble_measured"] is None:
             parts.append("bubble n/a")
+        for key, what in (("bubble_simulated", "FLOP costs"), ("bubble_simulated_measured", "measured costs")):
+            if row["bubble_measured"] is not None and row.get(key) is not None:
+                gap = (row["bubble_measured"] - row[key]) * 100
+                parts.append(f"bubble vs simulated with {what} {gap:+.1f} pp ({'met' if abs(gap) <= 2 else 'NOT met'})")
         print(f"  {row['mode']}: " + ", ".join(parts))
 
 
@@ -546,19 +634,28 @@ def main():
     print(f"GPT {args.model} ({params / 1e9:.2f}B, {setup.config().n_layer} blocks), pp={args.gpus}, "
           f"M={args.microbatches}, microbatch {args.batch}x{args.seq}, {device_name()}, torch {torch.__version__}, "
           f"peer precision {args.peer_precision}", flush=True)
-    for virtual in sorted({PEERS[p][0] for p in args.peers} | {SCHEDULES[s][1] for s in args.schedules}):
-        groups = chunk_layers(model, args.gpus * virtual)
-        print(f"  cut into {args.gpus * virtual} chunks: " + " | ".join(", ".join(group) for group in groups),
+    splits = {virtual: fxshard_split(model, setup, args.gpus * virtual)
+              for virtual in sorted({PEERS[p][0] for p in args.peers} | {SCHEDULES[s][1] for s in args.schedules})}
+    setup = dataclasses.replace(setup, cuts=tuple((len(split.chunks), tuple(c.layers for c in split.chunks))
+                                                  for split in splits.values()))
+    for split in splits.values():
+        print(f"  cut into {len(split.chunks)} chunks: " + " | ".join(", ".join(c.layers) for c in split.chunks),
               flush=True)
     modes = planned_modes(args)
     print(HEADER, flush=True)
     rows = []
     for kind, name, graphed in modes:
-        row = run_mode(kind, name, graphed, setup, args.gpus, model)
+        row = run_mode(kind, name, graphed, setup, args.gpus, model, splits)
         if row is not None:
             rows.append(row)
             print(format_row(row, rows), flush=True)
             print(f"  {row['job_s']:.0f}s in all; " + "; ".join(row["details"]), flush=True)
+    for row in rows:  # a graphed step runs the eager step's kernels: time its actions by the eager profile
+        eager = next((r for r in rows if r["mode"] == row["mode"].replace("-graphed", "-eager")), None)
+        if row["mode"].endswith("-graphed") and eager and eager["action_costs_ms"]:
+            row["action_costs_ms"] = eager["action_costs_ms"]
+            schedule = build(row["schedule"][0], args.gpus, args.microbatches, row["schedule"][1])
+            row["bubble_simulated_measured"] = simulate(schedule, row["action_costs_ms"]).bubble_fraction
     print("\nall modes (ratios against every row of the job):")
     print(HEADER)
     for row in rows:

@@ -104,16 +104,22 @@ class Region:
 
     @property
     def where(self) -> str:
-        """The phase and layer most of its nodes belong to, e.g. 'fwd layers.3'."""
+        """The phase and layer most of its nodes belong to, e.g. 'fwd layers.3'; in a pipeline stage's
+        program also the microbatch and the position of its action in the stage's actions
+        (`StagePlan.actions`), e.g. 'bwd layers.3 mb 2 action 17'."""
         counts = Counter((meta.phase(n) or "-", meta.layer(n) or "-") for n in self.nodes)
         (phase, layer), _ = counts.most_common(1)[0]
-        return f"{phase} {layer}"
+        action = meta.action_index(self.nodes[0])
+        microbatch = meta.microbatch(self.nodes[0])
+        return (f"{phase} {layer}" + (f" mb {microbatch}" if microbatch is not None and action is not None else "")
+                + (f" action {action}" if action is not None else ""))
 
 
 def find_regions(graph: fx.Graph, by_layer: bool = True) -> list[Region]:
     """The runs of consecutive non-fixed nodes, each with what it reads and what is read of it.
 
-    Fixed nodes end a run. With `by_layer`, so does the first node of each (phase, microbatch, layer)
+    Fixed nodes end a run, and so does a change of pipeline action (`meta.ACTION_INDEX`: a region is
+    never two actions' work). With `by_layer`, so does the first node of each (phase, microbatch, layer)
     the program reaches: every layer's forward and backward is a region of its own (with the few
     nodes of a neighbouring layer that the backward orders in between), so the same code at
     another depth is one structure key and compiles once, however little communication there is to
@@ -125,6 +131,9 @@ def find_regions(graph: fx.Graph, by_layer: bool = True) -> list[Region]:
                 runs.append(run)
             run = []
             continue
+        if run and meta.action_index(node) != meta.action_index(run[-1]):
+            runs.append(run)
+            run = []
         part = (meta.phase(node), meta.microbatch(node), meta.layer(node))
         if by_layer and part not in seen:
             seen.add(part)
@@ -173,16 +182,23 @@ def _tensor_spec(value):
 
 
 class CompiledRegion(nn.Module):
-    """Calls a region's compiled code (or its aten replay); the outer graph calls this."""
+    """Calls a region's compiled code (or its aten replay); the outer graph calls this. Under
+    torch.profiler the call is a range named `fxshard <region> [<where>]`, so a trace says which
+    region (layer, phase, pipeline action) each kernel comes from; otherwise it costs one check."""
 
     def __init__(self, region: Region, replay: fx.GraphModule, compiled: Callable | None):
         super().__init__()
         self.replay = replay
         self.compiled = compiled
         self.description = f"{region.name}: {len(region.nodes)} nodes, {region.where}, {region.status}"
+        self.label = f"fxshard {region.name} [{region.where}]"
 
     def forward(self, *args):
-        return (self.compiled or self.replay)(*args)
+        run = self.compiled or self.replay
+        if torch._C._autograd._profiler_enabled():
+            with torch.profiler.record_function(self.label):
+                return run(*args)
+        return run(*args)
 
     def extra_repr(self) -> str:
         return self.description

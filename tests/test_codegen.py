@@ -9,6 +9,7 @@ import torch.fx as fx
 from hypothesis import given, settings, strategies as st
 
 import fxshard
+from fxshard import meta
 from fxshard.codegen import compile_regions, find_regions, is_communication, is_fixed
 from fxshard.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig
 from fxshard.passes import run_pipeline
@@ -183,7 +184,9 @@ def pipeline_stages(mesh, config, model, batch):
 
 def test_pipeline_stages_keep_their_transfers_in_place_under_codegen():
     """Each stage's program (sends, receives, waits, FSDP's collectives) compiled region by region:
-    the fixed sequence, point-to-point included, is unchanged and the step computes the same bits."""
+    the fixed sequence, point-to-point included, is unchanged and the step computes the same bits.
+    A region never holds two pipeline actions' nodes, and under torch.profiler each region's call is a
+    range naming its action (what bench/pipeline.py attributes kernels to actions by)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=24, d_model=16, n_layer=2, n_head=2, d_ff=24))
     mesh, config = fxshard.Mesh(pp=2, dp=2), fxshard.Config(microbatches=2, schedule="zb-h1", sharding="optim")
@@ -195,9 +198,15 @@ def test_pipeline_stages_keep_their_transfers_in_place_under_codegen():
         assert fixed_sequence(graph_module) == fixed_sequence(program.graph_module)
         assert any(n.target is torch.ops.fxshard.recv.default for n in graph_module.graph.nodes)
         assert report.regions and not any(is_fixed(n) for r in report.regions for n in r.nodes)
+        assert all(len({meta.action_index(n) for n in r.nodes}) == 1 for r in report.regions)
         compiled.append(program.replace(graph_module=graph_module))
     local = [{k: torch.cat([b[k] for b in batches[d * 2:(d + 1) * 2]]) for k in batches[0]} for d in range(2)]
-    assert_bit_identical([stages, compiled], model, ADAMW, mesh, [local[mesh.coords(r)["dp"]] for r in range(4)])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        assert_bit_identical([stages, compiled], model, ADAMW, mesh, [local[mesh.coords(r)["dp"]] for r in range(4)])
+    ranges = {event.name for event in profiler.events() if event.name.startswith("fxshard region_")}
+    backward = next(r for r in report.regions if r.where.startswith("bwd layers.1"))
+    assert f"fxshard {backward.name} [{backward.where}]" in ranges and " mb " in backward.where
+    assert stages[-1].stage.actions[int(backward.where.split("action ")[1])].kind == "B"
 
 
 def test_pipeline_stages_compiled_by_inductor_train_like_eager():

@@ -444,3 +444,15 @@ def test_a_schedule_missing_a_w_or_sending_from_another_rank_is_refused():
     wrong_peer[0][wrong_peer[0].index(send)] = Action("SF", 0, 0, 2)
     with pytest.raises(FxShardError, match=r"SF0:0>2 on rank 0 names peer 2, but chunk 0's next chunk 1 lives on 1"):
         simulate(schedules.Schedule(tuple(map(tuple, wrong_peer)), 3, 1, 2))
+
+
+def test_the_optimizer_phase_takes_its_cost_after_every_rank_action_and_counts_as_busy():
+    schedule = schedules.one_f_one_b(2, 4)
+    bare = simulate(schedule, {"F": 1.0, "B": 2.0})
+    timed = simulate(schedule, {"F": 1.0, "B": 2.0, "OPT": 3.0})
+    assert timed.makespan == bare.makespan + 3.0  # the last rank to finish runs OPT last
+    for rank, actions in enumerate(schedule.ranks):
+        opt = next(i for i, a in enumerate(actions) if a.kind == "OPT")
+        assert timed.start[rank, opt] == max(timed.end[rank, i] for i in range(opt))
+        busy = (1 - bare.bubble[rank]) * bare.makespan + 3.0
+        assert timed.bubble[rank] == pytest.approx(1 - busy / timed.makespan)

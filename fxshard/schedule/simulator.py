@@ -40,8 +40,9 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None) -> Simula
     ZeRO's collectives (U, G; `add_zero_actions`) run on a communication stream of their own per
     rank, one after the other, each issued once the compute action before it in the rank's list is
     done (`cost["U"]`, `cost["G"]`, default 0: free); R is free. A compute action of chunk c waits
-    for the all-gather of its U c, and OPT for every collective of its rank. Only compute counts
-    as busy: a collective that compute cannot hide shows as bubble."""
+    for the all-gather of its U c, and OPT for every collective of its rank. OPT, the optimizer
+    phase, takes `cost["OPT"]` (default 0; the same on every rank). Only compute (F, B, W, OPT)
+    counts as busy: a collective that compute cannot hide shows as bubble."""
     cost = {"F": 1.0, "B": 2.0, "W": 0.0, **(cost or {})}
     check_zero_actions(schedule)
     graph = nx.DiGraph()
@@ -145,7 +146,9 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None) -> Simula
     for node in nx.topological_sort(graph):
         action = graph.nodes[node]["action"]
         own = f"{action.kind}{action.chunk}"
-        if action.kind not in COMPUTE + ("U", "G"):
+        if action.kind == "OPT":
+            duration = cost.get("OPT", 0.0)
+        elif action.kind not in COMPUTE + ("U", "G"):
             duration = 0.0
         elif own in cost:
             duration = cost[own]
@@ -156,7 +159,7 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None) -> Simula
     makespan = max(end.values())
     bubble, peaks = [], []
     for rank, actions in enumerate(schedule.ranks):
-        busy = sum(end[rank, i] - start[rank, i] for i, a in enumerate(actions) if a.kind in COMPUTE)
+        busy = sum(end[rank, i] - start[rank, i] for i, a in enumerate(actions) if a.kind in COMPUTE + ("OPT",))
         bubble.append(1 - busy / makespan if makespan else 0.0)
         frees = "W" if any(a.kind == "W" for a in actions) else "B"  # activations live until the weight gradient
         live = peak = 0
