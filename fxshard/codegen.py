@@ -135,11 +135,11 @@ def find_regions(graph: fx.Graph, by_layer: bool = True) -> list[Region]:
             runs.append(run)
             run = []
         part = (meta.phase(node), meta.microbatch(node), meta.layer(node))
-        if by_layer and part not in seen:
+        if by_layer and part not in seen and not _reads_only_inputs(node):
             seen.add(part)
-            if run:
+            if not all(_reads_only_inputs(n) for n in run):  # casts and views of inputs join the layer after them
                 runs.append(run)
-            run = []
+                run = []
         run.append(node)
     regions = []
     for nodes in runs:
@@ -149,6 +149,14 @@ def find_regions(graph: fx.Graph, by_layer: bool = True) -> list[Region]:
         if outputs:  # a run nothing reads is dead code: left as it is
             regions.append(Region(len(regions), nodes, inputs, outputs))
     return regions
+
+
+def _reads_only_inputs(node: fx.Node) -> bool:
+    """A node of the step's inputs alone (a parameter's cast to the compute dtype or its transpose):
+    it neither starts a layer's region nor counts as that layer reached, and joins the region after
+    it. Otherwise the casts, which run once per step ahead of the forward, would claim every layer
+    before its forward does, and the whole forward would be one region."""
+    return all(arg.op in ("placeholder", "get_attr") for arg in node.all_input_nodes)
 
 
 def region_graph(region: Region) -> fx.GraphModule:

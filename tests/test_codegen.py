@@ -153,16 +153,18 @@ def test_input_free_compute_is_folded_into_constants_once():
     assert_bit_identical([program, program.replace(graph_module=compiled)], model, ADAMW, fxshard.Mesh(dp=1), batches[:1])
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_identical_layers_compile_once(world):
+@pytest.mark.parametrize("world, param_dtype", [(1, None), (2, None), (1, torch.bfloat16)])
+def test_identical_layers_compile_once(world, param_dtype):
     """Every layer's forward and backward is a region, with or without communication to cut at:
-    the number of regions compiled does not grow with the depth."""
+    the number of regions compiled does not grow with the depth. With bf16 compute the parameters'
+    casts run first, once per step: they do not make the whole forward one region."""
     compiled = {}
     for n_layer in (4, 6):
         torch.manual_seed(0)
         model = GPT(GPTConfig.preset("tiny", n_layer=n_layer))
         batch = token_batches(64, 2, 8, 1)[0]
-        program = fxshard.trace(model, lambda m, b: m.loss(b), batch, optimizer=ADAMW)
+        program = fxshard.trace(model, lambda m, b: m.loss(b), batch, optimizer=ADAMW,
+                                config=fxshard.Config(param_dtype=param_dtype))
         if world > 1:
             program = fsdp(program, FSDPConfig(world, "optim_grads_params", 1))
         calls = []
@@ -170,6 +172,10 @@ def test_identical_layers_compile_once(world):
         assert report.count("cache hit") >= 2 * (n_layer - 2)  # the middle layers' forward and backward repeat
         assert len(calls) == report.count("compiled") == len({r.key for r in calls})
         assert {f"fwd layers.{i}" for i in range(n_layer)} <= {r.where for r in report.regions}
+        for i in range(2, n_layer):  # the same code as layers.1's, matmuls included
+            forward = [r for r in report.regions if r.where == f"fwd layers.{i}"]
+            assert all(r.status == "cache hit" for r in forward)
+            assert any(n.target is torch.ops.aten.mm.default for r in forward for n in r.nodes)
         compiled[n_layer] = len(calls)
         if world == 1:  # Config(codegen_regions="communication"): nothing to cut at on one device
             _, whole = compile_regions(program.graph_module, compiler=lambda gm, region: gm, by_layer=False)
