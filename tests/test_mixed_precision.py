@@ -144,3 +144,38 @@ def test_float_batch_inputs_are_cast_to_param_dtype_where_they_enter_the_model()
     with pytest.raises(fxshard.FxShardError, match=r"multiplies torch.bfloat16 by torch.float32 \(addmm.default in "
                                                    r"layers.0\).*casts the floating-point tensors passed to"):
         fxshard.shard(model, lambda m, b: ((m.forward(b["x"]) - b["y"]) ** 2).mean(), batches[0], config=config)
+
+
+def test_batchnorm_keeps_fp32_weights_and_statistics_under_bf16_compute():
+    """As torch's FSDP MixedPrecision does: BatchNorm's weight and bias are not cast (its kernels need
+    them in its statistics' dtype next to a bf16 input); everything else computes in bf16. Against an
+    eager copy holding the same mix, with fp32 masters."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    master, low = copy.deepcopy(model), copy.deepcopy(model)
+    for index in (0, 3):
+        low[index].to(torch.bfloat16)
+
+    def mse(m, batch):
+        return ((m(batch["x"]).float() - batch["y"]) ** 2).mean()
+
+    generator = torch.Generator().manual_seed(2)
+    data = [{"x": torch.randn(8, 8, generator=generator), "y": torch.randn(8, 1, generator=generator)} for _ in range(4)]
+    step = fxshard.shard(model, mse, data[0], optimizer=ADAMW, config=MIXED)
+    optimizer = torch_optimizer(ADAMW, master.parameters())
+    for index, batch in enumerate(data):
+        with torch.no_grad():
+            for p_low, p in zip(low.parameters(), master.parameters()):
+                p_low.copy_(p)
+        low.zero_grad()
+        eager = mse(low, {"x": batch["x"].to(torch.bfloat16), "y": batch["y"]})
+        eager.backward()
+        for p_low, p in zip(low.parameters(), master.parameters()):
+            p.grad = p_low.grad.float()
+        optimizer.step()
+        ours = step(batch)["loss"].item()
+        assert abs(ours - eager.item()) <= (0.0 if index == 0 else 1e-3) * abs(eager.item()), (index, ours, eager.item())
+    buffers = step.buffers()  # the statistics, updated in fp32 from the bf16 activations, as eager's
+    assert buffers["1.running_mean"].dtype == torch.float32
+    assert relative(buffers["1.running_var"], low[1].running_var) < 1e-3
+    assert relative(buffers["1.running_mean"], low[1].running_mean) < 1e-3
