@@ -169,6 +169,20 @@ def test_a_trailing_slash_names_the_same_checkpoint_and_extra_is_kept_as_it_was_
     assert extra["seen"] == [1] and torch.equal(extra["t"], torch.tensor([5]))
 
 
+def test_a_symlinked_path_saves_into_its_target_and_keeps_the_link(tmp_path):
+    """`ckpt -> scratch/run` (a link to another filesystem, as on clusters): every save replaces
+    scratch/run, the link stays a link, and the second save works too."""
+    step = shard()
+    (tmp_path / "scratch").mkdir()
+    os.symlink(tmp_path / "scratch" / "run", tmp_path / "ckpt")  # dangling until the first save
+    for batch in batches()[:2]:
+        step(batch)
+        fxshard.save(step, tmp_path / "ckpt", extra=step.step_count)
+    assert os.path.islink(tmp_path / "ckpt") and sorted(os.listdir(tmp_path)) == ["ckpt", "scratch"]
+    assert os.listdir(tmp_path / "scratch") == ["run"]
+    assert fxshard.load(shard(), tmp_path / "ckpt") == 2
+
+
 def test_rolling_back_past_a_non_finite_step_forgets_its_flag_and_a_corrupt_manifest_is_refused(tmp_path):
     from strategies import MLPStack, mse, regression_batch
 

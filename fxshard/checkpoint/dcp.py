@@ -69,7 +69,7 @@ def save(step, path: str | os.PathLike, extra=None, async_save: bool = False) ->
     `async_save=True` copies the state to host memory and writes it in a background thread: the
     step stalls only for the device-to-host copy; call `.wait()` on the result before relying on
     the files (a later save waits for an earlier one itself)."""
-    path = os.path.normpath(os.fspath(path))  # "ckpt/" is "ckpt": its ".partial" and ".previous" are siblings
+    path = _real(path)
     previous = getattr(step, "_pending_save", None)
     if previous is not None:
         previous.wait()
@@ -211,7 +211,7 @@ def load(step, path: str | os.PathLike):
     """Load a checkpoint written by `save` (under any mesh) into `step`; returns this rank's `extra`
     (rank 0's where the saving job had fewer ranks). Every rank calls it. On any error the step is
     left unchanged and every rank raises `FxShardError`."""
-    path = _resolve(os.path.normpath(os.fspath(path)))
+    path = _resolve(_real(path))
     pending = getattr(step, "_pending_save", None)
     if pending is not None:
         pending.wait()
@@ -247,7 +247,7 @@ def load(step, path: str | os.PathLike):
 def read_tensors(path: str | os.PathLike, prefix: str = "") -> dict[str, torch.Tensor]:
     """The checkpoint's global tensors whose keys start with `prefix` (`model.`, `optim.`), whole, on
     the CPU of this one process (for inspection, conversion, tests): any layout saved them."""
-    path = _resolve(os.path.normpath(os.fspath(path)))
+    path = _resolve(_real(path))
     _, metadata = _read_checks(path)
     state = {key: torch.empty(value.size, dtype=value.properties.dtype)
              for key, value in metadata.state_dict_metadata.items()
@@ -255,6 +255,14 @@ def read_tensors(path: str | os.PathLike, prefix: str = "") -> dict[str, torch.T
     with _quiet(False):
         dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=LoadPlanner(), no_dist=True)
     return state
+
+
+def _real(path: str | os.PathLike) -> str:
+    """The directory a checkpoint path names: "ckpt/" is "ckpt" (its ".partial" and ".previous" are
+    siblings, not inside), and a symbolic link is its target (a save replaces the directory the link
+    points to, beside it, and the link stays; renaming the link itself would move the checkpoint off
+    the filesystem it points to and break the next save)."""
+    return os.path.realpath(os.fspath(path))
 
 
 def _resolve(path: str) -> str:
