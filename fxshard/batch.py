@@ -56,11 +56,16 @@ class BatchSpec:
         `tokens[:, :-1]` is not)."""
         flat, treespec = pytree.tree_flatten(batch)
         if treespec != self.treespec:
-            got = ["batch" + pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(batch)[0]]
+            by_path = {"batch" + pytree.keystr(path): leaf for path, leaf in pytree.tree_flatten_with_path(batch)[0]}
+            got = list(by_path)
+            if sorted(got) == sorted(self.paths):  # the same leaves, a dict's keys in another order
+                flat = [by_path[path] for path in self.paths]
+            else:
+                flat = None
+        if flat is None:
             missing = [p for p in self.paths if p not in got]
             unexpected = [p for p in got if p not in self.paths]
-            detail = (f"missing {', '.join(missing) or 'nothing'}; not in the example: {', '.join(unexpected) or 'nothing'}"
-                      if missing or unexpected else f"the same leaves in another structure ({type(batch).__name__})")
+            detail = f"missing {', '.join(missing) or 'nothing'}; not in the example: {', '.join(unexpected) or 'nothing'}"
             raise FxShardError(f"the batch is not shaped like the example_batch the step was compiled for: {detail}; "
                                f"pass the leaves {', '.join(self.paths)}")
         for leaf, spec in zip(flat, self.leaves):

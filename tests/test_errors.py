@@ -112,6 +112,15 @@ def test_batch_with_other_dtype_or_structure_is_rejected(tiny_step):
         step((batch["idx"], batch["tgt"]))
 
 
+def test_a_dict_batch_with_its_keys_in_another_order_is_the_same_batch(tiny_step):
+    step, _ = tiny_step
+    generator = torch.Generator().manual_seed(0)
+    idx, tgt = (torch.randint(0, 64, (2, 8), generator=generator) for _ in range(2))
+    ordered = step.evaluate({"idx": idx, "tgt": tgt})["loss"]
+    assert torch.equal(step.evaluate({"tgt": tgt, "idx": idx})["loss"], ordered)
+    assert not torch.equal(step.evaluate({"idx": tgt, "tgt": idx})["loss"], ordered)  # the leaves do differ
+
+
 def test_non_scalar_or_integer_loss_is_rejected_with_the_fix_for_each():
     with pytest.raises(FxShardError, match=r"scalar tensor, got shape \(2, 4\); reduce it"):
         fxshard.shard(nn.Linear(4, 4), lambda m, b: m(b), torch.randn(2, 4))
