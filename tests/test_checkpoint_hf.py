@@ -95,6 +95,25 @@ def test_a_llama_directory_that_computes_something_else_is_refused(tmp_path):
         fxshard.load_hf(step, tmp_path)
 
 
+def test_an_export_cut_short_leaves_the_files_it_replaces_whole(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    step = shard(MODELS["llama"][0])
+    fxshard.export_hf(step, tmp_path)
+    before = {name: (tmp_path / name).read_bytes() for name in ("model.safetensors", "config.json")}
+
+    def dies_while_writing(tensors, path, metadata=None):
+        with open(path, "wb") as handle:
+            handle.write(b"half a file")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", dies_while_writing)
+    step(batches()[0])
+    with pytest.raises(OSError, match="No space left"):
+        fxshard.export_hf(step, tmp_path)
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+
+
 def llama_config():
     cfg = GPTConfig.preset("tiny")
     return transformers.LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,

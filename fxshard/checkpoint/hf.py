@@ -204,7 +204,8 @@ def _expert_sources(prefix: str, hf: list[str], get, experts: int) -> dict[str, 
 def export_hf(step, directory: str | os.PathLike) -> None:
     """Write `step`'s current weights as a Hugging Face checkpoint (model.safetensors, config.json)
     that `transformers.AutoModelForCausalLM.from_pretrained(directory)` loads. Every rank calls it
-    (the parameters are gathered); the last rank writes."""
+    (the parameters are gathered); the last rank writes, each file beside its place and renamed over
+    it, so an export cut short leaves no half-written file."""
     import torch.distributed as dist
     from safetensors.torch import save_file
 
@@ -230,12 +231,26 @@ def export_hf(step, directory: str | os.PathLike) -> None:
     writer = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == dist.get_world_size() - 1
     if writer:
         os.makedirs(directory, exist_ok=True)
-        save_file({name: value.detach().to("cpu", copy=True).contiguous() for name, value in tensors.items()},
-                  os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(directory, "config.json"), "w") as handle:
-            json.dump(config, handle, indent=1)
+        cpu = {name: value.detach().to("cpu", copy=True).contiguous() for name, value in tensors.items()}
+        _replace_file(os.path.join(directory, "model.safetensors"), lambda path: save_file(cpu, path, {"format": "pt"}))
+        _replace_file(os.path.join(directory, "config.json"), lambda path: _write_json(config, path))
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def _replace_file(path: str, write) -> None:
+    """`write(temporary)` then rename it to `path`: a killed export leaves the file it replaces whole,
+    never half written."""
+    temporary = f"{path}.partial"
+    write(temporary)
+    with open(temporary, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
+def _write_json(value, path: str) -> None:
+    with open(path, "w") as handle:
+        json.dump(value, handle, indent=1)
 
 
 def _expert_layers_as(step, params: dict, target: ExpertLayout) -> dict:
