@@ -109,8 +109,8 @@ class Region:
         (`StagePlan.actions`), e.g. 'bwd layers.3 mb 2 action 17'."""
         counts = Counter((meta.phase(n) or "-", meta.layer(n) or "-") for n in self.nodes)
         (phase, layer), _ = counts.most_common(1)[0]
-        action = meta.action_index(self.nodes[0])
-        microbatch = meta.microbatch(self.nodes[0])
+        first = next((n for n in self.nodes if meta.action_index(n) is not None), self.nodes[0])
+        action, microbatch = meta.action_index(first), meta.microbatch(first)
         return (f"{phase} {layer}" + (f" mb {microbatch}" if microbatch is not None and action is not None else "")
                 + (f" action {action}" if action is not None else ""))
 
@@ -119,27 +119,31 @@ def find_regions(graph: fx.Graph, by_layer: bool = True) -> list[Region]:
     """The runs of consecutive non-fixed nodes, each with what it reads and what is read of it.
 
     Fixed nodes end a run, and so does a change of pipeline action (`meta.ACTION_INDEX`: a region is
-    never two actions' work). With `by_layer`, so does the first node of each (phase, microbatch, layer)
+    never two actions' work; a node without one, such as a view a later pass copied in, joins the run
+    it is in). With `by_layer`, so does the first node of each (phase, microbatch, layer)
     the program reaches: every layer's forward and backward is a region of its own (with the few
     nodes of a neighbouring layer that the backward orders in between), so the same code at
     another depth is one structure key and compiles once, however little communication there is to
     cut at (one device: otherwise the whole forward and backward is a single region)."""
     runs, run, seen = [], [], set()
+    run_action = None  # the pipeline action of the run's nodes (None: not a pipeline, or none seen yet)
     for node in graph.nodes:
         if is_fixed(node):
             if run:
                 runs.append(run)
-            run = []
+            run, run_action = [], None
             continue
-        if run and meta.action_index(node) != meta.action_index(run[-1]):
+        action = meta.action_index(node)  # a node copied in by a later pass (fsdp's views) may have none
+        if action is not None and run_action is not None and action != run_action:
             runs.append(run)
-            run = []
+            run, run_action = [], None
+        run_action = run_action if action is None else action
         part = (meta.phase(node), meta.microbatch(node), meta.layer(node))
         if by_layer and part not in seen and not _reads_only_inputs(node):
             seen.add(part)
             if not all(_reads_only_inputs(n) for n in run):  # casts and views of inputs join the layer after them
                 runs.append(run)
-                run = []
+                run, run_action = [], action
         run.append(node)
     regions = []
     for nodes in runs:

@@ -2,6 +2,7 @@
 whose order fxshard chose (communication, custom ops) keeps its place."""
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
@@ -213,6 +214,19 @@ def test_pipeline_stages_keep_their_transfers_in_place_under_codegen():
     backward = next(r for r in report.regions if r.where.startswith("bwd layers.1"))
     assert f"fxshard {backward.name} [{backward.where}]" in ranges and " mb " in backward.where
     assert stages[-1].stage.actions[int(backward.where.split("action ")[1])].kind == "B"
+
+
+def test_a_pipeline_actions_layer_is_one_region_even_where_a_pass_copied_views_into_it():
+    """Mesh(pp=2) with bf16 compute: the fsdp pass copies parameters' views next to their readers
+    without an action of their own; they join the region they sit in instead of cutting it."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=24, d_model=16, n_layer=4, n_head=2, d_ff=24))
+    config = fxshard.Config(microbatches=2, schedule="1f1b", param_dtype=torch.bfloat16)
+    for program in pipeline_stages(fxshard.Mesh(pp=2), config, model, token_batches(24, 2, 8, 1)[0]):
+        _, report = compile_regions(program.graph_module, compiler=replay_compiler)
+        pieces = Counter((meta.action_index(r.nodes[-1]), r.where.split(" mb")[0]) for r in report.regions
+                         if any(n.target is torch.ops.aten.mm.default for n in r.nodes))
+        assert pieces and max(pieces.values()) == 1, pieces
 
 
 def test_pipeline_stages_compiled_by_inductor_train_like_eager():
