@@ -205,7 +205,7 @@ def test_pipeline_stages_keep_their_transfers_in_place_under_codegen():
         assert fixed_sequence(graph_module) == fixed_sequence(program.graph_module)
         assert any(n.target is torch.ops.fxshard.recv.default for n in graph_module.graph.nodes)
         assert report.regions and not any(is_fixed(n) for r in report.regions for n in r.nodes)
-        assert all(len({meta.action_index(n) for n in r.nodes}) == 1 for r in report.regions)
+        assert all(len({meta.action_index(n) for n in r.nodes} - {None}) <= 1 for r in report.regions)
         compiled.append(program.replace(graph_module=graph_module))
     local = [{k: torch.cat([b[k] for b in batches[d * 2:(d + 1) * 2]]) for k in batches[0]} for d in range(2)]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
