@@ -288,6 +288,7 @@ def run_fxshard(schedule_name: str, virtual: int, graphed: bool, label: str, set
         torch.cuda.empty_cache()
     actions = [str(a) for a in step.program.stage.actions]
     result = measure(lambda: step(data)["loss"], setup, label, graphed, actions)
+    result["actions"] = actions
     result["compile_s"] = compile_s
     result["pipeline"] = step.program.notes.get("pipeline")
     plan = step.program.stage
@@ -394,9 +395,11 @@ def action_times(events: list[dict], actions: list[str]) -> dict[str, float] | N
     """GPU time of this rank's pipeline actions in one process's chrome trace: each kernel (not
     communication) is attributed to the codegen region whose profiler range (`fxshard region_<i>
     [... action <a>]`, fxshard/codegen.py) launched it, by correlation id, and so to the stage's action
-    `actions[a]`; per action, the union of its kernels' intervals. Returns {"F<c>:<mb>": ms, ...,
-    "other": ms of busy GPU time in no F / B / W action (optimizer, casts, custom ops)}, or None where
-    the trace holds no region ranges (CUDA graphs replay without them; codegen off)."""
+    `actions[a]`. A kernel launched between two ranges of the same action (a fixed node inside it:
+    a custom op such as MoE's grouped GEMMs) counts for that action too. Per action, the union of its
+    kernels' intervals. Returns {"F<c>:<mb>": ms, ..., "other": ms of busy GPU time in no F / B / W
+    action (optimizer, once-per-step casts)}, or None where the trace holds no region ranges (CUDA
+    graphs replay without them; codegen off)."""
     ranges: dict[tuple, list[tuple[float, float, int]]] = {}
     launches: dict[object, tuple] = {}
     kernels = []
@@ -407,8 +410,8 @@ def action_times(events: list[dict], actions: list[str]) -> dict[str, float] | N
         start, end = float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0.0))
         if category == "user_annotation" and (match := REGION_RANGE.match(name)):
             ranges.setdefault((event.get("pid"), event.get("tid")), []).append((start, end, int(match.group(1))))
-        elif category in ("cuda_runtime", "cuda_driver"):
-            launches[(event.get("args") or {}).get("correlation")] = (event.get("pid"), event.get("tid"), start)
+        elif category in ("cuda_runtime", "cuda_driver") and (event.get("args") or {}).get("correlation") is not None:
+            launches[event["args"]["correlation"]] = (event.get("pid"), event.get("tid"), start)
         elif category in ("kernel", "gpu_memset") or (category == "gpu_memcpy" and "DtoD" in name):
             if not is_communication(event):
                 kernels.append((start, end, (event.get("args") or {}).get("correlation")))
@@ -423,7 +426,9 @@ def action_times(events: list[dict], actions: list[str]) -> dict[str, float] | N
             pid, tid, when = launches[correlation]
             spans = ranges.get((pid, tid), [])
             k = bisect.bisect_right(spans, (when, float("inf"), 0)) - 1
-            if k >= 0 and spans[k][0] <= when <= spans[k][1] and actions[spans[k][2]][0] in "FBW":
+            inside = k >= 0 and when <= spans[k][1]
+            between = k >= 0 and k + 1 < len(spans) and spans[k][2] == spans[k + 1][2]
+            if (inside or between) and actions[spans[k][2]][0] in "FBW":
                 owner = actions[spans[k][2]]
         per_action.setdefault(owner, []).append((start, end))
     return {owner: union_length(intervals) / 1e3 for owner, intervals in per_action.items()}
@@ -434,8 +439,11 @@ def measured_costs(ranks: list[dict]) -> dict[str, float] | None:
     over microbatches in ms; OPT the mean over ranks of the busy time in no F / B / W action."""
     if any(r.get("action_ms") is None for r in ranks):
         return None
-    samples: dict[str, list[float]] = {}
+    samples: dict[str, list[float]] = {}  # an action that launched nothing (zb-h1's B of the first chunk) takes 0
     for rank in ranks:
+        for action in rank["actions"]:
+            if action[0] in "FBW" and action not in rank["action_ms"]:
+                samples.setdefault(action.split(":")[0], []).append(0.0)
         for action, ms in rank["action_ms"].items():
             if action != "other":
                 samples.setdefault(action.split(":")[0], []).append(ms)

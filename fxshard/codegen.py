@@ -196,7 +196,8 @@ def _tensor_spec(value):
 class CompiledRegion(nn.Module):
     """Calls a region's compiled code (or its aten replay); the outer graph calls this. Under
     torch.profiler the call is a range named `fxshard <region> [<where>]`, so a trace says which
-    region (layer, phase, pipeline action) each kernel comes from; otherwise it costs one check."""
+    region (layer, phase, pipeline action) each of its kernels comes from (a fixed node's kernels,
+    between regions, are in no range); otherwise it costs one check."""
 
     def __init__(self, region: Region, replay: fx.GraphModule, compiled: Callable | None):
         super().__init__()

@@ -122,7 +122,10 @@ def assign_layers(layers: list[str], chunks: int, costs: dict[str, float],
 
 def _balanced(weights: list[float], chunks: int, first: float = 0, last: float = 0) -> list[int]:
     """Contiguous counts (each >= 1) minimizing the largest chunk's weight, `first` added to the first
-    chunk's and `last` to the last's; ties broken towards evener chunks (smaller sum of squares)."""
+    chunk's and `last` to the last's; among cuts with the same largest chunk, the DP prefers prefixes
+    with a smaller sum of squared chunk weights (evener chunks, though not always the evenest cut).
+    It looks at chunks, not ranks: with V > 1 chunks per rank, the cut that makes the schedule
+    shortest may differ (Config(stage_layers) sets one)."""
     n = len(weights)
     prefix = [0.0]
     for w in weights:
