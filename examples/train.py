@@ -94,9 +94,20 @@ def lr_schedule(base_lr, warmup, total):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if min(args.steps, args.batch_size, args.copy_len, args.dp, args.pp, args.ep, args.microbatches,
-           args.ep_microbatches) < 1:
-        raise SystemExit("--steps, --batch-size, --copy-len, --dp, --ep, --pp, --microbatches and --ep-microbatches "
-                         "must be >= 1")
+           args.ep_microbatches, args.log_every, args.virtual_stages) < 1:
+        raise SystemExit("--steps, --batch-size, --copy-len, --dp, --ep, --pp, --microbatches, --ep-microbatches, "
+                         "--log-every and --virtual-stages must be >= 1")
+    if args.pp == 1 and (args.virtual_stages > 1 or args.schedule != "1f1b"):
+        raise SystemExit("--virtual-stages and --schedule shape a pipeline: they need --pp >= 2")
+    if args.model != "moe_gpt" and (args.capacity_factor is not None or args.expert_slots):
+        raise SystemExit("--capacity-factor and --expert-slots bound MoE experts: they need --model moe_gpt")
+    for flag, path in (("--save", args.save), ("--dump", args.dump)):
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise SystemExit(f"{flag} {path} is a file; it must name a directory (new or existing)")
+    try:
+        MODELS[args.model][1].preset(args.preset)
+    except ValueError as error:
+        raise SystemExit(f"--preset: {error}") from None
     if args.save_every < 0 or (args.save_every and not args.save):
         raise SystemExit("--save-every needs --save DIR and a count >= 1")
     # a save interrupted while it swapped the new checkpoint in leaves the last one as <path>.previous,

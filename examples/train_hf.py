@@ -110,10 +110,15 @@ def config_of(args, rank: int) -> fxshard.Config:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if min(args.steps, args.batch_size, args.dp, args.pp, args.ep, args.microbatches) < 1 or args.copy_len < 2:
-        raise SystemExit("--steps, --batch-size, --dp, --pp, --ep and --microbatches must be >= 1, --copy-len >= 2")
+    if min(args.steps, args.batch_size, args.dp, args.pp, args.ep, args.microbatches, args.log_every) < 1 \
+            or args.copy_len < 2:
+        raise SystemExit("--steps, --batch-size, --dp, --pp, --ep, --microbatches and --log-every must be >= 1, "
+                         "--copy-len >= 2")
     if args.weights and not os.path.isdir(args.weights):
         raise SystemExit(f"--weights {args.weights}: no such directory")
+    for flag, path in (("--save", args.save), ("--dump", args.dump)):
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise SystemExit(f"{flag} {path} is a file; it must name a directory (new or existing)")
     if args.dp * args.pp == 1 and args.ep == 1:
         return train(args)
     with torch.device("meta"):  # a bad mesh or cut fails here, once, before processes start
@@ -122,6 +127,19 @@ def main(argv=None) -> dict:
                   optimizer=optimizer(args), mesh=mesh_of(args), config=config_of(args, 0))
     backend = "nccl" if args.device.startswith("cuda") else "gloo"
     return run_local(train, args.dp * args.pp, args, backend=backend)[-1]
+
+
+def load_pretrained(model, directory: str) -> None:
+    """`model`'s weights from what save_pretrained wrote in `directory`, every one of them: transformers
+    itself fills the weights a directory lacks (another architecture's) with random values and only
+    logs it, so a missing, left-over or reshaped tensor stops the run here."""
+    loaded, info = type(model).from_pretrained(directory, output_loading_info=True)
+    problems = {what: info.get(what) for what in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(what)}
+    if problems:
+        detail = "; ".join(f"{what.replace('_', ' ')} {sorted(map(str, keys))[:4]} ({len(keys)} in all)"
+                           for what, keys in problems.items())
+        raise SystemExit(f"--weights {directory} does not hold this {type(model).__name__} (--arch): {detail}")
+    model.load_state_dict(loaded.state_dict())
 
 
 def train(args) -> dict:
@@ -134,7 +152,7 @@ def train(args) -> dict:
     model = build_model(args).to(device)
     from_hub_layout = args.weights and os.path.exists(os.path.join(args.weights, "config.json"))
     if from_hub_layout:  # what save_pretrained wrote: transformers reads its own layout (MoE experts one by one)
-        model.load_state_dict(type(model).from_pretrained(args.weights).state_dict())
+        load_pretrained(model, args.weights)
     generator = torch.Generator().manual_seed(args.seed + 1)
 
     def next_batch():  # every rank draws the global batch and keeps its data-parallel rows

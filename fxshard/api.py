@@ -62,8 +62,11 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
         dump_dir = os.path.join(config.dump_dir, f"stage{stage}") if config.dump_dir and coords["dp"] == 0 else None
         config = dataclasses.replace(config, dump_dir=dump_dir)
     if config.dump_dir:
-        from .dump import dump_programs
+        from .dump import clear_stale_dumps, dump_programs
 
+        if programs[-1].stage is not None or not any(coords.values()):  # one writer per folder clears it
+            clear_stale_dumps(config.dump_dir, stage=stage if programs[-1].stage is not None else None,
+                              stages=mesh.pp if mesh is not None else 1)
         dump_programs(programs, config.dump_dir)
         if programs[-1].stage is not None:
             _dump_schedule(programs, mesh, config)

@@ -159,6 +159,8 @@ class Config:
                 raise FxShardError(f"{name} must be an int, got {getattr(self, name)!r}")
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise FxShardError(f"dump_dir must be a directory path or None, got {self.dump_dir!r}")
+        if self.dump_dir is not None and os.path.exists(self.dump_dir) and not os.path.isdir(self.dump_dir):
+            raise FxShardError(f"dump_dir {os.fspath(self.dump_dir)!r} is a file; name a directory (new or existing)")
         if self.sharding not in SHARDING_STRATEGIES:
             raise FxShardError(f"sharding={self.sharding!r}; choose one of {SHARDING_STRATEGIES}")
         if not isinstance(self.fsdp_prefetch, int) or self.fsdp_prefetch < 0:

@@ -7,6 +7,8 @@ Files are numbered in pipeline order (`00_traced`, `01_fsdp`, ...) so `diff 00_t
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import sys
 from collections import Counter, defaultdict
 
@@ -18,6 +20,45 @@ from .graph import flops, is_view
 from .program import InputKind, Program
 
 _PHASE_COLORS = {meta.FWD: "#cfe2ff", meta.BWD: "#ffd8cc", meta.OPTIM: "#d4f0d0"}
+
+
+# what fxshard writes into a dump folder: numbered programs (and the runtime's and codegen's files),
+# the pipeline schedule, the MoE routing; a pipeline writes one stage<s>/ folder per stage
+_DUMP_FILE = re.compile(r"^(\d\d_[\w.-]+\.(py|txt|dot)|pipeline\.(txt|svg)|routing\.txt)$")
+_STAGE_DIR = re.compile(r"^stage\d+$")
+
+
+def clear_stale_dumps(directory, stage: int | None = None, stages: int = 1) -> list[str]:
+    """Remove what an earlier run's dump left in `directory` (fxshard's own file names only), so the
+    folder shows this run alone: an FSDP program of yesterday's run next to today's one-device
+    program would read as part of it. `stage`: the pipeline stage whose folder `directory` is; stage
+    0 also clears its parent's files and the folders of stages this pipeline does not have. Without
+    a stage, the stage folders of an earlier pipeline run go. Returns the paths removed."""
+    removed = []
+
+    def clear_files(folder):
+        for name in (os.listdir(folder) if os.path.isdir(folder) else ()):
+            path = os.path.join(folder, name)
+            if _DUMP_FILE.match(name) and os.path.isfile(path):
+                os.remove(path)
+                removed.append(path)
+
+    def clear_stage_folders(folder, keep):
+        for name in (os.listdir(folder) if os.path.isdir(folder) else ()):
+            path = os.path.join(folder, name)
+            if _STAGE_DIR.match(name) and int(name[len("stage"):]) not in keep and os.path.isdir(path) \
+                    and all(_DUMP_FILE.match(f) for f in os.listdir(path)):
+                shutil.rmtree(path)
+                removed.append(path)
+
+    clear_files(directory)
+    if stage is None:
+        clear_stage_folders(directory, keep=())
+    elif stage == 0:
+        parent = os.path.dirname(os.path.normpath(directory))
+        clear_files(parent)
+        clear_stage_folders(parent, keep=range(stages))
+    return removed
 
 
 def dump_programs(programs: list[Program], directory) -> list[str]:
@@ -293,9 +334,13 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m fxshard.dump DIR   (a folder written with Config(dump_dir=DIR))",
               file=sys.stderr)
         return 2
-    summaries = sorted(f for f in os.listdir(argv[0]) if f.endswith(".summary.txt"))
+    stages = sorted((d for d in os.listdir(argv[0]) if _STAGE_DIR.match(d) and os.path.isdir(os.path.join(argv[0], d))),
+                    key=lambda d: int(d[len("stage"):]))
+    summaries = [os.path.join(folder, f) for folder in ["", *stages]  # a pipeline: one folder per stage
+                 for f in sorted(os.listdir(os.path.join(argv[0], folder))) if f.endswith(".summary.txt")]
     if not summaries:
-        print(f"{argv[0]} holds no *.summary.txt; is it a fxshard dump folder?", file=sys.stderr)
+        print(f"{argv[0]} holds no *.summary.txt (nor stage*/ folders with them); is it a fxshard dump folder?",
+              file=sys.stderr)
         return 1
     for name in summaries:
         with open(os.path.join(argv[0], name)) as handle:

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import fxshard
@@ -116,3 +117,38 @@ def test_collective_windows_are_given_in_flops():
             work = [float(m.group(1)) for row in rows for m in [re.search(r"([\d.e+-]+) [KMGT]?FLOP", row)] if m]
             assert rows and len(work) == len(rows) and max(work) > 0
     assert totals[True] == totals[False] > 0
+
+
+def test_a_reused_dump_folder_shows_this_run_only_and_stage_folders_are_read(tmp_path, capsys):
+    """An earlier run's files (fxshard's own names) go, the user's stay; `python -m fxshard.dump`
+    reads a pipeline's stage<s>/ folders; a file is no dump folder."""
+    from fxshard.dump import main
+
+    (tmp_path / "01_fsdp.summary.txt").write_text("yesterday's FSDP program\n")
+    (tmp_path / "02_runtime.py").write_text("")
+    (tmp_path / "stage1").mkdir()
+    (tmp_path / "stage1" / "00_traced.summary.txt").write_text("yesterday's stage 1\n")
+    (tmp_path / "notes.md").write_text("mine")
+    torch.manual_seed(0)
+    batch = {"idx": torch.zeros(2, 8, dtype=torch.long), "tgt": torch.zeros(2, 8, dtype=torch.long)}
+    fxshard.shard(GPT(GPTConfig.preset("tiny")), lambda m, b: m.loss(b), batch,
+                  config=fxshard.Config(dump_dir=str(tmp_path)))
+    assert sorted(os.listdir(tmp_path)) == ["00_traced.dot", "00_traced.nodes.txt", "00_traced.py",
+                                            "00_traced.summary.txt", "01_runtime.py", "notes.md"]
+    for stage in range(2):  # as a pipeline writes them
+        (tmp_path / f"stage{stage}").mkdir()
+        (tmp_path / f"stage{stage}" / "00_traced.summary.txt").write_text(f"stage {stage} summary\n")
+    capsys.readouterr()
+    assert main([str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "== 00_traced\n" in printed and "== stage1/00_traced\nstage 1 summary" in printed
+    with pytest.raises(fxshard.FxShardError, match="is a file; name a directory"):
+        fxshard.Config(dump_dir=str(tmp_path / "notes.md"))
+    # a pipeline's stage 0 also clears the folder above and stage folders this pipeline has not
+    from fxshard.dump import clear_stale_dumps
+
+    (tmp_path / "stage5").mkdir()
+    (tmp_path / "stage5" / "pipeline.txt").write_text("")
+    clear_stale_dumps(tmp_path / "stage0", stage=0, stages=2)
+    assert sorted(os.listdir(tmp_path)) == ["notes.md", "stage0", "stage1"]
+    assert os.listdir(tmp_path / "stage0") == [] and os.listdir(tmp_path / "stage1")
