@@ -95,11 +95,12 @@ def set_call_argument(node: fx.Node, name: str, value) -> None:
 
 
 def is_view(node: fx.Node) -> bool:
-    """`node` returns an alias of an input (a view, or getitem of a tuple): it writes no memory."""
+    """`node` returns an alias of an input (a view, or getitem of a tuple): it writes no memory.
+    `aten._unsafe_view` is one too, though its schema does not say so."""
     schema = getattr(node.target, "_schema", None)
     if schema is None:
         return node.target is operator.getitem
-    return any(r.alias_info is not None for r in schema.returns)
+    return node.target is torch.ops.aten._unsafe_view.default or any(r.alias_info is not None for r in schema.returns)
 
 
 def reordered(graph_module: fx.GraphModule, order: Sequence[fx.Node]) -> fx.GraphModule:

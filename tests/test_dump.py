@@ -65,6 +65,7 @@ def test_bytes_written_show_no_pad_or_squared_copies_of_gradients():
     params = sum(p.numel() * 4 for p in model.parameters())
     assert written["adamw_update"] >= params / 2  # this rank's shards of parameters and both moments
     assert written["constant_pad_nd"] == 0
+    assert written.get("_unsafe_view", 0) == 0  # an alias of the matmul's result, though its schema does not say so
     optim_pow = sum(n.meta["val"].numel() for n in program.graph.nodes
                     if fxshard.meta.phase(n) == "optim" and "pow" in str(n.target))
     assert optim_pow < 64  # scalars only, not a squared gradient
