@@ -48,8 +48,8 @@ mean over ranks too), the JSON each rank's and their max. The optimizer's kernel
 in the window (not subtracted; the simulator has no optimizer). Kernels replayed from a CUDA graph appear in the trace or not depending on torch
 and CUPTI: a graphed mode gets a bubble only where the trace holds kernels launched by its graph launch
 (matched by correlation id), else "n/a" with the reason, never an estimate. On CPU it is always n/a.
-The profiled step of an eager mode carries the profiler's own host overhead, which a host-bound step
-shows as extra bubble. --trace-dir keeps each mode's trace per rank (chrome://tracing, Perfetto).
+The profiled step of an eager mode carries the profiler's own host overhead (CPU activity too, for the
+region ranges below), which a host-bound step shows as extra bubble. --trace-dir keeps each mode's trace per rank (chrome://tracing, Perfetto).
 Simulated bubble: fxshard.schedule.simulate on the schedule with each chunk's F, B (and W) timed by
 their GEMM FLOPs (passes/pipeline.py `chunk_costs`: a last chunk holding the head takes longer),
 communication free; the JSON also has it with the textbook units F=1, B=2 (F=B=W=1 where W is split
@@ -328,11 +328,13 @@ def profile_bubble(step_fn, setup: Setup, label: str, graphed: bool, actions: li
     """One step under torch.profiler; this rank's bubble from its GPU activity (see the module docstring)."""
     from torch.profiler import ProfilerActivity, profile
 
-    activity = ProfilerActivity.CUDA if setup.device == "cuda" else ProfilerActivity.CPU
+    activities = [ProfilerActivity.CUDA if setup.device == "cuda" else ProfilerActivity.CPU]
+    if actions and not graphed and setup.device == "cuda":  # codegen's region ranges are CPU-side events
+        activities.append(ProfilerActivity.CPU)
     synchronize(setup)
     dist.barrier()
     synchronize(setup)
-    with profile(activities=[activity]) as prof:
+    with profile(activities=activities) as prof:
         step_fn()
         synchronize(setup)
     with tempfile.TemporaryDirectory() as scratch:
