@@ -1,0 +1,135 @@
+"""Each pipeline stage's compute, action by action, on one GPU: what bench/pipeline.py's simulator
+would be given as measured costs, before two GPUs are at hand.
+
+    python bench/probes/pipeline_fake_stages.py --out DIR [--schedules 1f1b interleaved-v2]
+
+bench/pipeline.py's fxshard setup (GPT 1b, Mesh(pp=2), M=8 microbatches of 1x2048, bf16 compute / fp32
+masters, AdamW, no_shard, codegen, eager replay). Each stage runs in its own process as that rank of a
+2-rank world of torch's FakeProcessGroup: transfers and collectives do nothing (received values are
+whatever the buffers held, so losses are meaningless and the non-finite guard may skip the update;
+compute takes the same time on any values), and the cross-rank agreement checks are switched off. One
+step is profiled; its kernels are attributed to actions through codegen's region ranges
+(bench/pipeline.py `action_times`). Prints per chunk the measured F / B (/ W) ms next to the FLOP
+model's (`chunk_costs`), and the simulated bubble under each; writes DIR/pipeline_fake_stages.json.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+SCHEDULES = {"1f1b": ("1f1b", 1), "interleaved-v2": ("interleaved-1f1b", 2), "zb-h1": ("zb-h1", 1)}
+
+
+def run_stage(schedule: str, rank: int, microbatches: int, out: str) -> None:
+    """In this process: rank `rank` of a fake 2-rank world; one profiled step of its stage."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import fxshard
+    import fxshard.runtime.agreement as agreement
+    from fxshard.models import GPT, GPTConfig
+    from pipeline import action_times  # bench/pipeline.py
+
+    for name in ("check_agreement", "check_pipeline_streams", "connect_pipeline_peers"):  # they talk to the peer
+        setattr(agreement, name, lambda *args, **kwargs: None)
+    dist.init_process_group("fake", rank=rank, world_size=2, store=FakeStore())
+    torch.cuda.set_device(0)
+    name, virtual = SCHEDULES[schedule]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = GPT(GPTConfig.preset("1b"))
+    generator = torch.Generator().manual_seed(0)
+    data = {k: torch.randint(0, 32000, (microbatches, 2048), generator=generator).cuda() for k in ("idx", "tgt")}
+    config = fxshard.Config(schedule=name, virtual_stages=virtual, microbatches=microbatches,
+                            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, sharding="no_shard")
+    step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=fxshard.optim.AdamW(lr=1e-4),
+                         mesh=fxshard.Mesh(pp=2), config=config)
+    del model
+    for _ in range(3):
+        step(data)
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        step(data)
+        torch.cuda.synchronize()
+    actions = [str(a) for a in step.program.stage.actions]
+    with tempfile.TemporaryDirectory() as scratch:
+        path = os.path.join(scratch, "trace.json")
+        profiler.export_chrome_trace(path)
+        with open(path) as handle:
+            times = action_times(json.load(handle)["traceEvents"], actions)
+    with open(out, "w") as handle:
+        json.dump({"actions": actions, "action_ms": times, "pipeline": step.program.notes.get("pipeline")}, handle)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved-v2"], choices=sorted(SCHEDULES))
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--stage", nargs=3, metavar=("SCHEDULE", "RANK", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.stage:
+        run_stage(args.stage[0], int(args.stage[1]), args.microbatches, args.stage[2])
+        return
+    import torch
+
+    import fxshard
+    from fxshard.models import GPT, GPTConfig
+    from fxshard.passes.pipeline import chunk_costs, split_stages
+    from fxshard.schedule import build, simulate, unit_costs
+    from pipeline import measured_costs
+
+    os.makedirs(args.out, exist_ok=True)
+    with torch.device("meta"):
+        model = GPT(GPTConfig.preset("1b"))
+    batch = {k: torch.zeros(1, 2048, dtype=torch.long) for k in ("idx", "tgt")}
+    program = fxshard.trace(model, lambda m, b: m.loss(b), batch, optimizer=fxshard.optim.AdamW(lr=1e-4))
+    report = {}
+    for schedule in args.schedules:
+        name, virtual = SCHEDULES[schedule]
+        ranks = []
+        for rank in range(2):
+            path = os.path.join(args.out, f"{schedule}_rank{rank}.json")
+            subprocess.run([sys.executable, __file__, "--out", args.out, "--microbatches", str(args.microbatches),
+                            "--stage", schedule, str(rank), path], check=True)
+            with open(path) as handle:
+                ranks.append(json.load(handle))
+        plan = build(name, 2, args.microbatches, virtual)
+        flops = chunk_costs(split_stages(program, 2 * virtual), plan)
+        measured = measured_costs(ranks)
+        # the FLOP model in ms: scaled so that its total forward time is the measured one
+        forward_ms = sum(v for k, v in measured.items() if k.startswith("F"))
+        scale = forward_ms / sum(v for k, v in flops.items() if k.startswith("F"))
+        rows = {key: {"measured_ms": measured.get(key), "flop_model_ms": flops[key] * scale} for key in sorted(flops)}
+        result = {"per_chunk": rows, "opt_and_other_ms": measured.get("OPT"),
+                  "bubble_simulated_units": simulate(plan, unit_costs(plan)).bubble_fraction,
+                  "bubble_simulated_flops": simulate(plan, flops).bubble_fraction,
+                  "bubble_simulated_measured": simulate(plan, measured).bubble_fraction,
+                  "bubble_simulated_measured_no_opt": simulate(plan, {**measured, "OPT": 0.0}).bubble_fraction,
+                  "makespan_measured_ms": simulate(plan, measured).makespan,
+                  "pipeline": [r["pipeline"] for r in ranks]}
+        report[schedule] = result
+        print(f"\n{schedule}: " + "; ".join(result["pipeline"]))
+        print(f"{'action':<8} {'measured ms':>12} {'FLOP model ms':>14}")
+        for key, row in rows.items():
+            got = "n/a" if row["measured_ms"] is None else f"{row['measured_ms']:.2f}"
+            print(f"{key:<8} {got:>12} {row['flop_model_ms']:>14.2f}")
+        print(f"busy outside F/B/W per rank (OPT in the simulation): {result['opt_and_other_ms']:.2f} ms")
+        print(f"simulated bubble: textbook units {result['bubble_simulated_units']:.1%}, FLOP costs "
+              f"{result['bubble_simulated_flops']:.1%}, measured costs {result['bubble_simulated_measured']:.1%} "
+              f"(without OPT {result['bubble_simulated_measured_no_opt']:.1%}); simulated step "
+              f"{result['makespan_measured_ms']:.1f} ms")
+    with open(os.path.join(args.out, "pipeline_fake_stages.json"), "w") as handle:
+        json.dump(report, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
