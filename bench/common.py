@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import bisect
 import datetime
 import json
 import os
+import re
 import time
 
 import torch
@@ -79,3 +81,43 @@ def _intersection(first, second) -> float:
         else:
             j += 1
     return total
+
+
+def kernels_by_range(events: list[dict], pattern: re.Pattern, is_comm) -> list[tuple[float, float, str, str | None]]:
+    """The GPU kernels, memsets and device-to-device copies of one process's chrome trace that are not
+    communication (`is_comm(event)`), each as (start us, end us, name, label): `label` is group 1 of
+    `pattern` matched on the CPU range (`torch.profiler.record_function`, e.g. codegen's
+    `fxshard region_<i> [...]`) that launched it, matched by correlation id; a kernel launched between
+    two ranges with the same label (a fixed node inside that work) takes it too; else None. Empty
+    where the trace holds no such range."""
+    ranges: dict[tuple, list[tuple[float, float, str]]] = {}
+    launches: dict[object, tuple] = {}
+    kernels = []
+    for event in events:
+        if event.get("ph") != "X":
+            continue
+        category, name = str(event.get("cat", "")).lower(), str(event.get("name", ""))
+        start, end = float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0.0))
+        correlation = (event.get("args") or {}).get("correlation")
+        if category == "user_annotation" and (match := pattern.match(name)):
+            ranges.setdefault((event.get("pid"), event.get("tid")), []).append((start, end, match.group(1)))
+        elif category in ("cuda_runtime", "cuda_driver") and correlation is not None:
+            launches[correlation] = (event.get("pid"), event.get("tid"), start)
+        elif category in ("kernel", "gpu_memset") or (category == "gpu_memcpy" and "DtoD" in name):
+            if not is_comm(event):
+                kernels.append((start, end, name, correlation))
+    if not ranges:
+        return []
+    for spans in ranges.values():
+        spans.sort()
+    result = []
+    for start, end, name, correlation in kernels:
+        label = None
+        if correlation in launches:
+            pid, tid, when = launches[correlation]
+            spans = ranges.get((pid, tid), [])
+            k = bisect.bisect_right(spans, (when, float("inf"), "")) - 1
+            if k >= 0 and (when <= spans[k][1] or k + 1 < len(spans) and spans[k][2] == spans[k + 1][2]):
+                label = spans[k][2]
+        result.append((start, end, name, label))
+    return result

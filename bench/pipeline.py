@@ -67,7 +67,6 @@ latency, host stalls, kernel gaps inside an action.
 from __future__ import annotations
 
 import argparse
-import bisect
 import dataclasses
 import inspect
 import json
@@ -93,7 +92,7 @@ from fxshard.models import GPT, GPTConfig  # noqa: E402
 from fxshard.models.blocks import rope_tables  # noqa: E402
 from fxshard.passes.pipeline import chunk_costs, split_stages  # noqa: E402
 from fxshard.schedule import build, simulate, unit_costs  # noqa: E402
-from common import device_name, write_json  # noqa: E402
+from common import device_name, kernels_by_range, write_json  # noqa: E402
 
 # fxshard schedule -> (Config(schedule=...), virtual stages)
 SCHEDULES = {"1f1b": ("1f1b", 1), "interleaved-v2": ("interleaved-1f1b", 2), "zb-h1": ("zb-h1", 1),
@@ -402,36 +401,12 @@ def action_times(events: list[dict], actions: list[str]) -> dict[str, float] | N
     kernels' intervals. Returns {"F<c>:<mb>": ms, ..., "other": ms of busy GPU time in no F / B / W
     action (optimizer, once-per-step casts)}, or None where the trace holds no region ranges (CUDA
     graphs replay without them; codegen off)."""
-    ranges: dict[tuple, list[tuple[float, float, int]]] = {}
-    launches: dict[object, tuple] = {}
-    kernels = []
-    for event in events:
-        if event.get("ph") != "X":
-            continue
-        category, name = str(event.get("cat", "")).lower(), str(event.get("name", ""))
-        start, end = float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0.0))
-        if category == "user_annotation" and (match := REGION_RANGE.match(name)):
-            ranges.setdefault((event.get("pid"), event.get("tid")), []).append((start, end, int(match.group(1))))
-        elif category in ("cuda_runtime", "cuda_driver") and (event.get("args") or {}).get("correlation") is not None:
-            launches[event["args"]["correlation"]] = (event.get("pid"), event.get("tid"), start)
-        elif category in ("kernel", "gpu_memset") or (category == "gpu_memcpy" and "DtoD" in name):
-            if not is_communication(event):
-                kernels.append((start, end, (event.get("args") or {}).get("correlation")))
-    if not ranges:
+    kernels = kernels_by_range(events, REGION_RANGE, is_communication)
+    if not kernels:
         return None
-    for spans in ranges.values():
-        spans.sort()
     per_action: dict[str, list[tuple[float, float]]] = {}
-    for start, end, correlation in kernels:
-        owner = "other"
-        if correlation in launches:
-            pid, tid, when = launches[correlation]
-            spans = ranges.get((pid, tid), [])
-            k = bisect.bisect_right(spans, (when, float("inf"), 0)) - 1
-            inside = k >= 0 and when <= spans[k][1]
-            between = k >= 0 and k + 1 < len(spans) and spans[k][2] == spans[k + 1][2]
-            if (inside or between) and actions[spans[k][2]][0] in "FBW":
-                owner = actions[spans[k][2]]
+    for start, end, _, label in kernels:
+        owner = actions[int(label)] if label is not None and actions[int(label)][0] in "FBW" else "other"
         per_action.setdefault(owner, []).append((start, end))
     return {owner: union_length(intervals) / 1e3 for owner, intervals in per_action.items()}
 

@@ -10,7 +10,6 @@ rest are fixed nodes: custom ops such as the fused AdamW), and the GPU time per 
 """
 
 import argparse
-import bisect
 import json
 import os
 import re
@@ -19,47 +18,27 @@ import tempfile
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import fxshard  # noqa: E402
+from common import kernels_by_range  # noqa: E402
 from fxshard.models import GPT, GPTConfig  # noqa: E402
 
-RANGE = re.compile(r"^fxshard (region_\d+) \[(\w+) (\S+)")
+RANGE = re.compile(r"^fxshard region_\d+ \[(\w+ \S+?)[\] ]")
 
 
 def attribute(events):
-    ranges, launches, kernels = {}, {}, []
-    for event in events:
-        if event.get("ph") != "X":
-            continue
-        category, name = str(event.get("cat", "")).lower(), str(event.get("name", ""))
-        start, end = float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0.0))
-        if category == "user_annotation" and (match := RANGE.match(name)):
-            ranges.setdefault((event.get("pid"), event.get("tid")), []).append((start, end, f"{match[2]} {match[3]}"))
-        elif category in ("cuda_runtime", "cuda_driver"):
-            launches[(event.get("args") or {}).get("correlation")] = (event.get("pid"), event.get("tid"), start)
-        elif category in ("kernel", "gpu_memset") and "nccl" not in name.lower():
-            kernels.append((end - start, (event.get("args") or {}).get("correlation"), name))
-    for spans in ranges.values():
-        spans.sort()
-    per_part, missed, attributed = {}, {}, 0
-    for duration, correlation, name in kernels:
-        owner = None
-        if correlation in launches:
-            pid, tid, when = launches[correlation]
-            spans = ranges.get((pid, tid), [])
-            k = bisect.bisect_right(spans, (when, float("inf"), "")) - 1
-            if k >= 0 and spans[k][0] <= when <= spans[k][1]:
-                owner = spans[k][2]
-        if owner is None:
-            missed[name[:60]] = missed.get(name[:60], 0.0) + duration
+    kernels = kernels_by_range(events, RANGE, lambda event: "nccl" in event.get("name", "").lower())
+    per_part, missed = {}, {}
+    for start, end, name, label in kernels:
+        if label is None:
+            missed[name[:60]] = missed.get(name[:60], 0.0) + end - start
         else:
-            per_part[owner] = per_part.get(owner, 0.0) + duration
-            attributed += 1
-    total = sum(d for d, _, _ in kernels)
-    return {"ranges": sum(len(v) for v in ranges.values()), "kernels": len(kernels),
-            "kernels_attributed": attributed,
-            "gpu_ms": total / 1e3, "gpu_ms_attributed": sum(per_part.values()) / 1e3,
+            per_part[label] = per_part.get(label, 0.0) + end - start
+    return {"kernels": len(kernels), "kernels_attributed": sum(label is not None for *_, label in kernels),
+            "gpu_ms": sum(end - start for start, end, *_ in kernels) / 1e3,
+            "gpu_ms_attributed": sum(per_part.values()) / 1e3,
             "ms_per_part": {k: v / 1e3 for k, v in sorted(per_part.items())},
             "ms_not_attributed_top": dict(sorted(((k, v / 1e3) for k, v in missed.items()), key=lambda kv: -kv[1])[:8])}
 
