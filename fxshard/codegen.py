@@ -111,8 +111,7 @@ class Region:
         (phase, layer), _ = counts.most_common(1)[0]
         first = next((n for n in self.nodes if meta.action_index(n) is not None), self.nodes[0])
         action, microbatch = meta.action_index(first), meta.microbatch(first)
-        return (f"{phase} {layer}" + (f" mb {microbatch}" if microbatch is not None and action is not None else "")
-                + (f" action {action}" if action is not None else ""))
+        return f"{phase} {layer}" + (f" mb {microbatch} action {action}" if action is not None else "")
 
 
 def find_regions(graph: fx.Graph, by_layer: bool = True) -> list[Region]:
