@@ -181,12 +181,12 @@ def _report_lowerings(step, config: Config, index: int) -> None:
     if config.verbose:
         print(line, file=sys.stderr)
     if config.dump_dir:
-        with open(os.path.join(config.dump_dir, f"{index:02d}_runtime.py"), "w") as handle:
-            handle.write(f"# {line}\n# the graph CompiledStep runs (CUDA graphs, if on, capture this)\n")
-            handle.write(step.runtime_code())
+        from .dump import write_dump_file
+
+        write_dump_file(config.dump_dir, f"{index:02d}_runtime.py", f"# {line}\n# the graph CompiledStep runs "
+                        f"(CUDA graphs, if on, capture this)\n" + step.runtime_code())
         if step.codegen is not None:
-            with open(os.path.join(config.dump_dir, f"{index:02d}_codegen.txt"), "w") as handle:
-                handle.write(step.codegen.table())
+            write_dump_file(config.dump_dir, f"{index:02d}_codegen.txt", step.codegen.table())
 
 
 def _process_groups(mesh: Mesh | None, timeout_s: float):

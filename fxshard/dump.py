@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import sys
 from collections import Counter, defaultdict
 
@@ -22,41 +21,67 @@ from .program import InputKind, Program
 _PHASE_COLORS = {meta.FWD: "#cfe2ff", meta.BWD: "#ffd8cc", meta.OPTIM: "#d4f0d0"}
 
 
-# what fxshard writes into a dump folder: numbered programs (and the runtime's and codegen's files),
-# the pipeline schedule, the MoE routing; a pipeline writes one stage<s>/ folder per stage
-_DUMP_FILE = re.compile(r"^(\d\d_[\w.-]+\.(py|txt|dot)|pipeline\.(txt|svg)|routing\.txt)$")
+# every file fxshard writes into a dump folder is listed here, one name per line: what the next run
+# clears (nothing else in the folder is touched); a pipeline writes one stage<s>/ folder per stage
+WRITTEN = ".fxshard-dump"
 _STAGE_DIR = re.compile(r"^stage\d+$")
 
 
+def write_dump_file(directory, name: str, text: str) -> str:
+    """Write `text` to `directory/name` and list `name` among the files fxshard wrote there."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, name)
+    with open(path, "w") as handle:
+        handle.write(text)
+    listed = _listed(directory)
+    if name not in listed:
+        with open(os.path.join(directory, WRITTEN), "a") as handle:
+            handle.write(name + "\n")
+    return path
+
+
+def _listed(directory) -> list[str]:
+    try:
+        with open(os.path.join(directory, WRITTEN)) as handle:
+            return [line.strip() for line in handle if line.strip() and "/" not in line and line.strip() != ".."]
+    except OSError:
+        return []
+
+
 def clear_stale_dumps(directory, stage: int | None = None, stages: int = 1) -> list[str]:
-    """Remove what an earlier run's dump left in `directory` (fxshard's own file names only), so the
-    folder shows this run alone: an FSDP program of yesterday's run next to today's one-device
-    program would read as part of it. `stage`: the pipeline stage whose folder `directory` is; stage
-    0 also clears its parent's files and the folders of stages this pipeline does not have. Without
-    a stage, the stage folders of an earlier pipeline run go. Returns the paths removed."""
+    """Remove what an earlier run dumped into `directory`: the files fxshard listed as written there
+    (`WRITTEN`), nothing else, so the folder shows this run alone (an FSDP program of yesterday's run
+    next to today's one-device program would read as part of it). `stage`: the pipeline stage whose
+    folder `directory` is; stage 0 also clears its parent and the stage folders this pipeline does
+    not have. Without a stage, an earlier pipeline's stage folders are cleared. A stage folder left
+    empty is removed. Returns the paths removed."""
     removed = []
 
-    def clear_files(folder):
-        for name in (os.listdir(folder) if os.path.isdir(folder) else ()):
+    def clear(folder):
+        for name in _listed(folder):
             path = os.path.join(folder, name)
-            if _DUMP_FILE.match(name) and os.path.isfile(path):
+            if os.path.isfile(path) and not os.path.islink(path):
                 os.remove(path)
                 removed.append(path)
+        if os.path.isfile(os.path.join(folder, WRITTEN)):
+            os.remove(os.path.join(folder, WRITTEN))
 
     def clear_stage_folders(folder, keep):
         for name in (os.listdir(folder) if os.path.isdir(folder) else ()):
             path = os.path.join(folder, name)
             if _STAGE_DIR.match(name) and int(name[len("stage"):]) not in keep and os.path.isdir(path) \
-                    and all(_DUMP_FILE.match(f) for f in os.listdir(path)):
-                shutil.rmtree(path)
-                removed.append(path)
+                    and not os.path.islink(path) and os.path.isfile(os.path.join(path, WRITTEN)):
+                clear(path)
+                if not os.listdir(path):
+                    os.rmdir(path)
+                    removed.append(path)
 
-    clear_files(directory)
+    clear(directory)
     if stage is None:
         clear_stage_folders(directory, keep=())
     elif stage == 0:
-        parent = os.path.dirname(os.path.normpath(directory))
-        clear_files(parent)
+        parent = os.path.dirname(os.path.abspath(directory))
+        clear(parent)
         clear_stage_folders(parent, keep=range(stages))
     return removed
 
@@ -66,8 +91,7 @@ def dump_programs(programs: list[Program], directory) -> list[str]:
 
 
 def dump_program(program: Program, directory, index: int = 0) -> list[str]:
-    os.makedirs(directory, exist_ok=True)
-    stem = os.path.join(directory, f"{index:02d}_{program.name}")
+    stem = f"{index:02d}_{program.name}"
     files = {
         f"{stem}.py": program.graph_module.print_readable(print_output=False, include_stride=False,
                                                           include_device=False),
@@ -75,10 +99,7 @@ def dump_program(program: Program, directory, index: int = 0) -> list[str]:
         f"{stem}.summary.txt": summarize(program),
         f"{stem}.dot": to_dot(program),
     }
-    for path, text in files.items():
-        with open(path, "w") as handle:
-            handle.write(text)
-    return list(files)
+    return [write_dump_file(directory, name, text) for name, text in files.items()]
 
 
 def dump_routing(metrics: dict, directory) -> str | None:
@@ -97,11 +118,7 @@ def dump_routing(metrics: dict, directory) -> str | None:
         balance = (counts.max() / counts.mean()).item() if counts.sum() > 0 else 0.0
         lines.append(f"{layer:<16} {int(counts.sum()):>8} {int(values['dropped']):>8} {balance:>9.2f}  "
                      f"{counts.long().tolist()}")
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, "routing.txt")
-    with open(path, "w") as handle:
-        handle.write("\n".join(lines) + "\n")
-    return path
+    return write_dump_file(directory, "routing.txt", "\n".join(lines) + "\n")
 
 
 def _value(node: fx.Node):
@@ -380,12 +397,8 @@ def dump_schedule(schedule, plan, directory, pairs=()) -> list[str]:
              "simulated, each action timed by " + _describe_costs(plan.costs, schedule) + ":",
              f"  makespan {simulation.makespan:.4g}, bubble {simulation.bubble_fraction:.1%}, "
              f"peak live activations per rank {simulation.peak_activations}"]
-    files = {os.path.join(directory, "pipeline.txt"): "\n".join(lines) + "\n",
-             os.path.join(directory, "pipeline.svg"): to_svg(schedule, simulation)}
-    for path, text in files.items():
-        with open(path, "w") as handle:
-            handle.write(text)
-    return list(files)
+    return [write_dump_file(directory, "pipeline.txt", "\n".join(lines) + "\n"),
+            write_dump_file(directory, "pipeline.svg", to_svg(schedule, simulation))]
 
 
 def _describe_costs(costs, schedule) -> str:

@@ -110,6 +110,17 @@ Optimizer = Union[AdamW, SGD]
 def lr_at(optimizer: Optimizer, step: int) -> float:
     """The learning rate for 1-based `step`."""
     lr = optimizer.lr(step) if callable(optimizer.lr) else optimizer.lr
-    if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
-        raise FxShardError(f"the lr schedule returned {lr!r} at step {step}; it must return a finite float >= 0")
+    if not is_learning_rate(lr):
+        raise FxShardError(f"the lr schedule returned {lr!r} at step {step}; it must return a finite float >= 0 "
+                           f"(and below float32's largest, {FLOAT32_MAX:.3g}: the step reads it in float32)")
     return float(lr)
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def is_learning_rate(lr) -> bool:
+    """A number the step can use as a learning rate: finite and >= 0 in float32 (the step's lr
+    input), not a bool."""
+    return (isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr)
+            and 0 <= lr <= FLOAT32_MAX)

@@ -17,7 +17,9 @@ def test_dump_of_moe_gpt_tiny_names_every_node_and_prints_a_summary(tmp_path, mo
     monkeypatch.setenv("FXSHARD_DUMP", str(tmp_path))
     step = fxshard.shard(MoEGPT(MoEGPTConfig.preset("tiny")), lambda m, b: m.loss(b), batch)
     files = sorted(os.listdir(tmp_path))
-    assert files == ["00_traced.dot", "00_traced.nodes.txt", "00_traced.py", "00_traced.summary.txt", "01_runtime.py"]
+    assert files == [".fxshard-dump", "00_traced.dot", "00_traced.nodes.txt", "00_traced.py", "00_traced.summary.txt",
+                     "01_runtime.py"]
+    assert sorted((tmp_path / ".fxshard-dump").read_text().split()) == files[1:]  # what the next run may clear
 
     listing = (tmp_path / "00_traced.nodes.txt").read_text().splitlines()
     body = [line for line in listing if not line.startswith("output(")]
@@ -121,35 +123,36 @@ def test_collective_windows_are_given_in_flops():
 
 
 def test_a_reused_dump_folder_shows_this_run_only_and_stage_folders_are_read(tmp_path, capsys):
-    """An earlier run's files (fxshard's own names) go, the user's stay; `python -m fxshard.dump`
-    reads a pipeline's stage<s>/ folders; a file is no dump folder."""
-    from fxshard.dump import main
+    """What an earlier run wrote (listed in the folder's `.fxshard-dump`) goes, the user's files stay,
+    even with dump-like names; `python -m fxshard.dump` reads a pipeline's stage<s>/ folders; a file
+    is no dump folder."""
+    from fxshard.dump import clear_stale_dumps, main, write_dump_file
 
-    (tmp_path / "01_fsdp.summary.txt").write_text("yesterday's FSDP program\n")
-    (tmp_path / "02_runtime.py").write_text("")
-    (tmp_path / "stage1").mkdir()
-    (tmp_path / "stage1" / "00_traced.summary.txt").write_text("yesterday's stage 1\n")
-    (tmp_path / "notes.md").write_text("mine")
+    write_dump_file(tmp_path, "01_fsdp.summary.txt", "yesterday's FSDP program\n")
+    write_dump_file(tmp_path, "02_runtime.py", "")
+    write_dump_file(tmp_path / "stage1", "00_traced.summary.txt", "yesterday's stage 1\n")
+    for mine in ("notes.md", "00_setup.py", "pipeline.txt"):  # never written by fxshard
+        (tmp_path / mine).write_text("mine")
     torch.manual_seed(0)
     batch = {"idx": torch.zeros(2, 8, dtype=torch.long), "tgt": torch.zeros(2, 8, dtype=torch.long)}
     fxshard.shard(GPT(GPTConfig.preset("tiny")), lambda m, b: m.loss(b), batch,
                   config=fxshard.Config(dump_dir=str(tmp_path)))
-    assert sorted(os.listdir(tmp_path)) == ["00_traced.dot", "00_traced.nodes.txt", "00_traced.py",
-                                            "00_traced.summary.txt", "01_runtime.py", "notes.md"]
+    assert sorted(os.listdir(tmp_path)) == [".fxshard-dump", "00_setup.py", "00_traced.dot", "00_traced.nodes.txt",
+                                            "00_traced.py", "00_traced.summary.txt", "01_runtime.py", "notes.md",
+                                            "pipeline.txt"]
+    assert (tmp_path / "00_setup.py").read_text() == "mine"
     for stage in range(2):  # as a pipeline writes them
-        (tmp_path / f"stage{stage}").mkdir()
-        (tmp_path / f"stage{stage}" / "00_traced.summary.txt").write_text(f"stage {stage} summary\n")
+        write_dump_file(tmp_path / f"stage{stage}", "00_traced.summary.txt", f"stage {stage} summary\n")
     capsys.readouterr()
     assert main([str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     assert "== 00_traced\n" in printed and "== stage1/00_traced\nstage 1 summary" in printed
     with pytest.raises(fxshard.FxShardError, match="is a file; name a directory"):
         fxshard.Config(dump_dir=str(tmp_path / "notes.md"))
-    # a pipeline's stage 0 also clears the folder above and stage folders this pipeline has not
-    from fxshard.dump import clear_stale_dumps
-
-    (tmp_path / "stage5").mkdir()
-    (tmp_path / "stage5" / "pipeline.txt").write_text("")
+    # a pipeline's stage 0 also clears the folder above and the stage folders this pipeline has not
+    write_dump_file(tmp_path / "stage5", "pipeline.txt", "")
+    (tmp_path / "stage7").mkdir()
+    (tmp_path / "stage7" / "mine.txt").write_text("mine")  # not fxshard's: stays
     clear_stale_dumps(tmp_path / "stage0", stage=0, stages=2)
-    assert sorted(os.listdir(tmp_path)) == ["notes.md", "stage0", "stage1"]
+    assert sorted(os.listdir(tmp_path)) == ["00_setup.py", "notes.md", "pipeline.txt", "stage0", "stage1", "stage7"]
     assert os.listdir(tmp_path / "stage0") == [] and os.listdir(tmp_path / "stage1")

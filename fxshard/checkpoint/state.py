@@ -193,6 +193,7 @@ def set_own_buffers(step, buffers: dict | None) -> None:
 
 def set_progress(step, progress: dict | None, rng: dict | None) -> None:
     step._unchecked.clear()  # non-finite flags of steps the loaded state replaces
+    step._interrupted = None  # and a step that stopped mid-update: the loaded state replaces what it left
     if progress is not None:
         step.step_count = int(progress["step_count"])
         step._lr_override = progress["lr_override"]
@@ -227,12 +228,35 @@ def check_state_dict(step, state: dict, strict: bool) -> None:
         unexpected = sorted(key for key in state if key not in shapes and key != PROGRESS
                             and not re.fullmatch(r"(rng|buffers)\.rank\d+", str(key)))
     problems = key_differences(missing, unexpected, mis_shaped)
+    not_tensors = sorted(str(key) for key, value in state.items() if key in shapes and not (
+        isinstance(value, (torch.Tensor, Boxes)) or hasattr(value, "read")))
+    not_finite = sorted(str(key) for key, value in state.items() if key in shapes and isinstance(value, torch.Tensor)
+                        and value.is_floating_point() and not bool(torch.isfinite(value).all()))
+    problems = "; ".join(p for p in (problems, _progress_problem(state.get(PROGRESS)),
+                                     f"not tensors: {', '.join(not_tensors[:8])}" if not_tensors else "",
+                                     f"not finite (NaN or inf): {', '.join(not_finite[:8])}" if not_finite else "") if p)
     if problems:
         raise FxShardError(
             f"load_state_dict: the state dict does not fit this step ({problems}); nothing was loaded. Keys are "
             f"`model.<parameter or buffer>` and `optim.<parameter>.<slot>` with the model's global shapes "
             f"(step.state_dict() lists this rank's); load_state_dict(state, strict=False) loads the tensors "
             f"present and ignores unknown keys")
+
+
+def _progress_problem(progress) -> str:
+    """What is wrong with a state dict's progress entry (step count, lr override), or ""."""
+    from ..optim import is_learning_rate
+
+    if progress is None:
+        return ""
+    if not isinstance(progress, dict) or not {"step_count", "lr_override"} <= set(progress):
+        return f"{PROGRESS} must be a dict with step_count and lr_override, got {progress!r}"
+    count, lr = progress["step_count"], progress["lr_override"]
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        return f"{PROGRESS} step_count must be an int >= 0, got {count!r}"
+    if lr is not None and not is_learning_rate(lr):
+        return f"{PROGRESS} lr_override must be None or a finite float >= 0, got {lr!r}"
+    return ""
 
 
 def _global_shape(value) -> tuple[int, ...] | None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import traceback
 import weakref
 
@@ -12,7 +11,7 @@ import torch.fx as fx
 from .. import meta
 from ..batch import BatchSpec
 from ..errors import FxShardError
-from ..optim import Optimizer, lr_at
+from ..optim import Optimizer, is_learning_rate, lr_at
 from ..program import InputKind, OutputKind, Program
 from ..ops.gloo import GLOO_ALL_GATHER
 from ..ops.p2p import P2P_OPS
@@ -76,6 +75,7 @@ class CompiledStep:
         self.groups = groups or {}
         self.step_count = 0
         self._lr_override: float | None = None
+        self._interrupted: str | None = None  # why a step stopped while its graph ran (refuse_if_interrupted)
         # Config(nonfinite): the program skips updates whose gradients are not finite; the runtime
         # counts them on the device (AdamW's step input counts applied updates) and under "raise"
         # reads a step's flag two calls later, or when the state is next read (_raise_if_nonfinite)
@@ -148,8 +148,9 @@ class CompiledStep:
 
     def set_lr(self, lr: float) -> None:
         """Use this learning rate from the next step on (overrides the optimizer's lr/schedule)."""
-        if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
-            raise FxShardError(f"set_lr needs a finite float >= 0, got {lr!r}")
+        if not is_learning_rate(lr):
+            raise FxShardError(f"set_lr needs a finite float >= 0 (below float32's largest: the step reads it in "
+                               f"float32), got {lr!r}")
         self._lr_override = float(lr)
 
     @property
@@ -178,6 +179,7 @@ class CompiledStep:
 
     def _call(self, batch) -> dict[str, torch.Tensor]:
         leaves = self.batch_spec.flatten(batch)
+        self.refuse_if_interrupted()
         self._raise_if_nonfinite(keep=1)
         self._warn_if_mode_changed()
         if self._replay is not None and self._replay.is_captured:
@@ -301,8 +303,22 @@ class CompiledStep:
                                f"{str(error).strip().splitlines()[0][:300]}. A rank of that group stalled (longer than "
                                f"Config(collective_timeout_s)) or stopped; its own error or log says why") from error
 
+    def refuse_if_interrupted(self) -> None:
+        """FxShardError where an earlier step stopped while its graph ran: its updates are written in
+        place one tensor after another, so the state may be partly updated (some parameters and moments
+        stepped, others not), and training on or saving it would go on from a state no step makes.
+        Loading a checkpoint or a state dict clears it."""
+        if self._interrupted is not None:
+            raise FxShardError(f"step {self.step_count + 1} stopped while it ran ({self._interrupted}), so the training "
+                               f"state may be partly updated; load the last checkpoint (fxshard.load) or a state "
+                               f"dict (step.load_state_dict) before training on or saving")
+
     def _eager_step(self, leaves):
-        results = self._replay_graph(self._run, self._arguments(leaves))
+        try:
+            results = self._replay_graph(self._run, self._arguments(leaves))
+        except BaseException as error:  # Ctrl-C, out of memory, a timed-out collective: the state is suspect
+            self._interrupted = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
+            raise
         metrics = {}
         for spec, value in zip(self.program.outputs, results):
             if spec.kind in _WRITE_BACK:
@@ -334,6 +350,7 @@ class CompiledStep:
     def parameters(self) -> dict[str, torch.Tensor]:
         """Parameter name -> current full parameter tensor (all-gathered where sharded; under a
         pipeline every stage's, broadcast from the stage that holds it). Every rank must call it."""
+        self.refuse_if_interrupted()
         self._raise_if_nonfinite()
         local = full_parameters(self.program, self.state, self._gather)
         if self.program.stage is None:
@@ -344,15 +361,17 @@ class CompiledStep:
         return gather_shard(shard, self.groups[axis])
 
     def buffers(self) -> dict[str, torch.Tensor]:
-        """This rank's buffers, as copies (later steps do not change them)."""
+        """This rank's buffers, as copies (later steps do not change them). Local: one rank may call it
+        alone (a pending non-finite step is reported by the next step or parameters() call)."""
         return self._state_copies(InputKind.BUFFER)
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
-        """This rank's optimizer slots (`<param>.<slot>`, or the unit's under FSDP), as copies."""
+        """This rank's optimizer slots (`<param>.<slot>`, or the unit's under FSDP), as copies. Local,
+        as buffers()."""
         return self._state_copies(InputKind.OPT_STATE)
 
     def _state_copies(self, kind: InputKind) -> dict[str, torch.Tensor]:
-        self._raise_if_nonfinite()
+        self.refuse_if_interrupted()  # no collective here: reporting a non-finite step gathers from every rank
         return {name: value.detach().clone() for (held, name), value in self.state.items() if held is kind}
 
     def state_dict(self) -> dict:
