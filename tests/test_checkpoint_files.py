@@ -254,7 +254,15 @@ def test_load_state_dict_is_strict_about_keys_and_shapes_and_changes_nothing_whe
                             ({**plain, "model.tok_emb.weight": torch.zeros(3, 3)},
                              r"shape differs \(1\): model\.tok_emb\.weight \(3, 3\) != \(64, 64\)"),
                             # another step's own form (Boxes), of a wider model: its shapes are checked too
-                            (shard(d_ff=96).state_dict(), r"shape differs \(\d+\): model\.layers\.0\.mlp")):
+                            (shard(d_ff=96).state_dict(), r"shape differs \(\d+\): model\.layers\.0\.mlp"),
+                            # values, and the progress entry, are checked before anything is copied too
+                            ({**plain, "fxshard.progress": {"step_count": 10}}, r"progress must be a dict with step_count"),
+                            ({**plain, "fxshard.progress": {"step_count": 1, "lr_override": float("nan")}},
+                             r"lr_override must be None or a finite float"),
+                            ({**plain, "model.head.weight": plain["model.head.weight"] * float("nan")},
+                             r"not finite \(NaN or inf\): model\.head\.weight"),
+                            ({**plain, "model.head.weight": plain["model.head.weight"].tolist()},
+                             r"not tensors: model\.head\.weight")):
         with pytest.raises(fxshard.FxShardError, match=expected):
             step.load_state_dict(state)
         assert_unchanged(step, before)

@@ -240,3 +240,54 @@ def test_a_bound_that_overflows_where_the_reduced_norm_does_not_skips_and_says_s
     message = str(nonfinite_error(view, 1, 1, float(metrics[0]["grad_norm"]), metrics[0]["nonfinite"]))
     assert message.startswith("step 1: the gradients are too large to check (grad norm ") and \
         "overflow float32" in message, message
+
+
+def test_a_step_stopped_mid_update_refuses_to_go_on_until_a_checkpoint_is_loaded(tmp_path):
+    """AdamW writes its updates in place one tensor after another: a step stopped among them (Ctrl-C,
+    out of memory) leaves some stepped and others not. Training on, or saving, is refused; loading
+    the last checkpoint clears it and training resumes exactly."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class StopAtSecondUpdate(TorchDispatchMode):
+        seen = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.fxshard.adamw_update.default, torch.ops.fxshard.adamw_update_.default):
+                self.seen += 1
+                if self.seen == 2:
+                    raise KeyboardInterrupt("stopped in the optimizer phase")
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    data = regression_batches(3)
+    step = fxshard.shard(Regressor(), regression_loss, data[0], optimizer=ADAMW)
+    step(data[0])
+    fxshard.save(step, tmp_path / "ck")
+    with pytest.raises(KeyboardInterrupt), StopAtSecondUpdate():
+        step(data[1])
+    for use in (lambda: step(data[1]), step.parameters, step.buffers, lambda: fxshard.save(step, tmp_path / "other")):
+        with pytest.raises(fxshard.FxShardError, match=r"step 2 stopped while it ran \(KeyboardInterrupt: stopped "
+                                                        r"in the optimizer phase\).*load the last checkpoint"):
+            use()
+    fxshard.load(step, tmp_path / "ck")
+    torch.manual_seed(0)
+    fresh = fxshard.shard(Regressor(), regression_loss, data[0], optimizer=ADAMW)
+    fresh(data[0])  # where the checkpoint was taken
+    for batch in data[1:]:
+        assert torch.equal(step(batch)["loss"], fresh(batch)["loss"])
+    assert all(torch.equal(step.parameters()[n], p) for n, p in fresh.parameters().items())
+
+
+def test_local_state_reads_do_not_report_a_pending_non_finite_step_and_lr_must_fit_float32():
+    """buffers() and optimizer_state() read this rank alone (reporting a non-finite step gathers from
+    every rank: one rank logging its state alone would wait for the others); the next step reports."""
+    torch.manual_seed(0)
+    good = regression_batches(3)
+    step = fxshard.shard(Regressor(), regression_loss, good[0], optimizer=ADAMW)
+    step(poisoned(good[0]))
+    assert step.optimizer_state() and isinstance(step.buffers(), dict)
+    with pytest.raises(fxshard.FxShardError, match="step 1: the gradients are not finite"):
+        step.parameters()
+    for bad in (1e39, True, float("nan")):
+        with pytest.raises(fxshard.FxShardError, match="set_lr needs a finite float >= 0"):
+            step.set_lr(bad)

@@ -70,6 +70,7 @@ def save(step, path: str | os.PathLike, extra=None, async_save: bool = False) ->
     step stalls only for the device-to-host copy; call `.wait()` on the result before relying on
     the files (a later save waits for an earlier one itself)."""
     path = _real(path)
+    step.refuse_if_interrupted()  # a partly updated state is no checkpoint
     previous = getattr(step, "_pending_save", None)
     if previous is not None:
         previous.wait()

@@ -384,6 +384,7 @@ class CompiledStep:
         `fxshard.save` / `load` also check, stage and swap directories."""
         from ..checkpoint.state import step_state_dict
 
+        self.refuse_if_interrupted()
         self._raise_if_nonfinite()
         return step_state_dict(self)
 
