@@ -112,7 +112,7 @@ def main(argv=None) -> dict:
         raise SystemExit("--save-every needs --save DIR and a count >= 1")
     # a save interrupted while it swapped the new checkpoint in leaves the last one as <path>.previous,
     # which fxshard.load reads
-    if args.resume and not any(os.path.isdir(p) for p in (args.resume, os.path.normpath(args.resume) + ".previous")):
+    if args.resume and not any(os.path.isdir(p) for p in (args.resume, os.path.realpath(args.resume) + ".previous")):
         raise SystemExit(f"--resume {args.resume}: no such checkpoint directory")
     if args.dp % args.ep or (args.ep > 1 and args.model != "moe_gpt"):
         raise SystemExit("--ep must divide --dp, and needs --model moe_gpt")

@@ -132,14 +132,19 @@ def main(argv=None) -> dict:
 def load_pretrained(model, directory: str) -> None:
     """`model`'s weights from what save_pretrained wrote in `directory`, every one of them: transformers
     itself fills the weights a directory lacks (another architecture's) with random values and only
-    logs it, so a missing, left-over or reshaped tensor stops the run here."""
+    logs it, so a missing or left-over tensor (another --arch), or one of another shape (another
+    size), stops the run here."""
     loaded, info = type(model).from_pretrained(directory, output_loading_info=True)
     problems = {what: info.get(what) for what in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(what)}
     if problems:
         detail = "; ".join(f"{what.replace('_', ' ')} {sorted(map(str, keys))[:4]} ({len(keys)} in all)"
                            for what, keys in problems.items())
         raise SystemExit(f"--weights {directory} does not hold this {type(model).__name__} (--arch): {detail}")
-    model.load_state_dict(loaded.state_dict())
+    try:
+        model.load_state_dict(loaded.state_dict())
+    except RuntimeError as error:  # the same architecture at another size (its own config.json)
+        raise SystemExit(f"--weights {directory} holds a {type(model).__name__} of another size than this one: "
+                         f"{str(error).splitlines()[0]} {str(error).splitlines()[1:2]}") from None
 
 
 def train(args) -> dict:

@@ -47,7 +47,8 @@ class Config:
     param_dtype: compute with parameters cast to this dtype (e.g. torch.bfloat16); masters and
         optimizer state keep the model's dtype. Under ZeRO-3 the cast happens on the shard, before the
         all-gather. BatchNorm's weight and bias stay in the model's dtype, next to its statistics (as
-        torch FSDP's MixedPrecision keeps them). None: no cast.
+        torch FSDP's MixedPrecision keeps their weights; their gradients are still reduced in
+        reduce_dtype). None: no cast.
     reduce_dtype: gradients are cast to this dtype before they are reduced (None: param_dtype's).
     microbatches: split each step's batch into this many microbatches along dim 0 and accumulate their
         gradients before one reduction and one update (the loss is their mean).

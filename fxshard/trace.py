@@ -114,9 +114,9 @@ def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     with fake_mode:
-        full = _full_precision_params(model)
-        fake_params = [torch.empty(p.shape, dtype=p.dtype if name in full else _compute_dtype(p, config),
-                                   device=device, requires_grad=p.requires_grad) for name, p in params.items()]
+        full = _full_precision_params(model) if config.param_dtype is not None else set()
+        fake_params = [torch.empty(p.shape, dtype=p.dtype if id(p) in full else _compute_dtype(p, config),
+                                   device=device, requires_grad=p.requires_grad) for p in params.values()]
         fake_buffers = [torch.empty(b.shape, dtype=b.dtype, device=device) for b in buffers.values()]
         fake_leaves = [torch.empty(_microbatch_shape(s, config.microbatches), dtype=s.dtype, device=device)
                        for s in batch_spec.leaves]
@@ -455,13 +455,23 @@ def _microbatch_shape(leaf, microbatches: int) -> tuple[int, ...]:
     return tuple(leaf.shape) if microbatches == 1 else (leaf.shape[0] // microbatches, *leaf.shape[1:])
 
 
-def _full_precision_params(model: nn.Module) -> set[str]:
-    """Parameters Config(param_dtype) does not cast: BatchNorm's weight and bias, which its kernels
-    need in the dtype of its running statistics (fp32) next to a low-precision input, as torch's
-    FSDP MixedPrecision keeps them (`_module_classes_to_ignore`)."""
-    return {f"{prefix}.{name}" if prefix else name
-            for prefix, module in model.named_modules() if isinstance(module, nn.modules.batchnorm._BatchNorm)
-            for name, _ in module.named_parameters(recurse=False)}
+def _full_precision_params(model: nn.Module) -> set[int]:
+    """The parameters (by id) Config(param_dtype) does not cast: BatchNorm's weight and bias, which
+    its kernels need in the dtype of its running statistics (fp32) next to a low-precision input, as
+    torch's FSDP MixedPrecision keeps them (`_module_classes_to_ignore`). One that another module
+    uses too (tied) is refused: it cannot be in both dtypes."""
+    norms = {id(p) for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+             for p in m.parameters(recurse=False)}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            continue
+        for own, p in module.named_parameters(recurse=False):
+            if id(p) in norms:
+                raise FxShardError(f"parameter {name}.{own} is also a BatchNorm's weight or bias; with "
+                                   f"Config(param_dtype) BatchNorm keeps its parameters in their dtype (its kernels "
+                                   f"need them next to its fp32 statistics) while {type(module).__name__} computes "
+                                   f"in param_dtype: untie them, or train without param_dtype")
+    return norms
 
 
 def _compute_dtype(param: torch.Tensor, config: Config) -> torch.dtype:

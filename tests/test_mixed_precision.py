@@ -179,3 +179,7 @@ def test_batchnorm_keeps_fp32_weights_and_statistics_under_bf16_compute():
     assert buffers["1.running_mean"].dtype == torch.float32
     assert relative(buffers["1.running_var"], low[1].running_var) < 1e-3
     assert relative(buffers["1.running_mean"], low[1].running_mean) < 1e-3
+    tied = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    tied[0].bias = tied[1].bias  # one tensor cannot be both fp32 (BatchNorm's) and bf16 (the Linear's)
+    with pytest.raises(fxshard.FxShardError, match=r"parameter 0\.bias is also a BatchNorm's weight or bias"):
+        fxshard.shard(tied, mse, data[0], optimizer=ADAMW, config=MIXED)
