@@ -116,7 +116,8 @@ def _structure_of(model: nn.Module) -> nn.Module:
     """What step.evaluate traces later: a copy of `model` whose parameters and buffers are meta tensors
     of the same shapes (tracing reads nothing else of them), so that the step does not keep the
     user's model and its weights alive (under ZeRO-3 a whole unsharded copy per rank). Other tensor
-    attributes are copied as they are. A model that cannot be deep-copied is kept itself."""
+    attributes are copied as they are. A model that cannot be deep-copied is kept itself, with a
+    warning."""
     memo = {}
     for tensor in (*model.parameters(), *model.buffers()):
         if id(tensor) not in memo:
@@ -124,7 +125,13 @@ def _structure_of(model: nn.Module) -> nn.Module:
             memo[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
     try:
         return copy.deepcopy(model, memo)
-    except Exception:  # modules holding locks, streams, process groups: keep the model
+    except Exception as error:  # modules holding locks, streams, process groups: keep the model
+        import warnings
+
+        warnings.warn(f"fxshard: {type(model).__name__} cannot be deep-copied ({type(error).__name__}: "
+                      f"{str(error)[:120]}), so the step keeps the model itself for step.evaluate, which traces it "
+                      f"on its first call: change the model after shard() and evaluate() computes the changed "
+                      f"model (training does not); it also keeps the model's weights alive", stacklevel=3)
         return model
 
 

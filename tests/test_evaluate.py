@@ -191,3 +191,13 @@ def test_switching_the_model_to_eval_after_shard_warns_once_and_changes_nothing(
         warnings.simplefilter("error")
         step(batch)  # said once
     assert not model.training  # the user's model keeps the mode they gave it
+
+
+def test_a_model_that_cannot_be_copied_is_kept_for_evaluate_with_a_warning():
+    import threading
+
+    model = torch.nn.Linear(4, 1)
+    model.lock = threading.Lock()  # cannot be deep-copied
+    with pytest.warns(UserWarning, match="cannot be deep-copied .* evaluate\\(\\) computes the changed model"):
+        step = fxshard.shard(model, lambda m, b: m(b).pow(2).mean(), torch.randn(2, 4))
+    assert torch.isfinite(step.evaluate(torch.randn(2, 4))["loss"])
