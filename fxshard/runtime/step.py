@@ -227,7 +227,8 @@ class CompiledStep:
         last `keep` of them, and raise on every rank alike if one was not finite (the norm that
         decided is global), naming the first parameter whose gradient was not. A call checks the step
         before the last (keep=1): reading a flag waits for its step, and by then that step is done,
-        so the host still runs one step ahead. Reads of the state check every step (keep=0)."""
+        so the host still runs one step ahead. parameters() and state_dict(), which every rank calls,
+        check every step (keep=0); buffers() and optimizer_state() are local and do not."""
         while len(self._unchecked) > keep:
             number, last = self._unchecked.pop(0)
             if bool(last["skipped"]):
