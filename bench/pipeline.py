@@ -548,11 +548,7 @@ def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model
     row = combine(mode, ranks, setup, *simulated_bubble(schedule_name, gpus, setup.microbatches, virtual,
                                                         splits[virtual]))
     row["schedule"] = (schedule_name, virtual)
-    row["action_costs_ms"] = measured_costs(ranks) if kind == "fxshard" else None
-    row["bubble_simulated_measured"] = None
-    if row["action_costs_ms"]:
-        schedule = build(schedule_name, gpus, setup.microbatches, virtual)
-        row["bubble_simulated_measured"] = simulate(schedule, row["action_costs_ms"]).bubble_fraction
+    time_by_measured_costs(row, measured_costs(ranks) if kind == "fxshard" else None, gpus, setup.microbatches)
     row["job_s"] = time.perf_counter() - started
     details = [f"warm-up {max(r['warmup_s'] for r in ranks):.1f}s",
                f"kernels traced per rank {[r['kernels'] for r in ranks]}"]
@@ -565,6 +561,14 @@ def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model
                            f"({[len(n) for n in ranks[0]['params_by_stage']]} vs {[len(n) for n in expected]})")
     row["details"] = details
     return row
+
+
+def time_by_measured_costs(row: dict, costs: dict | None, gpus: int, microbatches: int) -> None:
+    """`row`'s action costs and the bubble the simulator gives its schedule under them (None without)."""
+    row["action_costs_ms"], row["bubble_simulated_measured"] = costs, None
+    if costs:
+        schedule = build(row["schedule"][0], gpus, microbatches, row["schedule"][1])
+        row["bubble_simulated_measured"] = simulate(schedule, costs).bubble_fraction
 
 
 def print_targets(rows: list[dict]) -> None:
@@ -638,9 +642,7 @@ def main():
     for row in rows:  # a graphed step runs the eager step's kernels: time its actions by the eager profile
         eager = next((r for r in rows if r["mode"] == row["mode"].replace("-graphed", "-eager")), None)
         if row["mode"].endswith("-graphed") and eager and eager["action_costs_ms"]:
-            row["action_costs_ms"] = eager["action_costs_ms"]
-            schedule = build(row["schedule"][0], args.gpus, args.microbatches, row["schedule"][1])
-            row["bubble_simulated_measured"] = simulate(schedule, row["action_costs_ms"]).bubble_fraction
+            time_by_measured_costs(row, eager["action_costs_ms"], args.gpus, args.microbatches)
     print("\nall modes (ratios against every row of the job):")
     print(HEADER)
     for row in rows:
