@@ -78,7 +78,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
         check_agreement(programs[-1].graph, groups, batch_spec.device,
                         stage if programs[-1].stage is not None else None)
         if programs[-1].stage is not None:
-            check_pipeline_streams(groups["pp"], mesh, config)
+            check_pipeline_streams(groups["pp"], mesh, config, programs[-1].stage.costs)
             connect_pipeline_peers(programs[-1].graph, groups["pp"], batch_spec.device)
     # A meta-device model is initialized here, per module and seeded by module path (fxshard.init):
     # each rank materializes only its own shards.
@@ -279,7 +279,7 @@ def _dump_schedule(programs: list[Program], mesh: Mesh, config: Config) -> None:
 
     from .dump import dump_schedule
 
-    schedule, pairs = lowered_schedule(mesh, config)
+    schedule, pairs = lowered_schedule(mesh, config, programs[-1].stage.costs)
     dump_schedule(schedule, programs[-1].stage, config.dump_dir, pairs)
 
 

@@ -21,7 +21,7 @@ from .lower_schedule import lower_schedule
 from .narrow_grads import narrow_grads
 from .overlap import fill_ep_windows
 from .recognize_moe import recognize_moe
-from .pipeline import split_stages
+from .pipeline import chunk_costs, split_stages
 
 
 class Pass(NamedTuple):
@@ -75,8 +75,10 @@ PIPELINE: list[Pass] = [
 
 
 def _pipeline(program: Program, mesh, config, stage: int) -> Program:
-    schedule, pairs = lowered_schedule(mesh, config)
-    return lower_schedule(split_stages(program, schedule.chunks, config.stage_layers), schedule, stage, pairs)
+    schedule, _ = lowered_schedule(mesh, config)
+    pipeline = split_stages(program, schedule.chunks, config.stage_layers)
+    schedule, pairs = lowered_schedule(mesh, config, tuple(chunk_costs(pipeline, schedule).items()))
+    return lower_schedule(pipeline, schedule, stage, pairs)
 
 
 def _interleaves(mesh, config) -> bool:
@@ -86,14 +88,16 @@ def _interleaves(mesh, config) -> bool:
 def _interleave(program: Program, mesh, config, stage: int) -> Program:
     if mesh.pp == 1:
         return interleave_microbatches(program, config.ep_interleave)
-    _, pairs = lowered_schedule(mesh, config)
+    _, pairs = lowered_schedule(mesh, config, program.stage.costs)
     return interleave_actions(program, [(str(first), str(second)) for first, second in pairs[stage]])
 
 
-def lowered_schedule(mesh, config):
+def lowered_schedule(mesh, config, costs: tuple = ()):
     """The schedule the pipeline pass lowers and each rank's pairs of actions that run interleaved:
     with Mesh(dp>1), ZeRO's collectives as actions (`zero_schedule`); with Mesh(ep>1) and
-    `ep_overlap`, the combined 1F1B (fxshard.schedule.combine_pairs), else no pairs."""
+    `ep_overlap`, the combined 1F1B (fxshard.schedule.combine_pairs), else no pairs. `costs`: the
+    items of the chunk costs the lowering orders transfers by (`StagePlan.costs`); the pairs hold
+    for that order."""
     from fxshard import schedule
     from fxshard.errors import FxShardError
 
@@ -104,7 +108,7 @@ def lowered_schedule(mesh, config):
         raise FxShardError(f"ep_interleave={config.ep_interleave!r} pairs two microbatches' forwards, but with "
                            f"Mesh(pp>1) the pipeline schedule orders the microbatches; use "
                            f"ep_interleave='combined-1f1b' (each stage's forward and backward pairs) or ep_overlap=False")
-    return schedule.combine_pairs(plan)
+    return schedule.combine_pairs(plan, costs)
 
 
 def zero_schedule(plan, mesh, config):

@@ -10,8 +10,9 @@ parameters and state out — whose graph holds, in the schedule's order, every a
     W c:m   its weight-gradient part
     send    `fxshard::send` of the values chunk c hands to its neighbour; the token is waited on
             at the end of the step
-    recv    `fxshard::recv`, issued early (fxshard.schedule.issue_order: right after the previous
-            transfer with the same peer) and waited on just before the action that reads it
+    recv    `fxshard::recv`, issued early (fxshard.schedule.issue_order, which orders a pair's messages
+            by when the chunks' FLOP costs say they are produced: right after the previous transfer
+            with the same peer) and waited on just before the action that reads it
     U/R/G   ZeRO's per-chunk collectives over dp: no nodes here. The program's StagePlan lists
             them among its actions and each node carries its action's position there
             (`meta.ACTION_INDEX`), so the fsdp pass issues a chunk's all-gathers at its U and its
@@ -69,9 +70,10 @@ def lower_schedule(pipeline: PipelineProgram, schedule: Schedule, stage: int, pa
         raise FxShardError(f"the schedule has {schedule.chunks} chunks, the pipeline program {len(pipeline.chunks)}")
     if not 0 <= stage < schedule.stages:
         raise FxShardError(f"stage {stage} is not one of the schedule's {schedule.stages} stages")
-    order = issue_order(schedule)
+    costs = tuple(chunk_costs(pipeline, schedule).items())
+    order = issue_order(schedule, costs)
     check_point_to_point(schedule, order, pairs)
-    return _Lowering(pipeline, schedule, stage, order[stage]).run()
+    return _Lowering(pipeline, schedule, stage, order[stage], costs).run()
 
 
 def tied_group(stages: tuple[int, ...], count: int) -> str:
@@ -80,8 +82,9 @@ def tied_group(stages: tuple[int, ...], count: int) -> str:
 
 
 class _Lowering:
-    def __init__(self, pipeline: PipelineProgram, schedule: Schedule, stage: int, actions: tuple[Action, ...]):
-        self.pipeline, self.schedule, self.stage, self.actions = pipeline, schedule, stage, actions
+    def __init__(self, pipeline: PipelineProgram, schedule: Schedule, stage: int, actions: tuple[Action, ...],
+                 costs: tuple[tuple[str, float], ...]):
+        self.pipeline, self.schedule, self.stage, self.actions, self.costs = pipeline, schedule, stage, actions, costs
         self.source = pipeline.source
         self.fake = fake_mode_of(self.source.graph)
         self.graph = fx.Graph()
@@ -429,7 +432,7 @@ class _Lowering:
         gm = fx.GraphModule(self.source.graph_module, self.graph)
         groups = {tied_group(stages, count): stages for stages in self.holders.values() if len(stages) > 1}
         plan = StagePlan(self.stage, count, self.params_by_stage, tuple(sorted(groups.items())), self.actions,
-                         tuple(chunk_costs(self.pipeline, self.schedule).items()))
+                         self.costs)
         layers = [layer for c in self.local for layer in c.layers]
         notes = dict(self.source.notes, pipeline=(
             f"stage {self.stage} of {count}: chunks {[c.index for c in self.local]} (layers {', '.join(layers)}), "

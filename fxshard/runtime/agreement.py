@@ -190,23 +190,24 @@ def _disagreement(graph: fx.Graph, groups: dict, device: torch.device, stage: in
                        f"{mine or 'nothing'} on stage {a} and {theirs or 'nothing'} on stage {b}; {_HINT}")
 
 
-def check_pipeline_streams(group, mesh, config) -> None:
+def check_pipeline_streams(group, mesh, config, costs: tuple = ()) -> None:
     """Refuse a pipeline schedule that would hang on the process group it runs on.
 
     A process group initialized with `device_id` (`init_process_group(..., device_id=...)`) is
     created eagerly, and NCCL then sends and receives over the group's one communicator: every
     transfer of a rank waits for the ones it issued before, to any peer, instead of only those to
     the same peer (fxshard's launcher leaves `device_id` out). `check_point_to_point` with
-    `streams="group"` models that; interleaved 1F1B at P >= 3 deadlocks there."""
+    `streams="group"` models that; interleaved 1F1B at P >= 3 deadlocks there. `costs`: the stage
+    plan's (`StagePlan.costs`), which the lowering ordered the transfers by."""
     from .. import schedule as schedules
     from ..passes import lowered_schedule
 
     bound = getattr(group, "bound_device_id", None) or _default_bound_device()
     if bound is None or _backend(group) != "nccl":
         return
-    plan, pairs = lowered_schedule(mesh, config)
+    plan, pairs = lowered_schedule(mesh, config, costs)
     try:
-        schedules.check_point_to_point(plan, schedules.issue_order(plan), pairs, streams="group")
+        schedules.check_point_to_point(plan, schedules.issue_order(plan, costs), pairs, streams="group")
     except FxShardError as error:
         raise FxShardError(
             f"the process group was initialized with device_id={bound}, so NCCL runs every "

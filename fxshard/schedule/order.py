@@ -9,7 +9,9 @@ import functools
 
 from ..errors import FxShardError
 from .model import COMPUTE, Action, Schedule
-from .simulator import simulate
+from .simulator import simulate, unit_costs
+
+MIN_COST = 1e-3  # the least time issue_order gives an action (costs are ~1 per stage's forward)
 
 
 def _matching(action: Action) -> tuple[str, int, int]:
@@ -18,17 +20,26 @@ def _matching(action: Action) -> tuple[str, int, int]:
     return {"SF": ("RF", c + 1, mb), "RF": ("SF", c - 1, mb), "SB": ("RB", c - 1, mb), "RB": ("SB", c + 1, mb)}[kind]
 
 
-def issue_order(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
+def issue_order(schedule: Schedule, cost=None) -> tuple[tuple[Action, ...], ...]:
     """Each rank's actions in the order its lowered program issues them.
 
     Compute and sends stay where the schedule has them. Between two ranks, transfers follow one
-    order on both sides: messages sorted by when their sender produces them (`simulate`'s times;
-    a message whose producer depends on another message is produced strictly after it). Each
-    receive moves up to right after the previous transfer with the same peer in that order: issued
-    early, waited on where its data is first read. That is what in-order matching per pair of
-    ranks needs (NCCL runs a pair's sends and receives on one stream, in issue order);
-    `check_point_to_point` proves the result deadlock-free."""
-    timing = simulate(schedule)
+    order on both sides: messages sorted by when their sender produces them, as `simulate` times
+    the schedule under `cost` (a dict or its items; the chunks' FLOP costs, `StagePlan.costs`;
+    default `unit_costs`). A message whose producer depends on another message is produced
+    strictly after it (every action is timed at least `MIN_COST`). Each receive moves up to right
+    after the previous transfer with the same peer in that order: issued early, waited on where its
+    data is first read. That is what in-order matching per pair of ranks needs (NCCL runs a pair's
+    sends and receives on one stream, in issue order); `check_point_to_point` proves the result
+    deadlock-free.
+
+    Costs matter once transfers take time: a message queued behind one its sender produces later
+    waits for it. Under unit costs 1F1B's steady state produces a forward's activation and the
+    next stage's gradient at the same time (F=1, B=2) and the tie goes to the lower rank; where a
+    backward really takes 2.7x a forward (GPT 1b on an H100) the gradient is ready first and waits.
+    `simulate(schedule, cost, order)` times an order with transfers."""
+    cost = {**unit_costs(schedule), **dict(cost or {})}
+    timing = simulate(schedule, {key: max(value, MIN_COST) for key, value in cost.items()})
     messages: dict[frozenset, list] = {}
     for rank, actions in enumerate(schedule.ranks):
         for index, action in enumerate(actions):
@@ -81,7 +92,7 @@ def pair_actions(schedule: Schedule, pairs) -> Schedule:
 
 
 @functools.lru_cache(maxsize=16)
-def combine_pairs(schedule: Schedule) -> tuple[Schedule, tuple[tuple[tuple[Action, Action], ...], ...]]:
+def combine_pairs(schedule: Schedule, cost: tuple = ()) -> tuple[Schedule, tuple[tuple[tuple[Action, Action], ...], ...]]:
     """Megatron's combined 1F1B inside a pipeline: on each rank, a forward and a backward of another
     microbatch that follow each other among its compute actions (1F1B's steady state: F m+w next
     to B m, or B m next to F m+1 on the last stage) become a pair, which the `interleave` pass runs
@@ -93,7 +104,8 @@ def combine_pairs(schedule: Schedule) -> tuple[Schedule, tuple[tuple[tuple[Actio
     `check_point_to_point` still proves the whole order deadlock-free with both receives waited on
     before the pair starts: pairs are taken greedily, rank by rank (a rank's pairs at once where
     they hold, else one by one), and one that would close a cycle (GPipe's turn, 1F1B's last
-    stage) is left unpaired."""
+    stage) is left unpaired. `cost` (the items of the costs the lowering orders transfers by,
+    `StagePlan.costs`) makes the proof hold for the order that runs: `issue_order(combined, cost)`."""
     candidates = []
     for actions in schedule.ranks:
         compute, mine, index = [a for a in actions if a.kind in COMPUTE], [], 0
@@ -108,7 +120,7 @@ def combine_pairs(schedule: Schedule) -> tuple[Schedule, tuple[tuple[tuple[Actio
     def holds(pairs) -> bool:
         combined = pair_actions(schedule, pairs)
         try:
-            check_point_to_point(combined, issue_order(combined), pairs)
+            check_point_to_point(combined, issue_order(combined, cost), pairs)
         except FxShardError:
             return False
         return True

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import networkx as nx
 
 from ..errors import FxShardError
-from .model import COMPUTE, ZERO, Action, Schedule
+from .model import COMPUTE, TRANSFERS, ZERO, Action, Schedule
 from .zero import check_zero_actions
 
 
@@ -32,22 +32,35 @@ def unit_costs(schedule: Schedule) -> dict[str, float]:
     return {"F": 1.0, "B": 1.0, "W": 1.0} if splits_w else {"F": 1.0, "B": 2.0}
 
 
-def simulate(schedule: Schedule, cost: dict[str, float] | None = None) -> Simulation:
+def simulate(schedule: Schedule, cost: dict[str, float] | None = None, order=None) -> Simulation:
     """Check `schedule` and time it. `cost[kind]` is the time of one action of a stage (split over
     its V chunks); `cost[f"{kind}{chunk}"]`, where given, is one chunk's own time (measured costs).
-    Point-to-point communication is free and sends never block; a receive waits for its send.
+
+    Point-to-point, without `order`: free, sends never block, and a receive waits for its send
+    where the schedule has it. With `order` (each rank's actions in the order its program issues
+    them, `issue_order`), transfers are timed as NCCL runs them: each message takes `cost["P2P"]`
+    (default 0); the messages between two ranks go one at a time, in issue order (one stream per
+    pair of ranks; `check_point_to_point` proves the order matches); each end starts its transfer
+    only once the compute issued before it on that rank is done; and compute that reads a received
+    value waits for its transfer where it first reads it, not where the receive was issued.
 
     ZeRO's collectives (U, G; `add_zero_actions`) run on a communication stream of their own per
     rank, one after the other, each issued once the compute action before it in the rank's list is
     done (`cost["U"]`, `cost["G"]`, default 0: free); R is free. A compute action of chunk c waits
     for the all-gather of its U c, and OPT for every collective of its rank. OPT, the optimizer
     phase, takes `cost["OPT"]` (default 0; the same on every rank). Only compute (F, B, W, OPT)
-    counts as busy: a collective that compute cannot hide shows as bubble."""
+    counts as busy: communication that compute cannot hide shows as bubble."""
     cost = {"F": 1.0, "B": 2.0, "W": 0.0, **(cost or {})}
     check_zero_actions(schedule)
     graph = nx.DiGraph()
     where: dict[tuple, tuple[int, int]] = {}
-    for rank, actions in enumerate(schedule.ranks):
+    streams: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (rank, peer) -> its transfers, in issue order
+    gates: dict[tuple[int, int], tuple[int, int]] = {}  # transfer -> the compute issued before it on its rank
+    ranks = schedule.ranks if order is None else tuple(order)
+    if order is not None and [sorted(map(str, a)) for a in ranks] != [sorted(map(str, a)) for a in schedule.ranks]:
+        raise FxShardError(f"the issue order given is not an order of {schedule.name or 'the schedule'}'s own "
+                           f"actions on every rank (issue_order(schedule) makes one)")
+    for rank, actions in enumerate(ranks):
         previous = collective = computed = None  # the rank's last action in order, collective, compute action
         gathered: dict[int, tuple[int, int]] = {}  # chunk -> the node of its latest U
         seen: dict[Action, int] = {}
@@ -69,6 +82,11 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None) -> Simula
                 collective = node
                 if action.kind == "U":
                     gathered[action.chunk] = node
+                continue
+            if order is not None and action.kind in TRANSFERS:  # on the pair's stream, not in the compute chain
+                streams.setdefault((rank, action.peer), []).append(node)
+                if computed is not None:
+                    gates[node] = computed
                 continue
             if previous is not None:
                 graph.add_edge(previous, node)
@@ -126,6 +144,14 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None) -> Simula
             need(node, "F", c, mb, "the value it sends")
         elif action.kind == "SB":
             need(node, "B", c, mb, "the value it sends")
+    for (rank, peer), transfers in streams.items():  # a message is its receive: it ends when the data is there
+        message = [node if graph.nodes[node]["action"].kind in ("RF", "RB") else _receive_of(where, graph, node)
+                   for node in transfers]
+        for node, arrives in zip(transfers, message):
+            if node in gates:
+                graph.add_edge(gates[node], arrives if node == arrives else node)
+        for earlier, later in zip(message, message[1:]):
+            graph.add_edge(earlier, later)
     expected = {(k, c, mb) for k in ("F", "B") for c in range(chunks) for mb in range(schedule.microbatches)}
     present = {(k, c, mb) for (k, c, mb, _) in where if k in ("F", "B")}
     if present != expected:
@@ -148,6 +174,8 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None) -> Simula
         own = f"{action.kind}{action.chunk}"
         if action.kind == "OPT":
             duration = cost.get("OPT", 0.0)
+        elif action.kind in ("RF", "RB") and order is not None:
+            duration = cost.get("P2P", 0.0)
         elif action.kind not in COMPUTE + ("U", "G"):
             duration = 0.0
         elif own in cost:
@@ -158,7 +186,7 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None) -> Simula
         end[node] = start[node] + duration
     makespan = max(end.values())
     bubble, peaks = [], []
-    for rank, actions in enumerate(schedule.ranks):
+    for rank, actions in enumerate(ranks):
         busy = sum(end[rank, i] - start[rank, i] for i, a in enumerate(actions) if a.kind in COMPUTE + ("OPT",))
         bubble.append(1 - busy / makespan if makespan else 0.0)
         frees = "W" if any(a.kind == "W" for a in actions) else "B"  # activations live until the weight gradient
@@ -169,3 +197,13 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None) -> Simula
             peak = max(peak, live)
         peaks.append(peak)
     return Simulation(makespan, bubble, peaks, start, end)
+
+
+def _receive_of(where: dict, graph: nx.DiGraph, send: tuple[int, int]) -> tuple[int, int]:
+    """The node of the receive that matches `send` (SF c:m is received as RF c+1:m, SB c:m as RB c-1:m)."""
+    action = graph.nodes[send]["action"]
+    kind, chunk = ("RF", action.chunk + 1) if action.kind == "SF" else ("RB", action.chunk - 1)
+    receive = where.get((kind, chunk, action.mb, None))
+    if receive is None:
+        raise FxShardError(f"{action} on rank {send[0]} has no matching receive {kind}{chunk}:{action.mb} on any rank")
+    return receive
