@@ -59,9 +59,12 @@ Simulated with measured costs ("sim. meas."): the profiled step of an fxshard ea
 codegen region's call after its pipeline action (fxshard/codegen.py), so each kernel is attributed to
 its action (`action_times`); the simulator then times every chunk's F / B / W by the mean of its
 actions' GPU time over microbatches and ranks, and OPT by the busy GPU time in no such action
-(optimizer, casts, custom ops). Its graphed mode runs the same kernels and gets the same costs. The
-gap between this and the measured bubble is what the schedule's own model leaves out: point-to-point
-latency, host stalls, kernel gaps inside an action.
+(optimizer, casts, custom ops), and times the transfers as the ranks' programs issue them
+(`simulate(order=...)`: a pair's messages one at a time, in issue order), each as long as the
+shortest NCCL point-to-point kernel of the step (a send or receive whose peer was ready; mean over
+ranks). Its graphed mode runs the same kernels and gets the same costs. The JSON also has it with
+free transfers (`bubble_simulated_measured_free`). The gap between this and the measured bubble is
+what the model leaves out: NCCL sharing the SMs, host stalls, kernel gaps inside an action.
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ from fxshard.launch import run_local  # noqa: E402
 from fxshard.models import GPT, GPTConfig  # noqa: E402
 from fxshard.models.blocks import rope_tables  # noqa: E402
 from fxshard.passes.pipeline import chunk_costs, split_stages  # noqa: E402
-from fxshard.schedule import build, simulate, unit_costs  # noqa: E402
+from fxshard.schedule import Action, build, simulate, unit_costs  # noqa: E402
 from common import device_name, kernels_by_range, write_json  # noqa: E402
 
 # fxshard schedule -> (Config(schedule=...), virtual stages)
@@ -344,7 +347,17 @@ def profile_bubble(step_fn, setup: Setup, label: str, graphed: bool, actions: li
         if setup.trace_dir:
             os.makedirs(setup.trace_dir, exist_ok=True)
             shutil.copy(path, os.path.join(setup.trace_dir, f"{label}_rank{dist.get_rank()}.json"))
-    return {**gpu_bubble(events, graphed), "action_ms": action_times(events, actions) if actions else None}
+    return {**gpu_bubble(events, graphed), "action_ms": action_times(events, actions) if actions else None,
+            "p2p_kernel_ms": point_to_point_times(events)}
+
+
+def point_to_point_times(events: list[dict]) -> list[float]:
+    """Durations (ms, sorted) of this rank's NCCL point-to-point kernels in one step's trace. A send or
+    receive kernel runs from its launch until its message is through, waiting for the peer included:
+    the shortest ones, whose peer was already there, are the transfer itself."""
+    return sorted(float(e.get("dur", 0.0)) / 1e3 for e in events
+                  if e.get("ph") == "X" and str(e.get("cat", "")).lower() == "kernel"
+                  and "sendrecv" in str(e.get("name", "")).lower())
 
 
 def is_communication(event: dict) -> bool:
@@ -413,7 +426,8 @@ def action_times(events: list[dict], actions: list[str]) -> dict[str, float] | N
 
 def measured_costs(ranks: list[dict]) -> dict[str, float] | None:
     """The simulator's `cost` from every rank's `action_times`: per chunk and kind (F, B, W), the mean
-    over microbatches in ms; OPT the mean over ranks of the busy time in no F / B / W action."""
+    over microbatches in ms; OPT the mean over ranks of the busy time in no F / B / W action; P2P, one
+    transfer, the mean over ranks of their shortest point-to-point kernel (`point_to_point_times`)."""
     if any(r.get("action_ms") is None for r in ranks):
         return None
     samples: dict[str, list[float]] = {}  # an action that launched nothing (zb-h1's B of the first chunk) takes 0
@@ -426,6 +440,9 @@ def measured_costs(ranks: list[dict]) -> dict[str, float] | None:
                 samples.setdefault(action.split(":")[0], []).append(ms)
     costs = {key: sum(values) / len(values) for key, values in samples.items()}
     costs["OPT"] = sum(r["action_ms"].get("other", 0.0) for r in ranks) / len(ranks)
+    transfers = [r["p2p_kernel_ms"][0] for r in ranks if r.get("p2p_kernel_ms")]
+    if transfers:  # each rank's shortest send / receive kernel: a transfer whose peer was ready
+        costs["P2P"] = sum(transfers) / len(transfers)
     return costs
 
 
@@ -548,6 +565,7 @@ def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model
     row = combine(mode, ranks, setup, *simulated_bubble(schedule_name, gpus, setup.microbatches, virtual,
                                                         splits[virtual]))
     row["schedule"] = (schedule_name, virtual)
+    row["issued"] = [r["actions"] for r in ranks] if kind == "fxshard" else None  # each rank's program order
     time_by_measured_costs(row, measured_costs(ranks) if kind == "fxshard" else None, gpus, setup.microbatches)
     row["job_s"] = time.perf_counter() - started
     details = [f"warm-up {max(r['warmup_s'] for r in ranks):.1f}s",
@@ -564,11 +582,18 @@ def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model
 
 
 def time_by_measured_costs(row: dict, costs: dict | None, gpus: int, microbatches: int) -> None:
-    """`row`'s action costs and the bubble the simulator gives its schedule under them (None without)."""
-    row["action_costs_ms"], row["bubble_simulated_measured"] = costs, None
+    """`row`'s action costs and the bubble the simulator gives its schedule under them (None without):
+    `bubble_simulated_measured` with the transfers timed as the ranks issued them (`row["issued"]`,
+    each rank's actions in its program's order; `simulate(order=...)`: one at a time per pair of
+    ranks, each `costs["P2P"]` long), `bubble_simulated_measured_free` with free transfers."""
+    row["action_costs_ms"] = costs
+    row["bubble_simulated_measured"] = row["bubble_simulated_measured_free"] = None
     if costs:
         schedule = build(row["schedule"][0], gpus, microbatches, row["schedule"][1])
-        row["bubble_simulated_measured"] = simulate(schedule, costs).bubble_fraction
+        row["bubble_simulated_measured_free"] = simulate(schedule, {**costs, "P2P": 0.0}).bubble_fraction
+        issued = row.get("issued")
+        order = [tuple(Action.parse(token) for token in actions) for actions in issued] if issued else None
+        row["bubble_simulated_measured"] = simulate(schedule, costs, order=order).bubble_fraction
 
 
 def print_targets(rows: list[dict]) -> None:
