@@ -73,6 +73,41 @@ def test_safetensors_in_the_models_own_names_load_and_bad_directories_are_refuse
         fxshard.load_hf(step, tmp_path / "w.safetensors")
 
 
+def test_a_directory_with_an_index_reads_the_files_it_names_and_broken_files_are_named(tmp_path):
+    """transformers reads the files model.safetensors.index.json maps the tensors to, whatever else the
+    directory holds (Mistral's snapshots ship a consolidated.safetensors beside them); so does load_hf.
+    Without an index a name in two files is ambiguous, and a file cut short is named."""
+    import json
+
+    from safetensors.torch import save_file
+
+    torch.manual_seed(3)
+    source = {n: p.detach().contiguous() for n, p in GPT(GPTConfig.preset("tiny")).named_parameters()}
+    names = sorted(source)
+    halves = {"a.safetensors": names[:len(names) // 2], "b.safetensors": names[len(names) // 2:]}
+    for file, part in halves.items():
+        save_file({n: source[n] for n in part}, str(tmp_path / file))
+    save_file({"tok_embeddings.weight": torch.zeros(64, 64), names[0]: torch.zeros_like(source[names[0]])},
+              str(tmp_path / "consolidated.safetensors"))
+    index = {"weight_map": {n: file for file, part in halves.items() for n in part}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    step = shard(MODELS["llama"][0])
+    fxshard.load_hf(step, tmp_path)
+    assert all(torch.equal(value, source[n]) for n, value in step.parameters().items())
+    (tmp_path / "model.safetensors.index.json").unlink()
+    with pytest.raises(fxshard.FxShardError, match=f"'{names[0]}' is in both a.safetensors and consolidated"):
+        fxshard.load_hf(step, tmp_path)
+    (tmp_path / "consolidated.safetensors").unlink()
+    data = (tmp_path / "b.safetensors").read_bytes()
+    (tmp_path / "b.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(fxshard.FxShardError, match="b.safetensors is not a readable safetensors file"):
+        fxshard.load_hf(step, tmp_path)
+    (tmp_path / "b.safetensors").unlink()
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(fxshard.FxShardError, match="names files that are not in the directory: b.safetensors"):
+        fxshard.load_hf(step, tmp_path)
+
+
 def test_a_llama_directory_that_computes_something_else_is_refused(tmp_path):
     """A Llama with attention biases, another activation or norm epsilon would load its weights into this
     GPT and compute another function: refused by what config.json states and by the tensors left over."""
@@ -89,6 +124,13 @@ def test_a_llama_directory_that_computes_something_else_is_refused(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({**written, **change}))
         with pytest.raises(fxshard.FxShardError, match=f"computes another function than this GPT as Llama: {message}"):
             fxshard.load_hf(step, tmp_path)
+    # older hub configs state neither key/value heads nor head_dim: transformers' defaults follow the head count
+    fewer_keys = {k: v for k, v in written.items() if k not in ("num_key_value_heads", "head_dim")}
+    (tmp_path / "config.json").write_text(json.dumps({**fewer_keys, "num_attention_heads": 8}))
+    with pytest.raises(fxshard.FxShardError, match=r"num_attention_heads 8 \(this model: 4\)"):
+        fxshard.load_hf(step, tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(fewer_keys))
+    fxshard.load_hf(step, tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(written))
     save_file({"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}, str(tmp_path / "extra.safetensors"))
     with pytest.raises(fxshard.FxShardError, match=r"1 tensors this GPT has no place for .*q_proj\.bias"):

@@ -114,25 +114,70 @@ class Stack(Source):
 
 
 class SafetensorsDirectory:
-    """Every tensor of the *.safetensors files in a directory, opened lazily."""
+    """Every tensor of a directory's safetensors files, opened lazily: the files its index
+    (`model.safetensors.index.json`, as transformers writes it) maps the tensors to where it has
+    one, which is what transformers reads too (a hub snapshot may hold other files beside it, e.g.
+    Mistral's `consolidated.safetensors`); else every *.safetensors file, no name in two of them."""
+
+    INDEX = "model.safetensors.index.json"
 
     def __init__(self, directory: str):
-        from safetensors import safe_open
-
         if not os.path.isdir(directory):
             raise FxShardError(f"{directory} is not a directory; pass a directory written by save_pretrained or "
                                f"fxshard.export_hf")
-        files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+        self.handles, self.where, self.shapes = {}, {}, {}
+        index = self._index(directory)
+        files = sorted(set(index.values())) if index else sorted(
+            f for f in os.listdir(directory) if f.endswith(".safetensors"))
         if not files:
             raise FxShardError(f"{directory} holds no *.safetensors files; pass a directory written by "
                                f"save_pretrained or fxshard.export_hf")
-        self.handles, self.where, self.shapes = {}, {}, {}
         for file in files:
-            handle = safe_open(os.path.join(directory, file), framework="pt")
+            handle = self._open(directory, file)
             self.handles[file] = handle
             for name in handle.keys():
+                if index and index.get(name) != file:  # the index names another file for it, or none
+                    continue
+                if name in self.where:
+                    raise FxShardError(f"{directory}: {name!r} is in both {self.where[name]} and {file}, and no "
+                                       f"{self.INDEX} says which to read; remove one of the files")
                 self.where[name] = file
                 self.shapes[name] = tuple(handle.get_slice(name).get_shape())
+        absent = sorted(name for name in index if name not in self.where)
+        if absent:
+            raise FxShardError(f"{directory}: {self.INDEX} maps {len(absent)} tensors to files that do not hold them "
+                               f"(e.g. {absent[0]!r} in {index[absent[0]]}); the directory is incomplete: "
+                               f"download or copy it again")
+
+    @classmethod
+    def _index(cls, directory: str) -> dict[str, str]:
+        """Tensor name -> file from the directory's index, or {} where it has none."""
+        path = os.path.join(directory, cls.INDEX)
+        if not os.path.exists(path):
+            return {}
+        try:
+            with open(path) as handle:
+                weight_map = json.load(handle)["weight_map"]
+            if not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+                raise TypeError("its names and files must be strings")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            raise FxShardError(f"{path} is not a safetensors index (a JSON object whose 'weight_map' maps tensor "
+                               f"names to files): {type(error).__name__}: {error}; remove it or write it again") from None
+        missing = sorted({f for f in weight_map.values() if not os.path.isfile(os.path.join(directory, f))})
+        if missing:
+            raise FxShardError(f"{path} names files that are not in the directory: {', '.join(missing[:4])}; the "
+                               f"download or copy is incomplete")
+        return weight_map
+
+    @staticmethod
+    def _open(directory: str, file: str):
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            return safe_open(os.path.join(directory, file), framework="pt")
+        except (SafetensorError, OSError) as error:
+            raise FxShardError(f"{os.path.join(directory, file)} is not a readable safetensors file ({error}): it "
+                               f"may be cut short or corrupt; write or copy it again") from None
 
     def slice(self, name: str):
         return self.handles[self.where[name]].get_slice(name)
@@ -340,11 +385,18 @@ def _sources(step, files: SafetensorsDirectory, shapes: dict, directory: str) ->
 
 def _config_differences(theirs: dict, ours: dict, cfg) -> list[str]:
     """Where a Hugging Face config.json describes another function than `hf_layout`'s config for our
-    model (only what it states; transformers' defaults stand for the rest)."""
+    model: what it states (transformers' defaults stand for the rest), the head counts with
+    transformers' defaults where it leaves them out."""
     rope = theirs.get("rope_parameters") or theirs.get("rope_scaling") or {}
+    heads, hidden = theirs.get("num_attention_heads"), theirs.get("hidden_size")
+    # the head counts change no tensor's shape; where config.json leaves them out, transformers' defaults:
+    # key/value heads one per head (Llama) or 8 (Mixtral), head_dim = hidden_size / heads
+    kv_default = 8 if theirs.get("model_type") == "mixtral" else heads
+    default_head_dim = hidden // heads if isinstance(heads, int) and isinstance(hidden, int) and heads > 0 else None
     stated = {"hidden_act": theirs.get("hidden_act"), "attention_bias": theirs.get("attention_bias"),
               "mlp_bias": theirs.get("mlp_bias"), "tie_word_embeddings": theirs.get("tie_word_embeddings"),
-              "num_key_value_heads": theirs.get("num_key_value_heads"), "head_dim": theirs.get("head_dim"),
+              "num_attention_heads": heads, "num_key_value_heads": theirs.get("num_key_value_heads") or kv_default,
+              "head_dim": theirs.get("head_dim") or default_head_dim,
               "rope type": rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None,
               "num_experts_per_tok": theirs.get("num_experts_per_tok") if "num_local_experts" in ours else None,
               "sliding_window": theirs.get("sliding_window")}
