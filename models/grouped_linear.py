@@ -5,7 +5,9 @@
 stacked and GLU-interleaved rows put back in [W; V] order inside the traced step (a copy of the
 weight per step, which the fused kernels could avoid by reading interleaved rows; they do not yet).
 Loading a state dict converts it from the layout it was saved in (its `_extra_state`, or its keys)
-to this module's layout first, so checkpoints move between layouts freely.
+to this module's layout first, so checkpoints move between layouts freely. A state dict with no
+`_extra_state` (a dict of `named_parameters()` or `step.parameters()`) has its rows taken as this
+module stores them: its own parameters load unchanged.
 """
 
 from __future__ import annotations
@@ -77,7 +79,11 @@ class GroupedLinear(nn.Module):
         tensors = {k[len(prefix):]: state_dict[k] for k in own if not k.endswith("_extra_state")}
         if not tensors:
             return  # nothing saved for this layer: load_state_dict reports the missing keys
-        source = layout_of(tensors, state_dict.get(prefix + "_extra_state"))
+        record = state_dict.get(prefix + "_extra_state")
+        source = layout_of(tensors, record)
+        if not isinstance(record, dict):  # no layout record: rows as this module stores them (its own
+            # named_parameters() / step.parameters() load as they are; a record says otherwise)
+            source = ExpertLayout(source.keys, self.layout.glu_interleave_size)
         if source == self.layout and source.keys == layout_of(tensors).keys:
             return  # already in this module's layout
         converted = convert_expert_tensors(tensors, source, self.layout, self.experts, where=prefix)

@@ -75,6 +75,16 @@ def test_keys_decide_the_layout_when_a_state_dict_carries_no_layout_record():
     assert torch.equal(target.weight, source.weight_grouped())
 
 
+def test_a_models_own_parameters_without_a_layout_record_load_unchanged():
+    """A dict of named_parameters() (or step.parameters()) has no _extra_state: a GLU-interleaved layer
+    takes its rows as it stores them (they were read as plain rows and scrambled: logits off by 0.06)."""
+    cfg = MoEGPTConfig.preset("tiny", d_ff_shared=None, glu_interleave_size=8)
+    torch.manual_seed(0)
+    source, target = MoEGPT(cfg), MoEGPT(cfg)
+    target.load_state_dict({n: p.detach().clone() for n, p in source.named_parameters()}, strict=False)
+    assert all(torch.equal(p, dict(source.named_parameters())[n]) for n, p in target.named_parameters())
+
+
 def test_interleave_is_blocks_of_gate_then_linear_rows():
     plain = torch.arange(8.0).reshape(8, 1)  # gate rows 0..3, linear rows 4..7
     assert interleave_glu(plain, 2, dim=0).flatten().tolist() == [0, 1, 4, 5, 2, 3, 6, 7]

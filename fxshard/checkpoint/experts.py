@@ -11,7 +11,8 @@ blocks of `glu_interleave_size` rows: [W_0:s; V_0:s; W_s:2s; V_s:2s; ...]. A lay
 `ExpertLayout`; `convert_expert_tensors` turns one layer's tensors from any layout into any other,
 bit for bit (only reshapes, stacks and slices). `models.GroupedLinear` calls it from a load hook,
 so a state dict saved in any layout loads into a model using any other. A state dict records its
-layout in `{prefix}_extra_state`; without one, keys decide grouped vs indexed and rows are plain.
+layout in `{prefix}_extra_state`; without one, keys decide grouped vs indexed (`layout_of`: plain
+rows), and a GroupedLinear loading it takes the rows as it stores them itself.
 """
 
 from __future__ import annotations
