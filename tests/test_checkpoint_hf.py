@@ -137,6 +137,15 @@ def test_a_llama_directory_that_computes_something_else_is_refused(tmp_path):
         fxshard.load_hf(step, tmp_path)
 
 
+def test_an_export_states_the_dtype_its_file_holds(tmp_path):
+    import json
+
+    for dtype, name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
+        step = shard(lambda: GPT(GPTConfig.preset("tiny")).to(dtype))
+        fxshard.export_hf(step, tmp_path / name)
+        assert json.loads((tmp_path / name / "config.json").read_text())["torch_dtype"] == name
+
+
 def test_an_export_cut_short_leaves_the_files_it_replaces_whole(tmp_path, monkeypatch):
     import safetensors.torch
 

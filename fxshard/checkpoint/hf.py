@@ -273,6 +273,9 @@ def export_hf(step, directory: str | os.PathLike) -> None:
     left = set(params) - {n for n in parts} - {o + "weight" for o in parts if o.endswith(".")}
     if left:
         raise FxShardError(f"export_hf: parameters {sorted(left)[:6]} have no place in {config['architectures'][0]}")
+    dtypes = {value.dtype for value in tensors.values()}  # what the file holds: one dtype, or float32 as written
+    if len(dtypes) == 1:
+        config["torch_dtype"] = str(next(iter(dtypes))).removeprefix("torch.")
     writer = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == dist.get_world_size() - 1
     if writer:
         os.makedirs(directory, exist_ok=True)
