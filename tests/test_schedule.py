@@ -131,12 +131,14 @@ def test_lowered_issue_order_is_deadlock_free_where_the_schedules_own_order_is_n
 @settings(max_examples=20)
 @given(kind=st.sampled_from([("gpipe", 1), ("gpipe", 2), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1),
                              ("dualpipev", 2)]),
-       stages=st.integers(1, 4), microbatches=st.integers(1, 8), zero=st.booleans(),
+       stages=st.integers(1, 4), microbatches=st.integers(1, 8), zero=st.booleans(), combined=st.booleans(),
        times=st.lists(st.floats(0.2, 3.0), min_size=24, max_size=24))
-def test_transfers_ordered_by_the_costs_wait_for_nothing_when_free(kind, stages, microbatches, zero, times):
+def test_transfers_ordered_by_the_costs_wait_for_nothing_when_free(kind, stages, microbatches, zero, combined,
+                                                                     times):
     """`simulate(order=...)` times transfers in issue order, one at a time per pair of ranks. With the
     order `issue_order` makes from the same costs and free transfers, no message waits behind
-    another: the makespan is the schedule's own. Transfers that take time only add to it."""
+    another: the makespan is the schedule's own (with the combined 1F1B's pairs too, each waiting
+    for both its actions' receives). Transfers that take time only add to it."""
     name, virtual = kind
     try:
         schedule = schedules.build(name, stages, microbatches, virtual)
@@ -146,11 +148,14 @@ def test_transfers_ordered_by_the_costs_wait_for_nothing_when_free(kind, stages,
         schedule = schedules.add_zero_actions(schedule, True, prefetch=1)
     cost = {f"{k}{c}": times[(3 * c + i) % len(times)] for c in range(schedule.chunks) for i, k in enumerate("FBW")}
     cost.update(U=0.3, G=0.4)
+    pairs = ()
+    if combined:
+        schedule, pairs = schedules.combine_pairs(schedule, tuple(cost.items()))
     order = schedules.issue_order(schedule, cost)
-    schedules.check_point_to_point(schedule, order)
-    free = simulate(schedule, {**cost, "P2P": 0.0}, order=order)
+    schedules.check_point_to_point(schedule, order, pairs)
+    free = simulate(schedule, {**cost, "P2P": 0.0}, order=order, pairs=pairs)
     assert free.makespan == pytest.approx(simulate(schedule, cost).makespan)
-    assert simulate(schedule, {**cost, "P2P": 0.3}, order=order).makespan >= free.makespan - 1e-9
+    assert simulate(schedule, {**cost, "P2P": 0.3}, order=order, pairs=pairs).makespan >= free.makespan - 1e-9
 
 
 def test_transfers_are_ordered_by_the_chunks_costs_not_units():
@@ -172,6 +177,11 @@ def test_transfers_are_ordered_by_the_chunks_costs_not_units():
     assert own < slow_costs < slow_units - 0.9
     with pytest.raises(FxShardError, match="not an order of"):
         simulate(schedule, measured, order=(by_costs[0][1:], by_costs[1]))
+    # the combined 1F1B: a pair's first action waits for the second's receive too (without `pairs`
+    # the timing would come out 12 units shorter than the schedule's own 31.5)
+    combined, pairs = schedules.combine_pairs(schedules.build("interleaved-1f1b", 2, 6, 2))
+    order = schedules.issue_order(combined)
+    assert simulate(combined, {"P2P": 0.0}, order=order, pairs=pairs).makespan == simulate(combined).makespan == 31.5
 
 
 def test_a_users_own_schedule_is_checked_and_lowered():

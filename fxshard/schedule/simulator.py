@@ -32,7 +32,7 @@ def unit_costs(schedule: Schedule) -> dict[str, float]:
     return {"F": 1.0, "B": 1.0, "W": 1.0} if splits_w else {"F": 1.0, "B": 2.0}
 
 
-def simulate(schedule: Schedule, cost: dict[str, float] | None = None, order=None) -> Simulation:
+def simulate(schedule: Schedule, cost: dict[str, float] | None = None, order=None, pairs=()) -> Simulation:
     """Check `schedule` and time it. `cost[kind]` is the time of one action of a stage (split over
     its V chunks); `cost[f"{kind}{chunk}"]`, where given, is one chunk's own time (measured costs).
 
@@ -42,7 +42,9 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None, order=Non
     (default 0); the messages between two ranks go one at a time, in issue order (one stream per
     pair of ranks; `check_point_to_point` proves the order matches); each end starts its transfer
     only once the compute issued before it on that rank is done; and compute that reads a received
-    value waits for its transfer where it first reads it, not where the receive was issued.
+    value waits for its transfer where it first reads it, not where the receive was issued. `pairs` (each
+    rank's pairs of actions that run interleaved, `combine_pairs`): the first of a pair also waits
+    for everything the second waits for, its receives included, as `check_point_to_point` has it.
 
     ZeRO's collectives (U, G; `add_zero_actions`) run on a communication stream of their own per
     rank, one after the other, each issued once the compute action before it in the rank's list is
@@ -144,6 +146,12 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None, order=Non
             need(node, "F", c, mb, "the value it sends")
         elif action.kind == "SB":
             need(node, "B", c, mb, "the value it sends")
+    for mine in pairs:  # a pair starts once both its actions can
+        for first, second in mine:
+            head, tail = (where[(a.kind, a.chunk, a.mb, None)] for a in (first, second))
+            for source in list(graph.predecessors(tail)):
+                if source != head:
+                    graph.add_edge(source, head)
     for (rank, peer), transfers in streams.items():  # a message is its receive: it ends when the data is there
         message = [node if graph.nodes[node]["action"].kind in ("RF", "RB") else _receive_of(where, graph, node)
                    for node in transfers]
