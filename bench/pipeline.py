@@ -531,8 +531,8 @@ def combine(mode: str, ranks: list[dict], setup: Setup, simulated: float, simula
             "per_rank": [{k: r.get(k) for k in PER_RANK} for r in ranks]}
 
 
-PER_RANK = ("bubble", "bubble_waits", "short_gaps_ms", "bubble_note", "kernels", "graph_kernels", "busy_ms", "window_ms",
-            "peak_bytes", "warmup_s", "compile_s", "pipeline")  # what the JSON keeps of each rank's result
+PER_RANK = ("bubble", "bubble_waits", "short_gaps_ms", "bubble_note", "kernels", "graph_kernels", "busy_ms",
+            "window_ms", "peak_bytes", "warmup_s", "compile_s", "pipeline")  # what the JSON keeps of each rank's result
 
 
 HEADER = (f"{'mode':<32} {'ms/step':>9} {'tokens/s':>9} {'vs peer':>8} {'vs best peer':>12} {'vs eager':>8} "
@@ -559,7 +559,8 @@ def format_row(row: dict, rows: list[dict]) -> str:
     return (f"{row['mode']:<32} {row['ms_per_step']:>9.1f} {row['tokens_per_s']:>9.0f} "
             f"{ratio(peer['ms_per_step'] if peer else None):>8} {ratio(min(peers) if peers else None):>12} "
             f"{ratio(eager['ms_per_step'] if eager else None):>8} {percent(row['bubble_measured']):>12} "
-            f"{percent(row.get('bubble_measured_waits')):>11} {percent(row['bubble_simulated']):>10} {percent(row.get('bubble_simulated_measured')):>10} "
+            f"{percent(row.get('bubble_measured_waits')):>11} {percent(row['bubble_simulated']):>10} "
+            f"{percent(row.get('bubble_simulated_measured')):>10} "
             f"{peak:>8} {loss:>22}")
 
 

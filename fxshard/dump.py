@@ -382,8 +382,8 @@ def dump_schedule(schedule, plan, directory, pairs=()) -> list[str]:
     os.makedirs(directory, exist_ok=True)
     costs = dict(plan.costs) or unit_costs(schedule)
     simulation = simulate(schedule, costs)
-    issued = Schedule(issue_order(schedule, plan.costs), schedule.stages, schedule.virtual, schedule.microbatches, schedule.name,
-                      schedule.placement)
+    issued = Schedule(issue_order(schedule, plan.costs), schedule.stages, schedule.virtual, schedule.microbatches,
+                      schedule.name, schedule.placement)
     lines = [f"schedule {schedule.name}: P={schedule.stages} V={schedule.virtual} M={schedule.microbatches} "
              f"placement={schedule.placement}; "
              f"this is stage {plan.stage}",

@@ -162,7 +162,8 @@ class SafetensorsDirectory:
                 raise TypeError("its names and files must be strings")
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
             raise FxShardError(f"{path} is not a safetensors index (a JSON object whose 'weight_map' maps tensor "
-                               f"names to files): {type(error).__name__}: {error}; remove it or write it again") from None
+                               f"names to files): {type(error).__name__}: {error}; remove it or write it "
+                               f"again") from None
         missing = sorted({f for f in weight_map.values() if not os.path.isfile(os.path.join(directory, f))})
         if missing:
             raise FxShardError(f"{path} names files that are not in the directory: {', '.join(missing[:4])}; the "

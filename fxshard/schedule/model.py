@@ -56,6 +56,12 @@ class Action:
         return cls(kind, int(chunk), int(mb), peer)
 
 
+def matching(action: Action) -> tuple[str, int, int]:
+    """The (kind, chunk, mb) of the other side of a transfer: SF c:m pairs with RF c+1:m, SB c:m with RB c-1:m."""
+    kind, c, mb = action.kind, action.chunk, action.mb
+    return {"SF": ("RF", c + 1, mb), "RF": ("SF", c - 1, mb), "SB": ("RB", c - 1, mb), "RB": ("SB", c + 1, mb)}[kind]
+
+
 def place(chunk: int, stages: int, placement: str) -> int:
     """The rank holding `chunk` = v*P + i: rank i under "loop"; under "v" the odd rounds walk back,
     rank P-1-i, so with V=2 rank r holds chunks r and 2P-1-r (first and last chunk on rank 0)."""

@@ -8,16 +8,10 @@ import dataclasses
 import functools
 
 from ..errors import FxShardError
-from .model import COMPUTE, Action, Schedule
+from .model import COMPUTE, Action, Schedule, matching
 from .simulator import simulate, unit_costs
 
 MIN_COST = 1e-3  # the least time issue_order gives an action (costs are ~1 per stage's forward)
-
-
-def _matching(action: Action) -> tuple[str, int, int]:
-    """The (kind, chunk, mb) of the other side of a transfer: SF c:m pairs with RF c+1:m, SB c:m with RB c-1:m."""
-    kind, c, mb = action.kind, action.chunk, action.mb
-    return {"SF": ("RF", c + 1, mb), "RF": ("SF", c - 1, mb), "SB": ("RB", c - 1, mb), "RB": ("SB", c + 1, mb)}[kind]
 
 
 def issue_order(schedule: Schedule, cost=None) -> tuple[tuple[Action, ...], ...]:
@@ -51,7 +45,7 @@ def issue_order(schedule: Schedule, cost=None) -> tuple[tuple[Action, ...], ...]
         anchors = {rank: None for rank in pair}
         for _, sender, action in sorted(sends, key=lambda item: item[0]):
             (receiver,) = pair - {sender} if len(pair) == 2 else (sender,)
-            kind, chunk, mb = _matching(action)
+            kind, chunk, mb = matching(action)
             after.setdefault((receiver, anchors[receiver]), []).append(Action(kind, chunk, mb, sender))
             anchors[sender] = action
     order = []
@@ -92,7 +86,8 @@ def pair_actions(schedule: Schedule, pairs) -> Schedule:
 
 
 @functools.lru_cache(maxsize=16)
-def combine_pairs(schedule: Schedule, cost: tuple = ()) -> tuple[Schedule, tuple[tuple[tuple[Action, Action], ...], ...]]:
+def combine_pairs(schedule: Schedule,
+                  cost: tuple = ()) -> tuple[Schedule, tuple[tuple[tuple[Action, Action], ...], ...]]:
     """Megatron's combined 1F1B inside a pipeline: on each rank, a forward and a backward of another
     microbatch that follow each other among its compute actions (1F1B's steady state: F m+w next
     to B m, or B m next to F m+1 on the last stage) become a pair, which the `interleave` pass runs
@@ -216,7 +211,7 @@ def check_point_to_point(schedule: Schedule, order: tuple[tuple[Action, ...], ..
             theirs = other[position[peer, rank]]
             if not (at_head(rank, mine) and at_head(peer, theirs)):
                 continue
-            if _matching(mine) != (theirs.kind, theirs.chunk, theirs.mb):
+            if matching(mine) != (theirs.kind, theirs.chunk, theirs.mb):
                 raise FxShardError(f"point-to-point out of order between ranks {rank} and {peer}: rank {rank}'s "
                                    f"next transfer is {mine}, rank {peer}'s is {theirs}")
             send, sender = (mine, rank) if mine.kind.startswith("S") else (theirs, peer)

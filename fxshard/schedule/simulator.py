@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import networkx as nx
 
 from ..errors import FxShardError
-from .model import COMPUTE, TRANSFERS, ZERO, Action, Schedule
+from .model import COMPUTE, TRANSFERS, ZERO, Action, Schedule, matching
 from .zero import check_zero_actions
 
 
@@ -208,10 +208,10 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None, order=Non
 
 
 def _receive_of(where: dict, graph: nx.DiGraph, send: tuple[int, int]) -> tuple[int, int]:
-    """The node of the receive that matches `send` (SF c:m is received as RF c+1:m, SB c:m as RB c-1:m)."""
+    """The node of the receive that matches `send`."""
     action = graph.nodes[send]["action"]
-    kind, chunk = ("RF", action.chunk + 1) if action.kind == "SF" else ("RB", action.chunk - 1)
-    receive = where.get((kind, chunk, action.mb, None))
+    kind, chunk, mb = matching(action)
+    receive = where.get((kind, chunk, mb, None))
     if receive is None:
-        raise FxShardError(f"{action} on rank {send[0]} has no matching receive {kind}{chunk}:{action.mb} on any rank")
+        raise FxShardError(f"{action} on rank {send[0]} has no matching receive {kind}{chunk}:{mb} on any rank")
     return receive
