@@ -105,7 +105,8 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
                         verbose=config.verbose, coords=coords, rank=_global_rank(),
                         mesh_description=str(mesh) if mesh is not None else "one device",
                         expert_layouts=_expert_layouts(model), model_class=type(model).__name__,
-                        model_config=getattr(model, "cfg", None), nonfinite=config.nonfinite,
+                        model_config=getattr(model, "cfg", None), hf_config=_hf_config(model),
+                        nonfinite=config.nonfinite,
                         evaluation=compile_evaluation, model=model)
     if config.dump_dir or config.verbose:
         _report_lowerings(step, config, len(programs))
@@ -235,6 +236,13 @@ def _global_rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _hf_config(model: nn.Module) -> dict | None:
+    """A transformers model's config as a dict (what load_hf checks a directory against), else None."""
+    config = getattr(model, "config", None)
+    return config.to_dict() if hasattr(config, "to_dict") and isinstance(getattr(config, "model_type", None), str) \
+        else None
 
 
 def _expert_layouts(model: nn.Module) -> dict:

@@ -198,6 +198,31 @@ def test_a_transformers_llama_checkpoint_trains_under_dp2_zero3_like_the_llama_i
     assert os.path.exists(tmp_path / "config.json")
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_a_transformers_moe_loads_its_hub_checkpoint_with_experts_stored_one_by_one(name, tmp_path):
+    """transformers' MoE modules hold their experts fused (experts.gate_up_proj [E, 2F, D]) while
+    save_pretrained writes them one by one (Mixtral's block_sparse_moe.experts.<e>.w1/w3/w2): load_hf maps
+    them by transformers' own conversion for the model type, as from_pretrained does. A directory whose
+    config.json states another head count or rope theta (same shapes, another function) is refused."""
+    import json
+
+    from model_zoo import build
+
+    source = build(name, seed=0)
+    source.save_pretrained(tmp_path)
+    step = fxshard.shard(build(name, seed=1), lambda m, b: m(**b).loss,
+                         {"input_ids": torch.randint(0, 64, (2, 8)), "labels": torch.randint(0, 64, (2, 8))}, ADAMW)
+    fxshard.load_hf(step, tmp_path)
+    loaded, want = step.parameters(), dict(source.named_parameters())
+    assert sorted(loaded) == sorted(want) and all(torch.equal(loaded[n], want[n]) for n in want)
+    written = json.loads((tmp_path / "config.json").read_text())
+    for change, message in (({"num_attention_heads": 8, "head_dim": 8}, r"num_attention_heads 8 \(this model: 4\)"),
+                            ({"rope_parameters": {"rope_type": "default", "rope_theta": 123.0}}, "rope_parameters")):
+        (tmp_path / "config.json").write_text(json.dumps({**written, **change}))
+        with pytest.raises(fxshard.FxShardError, match=f"computes another function than this {name} model: .*{message}"):
+            fxshard.load_hf(step, tmp_path)
+
+
 def test_a_directory_in_another_layout_than_the_models_own_names_says_which_names_do_not_match(tmp_path):
     from safetensors.torch import save_file
 

@@ -48,14 +48,19 @@ def compared(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor[keep] if keep.any() else tensor.new_zeros(1)
 
 
-def train_case(mode, name, batches):
+def train_case(mode, name, batches, hub=None):
     """On this rank: shard the model under `mode`, train on this rank's rows; losses, parameters, and
-    what the EP pass left in the program."""
+    what the EP pass left in the program. With `hub` (the model's save_pretrained directory, experts
+    stored one by one): shard another initialization and load its weights from there, each rank its
+    own experts' rows (fxshard.load_hf)."""
     rank = dist.get_rank()
     mesh, config = MODES[mode]
     rows = ROWS // mesh.dp
     local = [rows_of(b, mesh.coords(rank)["dp"] * rows, (mesh.coords(rank)["dp"] + 1) * rows) for b in batches]
-    step = fxshard.shard(build(name), MODELS[name][1], local[0], optimizer=ADAMW, mesh=mesh, config=config)
+    step = fxshard.shard(build(name, seed=1 if hub else 0), MODELS[name][1], local[0], optimizer=ADAMW, mesh=mesh,
+                         config=config)
+    if hub:
+        fxshard.load_hf(step, hub)
     losses = [step(batch)["loss"].item() for batch in local]
     recognized = next((p.notes.get("moe_recognized", []) for p in step.programs if p.name == "recognize_moe"), [])
     ops = Counter(str(node.target) for node in step.program.graph.nodes if node.op == "call_function")
@@ -63,11 +68,11 @@ def train_case(mode, name, batches):
             "ops": ops}
 
 
-def train_matrix(cases, batches):
+def train_matrix(cases, batches, hubs):
     results = {}
     for mode, name in cases:
         try:
-            results[mode, name] = train_case(mode, name, batches[name])
+            results[mode, name] = train_case(mode, name, batches[name], hubs.get(name) if mode == "dp2_ep2" else None)
         except Exception as error:  # noqa: BLE001  (one case's failure is its own test's, not the others')
             error.add_note(traceback.format_exc())
             results[mode, name] = error
@@ -80,11 +85,17 @@ def batches():
 
 
 @pytest.fixture(scope="module")
-def distributed(request, batches):
-    """Every rank's results of the cases this session runs (all of them, or those -k selects)."""
+def distributed(request, batches, tmp_path_factory):
+    """Every rank's results of the cases this session runs (all of them, or those -k selects). The
+    transformers MoE models under dp2_ep2 start from their save_pretrained directory (`train_case`)."""
     selected = [(item.callspec.params["mode"], item.callspec.params["name"]) for item in request.session.items
                 if item.module is request.module and "distributed" in item.fixturenames]
-    return run_local(train_matrix, WORLD, selected, batches, backend="gloo")
+    hubs = {}
+    for name in ("mixtral", "qwen3_moe"):
+        if ("dp2_ep2", name) in selected:
+            hubs[name] = str(tmp_path_factory.mktemp(f"{name}_hub"))
+            build(name).save_pretrained(hubs[name])
+    return run_local(train_matrix, WORLD, selected, batches, hubs, backend="gloo")
 
 
 def assert_like_eager(name, losses, params, eager):

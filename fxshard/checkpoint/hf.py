@@ -125,7 +125,7 @@ class SafetensorsDirectory:
         if not os.path.isdir(directory):
             raise FxShardError(f"{directory} is not a directory; pass a directory written by save_pretrained or "
                                f"fxshard.export_hf")
-        self.handles, self.where, self.shapes = {}, {}, {}
+        self.directory, self.handles, self.where, self.shapes = directory, {}, {}, {}
         index = self._index(directory)
         files = sorted(set(index.values())) if index else sorted(
             f for f in os.listdir(directory) if f.endswith(".safetensors"))
@@ -333,17 +333,26 @@ def load_hf(step, directory: str | os.PathLike) -> None:
 
 def _sources(step, files: SafetensorsDirectory, shapes: dict, directory: str) -> dict[str, Source]:
     """Our parameter name -> where its global tensor comes from, checked against its shape."""
+    if step.hf_config is not None:  # a transformers model: the directory's config.json must compute the same
+        _check_transformers_config(step.hf_config, directory)
+    converted = None
     if all(name in files.shapes for name in shapes):  # the model's own names
         sources = {name: files.source(name) for name in shapes}
+    elif step.hf_config is not None and (converted := _transformers_layout(step.hf_config["model_type"], files)) \
+            and all(name in converted for name in shapes):  # experts stored one by one, fused in the model
+        sources = {name: converted[name] for name in shapes}
     elif step.model_class not in HUB_ARCHITECTURES:  # no Hugging Face layout to map: say what does not match
         lacking = sorted(set(shapes) - set(files.shapes))
         spare = sorted(set(files.shapes) - set(shapes))
+        still = sorted(set(shapes) - set(converted or {}))
+        mapped = (f"; through transformers' conversion for model_type {step.hf_config['model_type']!r}, {len(still)} "
+                  f"are still not there (e.g. {', '.join(still[:3])})" if converted else "")
         raise FxShardError(f"{directory} does not hold this {step.model_class}'s parameters under their own names: "
                            f"{len(lacking)} are not there (e.g. {', '.join(lacking[:3])}) and {len(spare)} tensors there "
-                           f"are none of them (e.g. {', '.join(spare[:3])}). transformers' save_pretrained writes some "
-                           f"models in another layout than their modules hold (experts one by one where the model "
-                           f"fuses them); load such a directory with from_pretrained and pass that model to shard, or "
-                           f"save with fxshard.export_hf / safetensors in the parameters' own names")
+                           f"are none of them (e.g. {', '.join(spare[:3])}){mapped}. transformers' save_pretrained "
+                           f"writes some models in another layout than their modules hold; load such a directory with "
+                           f"from_pretrained and pass that model to shard, or save with fxshard.export_hf / "
+                           f"safetensors in the parameters' own names")
     else:
         config_file = os.path.join(directory, "config.json")
         theirs = {}
@@ -385,6 +394,98 @@ def _sources(step, files: SafetensorsDirectory, shapes: dict, directory: str) ->
         raise FxShardError(f"{directory}: tensors of other shapes than this model's: {', '.join(wrong[:6])}; "
                            f"build the model with the checkpoint's config")
     return sources
+
+
+# a transformers config's keys whose values change what the model computes but no tensor's shape
+FUNCTION_KEYS = ("model_type", "hidden_act", "rms_norm_eps", "layer_norm_eps", "rope_theta", "rope_parameters",
+                 "rope_scaling", "partial_rotary_factor", "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "attention_bias", "mlp_bias", "sliding_window", "use_sliding_window", "num_experts_per_tok",
+                 "norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group", "scoring_func",
+                 "tie_word_embeddings", "router_aux_loss_coef", "final_logit_softcapping", "attn_logit_softcapping",
+                 "query_pre_attn_scalar", "logit_scale")
+
+
+def _check_transformers_config(ours: dict, directory: str) -> None:
+    """Refuse a directory whose config.json (read by transformers, as from_pretrained would) states
+    another value than the transformers model's own config for a key in FUNCTION_KEYS: its weights
+    have the right shapes and would load into a model that computes something else."""
+    if not os.path.exists(os.path.join(directory, "config.json")):
+        return
+    import transformers
+
+    try:
+        theirs = transformers.AutoConfig.from_pretrained(directory).to_dict()
+    except (OSError, ValueError, KeyError) as error:
+        raise FxShardError(f"{directory}/config.json does not read as a transformers config ({error}); fix or "
+                           f"remove it") from None
+    differences = [f"{key} {theirs[key]!r} (this model: {ours[key]!r})" for key in FUNCTION_KEYS
+                   if key in theirs and key in ours and not _same(theirs[key], ours[key])]
+    if differences:
+        raise FxShardError(f"{directory} computes another function than this {ours.get('model_type')} model: "
+                           f"{'; '.join(differences)}. Its weights would load and compute something else; build "
+                           f"the model from that directory's config (AutoConfig.from_pretrained)")
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=1e-6)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def _transformers_layout(model_type: str, files: SafetensorsDirectory) -> dict[str, Source] | None:
+    """The directory's tensors under the names a transformers model of `model_type` holds them by,
+    through transformers' own conversion mapping (what from_pretrained applies): renamings, and
+    experts stored one by one stacked into one tensor (MergeModulelist(dim=0)), several such
+    stacks concatenated (Concatenate(dim)), e.g. Mixtral's and Qwen3-MoE's per-expert gate/up/down
+    into `experts.gate_up_proj` / `experts.down_proj`. Lazy: each rank reads only its experts'
+    rows. None without a mapping; an operation other than these is refused."""
+    try:  # transformers 5's declarative conversions
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
+    except ImportError:
+        return None
+
+    transforms = get_checkpoint_conversion_mapping(model_type) or []
+    if not transforms:
+        return None
+    renamed = {}
+    for name in files.shapes:
+        key = name
+        for rename in (t for t in transforms if type(t) is WeightRenaming):
+            for pattern, target in zip(rename.source_patterns, rename.target_patterns):
+                key = re.sub(pattern, target, key)
+        renamed[key] = files.source(name)
+    for convert in transforms:
+        if type(convert) is WeightRenaming:
+            continue
+        operations = list(getattr(convert, "operations", []))
+        kinds = [type(op) for op in operations]
+        if type(convert) is not WeightConverter or kinds not in ([MergeModulelist], [MergeModulelist, Concatenate]) \
+                or operations[0].dim != 0 or len(convert.target_patterns) != 1:
+            raise FxShardError(f"transformers converts {model_type} checkpoints with {type(convert).__name__} "
+                               f"{convert.source_patterns} -> {convert.target_patterns} "
+                               f"({', '.join(k.__name__ for k in kinds)}), which fxshard.load_hf does not map; load "
+                               f"the directory with from_pretrained and pass that model to shard")
+        patterns = [re.compile(re.escape(p).replace(r"\*", r"(\d+)") + "$") for p in convert.source_patterns]
+        groups: dict[str, dict[int, dict[int, str]]] = {}  # prefix -> pattern -> expert -> key
+        for key in list(renamed):
+            for which, pattern in enumerate(patterns):
+                if match := pattern.search(key):
+                    groups.setdefault(key[:match.start()], {}).setdefault(which, {})[int(match.group(1))] = key
+                    break
+        for prefix, by_pattern in groups.items():
+            stacks = []
+            for which, pattern in enumerate(convert.source_patterns):
+                experts = by_pattern.get(which, {})
+                if not experts or sorted(experts) != list(range(len(experts))):
+                    raise FxShardError(f"{files.directory}: the experts of {prefix}{pattern} are not 0..E-1 "
+                                       f"(found {sorted(experts)[:8]}): the checkpoint is incomplete")
+                stacks.append(Stack([renamed.pop(experts[e]) for e in range(len(experts))]))
+            renamed[prefix + convert.target_patterns[0]] = (
+                Cat(stacks, operations[1].dim) if len(stacks) > 1 else stacks[0])
+    return renamed
 
 
 def _config_differences(theirs: dict, ours: dict, cfg) -> list[str]:

@@ -58,15 +58,16 @@ class CompiledStep:
                  codegen_by_layer: bool = True,
                  verbose: bool = False, coords: dict[str, int] | None = None, rank: int = 0,
                  mesh_description: str = "one device", expert_layouts: dict | None = None,
-                 model_class: str = "", model_config=None, nonfinite: str = "ignore",
+                 model_class: str = "", model_config=None, hf_config: dict | None = None, nonfinite: str = "ignore",
                  evaluation=None, model=None):
         self.programs = programs
         # where this rank sits, for checkpoints (fxshard/checkpoint): its index along each mesh axis,
         # its global rank, and the expert layers' storage layouts (prefix -> (ExpertLayout, experts))
         self.coords, self.rank, self.mesh_description = dict(coords or {}), rank, mesh_description
         self.expert_layouts = dict(expert_layouts or {})
-        # what the Hugging Face export needs to name the architecture (fxshard/checkpoint/hf.py)
-        self.model_class, self.model_config = model_class, model_config
+        # what the Hugging Face export needs to name the architecture, and a transformers model's own
+        # config, which load_hf checks a directory against (fxshard/checkpoint/hf.py)
+        self.model_class, self.model_config, self.hf_config = model_class, model_config, hf_config
         self.program = programs[-1]
         self.state = state
         self.batch_spec = batch_spec
