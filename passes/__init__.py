@@ -149,7 +149,11 @@ def pipeline_schedule(mesh, config):
             user = schedule.add_communication(compute, user.stages, user.virtual, user.microbatches, user.name,
                                               user.placement)
         return user
-    return schedule.build(config.schedule, mesh.pp, config.microbatches, config.virtual_stages)
+    # the combined 1F1B pairs a forward with a backward, and its activation leaves after both: one more
+    # warm-up forward per rank keeps the next stage fed (Megatron's +1; fxshard.schedule.combine_pairs)
+    combined = _interleaves(mesh, config) and config.ep_interleave == "combined-1f1b"
+    return schedule.build(config.schedule, mesh.pp, config.microbatches, config.virtual_stages,
+                          extra_warmup=1 if combined else 0)
 
 
 def run_pipeline(program: Program, mesh, config, pipeline: list[Pass] | None = None, stage: int = 0) -> list[Program]:

@@ -177,11 +177,12 @@ def test_transfers_are_ordered_by_the_chunks_costs_not_units():
     assert own < slow_costs < slow_units - 0.9
     with pytest.raises(FxShardError, match="not an order of"):
         simulate(schedule, measured, order=(by_costs[0][1:], by_costs[1]))
-    # the combined 1F1B: a pair's first action waits for the second's receive too (without `pairs`
-    # the timing would come out 12 units shorter than the schedule's own 31.5)
-    combined, pairs = schedules.combine_pairs(schedules.build("interleaved-1f1b", 2, 6, 2))
+    # pairs run interleaved (the combined 1F1B): a pair's first action waits for the second's receive
+    # too (without `pairs` the timing would come out 3 units shorter than the schedule's own 24)
+    pairs = (tuple((Action("F", 0, m + 1), Action("B", 0, m)) for m in range(3)), ())
+    combined = schedules.pair_actions(schedules.build("1f1b", 2, 4), pairs)
     order = schedules.issue_order(combined)
-    assert simulate(combined, {"P2P": 0.0}, order=order, pairs=pairs).makespan == simulate(combined).makespan == 31.5
+    assert simulate(combined, {"P2P": 0.0}, order=order, pairs=pairs).makespan == simulate(combined).makespan == 24
 
 
 def test_a_users_own_schedule_is_checked_and_lowered():

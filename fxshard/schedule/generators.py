@@ -37,9 +37,13 @@ def one_f_one_b(stages: int, microbatches: int) -> Schedule:
     return add_communication(order, stages, 1, microbatches, "1f1b")
 
 
-def interleaved_one_f_one_b(stages: int, microbatches: int, virtual: int) -> Schedule:
+def interleaved_one_f_one_b(stages: int, microbatches: int, virtual: int, extra_warmup: int = 0) -> Schedule:
     """Megatron's interleaved 1F1B: microbatches advance through a rank's V chunks in groups of P;
-    warm-up (P-r-1)*2 + (V-1)*P forwards, then 1F1B, then the remaining backwards."""
+    warm-up (P-r-1)*2 + (V-1)*P forwards, then 1F1B, then the remaining backwards. `extra_warmup`
+    more warm-up forwards per rank (V > 1): what the combined 1F1B needs (`combine_pairs`; Megatron
+    adds 1 when it overlaps the expert-parallel all-to-alls) so that a pair's forward, whose
+    activation leaves only after the pair, is not one the next stage waits for; each costs one more
+    microbatch of live activations."""
     _check(stages, virtual, microbatches)
     if virtual > 1 and microbatches % stages:
         raise FxShardError(f"interleaved 1F1B needs microbatches ({microbatches}) divisible by the "
@@ -61,14 +65,15 @@ def interleaved_one_f_one_b(stages: int, microbatches: int, virtual: int) -> Sch
             v, mb = unit(k, False)
             return Action("B", v * stages + rank, mb)
 
-        warmup = min((stages - rank - 1) * 2 + (virtual - 1) * stages, total) if virtual > 1 else \
+        warmup = min((stages - rank - 1) * 2 + (virtual - 1) * stages + extra_warmup, total) if virtual > 1 else \
             min(stages - rank - 1, total)
         actions = [forward(k) for k in range(warmup)]
         for k in range(total - warmup):
             actions += [forward(warmup + k), backward(k)]
         actions += [backward(k) for k in range(total - warmup, total)]
         order.append(actions)
-    return add_communication(order, stages, virtual, microbatches, f"interleaved-1f1b(V={virtual})")
+    name = f"interleaved-1f1b(V={virtual})" + (f"+{extra_warmup} warm-up" if extra_warmup and virtual > 1 else "")
+    return add_communication(order, stages, virtual, microbatches, name)
 
 
 def zero_bubble_h1(stages: int, microbatches: int) -> Schedule:
@@ -183,8 +188,9 @@ def _expand_phases(tokens: list[str], chunks: tuple[int, int]) -> list[Action]:
     return actions
 
 
-def build(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
-    """The schedule `Config(schedule=name)` names (fxshard.config.PIPELINE_SCHEDULES)."""
+def build(name: str, stages: int, microbatches: int, virtual: int = 1, extra_warmup: int = 0) -> Schedule:
+    """The schedule `Config(schedule=name)` names (fxshard.config.PIPELINE_SCHEDULES); `extra_warmup`
+    applies to interleaved 1F1B (V > 1) only."""
     if name == "gpipe":
         return gpipe(stages, microbatches, virtual)
     if name == "zb-h1":
@@ -199,5 +205,5 @@ def build(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedu
     if name == "1f1b" and virtual == 1:
         return one_f_one_b(stages, microbatches)
     if name in ("1f1b", "interleaved-1f1b"):
-        return interleaved_one_f_one_b(stages, microbatches, virtual)
+        return interleaved_one_f_one_b(stages, microbatches, virtual, extra_warmup)
     raise FxShardError(f"unknown pipeline schedule {name!r}")

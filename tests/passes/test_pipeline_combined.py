@@ -11,7 +11,8 @@ import fxshard
 from fxshard import meta
 from fxshard.models import MoEGPT, MoEGPTConfig
 from fxshard.passes import run_pipeline
-from fxshard.schedule import build, check_point_to_point, combine_pairs, gpipe, issue_order, pair_actions
+from fxshard.schedule import (Action, build, check_point_to_point, combine_pairs, gpipe, issue_order,
+                              pair_actions, simulate, unit_costs)
 from fxshard.testing import assert_bit_identical, assert_step_like_eager
 
 c10d = torch.ops._c10d_functional
@@ -19,11 +20,11 @@ c10d = torch.ops._c10d_functional
 
 @given(kind=st.sampled_from(["1f1b", "interleaved-1f1b", "zb-h1", "gpipe", "dualpipev"]), stages=st.integers(1, 4),
        rounds=st.integers(1, 2))
-def test_pairs_are_deadlock_free_and_hold_no_transfer(kind, stages, rounds):
+def test_pairs_are_deadlock_free_hold_no_transfer_and_never_lengthen_the_step(kind, stages, rounds):
     virtual = 2 if kind in ("interleaved-1f1b", "dualpipev") else 1
     microbatches = {"interleaved-1f1b": stages * rounds, "dualpipev": 2 * stages - 2 + rounds}.get(
         kind, stages * rounds + 1)
-    schedule = build(kind, stages, microbatches, virtual)
+    schedule = build(kind, stages, microbatches, virtual, extra_warmup=1)  # as the lowering builds it
     combined, pairs = combine_pairs(schedule)
     check_point_to_point(combined, issue_order(combined), pairs)  # raises where it would hang
     for actions, rank_pairs in zip(issue_order(combined), pairs):
@@ -31,16 +32,37 @@ def test_pairs_are_deadlock_free_and_hold_no_transfer(kind, stages, rounds):
             at = actions.index(first)
             assert actions[at + 1] == second and {first.kind, second.kind} == {"F", "B"}
             assert first.mb != second.mb
-    if kind == "1f1b":
-        # the steady state: every forward after the warm-up sits next to a backward of an earlier
-        # microbatch; on the last stage forward m and backward m follow each other, and pairing backward
-        # m with forward m+1 there would close a cycle (its backward's send waits for the activation
-        # that the stage before sends after its own pair, which waits for that backward)
-        for rank, rank_pairs in enumerate(pairs):
-            warmup = min(stages - rank - 1, schedule.microbatches)
-            steady = schedule.microbatches - 1 if stages == 1 else 0 if rank == stages - 1 else \
-                schedule.microbatches - warmup
-            assert len(rank_pairs) == steady, (rank, rank_pairs)
+    cost = unit_costs(schedule)  # what combine_pairs times them with
+    assert simulate(combined, cost).makespan <= simulate(schedule, cost).makespan + 1e-9
+
+
+def test_pairs_that_would_stall_the_next_stage_are_not_made():
+    """A pair's forward sends its activation only after the pair. In 1F1B at P=2 that stalls stage 1
+    for a whole backward: pairing stage 0's steady state (what the pairing made before) doubles the
+    period, 27 -> 48 units (F=1, B=2, M=8), so no pair is made. Interleaved 1F1B with one extra
+    warm-up forward per rank (Megatron's combined 1F1B) pairs 24 of its 32 actions at no cost; without
+    the extra forward, the same pairing would take 43.5 units instead of 25.5."""
+    plain = build("1f1b", 2, 8)
+    assert combine_pairs(plain)[1] == ((), ())
+    steady = (tuple((Action("F", 0, m + 1), Action("B", 0, m)) for m in range(7)), ())
+    assert (simulate(plain).makespan, simulate(pair_actions(plain, steady)).makespan) == (27, 48)
+    interleaved = build("interleaved-1f1b", 2, 8, 2, extra_warmup=1)
+    combined, pairs = combine_pairs(interleaved)
+    assert [len(mine) for mine in pairs] == [11, 13]
+    assert simulate(combined).makespan == simulate(interleaved).makespan == 25.5
+    unshifted = build("interleaved-1f1b", 2, 8, 2)
+    candidates = []  # every forward next to a backward of another microbatch, left to right
+    for compute in ([a for a in r if a.kind in ("F", "B")] for r in unshifted.ranks):
+        mine, index = [], 0
+        while index + 1 < len(compute):
+            first, second = compute[index], compute[index + 1]
+            paired = {first.kind, second.kind} == {"F", "B"} and first.mb != second.mb
+            mine += [(first, second)] if paired else []
+            index += 2 if paired else 1
+        candidates.append(mine)
+    every = pair_actions(unshifted, candidates)
+    check_point_to_point(every, issue_order(every), candidates)
+    assert simulate(every).makespan == 43.5
 
 
 def test_a_pairing_that_would_hang_is_not_made():
@@ -90,22 +112,28 @@ def test_combined_pipeline_changes_the_order_not_the_values(kind):
 
 
 def test_paired_actions_alternate_at_each_all_to_all_and_train_like_eager():
-    """1F1B at pp=2: stage 0 pairs F m+1 with B m; the last stage runs F m and B m back to back, and
-    pairing its B m with F m+1 would hang (test_pairs_are_deadlock_free_and_hold_no_transfer)."""
-    model, optimizer, mesh, stages, local, pieces = pipeline_programs("1f1b", 4, "combined-1f1b")
-    first, last = stages[0][-1], stages[1][-1]
-    assert "3 forward/backward pairs" in first.notes["interleave"]
-    assert "0 forward/backward pairs" in last.notes["interleave"]
-    paired = {"F0:1": "B0:0", "F0:2": "B0:1", "F0:3": "B0:2"}
-    paired.update({b: f for f, b in paired.items()})
-    nodes = [n for n in first.graph.nodes if n.op == "call_function" and meta.action(n) in paired]
-    switches = 0
-    for i, node in enumerate(nodes):
-        if node.target is c10d.all_to_all_single.default:
-            following = next((n for n in nodes[i + 1:] if meta.action(n) in (meta.action(node), paired[meta.action(node)])
-                              and n.target is not c10d.wait_tensor.default), None)
-            switches += following is not None and meta.action(following) == paired[meta.action(node)]
-    assert switches >= 3 * 4, switches  # each pair: at least both layers' dispatch of the backward and forward
+    """Interleaved 1F1B at pp=2 with its extra warm-up forward: each stage's pairs (those that cost the
+    schedule nothing) alternate between their forward and backward at every all-to-all; trains like eager."""
+    from fxshard.passes import lowered_schedule
+
+    model, optimizer, mesh, stages, local, pieces = pipeline_programs("interleaved-1f1b", 4, "combined-1f1b")
+    config = fxshard.Config(schedule="interleaved-1f1b", microbatches=4, sharding="optim_grads_params",
+                            ep_overlap=True, ep_interleave="combined-1f1b", virtual_stages=2)
+    plan, pairs = lowered_schedule(mesh, config, stages[0][-1].stage.costs)
+    assert "+1 warm-up" in plan.name and all(pairs)
+    for stage, mine in zip(stages, pairs):
+        program = stage[-1]
+        assert f"{len(mine)} forward/backward pairs" in program.notes["interleave"]
+        paired = {str(first): str(second) for first, second in mine}
+        paired.update({b: f for f, b in paired.items()})
+        nodes = [n for n in program.graph.nodes if n.op == "call_function" and meta.action(n) in paired]
+        switches = 0
+        for i, node in enumerate(nodes):
+            if node.target is c10d.all_to_all_single.default:
+                following = next((n for n in nodes[i + 1:] if meta.action(n) in (meta.action(node), paired[meta.action(node)])
+                                  and n.target is not c10d.wait_tensor.default), None)
+                switches += following is not None and meta.action(following) == paired[meta.action(node)]
+        assert switches >= 4 * len(mine), switches  # a chunk's one MoE layer: dispatch and combine, F and B
     assert_step_like_eager([s[-1] for s in stages], model, optimizer, mesh,
                            [local[mesh.coords(rank)["dp"]] for rank in range(mesh.size)], pieces, lambda m, b: m.loss(b))
 
