@@ -221,6 +221,42 @@ def test_a_transformers_moe_loads_its_hub_checkpoint_with_experts_stored_one_by_
         (tmp_path / "config.json").write_text(json.dumps({**written, **change}))
         with pytest.raises(fxshard.FxShardError, match=f"computes another function than this {name} model: .*{message}"):
             fxshard.load_hf(step, tmp_path)
+    # what does not change the function loads: head_dim left to its default (hidden / heads, as the
+    # hub's Mixtral-8x7B states it), another auxiliary-loss weight (a training choice)
+    unstated = {k: v for k, v in written.items() if k != "head_dim"}
+    (tmp_path / "config.json").write_text(json.dumps({**unstated, "router_aux_loss_coef": 0.5}))
+    fxshard.load_hf(step, tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    from safetensors.torch import load_file, save_file
+
+    (file,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(file)
+    last = max(k for k in tensors if ".experts.3." in k and "layers.0." in k)  # one matrix of the last expert
+    save_file({k: v for k, v in tensors.items() if k != last}, str(file), {"format": "pt"})
+    with pytest.raises(fxshard.FxShardError, match=r"lacks experts \[3\] \(of 4\): the checkpoint is incomplete"):
+        fxshard.load_hf(step, tmp_path)
+
+
+def test_a_models_persistent_buffers_load_with_its_parameters(tmp_path):
+    """Buffers the directory holds under the model's names load too (DeepSeek-V3's router score bias
+    routes every token: left as initialized, the model computed another function)."""
+    from safetensors.torch import save_file
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+            self.register_buffer("bias_score", torch.zeros(4))
+
+        def forward(self, x):
+            return (self.linear(x) + self.bias_score).square().mean()
+
+    step = fxshard.shard(Scaled(), lambda m, b: m(b["x"]), {"x": torch.randn(3, 4)}, ADAMW)
+    saved = {"linear.weight": torch.randn(4, 4), "linear.bias": torch.randn(4), "bias_score": torch.arange(4.0)}
+    save_file(saved, str(tmp_path / "w.safetensors"))
+    fxshard.load_hf(step, tmp_path)
+    assert torch.equal(step.buffers()["bias_score"], saved["bias_score"])
+    assert torch.equal(step.parameters()["linear.weight"], saved["linear.weight"])
 
 
 def test_a_directory_in_another_layout_than_the_models_own_names_says_which_names_do_not_match(tmp_path):

@@ -322,8 +322,9 @@ def load_hf(step, directory: str | os.PathLike) -> None:
     directory = os.fspath(directory)
     files = SafetensorsDirectory(directory)
     shapes = {spec.name: tuple(spec.shape) for spec in step.programs[0].inputs if spec.kind is InputKind.PARAM}
-    sources = {model_key(name): source for name, source in _sources(step, files, shapes, directory).items()}
-    # read into copies of the state tensors concerned (buffers are left as the model had them)
+    buffers = {spec.name: tuple(spec.shape) for spec in step.programs[0].inputs if spec.kind is InputKind.BUFFER}
+    sources = {model_key(name): source for name, source in _sources(step, files, shapes, directory, buffers).items()}
+    # read into copies of the state tensors concerned (buffers the directory does not hold stay as they are)
     staged = {piece.state: step.state[piece.state].clone() for piece in pieces_of(step) if piece.key in sources}
     load_state_dict_into(step, sources, staged)
     with torch.no_grad():
@@ -331,16 +332,18 @@ def load_hf(step, directory: str | os.PathLike) -> None:
             step.state[key].copy_(value)
 
 
-def _sources(step, files: SafetensorsDirectory, shapes: dict, directory: str) -> dict[str, Source]:
-    """Our parameter name -> where its global tensor comes from, checked against its shape."""
+def _sources(step, files: SafetensorsDirectory, shapes: dict, directory: str, buffers: dict) -> dict[str, Source]:
+    """Our parameter name -> where its global tensor comes from, checked against its shape; and the
+    buffers (`buffers`: name -> shape) the directory holds under the names the parameters are found
+    by (a transformers model's persistent buffers, e.g. DeepSeek-V3's router score bias)."""
     if step.hf_config is not None:  # a transformers model: the directory's config.json must compute the same
         _check_transformers_config(step.hf_config, directory)
     converted = None
     if all(name in files.shapes for name in shapes):  # the model's own names
-        sources = {name: files.source(name) for name in shapes}
+        sources = {name: files.source(name) for name in [*shapes, *buffers] if name in files.shapes}
     elif step.hf_config is not None and (converted := _transformers_layout(step.hf_config["model_type"], files)) \
             and all(name in converted for name in shapes):  # experts stored one by one, fused in the model
-        sources = {name: converted[name] for name in shapes}
+        sources = {name: converted[name] for name in [*shapes, *buffers] if name in converted}
     elif step.model_class not in HUB_ARCHITECTURES:  # no Hugging Face layout to map: say what does not match
         lacking = sorted(set(shapes) - set(files.shapes))
         spare = sorted(set(files.shapes) - set(shapes))
@@ -389,7 +392,9 @@ def _sources(step, files: SafetensorsDirectory, shapes: dict, directory: str) ->
             else:
                 sources[ours] = Cat([get(n) for n in hf], 0) if len(hf) > 1 else get(hf[0])
         sources = _expert_sources_as_stored(step, sources)
-    wrong = [f"{n} {tuple(s.shape)} != {shapes[n]}" for n, s in sources.items() if n in shapes and tuple(s.shape) != shapes[n]]
+    expected = {**buffers, **shapes}
+    wrong = [f"{n} {tuple(s.shape)} != {expected[n]}" for n, s in sources.items()
+             if n in expected and tuple(s.shape) != expected[n]]
     if wrong:
         raise FxShardError(f"{directory}: tensors of other shapes than this model's: {', '.join(wrong[:6])}; "
                            f"build the model with the checkpoint's config")
@@ -401,8 +406,8 @@ FUNCTION_KEYS = ("model_type", "hidden_act", "rms_norm_eps", "layer_norm_eps", "
                  "rope_scaling", "partial_rotary_factor", "num_attention_heads", "num_key_value_heads", "head_dim",
                  "attention_bias", "mlp_bias", "sliding_window", "use_sliding_window", "num_experts_per_tok",
                  "norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group", "scoring_func",
-                 "tie_word_embeddings", "router_aux_loss_coef", "final_logit_softcapping", "attn_logit_softcapping",
-                 "query_pre_attn_scalar", "logit_scale")
+                 "tie_word_embeddings", "final_logit_softcapping", "attn_logit_softcapping",
+                 "query_pre_attn_scalar", "logit_scale")  # not the auxiliary loss's: a training choice
 
 
 def _check_transformers_config(ours: dict, directory: str) -> None:
@@ -418,12 +423,21 @@ def _check_transformers_config(ours: dict, directory: str) -> None:
     except (OSError, ValueError, KeyError) as error:
         raise FxShardError(f"{directory}/config.json does not read as a transformers config ({error}); fix or "
                            f"remove it") from None
+    theirs, ours = _derived(theirs), _derived(ours)
     differences = [f"{key} {theirs[key]!r} (this model: {ours[key]!r})" for key in FUNCTION_KEYS
                    if key in theirs and key in ours and not _same(theirs[key], ours[key])]
     if differences:
         raise FxShardError(f"{directory} computes another function than this {ours.get('model_type')} model: "
                            f"{'; '.join(differences)}. Its weights would load and compute something else; build "
                            f"the model from that directory's config (AutoConfig.from_pretrained)")
+
+
+def _derived(config: dict) -> dict:
+    """`config` with head_dim as the model uses it where it is left unset (hidden_size / heads)."""
+    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+    if config.get("head_dim") is None and isinstance(heads, int) and heads > 0 and isinstance(hidden, int):
+        return {**config, "head_dim": hidden // heads}
+    return config
 
 
 def _same(a, b) -> bool:
@@ -476,13 +490,18 @@ def _transformers_layout(model_type: str, files: SafetensorsDirectory) -> dict[s
                     groups.setdefault(key[:match.start()], {}).setdefault(which, {})[int(match.group(1))] = key
                     break
         for prefix, by_pattern in groups.items():
-            stacks = []
+            stacks, count = [], 1 + max(e for experts in by_pattern.values() for e in experts)
             for which, pattern in enumerate(convert.source_patterns):
                 experts = by_pattern.get(which, {})
-                if not experts or sorted(experts) != list(range(len(experts))):
-                    raise FxShardError(f"{files.directory}: the experts of {prefix}{pattern} are not 0..E-1 "
-                                       f"(found {sorted(experts)[:8]}): the checkpoint is incomplete")
-                stacks.append(Stack([renamed.pop(experts[e]) for e in range(len(experts))]))
+                if sorted(experts) != list(range(count)):
+                    lacking = sorted(set(range(count)) - set(experts))
+                    raise FxShardError(f"{files.directory}: {prefix}{pattern} lacks experts {lacking[:8]} (of "
+                                       f"{count}): the checkpoint is incomplete; download or copy it again")
+                parts = [renamed.pop(experts[e]) for e in range(count)]
+                if len({tuple(part.shape) for part in parts}) > 1:
+                    raise FxShardError(f"{files.directory}: the experts of {prefix}{pattern} have different shapes "
+                                       f"({sorted({tuple(part.shape) for part in parts})}): the checkpoint is corrupt")
+                stacks.append(Stack(parts))
             renamed[prefix + convert.target_patterns[0]] = (
                 Cat(stacks, operations[1].dim) if len(stacks) > 1 else stacks[0])
     return renamed
