@@ -1,7 +1,10 @@
 """Rank-independent initialization of a model built on the `meta` device.
 
 Rule: every module that owns parameters or buffers directly initializes them with its own
-`reset_parameters()` (PyTorch's convention), under a random seed derived from (seed, module path).
+`reset_parameters()` (PyTorch's convention), or, in a transformers model, with the model's
+`_init_weights(module)` (what `from_config` initializes it with, rotary tables included), under a
+random seed derived from (seed, module path). Floating-point tensors start as NaN, so a tensor the
+initializer leaves alone is an error, never uninitialized memory.
 A tensor's values therefore depend only on the seed and where it lives in the model, never on the
 rank or on what else was initialized first. A rank that needs only its shard of a flat unit
 materializes one module at a time, keeps the slice that falls in its shard and drops the rest, so
@@ -38,23 +41,44 @@ def _owned_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[str]
 
 def _materialize(model: nn.Module, path: str, module: nn.Module, seed: int, device) -> dict[str, torch.Tensor]:
     """One module's own tensors, initialized on `device`; the model's module stays on meta."""
-    if not hasattr(module, "reset_parameters"):
-        raise FxShardError(
-            f"module {path or type(model).__name__!r} ({type(module).__name__}) owns parameters but has no "
-            f"reset_parameters(); a model built on the meta device is initialized module by module with "
-            f"reset_parameters(): add one, or build the model on a real device")
+    initialize = _initializer(model, path, module)
     device = torch.device(device)
     module.to_empty(device=device, recurse=False)
     try:
+        own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(module_seed(seed, path))
             with torch.no_grad():
-                module.reset_parameters()
+                for _, tensor in own:
+                    if tensor.is_floating_point() or tensor.is_complex():
+                        tensor.fill_(float("nan"))
+                initialize()
         prefix = f"{path}." if path else ""
-        return {prefix + n: t.detach() for n, t in [*module.named_parameters(recurse=False),
-                                                           *module.named_buffers(recurse=False)]}
+        values = {prefix + n: t.detach() for n, t in [*module.named_parameters(recurse=False),
+                                                       *module.named_buffers(recurse=False)]}
+        left = [name for name, t in values.items() if (t.is_floating_point() or t.is_complex()) and t.isnan().any()]
+        if left:
+            raise FxShardError(
+                f"initializing module {path or type(model).__name__!r} ({type(module).__name__}) on {device} leaves "
+                f"{', '.join(left)} (partly) unset: its initializer does not write every element. Build the model "
+                f"on a real device, or make the initializer cover them")
+        return values
     finally:
         module.to_empty(device="meta", recurse=False)
+
+
+def _initializer(model: nn.Module, path: str, module: nn.Module):
+    """What initializes `module`'s own tensors: a transformers model's `_init_weights(module)` (the
+    model's own scheme), else the module's `reset_parameters()`."""
+    hf_init = getattr(model, "_init_weights", None)
+    if callable(hf_init) and hasattr(getattr(model, "config", None), "model_type"):
+        return lambda: hf_init(module)
+    if hasattr(module, "reset_parameters"):
+        return module.reset_parameters
+    raise FxShardError(
+        f"module {path or type(model).__name__!r} ({type(module).__name__}) owns parameters but has no "
+        f"reset_parameters(); a model built on the meta device is initialized module by module with "
+        f"reset_parameters(): add one, or build the model on a real device")
 
 
 class MetaInit:

@@ -81,6 +81,53 @@ def test_a_module_without_reset_parameters_is_a_clear_error():
         fxshard.shard(model, lambda m, b: m(b).sum(), torch.zeros(2, 4))
 
 
+def test_an_initializer_that_leaves_a_tensor_unset_is_a_clear_error():
+    """Tensors start as NaN on the device: one that reset_parameters() does not write is refused by name
+    (it used to keep whatever memory to_empty() handed out)."""
+    class Half(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight, self.extra = nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(4))
+
+        def reset_parameters(self):
+            nn.init.ones_(self.weight)
+
+        def forward(self, x):
+            return x * self.weight * self.extra
+
+    with torch.device("meta"):
+        model = Half()
+    with pytest.raises(fxshard.FxShardError, match="leaves extra \\(partly\\) unset"):
+        fxshard.shard(model, lambda m, b: m(b).sum(), torch.zeros(2, 4))
+
+
+def test_a_transformers_moe_built_on_meta_initializes_as_the_model_does_and_loads_its_checkpoint(tmp_path):
+    """A transformers model has no reset_parameters() on its norms, experts or rotary tables: the
+    model's own _init_weights(module) initializes each module (rotary inv_freq recomputed), and
+    load_hf then fills every parameter from the model's save_pretrained directory; the step trains
+    like the source model in eager."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      num_experts=4, num_experts_per_tok=2, attention_dropout=0.0)
+    torch.manual_seed(0)
+    source = transformers.Qwen3MoeForCausalLM(cfg)
+    source.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    batch = {"input_ids": torch.randint(0, 64, (2, 8)), "labels": torch.randint(0, 64, (2, 8))}
+    step = fxshard.shard(model, lambda m, b: m(**b).loss, batch, fxshard.optim.SGD(lr=0.0))
+    initial = step.parameters()
+    assert all(torch.isfinite(v).all() for v in initial.values())
+    assert torch.equal(initial["model.norm.weight"], torch.ones(32))  # the model's scheme: norms at one
+    fxshard.load_hf(step, tmp_path)
+    loaded = step.parameters()
+    assert all(torch.equal(loaded[n], p) for n, p in source.named_parameters())
+    with torch.no_grad():
+        want = source(**batch).loss
+    assert torch.allclose(step(batch)["loss"], want, rtol=1e-5)  # rotary tables and weights as the source's
+
+
 _SHARD_1B = """
 import json, resource, torch, fxshard
 from fxshard.init import MetaInit
