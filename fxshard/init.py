@@ -43,6 +43,8 @@ def _materialize(model: nn.Module, path: str, module: nn.Module, seed: int, devi
     """One module's own tensors, initialized on `device`; the model's module stays on meta."""
     initialize = _initializer(model, path, module)
     device = torch.device(device)
+    # the meta tensors themselves go back afterwards: a weight tied to another module stays one object
+    originals = dict(module._parameters), dict(module._buffers)
     module.to_empty(device=device, recurse=False)
     try:
         own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
@@ -64,19 +66,36 @@ def _materialize(model: nn.Module, path: str, module: nn.Module, seed: int, devi
                 f"on a real device, or make the initializer cover them")
         return values
     finally:
-        module.to_empty(device="meta", recurse=False)
+        module._parameters.update(originals[0])
+        module._buffers.update(originals[1])
+
+
+def _is_transformers(module: nn.Module) -> bool:
+    return callable(getattr(module, "_init_weights", None)) and hasattr(getattr(module, "config", None), "model_type")
 
 
 def _initializer(model: nn.Module, path: str, module: nn.Module):
-    """What initializes `module`'s own tensors: a transformers model's `_init_weights(module)` (the
-    model's own scheme), else the module's `reset_parameters()`."""
-    hf_init = getattr(model, "_init_weights", None)
-    if callable(hf_init) and hasattr(getattr(model, "config", None), "model_type"):
-        return lambda: hf_init(module)
+    """What initializes `module`'s own tensors: in a transformers model, `_init_weights` of the module
+    and then of each of its ancestors, nearest first, each by the innermost transformers model holding
+    it, as `initialize_weights` applies it (children before parents: GPT-2's attention rescales its
+    c_proj, Qwen3-Next's MoE block initializes its router); the ancestors' calls touch only
+    this module's tensors, the others being on meta. Else the module's `reset_parameters()`."""
+    if _is_transformers(model):
+        parts = path.split(".") if path else []
+        chain = [".".join(parts[:end]) for end in range(len(parts), -1, -1)]  # the module, then up to the root
+
+        def initialize():
+            for where in chain:
+                owner, walked = model, model
+                for name in where.split(".") if where else []:
+                    walked = walked.get_submodule(name)
+                    owner = walked if _is_transformers(walked) else owner
+                owner._init_weights(model.get_submodule(where))
+        return initialize
     if hasattr(module, "reset_parameters"):
         return module.reset_parameters
     raise FxShardError(
-        f"module {path or type(model).__name__!r} ({type(module).__name__}) owns parameters but has no "
+        f"module {path or type(model).__name__!r} ({type(module).__name__}) owns tensors but has no "
         f"reset_parameters(); a model built on the meta device is initialized module by module with "
         f"reset_parameters(): add one, or build the model on a real device")
 

@@ -128,6 +128,27 @@ def test_a_transformers_moe_built_on_meta_initializes_as_the_model_does_and_load
     assert torch.allclose(step(batch)["loss"], want, rtol=1e-5)  # rotary tables and weights as the source's
 
 
+def test_a_transformers_gpt2_on_meta_keeps_its_tie_and_its_scaled_residual_init():
+    """GPT-2's lm_head is its embedding (materializing the embedding must not untie them), and its
+    attention block rescales c_proj when initialized as a parent (std 0.02 / sqrt(2 n_layer)), which
+    initialize_weights does after the children: both as `from_config` has them."""
+    import math
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=64, n_layer=8, n_head=4, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(cfg)
+    batch = {"input_ids": torch.randint(0, 64, (2, 8)), "labels": torch.randint(0, 64, (2, 8))}
+    step = fxshard.shard(model, lambda m, b: m(**b).loss, batch, fxshard.optim.SGD(lr=0.0))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    params = step.parameters()
+    assert "lm_head.weight" not in params and len(params) == len(dict(model.named_parameters()))
+    c_proj = torch.cat([params[f"transformer.h.{i}.attn.c_proj.weight"].flatten() for i in range(8)])
+    assert abs(c_proj.std().item() - 0.02 / math.sqrt(2 * 8)) < 0.001, c_proj.std()
+    assert math.isfinite(step.evaluate(batch)["loss"].item())
+
+
 _SHARD_1B = """
 import json, resource, torch, fxshard
 from fxshard.init import MetaInit
