@@ -84,8 +84,8 @@ def interleave_actions(program: Program, pairs: list[tuple[str, str]]) -> Progra
         order = _merge(order, first, second)
     if [n for n in order if n.target in _P2P] != transfers:
         raise AssertionError("interleaving actions reordered the stage's sends and receives")
-    why_none = ("; none would leave the schedule as short (a pair's activation leaves after both actions, "
-                "fxshard.schedule.combine_pairs): interleaved 1F1B pairs most steady-state actions" if not pairs else "")
+    why_none = ("; none would leave the simulated step as short (a pair's forward activation leaves after both "
+                "actions, fxshard.schedule.combine_pairs)" if not pairs else "")
     notes = dict(program.notes, interleave=f"combined-1f1b in the pipeline: {len(pairs)} forward/backward pairs "
                                             f"interleaved at communication issues ({', '.join(f'{f}+{b}' for f, b in pairs)})"
                                             f"{why_none}")

@@ -100,7 +100,7 @@ def combine_pairs(schedule: Schedule,
     before the pair starts, and where the schedule, timed by `simulate` under `cost` (textbook units
     by default), takes no longer than without pairs: a pair only hides its all-to-alls, which the
     simulator does not count, while a forward held back until its pair's backward is done can stall
-    the next stage for a whole action. In 1F1B that is every pair (the period doubles at P=2); in
+    the next stage for a whole action. In 1F1B that is nearly every pair (pairing its steady state doubles the period at P=2); in
     interleaved 1F1B with one extra warm-up forward per rank (`build(..., extra_warmup=1)`, as
     Megatron schedules its combined 1F1B) nearly every steady-state action pairs at no cost. Pairs
     are taken greedily, rank by rank (a rank's pairs at once where they hold, else one by one).

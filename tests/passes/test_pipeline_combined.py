@@ -40,7 +40,7 @@ def test_pairs_that_would_stall_the_next_stage_are_not_made():
     """A pair's forward sends its activation only after the pair. In 1F1B at P=2 that stalls stage 1
     for a whole backward: pairing stage 0's steady state (what the pairing made before) doubles the
     period, 27 -> 48 units (F=1, B=2, M=8), so no pair is made. Interleaved 1F1B with one extra
-    warm-up forward per rank (Megatron's combined 1F1B) pairs 24 of its 32 actions at no cost; without
+    warm-up forward per rank (Megatron's combined 1F1B) makes 24 pairs (48 of its 64 actions) at no cost; without
     the extra forward, the same pairing would take 43.5 units instead of 25.5."""
     plain = build("1f1b", 2, 8)
     assert combine_pairs(plain)[1] == ((), ())
