@@ -510,29 +510,24 @@ def _transformers_layout(model_type: str, files: SafetensorsDirectory) -> dict[s
 def _config_differences(theirs: dict, ours: dict, cfg) -> list[str]:
     """Where a Hugging Face config.json describes another function than `hf_layout`'s config for our
     model: what it states (transformers' defaults stand for the rest), the head counts with
-    transformers' defaults where it leaves them out."""
+    transformers' defaults where it leaves them out (`_derived`)."""
     rope = theirs.get("rope_parameters") or theirs.get("rope_scaling") or {}
-    heads, hidden = theirs.get("num_attention_heads"), theirs.get("hidden_size")
-    # the head counts change no tensor's shape; where config.json leaves them out, transformers' defaults:
-    # key/value heads one per head (Llama) or 8 (Mixtral), head_dim = hidden_size / heads
+    rope = rope if isinstance(rope, dict) else {}
+    heads = theirs.get("num_attention_heads")
+    # the head counts change no tensor's shape; where config.json leaves the key/value heads out,
+    # transformers' default: one per head (Llama) or 8 (Mixtral)
     kv_default = 8 if theirs.get("model_type") == "mixtral" else heads
-    default_head_dim = hidden // heads if isinstance(heads, int) and isinstance(hidden, int) and heads > 0 else None
     stated = {"hidden_act": theirs.get("hidden_act"), "attention_bias": theirs.get("attention_bias"),
               "mlp_bias": theirs.get("mlp_bias"), "tie_word_embeddings": theirs.get("tie_word_embeddings"),
               "num_attention_heads": heads, "num_key_value_heads": theirs.get("num_key_value_heads") or kv_default,
-              "head_dim": theirs.get("head_dim") or default_head_dim,
-              "rope type": rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None,
+              "head_dim": _derived(theirs).get("head_dim"), "rope type": rope.get("rope_type", rope.get("type")),
               "num_experts_per_tok": theirs.get("num_experts_per_tok") if "num_local_experts" in ours else None,
-              "sliding_window": theirs.get("sliding_window")}
+              "sliding_window": theirs.get("sliding_window"), "rms_norm_eps": theirs.get("rms_norm_eps"),
+              "rope_theta": theirs.get("rope_theta", rope.get("rope_theta"))}
     expected = {**ours, "mlp_bias": False, "head_dim": cfg.d_model // cfg.n_head, "rope type": "default",
                 "sliding_window": None}
-    differences = [f"{key} {value!r} (this model: {expected[key]!r})" for key, value in stated.items()
-                   if value is not None and value != expected[key]]
-    for key, value in (("rms_norm_eps", theirs.get("rms_norm_eps")),
-                       ("rope_theta", theirs.get("rope_theta", rope.get("rope_theta") if isinstance(rope, dict) else None))):
-        if value is not None and not math.isclose(float(value), float(ours[key]), rel_tol=1e-6):
-            differences.append(f"{key} {value!r} (this model: {ours[key]!r})")
-    return differences
+    return [f"{key} {value!r} (this model: {expected[key]!r})" for key, value in stated.items()
+            if value is not None and not _same(value, expected[key])]
 
 
 def _expert_sources_as_stored(step, sources: dict[str, Source]) -> dict[str, Source]:
