@@ -85,6 +85,23 @@ def pair_actions(schedule: Schedule, pairs) -> Schedule:
     return dataclasses.replace(schedule, ranks=tuple(ranks))
 
 
+def pair_candidates(schedule: Schedule) -> list[list[tuple[Action, Action]]]:
+    """Each rank's pairs a combined 1F1B could make: left to right among its compute actions, a
+    forward and a backward of another microbatch that follow each other (`combine_pairs` keeps those
+    that hold)."""
+    candidates = []
+    for actions in schedule.ranks:
+        compute, mine, index = [a for a in actions if a.kind in COMPUTE], [], 0
+        while index + 1 < len(compute):
+            if _pairable(compute[index], compute[index + 1]):
+                mine.append((compute[index], compute[index + 1]))
+                index += 2
+            else:
+                index += 1
+        candidates.append(mine)
+    return candidates
+
+
 @functools.lru_cache(maxsize=16)
 def combine_pairs(schedule: Schedule,
                   cost: tuple = ()) -> tuple[Schedule, tuple[tuple[tuple[Action, Action], ...], ...]]:
@@ -106,17 +123,7 @@ def combine_pairs(schedule: Schedule,
     are taken greedily, rank by rank (a rank's pairs at once where they hold, else one by one).
     `cost` (the items of the costs the lowering orders transfers by, `StagePlan.costs`) makes the
     proof hold for the order that runs: `issue_order(combined, cost)`."""
-    candidates = []
-    for actions in schedule.ranks:
-        compute, mine, index = [a for a in actions if a.kind in COMPUTE], [], 0
-        while index + 1 < len(compute):
-            if _pairable(compute[index], compute[index + 1]):
-                mine.append((compute[index], compute[index + 1]))
-                index += 2
-            else:
-                index += 1
-        candidates.append(mine)
-
+    candidates = pair_candidates(schedule)
     timing = {**unit_costs(schedule), **dict(cost)}
     bound = simulate(schedule, timing).makespan * (1 + 1e-9)
 

@@ -13,6 +13,7 @@ from fxshard.models import MoEGPT, MoEGPTConfig
 from fxshard.passes import run_pipeline
 from fxshard.schedule import (Action, build, check_point_to_point, combine_pairs, gpipe, issue_order,
                               pair_actions, simulate, unit_costs)
+from fxshard.schedule.order import pair_candidates
 from fxshard.testing import assert_bit_identical, assert_step_like_eager
 
 c10d = torch.ops._c10d_functional
@@ -51,15 +52,7 @@ def test_pairs_that_would_stall_the_next_stage_are_not_made():
     assert [len(mine) for mine in pairs] == [11, 13]
     assert simulate(combined).makespan == simulate(interleaved).makespan == 25.5
     unshifted = build("interleaved-1f1b", 2, 8, 2)
-    candidates = []  # every forward next to a backward of another microbatch, left to right
-    for compute in ([a for a in r if a.kind in ("F", "B")] for r in unshifted.ranks):
-        mine, index = [], 0
-        while index + 1 < len(compute):
-            first, second = compute[index], compute[index + 1]
-            paired = {first.kind, second.kind} == {"F", "B"} and first.mb != second.mb
-            mine += [(first, second)] if paired else []
-            index += 2 if paired else 1
-        candidates.append(mine)
+    candidates = pair_candidates(unshifted)  # every pair the pairing made before it timed them
     every = pair_actions(unshifted, candidates)
     check_point_to_point(every, issue_order(every), candidates)
     assert simulate(every).makespan == 43.5
