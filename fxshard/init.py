@@ -1,9 +1,11 @@
 """Rank-independent initialization of a model built on the `meta` device.
 
 Rule: every module that owns parameters or buffers directly initializes them with its own
-`reset_parameters()` (PyTorch's convention), or, in a transformers model, with the model's
-`_init_weights(module)` (what `from_config` initializes it with, rotary tables included), under a
-random seed derived from (seed, module path). Floating-point tensors start as NaN, so a tensor the
+`reset_parameters()` (PyTorch's convention); in a transformers model, with the model's
+`_init_weights(module)` (what `from_config` initializes it with, rotary tables included); a
+torchtitan module with its own `_init_self_parameters()` and `_init_self_buffers()` (what its
+`init_states` runs for each module, children first); each under a random seed derived from
+(seed, module path). Floating-point tensors start as NaN, so a tensor the
 initializer leaves alone is an error, never uninitialized memory.
 A tensor's values therefore depend only on the seed and where it lives in the model, never on the
 rank or on what else was initialized first. A rank that needs only its shard of a flat unit
@@ -41,8 +43,8 @@ def _owned_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module, list[str]
 
 def _materialize(model: nn.Module, path: str, module: nn.Module, seed: int, device) -> dict[str, torch.Tensor]:
     """One module's own tensors, initialized on `device`; the model's module stays on meta."""
-    initialize = _initializer(model, path, module)
     device = torch.device(device)
+    initialize = _initializer(model, path, module, device)
     # the meta tensors themselves go back afterwards: a weight tied to another module stays one object
     originals = dict(module._parameters), dict(module._buffers)
     module.to_empty(device=device, recurse=False)
@@ -54,7 +56,15 @@ def _materialize(model: nn.Module, path: str, module: nn.Module, seed: int, devi
                 for _, tensor in own:
                     if tensor.is_floating_point() or tensor.is_complex():
                         tensor.fill_(float("nan"))
-                initialize()
+                try:
+                    initialize()
+                except FxShardError:
+                    raise
+                except Exception as error:
+                    raise FxShardError(
+                        f"initializing module {path or type(model).__name__!r} ({type(module).__name__}) on the "
+                        f"meta device failed: {type(error).__name__}: {error}. Fix its initializer, or build the "
+                        f"model on a real device") from error
         prefix = f"{path}." if path else ""
         values = {prefix + n: t.detach() for n, t in [*module.named_parameters(recurse=False),
                                                        *module.named_buffers(recurse=False)]}
@@ -74,12 +84,55 @@ def _is_transformers(module: nn.Module) -> bool:
     return callable(getattr(module, "_init_weights", None)) and hasattr(getattr(module, "config", None), "model_type")
 
 
-def _initializer(model: nn.Module, path: str, module: nn.Module):
+def _is_titan(module: nn.Module) -> bool:
+    """torchtitan's Module protocol (torchtitan/protocols/module.py)."""
+    return callable(getattr(module, "_init_self_parameters", None)) and \
+        callable(getattr(module, "_init_self_buffers", None))
+
+
+def _post_order(module: nn.Module, path: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """Children before their parent, in registration order: the order of torchtitan's `init_states`."""
+    for name, child in module.named_children():
+        yield from _post_order(child, f"{path}.{name}" if path else name)
+    yield path, module
+
+
+def _titan_initializer(model: nn.Module, module: nn.Module, device: torch.device):
+    """torchtitan's `init_states` restricted to `module`'s own tensors: `_init_self_parameters()`
+    (its `param_init` functions, else `reset_parameters()`), then `_init_self_buffers()` on `device`.
+    A parameter tied to other modules (an embedding and the output head) is written by each torchtitan
+    module holding it, in `init_states`' order, so the last writer decides as in torchtitan, where the
+    tied embedding's initializer skips it; the others' calls touch only this tensor, the rest of
+    theirs being on meta."""
+    own = {id(p): name for name, p in module._parameters.items() if p is not None}  # still the meta tensors
+    writers = []  # (holder, {its local name: module's local name})
+    for _, holder in _post_order(model):
+        if holder is module:
+            writers.append((module, {}))
+        elif _is_titan(holder):
+            shared = {local: own[id(p)] for local, p in holder._parameters.items() if p is not None and id(p) in own}
+            if shared:
+                writers.append((holder, shared))
+
+    def initialize():
+        for holder, shared in writers:
+            saved = {local: holder._parameters[local] for local in shared}
+            holder._parameters.update({local: module._parameters[name] for local, name in shared.items()})
+            try:
+                holder._init_self_parameters()
+            finally:
+                holder._parameters.update(saved)
+        module._init_self_buffers(buffer_device=device)
+    return initialize
+
+
+def _initializer(model: nn.Module, path: str, module: nn.Module, device: torch.device):
     """What initializes `module`'s own tensors: in a transformers model, `_init_weights` of the module
     and then of each of its ancestors, nearest first, each by the innermost transformers model holding
     it, as `initialize_weights` applies it (children before parents: GPT-2's attention rescales its
     c_proj, Qwen3-Next's MoE block initializes its router); the ancestors' calls touch only
-    this module's tensors, the others being on meta. Else the module's `reset_parameters()`."""
+    this module's tensors, the others being on meta. A torchtitan module: its own `init_states` step
+    (`_titan_initializer`). Else the module's `reset_parameters()`."""
     if _is_transformers(model):
         parts = path.split(".") if path else []
         chain = [".".join(parts[:end]) for end in range(len(parts), -1, -1)]  # the module, then up to the root
@@ -92,12 +145,15 @@ def _initializer(model: nn.Module, path: str, module: nn.Module):
                     owner = walked if _is_transformers(walked) else owner
                 owner._init_weights(model.get_submodule(where))
         return initialize
+    if _is_titan(module):
+        return _titan_initializer(model, module, device)
     if hasattr(module, "reset_parameters"):
         return module.reset_parameters
     raise FxShardError(
         f"module {path or type(model).__name__!r} ({type(module).__name__}) owns tensors but has no "
         f"reset_parameters(); a model built on the meta device is initialized module by module with "
-        f"reset_parameters(): add one, or build the model on a real device")
+        f"reset_parameters() (or a transformers model's _init_weights, or torchtitan's _init_self_parameters and "
+        f"_init_self_buffers): add one, or build the model on a real device")
 
 
 class MetaInit:

@@ -1,10 +1,13 @@
 """Models people already have, tiny: transformers' Llama, GPT-2 (tied), BERT, Mixtral and Qwen3-MoE from
 random configs, and torchtitan's llama3 and deepseek_v3 as torchtitan 0.3.0 writes them (its model code
 imports triton and its training stack, so it cannot be imported on a CPU machine: these are written in
-its style, module names and computation included). Each comes with its loss and batches with attention
+its style, module names, computation and initialization protocol included: `init_states`,
+`param_init`, `_init_self_buffers`). Each comes with its loss and batches with attention
 masks (padded rows, ignored labels). Shared by the model matrix (test_parity_models_gloo.py)."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -16,15 +19,76 @@ IGNORE = -100
 
 # ---- torchtitan style (torchtitan/models/common, llama3, deepseek_v3) ------------------------------
 
-class ComplexRoPE(nn.Module):
+class Module(nn.Module):
+    """torchtitan's Module (protocols/module.py) as it initializes: `init_states` initializes the
+    children (looking inside plain nn.Modules), then the module's own parameters (`_param_init`, an
+    init function per parameter name, else `reset_parameters()`), then its own buffers."""
+
+    _param_init = None
+
+    def init_states(self, *, buffer_device=None):
+        queue = list(self.children())
+        while queue:
+            child = queue.pop(0)
+            if isinstance(child, Module):
+                child.init_states(buffer_device=buffer_device)
+            else:
+                queue.extend(child.children())
+        self._init_self_parameters()
+        self._init_self_buffers(buffer_device=buffer_device)
+
+    def _init_self_parameters(self):
+        if self._param_init is not None:
+            for name, param in self.named_parameters(recurse=False):
+                self._param_init[name](param)
+        elif callable(getattr(self, "reset_parameters", None)):
+            self.reset_parameters()
+        elif any(True for _ in self.parameters(recurse=False)):
+            raise ValueError(f"{type(self).__name__} has parameters but neither param_init nor reset_parameters")
+
+    def _init_self_buffers(self, *, buffer_device=None):
+        pass
+
+
+def skip_param_init(param):
+    """torchtitan's initializer of a tied embedding: the output head initializes the tensor."""
+
+
+def trunc_normal(std):
+    return {"weight": partial(nn.init.trunc_normal_, std=std)}
+
+
+class Linear(nn.Linear, Module):
+    def __init__(self, dim, out, std=0.02):
+        super().__init__(dim, out, bias=False)
+        self._param_init = trunc_normal(std)
+
+
+class RMSNorm(nn.RMSNorm, Module):
+    _param_init = {"weight": nn.init.ones_}
+
+
+class Embedding(nn.Embedding, Module):
+    _param_init = {"weight": partial(nn.init.normal_, std=1.0)}
+
+
+class ComplexRoPE(Module):
     """torchtitan's ComplexRoPE: a non-persistent buffer of complex cis values, applied by viewing
-    query and key pairs as complex numbers."""
+    query and key pairs as complex numbers; recomputed by `_init_self_buffers`."""
 
     def __init__(self, dim, max_seq_len=SEQ, theta=10000.0):
         super().__init__()
-        freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: dim // 2].float() / dim))
-        angles = torch.outer(torch.arange(max_seq_len).float(), freqs)
-        self.register_buffer("cache", torch.polar(torch.ones_like(angles), angles), persistent=False)
+        self.dim, self.max_seq_len, self.theta = dim, max_seq_len, theta
+        self.register_buffer("cache", self._precompute_cache(), persistent=False)
+
+    def _precompute_cache(self):
+        freqs = 1.0 / (self.theta ** (torch.arange(0, self.dim, 2)[: self.dim // 2].float() / self.dim))
+        angles = torch.outer(torch.arange(self.max_seq_len).float(), freqs)
+        return torch.polar(torch.ones_like(angles), angles)
+
+    def _init_self_buffers(self, *, buffer_device=None):
+        with torch.device(buffer_device or self.cache.device):
+            self.cache = self._precompute_cache()
 
     def forward(self, query, key):
         cache = self.cache[: query.shape[1]].view(1, query.shape[1], 1, -1)
@@ -36,26 +100,25 @@ class ComplexRoPE(nn.Module):
         return rotate(query), rotate(key)
 
 
-class FeedForward(nn.Module):
+class FeedForward(Module):
     def __init__(self, dim, hidden):
         super().__init__()
-        self.w1, self.w2, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(hidden, dim, bias=False), \
-            nn.Linear(dim, hidden, bias=False)
+        self.w1, self.w2, self.w3 = Linear(dim, hidden), Linear(hidden, dim), Linear(dim, hidden)
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-class GQAttention(nn.Module):
+class GQAttention(Module):
     """llama3's attention: wq/wk/wv/wo, grouped key-value heads repeated, causal SDPA."""
 
     def __init__(self, dim, n_heads, n_kv_heads):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
-        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.wq = Linear(dim, n_heads * self.head_dim)
+        self.wk = Linear(dim, n_kv_heads * self.head_dim)
+        self.wv = Linear(dim, n_kv_heads * self.head_dim)
+        self.wo = Linear(n_heads * self.head_dim, dim)
         self.rope = ComplexRoPE(self.head_dim)
 
     def forward(self, x):
@@ -70,7 +133,7 @@ class GQAttention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
-class MLAttention(nn.Module):
+class MLAttention(Module):
     """deepseek_v3's multi-head latent attention (q_lora_rank 0): a low-rank key-value projection with
     its own RMSNorm, a rotary part shared by every head, causal SDPA with the softmax scale given."""
 
@@ -79,11 +142,11 @@ class MLAttention(nn.Module):
         self.n_heads, self.kv_lora_rank = n_heads, kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
-        self.wq = nn.Linear(dim, n_heads * self.qk_head_dim, bias=False)
-        self.wkv_a = nn.Linear(dim, kv_lora_rank + qk_rope_head_dim, bias=False)
-        self.kv_norm = nn.RMSNorm(kv_lora_rank, eps=1e-6)
-        self.wkv_b = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
-        self.wo = nn.Linear(n_heads * v_head_dim, dim, bias=False)
+        self.wq = Linear(dim, n_heads * self.qk_head_dim)
+        self.wkv_a = Linear(dim, kv_lora_rank + qk_rope_head_dim)
+        self.kv_norm = RMSNorm(kv_lora_rank, eps=1e-6)
+        self.wkv_b = Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim))
+        self.wo = Linear(n_heads * v_head_dim, dim)
         self.softmax_scale = self.qk_head_dim ** -0.5
         self.rope = ComplexRoPE(qk_rope_head_dim)
 
@@ -102,12 +165,12 @@ class MLAttention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
-class TokenChoiceTopKRouter(nn.Module):
+class TokenChoiceTopKRouter(Module):
     """Sigmoid scores in fp32; the load-balancing bias moves the choice, not the gate values."""
 
     def __init__(self, dim, num_experts, top_k, route_scale=1.0):
         super().__init__()
-        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.gate = Linear(dim, num_experts)
         self.top_k, self.route_scale = top_k, route_scale
 
     def forward(self, x, expert_bias):
@@ -118,7 +181,7 @@ class TokenChoiceTopKRouter(nn.Module):
         return top_scores * self.route_scale, ids, scores
 
 
-class GroupedExperts(nn.Module):
+class GroupedExperts(Module):
     """The experts in fp32 (torchtitan casts them to bf16, whose grouped GEMM CPUs lack)."""
 
     def __init__(self, dim, hidden, num_experts):
@@ -126,6 +189,7 @@ class GroupedExperts(nn.Module):
         self.w1_EFD = nn.Parameter(torch.randn(num_experts, hidden, dim) * dim ** -0.5)
         self.w2_EDF = nn.Parameter(torch.randn(num_experts, dim, hidden) * hidden ** -0.5)
         self.w3_EFD = nn.Parameter(torch.randn(num_experts, hidden, dim) * dim ** -0.5)
+        self._param_init = {name: partial(nn.init.trunc_normal_, std=0.02) for name in ("w1_EFD", "w2_EDF", "w3_EFD")}
 
     def forward(self, x, num_tokens_per_expert):
         offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
@@ -134,7 +198,7 @@ class GroupedExperts(nn.Module):
         return torch._grouped_mm(h, self.w2_EDF.transpose(-2, -1), offs=offsets)
 
 
-class LocalTokenDispatcher(nn.Module):
+class LocalTokenDispatcher(Module):
     """Rows in expert order: a stable argsort of the flattened expert ids, each row the token of its
     sorted index // top_k; the combine scales the experts' outputs by the scores in fp32 and
     scatter_adds them back to the tokens."""
@@ -155,7 +219,7 @@ class LocalTokenDispatcher(nn.Module):
         return torch.zeros_like(x_TD).scatter_add(0, token_of_row.reshape(-1, 1).expand(-1, x_TD.shape[-1]), rows)
 
 
-class RoutedExperts(nn.Module):
+class RoutedExperts(Module):
     def __init__(self, dim, hidden, num_experts, top_k):
         super().__init__()
         self.inner_experts = GroupedExperts(dim, hidden, num_experts)
@@ -169,7 +233,7 @@ class RoutedExperts(nn.Module):
         return out_TD.view_as(x_BLD)
 
 
-class MoE(nn.Module):
+class MoE(Module):
     """torchtitan's MoE: the router, counts from a one-hot routing map (also accumulated into a buffer
     for the load-balancing bias that its optimizer hook updates), the routed experts, the shared ones."""
 
@@ -181,6 +245,11 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias_E", torch.zeros(num_experts), persistent=True)
         self.register_buffer("tokens_per_expert_E", torch.zeros(num_experts), persistent=False)
 
+    def _init_self_buffers(self, *, buffer_device=None):
+        with torch.device(buffer_device or self.expert_bias_E.device):
+            self.expert_bias_E, self.tokens_per_expert_E = torch.zeros_like(self.expert_bias_E), \
+                torch.zeros_like(self.tokens_per_expert_E)
+
     def forward(self, x_BLD):
         top_scores, ids, scores = self.router(x_BLD, self.expert_bias_E)
         routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, ids, True)
@@ -191,11 +260,11 @@ class MoE(nn.Module):
         return self.routed_experts(x_BLD, top_scores, ids, counts) + self.shared_experts(x_BLD)
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(Module):
     def __init__(self, attention, ffn, dim, ffn_name="feed_forward"):
         super().__init__()
         self.attention, self.ffn_name = attention, ffn_name
-        self.attention_norm, self.ffn_norm = nn.RMSNorm(dim, eps=1e-5), nn.RMSNorm(dim, eps=1e-5)
+        self.attention_norm, self.ffn_norm = RMSNorm(dim, eps=1e-5), RMSNorm(dim, eps=1e-5)
         setattr(self, ffn_name, ffn)
 
     def forward(self, x):
@@ -203,15 +272,19 @@ class TransformerBlock(nn.Module):
         return h + getattr(self, self.ffn_name)(self.ffn_norm(h))
 
 
-class Decoder(nn.Module):
-    """torchtitan's Decoder: blocks in a ModuleDict keyed "0", "1", ..., tokens in, logits out."""
+class Decoder(Module):
+    """torchtitan's Decoder: blocks in a ModuleDict keyed "0", "1", ..., tokens in, logits out; with
+    `tie`, the embedding is the output head's weight, which the head initializes."""
 
-    def __init__(self, blocks, dim=32, vocab_size=VOCAB):
+    def __init__(self, blocks, dim=32, vocab_size=VOCAB, tie=False):
         super().__init__()
-        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.tok_embeddings = Embedding(vocab_size, dim)
         self.layers = nn.ModuleDict({str(i): block for i, block in enumerate(blocks)})
-        self.norm = nn.RMSNorm(dim, eps=1e-5)
-        self.lm_head = nn.Linear(dim, vocab_size, bias=False)
+        self.norm = RMSNorm(dim, eps=1e-5)
+        self.lm_head = Linear(dim, vocab_size, std=dim ** -0.5)
+        if tie:
+            self.tok_embeddings.weight = self.lm_head.weight
+            self.tok_embeddings._param_init = {"weight": skip_param_init}
 
     def forward(self, tokens):
         h = self.tok_embeddings(tokens)
@@ -220,8 +293,9 @@ class Decoder(nn.Module):
         return self.lm_head(self.norm(h))
 
 
-def titan_llama3(dim=32, layers=2):
-    return Decoder([TransformerBlock(GQAttention(dim, 4, 2), FeedForward(dim, 64), dim) for _ in range(layers)], dim)
+def titan_llama3(dim=32, layers=2, tie=False):
+    return Decoder([TransformerBlock(GQAttention(dim, 4, 2), FeedForward(dim, 64), dim) for _ in range(layers)], dim,
+                   tie=tie)
 
 
 def titan_deepseek_v3(dim=32, layers=3):

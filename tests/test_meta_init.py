@@ -149,6 +149,64 @@ def test_a_transformers_gpt2_on_meta_keeps_its_tie_and_its_scaled_residual_init(
     assert math.isfinite(step.evaluate(batch)["loss"].item())
 
 
+@pytest.mark.parametrize("name, tie", [("titan_llama3", True), ("titan_deepseek_v3", False)])
+def test_a_torchtitan_model_on_meta_initializes_as_its_init_states_does(name, tie):
+    """torchtitan builds its models on meta and initializes them with `init_states`: each module's
+    `param_init` functions (its Linears trunc_normal(0.02), not nn.Linear's reset_parameters), then its
+    buffers (the rotary cache recomputed, the MoE's counters zeroed). fxshard runs the same per module;
+    a tied embedding, whose own initializer skips it, takes the output head's. Deterministic tensors
+    equal `init_states`' values, random ones have its spread, and the step trains like eager."""
+    import model_zoo as zoo
+
+    build = (lambda: zoo.titan_llama3(tie=True)) if tie else zoo.MODELS[name][0]
+    with torch.device("meta"):
+        model = build()
+    values = MetaInit(model, seed=3, device="cpu").materialize_all()
+    references = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        reference = build()
+        reference.init_states(buffer_device=torch.device("cpu"))
+        references.append({**dict(reference.named_parameters()), **dict(reference.named_buffers())})
+    assert values.keys() == references[0].keys()
+    for key, value in values.items():
+        want, other = references[0][key], references[1][key]
+        if torch.equal(want, other):  # deterministic: ones, zeros, the rotary cache
+            assert torch.equal(value, want), key
+        else:
+            assert 0.75 < value.std().item() / want.std().item() < 1.33, (key, value.std(), want.std())
+    if tie:
+        assert model.tok_embeddings.weight is model.lm_head.weight
+        assert values["tok_embeddings.weight"].std().item() < 0.5  # the head's dim ** -0.5, not the embedding's 1.0
+
+    batch = zoo.masked_batches(name, 1)[0]
+    step = fxshard.shard(model, zoo.titan_loss, batch, fxshard.optim.SGD(lr=0.0), config=fxshard.Config(seed=3))
+    eager = build()
+    eager.load_state_dict({**values, **step.parameters()}, strict=False)
+    with torch.no_grad():
+        want = zoo.titan_loss(eager, batch)
+    assert torch.allclose(step(batch)["loss"], want, rtol=1e-5)
+
+
+def test_an_initializer_that_raises_is_a_clear_error():
+    """torchtitan's `_init_self_parameters` raises a ValueError for parameters it has no initializer
+    for: fxshard names the module and the cause."""
+    import model_zoo as zoo
+
+    class Scale(zoo.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return x * self.scale
+
+    with torch.device("meta"):
+        model = Scale()
+    with pytest.raises(fxshard.FxShardError, match="'Scale' .*ValueError: Scale has parameters"):
+        fxshard.shard(model, lambda m, b: m(b).sum(), torch.zeros(2, 4))
+
+
 _SHARD_1B = """
 import json, resource, torch, fxshard
 from fxshard.init import MetaInit
