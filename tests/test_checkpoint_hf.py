@@ -173,20 +173,45 @@ def llama_config():
                                     rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta})
 
 
-def zero3_job(directory: str) -> list[float]:
+def zero3_job(directory: str) -> tuple[list[float], str, str]:
+    """The losses of training from the directory; then a NaN put where only rank 1 reads (a parameter
+    held whole in its ZeRO-3 shard): every rank must refuse it and keep its state."""
+    from safetensors.torch import save_file
+
+    from fxshard.checkpoint.state import pieces_of
+
     rank = dist.get_rank()
     local = [{k: v[rank * 2:(rank + 1) * 2] for k, v in b.items()} for b in batches()]
     step = shard(MODELS["llama"][0], seed=7, mesh=fxshard.Mesh(dp=2),
                  config=fxshard.Config(sharding="optim_grads_params"), batch=local[0])
     fxshard.load_hf(step, directory)
-    return [step(batch)["loss"].item() for batch in local]
+    losses = [step(batch)["loss"].item() for batch in local]
+
+    held = [None, None]
+    dist.all_gather_object(held, {piece.key.removeprefix("model.") for piece in pieces_of(step)})
+    poisoned = sorted(held[1] - held[0])[0]
+    before = step.parameters()
+    if rank == 0:
+        save_file({name: torch.full_like(value, float("nan")) if name == poisoned else value.contiguous()
+                   for name, value in before.items()}, os.path.join(directory, "own", "model.safetensors"))
+    dist.barrier()
+    try:
+        fxshard.load_hf(step, os.path.join(directory, "own"))
+        refused = ""
+    except fxshard.FxShardError as error:
+        refused = str(error)
+    assert all(torch.equal(value, before[name]) for name, value in step.parameters().items())
+    return losses, poisoned, refused
 
 
 def test_a_transformers_llama_checkpoint_trains_under_dp2_zero3_like_the_llama_in_eager(tmp_path):
     torch.manual_seed(0)
     llama = transformers.LlamaForCausalLM(llama_config())
     llama.save_pretrained(tmp_path)
-    losses = run_local(zero3_job, 2, str(tmp_path), backend="gloo")[0]
+    (tmp_path / "own").mkdir()
+    (losses, poisoned, refused), (_, _, refused_too) = run_local(zero3_job, 2, str(tmp_path), backend="gloo")
+    assert f"not finite (NaN or inf) in model.{poisoned} (in the part this rank reads)" in refused_too
+    assert refused.startswith("load_hf: another rank could not load") and poisoned in refused
     optimizer = torch_optimizer(ADAMW, llama.parameters())
     for ours, batch in zip(losses, batches()):
         optimizer.zero_grad()

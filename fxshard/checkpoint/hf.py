@@ -31,6 +31,7 @@ import torch
 from ..errors import FxShardError
 from .experts import ExpertLayout, convert_expert_tensors
 from ..program import InputKind
+from ..runtime.agreement import raise_together
 from .items import model_key
 from .state import load_state_dict_into, pieces_of, read_box
 
@@ -318,18 +319,39 @@ def load_hf(step, directory: str | os.PathLike) -> None:
     """Initialize `step`'s parameters from a Hugging Face directory (Llama for models.GPT, Mixtral for
     models.MoEGPT) or from safetensors files in the model's own parameter names. Each rank reads only
     the rectangles of each tensor it holds; optimizer state and the step count are left as they are
-    (a fresh step: zeros and 0). Every rank calls it; nothing changes unless every tensor is found."""
+    (a fresh step: zeros and 0). Every rank calls it; nothing changes unless every tensor is found and
+    finite, and when one rank's pieces are not (a NaN, a file cut short where only it reads), every rank
+    raises."""
     directory = os.fspath(directory)
+    problem, staged = None, {}
+    try:
+        staged = _staged(step, directory)
+    except FxShardError as error:
+        problem = str(error)
+    raise_together(problem, step.device, f"load_hf: another rank could not load {directory}; nothing was loaded")
+    with torch.no_grad():
+        for key, value in staged.items():
+            step.state[key].copy_(value)
+
+
+def _staged(step, directory: str) -> dict:
+    """Copies of this rank's state tensors that the directory holds, filled from it (buffers the directory
+    does not hold stay as they are); FxShardError for anything missing, unreadable or not finite."""
     files = SafetensorsDirectory(directory)
     shapes = {spec.name: tuple(spec.shape) for spec in step.programs[0].inputs if spec.kind is InputKind.PARAM}
     buffers = {spec.name: tuple(spec.shape) for spec in step.programs[0].inputs if spec.kind is InputKind.BUFFER}
     sources = {model_key(name): source for name, source in _sources(step, files, shapes, directory, buffers).items()}
-    # read into copies of the state tensors concerned (buffers the directory does not hold stay as they are)
-    staged = {piece.state: step.state[piece.state].clone() for piece in pieces_of(step) if piece.key in sources}
+    pieces = [piece for piece in pieces_of(step) if piece.key in sources]
+    staged = {piece.state: step.state[piece.state].clone() for piece in pieces}
     load_state_dict_into(step, sources, staged)
-    with torch.no_grad():
-        for key, value in staged.items():
-            step.state[key].copy_(value)
+    not_finite = sorted({piece.key for piece in pieces if staged[piece.state].is_floating_point() and not bool(
+        torch.isfinite(staged[piece.state].view(-1)[piece.local:piece.local + piece.numel]).all())})
+    if not_finite:
+        raise FxShardError(
+            f"load_hf: {directory} holds values that are not finite (NaN or inf) in {', '.join(not_finite[:8])}"
+            f"{', ...' if len(not_finite) > 8 else ''} (in the part this rank reads); nothing was loaded. Repair or "
+            f"re-export the checkpoint")
+    return staged
 
 
 def _sources(step, files: SafetensorsDirectory, shapes: dict, directory: str, buffers: dict) -> dict[str, Source]:

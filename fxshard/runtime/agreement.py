@@ -145,12 +145,20 @@ def check_agreement(graph: fx.Graph, groups: dict, device: torch.device, stage: 
     collectives (or, in a pipeline, mismatched transfers). `groups`: mesh axis -> this rank's process
     group. Every rank takes part in every check, and then all of them learn the first problem found:
     a rank whose own groups agree must not go on into collectives its failed peers never issue."""
+    raise_together(_disagreement(graph, groups, device, stage), device, "another rank's group disagrees")
+
+
+def raise_together(problem: str | None, device: torch.device, elsewhere: str) -> None:
+    """Every rank of the job raises FxShardError when any rank found a problem (its own, else the first
+    rank's, after `elsewhere`), none when no rank did: a rank whose own part went well must not go on
+    into collectives its failed peers never issue. One process alone raises its own problem."""
     import torch.distributed as dist
 
-    problem = _disagreement(graph, groups, device, stage)
-    found = [text for text in _all_gather_text(problem or "", dist.group.WORLD, device) if text]
+    found = [problem] if problem else []
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        found = [text for text in _all_gather_text(problem or "", dist.group.WORLD, device) if text]
     if found:
-        raise FxShardError(problem or f"another rank's group disagrees, so this job stops here too: {found[0]}")
+        raise FxShardError(problem or f"{elsewhere}, so this job stops here too: {found[0]}")
 
 
 def _disagreement(graph: fx.Graph, groups: dict, device: torch.device, stage: int | None) -> str | None:
