@@ -54,7 +54,7 @@ from .ops.p2p import P2P_OPS
 import torch.nn as nn
 
 from . import meta
-from .graph import ancestors, attribute, evaluate, is_pure, is_view, mutates
+from .graph import ancestors, attribute, evaluate, is_pure, is_view, mutates, views_as_reshapes
 
 # ops whose output shape depends on values: Inductor needs unbacked symbols for them; left to aten
 _DATA_DEPENDENT = {"nonzero", "masked_select", "unique", "_unique2", "unique_consecutive", "_local_scalar_dense",
@@ -290,7 +290,7 @@ def compile_regions(graph_module: fx.GraphModule, compiler: Callable | None = No
                               f"could not compile it ({reason})", stacklevel=2)
             region.seconds = time.perf_counter() - began
             compiled_by_key[region.key] = compiled
-        modules[region.name] = CompiledRegion(region, replay, compiled)
+        modules[region.name] = CompiledRegion(region, views_as_reshapes(replay) if compiled is None else replay, compiled)
         if progress is not None:
             progress(f"codegen: region {region.index + 1} of {len(regions)} ({len(region.nodes)} nodes, "
                      f"{region.where}) {region.status}; {time.perf_counter() - started:.1f}s elapsed")

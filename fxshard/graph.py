@@ -103,6 +103,26 @@ def is_view(node: fx.Node) -> bool:
     return node.target is torch.ops.aten._unsafe_view.default or any(r.alias_info is not None for r in schema.returns)
 
 
+def views_as_reshapes(graph_module: fx.GraphModule) -> fx.GraphModule:
+    """`graph_module`, or a copy of it in which every `aten.view` is an `aten.reshape`.
+
+    For aten replay. A traced view was chosen from its input's fake strides (reshape decomposes to a
+    view where those allow one), but a few kernels' real outputs are laid out otherwise than their fake
+    tensors say (CPU's softplus_backward keeps a transposed gradient's layout where its fake output is
+    contiguous: Qwen3-Next's gated delta-net backward), and the view then fails on the real tensor.
+    A reshape is that same view wherever the view is valid, and a copy only where it would have
+    failed. Inductor's regions need none of this: they are compiled for the strides they are given."""
+    view = torch.ops.aten.view.default
+    if not any(n.op == "call_function" and n.target is view for n in graph_module.graph.nodes):
+        return graph_module
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(graph_module.graph, {}))
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is view:
+            node.target = torch.ops.aten.reshape.default
+    return fx.GraphModule(graph_module, graph)
+
+
 def reordered(graph_module: fx.GraphModule, order: Sequence[fx.Node]) -> fx.GraphModule:
     """A copy of `graph_module` with its nodes in `order` (every node once, each after its inputs)."""
     graph = fx.Graph()

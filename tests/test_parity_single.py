@@ -116,3 +116,25 @@ def test_a_float64_model_trains_like_eager_float64():
     torch.manual_seed(0)
     parity = eager_parity(MLPStack([5, 3]).double(), mse, batches, fxshard.optim.AdamW(lr=1e-2))
     assert parity.max_loss_rel < 1e-7 and parity.max_param_rel < 1e-6, parity
+
+
+class TransposedSoftplusGate(torch.nn.Module):
+    """softplus, then a transposed flatten (Qwen3-Next's gated delta-net does this): the gradient
+    reaching softplus_backward is transposed, and on CPU its output keeps that layout while the traced
+    (fake) output is contiguous, so the view of it that the linear layer's backward traced cannot be
+    a view of the real tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.v = torch.nn.Linear(8, 4), torch.nn.Linear(4 * 6, 3)
+
+    def forward(self, x):
+        a = torch.nn.functional.softplus(self.w(x))
+        return self.v(a.transpose(1, 2).reshape(x.shape[0], -1))
+
+
+def test_a_kernel_whose_real_layout_differs_from_its_traced_one_still_replays_like_eager():
+    torch.manual_seed(0)
+    batches = [torch.randn(2, 6, 8) for _ in range(3)]
+    parity = eager_parity(TransposedSoftplusGate(), lambda m, b: m(b).square().mean(), batches, ADAMW)
+    assert parity.max_loss_rel < 1e-6 and parity.max_param_rel < 1e-5, parity

@@ -16,6 +16,7 @@ from ..program import InputKind, OutputKind, Program
 from ..ops.gloo import GLOO_ALL_GATHER
 from ..ops.p2p import P2P_OPS
 from ..codegen import CodegenReport, compile_regions, progress_printer
+from ..graph import views_as_reshapes
 from .nonfinite import was_skipped
 from .carveout import carve_out_sms_for_all_to_alls
 from .copy_engine import CopyEngineLowering, Watch, lower_to_copy_engines, marker
@@ -117,6 +118,8 @@ class CompiledStep:
         if codegen:
             self._run, self.codegen = compile_regions(self._run, progress=progress_printer(verbose),
                                                       by_layer=codegen_by_layer)
+        else:  # aten replay: a view whose input's real layout is not its fake one copies instead of failing
+            self._run = views_as_reshapes(self._run)
         if cuda_graphs and device.type != "cuda":
             raise FxShardError(f"Config(cuda_graphs=True) needs a CUDA device; the batch is on {device}")
         if cuda_graphs:
@@ -273,6 +276,8 @@ class CompiledStep:
         run = self._bound(program)
         if self._codegen_on:
             run, _ = compile_regions(run, progress=progress_printer(self._verbose), by_layer=self._codegen_by_layer)
+        else:
+            run = views_as_reshapes(run)
         return program, run
 
     def _arguments(self, leaves, program: Program | None = None):
