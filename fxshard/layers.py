@@ -20,8 +20,10 @@ from .errors import FxShardError
 
 def find_layers(model: nn.Module, patterns: tuple[str, ...] | None = None) -> list[str]:
     """Module paths of the layers, in registration order: the children of `patterns`' matches, or
-    by default of the container (ModuleList, Sequential or ModuleDict of one module type) holding
-    the most parameters."""
+    by default of the container holding the most parameters among the ModuleLists, Sequentials and
+    ModuleDicts of one module type and the ModuleLists and ModuleDicts whose children all hold
+    parameters (a hybrid model's blocks: Jamba's attention and Mamba layers). A Sequential of mixed
+    types is a model of its own (Linear, ReLU, Linear), not a list of blocks."""
     if patterns is not None:
         paths = [name for name, _ in model.named_modules() if name and
                  any(fnmatch.fnmatchcase(name, p) for p in patterns)]
@@ -34,8 +36,7 @@ def find_layers(model: nn.Module, patterns: tuple[str, ...] | None = None) -> li
         return paths
     best, best_size = None, 0
     for name, module in model.named_modules():
-        children = _children(module)
-        if not children or len({type(child) for child in children.values()}) != 1:
+        if not _holds_blocks(module):
             continue
         size = sum(p.numel() for p in module.parameters())
         if size > best_size:
@@ -44,6 +45,15 @@ def find_layers(model: nn.Module, patterns: tuple[str, ...] | None = None) -> li
         return []
     prefix = f"{best}." if best else ""
     return [f"{prefix}{key}" for key in _children(model.get_submodule(best))]
+
+
+def _holds_blocks(module: nn.Module) -> bool:
+    children = list(_children(module).values())
+    if not children:
+        return False
+    if len({type(child) for child in children}) == 1:
+        return True
+    return not isinstance(module, nn.Sequential) and all(any(True for _ in c.parameters()) for c in children)
 
 
 def _children(module: nn.Module) -> dict[str, nn.Module]:

@@ -157,6 +157,34 @@ def test_blocks_in_a_module_dict_are_the_layers_for_units_and_pipeline_cuts():
     # pp=2: the model matrix, tests/test_parity_models_gloo.py
 
 
+class Hybrid(nn.Module):
+    """A hybrid model's blocks (Jamba's attention and Mamba layers, Qwen3-Next's linear and full
+    attention) in one ModuleList of two types, with a head that is itself a Sequential of mixed types."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.blocks = nn.ModuleList([nn.Linear(16, 16), nn.GRU(16, 16, batch_first=True), nn.Linear(16, 16)])
+        self.head = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 64))
+
+    def forward(self, batch):
+        x = self.embed(batch["idx"])
+        for block in self.blocks:
+            x = x + (block(x)[0] if isinstance(block, nn.GRU) else block(x))
+        return F.cross_entropy(self.head(x).flatten(0, 1), batch["tgt"].flatten())
+
+
+def test_blocks_of_several_types_in_one_list_are_the_layers():
+    """They used to be refused for not being of one type, which left such a model without layers: one
+    ZeRO-3 unit for all of it, nothing to cut a pipeline at, and no warning."""
+    from fxshard.layers import find_layers
+
+    model = Hybrid()
+    assert find_layers(model) == ["blocks.0", "blocks.1", "blocks.2"]
+    model.head = nn.Sequential(nn.Linear(16, 512), nn.LayerNorm(512), nn.Linear(512, 64))  # the largest container now
+    assert find_layers(model) == ["blocks.0", "blocks.1", "blocks.2"]  # but a model, not a list of blocks
+
+
 def test_transformers_llama_with_packed_sequences_trains_like_eager():
     """Tracing sets torch.compiler's compiling/exporting flags as torch.export does, so transformers
     builds its masks with tensor ops instead of reading them on the host (fxshard/trace.py). Padding
