@@ -263,17 +263,24 @@ class _RowOrder:
                 return True
         return False
 
+    def is_sorted_ids(self, node) -> bool:
+        """sort(ids).values: row i's expert."""
+        return isinstance(node, fx.Node) and node.target is operator.getitem and node.args[1] == 0 and \
+            _is_ascending_sort(node.args[0]) and _flat_indices_of(node.args[0].args[0]) is self.topk
+
     def decide(self, node: fx.Node) -> bool:
         if node.op != "call_function":
             return False
         target = node.target
         if target in _EXPERT_OPS and node.args[1] is self.offsets:
             return True
-        if target is operator.getitem and node.args[1] == 0 and _is_ascending_sort(node.args[0]) and \
-                _flat_indices_of(node.args[0].args[0]) is self.topk:
+        if self.is_sorted_ids(node):
             return True  # the sorted ids (the same for every ascending sort): sort(ids).values[i] = ids[perm[i]]
         if target is _aten.index.Tensor:
             indices = node.args[1]
+            if len(indices) == 1 and self.is_sorted_ids(indices[0]) and \
+                    _val(node.args[0]).shape[0] == _val(self.offsets).shape[0]:
+                return True  # a per-expert table (GPT-OSS's expert biases) read at each row's expert
             return len(indices) == 1 and self.is_perm_index(indices[0])
         if target is _aten.index_select.default:
             return node.args[1] % _val(node.args[0]).dim() == 0 and self.is_perm_index(node.args[2])

@@ -154,9 +154,16 @@ def hf_loss(model, batch):
 
 
 @pytest.mark.parametrize("architecture, implementation, fused", [("Qwen3Moe", "grouped_mm", True),
-                                                                   ("Mixtral", "batched_mm", False)])
+                                                                   ("Mixtral", "batched_mm", False),
+                                                                   ("GptOss", "grouped_mm", False)])
 def test_transformers_moe_layers_are_recognized_and_split_over_expert_ranks(architecture, implementation, fused):
+    """GPT-OSS adds per-expert biases, read at each row's expert (bias[sort(ids).values]): made nonzero
+    here, so the split's forward reads them where the rows are."""
     model = transformers_moe(architecture, implementation)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("_bias"):
+                param.normal_(generator=torch.Generator().manual_seed(len(name)))
     config = fxshard.Config(fuse_grouped_mlp=fused)
     programs = assert_ep_trains_like_one_device(model, hf_loss, local_batches(2, 64), fxshard.Mesh(dp=2, ep=2), config)
     if fused:  # transformers' gate_up split and SiLU are the fused op's swiglu
