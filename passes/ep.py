@@ -217,10 +217,12 @@ class _Rewrite:
         if not seeds:
             raise FxShardError(
                 f"Mesh(ep={self.cfg.ep}) but the program has no MoE layer fxshard can split over ranks: expert "
-                f"parallelism rewrites MoE layers whose experts run through fxshard.ops.grouped_mm (or the fused "
-                f"grouped MLP) on tokens routed by fxshard.moe.dispatch, as fxshard.models.MoEGPT does; MoE "
-                f"layers written elsewhere (transformers, torchtitan) are not recognized yet. Use ep=1 for this "
-                f"model (its experts then train replicated or sharded over dp)")
+                f"parallelism rewrites MoE layers whose experts run as grouped GEMMs (fxshard.ops.grouped_mm, "
+                f"torch._grouped_mm, or the fused grouped MLP) on the tokens routed to them: fxshard.moe.dispatch's "
+                f"layers (fxshard.models.MoEGPT), and transformers' and torchtitan's MoE layers, which are recognized. "
+                f"This model's experts compute otherwise (e.g. one batched matmul of every expert over every token, "
+                f"as Llama 4's do). Register a forward for its MoE module that routes with fxshard.moe.dispatch "
+                f"(fxshard.register_moe), or use ep=1 (its experts then train replicated or sharded over dp)")
         self.layers: dict[fx.Node, _Layer] = {}
         self.layer_of: dict[fx.Node, _Layer] = {}
         for seed in seeds:
