@@ -62,9 +62,9 @@ def _materialize(model: nn.Module, path: str, module: nn.Module, seed: int, devi
                     raise
                 except Exception as error:
                     raise FxShardError(
-                        f"initializing module {path or type(model).__name__!r} ({type(module).__name__}) on the "
-                        f"meta device failed: {type(error).__name__}: {error}. Fix its initializer, or build the "
-                        f"model on a real device") from error
+                        f"initializing module {path or type(model).__name__!r} ({type(module).__name__}) of a model "
+                        f"built on the meta device failed: {type(error).__name__}: {error}. Fix its initializer, or "
+                        f"build the model on a real device") from error
         prefix = f"{path}." if path else ""
         values = {prefix + n: t.detach() for n, t in [*module.named_parameters(recurse=False),
                                                        *module.named_buffers(recurse=False)]}

@@ -13,7 +13,8 @@ no facts. This pass finds them by matching the dataflow that makes such a layer 
                zeros[..., E].scatter(-1, ids, True), torchtitan's; an int cast anywhere on the way)
     rows     = tokens[perm // k] (index, index_select or gather), or tokens[perm], then any row-wise
                ops with other rows in the same order, e.g. a multiplication by scores[perm]
-               (torchtitan's score_before_experts) or a mask computed from sort(ids).values
+               (torchtitan's score_before_experts), a mask computed from sort(ids).values, or a
+               per-expert table read at each row's expert, table[sort(ids).values] (GPT-OSS's biases)
     experts  = fxshard::grouped_mm(rows, offsets, weight[E, ...]) ... row-wise ops ... grouped_mm
 
 so every row the expert ops read belongs to the expert that `offsets` assigns it to: row i is
