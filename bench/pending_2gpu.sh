@@ -8,8 +8,8 @@
 # (date, machine, command). In priority order:
 #   moe       issue 15: MoE ep=2, dual-batch, NCCL and copy-engine all-to-alls (>= 30% MFU, >= 90% hidden)
 #   moe-ce    the same with ZeRO-1's collectives on the copy engines too (Config(fsdp_collectives))
-#   fsdp      issue 15: GPT 1b ZeRO-3 at batch 4 against one GPU's compiled step: NCCL, copy-engine
-#             collectives (fxshard-ce), NCCL_MAX_CTAS=8; profiled (exposed NCCL time per mode)
+#   fsdp      issue 15: GPT 1b ZeRO-3 at batch 4 and 1 against one GPU's compiled step and FSDP2 + compile:
+#             NCCL and copy-engine collectives (fxshard-ce); profiled (exposed NCCL time per mode)
 #   pipeline  issue 14: bench/pipeline.py 1F1B and interleaved V=2 with the peer (pipeline-zb: ZB-H1)
 #   hf_moe    issue 17: the Qwen3-MoE-like transformers model at ep=2 against FSDP2 eager
 #   suite-ce  the multigpu tests of the copy-engine collectives (bit-identical to NCCL; a stalled peer)
@@ -21,19 +21,19 @@ mkdir -p "$out"
 day=$(date +%F)
 case "$part" in
   moe) timeout 580 python bench/moe.py --gpus 2 --ep 2 --chunks 1 --all-to-all nccl copy-engine --microbatches 2 \
-         --interleave dual-batch --warmup 3 --iters 8 --out "$out/moe_2xh200_$day.json" 2>&1 | tee "$out/moe.log" \
+         --interleave dual-batch --warmup 3 --iters 8 --out "$out/moe_2gpu_$day.json" 2>&1 | tee "$out/moe.log" \
          | grep -v "codegen: region" | tail -40 ;;
   moe-ce) timeout 580 python bench/moe.py --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine --microbatches 2 \
          --interleave dual-batch --fsdp-collectives copy-engine --warmup 3 --iters 8 \
-         --out "$out/moe_ce_2xh200_$day.json" 2>&1 | tee "$out/moe_ce.log" | grep -v "codegen: region" | tail -40 ;;
-  fsdp) timeout 580 python bench/fsdp.py --gpus 2 --batch 4 --modes nocomm-compile fxshard fxshard-ce fxshard-ctas8 \
-          --profile "$out/fsdp_profile" --out "$out/fsdp_2xh200_$day.json" 2>&1 | tee "$out/fsdp.log" \
+         --out "$out/moe_ce_2gpu_$day.json" 2>&1 | tee "$out/moe_ce.log" | grep -v "codegen: region" | tail -40 ;;
+  fsdp) timeout 580 python bench/fsdp.py --gpus 2 --batch 4 1 --modes nocomm-compile fsdp2-compile fxshard fxshard-ce \
+          --profile "$out/fsdp_profile" --out "$out/fsdp_2gpu_$day.json" 2>&1 | tee "$out/fsdp.log" \
           | grep -v "codegen: region" | tail -30 ;;
   pipeline) timeout 580 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 \
-              --out "$out/pipeline_2xh200_$day.json" 2>&1 | tee "$out/pipeline.log" | grep -v "codegen: region" | tail -30 ;;
+              --out "$out/pipeline_2gpu_$day.json" 2>&1 | tee "$out/pipeline.log" | grep -v "codegen: region" | tail -30 ;;
   pipeline-zb) timeout 580 python bench/pipeline.py --gpus 2 --schedules zb-h1 --peers \
-                 --out "$out/pipeline_zb_2xh200_$day.json" 2>&1 | tee "$out/pipeline_zb.log" | grep -v "codegen: region" | tail -20 ;;
-  hf_moe) timeout 580 python bench/hf_moe.py --out "$out/hf_moe_2xh200_$day.json" 2>&1 | tee "$out/hf_moe.log" \
+                 --out "$out/pipeline_zb_2gpu_$day.json" 2>&1 | tee "$out/pipeline_zb.log" | grep -v "codegen: region" | tail -20 ;;
+  hf_moe) timeout 580 python bench/hf_moe.py --out "$out/hf_moe_2gpu_$day.json" 2>&1 | tee "$out/hf_moe.log" \
             | grep -v "codegen: region" | tail -30 ;;
   suite-ce) timeout 580 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -m multigpu -k copy_engine 2>&1 \
               | tee "$out/suite_ce.log" | tail -15 ;;
