@@ -40,7 +40,9 @@ pipelining mode of the job, "vs eager" = the same schedule's eager ms / graphed 
 ranks, after setup), the loss of the first and the last warm-up step (the same model, data and optimizer in
 every mode: they should agree to bf16 rounding).
 
-Measured bubble: after timing, one more step per mode under torch.profiler (CUDA activity only). Per rank,
+Measured bubble: after timing, one more step per mode under torch.profiler (CUDA activity only), after
+one profiled and discarded (the profiler's start-up would otherwise leave the GPU idle for ~2.7 ms at the
+start of the window). Per rank,
 busy = the union of GPU kernel, memset and device-to-device memcpy intervals that are not communication
 (NCCL kernels, peer-to-peer memcpys), window = first to last GPU activity of the step on that rank (NCCL
 included), bubble = 1 - busy / window; the table shows the mean over ranks (the simulator's bubble is its
@@ -65,7 +67,11 @@ actions' GPU time over microbatches and ranks, and OPT by the busy GPU time in n
 (optimizer, casts, custom ops), and times the transfers as the ranks' programs issue them
 (`simulate(order=...)`: a pair's messages one at a time, in issue order), each as long as the
 shortest NCCL point-to-point kernel of the step (a send or receive whose peer was ready; mean over
-ranks). Its graphed mode runs the same kernels and gets the same costs. The JSON also has it with
+ranks). Its graphed mode runs the same kernels in the same order, so its own trace is timed the same
+way: its kernel names lined up with the eager profile's (difflib) give each kernel its action
+(`graphed_action_times`; where they do not line up, the eager profile's costs; JSON
+`action_costs_from`). An eager step's profile carries host overhead, and on 2x H100 (2026-11-28) its
+kernels alone were 8% busier than the graphed step's on one rank. The JSON also has it with
 free transfers (`bubble_simulated_measured_free`). The gap between this and the measured bubble is
 what the model leaves out: NCCL sharing the SMs, host stalls, kernel gaps inside an action.
 """
@@ -74,6 +80,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import inspect
 import json
 import os
@@ -339,9 +346,15 @@ def profile_bubble(step_fn, setup: Setup, label: str, graphed: bool, actions: li
     synchronize(setup)
     dist.barrier()
     synchronize(setup)
-    with profile(activities=activities) as prof:
-        step_fn()
-        synchronize(setup)
+    # One step profiled and discarded first: CUPTI allocates its activity buffers inside the first
+    # CUDA call it records (2.6-2.8 ms with the GPU idle, at the window's start: 1.6 pp of bubble).
+    with profile(activities=activities, schedule=torch.profiler.schedule(wait=0, warmup=1, active=1)) as prof:
+        for _ in range(2):
+            dist.barrier()
+            synchronize(setup)
+            step_fn()
+            synchronize(setup)
+            prof.step()
     with tempfile.TemporaryDirectory() as scratch:
         path = os.path.join(scratch, "trace.json")
         prof.export_chrome_trace(path)
@@ -350,8 +363,63 @@ def profile_bubble(step_fn, setup: Setup, label: str, graphed: bool, actions: li
         if setup.trace_dir:
             os.makedirs(setup.trace_dir, exist_ok=True)
             shutil.copy(path, os.path.join(setup.trace_dir, f"{label}_rank{dist.get_rank()}.json"))
+    kernels = kernels_in_order(events, actions, graphed) if actions and setup.device == "cuda" else None
     return {**gpu_bubble(events, graphed), "action_ms": action_times(events, actions) if actions else None,
-            "p2p_kernel_ms": point_to_point_times(events)}
+            "p2p_kernel_ms": point_to_point_times(events), "kernels_in_order": kernels}
+
+
+def kernels_in_order(events: list[dict], actions: list[str], graphed: bool) -> list[tuple]:
+    """This rank's compute kernels (not communication) in the order they ran: for an eager step
+    (name, owner), owner the action whose codegen region launched it (`action_times`) or "other"; for a
+    graphed step (name, start us, end us) of the kernels its graph launch ran. `graphed_action_times`
+    lines the second up with the first."""
+    if not graphed:
+        return [(name, owner_of(label, actions)) for _, _, name, label in
+                kernels_by_range(events, REGION_RANGE, is_communication)]
+    launches = {(e.get("args") or {}).get("correlation") for e in events if e.get("ph") == "X"
+                and str(e.get("name", "")).startswith(("cudaGraphLaunch", "cuGraphLaunch"))}
+    kernels = [(str(e["name"]), float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
+               if e.get("ph") == "X" and (e.get("args") or {}).get("correlation") in launches
+               and (str(e.get("cat", "")).lower() in ("kernel", "gpu_memset")
+                    or str(e.get("cat", "")).lower() == "gpu_memcpy" and "DtoD" in str(e.get("name", "")))
+               and not is_communication(e)]
+    return sorted(kernels, key=lambda kernel: kernel[1])
+
+
+def owner_of(label: str | None, actions: list[str]) -> str:
+    """The action a region's label names where it is a compute action (F / B / W), else "other"."""
+    return actions[int(label)] if label is not None and actions[int(label)][0] in "FBW" else "other"
+
+
+MIN_ALIGNED = 0.98  # of a graphed step's kernels that must line up with the eager step's, by name and order
+
+
+def kernel_key(name: str) -> str:
+    """A kernel's name as both traces write it: a memset's memory kind reads "Device" when launched
+    eagerly and "Unknown" from a graph."""
+    return name.split(" (")[0] if name.startswith(("Memset", "Memcpy")) else name
+
+
+def graphed_action_times(eager: list[tuple], graphed: list[tuple]) -> dict[str, float] | None:
+    """`action_times` for a graphed step, from its own kernels: its graph runs the eager program's
+    kernels in the same order, so the two name sequences line up (difflib; on 2x H100, 3,757 of 3,761
+    kernels on one rank) and each graphed kernel takes the action of its eager twin. Unmatched kernels
+    (the few the capture adds or drops around the optimizer's all-reduces) count as "other". None
+    where fewer than MIN_ALIGNED of them line up: then the sequences are not the same program's."""
+    matcher = difflib.SequenceMatcher(None, [kernel_key(name) for name, _ in eager],
+                                      [kernel_key(name) for name, _, _ in graphed], autojunk=False)
+    owners = ["other"] * len(graphed)
+    matched = 0
+    for block in matcher.get_matching_blocks():
+        for k in range(block.size):
+            owners[block.b + k] = eager[block.a + k][1]
+        matched += block.size
+    if not graphed or matched < MIN_ALIGNED * len(graphed):
+        return None
+    per_action: dict[str, list[tuple[float, float]]] = {}
+    for owner, (_, start, end) in zip(owners, graphed):
+        per_action.setdefault(owner, []).append((start, end))
+    return {owner: union_length(intervals) / 1e3 for owner, intervals in per_action.items()}
 
 
 def point_to_point_times(events: list[dict]) -> list[float]:
@@ -442,8 +510,7 @@ def action_times(events: list[dict], actions: list[str]) -> dict[str, float] | N
         return None
     per_action: dict[str, list[tuple[float, float]]] = {}
     for start, end, _, label in kernels:
-        owner = actions[int(label)] if label is not None and actions[int(label)][0] in "FBW" else "other"
-        per_action.setdefault(owner, []).append((start, end))
+        per_action.setdefault(owner_of(label, actions), []).append((start, end))
     return {owner: union_length(intervals) / 1e3 for owner, intervals in per_action.items()}
 
 
@@ -578,8 +645,10 @@ def planned_modes(args) -> list[tuple[str, str, bool]]:
     return modes
 
 
-def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model: GPT, splits: dict) -> dict | None:
-    """One mode in its own job of `gpus` processes: its table row, or None (the failure printed)."""
+def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model: GPT,
+             splits: dict) -> tuple[dict, list[dict]] | None:
+    """One mode in its own job of `gpus` processes: its table row and every rank's result, or None
+    (the failure printed)."""
     mode = name if kind == "peer" else f"{name}-{'graphed' if graphed else 'eager'}"
     started = time.perf_counter()
     try:
@@ -595,6 +664,7 @@ def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model
     row["schedule"] = (schedule_name, virtual)
     row["issued"] = [r["actions"] for r in ranks] if kind == "fxshard" else None  # each rank's program order
     time_by_measured_costs(row, measured_costs(ranks) if kind == "fxshard" else None, gpus, setup.microbatches)
+    row["action_costs_from"] = "eager profile" if row["action_costs_ms"] else None
     row["job_s"] = time.perf_counter() - started
     details = [f"warm-up {max(r['warmup_s'] for r in ranks):.1f}s",
                f"kernels traced per rank {[r['kernels'] for r in ranks]}"]
@@ -606,7 +676,25 @@ def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model
             details.append(f"WARNING: fxshard's stages hold other parameters than this bench's cut "
                            f"({[len(n) for n in ranks[0]['params_by_stage']]} vs {[len(n) for n in expected]})")
     row["details"] = details
-    return row
+    return row, ranks
+
+
+def time_graphed_actions(row: dict, ranks: list[dict], eager_ranks: list[dict] | None, eager_row: dict | None,
+                         gpus: int, microbatches: int) -> None:
+    """A graphed row's measured costs: its own kernels' times, each kernel given its action by lining
+    the graph's kernels up with the eager step's (`graphed_action_times`); where they do not line up on
+    every rank, the eager profile's costs (the same kernels, timed in another step). The row says which
+    (`action_costs_from`)."""
+    costs, source = None, None
+    if eager_ranks and all(r.get("kernels_in_order") for r in ranks + eager_ranks):
+        timed = [graphed_action_times(e["kernels_in_order"], g["kernels_in_order"]) for e, g in zip(eager_ranks, ranks)]
+        if all(t is not None for t in timed):
+            costs = measured_costs([{**g, "action_ms": t} for g, t in zip(ranks, timed)])
+            source = "graphed trace"
+    if costs is None and eager_row and eager_row["action_costs_ms"]:
+        costs, source = eager_row["action_costs_ms"], "eager profile"
+    time_by_measured_costs(row, costs, gpus, microbatches)
+    row["action_costs_from"] = source
 
 
 def time_by_measured_costs(row: dict, costs: dict | None, gpus: int, microbatches: int) -> None:
@@ -688,17 +776,19 @@ def main():
               flush=True)
     modes = planned_modes(args)
     print(HEADER, flush=True)
-    rows = []
+    rows, ranks_of = [], {}
     for kind, name, graphed in modes:
-        row = run_mode(kind, name, graphed, setup, args.gpus, model, splits)
-        if row is not None:
+        result = run_mode(kind, name, graphed, setup, args.gpus, model, splits)
+        if result is not None:
+            row, ranks_of[result[0]["mode"]] = result
             rows.append(row)
             print(format_row(row, rows), flush=True)
             print(f"  {row['job_s']:.0f}s in all; " + "; ".join(row["details"]), flush=True)
-    for row in rows:  # a graphed step runs the eager step's kernels: time its actions by the eager profile
-        eager = next((r for r in rows if r["mode"] == row["mode"].replace("-graphed", "-eager")), None)
-        if row["mode"].endswith("-graphed") and eager and eager["action_costs_ms"]:
-            time_by_measured_costs(row, eager["action_costs_ms"], args.gpus, args.microbatches)
+    for row in rows:
+        if row["mode"].endswith("-graphed"):
+            time_graphed_actions(row, ranks_of[row["mode"]], ranks_of.get(row["mode"].replace("-graphed", "-eager")),
+                                 next((r for r in rows if r["mode"] == row["mode"].replace("-graphed", "-eager")), None),
+                                 args.gpus, args.microbatches)
     print("\nall modes (ratios against every row of the job):")
     print(HEADER)
     for row in rows:
