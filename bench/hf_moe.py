@@ -259,7 +259,8 @@ def fxshard_step(model, args, device, mode):
         metrics = step(batch)
         if ep == 1:  # no EP pass, no routing metrics
             return metrics["loss"].item(), None
-        counts = [metrics[f"moe/model.layers.{i}/tokens_per_expert"] for i in range(layers)]  # summed over ranks
+        routing = step.routing(metrics)  # summed over ranks
+        counts = [routing[f"model.layers.{i}"]["tokens_per_expert"] for i in range(layers)]
         return metrics["loss"].item(), routing_spread(torch.stack(counts).cpu())
 
     return lambda: step(batch), last_step, info

@@ -212,13 +212,14 @@ def train(args) -> dict:
     first = sum(losses[:10]) / len(losses[:10])
     last = sum(losses[-10:]) / len(losses[-10:])
     tokens = len(losses) * args.batch_size * world * 2 * args.copy_len
-    routed = {name: value for name, value in metrics.items() if name.startswith("moe/")}
-    if routed:  # the expert-parallel pass reports each MoE layer's routing (summed over the ranks)
-        say("last step's routing: " + "; ".join(f"{name} {value.tolist()}" for name, value in routed.items()))
+    routing = step.routing(metrics)
+    if routing:  # the expert-parallel pass reports each MoE layer's routing (summed over the ranks)
+        say("last step's routing: " + "; ".join(f"{layer} {what} {value.tolist()}" for layer, values in routing.items()
+                                                for what, value in values.items()))
         if args.dump and rank == processes - 1:
             from fxshard.dump import dump_routing
 
-            say(f"routing of the last step in {dump_routing(routed, args.dump)}")
+            say(f"routing of the last step in {dump_routing(routing, args.dump)}")
     say(f"done: {len(losses)} steps in {seconds:.1f}s ({tokens / seconds:,.0f} tokens/s over {processes} process(es)); "
         f"mean loss of first 10 steps {first:.3f} -> last 10 steps {last:.3f}")
     return {"first_loss": first, "last_loss": last, "seconds": seconds, "losses": losses}

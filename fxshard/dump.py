@@ -102,19 +102,15 @@ def dump_program(program: Program, directory, index: int = 0) -> list[str]:
     return [write_dump_file(directory, name, text) for name, text in files.items()]
 
 
-def dump_routing(metrics: dict, directory) -> str | None:
-    """Write the MoE routing a step reported (the expert-parallel pass's `moe/<layer>/...` metrics:
-    kept rows per expert and drops, summed over the ranks) to `routing.txt`; returns the path."""
-    layers = {}
-    for name, value in metrics.items():
-        if name.startswith("moe/"):
-            layer, what = name[len("moe/"):].rsplit("/", 1)
-            layers.setdefault(layer, {})[what] = value.detach().cpu()
-    if not layers:
+def dump_routing(routing: dict, directory) -> str | None:
+    """Write the MoE routing a step reported (`step.routing(metrics)`, i.e. `Program.routing`: per
+    layer, kept rows per expert and drops, summed over the ranks) to `routing.txt`; returns the
+    path, or None where there is no routing."""
+    if not routing:
         return None
     lines = [f"{'layer':<16} {'routed':>8} {'dropped':>8} {'max/mean':>9}  rows per expert"]
-    for layer, values in layers.items():
-        counts = values["tokens_per_expert"].double()
+    for layer, values in routing.items():
+        counts = values["tokens_per_expert"].detach().cpu().double()
         balance = (counts.max() / counts.mean()).item() if counts.sum() > 0 else 0.0
         lines.append(f"{layer:<16} {int(counts.sum()):>8} {int(values['dropped']):>8} {balance:>9.2f}  "
                      f"{counts.long().tolist()}")

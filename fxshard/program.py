@@ -96,9 +96,23 @@ class Input:
 
 
 @dataclass(frozen=True)
+class Routing:
+    """What a METRIC output reports of an MoE layer's routing (the expert-parallel pass's outputs,
+    summed over the ranks): `what` is "tokens_per_expert" (rows kept per expert) or "dropped"."""
+
+    layer: str
+    what: str
+
+    @property
+    def name(self) -> str:
+        return f"moe/{self.layer}/{self.what}"
+
+
+@dataclass(frozen=True)
 class Output:
     """One output of a Program; `owner`, `slot` and `unit` as on `Input` (an updated optimizer slot
-    or flat unit is named like the input it replaces)."""
+    or flat unit is named like the input it replaces); `routing` on an MoE layer's routing metric
+    (`Output.moe_routing`, named "moe/<layer>/<what>"; `Program.routing` reads it)."""
 
     kind: OutputKind
     name: str
@@ -106,9 +120,16 @@ class Output:
     owner: str | None = None
     slot: str | None = None
     unit: str | None = None
+    routing: Routing | None = None
 
     def __post_init__(self):
         _check_fields(self)
+
+    @classmethod
+    def moe_routing(cls, layer: str, what: str) -> Output:
+        """The METRIC output of MoE layer `layer`'s routing `what` ("tokens_per_expert", "dropped")."""
+        routing = Routing(layer, what)
+        return cls(OutputKind.METRIC, routing.name, routing=routing)
 
     @classmethod
     def flat_unit(cls, unit: FlatUnit, placement: Placement = REPLICATED) -> Output:
@@ -135,7 +156,11 @@ def _check_fields(spec: Input | Output) -> None:
     """An optimizer slot has `slot` and `owner` and a flat unit's tensors their `unit`, and the name
     is the one those give (the name keys state and checkpoints; the fields are what code reads)."""
     owner = _unit_name(spec.unit) if spec.unit is not None else spec.owner
-    if spec.kind in (InputKind.OPT_STATE, OutputKind.OPT_STATE):
+    routing = getattr(spec, "routing", None)
+    if routing is not None:
+        matches = (spec.kind is OutputKind.METRIC and spec.name == routing.name
+                   and (spec.slot, spec.owner, spec.unit) == (None, None, None))
+    elif spec.kind in (InputKind.OPT_STATE, OutputKind.OPT_STATE):
         matches = None not in (spec.slot, owner) and spec.owner == owner and spec.name == f"{spec.slot}/{owner}"
     elif spec.unit is not None:
         matches = (spec.kind in (InputKind.PARAM, OutputKind.PARAM) and spec.slot is None and spec.owner is None
@@ -144,8 +169,8 @@ def _check_fields(spec: Input | Output) -> None:
         matches = spec.slot is None and spec.owner is None
     if not matches:
         raise ValueError(f"{spec.kind.value} input or output {spec.name!r} does not match its fields (owner "
-                         f"{spec.owner!r}, slot {spec.slot!r}, unit {spec.unit!r}): build it with "
-                         f"optimizer_slot or flat_unit")
+                         f"{spec.owner!r}, slot {spec.slot!r}, unit {spec.unit!r}, routing {routing!r}): build "
+                         f"it with optimizer_slot, flat_unit or moe_routing")
 
 
 @dataclass(frozen=True)
@@ -294,6 +319,16 @@ class Program:
 
     def outputs_of(self, kind: OutputKind) -> list[Output]:
         return [o for o in self.outputs if o.kind is kind]
+
+    def routing(self, metrics: dict) -> dict[str, dict[str, torch.Tensor]]:
+        """Each MoE layer's routing in `metrics` (a step's metrics, keyed by output name):
+        {layer: {"tokens_per_expert": ..., "dropped": ...}}, from the outputs' `routing` records;
+        empty where the program reports none (no expert parallelism)."""
+        table: dict[str, dict[str, torch.Tensor]] = {}
+        for spec in self.outputs:
+            if spec.routing is not None and spec.name in metrics:
+                table.setdefault(spec.routing.layer, {})[spec.routing.what] = metrics[spec.name]
+        return table
 
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.graph.nodes if n.op == "placeholder"]

@@ -772,7 +772,7 @@ class _Rewrite:
                     total = self.graph.call_function(_aten.add.Tensor, (total, part[index]))
                     total.meta.update({"val": parts[0][index].meta["val"], meta.PHASE: meta.FWD,
                                        meta.LAYER: name})  # forward values: passes after this copy them
-                outputs.append(Output(OutputKind.METRIC, f"moe/{name}/{metric}"))
+                outputs.append(Output.moe_routing(name, metric))
                 values.append(total)
         self.graph.output(tuple(values))
         self.graph.lint()

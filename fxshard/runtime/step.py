@@ -207,6 +207,12 @@ class CompiledStep:
                       f"evaluate (eval mode, no update)", stacklevel=3)
         self._model = None  # said once
 
+    def routing(self, metrics: dict) -> dict[str, dict[str, torch.Tensor]]:
+        """Each MoE layer's routing in a step's `metrics`, summed over the ranks: {layer:
+        {"tokens_per_expert": ..., "dropped": ...}} (`Program.routing`; empty without expert
+        parallelism). `fxshard.dump.dump_routing` writes it as a table."""
+        return self.program.routing(metrics)
+
     @property
     def skipped_steps(self) -> int:
         """How many steps Config(nonfinite) skipped so far (reads a device counter: synchronizes)."""

@@ -12,7 +12,7 @@ from fxshard.models import MoEGPT, MoEGPTConfig
 from fxshard.passes import run_pipeline
 from fxshard.passes.ep import EPConfig, expert_parallel
 from fxshard.passes.fsdp import STRATEGIES
-from fxshard.program import InputKind
+from fxshard.program import InputKind, Output, OutputKind, Routing
 from fxshard.testing import SimulatedRanks, torch_optimizer
 
 ADAMW = fxshard.optim.AdamW(lr=1e-2, weight_decay=0.1)
@@ -66,7 +66,7 @@ def test_ep_programs_match_the_single_device_program(mesh, experts_per_rank, top
         assert torch.allclose(rank_metrics["loss"], mean_loss, rtol=1e-5, atol=1e-7)
         assert rank_metrics["moe_dropped_tokens"] == dropped
         if ep > 1:  # the pass reports each layer's drops too
-            layer_drops = sum(v for k, v in rank_metrics.items() if k.startswith("moe/") and k.endswith("/dropped"))
+            layer_drops = sum(values["dropped"] for values in programs[-1].routing(rank_metrics).values())
             assert layer_drops == dropped
     reference = [s.parameters() for s in singles]
     for rank in range(world):
@@ -197,9 +197,14 @@ def test_dumps_show_each_layers_all_to_alls_and_the_routing(tmp_path):
         assert f"layers.1:{piece}" in summary, piece
     ranks = SimulatedRanks(program, model, ADAMW, fxshard.Mesh(dp=2, ep=2))
     metrics = ranks.step(batches_for(2, 1, rows=2, seq=8, vocab=64)[0])[0]
-    routing = (tmp_path / "routing.txt")
-    assert dump_routing(metrics, tmp_path) == str(routing)
-    rows = {line.split()[0]: line.split() for line in routing.read_text().splitlines()[1:]}
+    routing = program.routing(metrics)
+    assert set(routing) == {"layers.0", "layers.1"}  # from the outputs' typed records, not their names
+    assert all(spec.routing.name == spec.name for spec in program.outputs if spec.routing is not None)
+    with pytest.raises(ValueError, match="does not match its fields"):  # a name that disagrees with its record
+        Output(OutputKind.METRIC, "moe/layers.0/dropped", routing=Routing("layers.1", "dropped"))
+    table = (tmp_path / "routing.txt")
+    assert dump_routing(routing, tmp_path) == str(table)
+    rows = {line.split()[0]: line.split() for line in table.read_text().splitlines()[1:]}
     assert set(rows) == {"layers.0", "layers.1"}
     for layer, fields in rows.items():  # per rank: 32 rows routed, some dropped at capacity 8 per expert
         kept = sum(metrics[f"moe/{layer}/tokens_per_expert"]).item()
