@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 import fxshard
 from fxshard import meta
+from fxshard.api import _compile
 from fxshard.codegen import compile_regions, find_regions, is_communication, is_fixed
 from fxshard.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig
 from fxshard.passes import run_pipeline
@@ -227,6 +228,30 @@ def test_a_pipeline_actions_layer_is_one_region_even_where_a_pass_copied_views_i
         pieces = Counter((meta.action_index(r.nodes[-1]), r.where.split(" mb")[0]) for r in report.regions
                          if any(n.target is torch.ops.aten.mm.default for n in r.nodes))
         assert pieces and max(pieces.values()) == 1, pieces
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_pipeline_gradient_is_accumulated_in_the_region_that_made_it(schedule):
+    """Mesh(pp=2), 3 microbatches, bf16 compute with fp32 gradients: each microbatch's gradient is
+    cast to fp32 and added to the accumulator in the same region, so Inductor fuses cast and add and
+    the fp32 cast is never written out (GPT 1b, 2x H100: 4.6 ms of such casts a step on a stage)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=24, d_model=16, n_layer=4, n_head=2, d_ff=24))
+    config = fxshard.Config(microbatches=3, schedule=schedule, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh, batch = fxshard.Mesh(pp=2), token_batches(24, 3, 8, 1)[0]
+    for stage in range(mesh.pp):  # traced as shard() does: one microbatch, in the compute dtype
+        program = _compile(model, lambda m, b: m.loss(b), batch, ADAMW, mesh, config, (stage,))[-1]
+        region_of = {n: r.index for r in find_regions(program.graph) for n in r.nodes}
+        accumulations = [n for n in program.graph.nodes if n.target is torch.ops.aten.add.Tensor
+                         and meta.phase(n) == meta.BWD and meta.microbatch(n) in (1, 2)
+                         and all(getattr(a, "target", None) is torch.ops.aten._to_copy.default or
+                                 getattr(a, "target", None) is torch.ops.aten.add.Tensor for a in n.args)
+                         and any(meta.microbatch(a) == meta.microbatch(n) and a.meta["val"].dtype == torch.float32
+                                 and a.target is torch.ops.aten._to_copy.default for a in n.args)]
+        assert len(accumulations) >= 2 * 2 * 4, len(accumulations)  # 2 later microbatches, >= 4 weights a layer
+        for add in accumulations:
+            (cast,) = [a for a in add.args if meta.microbatch(a) == meta.microbatch(add)]
+            assert region_of[add] == region_of[cast], (add.name, cast.name)
 
 
 def test_pipeline_stages_compiled_by_inductor_train_like_eager():
