@@ -56,8 +56,33 @@ def kernel_timeline(trace_path: str, steps: int, is_comm) -> dict:
         return microseconds / steps / 1e3
 
     comm_ms = per_step(sum(b - a for a, b in comm))
+    classes: dict[str, float] = {}
+    for event in kernels:
+        kind = kernel_class(event["name"])
+        classes[kind] = classes.get(kind, 0.0) + per_step(event["dur"])
     return {"gpu_busy_ms": per_step(sum(b - a for a, b in busy)), "comm_kernels_ms": comm_ms,
-            "comm_overlapped_ms": per_step(overlapped), "comm_exposed_ms": comm_ms - per_step(overlapped)}
+            "comm_overlapped_ms": per_step(overlapped), "comm_exposed_ms": comm_ms - per_step(overlapped),
+            "kernels_per_step": len(kernels) / steps,
+            "by_class_ms": dict(sorted(classes.items(), key=lambda item: -item[1]))}
+
+
+KERNEL_CLASSES = (  # (class, substrings of a kernel's name), first match wins
+    ("nccl", ("nccl",)),
+    ("attention", ("flash", "sdpa", "fmha", "cudnn")),
+    ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "sm90_", "wgmma")),
+    ("adamw", ("adamw",)),
+    ("copy-engine", ("memcpy32", "copy_engine")),
+    ("triton", ("triton_",)),
+    ("aten elementwise / reduce", ("at::native",)),
+)
+
+
+def kernel_class(name: str) -> str:
+    """What a GPU kernel does, by its name: "gemm", "attention", "triton" (Inductor's fused kernels),
+    "adamw", "nccl", ..., else "other". A step's kernel time per class, side by side for two modes,
+    says where one spends more than the other."""
+    lowered = name.lower()
+    return next((kind for kind, parts in KERNEL_CLASSES if any(part in lowered for part in parts)), "other")
 
 
 def _union(spans):

@@ -78,9 +78,10 @@ def timed(step_fn, warmup: int, iters: int, label: str = "") -> float:
 
 
 def profile(step_fn, path, steps=2):
-    """GPU kernel time per op over `steps` steps, the top 45 by total CUDA time, into `path`; and from the
-    kernel timeline (`<path>.timeline.json`, printed): NCCL kernel time per step and how much of it ran
-    with no compute kernel alongside (communication left exposed)."""
+    """Into `path`, one file per mode (the device tool brings back 8 files a call): the kernel
+    timeline as JSON on its first line (printed too: NCCL kernel time per step and how much of it ran
+    with no compute kernel alongside, i.e. exposed; kernel time per step by class, `kernel_class`),
+    then GPU kernel time per op over `steps` steps, the top 45 by total CUDA time."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -91,17 +92,17 @@ def profile(step_fn, path, steps=2):
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as handle:
-        handle.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70))
     trace = path[:-4] + ".trace.json"
     prof.export_chrome_trace(trace)
     timeline = kernel_timeline(trace, steps, lambda name: name.startswith("nccl"))
     os.remove(trace)
-    with open(path[:-4] + ".timeline.json", "w") as handle:
-        json.dump(timeline, handle, indent=1)
+    with open(path, "w") as handle:
+        handle.write(json.dumps(timeline) + "\n\n")
+        handle.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70))
     print(f"  {os.path.basename(path)[:-4]}: GPU busy {timeline['gpu_busy_ms']:.2f} ms/step; NCCL kernels "
           f"{timeline['comm_kernels_ms']:.2f} ms, {timeline['comm_exposed_ms']:.2f} ms of it with no other kernel "
-          f"running", flush=True)
+          f"running; {timeline['kernels_per_step']:.0f} kernels; ms by class " +
+          ", ".join(f"{kind} {ms:.2f}" for kind, ms in timeline["by_class_ms"].items()), flush=True)
 
 
 def build_model(cfg, device):
