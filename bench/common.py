@@ -71,7 +71,7 @@ KERNEL_CLASSES = (  # (class, substrings of a kernel's name), first match wins
     ("attention", ("flash", "sdpa", "fmha", "cudnn")),
     ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "sm90_", "wgmma")),
     ("adamw", ("adamw",)),
-    ("copy-engine", ("memcpy32", "copy_engine")),
+    ("memcpy kernels", ("memcpy",)),
     ("triton", ("triton_",)),
     ("aten elementwise / reduce", ("at::native",)),
 )
