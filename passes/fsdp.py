@@ -180,6 +180,7 @@ class _Rewrite:
         self.old_placeholders = dict(zip([i.name for i in program.inputs], program.placeholders()))
         self.member_of_node = {self.old_placeholders[name]: name for name in self.unit_of}
         self.compute_dtype = self.hoist_casts() if cfg.shards_params else {}
+        self.cast_shards: dict[str, fx.Node] = {}  # unit name -> its shard in the compute dtype
         self.env: dict[fx.Node, fx.Node] = {}
         self.inputs: list[Input] = []
         self.zero = ZeroActions.of(program)
@@ -265,22 +266,34 @@ class _Rewrite:
         """All-gather `shard` (default: the unit's parameter shard, cast to its compute dtype) for
         `region`."""
         world, axis = unit.world, unit.axis
-        dtype = None
         if shard is None:  # gathering the parameters for compute: in their compute dtype
-            shard, dtype = self.unit_inputs[unit.name], self.compute_dtype.get(unit.name)
+            shard = self.cast_shard(unit, phase, region)
 
-        if world == 1 and dtype is None:  # one rank on the axis: its shard is the whole unit
+        if world == 1:  # one rank on the axis: its shard is the whole unit
             return shard
 
         def gather(s):
-            s = s if dtype is None else s.to(dtype)
-            return [s if world == 1 else _c10d.all_gather_into_tensor(s, world, axis)]
+            return [_c10d.all_gather_into_tensor(s, world, axis)]
 
         (gathered,) = inline(self.graph, gather, [shard], fake_mode=self.fake, phase=phase,
                              extra_meta=self.unit_meta(unit, region))
         if world > 1:
             gathered.meta[meta.COMM_BYTES] = unit.shard_numel * gathered.meta["val"].element_size()
         return gathered
+
+    def cast_shard(self, unit: FlatUnit, phase: str, region: tuple | None) -> fx.Node:
+        """The unit's parameter shard in its compute dtype (hoist_casts), cast once a step: every
+        all-gather of the unit reads this one cast (ZeRO-3's backward gathers again), which lives
+        until the last of them, 1/world of the unit in the compute dtype (GPT 1b at dp=2: 18 casts of
+        51 us a step saved on an H100, 0.9 GB kept)."""
+        dtype = self.compute_dtype.get(unit.name)
+        if dtype is None:
+            return self.unit_inputs[unit.name]
+        if unit.name not in self.cast_shards:
+            (self.cast_shards[unit.name],) = inline(self.graph, lambda s: [s.to(dtype)], [self.unit_inputs[unit.name]],
+                                                    fake_mode=self.fake, phase=phase,
+                                                    extra_meta=self.unit_meta(unit, region))
+        return self.cast_shards[unit.name]
 
     def wait_and_view(self, unit: FlatUnit, issued: fx.Node | None, flat: fx.Node, region: tuple, phase: str) -> None:
         """Wait for `issued` (if a collective), then view each member out of the flat buffer."""

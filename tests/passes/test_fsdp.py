@@ -113,6 +113,23 @@ def gpt_zero3(world=2, prefetch=1):
     return fsdp(program, FSDPConfig(world, "optim_grads_params", prefetch))
 
 
+def test_zero3_casts_each_parameter_shard_to_the_compute_dtype_once_a_step():
+    """bf16 compute: a unit's shard is cast before its all-gather (half the bytes), and the backward's
+    second gather of a block reads the forward's cast instead of casting the fp32 shard again."""
+    torch.manual_seed(0)
+    batch = {"idx": torch.zeros(2, 8, dtype=torch.long), "tgt": torch.zeros(2, 8, dtype=torch.long)}
+    traced = fxshard.trace(GPT(GPTConfig.preset("tiny")), lambda m, b: m.loss(b), batch,
+                           config=fxshard.Config(param_dtype=torch.bfloat16))
+    program = fsdp(traced, FSDPConfig(2, "optim_grads_params"))
+    shards = {node for node, spec in zip(program.placeholders(), program.inputs)
+              if spec.kind is InputKind.PARAM and spec.unit is not None}
+    casts = [n for n in program.graph.nodes if n.target is torch.ops.aten._to_copy.default and n.args[0] in shards]
+    gathers = [n for n in program.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
+    assert sorted(c.args[0].name for c in casts) == sorted(s.name for s in shards)  # one cast per unit
+    assert len(gathers) > len(casts) and all(g.args[0] in casts for g in gathers)  # the blocks gathered twice
+    assert all(g.args[0].meta["val"].dtype == torch.bfloat16 for g in gathers)
+
+
 def test_all_gathers_are_prefetched_one_unit_ahead_and_waited_just_before_use():
     program = gpt_zero3()
     nodes = list(program.graph.nodes)
