@@ -284,8 +284,8 @@ class _Rewrite:
     def cast_shard(self, unit: FlatUnit, phase: str, region: tuple | None) -> fx.Node:
         """The unit's parameter shard in its compute dtype (hoist_casts), cast once a step: every
         all-gather of the unit reads this one cast (ZeRO-3's backward gathers again), which lives
-        until the last of them, 1/world of the unit in the compute dtype (GPT 1b at dp=2: 18 casts of
-        51 us a step saved on an H100, 0.9 GB kept)."""
+        until the last of them, 1/world of the unit in the compute dtype (GPT 1b at dp=2: 18 fewer casts
+        a step, each a 54 us kernel in the 2x H100 profile; +0.81 GiB of static peak)."""
         dtype = self.compute_dtype.get(unit.name)
         if dtype is None:
             return self.unit_inputs[unit.name]
