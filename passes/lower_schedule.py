@@ -305,13 +305,16 @@ class _Lowering:
 
     def accumulate(self, chunk: Chunk, grads: list[fx.Node]) -> None:
         for name, grad in zip(chunk.grads, grads):
-            if name in self.grads:
-                # Right after the gradient, in the region of the layer that made it, where codegen fuses
-                # the add with the gradient's cast to reduce_dtype. Appended after the whole action, the
-                # cast was written out and read back (GPT 1b, 2x H100: 4.6 ms of casts a step on a stage)
-                # and every layer's fp32 gradient lived until the action's end.
-                with self.graph.inserting_after(max(self.grads[name], grad)):
+            if name in self.grads and meta.ACTION not in grad.meta:
+                # A gradient this action made: the add goes right after it, in the region of the layer
+                # that made it, where codegen fuses the add with the gradient's cast to reduce_dtype.
+                # Appended after the whole action, the cast was written out and read back (GPT 1b,
+                # 2x H100: 4.6 ms of casts a step on a stage) and every layer's fp32 gradient lived
+                # until the action's end.
+                with self.graph.inserting_after(grad):
                     self.grads[name] = self.add(self.grads[name], grad, meta.BWD)
+            elif name in self.grads:  # made by an earlier action (computed once a step, or carried to a W)
+                self.grads[name] = self.add(self.grads[name], grad, meta.BWD)
             else:
                 self.grads[name] = grad
             self.remaining[name] -= 1

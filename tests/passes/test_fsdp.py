@@ -155,7 +155,8 @@ def test_all_gathers_are_prefetched_one_unit_ahead_and_waited_just_before_use():
                        for n in between), [n.name for n in between]
         for index in range(1, len(ordered)):  # unit k is issued before unit k-1 is first used
             assert position[ordered[index]] < position[first_uses[index - 1]]
-            assert position[ordered[index]] > position[first_uses[index - 2]] if index >= 2 else True
+        for index in range(2, len(ordered)):  # and after unit k-2 is: one unit ahead, not more
+            assert position[ordered[index]] > position[first_uses[index - 2]]
 
 
 def test_reduce_scatters_follow_their_last_gradient_and_wait_in_the_optimizer_phase():

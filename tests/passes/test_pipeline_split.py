@@ -499,3 +499,27 @@ def test_a_schedule_running_forwards_out_of_order_is_refused_where_the_chunk_upd
     lower_schedule(pipeline, ordered, 0)
     with pytest.raises(fxshard.FxShardError, match=r"chunk 0's forwards in microbatch order \[1, 0\]"):
         lower_schedule(pipeline, reordered, 0)
+
+
+class _WithLinearTerm(GPT):
+    """A parameter whose gradient reads no input (the loss is linear in it): lower_schedule computes
+    it once a step, in the first action that needs it, and later actions accumulate that node."""
+
+    def __init__(self):
+        super().__init__(GPTConfig(vocab_size=24, d_model=16, n_layer=4, n_head=2, d_ff=24))
+        self.z = torch.nn.Parameter(torch.zeros(4))
+
+
+def test_each_actions_nodes_stay_together_where_a_gradient_is_made_once_a_step():
+    """The accumulation of a gradient an earlier action made is not placed among that action's nodes
+    (only a gradient the current action made gets its add right after it): the stage's actions stay in
+    order, which the fsdp pass under dp > 1 requires (it raised on the out-of-order nodes)."""
+    from fxshard.api import _compile
+
+    torch.manual_seed(0)
+    batch = {"idx": torch.randint(0, 24, (6, 8)), "tgt": torch.randint(0, 24, (6, 8))}
+    programs = _compile(_WithLinearTerm(), lambda m, b: m.loss(b) + 0.01 * m.z.sum(), batch,
+                        fxshard.optim.AdamW(lr=1e-3), fxshard.Mesh(pp=2, dp=2),
+                        fxshard.Config(microbatches=3, schedule="1f1b"), (1,))
+    indices = [meta.action_index(n) for n in programs[-1].graph.nodes if meta.action_index(n) is not None]
+    assert indices == sorted(indices) and len(set(indices)) > 3
