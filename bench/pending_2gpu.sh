@@ -9,7 +9,8 @@
 #   moe       issue 15: MoE ep=2, dual-batch, NCCL and copy-engine all-to-alls (>= 30% MFU, >= 90% hidden)
 #   moe-ce    the same with ZeRO-1's collectives on the copy engines too (Config(fsdp_collectives))
 #   fsdp      issue 15: GPT 1b ZeRO-3 at batch 4 and 1 against one GPU's compiled step and FSDP2 + compile:
-#             NCCL and copy-engine collectives (fxshard-ce); profiled (exposed NCCL time per mode)
+#             NCCL and copy-engine collectives (fxshard-ce); profiled (exposed NCCL time per mode); first run
+#             since session 23 cast each ZeRO-3 shard once a step (RESULTS)
 #   pipeline  issue 14: bench/pipeline.py 1F1B and interleaved V=2 with the peer (pipeline-zb: ZB-H1); first run
 #             since session 23 fused each microbatch's gradient cast with its accumulation (RESULTS)
 #   hf_moe    issue 17: the Qwen3-MoE-like transformers model at ep=2 against FSDP2 eager

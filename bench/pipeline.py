@@ -377,8 +377,7 @@ def kernels_in_order(events: list[dict], actions: list[str], graphed: bool) -> l
     if not graphed:
         return [(name, owner_of(label, actions)) for _, _, name, label in
                 kernels_by_range(events, REGION_RANGE, is_communication)]
-    launches = {(e.get("args") or {}).get("correlation") for e in events if e.get("ph") == "X"
-                and str(e.get("name", "")).startswith(("cudaGraphLaunch", "cuGraphLaunch"))}
+    launches = graph_launches(events)
     kernels = [(str(e["name"]), float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
                if e.get("ph") == "X" and (e.get("args") or {}).get("correlation") in launches
                and (str(e.get("cat", "")).lower() in ("kernel", "gpu_memset")
@@ -437,19 +436,23 @@ def is_communication(event: dict) -> bool:
     return "nccl" in name.lower() or "PtoP" in name
 
 
+def graph_launches(events: list[dict]) -> set:
+    """Correlation ids of the trace's CUDA graph launches: the kernels a graph replay ran carry them."""
+    return {(e.get("args") or {}).get("correlation") for e in events if e.get("ph") == "X"
+            and str(e.get("cat", "")).lower() in ("cuda_runtime", "cuda_driver")
+            and str(e.get("name", "")).startswith(("cudaGraphLaunch", "cuGraphLaunch"))}
+
+
 def gpu_bubble(events: list[dict], graphed: bool = False) -> dict:
     """busy / window of the GPU activity in one process's chrome trace (its own GPU; timestamps in
     microseconds). A `graphed` step gets a bubble only where the trace holds kernels launched by its
     graph launch (matched by correlation id): the few kernels outside the graph are not the step."""
-    activity, graph_launches, launched_by = [], set(), []
+    activity, launches, launched_by = [], graph_launches(events), []
     for event in events:
         category = str(event.get("cat", "")).lower()
         args = event.get("args") or {}
         if event.get("ph") != "X":
             continue
-        if category in ("cuda_runtime", "cuda_driver") and str(event.get("name", "")).startswith(
-                ("cudaGraphLaunch", "cuGraphLaunch")):
-            graph_launches.add(args.get("correlation"))
         if category not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
         start = float(event["ts"])
@@ -461,8 +464,8 @@ def gpu_bubble(events: list[dict], graphed: bool = False) -> dict:
     result = {"bubble": None, "kernels": len(launched_by), "graph_kernels": None, "busy_ms": None, "window_ms": None,
               "bubble_note": None}
     if graphed:
-        result["graph_kernels"] = sum(1 for c in launched_by if c in graph_launches)
-        if not graph_launches:
+        result["graph_kernels"] = sum(1 for c in launched_by if c in launches)
+        if not launches:
             return {**result, "bubble_note": "no CUDA graph launch in the trace"}
         if not result["graph_kernels"]:
             return {**result, "bubble_note": "the CUDA graph's kernels are not in the trace"}

@@ -41,6 +41,7 @@ are those the input program's optimizer would produce from the gradient of that 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -305,18 +306,18 @@ class _Lowering:
 
     def accumulate(self, chunk: Chunk, grads: list[fx.Node]) -> None:
         for name, grad in zip(chunk.grads, grads):
-            if name in self.grads and meta.ACTION not in grad.meta:
-                # A gradient this action made: the add goes right after it, in the region of the layer
-                # that made it, where codegen fuses the add with the gradient's cast to reduce_dtype.
-                # Appended after the whole action, the cast was written out and read back (GPT 1b,
-                # 2x H100: 4.6 ms of casts a step on a stage) and every layer's fp32 gradient lived
-                # until the action's end.
-                with self.graph.inserting_after(grad):
-                    self.grads[name] = self.add(self.grads[name], grad, meta.BWD)
-            elif name in self.grads:  # made by an earlier action (computed once a step, or carried to a W)
-                self.grads[name] = self.add(self.grads[name], grad, meta.BWD)
-            else:
+            if name not in self.grads:
                 self.grads[name] = grad
+            else:
+                # A gradient this action made (no action stamped on it yet) gets its add right after it,
+                # in the region of the layer that made it, where codegen fuses the add with the cast to
+                # reduce_dtype. Appended after the whole action, the cast was written out and read back
+                # (GPT 1b, 2x H100: 4.6 ms of casts a step on a stage) and every layer's fp32 gradient
+                # lived until the action's end. One an earlier action made (computed once a step, or
+                # carried to a W) is added at the end, among this action's nodes.
+                made_here = meta.ACTION not in grad.meta
+                with self.graph.inserting_after(grad) if made_here else contextlib.nullcontext():
+                    self.grads[name] = self.add(self.grads[name], grad, meta.BWD)
             self.remaining[name] -= 1
             if not self.remaining[name]:
                 self.finish_gradient(name)
