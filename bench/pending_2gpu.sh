@@ -8,8 +8,8 @@
 # (date, machine, command). In priority order:
 #   moe       issue 15: MoE ep=2, dual-batch, NCCL and copy-engine all-to-alls (>= 30% MFU, >= 90% hidden)
 #   moe-ce    the same with ZeRO-1's collectives on the copy engines too (Config(fsdp_collectives))
-#   fsdp      issue 15: GPT 1b ZeRO-3 at batch 4 and 1 against one GPU's compiled step and FSDP2 + compile:
-#             NCCL and copy-engine collectives (fxshard-ce); profiled (exposed NCCL time per mode); first run
+#   fsdp      issue 15: GPT 1b ZeRO-3 at batch 4 and 1 against one GPU's compiled step and FSDP2 + compile,
+#             next to one GPU's fxshard step (what ZeRO-3 adds); profiled (kernel time by class); first run
 #             since session 23 cast each ZeRO-3 shard once a step (RESULTS)
 #   pipeline  issue 14: bench/pipeline.py 1F1B and interleaved V=2 with the peer (pipeline-zb: ZB-H1); first run
 #             since session 23 fused each microbatch's gradient cast with its accumulation (RESULTS)
@@ -28,9 +28,11 @@ case "$part" in
   moe-ce) timeout 580 python bench/moe.py --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine --microbatches 2 \
          --interleave dual-batch --fsdp-collectives copy-engine --warmup 3 --iters 8 \
          --out "$out/moe_ce_2gpu_$day.json" 2>&1 | tee "$out/moe_ce.log" | grep -v "codegen: region" | tail -40 ;;
-  fsdp) timeout 580 python bench/fsdp.py --gpus 2 --batch 4 1 --modes nocomm-compile fsdp2-compile fxshard fxshard-ce \
+  fsdp) timeout 570 python bench/fsdp.py --gpus 2 --batch 4 1 --modes nocomm-compile nocomm-fxshard fxshard fsdp2-compile \
           --profile "$out/fsdp_profile" --out "$out/fsdp_2gpu_$day.json" 2>&1 | tee "$out/fsdp.log" \
-          | grep -v "codegen: region" | tail -30 ;;
+          | grep -v "codegen: region" | tail -30
+        # one file for the eight profiles: the device tool returns at most 8 files
+        tar czf "$out/fsdp_profile.tgz" -C "$out" fsdp_profile && rm -r "$out/fsdp_profile" ;;
   pipeline) timeout 580 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 \
               --out "$out/pipeline_2gpu_$day.json" 2>&1 | tee "$out/pipeline.log" | grep -v "codegen: region" | tail -30 ;;
   pipeline-zb) timeout 580 python bench/pipeline.py --gpus 2 --schedules zb-h1 --peers \
