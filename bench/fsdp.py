@@ -18,6 +18,9 @@ and the ratio to the single-GPU no-communication time of the same model and batc
                     moved by the copy engines (no SMs); its peak memory includes the symmetric workspace
     fxshard-ctasN   fxshard with NCCL_MAX_CTAS=N (its collectives on at most N SMs, fewer taken from
                     compute; slower collectives), e.g. fxshard-ctas8; likewise fsdp2-compile-ctasN
+    fxshard-protoP  fxshard with NCCL_PROTO=P (Simple, LL or LL128: NCCL's choice for 2 GPUs was ring LL,
+                    whose kernels poll memory while the GEMMs beside them run), e.g. fxshard-protoSimple;
+                    suffixes combine (fxshard-ctas8-protoSimple) and apply to fsdp2 modes too
 
 "vs compile" is the ratio to nocomm-compile of the same batch (the issue's yardstick). Each fxshard
 mode prints how long fxshard.shard took (trace, passes, codegen) and what codegen compiled.
@@ -40,6 +43,28 @@ import fxshard  # noqa: E402
 from fxshard.launch import run_local  # noqa: E402
 from fxshard.models import GPT, GPTConfig  # noqa: E402
 from common import H200_BF16_DENSE_PEAK, kernel_timeline, write_json  # noqa: E402
+
+
+NCCL_SUFFIXES = {"-ctas": "NCCL_MAX_CTAS", "-proto": "NCCL_PROTO"}  # mode suffix -> what NCCL reads
+
+
+def nccl_settings(mode: str) -> tuple[str, dict[str, str]]:
+    """`mode` without its NCCL suffixes, and the environment they ask for: fxshard-ctas8-protoSimple ->
+    ("fxshard", {"NCCL_MAX_CTAS": "8", "NCCL_PROTO": "Simple"})."""
+    settings = {}
+    for suffix, variable in NCCL_SUFFIXES.items():
+        head, found, tail = mode.partition(suffix)
+        if found:
+            value, _, rest = tail.partition("-")
+            settings[variable] = value
+            mode = head + (f"-{rest}" if rest else "")
+    return mode, settings
+
+
+def nccl_label() -> str:
+    """The NCCL suffixes of the mode this process runs (its environment), for profile file names."""
+    return "".join(f"{suffix}{os.environ[variable]}" for suffix, variable in NCCL_SUFFIXES.items()
+                   if os.environ.get(variable))
 
 
 def flops_per_token(cfg: GPTConfig, seq: int) -> float:
@@ -159,10 +184,9 @@ def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None, codegen="inductor", c
     del model
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    ctas = os.environ.get("NCCL_MAX_CTAS")
     label = (f"fxshard{dist.get_world_size()}" if mesh is not None else "nocomm-fxshard") + \
         f"{'' if codegen else '-aten'}{'-ce' if collectives != 'nccl' else ''}" \
-        f"{f'-ctas{ctas}' if ctas and mesh is not None else ''}_b{batch}"
+        f"{nccl_label() if mesh is not None else ''}_b{batch}"
     ms = timed(lambda: step(data), warmup, iters, label)
     from fxshard.runtime.copy_engine import workspace_bytes
 
@@ -192,8 +216,7 @@ def run_fsdp2(cfg, batch, seq, warmup, iters, compiled=False):
         optimizer.zero_grad(set_to_none=True)
 
     torch.cuda.reset_peak_memory_stats()
-    ctas = os.environ.get("NCCL_MAX_CTAS")
-    label = f"fsdp2{'-compile' if compiled else ''}{f'-ctas{ctas}' if ctas else ''}_{dist.get_world_size()}_b{batch}"
+    label = f"fsdp2{'-compile' if compiled else ''}{nccl_label()}_{dist.get_world_size()}_b{batch}"
     return timed(step, warmup, iters, label), torch.cuda.max_memory_allocated()
 
 
@@ -245,13 +268,14 @@ def main():
         baseline = compiled_baseline = None
         for mode in args.modes:
             started = time.perf_counter()
-            base_mode, _, ctas = mode.partition("-ctas")
-            if ctas and (not ctas.isdigit() or base_mode.startswith("nocomm")):
-                print(f"{mode:<20} skipped: -ctasN takes a number of SMs and a mode with communication", flush=True)
+            base_mode, settings = nccl_settings(mode)
+            if settings and (base_mode.startswith("nocomm") or not settings.get("NCCL_MAX_CTAS", "1").isdigit()
+                             or settings.get("NCCL_PROTO", "Simple") not in ("Simple", "LL", "LL128")):
+                print(f"{mode:<20} skipped: -ctasN takes a number of SMs, -protoP one of Simple, LL, LL128, and "
+                      "both a mode with communication", flush=True)
                 continue
-            exported = os.environ.get("NCCL_MAX_CTAS")
-            if ctas:  # NCCL reads it when a communicator is made: in the ranks spawned below
-                os.environ["NCCL_MAX_CTAS"] = ctas
+            exported = {variable: os.environ.get(variable) for variable in settings}
+            os.environ.update(settings)  # NCCL reads them when a communicator is made: in the ranks spawned below
             try:
                 if mode in ("nocomm-eager", "nocomm-compile"):
                     ms, peak = run_eager_single(cfg, batch, args.seq, args.warmup, args.iters,
@@ -271,10 +295,11 @@ def main():
                 continue
             finally:
                 torch.cuda.empty_cache()
-                if ctas and exported is None:
-                    os.environ.pop("NCCL_MAX_CTAS")
-                elif ctas:
-                    os.environ["NCCL_MAX_CTAS"] = exported
+                for variable, value in exported.items():
+                    if value is None:
+                        os.environ.pop(variable)
+                    else:
+                        os.environ[variable] = value
             tokens = batch * args.seq
             if mode == "nocomm-eager":  # the baseline: plain PyTorch on one GPU
                 baseline = ms

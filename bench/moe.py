@@ -180,7 +180,7 @@ def run_modes(args):
                                 cuda_graphs=not args.eager_replay, ep_overlap=overlap, ep_chunks=chunks,
                                 microbatches=args.microbatches, ep_sm_carveout=carveout,
                                 ep_interleave=args.interleave, ep_all_to_all=a2a,
-                                fsdp_collectives=args.fsdp_collectives)
+                                fsdp_collectives=args.fsdp_collectives, collective_timeout_s=args.collective_timeout)
         started = time.perf_counter()
         step = fxshard.shard(model, lambda m, b: m.loss_and_metrics(b), data, optimizer=fxshard.optim.AdamW(lr=1e-5),
                              mesh=fxshard.Mesh(dp=world, ep=args.ep), config=config)
@@ -193,7 +193,7 @@ def run_modes(args):
         codegen = step.codegen is not None  # nocomm compiles its compute as the step does
         nocomm = CompiledStep([without_all_to_all(step.program)], step.state, step.batch_spec, step.optimizer,
                               step.device, step.groups, not args.eager_replay, sm_carveout=carveout, codegen=codegen,
-                              fsdp_collectives=args.fsdp_collectives)
+                              fsdp_collectives=args.fsdp_collectives, collective_timeout_s=args.collective_timeout)
         runs = [(f"ep{suffix}", step)]
         own_nocomm = "nocomm" + suffix.removesuffix("-ce")  # the same program for both all-to-alls
         if own_nocomm not in results:
@@ -204,7 +204,8 @@ def run_modes(args):
             runs.insert(1, ("nocomm-nocopy", CompiledStep([without_all_to_all(step.program, copy=False)], step.state,
                                                           step.batch_spec, step.optimizer, step.device, step.groups,
                                                           not args.eager_replay, codegen=codegen,
-                                                          fsdp_collectives=args.fsdp_collectives)))
+                                                          fsdp_collectives=args.fsdp_collectives,
+                                                          collective_timeout_s=args.collective_timeout)))
         for label, runner in runs:
             torch.cuda.reset_peak_memory_stats()
             ms = timed(lambda: runner(data), args.warmup, args.iters)
@@ -274,6 +275,9 @@ def main():
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--eager-replay", action="store_true")
+    parser.add_argument("--collective-timeout", type=float, default=120.0,
+                        help="Config(collective_timeout_s): a copy-engine collective that waits this long ends the "
+                             "run naming it (a device command has 10 minutes)")
     parser.add_argument("--profile", metavar="DIR", help="after timing each mode, profile two steps: kernel table "
                         "into DIR, all-to-all time and its overlap with compute printed")
     parser.add_argument("--out", default="bench/moe.json")

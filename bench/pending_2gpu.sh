@@ -7,12 +7,13 @@
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
 # (date, machine, command). In priority order:
 #   moe       issue 15: MoE ep=2, dual-batch, NCCL and copy-engine all-to-alls (>= 30% MFU, >= 90% hidden)
-#   moe-ce    the same with ZeRO-1's collectives on the copy engines too (Config(fsdp_collectives))
+#   moe-ce    the same with ZeRO-1's collectives on the copy engines too (Config(fsdp_collectives)); it
+#             stalled once in session 24 (RESULTS): a stall now ends after 60 s naming the collective
 #   fsdp      issue 15: GPT 1b ZeRO-3 at batch 4 and 1 against one GPU's compiled step and FSDP2 + compile,
-#             next to one GPU's fxshard step (what ZeRO-3 adds); profiled (kernel time by class); first run
-#             since session 23 cast each ZeRO-3 shard once a step (RESULTS)
-#   pipeline  issue 14: bench/pipeline.py 1F1B and interleaved V=2 with the peer (pipeline-zb: ZB-H1); first run
-#             since session 23 fused each microbatch's gradient cast with its accumulation (RESULTS)
+#             next to one GPU's fxshard step (what ZeRO-3 adds); profiled (kernel time by class). Session 24
+#             (RESULTS): ZeRO-3's GEMMs ran 9% slower beside NCCL's ring LL kernels; NCCL_PROTO=Simple
+#             (fxshard-protoSimple) and the copy engines (fxshard-ce) are the two ways tried next
+#   pipeline  issue 14: bench/pipeline.py 1F1B and interleaved V=2 with the peer (pipeline-zb: ZB-H1)
 #   hf_moe    issue 17: the Qwen3-MoE-like transformers model at ep=2 against FSDP2 eager
 #   suite-ce  the multigpu tests of the copy-engine collectives (bit-identical to NCCL; a stalled peer)
 #   suite     the other multigpu tests
@@ -25,13 +26,14 @@ case "$part" in
   moe) timeout 580 python bench/moe.py --gpus 2 --ep 2 --chunks 1 --all-to-all nccl copy-engine --microbatches 2 \
          --interleave dual-batch --warmup 3 --iters 8 --out "$out/moe_2gpu_$day.json" 2>&1 | tee "$out/moe.log" \
          | grep -v "codegen: region" | tail -40 ;;
-  moe-ce) timeout 580 python bench/moe.py --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine --microbatches 2 \
+  moe-ce) timeout 580 python bench/moe.py --collective-timeout 60 --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine --microbatches 2 \
          --interleave dual-batch --fsdp-collectives copy-engine --warmup 3 --iters 8 \
          --out "$out/moe_ce_2gpu_$day.json" 2>&1 | tee "$out/moe_ce.log" | grep -v "codegen: region" | tail -40 ;;
-  fsdp) timeout 570 python bench/fsdp.py --gpus 2 --batch 4 1 --modes nocomm-compile nocomm-fxshard fxshard fsdp2-compile \
+  fsdp) timeout 570 python bench/fsdp.py --gpus 2 --batch 4 1 --modes nocomm-compile nocomm-fxshard fxshard fxshard-protoSimple \
+          fxshard-ce fsdp2-compile \
           --profile "$out/fsdp_profile" --out "$out/fsdp_2gpu_$day.json" 2>&1 | tee "$out/fsdp.log" \
           | grep -v "codegen: region" | tail -30
-        # one file for the eight profiles: the device tool returns at most 8 files
+        # one file for the profiles (a mode and batch each): the device tool returns at most 8 files
         tar czf "$out/fsdp_profile.tgz" -C "$out" fsdp_profile && rm -r "$out/fsdp_profile" ;;
   pipeline) timeout 580 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 \
               --out "$out/pipeline_2gpu_$day.json" 2>&1 | tee "$out/pipeline.log" | grep -v "codegen: region" | tail -30 ;;
