@@ -17,7 +17,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank, nprocs, port, backend, out_dir, fn, args):
+def _worker(rank, nprocs, port, backend, out_dir, fn, args, environ):
+    # a forkserver child has the server's environment, from when it started: give it the caller's now
+    # (NCCL and fxshard read theirs after import)
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank))
     if backend == "nccl":
@@ -35,11 +39,24 @@ def _worker(rank, nprocs, port, backend, out_dir, fn, args):
             dist.destroy_process_group()
 
 
+def _start_method() -> str:
+    """forkserver where the platform has it: each run's processes fork from one server process that
+    imported torch and fxshard once, where a spawned process imports them again (~2.5 s per run on a
+    2-core machine, and the test suite starts dozens of runs). The server never touches CUDA, so its
+    children may. FXSHARD_START_METHOD=spawn restores fresh interpreters."""
+    method = os.environ.get("FXSHARD_START_METHOD") or (
+        "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
+    if method == "forkserver":
+        mp.set_forkserver_preload(["torch", "torch.distributed", "fxshard"])  # read when the server starts
+    return method
+
+
 def run_local(fn, nprocs: int, *args, backend: str | None = None) -> list:
     """Run `fn(*args)` in `nprocs` fresh processes (rank = process index, process group initialized);
-    return each rank's return value. `fn` must be importable (a module-level function)."""
+    return each rank's return value. `fn` must be importable (a module-level function). Each process
+    sees the caller's environment as it is at this call."""
     backend = backend or ("nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "gloo")
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(nprocs, _free_port(), backend, out_dir, fn, args), nprocs=nprocs,
-                           start_method="spawn")
+        mp.start_processes(_worker, args=(nprocs, _free_port(), backend, out_dir, fn, args, dict(os.environ)),
+                           nprocs=nprocs, start_method=_start_method())
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(nprocs)]

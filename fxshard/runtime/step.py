@@ -10,6 +10,7 @@ import torch.fx as fx
 
 from .. import meta
 from ..batch import BatchSpec
+from ..config import Config
 from ..errors import FxShardError
 from ..optim import Optimizer, is_learning_rate, lr_at
 from ..program import InputKind, OutputKind, Program
@@ -54,7 +55,7 @@ class CompiledStep:
     def __init__(self, programs: list[Program], state: State, batch_spec: BatchSpec, optimizer: Optimizer,
                  device: torch.device, groups: dict | None = None, cuda_graphs: bool = False,
                  sm_carveout: int | None = None, all_to_all: str = "nccl", fsdp_collectives: str = "nccl",
-                 collective_timeout_s: float | None = None,
+                 collective_timeout_s: float | None = Config.collective_timeout_s,
                  codegen: bool = False,
                  codegen_by_layer: bool = True,
                  verbose: bool = False, coords: dict[str, int] | None = None, rank: int = 0,
