@@ -43,9 +43,13 @@ def timed(fn, warmup: int, iters: int) -> float:
 def kernel_timeline(trace_path: str, steps: int, is_comm) -> dict:
     """From a profiler's chrome trace of `steps` steps: per step, how long the GPU ran any kernel, how long
     communication kernels (`is_comm(name)`) ran, how much of that other kernels ran alongside, and how much
-    ran alone (exposed). Spans are unions over streams, so overlapping kernels count once."""
+    ran alone (exposed). Spans are unions over streams, so overlapping kernels count once. Copies
+    (`gpu_memcpy`: the copy engines' work, peer-to-peer for copy-engine collectives) are no kernels:
+    "copies_ms" is their union and "copies_overlapped_ms" how much of it kernels ran alongside."""
     with open(trace_path) as handle:
-        kernels = [e for e in json.load(handle)["traceEvents"] if e.get("cat") == "kernel" and "dur" in e]
+        events = json.load(handle)["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    copies = _union([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "gpu_memcpy" and "dur" in e])
     comm = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if is_comm(e["name"])])
     compute = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels
                       if not is_comm(e["name"]) and not e["name"].startswith("nccl")])
@@ -62,7 +66,8 @@ def kernel_timeline(trace_path: str, steps: int, is_comm) -> dict:
         classes[kind] = classes.get(kind, 0.0) + per_step(event["dur"])
     return {"gpu_busy_ms": per_step(sum(b - a for a, b in busy)), "comm_kernels_ms": comm_ms,
             "comm_overlapped_ms": per_step(overlapped), "comm_exposed_ms": comm_ms - per_step(overlapped),
-            "kernels_per_step": len(kernels) / steps,
+            "kernels_per_step": len(kernels) / steps, "copies_ms": per_step(sum(b - a for a, b in copies)),
+            "copies_overlapped_ms": per_step(_intersection(copies, busy)),
             "by_class_ms": dict(sorted(classes.items(), key=lambda item: -item[1]))}
 
 

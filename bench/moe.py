@@ -124,7 +124,8 @@ def profile(step_fn, path, steps=2) -> dict:
     timeline = kernel_timeline(trace, steps, lambda name: "AllToAll" in name or "SendRecv" in name)
     os.remove(trace)
     return {"gpu_busy_ms": timeline["gpu_busy_ms"], "all_to_all_kernels_ms": timeline["comm_kernels_ms"],
-            "all_to_all_overlapped_ms": timeline["comm_overlapped_ms"]}
+            "all_to_all_overlapped_ms": timeline["comm_overlapped_ms"], "copies_ms": timeline["copies_ms"],
+            "copies_overlapped_ms": timeline["copies_overlapped_ms"], "by_class_ms": timeline["by_class_ms"]}
 
 
 def expert_compute_alone(args) -> float:
@@ -220,9 +221,12 @@ def run_modes(args):
                 kernels = profile(lambda: runner(data), os.path.join(args.profile, f"{label}.txt"))
                 if rank == 0:
                     results[f"{label}-kernels"] = kernels
+                    classes = ", ".join(f"{k} {v:.2f}" for k, v in kernels["by_class_ms"].items())
                     print(f"  {label}: GPU busy {kernels['gpu_busy_ms']:.2f} ms/step; all-to-all kernels "
                           f"{kernels['all_to_all_kernels_ms']:.2f} ms, of which {kernels['all_to_all_overlapped_ms']:.2f} "
-                          f"ms ran alongside compute", flush=True)
+                          f"ms ran alongside compute; copies (copy engines) {kernels['copies_ms']:.2f} ms, of which "
+                          f"{kernels['copies_overlapped_ms']:.2f} ms beside kernels; kernel ms by class {classes}",
+                          flush=True)
         metrics = step(data)
         dropped = metrics["moe_dropped_tokens"].item()
         results["dropped"] = dropped  # the same routing in every mode
