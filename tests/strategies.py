@@ -2,7 +2,7 @@
 
 import torch
 import torch.nn as nn
-from hypothesis import settings, strategies as st
+from hypothesis import strategies as st
 
 
 class MLPStack(nn.Module):
@@ -52,8 +52,3 @@ def rank_batches(world, rows, seq=8, vocab=64, seed=0):
     return [{"idx": torch.randint(0, vocab, (rows, seq), generator=generator),
              "tgt": torch.randint(0, vocab, (rows, seq), generator=generator)} for _ in range(world)]
 
-
-def fewer_examples() -> settings:
-    """Half the profile's examples, for property tests whose every example compiles a whole pipeline or
-    interleaved program (15-22 s at 6 examples on the 2-core CI machine): 3 by default, 30 thorough."""
-    return settings(max_examples=max(2, settings.default.max_examples // 2))

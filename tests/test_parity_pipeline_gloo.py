@@ -29,9 +29,8 @@ OPTIMIZERS = {"tied": fxshard.optim.SGD(lr=0.05, momentum=0.9), "tied8": fxshard
 
 # (model, Mesh pp, dp, schedule, virtual stages, microbatches[, sharding over dp[, ep[, ep_overlap: with
 # microbatches, the combined 1F1B of each stage's forward/backward pairs]]])
-# (interleaved at M=8 runs on the SPMD simulator, tests/passes/test_pipeline_split.py)
 WORLD_2 = [("gpt2", 2, 1, "1f1b", 1, 4), ("moe", 2, 1, "zb-h1", 1, 4), ("gpt4", 2, 1, "interleaved-1f1b", 2, 4),
-           ("moe", 2, 1, "1f1b", 1, 8), ("tied", 2, 1, "1f1b", 1, 4)]
+           ("moe", 2, 1, "1f1b", 1, 8), ("tied", 2, 1, "1f1b", 1, 4), ("gpt4", 2, 1, "interleaved-1f1b", 2, 8)]
 # the cases (pp=2 x dp=2 under ZeRO-3, a tied embedding, MoE with ep=2 inside the stages) and
 # four stages, interleaved (point-to-point between several pairs, a weight tied across stages 0 and 3);
 # the schedules x strategies x sizes grid (AdamW, P up to 4, M up to 8) runs on the SPMD simulator

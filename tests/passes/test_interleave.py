@@ -12,12 +12,11 @@ from fxshard.passes import run_pipeline
 from fxshard.passes.fsdp import STRATEGIES
 from fxshard.passes.interleave import interleave_microbatches
 from fxshard.testing import assert_bit_identical
-from strategies import fewer_examples, rank_batches
+from strategies import rank_batches
 
 c10d = torch.ops._c10d_functional
 
 
-@fewer_examples()
 @given(microbatches=st.sampled_from([2, 3, 4]), chunks=st.sampled_from([1, 2]), sharding=st.sampled_from(STRATEGIES),
        capacity=st.sampled_from([None, 1.0]), pairing=st.sampled_from(["combined-1f1b", "dual-batch"]))
 def test_interleaving_changes_the_order_not_the_values(microbatches, chunks, sharding, capacity, pairing):

@@ -15,7 +15,6 @@ from fxshard.passes import run_pipeline
 from fxshard.passes.lower_schedule import lower_schedule
 from fxshard.passes.pipeline import assign_layers, chunk_costs, layer_costs, split_stages
 from fxshard.program import STAGE_LOCAL, InputKind, OutputKind
-from strategies import fewer_examples
 from fxshard.testing import SimulatedRanks, assert_step_like_eager, relative, torch_optimizer
 
 
@@ -254,7 +253,6 @@ def test_constants_are_copied_into_every_chunk_that_reads_them(kind):
         assert any(n.op == "get_attr" for n in chunk.forward.graph.nodes), chunk.index
 
 
-@fewer_examples()
 @given(strategy=st.sampled_from(["no_shard", "optim", "optim_grads", "optim_grads_params"]),
        kind=st.sampled_from(["1f1b", "interleaved-1f1b", "zb-h1", "gpipe", "dualpipev"]), tied=st.booleans())
 def test_fsdp_over_dp_inside_the_pipeline_trains_like_one_device(strategy, kind, tied):
@@ -346,7 +344,6 @@ def test_the_lowered_program_issues_receives_early_and_waits_where_the_value_is_
     assert last.stage.stage == 1 and {u.norm_axes for u in last.updates} == {("pp",)}
 
 
-@fewer_examples()
 @given(strategy=st.sampled_from(["no_shard", "optim", "optim_grads_params"]),
        kind=st.sampled_from(["1f1b", "zb-h1", "gpipe"]), overlap=st.booleans())
 def test_expert_parallel_inside_the_pipeline_trains_like_one_device(strategy, kind, overlap):
