@@ -39,13 +39,16 @@ def _worker(rank, nprocs, port, backend, out_dir, fn, args, environ):
             dist.destroy_process_group()
 
 
-def _start_method() -> str:
-    """forkserver where the platform has it: each run's processes fork from one server process that
-    imported torch and fxshard once, where a spawned process imports them again (~2.5 s per run on a
-    2-core machine, and the test suite starts dozens of runs). The server never touches CUDA, so its
-    children may. FXSHARD_START_METHOD=spawn restores fresh interpreters."""
+def _start_method(backend: str) -> str:
+    """forkserver for gloo ranks on a machine without CUDA, where the platform has it: each run's
+    processes fork from one server process that imported torch and fxshard once, where a spawned
+    process imports them again (~2.5 s per run on a 2-core machine, and the test suite starts dozens
+    of runs). spawn everywhere else: a process forked after anything asked CUDA even for its device
+    count cannot use CUDA, and nothing proves that importing fxshard (Inductor, Triton) never does.
+    FXSHARD_START_METHOD overrides the choice."""
+    cpu_only = backend == "gloo" and not torch.cuda.is_available()
     method = os.environ.get("FXSHARD_START_METHOD") or (
-        "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
+        "forkserver" if cpu_only and "forkserver" in mp.get_all_start_methods() else "spawn")
     if method == "forkserver":
         mp.set_forkserver_preload(["torch", "torch.distributed", "fxshard"])  # read when the server starts
     return method
@@ -58,5 +61,5 @@ def run_local(fn, nprocs: int, *args, backend: str | None = None) -> list:
     backend = backend or ("nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "gloo")
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(_worker, args=(nprocs, _free_port(), backend, out_dir, fn, args, dict(os.environ)),
-                           nprocs=nprocs, start_method=_start_method())
+                           nprocs=nprocs, start_method=_start_method(backend))
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(nprocs)]

@@ -3,6 +3,7 @@ as it is at the call (ranks fork from a server process that started earlier, wit
 
 import os
 
+import torch
 import torch.distributed as dist
 
 from fxshard.launch import run_local
@@ -19,3 +20,15 @@ def test_each_rank_sees_the_callers_environment_at_the_call(monkeypatch):
     assert run_local(_what_a_rank_sees, 2) == [(0, 2, "second"), (1, 2, "second")]
     monkeypatch.delenv("FXSHARD_TEST_LAUNCH")
     assert run_local(_what_a_rank_sees, 1) == [(0, 1, None)]
+
+
+def test_ranks_fork_from_the_server_only_for_gloo_without_cuda(monkeypatch):
+    """A process forked after CUDA was asked anything cannot use CUDA: NCCL ranks, and any rank on a
+    machine with a GPU, start as fresh interpreters."""
+    from fxshard.launch import _start_method
+
+    monkeypatch.delenv("FXSHARD_START_METHOD", raising=False)
+    assert _start_method("nccl") == "spawn"
+    assert _start_method("gloo") == ("spawn" if torch.cuda.is_available() else "forkserver")
+    monkeypatch.setenv("FXSHARD_START_METHOD", "spawn")
+    assert _start_method("gloo") == "spawn"
