@@ -5,18 +5,21 @@
 #     bash bench/pending_2gpu.sh moe|moe-ce|fsdp|suite-ce|pipeline|pipeline-zb|hf_moe|suite  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
-# (date, machine, command). In priority order:
-#   moe       issue 15: MoE ep=2, dual-batch, NCCL and copy-engine all-to-alls (>= 30% MFU, >= 90% hidden)
-#   moe-ce    the same with ZeRO-1's collectives on the copy engines too (Config(fsdp_collectives)); it
-#             stalled once in session 24 (RESULTS): a stall now ends after 60 s naming the collective
+# (date, machine, command). In priority order (session 24 ran all but hf_moe and suite; times on 2x H200):
 #   fsdp      issue 15: GPT 1b ZeRO-3 at batch 4 and 1 against one GPU's compiled step and FSDP2 + compile,
 #             next to one GPU's fxshard step (what ZeRO-3 adds); profiled (kernel time by class). Session 24
-#             (RESULTS): ZeRO-3's GEMMs ran 9% slower beside NCCL's ring LL kernels; NCCL_PROTO=Simple
-#             (fxshard-protoSimple) and the copy engines (fxshard-ce) are the two ways tried next
-#   pipeline  issue 14: bench/pipeline.py 1F1B and interleaved V=2 with the peer (pipeline-zb: ZB-H1)
+#             (RESULTS): ZeRO-3's GEMMs ran 9% slower beside NCCL's kernels; NCCL_PROTO=Simple
+#             (fxshard-protoSimple) and the copy engines (fxshard-ce) are the two ways tried next (~5 min)
+#   moe       issue 15: MoE ep=2, dual-batch, NCCL and copy-engine all-to-alls (>= 30% MFU, >= 90% hidden),
+#             each mode profiled: what the copy-engine dual-batch mode leaves exposed (~3 min)
+#   moe-ce    the same with ZeRO-1's collectives on the copy engines too (Config(fsdp_collectives)); it
+#             stalled once in session 24 (RESULTS): a stall now ends after 60 s naming the collective
+#   pipeline  issue 14: bench/pipeline.py 1F1B and interleaved V=2 with the peer; a graphed mode prints the
+#             action-span diagnostic beside the bubble target (~6 min; pipeline-zb: ZB-H1)
+#   suite-ce  the multigpu tests of the copy-engine collectives (bit-identical to NCCL, dual-batch MoE with
+#             every collective on copy engines; a stalled peer)
+#   suite     the other multigpu tests (~7 min)
 #   hf_moe    issue 17: the Qwen3-MoE-like transformers model at ep=2 against FSDP2 eager
-#   suite-ce  the multigpu tests of the copy-engine collectives (bit-identical to NCCL; a stalled peer)
-#   suite     the other multigpu tests
 set -euo pipefail
 part=${1:?usage: bench/pending_2gpu.sh PART [OUT]}
 out=${2:-${OUT:?set OUT or pass a directory}}
