@@ -43,16 +43,17 @@ def test_train_example_with_two_data_parallel_processes():
     assert "step 40 loss" in result.stdout and "done: 40 steps" in result.stdout
 
 
-def test_train_example_with_two_stages_times_two_data_parallel(tmp_path):
+def test_train_example_with_two_stages_times_two_data_parallel_times_two_expert_parallel(tmp_path):
     import subprocess
     import sys
 
     script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train.py"
-    result = subprocess.run([sys.executable, str(script), "--pp", "2", "--dp", "2", "--steps", "60", "--log-every",
-                             "30", "--dump", str(tmp_path), "--save", str(tmp_path / "ck{step}"), "--save-every", "30"],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, str(script), "--pp", "2", "--dp", "2", "--ep", "2", "--steps", "60",
+                             "--log-every", "30", "--dump", str(tmp_path), "--save", str(tmp_path / "ck{step}"),
+                             "--save-every", "30"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "Mesh(pp=2, dp=2)" in result.stdout and "1f1b pipeline" in result.stdout
+    assert "Mesh(pp=2, dp=2, ep=2)" in result.stdout and "1f1b pipeline" in result.stdout
+    assert "dropped 0" in result.stdout  # the experts over ep=2 inside each stage, dropless
     assert "done: 60 steps" in result.stdout
     first, last = result.stdout.split("mean loss of first 10 steps ")[1].split(" -> last 10 steps ")
     assert float(last) < float(first), result.stdout
