@@ -335,6 +335,33 @@ def test_a_workspace_that_cannot_be_set_up_says_why_and_what_to_do(monkeypatch):
     assert "ep_group" not in copy_engine._WORKSPACES
 
 
+def test_a_new_workspace_is_zeroed_on_the_device_before_any_peer_can_signal_into_it(monkeypatch):
+    """torch 2.11 zeroes a symmetric allocation's signal pad with a memset that returns before it runs;
+    a peer's first barrier signal that lands before it is erased (the likeliest cause of a stalled MoE
+    benchmark on 2x H200, bench/RESULTS.md 2026-11-28).
+    The device is synchronized between the allocation and the exchange that lets peers signal, and
+    after the exchange (the peers' pointers are uploaded the same way); also when a larger workspace
+    replaces the group's."""
+    from torch.distributed import _symmetric_memory as symm
+
+    from fxshard.runtime import copy_engine
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("synchronize"))
+    monkeypatch.setattr(symm, "enable_symm_mem_for_group", lambda name: None)
+    monkeypatch.setattr(symm, "empty", lambda n, dtype, device: calls.append("empty") or torch.empty(n, dtype=dtype))
+    monkeypatch.setattr(symm, "rendezvous", lambda tensor, name: calls.append("rendezvous") or f"handle {tensor.numel()}")
+    monkeypatch.setattr(copy_engine, "_WORKSPACES", {})
+    monkeypatch.setattr(copy_engine, "_RETIRED", [])
+    assert copy_engine._workspace("dp", 256) == "handle 256"
+    assert copy_engine._workspace("dp", 128) == "handle 256"  # large enough: no new allocation
+    assert copy_engine._workspace("dp", 512) == "handle 512"
+    assert calls == ["empty", "synchronize", "rendezvous", "synchronize"] * 2
+    assert [t.numel() for t, _ in copy_engine._RETIRED] == [256]  # kept: a copy may still write it
+
+
 def test_a_step_whose_device_stopped_in_a_copy_engine_collective_says_which():
     """The runtime's error path (the device's trap itself needs two GPUs: tests/test_gpu.py): a CUDA
     error from a step while the marker says "waiting in collective i" becomes an FxShardError naming it;

@@ -69,7 +69,16 @@ _LOWERINGS = itertools.count(1)  # numbers each lowering, so a marker names the 
 def _workspace(group_name: str, nbytes: int):
     """The group's symmetric workspace (at least `nbytes`), allocated and exchanged on first use: a
     collective call, which every rank reaches at the same collective. (Two compiled steps on one group
-    share it; a larger one replaces it at its first collective, and the old one is kept.)"""
+    share it; a larger one replaces it at its first collective, and the old one is kept.)
+
+    The device is synchronized after the allocation and after the exchange. torch 2.11 (the GPU
+    machines' version) zeroes a new allocation's signal pad with a cudaMemset on the legacy default
+    stream, which returns before it runs, queued behind this rank's compute, and uploads the peers'
+    pointers the same way during the exchange. A peer whose first barrier reaches this rank's pad
+    before that memset runs has its signal erased, and the two ranks' barriers go out of step: a hang
+    (pytorch PR 192308 made torch itself wait, after 2.11). This is the likeliest cause of the one
+    stall bench/RESULTS.md records (2026-11-28), which happened at a workspace's growth; it was not
+    reproduced. Waiting here costs two synchronizations per allocation, during warm-up steps only."""
     from torch.distributed import _symmetric_memory as symm
 
     held = _WORKSPACES.get(group_name)
@@ -81,8 +90,12 @@ def _workspace(group_name: str, nbytes: int):
             _RETIRED.append(held)
         try:
             symm.enable_symm_mem_for_group(group_name)
-            tensor = symm.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
-            held = _WORKSPACES[group_name] = (tensor, symm.rendezvous(tensor, group_name))
+            device = torch.device("cuda", torch.cuda.current_device())
+            tensor = symm.empty(nbytes, dtype=torch.uint8, device=device)
+            torch.cuda.synchronize(device)  # the signal pad is zero before the exchange lets a peer signal into it
+            handle = symm.rendezvous(tensor, group_name)
+            torch.cuda.synchronize(device)  # the peers' pointers are on the device before a barrier reads them
+            held = _WORKSPACES[group_name] = (tensor, handle)
         except (RuntimeError, ValueError) as error:
             raise FxShardError(
                 f"copy-engine collectives (Config(ep_all_to_all='copy-engine') or Config(fsdp_collectives="
