@@ -18,9 +18,9 @@ and the ratio to the single-GPU no-communication time of the same model and batc
                     moved by the copy engines (no SMs); its peak memory includes the symmetric workspace
     fxshard-ctasN   fxshard with NCCL_MAX_CTAS=N (its collectives on at most N SMs, fewer taken from
                     compute; slower collectives), e.g. fxshard-ctas8; likewise fsdp2-compile-ctasN
-    fxshard-protoP  fxshard with NCCL_PROTO=P (Simple, LL or LL128: NCCL's choice for 2 GPUs was ring LL,
-                    whose kernels poll memory while the GEMMs beside them run), e.g. fxshard-protoSimple;
-                    suffixes combine (fxshard-ctas8-protoSimple) and apply to fsdp2 modes too
+    fxshard-protoP  fxshard with NCCL_PROTO=P (Simple, LL or LL128: how NCCL's kernels move data, and
+                    so what the GEMMs beside them lose), e.g. fxshard-protoSimple; suffixes combine
+                    (fxshard-ctas8-protoSimple) and apply to fsdp2 modes too
 
 "vs compile" is the ratio to nocomm-compile of the same batch (the issue's yardstick). Each fxshard
 mode prints how long fxshard.shard took (trace, passes, codegen) and what codegen compiled.
