@@ -77,7 +77,7 @@ def _workspace(group_name: str, nbytes: int):
     pointers the same way during the exchange. A peer whose first barrier reaches this rank's pad
     before that memset runs has its signal erased, and the two ranks' barriers go out of step: a hang
     (pytorch PR 192308 made torch itself wait, after 2.11). This is the likeliest cause of the one
-    stall bench/RESULTS.md records (2026-11-28), which happened at a workspace's growth; it was not
+    stall bench/RESULTS.md records (2026-11-28), right after a new workspace's allocation; it was not
     reproduced. Waiting here costs two synchronizations per allocation, during warm-up steps only."""
     from torch.distributed import _symmetric_memory as symm
 
