@@ -215,20 +215,31 @@ def _process_groups(mesh: Mesh | None, timeout_s: float):
     return _new_groups(mesh.all_groups(), timeout_s), mesh.coords(dist.get_rank())
 
 
+# (default group's id, axis, ranks, timeout) -> (that default group, the group): what _new_groups made
+# in this process. The default group is held so that its id cannot name a later one.
+_GROUPS: dict[tuple, tuple] = {}
+
+
 def _new_groups(rank_lists: dict[str, list[list[int]]], timeout_s: float) -> dict:
     """Axis -> this rank's process group among `rank_lists[axis]` (global ranks). Every rank creates
-    every group, in the same order, as torch.distributed requires; each wait times out after `timeout_s`."""
+    every group, in the same order, as torch.distributed requires; each wait times out after `timeout_s`.
+    A group is made once per process (per default group, axis, ranks and timeout) and every later
+    `shard()` reuses it: each group holds NCCL communicators and, with copy-engine collectives, a
+    symmetric workspace, which piled up with every call (1.1 GiB of workspaces in one MoE benchmark
+    process). Every rank makes the same calls in the same order, so every rank reuses the same ones."""
     import datetime
 
     import torch.distributed as dist
 
-    rank, timeout = dist.get_rank(), datetime.timedelta(seconds=timeout_s)
+    rank, timeout, world = dist.get_rank(), datetime.timedelta(seconds=timeout_s), dist.group.WORLD
     groups = {}
     for axis, lists in rank_lists.items():
         for ranks in lists:
-            group = dist.new_group(ranks, timeout=timeout)
+            key = (id(world), axis, tuple(ranks), timeout_s)
+            if key not in _GROUPS:
+                _GROUPS[key] = (world, dist.new_group(ranks, timeout=timeout))
             if rank in ranks:
-                groups[axis] = group
+                groups[axis] = _GROUPS[key][1]
     return groups
 
 

@@ -1,5 +1,6 @@
-"""fxshard.launch.run_local: each rank runs with its rank, the world size and the caller's environment
-as it is at the call (ranks fork from a server process that started earlier, with an older one)."""
+"""Ranks and their process groups. fxshard.launch.run_local: each rank runs with its rank, the world size
+and the caller's environment as it is at the call (ranks fork from a server process that started
+earlier, with an older one). fxshard.shard: the process groups of a mesh are made once per process."""
 
 import os
 
@@ -32,3 +33,31 @@ def test_ranks_fork_from_the_server_only_for_gloo_without_cuda(monkeypatch):
     assert _start_method("gloo") == ("spawn" if torch.cuda.is_available() else "forkserver")
     monkeypatch.setenv("FXSHARD_START_METHOD", "spawn")
     assert _start_method("gloo") == "spawn"
+
+
+def _two_steps_on_one_mesh():
+    """Two steps of the same model and batches, sharded one after the other on Mesh(dp=2), stepped
+    alternately; a third with another collective timeout."""
+    import fxshard
+    from strategies import MLPStack, mse, regression_batch
+
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    batches = [regression_batch(generator, 4) for _ in range(3)]
+    steps = []
+    for timeout_s in (600.0, 600.0, 300.0):
+        torch.manual_seed(0)
+        steps.append(fxshard.shard(MLPStack([4, 8, 4]), mse, batches[0], optimizer=fxshard.optim.AdamW(lr=1e-2),
+                                   mesh=fxshard.Mesh(dp=2), config=fxshard.Config(collective_timeout_s=timeout_s)))
+    first, second, third = steps
+    losses = [[float(step(batch)["loss"]) for step in (first, second)] for batch in batches]
+    return first.groups["dp"] is second.groups["dp"], first.groups["dp"] is third.groups["dp"], losses
+
+
+def test_shard_reuses_its_process_groups_and_steps_on_them_stay_apart():
+    """Each shard() on a mesh reused to make new process groups (NCCL communicators, copy-engine
+    workspaces) that were never freed; now a later call reuses the groups of an earlier one with the
+    same timeout, and two steps stepped alternately on them compute what each computes alone."""
+    for shared, shared_with_other_timeout, losses in run_local(_two_steps_on_one_mesh, 2):
+        assert shared and not shared_with_other_timeout
+        assert all(a == b for a, b in losses), losses
+        assert losses[-1][0] < losses[0][0]  # it trains
