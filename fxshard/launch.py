@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .errors import FxShardError
+
 
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -47,8 +49,12 @@ def _start_method(backend: str) -> str:
     count cannot use CUDA, and nothing proves that importing fxshard (Inductor, Triton) never does.
     FXSHARD_START_METHOD overrides the choice."""
     cpu_only = backend == "gloo" and not torch.cuda.is_available()
+    methods = mp.get_all_start_methods()
     method = os.environ.get("FXSHARD_START_METHOD") or (
-        "forkserver" if cpu_only and "forkserver" in mp.get_all_start_methods() else "spawn")
+        "forkserver" if cpu_only and "forkserver" in methods else "spawn")
+    if method not in methods:
+        raise FxShardError(f"FXSHARD_START_METHOD={method!r} is not a start method this platform has "
+                           f"({', '.join(methods)}); unset it, or set spawn")
     if method == "forkserver":
         mp.set_forkserver_preload(["torch", "torch.distributed", "fxshard"])  # read when the server starts
     return method

@@ -4,9 +4,11 @@ earlier, with an older one). fxshard.shard: the process groups of a mesh are mad
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 
+import fxshard
 from fxshard.launch import run_local
 
 
@@ -33,12 +35,14 @@ def test_ranks_fork_from_the_server_only_for_gloo_without_cuda(monkeypatch):
     assert _start_method("gloo") == ("spawn" if torch.cuda.is_available() else "forkserver")
     monkeypatch.setenv("FXSHARD_START_METHOD", "spawn")
     assert _start_method("gloo") == "spawn"
+    monkeypatch.setenv("FXSHARD_START_METHOD", "fork-please")
+    with pytest.raises(fxshard.FxShardError, match="FXSHARD_START_METHOD='fork-please' is not a start method"):
+        _start_method("gloo")
 
 
 def _two_steps_on_one_mesh():
     """Two steps of the same model and batches, sharded one after the other on Mesh(dp=2), stepped
     alternately; a third with another collective timeout."""
-    import fxshard
     from strategies import MLPStack, mse, regression_batch
 
     generator = torch.Generator().manual_seed(dist.get_rank())
