@@ -377,7 +377,7 @@ def profile_bubble(step_fn, setup: Setup, label: str, graphed: bool, actions: li
 def kernels_in_order(events: list[dict], actions: list[str], graphed: bool) -> list[tuple]:
     """This rank's compute kernels (not communication) in the order they ran: for an eager step
     (name, owner), owner the action whose codegen region launched it (`action_times`) or "other"; for a
-    graphed step (name, start us, end us) of the kernels its graph launch ran. `graphed_action_times`
+    graphed step (name, start us, end us) of the kernels its graph launch ran. `graphed_kernels_by_action`
     lines the second up with the first."""
     if not graphed:
         return [(name, owner_of(label, actions)) for _, _, name, label in
@@ -427,23 +427,17 @@ def graphed_kernels_by_action(eager: list[tuple], graphed: list[tuple]) -> dict[
     return per_action
 
 
-def graphed_action_times(eager: list[tuple], graphed: list[tuple]) -> dict[str, float] | None:
+def graphed_action_times(per_action: dict[str, list]) -> dict[str, float]:
     """`action_times` for a graphed step, from its own kernels (`graphed_kernels_by_action`): per
     action, the union of its kernels' intervals."""
-    per_action = graphed_kernels_by_action(eager, graphed)
-    if per_action is None:
-        return None
     return {owner: union_length(intervals) / 1e3 for owner, intervals in per_action.items()}
 
 
-def graphed_action_spans(eager: list[tuple], graphed: list[tuple]) -> dict[str, float] | None:
-    """Per compute action of a graphed step, from its first kernel's start to its last kernel's end
-    (ms): its kernels and the gaps between them (~1.7 us after each kernel, even in a graph), and
-    whatever wait for a transfer fell inside it. `span_costs` keeps the shortest per chunk and kind,
-    the one that waited least."""
-    per_action = graphed_kernels_by_action(eager, graphed)
-    if per_action is None:
-        return None
+def graphed_action_spans(per_action: dict[str, list]) -> dict[str, float]:
+    """Per compute action of a graphed step (`graphed_kernels_by_action`), from its first kernel's
+    start to its last kernel's end (ms): its kernels and the gaps between them (~1.7 us after each
+    kernel, even in a graph), and whatever wait for a transfer fell inside it. `span_costs` keeps the
+    shortest per chunk and kind, the one that waited least."""
     return {owner: (max(end for _, end in intervals) - min(start for start, _ in intervals)) / 1e3
             for owner, intervals in per_action.items() if owner != "other"}
 
@@ -727,14 +721,13 @@ def time_graphed_actions(row: dict, ranks: list[dict], eager_ranks: list[dict] |
     the graph's kernels up with the eager step's (`graphed_action_times`); where they do not line up on
     every rank, the eager profile's costs (the same kernels, timed in another step). The row says which
     (`action_costs_from`)."""
-    costs, source, spans = None, None, None
+    costs, source, per_action = None, None, None
     if eager_ranks and all(r.get("kernels_in_order") for r in ranks + eager_ranks):
-        timed = [graphed_action_times(e["kernels_in_order"], g["kernels_in_order"]) for e, g in zip(eager_ranks, ranks)]
-        if all(t is not None for t in timed):
-            costs = measured_costs([{**g, "action_ms": t} for g, t in zip(ranks, timed)])
+        per_action = [graphed_kernels_by_action(e["kernels_in_order"], g["kernels_in_order"])
+                      for e, g in zip(eager_ranks, ranks)]
+        if all(p is not None for p in per_action):
+            costs = measured_costs([{**g, "action_ms": graphed_action_times(p)} for g, p in zip(ranks, per_action)])
             source = "graphed trace"
-            spans = [graphed_action_spans(e["kernels_in_order"], g["kernels_in_order"])
-                     for e, g in zip(eager_ranks, ranks)]
     if costs is None and eager_row and eager_row["action_costs_ms"]:
         costs, source = eager_row["action_costs_ms"], "eager profile"
     time_by_measured_costs(row, costs, gpus, microbatches)
@@ -742,26 +735,31 @@ def time_graphed_actions(row: dict, ranks: list[dict], eager_ranks: list[dict] |
     # A diagnostic beside the target: the gaps between kernels as work of the actions (span costs),
     # against the measured waits, which leave those gaps out of the bubble too.
     row["action_span_costs_ms"] = row["bubble_simulated_spans"] = None
-    if costs and spans:
-        row["action_span_costs_ms"] = span_costs(spans, costs)
-        schedule = build(row["schedule"][0], gpus, microbatches, row["schedule"][1])
-        order = [tuple(Action.parse(token) for token in actions) for actions in row["issued"]] if row.get("issued") else None
-        row["bubble_simulated_spans"] = simulate(schedule, row["action_span_costs_ms"], order=order).bubble_fraction
+    if source == "graphed trace":
+        row["action_span_costs_ms"] = span_costs([graphed_action_spans(p) for p in per_action], costs)
+        row["bubble_simulated_spans"] = simulated_as_issued(row, row["action_span_costs_ms"], gpus, microbatches)
 
 
 def time_by_measured_costs(row: dict, costs: dict | None, gpus: int, microbatches: int) -> None:
     """`row`'s action costs and the bubble the simulator gives its schedule under them (None without):
-    `bubble_simulated_measured` with the transfers timed as the ranks issued them (`row["issued"]`,
-    each rank's actions in its program's order; `simulate(order=...)`: one at a time per pair of
-    ranks, each `costs["P2P"]` long), `bubble_simulated_measured_free` with free transfers."""
+    `bubble_simulated_measured` with the transfers timed as the ranks issued them
+    (`simulated_as_issued`), `bubble_simulated_measured_free` with free transfers."""
     row["action_costs_ms"] = costs
     row["bubble_simulated_measured"] = row["bubble_simulated_measured_free"] = None
     if costs:
         schedule = build(row["schedule"][0], gpus, microbatches, row["schedule"][1])
         row["bubble_simulated_measured_free"] = simulate(schedule, {**costs, "P2P": 0.0}).bubble_fraction
-        issued = row.get("issued")
-        order = [tuple(Action.parse(token) for token in actions) for actions in issued] if issued else None
-        row["bubble_simulated_measured"] = simulate(schedule, costs, order=order).bubble_fraction
+        row["bubble_simulated_measured"] = simulated_as_issued(row, costs, gpus, microbatches)
+
+
+def simulated_as_issued(row: dict, costs: dict, gpus: int, microbatches: int) -> float:
+    """The simulated bubble of `row`'s schedule under `costs`, with the transfers timed as the ranks
+    issued them (`row["issued"]`, each rank's actions in its program's order; `simulate(order=...)`:
+    one at a time per pair of ranks, each `costs["P2P"]` long)."""
+    schedule = build(row["schedule"][0], gpus, microbatches, row["schedule"][1])
+    issued = row.get("issued")
+    order = [tuple(Action.parse(token) for token in actions) for actions in issued] if issued else None
+    return simulate(schedule, costs, order=order).bubble_fraction
 
 
 def print_targets(rows: list[dict]) -> None:

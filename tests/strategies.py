@@ -51,4 +51,3 @@ def rank_batches(world, rows, seq=8, vocab=64, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return [{"idx": torch.randint(0, vocab, (rows, seq), generator=generator),
              "tgt": torch.randint(0, vocab, (rows, seq), generator=generator)} for _ in range(world)]
-
