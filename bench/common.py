@@ -68,7 +68,33 @@ def kernel_timeline(trace_path: str, steps: int, is_comm) -> dict:
             "comm_overlapped_ms": per_step(overlapped), "comm_exposed_ms": comm_ms - per_step(overlapped),
             "kernels_per_step": len(kernels) / steps, "copies_ms": per_step(sum(b - a for a, b in copies)),
             "copies_overlapped_ms": per_step(_intersection(copies, busy)),
-            "by_class_ms": dict(sorted(classes.items(), key=lambda item: -item[1]))}
+            "by_class_ms": dict(sorted(classes.items(), key=lambda item: -item[1])),
+            **idle_gaps(events, steps)}
+
+
+IDLE_SHORT_US = 10.0  # an idle gap up to this long is a launch gap (one node to the next in a CUDA graph)
+
+
+def idle_gaps(events: list[dict], steps: int, largest: int = 5) -> dict:
+    """Where the GPU ran nothing (no kernel, memset or copy on any stream) between the trace's first
+    and last device event, per step: "idle_ms", split into "idle_short_ms" (gaps up to IDLE_SHORT_US:
+    one kernel to the next, launch latency) and "idle_long_ms" (the host or a dependency held the
+    GPU back), how many gaps, and the `largest` gaps as [us, device event before, event after]."""
+    device = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                    if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and "dur" in e)
+    gaps, reach, last = [], None, None
+    for start, stop, name in device:
+        if reach is not None and start > reach:
+            gaps.append((start - reach, last, name))
+        if reach is None or stop > reach:
+            reach, last = stop, name
+    short = [g for g in gaps if g[0] <= IDLE_SHORT_US]
+    return {"idle_ms": sum(g[0] for g in gaps) / steps / 1e3,
+            "idle_short_ms": sum(g[0] for g in short) / steps / 1e3, "idle_short_gaps": len(short) / steps,
+            "idle_long_ms": sum(g[0] for g in gaps if g[0] > IDLE_SHORT_US) / steps / 1e3,
+            "idle_long_gaps": (len(gaps) - len(short)) / steps,
+            "idle_largest": [[round(us, 1), before[:60], after[:60]]
+                             for us, before, after in sorted(gaps, key=lambda g: -g[0])[:largest]]}
 
 
 KERNEL_CLASSES = (  # (class, substrings of a kernel's name), first match wins

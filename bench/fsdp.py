@@ -16,8 +16,9 @@ and the ratio to the single-GPU no-communication time of the same model and batc
     fxshard-aten    the same without codegen
     fxshard-ce      fxshard with Config(fsdp_collectives="copy-engine"): all-gathers and reduce-scatters
                     moved by the copy engines (no SMs); its peak memory includes the symmetric workspace
-    fxshard-ctasN   fxshard with NCCL_MAX_CTAS=N (its collectives on at most N SMs, fewer taken from
-                    compute; slower collectives), e.g. fxshard-ctas8; likewise fsdp2-compile-ctasN
+    fxshard-ctasN   fxshard with Config(nccl_max_ctas=N) (its collectives on at most N SMs, fewer taken
+                    from compute; slower collectives), e.g. fxshard-ctas8; fsdp2-compile-ctasN sets
+                    NCCL_MAX_CTAS=N, which NCCL reads the same way
     fxshard-protoP  fxshard with NCCL_PROTO=P (Simple, LL or LL128: how NCCL's kernels move data, and
                     so what the GEMMs beside them lose), e.g. fxshard-protoSimple; suffixes combine
                     (fxshard-ctas8-protoSimple) and apply to fsdp2 modes too
@@ -42,7 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import fxshard  # noqa: E402
 from fxshard.launch import run_local  # noqa: E402
 from fxshard.models import GPT, GPTConfig  # noqa: E402
-from common import H200_BF16_DENSE_PEAK, kernel_timeline, write_json  # noqa: E402
+from common import H200_BF16_DENSE_PEAK, IDLE_SHORT_US, kernel_timeline, write_json  # noqa: E402
 
 
 NCCL_SUFFIXES = {"-ctas": "NCCL_MAX_CTAS", "-proto": "NCCL_PROTO"}  # mode suffix -> what NCCL reads
@@ -127,7 +128,10 @@ def profile(step_fn, path, steps=2):
     print(f"  {os.path.basename(path)[:-4]}: GPU busy {timeline['gpu_busy_ms']:.2f} ms/step; NCCL kernels "
           f"{timeline['comm_kernels_ms']:.2f} ms, {timeline['comm_exposed_ms']:.2f} ms of it with no other kernel "
           f"running; {timeline['kernels_per_step']:.0f} kernels; ms by class " +
-          ", ".join(f"{kind} {ms:.2f}" for kind, ms in timeline["by_class_ms"].items()), flush=True)
+          ", ".join(f"{kind} {ms:.2f}" for kind, ms in timeline["by_class_ms"].items()) +
+          f"; GPU idle {timeline['idle_ms']:.2f} ms/step: {timeline['idle_short_ms']:.2f} in "
+          f"{timeline['idle_short_gaps']:.0f} gaps of <= {IDLE_SHORT_US:.0f} us, {timeline['idle_long_ms']:.2f} in "
+          f"{timeline['idle_long_gaps']:.0f} longer; largest (us, before, after) {timeline['idle_largest'][:3]}", flush=True)
 
 
 def build_model(cfg, device):
@@ -167,14 +171,15 @@ def run_eager_single(cfg, batch, seq, warmup, iters, compiled=False):
     return timed(step, warmup, iters, label), torch.cuda.max_memory_allocated()
 
 
-def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None, codegen="inductor", collectives="nccl"):
+def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None, codegen="inductor", collectives="nccl", max_ctas=None):
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = f"cuda:{rank}"
     torch.cuda.set_device(device)
     model = build_model(cfg, device)
     data = batch_for(cfg, batch, seq, device, seed=rank)
     config = fxshard.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cuda_graphs=CUDA_GRAPHS,
-                            sharding="optim_grads_params", codegen=codegen, fsdp_collectives=collectives)
+                            sharding="optim_grads_params", codegen=codegen, fsdp_collectives=collectives,
+                            nccl_max_ctas=max_ctas)
     started = time.perf_counter()
     step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=fxshard.optim.AdamW(lr=1e-4),
                          mesh=mesh, config=config)
@@ -185,7 +190,7 @@ def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None, codegen="inductor", c
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     label = (f"fxshard{dist.get_world_size()}" if mesh is not None else "nocomm-fxshard") + \
-        f"{'' if codegen else '-aten'}{'-ce' if collectives != 'nccl' else ''}" \
+        f"{'' if codegen else '-aten'}{'-ce' if collectives != 'nccl' else ''}{f'-ctas{max_ctas}' if max_ctas else ''}" \
         f"{nccl_label() if mesh is not None else ''}_b{batch}"
     ms = timed(lambda: step(data), warmup, iters, label)
     from fxshard.runtime.copy_engine import workspace_bytes
@@ -220,13 +225,13 @@ def run_fsdp2(cfg, batch, seq, warmup, iters, compiled=False):
     return timed(step, warmup, iters, label), torch.cuda.max_memory_allocated()
 
 
-def distributed_mode(mode, cfg, batch, seq, warmup, iters):
+def distributed_mode(mode, cfg, batch, seq, warmup, iters, max_ctas=None):
     if mode.startswith("fsdp2"):
         result = run_fsdp2(cfg, batch, seq, warmup, iters, compiled=mode == "fsdp2-compile")
     else:
         result = run_fxshard(cfg, batch, seq, warmup, iters, mesh=fxshard.Mesh(dp=dist.get_world_size()),
                              codegen=None if mode == "fxshard-aten" else "inductor",
-                             collectives="copy-engine" if mode == "fxshard-ce" else "nccl")
+                             collectives="copy-engine" if mode == "fxshard-ce" else "nccl", max_ctas=max_ctas)
     times = [None] * dist.get_world_size()
     dist.all_gather_object(times, result)
     return max(t for t, _ in times), max(m for _, m in times)
@@ -274,6 +279,9 @@ def main():
                 print(f"{mode:<20} skipped: -ctasN takes a number of SMs, -protoP one of Simple, LL, LL128, and "
                       "both a mode with communication", flush=True)
                 continue
+            # fxshard takes its CTA limit as Config(nccl_max_ctas), FSDP2 from NCCL's environment
+            max_ctas = int(settings.pop("NCCL_MAX_CTAS")) if base_mode.startswith("fxshard") and \
+                "NCCL_MAX_CTAS" in settings else None
             exported = {variable: os.environ.get(variable) for variable in settings}
             os.environ.update(settings)  # NCCL reads them when a communicator is made: in the ranks spawned below
             try:
@@ -288,7 +296,7 @@ def main():
                 else:
                     gpus = args.gpus
                     ms, peak = run_local(distributed_mode, gpus, base_mode, cfg, batch, args.seq, args.warmup,
-                                         args.iters, backend="nccl")[0]
+                                         args.iters, max_ctas, backend="nccl")[0]
             except Exception as error:  # report and go on: one failing mode must not hide the others
                 print(f"{mode:<20} failed after {time.perf_counter() - started:.0f}s: "
                       f"{type(error).__name__}: {str(error)[:300]}", flush=True)

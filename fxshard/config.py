@@ -95,6 +95,12 @@ class Config:
         collective's result lives in a region of one symmetric workspace per group, reused once no
         later node reads it (fxshard/runtime/workspace_plan.py; `step.lowerings()` prints its size).
         CPU/gloo always uses the process group's collectives.
+    nccl_max_ctas: on NCCL, each process group fxshard makes runs its collectives on at most this many
+        CTAs (thread blocks, one SM each; NCCL's `maxCTAs` config of the communicator). An NCCL
+        collective holds its SMs while it runs, and the GEMMs overlapping it run on the rest: fewer
+        CTAs leave more SMs to compute and make each collective slower (bench/fsdp.py `fxshard-ctasN`
+        measures both sides). None (default): NCCL's choice. Ignored by gloo and by copy-engine
+        collectives (they use no SMs).
     codegen: "inductor" compiles the step's compute with Inductor, region by region between the nodes
         whose order fxshard chose (communication, custom ops), which keep their order
         (fxshard/codegen.py); None replays it aten op by op; "auto" (default): "inductor" on CUDA,
@@ -140,6 +146,7 @@ class Config:
     ep_interleave: str = "combined-1f1b"
     ep_all_to_all: str = "nccl"
     fsdp_collectives: str = "nccl"
+    nccl_max_ctas: int | None = None
     codegen: str | None = "auto"
     codegen_regions: str = "layer"
     nonfinite: str = "raise"
@@ -209,6 +216,10 @@ class Config:
             raise FxShardError(f"ep_all_to_all={self.ep_all_to_all!r}; choose one of {EP_ALL_TO_ALLS}")
         if self.fsdp_collectives not in FSDP_COLLECTIVES:
             raise FxShardError(f"fsdp_collectives={self.fsdp_collectives!r}; choose one of {FSDP_COLLECTIVES}")
+        if self.nccl_max_ctas is not None and (isinstance(self.nccl_max_ctas, bool) or not isinstance(
+                self.nccl_max_ctas, int) or not 1 <= self.nccl_max_ctas <= 64):
+            raise FxShardError(f"nccl_max_ctas must be an int from 1 to 64 (thread blocks, one SM each, per NCCL "
+                               f"collective) or None (NCCL's choice), got {self.nccl_max_ctas!r}")
         if self.nonfinite not in NONFINITE_MODES:
             raise FxShardError(f"nonfinite={self.nonfinite!r}; choose one of {NONFINITE_MODES}")
         if self.codegen not in CODEGENS:

@@ -194,6 +194,8 @@ def test_a_model_on_another_device_than_its_batch_is_named_before_tracing():
     ("layers", 5, "layers must be a module path pattern"),
     ("stage_layers", 4, "stage_layers must list ints"),
     ("clip_grad_norm", "1.0", "clip_grad_norm must be > 0"),
+    ("nccl_max_ctas", 0, "nccl_max_ctas must be an int from 1 to 64"),
+    ("nccl_max_ctas", True, "nccl_max_ctas must be an int from 1 to 64"),
     ("dump_dir", 5, "dump_dir must be a directory path")])
 def test_config_fields_of_the_wrong_type_are_refused(field, value, message):
     with pytest.raises(fxshard.FxShardError, match=message):

@@ -82,6 +82,32 @@ def test_cuda_graph_replay_is_bit_identical_to_eager():
         assert torch.equal(value, graphed.parameters()[name]), name
 
 
+def _nccl_max_ctas(batches):
+    """GPT tiny, ZeRO-3 on NCCL, aten replay: with NCCL's choice of CTAs, then with at most 2 per
+    collective (Config(nccl_max_ctas)); the losses, and the CTAs the second step's dp group was given."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = f"cuda:{rank}"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rows = batches[0]["idx"].shape[0] // world
+    local = [{k: v[rank * rows:(rank + 1) * rows].to(device) for k, v in b.items()} for b in batches]
+    losses, configured = [], None
+    for max_ctas in (None, 2):
+        torch.manual_seed(0)
+        step = fxshard.shard(GPT(GPTConfig.preset("tiny")).to(device), model_loss, local[0], optimizer=ADAMW,
+                             mesh=fxshard.Mesh(dp=world), config=fxshard.Config(codegen=None, nccl_max_ctas=max_ctas))
+        losses.append([step(b)["loss"].item() for b in local])
+        configured = step.groups["dp"]._get_backend(torch.device(device)).options.config.max_ctas
+    return losses, configured
+
+
+@pytest.mark.multigpu
+def test_nccl_max_ctas_reaches_the_communicator_and_changes_no_result():
+    batches = cuda_batches(4, rows=4, device="cpu")
+    for (default, limited), configured in run_local(_nccl_max_ctas, 2, batches, backend="nccl"):
+        assert configured == 2
+        assert default == limited  # two ranks: each reduce-scatter element is one addition, in any split
+
+
 def _losses_and_parameters(step, batches):
     """Train `step` on `batches`: the losses, then the final parameters on the host."""
     losses = [step(b)["loss"].item() for b in batches]

@@ -42,16 +42,18 @@ def test_ranks_fork_from_the_server_only_for_gloo_without_cuda(monkeypatch):
 
 def _two_steps_on_one_mesh():
     """Two steps of the same model and batches, sharded one after the other on Mesh(dp=2), stepped
-    alternately; a third with another collective timeout."""
+    alternately (the second asks for Config(nccl_max_ctas), which gloo ignores); a third with another
+    collective timeout."""
     from strategies import MLPStack, mse, regression_batch
 
     generator = torch.Generator().manual_seed(dist.get_rank())
     batches = [regression_batch(generator, 4) for _ in range(3)]
     steps = []
-    for timeout_s in (600.0, 600.0, 300.0):
+    for timeout_s, max_ctas in ((600.0, None), (600.0, 8), (300.0, None)):
         torch.manual_seed(0)
+        config = fxshard.Config(collective_timeout_s=timeout_s, nccl_max_ctas=max_ctas)
         steps.append(fxshard.shard(MLPStack([4, 8, 4]), mse, batches[0], optimizer=fxshard.optim.AdamW(lr=1e-2),
-                                   mesh=fxshard.Mesh(dp=2), config=fxshard.Config(collective_timeout_s=timeout_s)))
+                                   mesh=fxshard.Mesh(dp=2), config=config))
     first, second, third = steps
     losses = [[float(step(batch)["loss"]) for step in (first, second)] for batch in batches]
     return first.groups["dp"] is second.groups["dp"], first.groups["dp"] is third.groups["dp"], losses
