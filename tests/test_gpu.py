@@ -64,6 +64,29 @@ def test_a_model_built_on_the_host_trains_on_its_batches_device_like_one_built_t
 
 
 @pytest.mark.gpu
+def test_a_step_checks_the_flag_of_the_step_before_last_without_waiting_for_later_work():
+    """Config(nonfinite="raise") reads the step before last's flag at each call; that read must wait
+    for that step alone. Here ~1 s of GPU work is queued behind the last step: the next call returns
+    long before it ends (a plain read of the flag waited for all of it)."""
+    import time
+
+    batches = cuda_batches(4)
+    torch.manual_seed(0)
+    step = fxshard.shard(GPT(GPTConfig.preset("tiny")).cuda(), model_loss, batches[0], optimizer=ADAMW,
+                         config=fxshard.Config(codegen=None, cuda_graphs=True))
+    for batch in batches[:3]:
+        step(batch)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of clock cycles on the stream the steps use
+    started = time.perf_counter()
+    step(batches[3])
+    returned = time.perf_counter() - started
+    torch.cuda.synchronize()
+    waited = time.perf_counter() - started
+    assert waited > 0.5 and returned < 0.25 * waited, (returned, waited)
+
+
+@pytest.mark.gpu
 def test_cuda_graph_replay_is_bit_identical_to_eager():
     """Capture changes nothing. Without codegen: Inductor's kernels are not bitwise deterministic run
     to run (two eager steps with codegen differ by ~1e-8 in 12 of 17 GPT tiny parameters after 8
