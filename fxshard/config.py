@@ -99,7 +99,8 @@ class Config:
         CTAs (thread blocks, one SM each; NCCL's `maxCTAs` config of the communicator). An NCCL
         collective holds its SMs while it runs, and the GEMMs overlapping it run on the rest: fewer
         CTAs leave more SMs to compute and make each collective slower (bench/fsdp.py `fxshard-ctasN`
-        measures both sides). None (default): NCCL's choice. Ignored by gloo and by copy-engine
+        measures both sides; GPT 1b ZeRO-3 on 2 H200s got slower with 16, 8 and 4: README). None
+        (default): NCCL's choice. Ignored by gloo and by copy-engine
         collectives (they use no SMs).
     codegen: "inductor" compiles the step's compute with Inductor, region by region between the nodes
         whose order fxshard chose (communication, custom ops), which keep their order
