@@ -37,7 +37,10 @@ class Config:
     collective_timeout_s: a step that waits longer than this in one collective or transfer fails with
         an FxShardError naming it (kind, shape, phase, layer, unit, group) instead of hanging; fxshard's
         process groups are created with this timeout. The default, 10 minutes, leaves room for ranks
-        that compile at different speeds.
+        that compile at different speeds. Under CUDA graphs on a mesh, where NCCL's watchdog does not
+        see the replayed collectives, it is also the longest one step's replay may run: a longer one is
+        reported on stderr and this rank's process groups are aborted, so the job fails instead of
+        hanging (fxshard/runtime/replay_watch.py).
     sharding: on a mesh, what FSDP shards over `dp` (Megatron's names): "no_shard" (DDP), "optim"
         (ZeRO-1), "optim_grads" (ZeRO-2), "optim_grads_params" (ZeRO-3).
     fsdp_prefetch: issue a unit's all-gather this many units ahead of its first use. With Mesh(pp>1)

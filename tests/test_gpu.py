@@ -131,6 +131,45 @@ def test_nccl_max_ctas_reaches_the_communicator_and_changes_no_result():
         assert default == limited  # two ranks: each reduce-scatter element is one addition, in any split
 
 
+def _a_peer_stalls_under_cuda_graphs(batches):
+    """ZeRO-3 GPT tiny on NCCL under CUDA graphs, Config(collective_timeout_s=5): rank 1 stalls 20 s
+    before its fourth step, which both replay from the graph. Each rank: how long until the host's wait
+    for that step returned, and what its next call raised."""
+    import time
+
+    rank = dist.get_rank()
+    device = f"cuda:{rank}"
+    local = [{k: v[rank * 2:(rank + 1) * 2].to(device) for k, v in b.items()} for b in batches]
+    torch.manual_seed(0)
+    step = fxshard.shard(GPT(GPTConfig.preset("tiny")).to(device), model_loss, local[0], optimizer=ADAMW,
+                         mesh=fxshard.Mesh(dp=2),
+                         config=fxshard.Config(codegen=None, cuda_graphs=True, collective_timeout_s=5))
+    for batch in local[:3]:
+        step(batch)
+    torch.cuda.synchronize()
+    assert step._replay.is_captured
+    if rank == 1:
+        time.sleep(20)
+    started = time.perf_counter()
+    step(local[3])
+    torch.cuda.synchronize()  # without the replay watch: forever, NCCL's watchdog does not see graphs
+    waited = time.perf_counter() - started
+    try:
+        step(local[4])
+        raised = None
+    except fxshard.FxShardError as error:
+        raised = str(error)
+    return waited, raised
+
+
+@pytest.mark.multigpu
+def test_a_stalled_peer_under_cuda_graphs_ends_the_step_instead_of_hanging():
+    for waited, raised in run_local(_a_peer_stalls_under_cuda_graphs, 2, cuda_batches(5, rows=4, device="cpu"),
+                                    backend="nccl"):
+        assert waited < 15, waited
+        assert raised is not None and raised.startswith("step 4 stopped while it ran (its CUDA graph ran"), raised
+
+
 def _losses_and_parameters(step, batches):
     """Train `step` on `batches`: the losses, then the final parameters on the host."""
     losses = [step(b)["loss"].item() for b in batches]

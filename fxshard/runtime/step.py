@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import traceback
 import weakref
 
@@ -23,6 +24,7 @@ from .carveout import carve_out_sms_for_all_to_alls
 from .copy_engine import CopyEngineLowering, Watch, lower_to_copy_engines, marker
 from .gloo import gloo_group_names, lower_gloo_all_gathers
 from .reinplace import reinplace
+from .replay_watch import ReplayWatch, abort_groups
 from .state import State, every_stage_parameters, full_parameters, gather_shard
 
 _WRITE_BACK = {OutputKind.PARAM: InputKind.PARAM, OutputKind.OPT_STATE: InputKind.OPT_STATE,
@@ -79,6 +81,7 @@ class CompiledStep:
         self.step_count = 0
         self._lr_override: float | None = None
         self._interrupted: str | None = None  # why a step stopped while its graph ran (refuse_if_interrupted)
+        self._interrupted_step: int | None = None  # which, where not the next one (the replay watch's)
         # Config(nonfinite): the program skips updates whose gradients are not finite; the runtime
         # counts them on the device (AdamW's step input counts applied updates) and under "raise"
         # reads a step's flag two calls later, or when the state is next read (_raise_if_nonfinite)
@@ -126,6 +129,10 @@ class CompiledStep:
         if cuda_graphs:
             _check_capturable(self.program)
         self._replay = CudaGraphReplay() if cuda_graphs else None
+        # NCCL's watchdog does not see collectives replayed from a graph: this one does (replay_watch.py)
+        self._replay_watch = None
+        if cuda_graphs and self.groups and collective_timeout_s:
+            self._replay_watch = ReplayWatch(collective_timeout_s, rank, _expire_replay(weakref.ref(self)))
 
     @property
     def copy_engine_all_to_alls(self) -> int:
@@ -186,10 +193,15 @@ class CompiledStep:
         leaves = self.batch_spec.flatten(batch)
         self.refuse_if_interrupted()
         self._raise_if_nonfinite(keep=1)
+        self.refuse_if_interrupted()  # the replay watch may have ended the step that check waited for
         self._warn_if_mode_changed()
         if self._replay is not None and self._replay.is_captured:
             metrics = self._replay.replay(leaves, self.lr, float(self.step_count + 1), self._skipped)
             self.step_count += 1
+            if self._replay_watch is not None:
+                replayed = torch.cuda.Event()
+                replayed.record()
+                self._replay_watch.launched(self.step_count, replayed.query)
             return self._guarded(metrics)
         metrics = self._guarded(self._eager_step(leaves))
         if self._replay is not None and self.step_count >= CudaGraphReplay.WARMUP_STEPS:
@@ -325,7 +337,8 @@ class CompiledStep:
         stepped, others not), and training on or saving it would go on from a state no step makes.
         Loading a checkpoint or a state dict clears it."""
         if self._interrupted is not None:
-            raise FxShardError(f"step {self.step_count + 1} stopped while it ran ({self._interrupted}), so the training "
+            number = self._interrupted_step or self.step_count + 1
+            raise FxShardError(f"step {number} stopped while it ran ({self._interrupted}), so the training "
                                f"state may be partly updated; load the last checkpoint (fxshard.load) or a state "
                                f"dict (step.load_state_dict) before training on or saving")
 
@@ -435,6 +448,21 @@ def _check_capturable(program: Program) -> None:
                     f"'{backend.name}' grouped-GEMM backend, which reads expert offsets on the host and cannot be "
                     f"captured; use bf16 expert compute on an sm90+ GPU (Config(param_dtype=torch.bfloat16), "
                     f"widths divisible by 8) or cuda_graphs=False")
+
+
+def _expire_replay(step_ref):
+    """What the replay watch does once a replay ran too long: mark that step interrupted (its state may
+    be partly updated: refuse_if_interrupted) and abort its process groups, so the replay stops."""
+    def expire(number: int, seconds: float) -> None:
+        step = step_ref()
+        if step is None:
+            return
+        step._interrupted_step = number
+        step._interrupted = (f"its CUDA graph ran {seconds:.0f} s, longer than Config(collective_timeout_s): a rank "
+                             f"stalled or stopped in a collective, and this rank's process groups were aborted: restart the job")
+        for line in abort_groups(step.groups):
+            print(f"fxshard: rank {step.rank}: could not abort process group {line}", file=sys.stderr, flush=True)
+    return expire
 
 
 def _read_later(flag: torch.Tensor):

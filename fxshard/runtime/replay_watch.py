@@ -1,0 +1,97 @@
+"""A watchdog for steps replayed from CUDA graphs on a mesh: a stalled or dead peer ends the step
+instead of hanging the job.
+
+NCCL's own watchdog (ProcessGroupNCCL) times out the collectives that torch launched. A collective
+replayed from a CUDA graph was launched by the graph, so nothing watches it: a rank whose peer stalled
+or died waits in it forever, and so does its host at the next synchronization (the step's own
+non-finite check, a `loss.item()`). Copy-engine collectives have their own timeout (their barriers
+trap, copy_engine.Watch names them); NCCL point-to-point and collectives had none under graphs.
+
+`ReplayWatch` is told about each replay (an event recorded behind it). A daemon thread looks at the
+oldest replay that has not finished: once it has run longer than Config(collective_timeout_s) since it
+could start (launched, and the replay before it done), it says so on stderr (step, rank) and calls
+`expire`, which the step uses to remember the step as interrupted (its state may be partly updated)
+and to abort its process groups: NCCL's kernels poll their communicator's abort flag, so the replay
+stops, the host's wait returns, and the next call raises an FxShardError instead of hanging.
+
+The timeout is per replay, not per collective: under CUDA graphs Config(collective_timeout_s) is
+also the longest one step may run on a mesh.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import threading
+import time
+import weakref
+from typing import Callable
+
+
+class ReplayWatch:
+    """Replays in flight, oldest first, and the report once one has run longer than `timeout_s`."""
+
+    def __init__(self, timeout_s: float, rank: int, expire: Callable[[int, float], None]):
+        self.timeout_s, self.rank, self.expire = timeout_s, rank, expire
+        self.pending: collections.deque = collections.deque()  # (step number, done() -> bool, launched at)
+        self.last_done: float | None = None  # when the replay before the oldest pending one was seen done
+        self.reported: int | None = None  # the step it reported, once
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def launched(self, number: int, done: Callable[[], bool], now: float | None = None) -> None:
+        """Step `number` was replayed; `done()` says whether the device has finished it (an event's query)."""
+        self.pending.append((number, done, time.monotonic() if now is None else now))
+        if self._thread is None:
+            self.start()
+
+    def poll(self, now: float) -> int | None:
+        """One look: drop the finished replays; the step reported if the oldest one has now run too long."""
+        while self.pending and self.pending[0][1]():
+            self.pending.popleft()
+            self.last_done = now
+        if not self.pending or self.reported is not None:
+            return None
+        number, _, launched = self.pending[0]
+        started = launched if self.last_done is None else max(launched, self.last_done)
+        if now - started < self.timeout_s:
+            return None
+        self.reported = number
+        print(f"fxshard: rank {self.rank}: step {number}'s CUDA graph has run {now - started:.0f} s, longer than "
+              f"Config(collective_timeout_s)={self.timeout_s:g}: a rank of the job stalled or stopped inside a "
+              f"collective or transfer (its own log says why). Aborting this rank's process groups, so the step "
+              f"fails instead of hanging; restart from the last checkpoint", file=sys.stderr, flush=True)
+        self.expire(number, now - started)
+        return number
+
+    def start(self) -> None:
+        interval = min(1.0, self.timeout_s / 4)
+        ref = weakref.ref(self)
+
+        def run():
+            while True:
+                watch = ref()
+                if watch is None or watch._stop.is_set():
+                    return
+                watch.poll(time.monotonic())
+                del watch
+                time.sleep(interval)
+
+        self._thread = threading.Thread(target=run, name="fxshard-replay-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def abort_groups(groups: dict) -> list[str]:
+    """Abort each process group in `groups` (axis -> group): NCCL's kernels stop waiting on their
+    peers. What could not be aborted, as "axis: error" lines (reported, not raised: this runs on the
+    watch's thread while the main thread is stuck in a wait)."""
+    failed = []
+    for axis, group in groups.items():
+        try:
+            group.abort()
+        except Exception as error:  # noqa: BLE001 - any backend's failure is reported the same way
+            failed.append(f"{axis}: {type(error).__name__}: {error}")
+    return failed

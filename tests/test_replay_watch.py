@@ -1,0 +1,63 @@
+"""The watchdog of CUDA-graph replays on a mesh (fxshard/runtime/replay_watch.py), on a clock of its
+own: a replay counts from when it could start (launched, and the one before it done), is reported once
+it has run longer than the timeout, and only once. The real thing, a stalled NCCL peer under CUDA
+graphs, is a multigpu test in test_gpu.py."""
+
+import pytest
+
+from fxshard.runtime.replay_watch import ReplayWatch, abort_groups
+
+
+class Replay:
+    def __init__(self):
+        self.finished = False
+
+    def done(self):
+        return self.finished
+
+
+def a_watch(timeout_s=10.0):
+    expired = []
+    watch = ReplayWatch(timeout_s, rank=1, expire=lambda number, seconds: expired.append((number, seconds)))
+    watch._thread = object()  # driven by hand: no thread
+    return watch, expired
+
+
+def test_a_replay_counts_from_when_the_one_before_it_finished(capsys):
+    watch, expired = a_watch()
+    first, second = Replay(), Replay()
+    watch.launched(1, first.done, now=0.0)
+    watch.launched(2, second.done, now=0.5)  # the host runs a step ahead
+    assert watch.poll(9.0) is None
+    first.finished = True
+    assert watch.poll(9.5) is None  # step 2 could start only now
+    assert watch.poll(19.0) is None
+    assert watch.poll(19.6) == 2 and expired == [(2, pytest.approx(10.1))]
+    assert watch.poll(40.0) is None and len(expired) == 1  # said once
+    assert "rank 1: step 2's CUDA graph has run 10 s, longer than Config(collective_timeout_s)=10" in \
+        capsys.readouterr().err
+
+
+def test_replays_that_finish_in_time_are_never_reported():
+    watch, expired = a_watch(timeout_s=1.0)
+    for number in range(1, 50):
+        replay = Replay()
+        watch.launched(number, replay.done, now=float(number))
+        replay.finished = True
+        assert watch.poll(number + 0.9) is None
+    assert not watch.pending and not expired
+
+
+def test_groups_that_cannot_be_aborted_are_listed_not_raised():
+    class Group:
+        def __init__(self, fails):
+            self.fails, self.aborted = fails, False
+
+        def abort(self):
+            if self.fails:
+                raise RuntimeError("no backend")
+            self.aborted = True
+
+    groups = {"dp": Group(False), "ep": Group(True)}
+    assert abort_groups(groups) == ["ep: RuntimeError: no backend"]
+    assert groups["dp"].aborted
