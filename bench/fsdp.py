@@ -23,7 +23,8 @@ and the ratio to the single-GPU no-communication time of the same model and batc
                     so what the GEMMs beside them lose), e.g. fxshard-protoSimple; suffixes combine
                     (fxshard-ctas8-protoSimple) and apply to fsdp2 modes too
 
-"vs compile" is the ratio to nocomm-compile of the same batch (the issue's yardstick). Each fxshard
+"vs compile" is the ratio to nocomm-compile of the same batch (the issue's yardstick). `--rounds N` runs
+every mode N times in turn and adds a table of medians (the baseline moved 3% between jobs). Each fxshard
 mode prints how long fxshard.shard took (trace, passes, codegen) and what codegen compiled.
 """
 
@@ -251,7 +252,11 @@ def main():
     parser.add_argument("--out", default="bench/fsdp.json")
     parser.add_argument("--profile", metavar="DIR", help="after timing, write a kernel-time table per mode here")
     parser.add_argument("--eager-replay", action="store_true", help="fxshard modes without CUDA graphs")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every mode this many times in turn and report each one's median (profiles: round 1)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
     if args.eager_replay:
         os.environ["FXSHARD_BENCH_EAGER"] = "1"
         global CUDA_GRAPHS
@@ -269,61 +274,93 @@ def main():
     header = (f"{'mode':<20} {'gpus':>4} {'batch':>5} {'ms/step':>9} {'tok/s/gpu':>10} {'MFU':>6} {'peak GiB':>9} "
               f"{'vs nocomm':>9} {'vs compile':>10}")
     print(header, flush=True)
-    for batch in args.batch:
-        baseline = compiled_baseline = None
-        for mode in args.modes:
-            started = time.perf_counter()
-            base_mode, settings = nccl_settings(mode)
-            if settings and (base_mode.startswith("nocomm") or not settings.get("NCCL_MAX_CTAS", "1").isdigit()
-                             or settings.get("NCCL_PROTO", "Simple") not in ("Simple", "LL", "LL128")):
-                print(f"{mode:<20} skipped: -ctasN takes a number of SMs, -protoP one of Simple, LL, LL128, and "
-                      "both a mode with communication", flush=True)
-                continue
-            # fxshard takes its CTA limit as Config(nccl_max_ctas), FSDP2 from NCCL's environment
-            max_ctas = int(settings.pop("NCCL_MAX_CTAS")) if base_mode.startswith("fxshard") and \
-                "NCCL_MAX_CTAS" in settings else None
-            exported = {variable: os.environ.get(variable) for variable in settings}
-            os.environ.update(settings)  # NCCL reads them when a communicator is made: in the ranks spawned below
-            try:
-                if mode in ("nocomm-eager", "nocomm-compile"):
-                    ms, peak = run_eager_single(cfg, batch, args.seq, args.warmup, args.iters,
-                                                compiled=mode == "nocomm-compile")
-                    gpus = 1
-                elif mode in ("nocomm-fxshard", "nocomm-fxshard-aten"):
-                    ms, peak = run_fxshard(cfg, batch, args.seq, args.warmup, args.iters,
-                                           codegen=None if mode.endswith("-aten") else "inductor")
-                    gpus = 1
-                else:
-                    gpus = args.gpus
-                    ms, peak = run_local(distributed_mode, gpus, base_mode, cfg, batch, args.seq, args.warmup,
-                                         args.iters, max_ctas, backend="nccl")[0]
-            except Exception as error:  # report and go on: one failing mode must not hide the others
-                print(f"{mode:<20} failed after {time.perf_counter() - started:.0f}s: "
-                      f"{type(error).__name__}: {str(error)[:300]}", flush=True)
-                continue
-            finally:
-                torch.cuda.empty_cache()
-                for variable, value in exported.items():
-                    if value is None:
-                        os.environ.pop(variable)
+    for round_index in range(args.rounds):
+        if round_index == 1 and PROFILE_DIR:  # profiles come from the first round
+            os.environ.pop("FXSHARD_BENCH_PROFILE", None)
+            PROFILE_DIR = None
+        if args.rounds > 1:
+            print(f"round {round_index + 1} of {args.rounds}", flush=True)
+        for batch in args.batch:
+            baseline = compiled_baseline = None
+            for mode in args.modes:
+                started = time.perf_counter()
+                base_mode, settings = nccl_settings(mode)
+                if settings and (base_mode.startswith("nocomm") or not settings.get("NCCL_MAX_CTAS", "1").isdigit()
+                                 or settings.get("NCCL_PROTO", "Simple") not in ("Simple", "LL", "LL128")):
+                    print(f"{mode:<20} skipped: -ctasN takes a number of SMs, -protoP one of Simple, LL, LL128, and "
+                          "both a mode with communication", flush=True)
+                    continue
+                # fxshard takes its CTA limit as Config(nccl_max_ctas), FSDP2 from NCCL's environment
+                max_ctas = int(settings.pop("NCCL_MAX_CTAS")) if base_mode.startswith("fxshard") and \
+                    "NCCL_MAX_CTAS" in settings else None
+                exported = {variable: os.environ.get(variable) for variable in settings}
+                os.environ.update(settings)  # NCCL reads them when a communicator is made: in the ranks spawned below
+                try:
+                    if mode in ("nocomm-eager", "nocomm-compile"):
+                        ms, peak = run_eager_single(cfg, batch, args.seq, args.warmup, args.iters,
+                                                    compiled=mode == "nocomm-compile")
+                        gpus = 1
+                    elif mode in ("nocomm-fxshard", "nocomm-fxshard-aten"):
+                        ms, peak = run_fxshard(cfg, batch, args.seq, args.warmup, args.iters,
+                                               codegen=None if mode.endswith("-aten") else "inductor")
+                        gpus = 1
                     else:
-                        os.environ[variable] = value
-            tokens = batch * args.seq
-            if mode == "nocomm-eager":  # the baseline: plain PyTorch on one GPU
-                baseline = ms
-            if mode == "nocomm-compile":  # the yardstick: torch.compile on one GPU
-                compiled_baseline = ms
-            mfu = per_token * tokens / (ms / 1e3) / H200_BF16_DENSE_PEAK
-            row = {"mode": mode, "gpus": gpus, "batch": batch, "seq": args.seq, "ms_per_step": ms,
-                   "tokens_per_s_per_gpu": tokens / (ms / 1e3), "mfu": mfu, "peak_bytes": peak,
-                   "ratio_to_nocomm": ms / baseline if baseline else None,
-                   "ratio_to_nocomm_compile": ms / compiled_baseline if compiled_baseline else None}
-            rows.append(row)
-            ratio = f"{row['ratio_to_nocomm']:.2f}x" if baseline else "-"
-            vs_compile = f"{row['ratio_to_nocomm_compile']:.2f}x" if compiled_baseline else "-"
-            print(f"{mode:<20} {gpus:>4} {batch:>5} {ms:>9.1f} {row['tokens_per_s_per_gpu']:>10.0f} "
-                  f"{mfu:>6.1%} {peak / 2**30:>9.1f} {ratio:>9} {vs_compile:>10}", flush=True)
-    write_json(args.out, model=args.model, params=params, rows=rows)
+                        gpus = args.gpus
+                        ms, peak = run_local(distributed_mode, gpus, base_mode, cfg, batch, args.seq, args.warmup,
+                                             args.iters, max_ctas, backend="nccl")[0]
+                except Exception as error:  # report and go on: one failing mode must not hide the others
+                    print(f"{mode:<20} failed after {time.perf_counter() - started:.0f}s: "
+                          f"{type(error).__name__}: {str(error)[:300]}", flush=True)
+                    continue
+                finally:
+                    torch.cuda.empty_cache()
+                    for variable, value in exported.items():
+                        if value is None:
+                            os.environ.pop(variable)
+                        else:
+                            os.environ[variable] = value
+                tokens = batch * args.seq
+                if mode == "nocomm-eager":  # the baseline: plain PyTorch on one GPU
+                    baseline = ms
+                if mode == "nocomm-compile":  # the yardstick: torch.compile on one GPU
+                    compiled_baseline = ms
+                mfu = per_token * tokens / (ms / 1e3) / H200_BF16_DENSE_PEAK
+                row = {"mode": mode, "round": round_index, "gpus": gpus, "batch": batch, "seq": args.seq, "ms_per_step": ms,
+                       "tokens_per_s_per_gpu": tokens / (ms / 1e3), "mfu": mfu, "peak_bytes": peak,
+                       "ratio_to_nocomm": ms / baseline if baseline else None,
+                       "ratio_to_nocomm_compile": ms / compiled_baseline if compiled_baseline else None}
+                rows.append(row)
+                ratio = f"{row['ratio_to_nocomm']:.2f}x" if baseline else "-"
+                vs_compile = f"{row['ratio_to_nocomm_compile']:.2f}x" if compiled_baseline else "-"
+                print(f"{mode:<20} {gpus:>4} {batch:>5} {ms:>9.1f} {row['tokens_per_s_per_gpu']:>10.0f} "
+                      f"{mfu:>6.1%} {peak / 2**30:>9.1f} {ratio:>9} {vs_compile:>10}", flush=True)
+    summary = by_median(rows, per_token, args.seq) if args.rounds > 1 else []
+    write_json(args.out, model=args.model, params=params, rounds=args.rounds, rows=rows, summary=summary)
+
+
+def by_median(rows: list[dict], per_token: float, seq: int) -> list[dict]:
+    """Each (mode, batch)'s median ms/step over the rounds, and its ratio to nocomm-compile's median of
+    the same batch; printed as a table. The rounds run the modes in turn (A B A B), so a machine
+    that drifts during the job moves every mode alike (bench/RESULTS.md 2026-11-28: nocomm-compile
+    took 109.0-112.6 ms in four jobs on the same kind)."""
+    import statistics
+
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["mode"], row["batch"]), []).append(row)
+    medians = {key: statistics.median(r["ms_per_step"] for r in group) for key, group in groups.items()}
+    summary = []
+    print(f"\nmedian over rounds\n{'mode':<20} {'batch':>5} {'ms/step':>9} {'min':>7} {'max':>7} {'MFU':>6} {'vs compile':>10}")
+    for (mode, batch), ms in medians.items():
+        times = [r["ms_per_step"] for r in groups[mode, batch]]
+        compiled = medians.get(("nocomm-compile", batch))
+        ratio = ms / compiled if compiled else None
+        mfu = per_token * batch * seq / (ms / 1e3) / H200_BF16_DENSE_PEAK
+        summary.append({"mode": mode, "batch": batch, "median_ms": ms, "min_ms": min(times), "max_ms": max(times),
+                        "rounds": len(times), "mfu": mfu, "ratio_to_nocomm_compile": ratio})
+        print(f"{mode:<20} {batch:>5} {ms:>9.1f} {min(times):>7.1f} {max(times):>7.1f} {mfu:>6.1%} "
+              f"{f'{ratio:.3f}x' if ratio else '-':>10}", flush=True)
+    return summary
 
 
 if __name__ == "__main__":

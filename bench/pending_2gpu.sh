@@ -2,7 +2,7 @@
 # The 2-GPU measurements the open issues wait for, one part per device call (each fits the 10-minute
 # limit of a device command). On the device machine, from the repository root:
 #
-#     bash bench/pending_2gpu.sh watch|fsdp|moe|moe-ce|pipeline|pipeline-zb|suite|suite-ce|hf_moe  [OUT dir, default $OUT]
+#     bash bench/pending_2gpu.sh watch|fsdp|fsdp-b1|moe|moe-ce|pipeline|pipeline-zb|suite|suite-ce|hf_moe  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
 # (date, machine, command). In priority order (session 25 ran fsdp, moe, moe-ce, pipeline, suite-ce and
@@ -10,10 +10,11 @@
 #   watch     the tests of session 25's code that never ran to a summary on a GPU: a stalled peer under
 #             CUDA graphs ends the step (replay watch; if it fails, it hangs until this part's timeout),
 #             the non-finite read that waits for its own step only (~1.5 min)
-#   fsdp      issue 15: GPT 1b ZeRO-3 at batch 4 and 1 against one GPU's compiled step and FSDP2 + compile,
-#             next to one GPU's fxshard step; profiled (kernel time by class, idle gaps). Session 25: 1.02-1.04x
-#             at batch 4 in three jobs, the one-GPU baseline itself moving 3% between jobs; NCCL_PROTO=Simple
+#   fsdp      issue 15: GPT 1b ZeRO-3 at batch 4 against one GPU's compiled step, next to one GPU's fxshard
+#             step, two rounds (A B A B: medians), profiled (kernel time by class, idle gaps). Session 25:
+#             1.02-1.04x in three jobs, the one-GPU baseline itself moving 3% between jobs; NCCL_PROTO=Simple
 #             and fewer NCCL CTAs did not help, copy engines only traded GEMM time for sums and copies (~5 min)
+#   fsdp-b1   the same at batch 1 and 4 with FSDP2 + compile, the peer the issue names (~4 min)
 #   moe       issue 15: MoE ep=2, dual-batch, NCCL and copy-engine all-to-alls (>= 30% MFU, >= 90% hidden),
 #             each mode profiled (~3 min)
 #   pipeline  issue 14: bench/pipeline.py 1F1B and interleaved V=2 with the peer (~6 min; pipeline-zb: ZB-H1,
@@ -35,12 +36,13 @@ case "$part" in
   moe-ce) timeout 580 python bench/moe.py --collective-timeout 60 --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine --microbatches 2 \
          --interleave dual-batch --fsdp-collectives copy-engine --warmup 3 --iters 8 \
          --out "$out/moe_ce_2gpu_$day.json" 2>&1 | tee "$out/moe_ce.log" | grep -v "codegen: region" | tail -40 ;;
-  fsdp) timeout 570 python bench/fsdp.py --gpus 2 --batch 4 1 --modes nocomm-compile nocomm-fxshard fxshard fxshard-ce \
-          fsdp2-compile \
-          --profile "$out/fsdp_profile" --out "$out/fsdp_2gpu_$day.json" 2>&1 | tee "$out/fsdp.log" \
+  fsdp) timeout 570 python bench/fsdp.py --gpus 2 --batch 4 --rounds 2 --modes nocomm-compile nocomm-fxshard fxshard \
+          fxshard-ce --profile "$out/fsdp_profile" --out "$out/fsdp_2gpu_$day.json" 2>&1 | tee "$out/fsdp.log" \
           | grep -v "codegen: region" | tail -30
         # one file for the profiles (a mode and batch each): the device tool returns at most 8 files
         tar czf "$out/fsdp_profile.tgz" -C "$out" fsdp_profile && rm -r "$out/fsdp_profile" ;;
+  fsdp-b1) timeout 570 python bench/fsdp.py --gpus 2 --batch 1 4 --modes nocomm-compile fxshard fsdp2-compile \
+             --out "$out/fsdp_b1_2gpu_$day.json" 2>&1 | tee "$out/fsdp_b1.log" | grep -v "codegen: region" | tail -30 ;;
   pipeline) timeout 580 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 \
               --out "$out/pipeline_2gpu_$day.json" 2>&1 | tee "$out/pipeline.log" | grep -v "codegen: region" | tail -30 ;;
   pipeline-zb) timeout 580 python bench/pipeline.py --gpus 2 --schedules zb-h1 --peers \
