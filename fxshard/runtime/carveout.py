@@ -84,14 +84,3 @@ def _matmul_flops(node: fx.Node) -> float | None:
                                    and "grouped_m" in str(node.target)):
         return float(flops(node))
     return None
-    values = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
-    if node.target in _MATMULS:
-        return float(_MATMULS[node.target](*values))
-    if getattr(node.target, "namespace", None) == "fxshard" and "grouped_m" in str(node.target):
-        # rows x every [E, out, in] weight (or weight gradient) the op reads or writes
-        outputs = node.meta.get("val")
-        tensors = [v for v in values + list(outputs if isinstance(outputs, (list, tuple)) else [outputs])
-                   if isinstance(v, torch.Tensor)]
-        rows = tensors[0].shape[0]
-        return float(sum(2 * rows * t.shape[1] * t.shape[2] for t in tensors if t.dim() == 3))
-    return None
