@@ -9,7 +9,9 @@
 # an NCCL-CTA sweep on 2x H200; RESULTS):
 #   watch     the tests of session 25's code that never ran to a summary on a GPU: a stalled peer under
 #             CUDA graphs ends the step (replay watch; if it fails, it hangs until this part's timeout),
-#             the non-finite read that waits for its own step only (~1.5 min)
+#             the non-finite read that waits for its own step only, the copy-engine reduce-scatter's
+#             one-pass sum kernel (bf16 rounding only checkable there) (~2 min); then suite-ce, which
+#             checks that sum bit-identical to NCCL inside real steps (~2.5 min)
 #   fsdp      issue 15: GPT 1b ZeRO-3 at batch 4 against one GPU's compiled step, next to one GPU's fxshard
 #             step, two rounds (A B A B: medians), profiled (kernel time by class, idle gaps). Session 25:
 #             1.02-1.04x in three jobs, the one-GPU baseline itself moving 3% between jobs; NCCL_PROTO=Simple
@@ -20,7 +22,8 @@
 #   pipeline  issue 14: bench/pipeline.py 1F1B and interleaved V=2 with the peer (~6 min; pipeline-zb: ZB-H1,
 #             not run on H200 since session 19)
 #   suite     the other multigpu tests (~7 min)
-#   moe-ce, suite-ce  ran through in session 25 (no stall); hf_moe: issue 17's model at ep=2
+#   suite-ce  the copy-engine multigpu tests (passed in session 25, before the reduce-scatter's sum kernel)
+#   moe-ce    ran through in session 25 (no stall); hf_moe: issue 17's model at ep=2
 set -euo pipefail
 part=${1:?usage: bench/pending_2gpu.sh PART [OUT]}
 out=${2:-${OUT:?set OUT or pass a directory}}
@@ -52,7 +55,9 @@ case "$part" in
   suite-ce) timeout 580 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -m multigpu -k copy_engine 2>&1 \
               | tee "$out/suite_ce.log" | tail -15 ;;
   watch) timeout 150 python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-           -k "stalled_peer_under_cuda_graphs or without_waiting_for_later_work" 2>&1 | tee "$out/watch.log" | tail -15 ;;
+           -k "stalled_peer_under_cuda_graphs or without_waiting_for_later_work" 2>&1 | tee "$out/watch.log" | tail -15
+         timeout 60 python -m pytest -q -p no:cacheprovider tests/test_copy_engine.py -k rank_order 2>&1 \
+           | tee -a "$out/watch.log" | tail -5 ;;
   suite) timeout 580 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -m multigpu \
            -k "not copy_engine and not stalled_peer_under_cuda_graphs" 2>&1 \
            | tee "$out/suite.log" | tail -15 ;;

@@ -386,3 +386,45 @@ def test_a_step_whose_device_stopped_in_a_copy_engine_collective_says_which():
     text = str(error.value)
     assert text.startswith("this rank's device stopped in the copy-engine " + report.described[4])
     assert "Config(collective_timeout_s)" in text and text.endswith("CUDA said: CUDA error: unspecified launch failure")
+
+
+@pytest.fixture
+def sum_chunks(monkeypatch):
+    """_triton_chunks.sum_chunks: the real kernel on CUDA; without a GPU, Triton's interpreter (numpy)
+    where triton is installed (not in CI's CPU environment: skipped there)."""
+    import importlib
+    import sys
+
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when the kernel is decorated: import afresh
+        monkeypatch.delitem(sys.modules, "fxshard.runtime._triton_chunks", raising=False)
+    pytest.importorskip("triton")
+    return importlib.import_module("fxshard.runtime._triton_chunks").sum_chunks
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_reduce_scatter_sums_its_own_chunk_where_it_is_and_the_others_in_rank_order(sum_chunks, world, dtype):
+    """The copy-engine reduce-scatter's sum: this rank's chunk read from its input (its block of the
+    region is never written: NaN here, never read), every chunk summed in rank order in fp32, divided
+    by `world` for avg, rounded once; for fp32 at two ranks, what the three-pass sum it replaced gave."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and dtype is torch.bfloat16:
+        pytest.skip("Triton's interpreter rounds float32 to bfloat16 by truncation, a GPU to nearest")
+    generator = torch.Generator().manual_seed(world)
+    n = 3000  # not a multiple of the kernel's block
+    for rank in range(world):
+        for average in (True, False):
+            chunks = [torch.randn(n, generator=generator).to(dtype).to(device) for _ in range(world)]
+            landed = torch.cat(chunks)
+            landed[rank * n:(rank + 1) * n] = float("nan")
+            out = sum_chunks(chunks[rank], landed, torch.empty(n, dtype=dtype, device=device), world, rank, average)
+            total = torch.zeros(n, dtype=torch.float32, device=device)
+            for chunk in chunks:
+                total = total + chunk.float()
+            expected = (total / world if average else total).to(dtype)
+            assert torch.equal(out, expected), (rank, average)
+            if dtype is torch.float32 and world == 2:
+                stacked = torch.stack(chunks)
+                before = torch.sum(stacked, dim=0)
+                assert torch.equal(out, before.div_(world) if average else before)

@@ -15,8 +15,9 @@ same layout). At a barrier every rank has reached this collective (so, in progra
 finished reading whatever the region held before: workspace_plan.py places regions so that this is
 enough); each rank then writes what peer p receives straight into p's region with a peer-to-peer
 memcpy (its own part: a local one); at a second barrier every rank's part has landed. An all-to-all's
-or all-gather's region is its result; a reduce-scatter's holds every rank's chunk for this rank, which
-one small kernel sums (and divides, for avg) into a fresh output. All of it runs on one side stream;
+or all-gather's region is its result; a reduce-scatter's holds the other ranks' chunks for this rank,
+which one kernel sums with this rank's own chunk, read where it is (not copied), and divides for avg,
+into a fresh output (_triton_chunks.py). All of it runs on one side stream;
 the `wait_tensor` the graph already has makes the compute stream wait for it there (and not
 earlier): each result is its own tensor (its own storage), so a wait waits for its collective and
 what the side stream ran before it, never for a collective issued later. The barriers are kernels of
@@ -159,9 +160,10 @@ class _Done(torch._C._distributed_c10d.Work):
 
 
 def _exchange(x: Tensor, group_name: str, region: int, total_bytes: int, shape: list[int], part_for,
-              finish, timeout_ms: int, mark: tuple[int, int] | None) -> Tensor:
+              finish, timeout_ms: int, mark: tuple[int, int] | None, skip_own: bool = False) -> Tensor:
     """The shared body: on the side stream, barrier; write `part_for(peer)` at rows [rank * n, (rank +
-    1) * n) of each peer's region (viewed as `shape`, n = part rows); barrier; `finish(own region)`.
+    1) * n) of each peer's region (viewed as `shape`, n = part rows; not this rank's own with
+    `skip_own`: `finish` reads that part where it is); barrier; `finish(own region)`.
     A barrier that waits longer than `timeout_ms` (0: forever) traps on the device (torch's symmetric
     memory barrier), which fails the step's next synchronization: a peer that never arrives must not
     hang the job, as NCCL's timeout makes sure for its collectives. `mark` = (lowering, i): the
@@ -176,7 +178,7 @@ def _exchange(x: Tensor, group_name: str, region: int, total_bytes: int, shape: 
         if mark is not None:
             _mark(x.device.index, mark[0], 2 * mark[1] + 1)  # waiting in collective i
         handle.barrier(channel=0, timeout_ms=timeout_ms)  # every rank is here: done with the region's old contents
-        for step in range(world):
+        for step in range(1 if skip_own else 0, world):
             peer = (rank + step) % world
             part = part_for(peer)
             rows = part.shape[0]
@@ -225,23 +227,24 @@ def copy_engine_all_gather(shard: Tensor, world: int, group_name: str, region: i
 def copy_engine_reduce_scatter(x: Tensor, reduce_op: str, world: int, group_name: str, region: int,
                                total_bytes: int, timeout_ms: int = 0, mark: tuple[int, int] | None = None) -> Tensor:
     """reduce_scatter_tensor(x, "sum" | "avg", world) over `group_name`: peer p's region gets this rank's
-    chunk p at row block `rank`; the chunks that land here are summed in rank order into a fresh tensor,
-    in fp32 for narrower floats (one rounding at the end; NCCL rounds at every hop, and its avg scales
-    each input by 1/world first, so an fp16 sum that would overflow before the division does not here
-    either). fp32 with 2 ranks: bit-identical to NCCL (scaling by 1/2 is exact)."""
+    chunk p at row block `rank`; one kernel sums, in rank order and in fp32, the chunks that landed here
+    and this rank's own chunk where it is in `x` (never copied), divides by `world` for avg and rounds
+    once into a fresh tensor (_triton_chunks.sum_chunks; NCCL rounds narrower floats at every hop, and
+    its avg scales each input by 1/world first, so an fp16 sum that would overflow before the division
+    does not here either). fp32 with 2 ranks: bit-identical to NCCL (scaling by 1/2 is exact). The sum,
+    the division and the local chunk's copy were three passes over memory (2x H200, GPT 1b ZeRO-3:
+    ~7 ms of kernels a step beside the GEMMs, bench/RESULTS.md 2026-11-28)."""
+    from ._triton_chunks import sum_chunks
+
     x = x.contiguous()
     rows = x.shape[0] // world
+    rank = dist.distributed_c10d._resolve_process_group(group_name).rank()
     out = x.new_empty([rows, *x.shape[1:]])  # on the compute stream, which reads it after the wait
 
     def reduce(landed: Tensor) -> Tensor:
-        chunks = landed.view(world, *out.shape)
-        if x.dtype not in (torch.float16, torch.bfloat16):
-            torch.sum(chunks, dim=0, out=out)
-            return out.div_(world) if reduce_op == "avg" else out
-        total = chunks.sum(dim=0, dtype=torch.float32)
-        return out.copy_(total.div_(world) if reduce_op == "avg" else total)
+        return sum_chunks(x[rank * rows:(rank + 1) * rows], landed, out, world, rank, reduce_op == "avg")
     return _exchange(x, group_name, region, total_bytes, list(x.shape), lambda peer: x[peer * rows:(peer + 1) * rows],
-                     reduce, timeout_ms, mark)
+                     reduce, timeout_ms, mark, skip_own=True)
 
 
 copy_engine_all_to_all.copy_engine_of = "all_to_all_single"  # what the SPMD simulator runs them as
