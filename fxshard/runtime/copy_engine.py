@@ -232,8 +232,9 @@ def copy_engine_reduce_scatter(x: Tensor, reduce_op: str, world: int, group_name
     once into a fresh tensor (_triton_chunks.sum_chunks; NCCL rounds narrower floats at every hop, and
     its avg scales each input by 1/world first, so an fp16 sum that would overflow before the division
     does not here either). fp32 with 2 ranks: bit-identical to NCCL (scaling by 1/2 is exact). The sum,
-    the division and the local chunk's copy were three passes over memory (2x H200, GPT 1b ZeRO-3:
-    ~7 ms of kernels a step beside the GEMMs, bench/RESULTS.md 2026-11-28)."""
+    the division and the local chunk's copy were three passes over memory (2x H200, GPT 1b ZeRO-3 at
+    batch 4: the sum and the division 4.4 ms of kernels a step, the local copies of all the collectives
+    3.3 ms, all beside the GEMMs; bench/RESULTS.md 2026-11-28)."""
     from ._triton_chunks import sum_chunks
 
     x = x.contiguous()
