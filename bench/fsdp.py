@@ -132,7 +132,8 @@ def profile(step_fn, path, steps=2):
           ", ".join(f"{kind} {ms:.2f}" for kind, ms in timeline["by_class_ms"].items()) +
           f"; GPU idle {timeline['idle_ms']:.2f} ms/step: {timeline['idle_short_ms']:.2f} in "
           f"{timeline['idle_short_gaps']:.0f} gaps of <= {IDLE_SHORT_US:.0f} us, {timeline['idle_long_ms']:.2f} in "
-          f"{timeline['idle_long_gaps']:.0f} longer; largest (us, before, after) {timeline['idle_largest'][:3]}", flush=True)
+          f"{timeline['idle_long_gaps']:.0f} longer; largest (us, before, after) {timeline['idle_largest'][:3]}",
+          flush=True)
 
 
 def build_model(cfg, device):
@@ -191,7 +192,8 @@ def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None, codegen="inductor", c
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     label = (f"fxshard{dist.get_world_size()}" if mesh is not None else "nocomm-fxshard") + \
-        f"{'' if codegen else '-aten'}{'-ce' if collectives != 'nccl' else ''}{f'-ctas{max_ctas}' if max_ctas else ''}" \
+        f"{'' if codegen else '-aten'}{'-ce' if collectives != 'nccl' else ''}" \
+        f"{f'-ctas{max_ctas}' if max_ctas else ''}" \
         f"{nccl_label() if mesh is not None else ''}_b{batch}"
     ms = timed(lambda: step(data), warmup, iters, label)
     from fxshard.runtime.copy_engine import workspace_bytes
@@ -325,7 +327,8 @@ def main():
                 if mode == "nocomm-compile":  # the yardstick: torch.compile on one GPU
                     compiled_baseline = ms
                 mfu = per_token * tokens / (ms / 1e3) / H200_BF16_DENSE_PEAK
-                row = {"mode": mode, "round": round_index, "gpus": gpus, "batch": batch, "seq": args.seq, "ms_per_step": ms,
+                row = {"mode": mode, "round": round_index, "gpus": gpus, "batch": batch, "seq": args.seq,
+                       "ms_per_step": ms,
                        "tokens_per_s_per_gpu": tokens / (ms / 1e3), "mfu": mfu, "peak_bytes": peak,
                        "ratio_to_nocomm": ms / baseline if baseline else None,
                        "ratio_to_nocomm_compile": ms / compiled_baseline if compiled_baseline else None}
@@ -350,7 +353,8 @@ def by_median(rows: list[dict], per_token: float, seq: int) -> list[dict]:
         groups.setdefault((row["mode"], row["batch"]), []).append(row)
     medians = {key: statistics.median(r["ms_per_step"] for r in group) for key, group in groups.items()}
     summary = []
-    print(f"\nmedian over rounds\n{'mode':<20} {'batch':>5} {'ms/step':>9} {'min':>7} {'max':>7} {'MFU':>6} {'vs compile':>10}")
+    print(f"\nmedian over rounds\n{'mode':<20} {'batch':>5} {'ms/step':>9} {'min':>7} {'max':>7} {'MFU':>6} "
+          f"{'vs compile':>10}")
     for (mode, batch), ms in medians.items():
         times = [r["ms_per_step"] for r in groups[mode, batch]]
         compiled = medians.get(("nocomm-compile", batch))

@@ -216,8 +216,8 @@ def _process_groups(mesh: Mesh | None, timeout_s: float, max_ctas: int | None = 
     return _new_groups(mesh.all_groups(), timeout_s, max_ctas), mesh.coords(dist.get_rank())
 
 
-# (default group's id, axis, ranks, timeout, NCCL's max CTAs) -> (that default group, the group): what _new_groups made
-# in this process. The default group is held so that its id cannot name a later one.
+# (default group's id, axis, ranks, timeout, NCCL's max CTAs) -> (that default group, the group): what
+# _new_groups made in this process. The default group is held so that its id cannot name a later one.
 _GROUPS: dict[tuple, tuple] = {}
 
 

@@ -103,8 +103,7 @@ class Config:
         collective holds its SMs while it runs, and the GEMMs overlapping it run on the rest: fewer
         CTAs leave more SMs to compute and make each collective slower (bench/fsdp.py `fxshard-ctasN`
         measures both sides; GPT 1b ZeRO-3 on 2 H200s got slower with 16, 8 and 4: README). None
-        (default): NCCL's choice. Ignored by gloo and by copy-engine
-        collectives (they use no SMs).
+        (default): NCCL's choice. Ignored by gloo and by copy-engine collectives (they use no SMs).
     codegen: "inductor" compiles the step's compute with Inductor, region by region between the nodes
         whose order fxshard chose (communication, custom ops), which keep their order
         (fxshard/codegen.py); None replays it aten op by op; "auto" (default): "inductor" on CUDA,

@@ -36,8 +36,7 @@ class ReplayWatch:
         self.pending: collections.deque = collections.deque()  # (step number, done() -> bool, launched at)
         self.last_done: float | None = None  # when the replay before the oldest pending one was seen done
         self.reported: int | None = None  # the step it reported, once
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # started at the first replay; ends with the watch
 
     def launched(self, number: int, done: Callable[[], bool], now: float | None = None) -> None:
         """Step `number` was replayed; `done()` says whether the device has finished it (an event's query)."""
@@ -71,7 +70,7 @@ class ReplayWatch:
         def run():
             while True:
                 watch = ref()
-                if watch is None or watch._stop.is_set():
+                if watch is None:
                     return
                 watch.poll(time.monotonic())
                 del watch
@@ -79,9 +78,6 @@ class ReplayWatch:
 
         self._thread = threading.Thread(target=run, name="fxshard-replay-watch", daemon=True)
         self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 def abort_groups(groups: dict) -> list[str]:

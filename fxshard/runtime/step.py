@@ -252,8 +252,9 @@ class CompiledStep:
         before the last (keep=1): its flag was copied to the host right after that step (_read_later),
         so reading it waits for that step alone, not for the one queued behind it, and the host keeps
         the GPU one step ahead (a plain read waits for everything queued: the GPU then idled each
-        step while the host launched the next, ~0.3 ms on 2x H200, bench/RESULTS.md 2026-11-28). parameters() and state_dict(), which every rank calls,
-        check every step (keep=0); buffers() and optimizer_state() are local and do not."""
+        step while the host launched the next, ~0.3 ms on 2x H200, bench/RESULTS.md 2026-11-28).
+        parameters() and state_dict(), which every rank calls, check every step (keep=0); buffers()
+        and optimizer_state() are local and do not."""
         while len(self._unchecked) > keep:
             number, last = self._unchecked.pop(0)
             if last["skipped"]():
@@ -459,7 +460,8 @@ def _expire_replay(step_ref):
             return
         step._interrupted_step = number
         step._interrupted = (f"its CUDA graph ran {seconds:.0f} s, longer than Config(collective_timeout_s): a rank "
-                             f"stalled or stopped in a collective, and this rank's process groups were aborted: restart the job")
+                             f"stalled or stopped in a collective, and this rank's process groups were aborted: "
+                             f"restart the job")
         for line in abort_groups(step.groups):
             print(f"fxshard: rank {step.rank}: could not abort process group {line}", file=sys.stderr, flush=True)
     return expire
