@@ -18,7 +18,7 @@ class Replay:
 
 def a_watch(timeout_s=10.0):
     expired = []
-    watch = ReplayWatch(timeout_s, rank=1, expire=lambda number, seconds: expired.append((number, seconds)))
+    watch = ReplayWatch(timeout_s, rank=1, expire=lambda what, seconds: expired.append((what, seconds)))
     watch._thread = object()  # driven by hand: no thread
     return watch, expired
 
@@ -26,15 +26,15 @@ def a_watch(timeout_s=10.0):
 def test_a_replay_counts_from_when_the_one_before_it_finished(capsys):
     watch, expired = a_watch()
     first, second = Replay(), Replay()
-    watch.launched(1, first.done, now=0.0)
-    watch.launched(2, second.done, now=0.5)  # the host runs a step ahead
+    watch.launched("step 1", first.done, now=0.0)
+    watch.launched("step 2", second.done, now=0.5)  # the host runs a step ahead
     assert watch.poll(9.0) is None
     first.finished = True
     assert watch.poll(9.5) is None  # step 2 could start only now
     assert watch.poll(19.0) is None
-    assert watch.poll(19.6) == 2 and expired == [(2, pytest.approx(10.1))]
+    assert watch.poll(19.6) == "step 2" and expired == [("step 2", pytest.approx(10.1))]
     assert watch.poll(40.0) is None and len(expired) == 1  # said once
-    assert "rank 1: step 2's CUDA graph has run 10 s, longer than Config(collective_timeout_s)=10" in \
+    assert "rank 1: step 2 has run 10 s under its CUDA graph, longer than Config(collective_timeout_s)=10" in \
         capsys.readouterr().err
 
 
@@ -42,7 +42,7 @@ def test_replays_that_finish_in_time_are_never_reported():
     watch, expired = a_watch(timeout_s=1.0)
     for number in range(1, 50):
         replay = Replay()
-        watch.launched(number, replay.done, now=float(number))
+        watch.launched(f"step {number}", replay.done, now=float(number))
         replay.finished = True
         assert watch.poll(number + 0.9) is None
     assert not watch.pending and not expired

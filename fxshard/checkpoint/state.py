@@ -194,7 +194,7 @@ def set_own_buffers(step, buffers: dict | None) -> None:
 def set_progress(step, progress: dict | None, rng: dict | None) -> None:
     step._unchecked.clear()  # non-finite flags of steps the loaded state replaces
     # and a step that stopped mid-update: the loaded state replaces what it left
-    step._interrupted = step._interrupted_step = None
+    step._interrupted = None
     if progress is not None:
         step.step_count = int(progress["step_count"])
         step._lr_override = progress["lr_override"]

@@ -7,12 +7,12 @@ or died waits in it forever, and so does its host at the next synchronization (t
 non-finite check, a `loss.item()`). Copy-engine collectives have their own timeout (their barriers
 trap, copy_engine.Watch names them); NCCL point-to-point and collectives had none under graphs.
 
-`ReplayWatch` is told about each replay (an event recorded behind it). A daemon thread looks at the
-oldest replay that has not finished: once it has run longer than Config(collective_timeout_s) since it
-could start (launched, and the replay before it done), it says so on stderr (step, rank) and calls
-`expire`, which the step uses to remember the step as interrupted (its state may be partly updated)
-and to abort its process groups: NCCL's kernels poll their communicator's abort flag, so the replay
-stops, the host's wait returns, and the next call raises an FxShardError instead of hanging.
+`ReplayWatch` is told about each replay, a training step's or an evaluation's (an event recorded
+behind it). A daemon thread looks at the oldest replay that has not finished: once it has run longer
+than Config(collective_timeout_s) since it could start (launched, and the replay before it done), it
+says so on stderr (which replay, rank) and calls `expire`, which the step uses to abort its process
+groups (NCCL's kernels poll their communicator's abort flag, so the replay stops and the host's wait
+returns) and to make every later call raise an FxShardError that says why, instead of hanging.
 
 The timeout is per replay, not per collective: under CUDA graphs Config(collective_timeout_s) is
 also the longest one step may run on a mesh.
@@ -31,37 +31,37 @@ from typing import Callable
 class ReplayWatch:
     """Replays in flight, oldest first, and the report once one has run longer than `timeout_s`."""
 
-    def __init__(self, timeout_s: float, rank: int, expire: Callable[[int, float], None]):
+    def __init__(self, timeout_s: float, rank: int, expire: Callable[[str, float], None]):
         self.timeout_s, self.rank, self.expire = timeout_s, rank, expire
-        self.pending: collections.deque = collections.deque()  # (step number, done() -> bool, launched at)
+        self.pending: collections.deque = collections.deque()  # (what, done() -> bool, launched at)
         self.last_done: float | None = None  # when the replay before the oldest pending one was seen done
-        self.reported: int | None = None  # the step it reported, once
+        self.reported: str | None = None  # the replay it reported, once
         self._thread: threading.Thread | None = None  # started at the first replay; ends with the watch
 
-    def launched(self, number: int, done: Callable[[], bool], now: float | None = None) -> None:
-        """Step `number` was replayed; `done()` says whether the device has finished it (an event's query)."""
-        self.pending.append((number, done, time.monotonic() if now is None else now))
+    def launched(self, what: str, done: Callable[[], bool], now: float | None = None) -> None:
+        """`what` ("step 7") was replayed; `done()` says whether the device has finished it (an event's query)."""
+        self.pending.append((what, done, time.monotonic() if now is None else now))
         if self._thread is None:
             self.start()
 
-    def poll(self, now: float) -> int | None:
-        """One look: drop the finished replays; the step reported if the oldest one has now run too long."""
+    def poll(self, now: float) -> str | None:
+        """One look: drop the finished replays; the replay reported if the oldest one has now run too long."""
         while self.pending and self.pending[0][1]():
             self.pending.popleft()
             self.last_done = now
         if not self.pending or self.reported is not None:
             return None
-        number, _, launched = self.pending[0]
+        what, _, launched = self.pending[0]
         started = launched if self.last_done is None else max(launched, self.last_done)
         if now - started < self.timeout_s:
             return None
-        self.reported = number
-        print(f"fxshard: rank {self.rank}: step {number}'s CUDA graph has run {now - started:.0f} s, longer than "
+        self.reported = what
+        print(f"fxshard: rank {self.rank}: {what} has run {now - started:.0f} s under its CUDA graph, longer than "
               f"Config(collective_timeout_s)={self.timeout_s:g}: a rank of the job stalled or stopped inside a "
               f"collective or transfer (its own log says why). Aborting this rank's process groups, so the step "
               f"fails instead of hanging; restart from the last checkpoint", file=sys.stderr, flush=True)
-        self.expire(number, now - started)
-        return number
+        self.expire(what, now - started)
+        return what
 
     def start(self) -> None:
         interval = min(1.0, self.timeout_s / 4)

@@ -81,7 +81,7 @@ class CompiledStep:
         self.step_count = 0
         self._lr_override: float | None = None
         self._interrupted: str | None = None  # why a step stopped while its graph ran (refuse_if_interrupted)
-        self._interrupted_step: int | None = None  # which, where not the next one (the replay watch's)
+        self._aborted: str | None = None  # why the replay watch aborted this rank's groups: the step is unusable
         # Config(nonfinite): the program skips updates whose gradients are not finite; the runtime
         # counts them on the device (AdamW's step input counts applied updates) and under "raise"
         # reads a step's flag two calls later, or when the state is next read (_raise_if_nonfinite)
@@ -198,15 +198,19 @@ class CompiledStep:
         if self._replay is not None and self._replay.is_captured:
             metrics = self._replay.replay(leaves, self.lr, float(self.step_count + 1), self._skipped)
             self.step_count += 1
-            if self._replay_watch is not None:
-                replayed = torch.cuda.Event()
-                replayed.record()
-                self._replay_watch.launched(self.step_count, replayed.query)
+            self._watch_replay(f"step {self.step_count}")
             return self._guarded(metrics)
         metrics = self._guarded(self._eager_step(leaves))
         if self._replay is not None and self.step_count >= CudaGraphReplay.WARMUP_STEPS:
             self._replay.capture(self)
         return metrics
+
+    def _watch_replay(self, what: str) -> None:
+        """Tell the replay watch (on a mesh under CUDA graphs) that `what` was just replayed."""
+        if self._replay_watch is not None:
+            replayed = torch.cuda.Event()
+            replayed.record()
+            self._replay_watch.launched(what, replayed.query)
 
     def _warn_if_mode_changed(self) -> None:
         model = self._model() if self._model is not None else None
@@ -269,13 +273,16 @@ class CompiledStep:
         through the same passes (sharded parameters gathered as in training; pipelines included), cut
         to what the loss needs (runtime/evaluate.py), then replayed. Every rank must call it, with a
         batch shaped like the training batch."""
+        self._refuse_if_aborted()
         self._raise_if_nonfinite()
         leaves = self.batch_spec.flatten(batch)
         if self._evaluation is None:
             self._evaluation = self._build_evaluation()
         program, run = self._evaluation
         if self._evaluation_graph is not None:
-            return self._evaluation_graph.replay(leaves)
+            outputs = self._evaluation_graph.replay(leaves)
+            self._watch_replay(f"the evaluation after step {self.step_count}")
+            return outputs
         with torch.no_grad():
             results = self._replay_graph(run, self._arguments(leaves, program))
             if self._replay is not None and self._replay.is_captured:
@@ -337,11 +344,17 @@ class CompiledStep:
         place one tensor after another, so the state may be partly updated (some parameters and moments
         stepped, others not), and training on or saving it would go on from a state no step makes.
         Loading a checkpoint or a state dict clears it."""
+        self._refuse_if_aborted()
         if self._interrupted is not None:
-            number = self._interrupted_step or self.step_count + 1
-            raise FxShardError(f"step {number} stopped while it ran ({self._interrupted}), so the training "
+            raise FxShardError(f"step {self.step_count + 1} stopped while it ran ({self._interrupted}), so the training "
                                f"state may be partly updated; load the last checkpoint (fxshard.load) or a state "
                                f"dict (step.load_state_dict) before training on or saving")
+
+    def _refuse_if_aborted(self) -> None:
+        """FxShardError where the replay watch aborted this rank's process groups (runtime/replay_watch.py):
+        no collective can run in this process any more, and loading a checkpoint does not bring them back."""
+        if self._aborted is not None:
+            raise FxShardError(self._aborted)
 
     def _eager_step(self, leaves):
         try:
@@ -452,16 +465,16 @@ def _check_capturable(program: Program) -> None:
 
 
 def _expire_replay(step_ref):
-    """What the replay watch does once a replay ran too long: mark that step interrupted (its state may
-    be partly updated: refuse_if_interrupted) and abort its process groups, so the replay stops."""
-    def expire(number: int, seconds: float) -> None:
+    """What the replay watch does once a replay ran too long: abort the step's process groups, so the
+    replay stops, and make every later call say why (refuse_if_interrupted)."""
+    def expire(what: str, seconds: float) -> None:
         step = step_ref()
         if step is None:
             return
-        step._interrupted_step = number
-        step._interrupted = (f"its CUDA graph ran {seconds:.0f} s, longer than Config(collective_timeout_s): a rank "
-                             f"stalled or stopped in a collective, and this rank's process groups were aborted: "
-                             f"restart the job")
+        step._aborted = (f"{what} ran {seconds:.0f} s under its CUDA graph, longer than Config(collective_timeout_s)="
+                         f"{step._replay_watch.timeout_s:g}: a rank stalled or stopped in a collective or transfer, "
+                         f"so this rank aborted its process groups rather than hang. Restart the job from the last "
+                         f"checkpoint (in this process the groups are gone, and the state may be partly updated)")
         for line in abort_groups(step.groups):
             print(f"fxshard: rank {step.rank}: could not abort process group {line}", file=sys.stderr, flush=True)
     return expire
