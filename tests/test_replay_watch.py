@@ -3,6 +3,8 @@ own: a replay counts from when it could start (launched, and the one before it d
 it has run longer than the timeout, and only once. The real thing, a stalled NCCL peer under CUDA
 graphs, is a multigpu test in test_gpu.py."""
 
+import re
+
 import pytest
 
 from fxshard.runtime.replay_watch import ReplayWatch, abort_groups
@@ -61,3 +63,29 @@ def test_groups_that_cannot_be_aborted_are_listed_not_raised():
     groups = {"dp": Group(False), "ep": Group(True)}
     assert abort_groups(groups) == ["ep: RuntimeError: no backend"]
     assert groups["dp"].aborted
+
+
+def test_a_step_whose_replay_the_watch_ended_refuses_every_later_call():
+    """What the watch's `expire` does to a step (here one without a mesh or a GPU, called by hand):
+    training, evaluating and reading the parameters all raise why, loading a checkpoint does not
+    clear it (the process groups are gone)."""
+    import weakref
+
+    import torch
+
+    import fxshard
+    from fxshard.checkpoint.state import set_progress
+    from fxshard.runtime.step import _expire_replay
+    from strategies import MLPStack, mse, regression_batch
+
+    batch = regression_batch(torch.Generator().manual_seed(0), 4)
+    step = fxshard.shard(MLPStack([4, 8, 4]), mse, batch, optimizer=fxshard.optim.AdamW(lr=1e-2))
+    step(batch)
+    _expire_replay(weakref.ref(step), 5.0)("step 2", 7.4)
+    message = re.escape("step 2 ran 7 s under its CUDA graph, longer than Config(collective_timeout_s)=5: a rank stalled")
+    for call in (lambda: step(batch), lambda: step.evaluate(batch), step.parameters):
+        with pytest.raises(fxshard.FxShardError, match=message):
+            call()
+    set_progress(step, None, None)
+    with pytest.raises(fxshard.FxShardError, match="Restart the job from the last checkpoint"):
+        step(batch)

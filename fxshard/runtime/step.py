@@ -132,7 +132,8 @@ class CompiledStep:
         # NCCL's watchdog does not see collectives replayed from a graph: this one does (replay_watch.py)
         self._replay_watch = None
         if cuda_graphs and self.groups and collective_timeout_s:
-            self._replay_watch = ReplayWatch(collective_timeout_s, rank, _expire_replay(weakref.ref(self)))
+            self._replay_watch = ReplayWatch(collective_timeout_s, rank,
+                                             _expire_replay(weakref.ref(self), collective_timeout_s))
 
     @property
     def copy_engine_all_to_alls(self) -> int:
@@ -464,7 +465,7 @@ def _check_capturable(program: Program) -> None:
                     f"widths divisible by 8) or cuda_graphs=False")
 
 
-def _expire_replay(step_ref):
+def _expire_replay(step_ref, timeout_s: float):
     """What the replay watch does once a replay ran too long: abort the step's process groups, so the
     replay stops, and make every later call say why (refuse_if_interrupted)."""
     def expire(what: str, seconds: float) -> None:
@@ -472,7 +473,7 @@ def _expire_replay(step_ref):
         if step is None:
             return
         step._aborted = (f"{what} ran {seconds:.0f} s under its CUDA graph, longer than Config(collective_timeout_s)="
-                         f"{step._replay_watch.timeout_s:g}: a rank stalled or stopped in a collective or transfer, "
+                         f"{timeout_s:g}: a rank stalled or stopped in a collective or transfer, "
                          f"so this rank aborted its process groups rather than hang. Restart the job from the last "
                          f"checkpoint (in this process the groups are gone, and the state may be partly updated)")
         for line in abort_groups(step.groups):
