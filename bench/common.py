@@ -75,13 +75,15 @@ def kernel_timeline(trace_path: str, steps: int, is_comm) -> dict:
 IDLE_SHORT_US = 10.0  # an idle gap up to this long is a launch gap (one node to the next in a CUDA graph)
 
 
-def idle_gaps(events: list[dict], steps: int, largest: int = 5) -> dict:
-    """Where the GPU ran nothing (no kernel, memset or copy on any stream) between the trace's first
-    and last device event, per step: "idle_ms", split into "idle_short_ms" (gaps up to IDLE_SHORT_US:
-    one kernel to the next, launch latency) and "idle_long_ms" (the host or a dependency held the
-    GPU back), how many gaps, and the `largest` gaps as [us, device event before, event after]."""
-    device = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
-                    if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and "dur" in e)
+def idle_gaps(events: list[dict], steps: int, largest: int = 5, counts=None) -> dict:
+    """Where the GPU ran nothing (no kernel, memset or copy on any stream; with `counts`, no event for
+    which counts(event) holds) between the first and last such event of the trace, per step:
+    "idle_ms", split into "idle_short_ms" (gaps up to IDLE_SHORT_US: one kernel to the next, launch
+    latency) and "idle_long_ms" (the host or a dependency held the GPU back), how many gaps, and the
+    `largest` gaps as [us, event before, event after]."""
+    if counts is None:
+        counts = lambda e: e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")  # noqa: E731
+    device = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if "dur" in e and counts(e))
     gaps, reach, last = [], None, None
     for start, stop, name in device:
         if reach is not None and start > reach:

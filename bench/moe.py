@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import sys
 import time
@@ -51,7 +52,7 @@ import fxshard  # noqa: E402
 from fxshard.launch import run_local  # noqa: E402
 from fxshard.models import MoEGPT, MoEGPTConfig  # noqa: E402
 from fxshard.runtime import CompiledStep  # noqa: E402
-from common import H200_BF16_DENSE_PEAK, kernel_timeline, write_json  # noqa: E402
+from common import H200_BF16_DENSE_PEAK, IDLE_SHORT_US, idle_gaps, kernel_timeline, write_json  # noqa: E402
 
 _c10d = torch.ops._c10d_functional
 
@@ -122,10 +123,22 @@ def profile(step_fn, path, steps=2) -> dict:
     trace = path[:-4] + ".trace.json"
     prof.export_chrome_trace(trace)
     timeline = kernel_timeline(trace, steps, lambda name: "AllToAll" in name or "SendRecv" in name)
+    with open(trace) as handle:
+        events = json.load(handle)["traceEvents"]
     os.remove(trace)
+    # where no compute kernel runs (communication, barriers, markers and copies aside): the exposed
+    # waits of either all-to-all kind, the largest named by the compute kernels around them
+    waits = idle_gaps(events, steps, counts=lambda e: e.get("cat") == "kernel" and not _is_communication(e["name"]))
     return {"gpu_busy_ms": timeline["gpu_busy_ms"], "all_to_all_kernels_ms": timeline["comm_kernels_ms"],
             "all_to_all_overlapped_ms": timeline["comm_overlapped_ms"], "copies_ms": timeline["copies_ms"],
-            "copies_overlapped_ms": timeline["copies_overlapped_ms"], "by_class_ms": timeline["by_class_ms"]}
+            "copies_overlapped_ms": timeline["copies_overlapped_ms"], "by_class_ms": timeline["by_class_ms"],
+            "compute_idle_ms": waits["idle_ms"], "compute_idle_long_ms": waits["idle_long_ms"],
+            "compute_idle_long_gaps": waits["idle_long_gaps"], "compute_idle_largest": waits["idle_largest"]}
+
+
+def _is_communication(kernel: str) -> bool:
+    """NCCL's kernels, torch's symmetric-memory barriers and fxshard's progress markers: no compute."""
+    return kernel.startswith("nccl") or "symmetric_memory" in kernel or kernel == "mark"
 
 
 def expert_compute_alone(args) -> float:
@@ -225,8 +238,12 @@ def run_modes(args):
                     print(f"  {label}: GPU busy {kernels['gpu_busy_ms']:.2f} ms/step; all-to-all kernels "
                           f"{kernels['all_to_all_kernels_ms']:.2f} ms, of which {kernels['all_to_all_overlapped_ms']:.2f} "
                           f"ms ran alongside compute; copies (copy engines) {kernels['copies_ms']:.2f} ms, of which "
-                          f"{kernels['copies_overlapped_ms']:.2f} ms beside kernels; kernel ms by class {classes}",
-                          flush=True)
+                          f"{kernels['copies_overlapped_ms']:.2f} ms beside kernels; kernel ms by class {classes}; "
+                          f"no compute kernel for {kernels['compute_idle_ms']:.2f} ms/step, "
+                          f"{kernels['compute_idle_long_ms']:.2f} of it in "
+                          f"{kernels['compute_idle_long_gaps']:.0f} gaps over {IDLE_SHORT_US:.0f} us, "
+                          f"largest (us, before, after) "
+                          f"{kernels['compute_idle_largest'][:3]}", flush=True)
         metrics = step(data)
         dropped = metrics["moe_dropped_tokens"].item()
         results["dropped"] = dropped  # the same routing in every mode
