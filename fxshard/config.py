@@ -94,7 +94,7 @@ class Config:
         fxshard/runtime/copy_engine.py). CPU/gloo always uses the process group's all-to-all.
     fsdp_collectives: how the fsdp pass's all-gathers and reduce-scatters move data on CUDA: "nccl"
         or "copy-engine" (as ep_all_to_all: peer-to-peer memcpys, no SMs taken from the GEMMs they
-        overlap; a reduce-scatter adds one small sum kernel; GPUs of one host with peer access). Each
+        overlap; a reduce-scatter adds one summing kernel; GPUs of one host with peer access). Each
         collective's result lives in a region of one symmetric workspace per group, reused once no
         later node reads it (fxshard/runtime/workspace_plan.py; `step.lowerings()` prints its size).
         CPU/gloo always uses the process group's collectives.
