@@ -2,7 +2,7 @@
 # The 2-GPU measurements the open issues wait for, one part per device call (each fits the 10-minute
 # limit of a device command). On the device machine, from the repository root:
 #
-#     bash bench/pending_2gpu.sh watch|fsdp|fsdp-b1|moe|moe-ce|pipeline|pipeline-zb|suite|suite-ce|hf_moe  [OUT dir, default $OUT]
+#     bash bench/pending_2gpu.sh watch|fsdp|fsdp-b1|moe|moe-ce|pipeline|pipeline-cut|pipeline-zb|suite|suite-ce|hf_moe  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
 # (date, machine, command). In priority order (session 25 ran fsdp, moe, moe-ce, pipeline, suite-ce and
@@ -21,6 +21,10 @@
 #             each mode profiled (~3 min)
 #   pipeline  issue 14: bench/pipeline.py 1F1B and interleaved V=2 with the peer (~6 min; pipeline-zb: ZB-H1,
 #             not run on H200 since session 19)
+#   pipeline-cut  the same job with the cut moved by one block (--stage-layers 9,9 4,5,5,4), graphed only, next to
+#             pipelining + compile: on the FLOP-balanced cut stage 0's F+B took 16-17 ms a microbatch against
+#             stage 1's 12.8 in sessions 24 and 25 (1F1B, H200), so the measured costs ask for a block fewer
+#             there (~5 min)
 #   suite     the other multigpu tests (~7 min)
 #   suite-ce  the copy-engine multigpu tests (passed in session 25, before the reduce-scatter's sum kernel)
 #   moe-ce    ran through in session 25 (no stall); hf_moe: issue 17's model at ep=2
@@ -48,6 +52,9 @@ case "$part" in
              --out "$out/fsdp_b1_2gpu_$day.json" 2>&1 | tee "$out/fsdp_b1.log" | grep -v "codegen: region" | tail -30 ;;
   pipeline) timeout 580 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 \
               --out "$out/pipeline_2gpu_$day.json" 2>&1 | tee "$out/pipeline.log" | grep -v "codegen: region" | tail -30 ;;
+  pipeline-cut) timeout 580 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 --replays graphed \
+                  --peers pipelining-interleaved-compile --stage-layers 9,9 4,5,5,4 \
+                  --out "$out/pipeline_cut_2gpu_$day.json" 2>&1 | tee "$out/pipeline_cut.log" | grep -v "codegen: region" | tail -30 ;;
   pipeline-zb) timeout 580 python bench/pipeline.py --gpus 2 --schedules zb-h1 --peers \
                  --out "$out/pipeline_zb_2gpu_$day.json" 2>&1 | tee "$out/pipeline_zb.log" | grep -v "codegen: region" | tail -20 ;;
   hf_moe) timeout 580 python bench/hf_moe.py --out "$out/hf_moe_2gpu_$day.json" 2>&1 | tee "$out/hf_moe.log" \

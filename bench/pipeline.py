@@ -2,6 +2,7 @@
 
     python bench/pipeline.py --gpus 2 --out bench/pipeline.json                      # 2x H200, the issue's job
     python bench/pipeline.py --device cpu --model tiny --n-layer 4 --seq 64 --gpus 2  # CPU smoke test (gloo)
+    python bench/pipeline.py --gpus 2 --stage-layers 9,9 4,5,5,4                     # another cut, peer included
 
 GPT 1b (fxshard.models.GPT, untied head), pp=P (--gpus), M=8 microbatches of 1x2048, bf16 compute with fp32
 master weights, AdamW, the same data (seed 0) in every mode. Every mode runs in its own spawned job of P
@@ -137,6 +138,7 @@ class Setup:
     peer_precision: str   # "bf16" or "autocast"
     trace_dir: str | None
     cuts: tuple = ()      # (chunks, fxshard's layer groups) pairs: the peer is cut where fxshard cuts
+    stage_layers: tuple = ()  # (chunks, blocks per chunk) pairs from --stage-layers: those cuts instead of fxshard's
 
     def config(self) -> GPTConfig:
         overrides = {} if self.n_layer is None else {"n_layer": self.n_layer}
@@ -172,12 +174,12 @@ def synchronize(setup: Setup) -> None:
 
 def fxshard_split(model: GPT, setup: Setup, chunks: int):
     """fxshard's split of `model` into `chunks` pipeline chunks (passes/pipeline.py: the program of one
-    microbatch, traced, blocks balanced by FLOPs with the head counted in the last chunk); `model` may
-    be on meta."""
+    microbatch, traced, blocks balanced by FLOPs with the head counted in the last chunk, or as
+    --stage-layers says); `model` may be on meta."""
     rows = setup.batch
     batch = {key: value[:rows].cpu() for key, value in batch_for(setup, "cpu").items()}
     program = fxshard.trace(model, lambda m, b: m.loss(b), batch, optimizer=fxshard.optim.AdamW(lr=1e-4))
-    return split_stages(program, chunks)
+    return split_stages(program, chunks, dict(setup.stage_layers).get(chunks))
 
 
 def chunk_layers(setup: Setup, chunks: int) -> list[list[str]]:
@@ -295,7 +297,8 @@ def run_fxshard(schedule_name: str, virtual: int, graphed: bool, label: str, set
     data = batch_for(setup, device)
     config = fxshard.Config(schedule=schedule_name, virtual_stages=virtual, microbatches=setup.microbatches,
                             param_dtype=torch.bfloat16, reduce_dtype=torch.float32, sharding="no_shard",
-                            cuda_graphs=graphed)
+                            cuda_graphs=graphed,
+                            stage_layers=dict(setup.stage_layers).get(world * virtual))
     started = time.perf_counter()
     step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=fxshard.optim.AdamW(lr=1e-4),
                          mesh=fxshard.Mesh(pp=world), config=config)
@@ -812,10 +815,18 @@ def main():
     parser.add_argument("--replays", nargs="+", default=["eager", "graphed"], choices=["eager", "graphed"])
     parser.add_argument("--peer-precision", choices=["bf16", "autocast"], default="bf16")
     parser.add_argument("--trace-dir", help="keep each mode's profiler trace per rank here")
+    parser.add_argument("--stage-layers", nargs="*", default=[], metavar="N,N,...",
+                        help="blocks per chunk for the cut with that many chunks, e.g. 9,9 (pp=2) and 4,5,5,4 (V=2): "
+                             "fxshard and the peer cut there instead of fxshard's FLOP balance")
     parser.add_argument("--out", default="bench/pipeline.json")
     args = parser.parse_args()
+    try:
+        stage_layers = tuple((len(counts), counts) for counts in
+                             (tuple(int(n) for n in spec.split(",")) for spec in args.stage_layers))
+    except ValueError:
+        parser.error(f"--stage-layers takes comma-separated block counts per chunk, got {args.stage_layers}")
     setup = Setup(args.model, args.n_layer, args.device, args.microbatches, args.batch, args.seq,
-                  max(args.warmup, 1), args.steps, args.peer_precision, args.trace_dir)
+                  max(args.warmup, 1), args.steps, args.peer_precision, args.trace_dir, stage_layers=stage_layers)
     model = build_model(setup, "meta")
     params = sum(p.numel() for p in model.parameters())
     print(f"GPT {args.model} ({params / 1e9:.2f}B, {setup.config().n_layer} blocks), pp={args.gpus}, "
