@@ -50,6 +50,18 @@ def test_replays_that_finish_in_time_are_never_reported():
     assert not watch.pending and not expired
 
 
+def test_a_replay_whose_query_fails_counts_as_finished():
+    """A device error (a copy-engine barrier's trap) makes the event query raise: the main thread meets
+    that error itself, and the watch neither dies nor aborts for it."""
+    watch, expired = a_watch(timeout_s=1.0)
+
+    def failed():
+        raise RuntimeError("CUDA error: unspecified launch failure")
+
+    watch.launched("step 1", failed, now=0.0)
+    assert watch.poll(5.0) is None and not watch.pending and not expired
+
+
 def test_groups_that_cannot_be_aborted_are_listed_not_raised():
     class Group:
         def __init__(self, fails):

@@ -46,7 +46,7 @@ class ReplayWatch:
 
     def poll(self, now: float) -> str | None:
         """One look: drop the finished replays; the replay reported if the oldest one has now run too long."""
-        while self.pending and self.pending[0][1]():
+        while self.pending and _finished(self.pending[0][1]):
             self.pending.popleft()
             self.last_done = now
         if not self.pending or self.reported is not None:
@@ -78,6 +78,16 @@ class ReplayWatch:
 
         self._thread = threading.Thread(target=run, name="fxshard-replay-watch", daemon=True)
         self._thread.start()
+
+
+def _finished(done: Callable[[], bool]) -> bool:
+    """done(), where a query that fails (the device reported an error: a copy-engine barrier's trap,
+    say) counts as finished: the main thread meets that error at its next synchronization, and a
+    replay that ended in one is nothing to abort for."""
+    try:
+        return done()
+    except Exception:  # noqa: BLE001 - whatever the device said, the main thread hears it too
+        return True
 
 
 def abort_groups(groups: dict) -> list[str]:
