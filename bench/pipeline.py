@@ -374,7 +374,8 @@ def profile_bubble(step_fn, setup: Setup, label: str, graphed: bool, actions: li
             shutil.copy(path, os.path.join(setup.trace_dir, f"{label}_rank{dist.get_rank()}.json"))
     kernels = kernels_in_order(events, actions, graphed) if actions and setup.device == "cuda" else None
     return {**gpu_bubble(events, graphed), "action_ms": action_times(events, actions) if actions else None,
-            "p2p_kernel_ms": point_to_point_times(events), "kernels_in_order": kernels}
+            "p2p_kernel_ms": point_to_point_times(events), "kernels_in_order": kernels,
+            "action_kernels": action_kernels(events, actions) if actions and not graphed else None}
 
 
 def kernels_in_order(events: list[dict], actions: list[str], graphed: bool) -> list[tuple]:
@@ -539,6 +540,28 @@ def action_times(events: list[dict], actions: list[str]) -> dict[str, float] | N
     for start, end, _, label in kernels:
         per_action.setdefault(owner_of(label, actions), []).append((start, end))
     return {owner: union_length(intervals) / 1e3 for owner, intervals in per_action.items()}
+
+
+def action_kernels(events: list[dict], actions: list[str], top: int = 4) -> dict[str, list] | None:
+    """Per chunk and kind (F0, B0, ...): the `top` kernels it spends most GPU time in, as [name, ms per
+    microbatch], attributed as in `action_times`: what one chunk's action does that another's does not
+    (session 25: stage 0's backward took 3.15x its forward, stage 1's 2.26x). None without region ranges."""
+    kernels = kernels_by_range(events, REGION_RANGE, is_communication)
+    if not kernels:
+        return None
+    totals: dict[str, dict[str, float]] = {}
+    microbatches: dict[str, set] = {}
+    for start, end, name, label in kernels:
+        owner = owner_of(label, actions)
+        if owner == "other":
+            continue
+        key = owner.split(":")[0]
+        table = totals.setdefault(key, {})
+        table[name] = table.get(name, 0.0) + (end - start) / 1e3
+        microbatches.setdefault(key, set()).add(owner)
+    return {key: [[name[:50], round(ms / len(microbatches[key]), 3)]
+                  for name, ms in sorted(table.items(), key=lambda item: -item[1])[:top]]
+            for key, table in sorted(totals.items())}
 
 
 def measured_costs(ranks: list[dict]) -> dict[str, float] | None:
@@ -714,6 +737,12 @@ def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model
         if ranks[0]["params_by_stage"] != expected:  # fxshard's own cut against the one the peer is built with
             details.append(f"WARNING: fxshard's stages hold other parameters than this bench's cut "
                            f"({[len(n) for n in ranks[0]['params_by_stage']]} vs {[len(n) for n in expected]})")
+    if kind == "fxshard" and not graphed:  # what each action spends its time in, chunk by chunk
+        row["action_kernels"] = [r.get("action_kernels") for r in ranks]
+        for index, kernels in enumerate(row["action_kernels"]):
+            for key, table in (kernels or {}).items():
+                details.append(f"rank {index} {key} heaviest kernels (ms a microbatch): "
+                               + ", ".join(f"{name} {ms:.2f}" for name, ms in table))
     row["details"] = details
     return row, ranks
 
