@@ -19,7 +19,8 @@
 #   fsdp-b1   the same at batch 1 and 4 with FSDP2 + compile, the peer the issue names (~4 min)
 #   moe       issue 15: MoE ep=2, dual-batch, NCCL and copy-engine all-to-alls (>= 30% MFU, >= 90% hidden),
 #             each mode profiled (~3 min)
-#   pipeline  issue 14: bench/pipeline.py 1F1B and interleaved V=2 with the peer (~6 min; pipeline-zb: ZB-H1,
+#   pipeline  issue 14: bench/pipeline.py 1F1B and interleaved V=2 with the peer; the eager rows now name each
+#             chunk's heaviest kernels per F and B (why stage 0's backward is slow) (~6 min; pipeline-zb: ZB-H1,
 #             not run on H200 since session 19)
 #   pipeline-cut  the same job with the cut moved by one block (--stage-layers 9,9 4,5,5,4), graphed only, next to
 #             pipelining + compile: on the FLOP-balanced cut stage 0's F+B took 16-17 ms a microbatch against
