@@ -64,7 +64,7 @@ case "$part" in
               | tee "$out/suite_ce.log" | tail -15 ;;
   watch) timeout 150 python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
            -k "stalled_peer_under_cuda_graphs or without_waiting_for_later_work" 2>&1 | tee "$out/watch.log" | tail -15
-         timeout 60 python -m pytest -q -p no:cacheprovider tests/test_copy_engine.py -k rank_order 2>&1 \
+         timeout 150 python -m pytest -q -p no:cacheprovider tests/test_copy_engine.py -k rank_order 2>&1 \
            | tee -a "$out/watch.log" | tail -5 ;;
   suite) timeout 580 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -m multigpu \
            -k "not copy_engine and not stalled_peer_under_cuda_graphs" 2>&1 \
