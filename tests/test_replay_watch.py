@@ -101,3 +101,15 @@ def test_a_step_whose_replay_the_watch_ended_refuses_every_later_call():
     set_progress(step, None, None)
     with pytest.raises(fxshard.FxShardError, match="Restart the job from the last checkpoint"):
         step(batch)
+
+
+def test_the_watch_thread_reports_a_replay_that_never_finishes_by_itself():
+    import time
+
+    expired = []
+    watch = ReplayWatch(0.2, rank=0, expire=lambda what, seconds: expired.append(what))
+    watch.launched("step 3", lambda: False)  # starts the thread
+    deadline = time.monotonic() + 5
+    while not expired and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert expired == ["step 3"]

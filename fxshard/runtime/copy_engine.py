@@ -47,7 +47,6 @@ import itertools
 import sys
 import threading
 import time
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -352,19 +351,10 @@ class Watch:
     def start(self) -> None:
         if not self.timeout_s:
             return
-        interval = min(1.0, self.timeout_s / 4)
-        ref = weakref.ref(self)
+        from .replay_watch import poll_in_background
 
-        def run():
-            seen = None
-            while True:
-                watch = ref()
-                if watch is None or watch._stop.is_set():
-                    return
-                seen = watch.poll(seen, time.monotonic())
-                del watch
-                time.sleep(interval)
-        threading.Thread(target=run, name=f"fxshard-copy-engine-watch-{self.lowering.number}", daemon=True).start()
+        poll_in_background(self, lambda watch, seen: watch.poll(seen, time.monotonic()), min(1.0, self.timeout_s / 4),
+                           f"fxshard-copy-engine-watch-{self.lowering.number}", self._stop)
 
     def stop(self) -> None:
         self._stop.set()

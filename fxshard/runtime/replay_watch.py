@@ -64,20 +64,30 @@ class ReplayWatch:
         return what
 
     def start(self) -> None:
-        interval = min(1.0, self.timeout_s / 4)
-        ref = weakref.ref(self)
+        self._thread = poll_in_background(self, lambda watch, _: watch.poll(time.monotonic()),
+                                          min(1.0, self.timeout_s / 4), "fxshard-replay-watch")
 
-        def run():
-            while True:
-                watch = ref()
-                if watch is None:
-                    return
-                watch.poll(time.monotonic())
-                del watch
-                time.sleep(interval)
 
-        self._thread = threading.Thread(target=run, name="fxshard-replay-watch", daemon=True)
-        self._thread.start()
+def poll_in_background(owner, look: Callable, interval: float, name: str,
+                       stopped: threading.Event | None = None) -> threading.Thread:
+    """A started daemon thread that calls look(owner, state) every `interval` seconds, `state` being
+    what the previous call returned (None at first), for as long as `owner` lives (the thread holds it
+    weakly, so a watch ends with what owns it) and `stopped` is not set."""
+    ref = weakref.ref(owner)
+
+    def run():
+        state = None
+        while True:
+            alive = ref()
+            if alive is None or (stopped is not None and stopped.is_set()):
+                return
+            state = look(alive, state)
+            del alive
+            time.sleep(interval)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread
 
 
 def _finished(done: Callable[[], bool]) -> bool:
