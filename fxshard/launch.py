@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 
 import torch
@@ -11,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .errors import FxShardError
+from .runtime.replay_watch import aborted_here
 
 
 def _free_port() -> int:
@@ -34,10 +36,14 @@ def _worker(rank, nprocs, port, backend, out_dir, fn, args, environ):
     try:
         result = fn(*args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))  # saved before any teardown can hang
+        if aborted_here():  # a replay watch aborted the groups: tearing them down can hang (replay_watch.py)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         if dist.is_initialized():  # `fn` may have left the group itself (a test of a rank that dies)
             dist.barrier()
     finally:
-        if dist.is_initialized():
+        if dist.is_initialized() and not aborted_here():
             dist.destroy_process_group()
 
 

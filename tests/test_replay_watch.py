@@ -113,3 +113,23 @@ def test_the_watch_thread_reports_a_replay_that_never_finishes_by_itself():
     while not expired and time.monotonic() < deadline:
         time.sleep(0.05)
     assert expired == ["step 3"]
+
+
+def test_a_process_whose_groups_were_aborted_exits_with_status_1_without_tearing_them_down():
+    """NCCL's abort of a graphed communicator can stop its kernels and never return, and destroying the
+    groups then waits forever (2x H200): a process the watch expired exits at interpreter exit, status 1,
+    saying why, before anything else tears down."""
+    import subprocess
+    import sys
+
+    script = ("import atexit\n"
+              "from fxshard.runtime.replay_watch import aborted_here, expire_process_groups\n"
+              "atexit.register(lambda: print('teardown ran'))\n"  # registered first: must not run
+              "assert not aborted_here()\n"
+              "expire_process_groups('step 4 on rank 1')\n"
+              "assert aborted_here()\n"
+              "print('finished', flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done
+    assert done.stdout.strip() == "finished", done.stdout
+    assert "exiting without tearing down the process groups a replay watch aborted (step 4 on rank 1)" in done.stderr

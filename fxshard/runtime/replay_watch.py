@@ -20,7 +20,9 @@ also the longest one step may run on a mesh.
 
 from __future__ import annotations
 
+import atexit
 import collections
+import os
 import sys
 import threading
 import time
@@ -98,6 +100,33 @@ def _finished(done: Callable[[], bool]) -> bool:
         return done()
     except Exception:  # noqa: BLE001 - whatever the device said, the main thread hears it too
         return True
+
+
+_aborted_here: list[str] = []  # why this process's groups were aborted (expire_process_groups)
+
+
+def expire_process_groups(why: str) -> None:
+    """Note that a replay watch of this process is about to abort its process groups, and make the
+    process exit at interpreter exit without tearing them down, with status 1: on 2x H200 (torch 2.11,
+    NCCL 2.28) NCCL's abort of a communicator used by a graphed collective stopped the kernels (the
+    host's wait returned) but never returned itself, and destroying the groups afterwards waited on
+    it forever. The job failed either way (every later call says so); what is left of it must not
+    hang. Also read by fxshard.launch's workers (`aborted_here`)."""
+    if not _aborted_here:
+        atexit.register(_exit_without_teardown)
+    _aborted_here.append(why)
+
+
+def aborted_here() -> bool:
+    """Whether a replay watch aborted this process's groups (expire_process_groups)."""
+    return bool(_aborted_here)
+
+
+def _exit_without_teardown() -> None:
+    print(f"fxshard: exiting without tearing down the process groups a replay watch aborted "
+          f"({_aborted_here[0]})", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
 
 
 def abort_groups(groups: dict) -> list[str]:

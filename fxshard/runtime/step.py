@@ -24,7 +24,7 @@ from .carveout import carve_out_sms
 from .copy_engine import CopyEngineLowering, Watch, lower_to_copy_engines, marker
 from .gloo import gloo_group_names, lower_gloo_all_gathers
 from .reinplace import reinplace
-from .replay_watch import ReplayWatch, abort_groups
+from .replay_watch import ReplayWatch, abort_groups, expire_process_groups
 from .state import State, every_stage_parameters, full_parameters, gather_shard
 
 _WRITE_BACK = {OutputKind.PARAM: InputKind.PARAM, OutputKind.OPT_STATE: InputKind.OPT_STATE,
@@ -480,7 +480,10 @@ def _expire_replay(step_ref, timeout_s: float):
         step._aborted = (f"{what} ran {seconds:.0f} s under its CUDA graph, longer than Config(collective_timeout_s)="
                          f"{timeout_s:g}: a rank stalled or stopped in a collective or transfer, "
                          f"so this rank aborted its process groups rather than hang. Restart the job from the last "
-                         f"checkpoint (in this process the groups are gone, and the state may be partly updated)")
+                         f"checkpoint (in this process the groups are gone, the state may be partly updated, and the "
+                         f"process exits with status 1 at interpreter exit without tearing the groups down)")
+        if step.groups:
+            expire_process_groups(f"{what} on rank {step.rank}")
         for line in abort_groups(step.groups):
             print(f"fxshard: rank {step.rank}: could not abort process group {line}", file=sys.stderr, flush=True)
     return expire
