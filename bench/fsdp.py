@@ -19,9 +19,6 @@ and the ratio to the single-GPU no-communication time of the same model and batc
     fxshard-ctasN   fxshard with Config(nccl_max_ctas=N) (its collectives on at most N SMs, fewer taken
                     from compute; slower collectives), e.g. fxshard-ctas8; fsdp2-compile-ctasN sets
                     NCCL_MAX_CTAS=N, which NCCL reads the same way
-    fxshard-smN     fxshard with Config(fsdp_sm_carveout=N): matmuls placed while a collective is moving
-                    data leave N SMs to it (fxshard/runtime/carveout.py), e.g. fxshard-sm16; combines with
-                    the NCCL suffixes (fxshard-sm16-ctas16)
     fxshard-protoP  fxshard with NCCL_PROTO=P (Simple, LL or LL128: how NCCL's kernels move data, and
                     so what the GEMMs beside them lose), e.g. fxshard-protoSimple; suffixes combine
                     (fxshard-ctas8-protoSimple) and apply to fsdp2 modes too
@@ -64,15 +61,6 @@ def nccl_settings(mode: str) -> tuple[str, dict[str, str]]:
             settings[variable] = value
             mode = head + (f"-{rest}" if rest else "")
     return mode, settings
-
-
-def sm_carveout_of(mode: str) -> tuple[str, int | None]:
-    """`mode` without its -smN suffix, and N: fxshard-sm16-ctas8 -> ("fxshard-ctas8", 16)."""
-    head, found, tail = mode.partition("-sm")
-    if not found:
-        return mode, None
-    value, _, rest = tail.partition("-")
-    return head + (f"-{rest}" if rest else ""), int(value) if value.isdigit() else -1
 
 
 def nccl_label() -> str:
@@ -185,8 +173,7 @@ def run_eager_single(cfg, batch, seq, warmup, iters, compiled=False):
     return timed(step, warmup, iters, label), torch.cuda.max_memory_allocated()
 
 
-def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None, codegen="inductor", collectives="nccl", max_ctas=None,
-                sm_carveout=None):
+def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None, codegen="inductor", collectives="nccl", max_ctas=None):
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = f"cuda:{rank}"
     torch.cuda.set_device(device)
@@ -194,7 +181,7 @@ def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None, codegen="inductor", c
     data = batch_for(cfg, batch, seq, device, seed=rank)
     config = fxshard.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cuda_graphs=CUDA_GRAPHS,
                             sharding="optim_grads_params", codegen=codegen, fsdp_collectives=collectives,
-                            nccl_max_ctas=max_ctas, fsdp_sm_carveout=sm_carveout)
+                            nccl_max_ctas=max_ctas)
     started = time.perf_counter()
     step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=fxshard.optim.AdamW(lr=1e-4),
                          mesh=mesh, config=config)
@@ -206,7 +193,7 @@ def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None, codegen="inductor", c
     torch.cuda.reset_peak_memory_stats()
     label = (f"fxshard{dist.get_world_size()}" if mesh is not None else "nocomm-fxshard") + \
         f"{'' if codegen else '-aten'}{'-ce' if collectives != 'nccl' else ''}" \
-        f"{f'-sm{sm_carveout}' if sm_carveout is not None else ''}{f'-ctas{max_ctas}' if max_ctas else ''}" \
+        f"{f'-ctas{max_ctas}' if max_ctas else ''}" \
         f"{nccl_label() if mesh is not None else ''}_b{batch}"
     ms = timed(lambda: step(data), warmup, iters, label)
     from fxshard.runtime.copy_engine import workspace_bytes
@@ -241,14 +228,13 @@ def run_fsdp2(cfg, batch, seq, warmup, iters, compiled=False):
     return timed(step, warmup, iters, label), torch.cuda.max_memory_allocated()
 
 
-def distributed_mode(mode, cfg, batch, seq, warmup, iters, max_ctas=None, sm_carveout=None):
+def distributed_mode(mode, cfg, batch, seq, warmup, iters, max_ctas=None):
     if mode.startswith("fsdp2"):
         result = run_fsdp2(cfg, batch, seq, warmup, iters, compiled=mode == "fsdp2-compile")
     else:
         result = run_fxshard(cfg, batch, seq, warmup, iters, mesh=fxshard.Mesh(dp=dist.get_world_size()),
                              codegen=None if mode == "fxshard-aten" else "inductor",
-                             collectives="copy-engine" if mode == "fxshard-ce" else "nccl", max_ctas=max_ctas,
-                             sm_carveout=sm_carveout)
+                             collectives="copy-engine" if mode == "fxshard-ce" else "nccl", max_ctas=max_ctas)
     times = [None] * dist.get_world_size()
     dist.all_gather_object(times, result)
     return max(t for t, _ in times), max(m for _, m in times)
@@ -300,12 +286,7 @@ def main():
             baseline = compiled_baseline = None
             for mode in args.modes:
                 started = time.perf_counter()
-                base_mode, sm_carveout = sm_carveout_of(mode)
-                base_mode, settings = nccl_settings(base_mode)
-                if sm_carveout is not None and (not base_mode.startswith("fxshard") or sm_carveout < 0):
-                    print(f"{mode:<20} skipped: -smN takes a number of SMs, and an fxshard mode with communication",
-                          flush=True)
-                    continue
+                base_mode, settings = nccl_settings(mode)
                 if settings and (base_mode.startswith("nocomm") or not settings.get("NCCL_MAX_CTAS", "1").isdigit()
                                  or settings.get("NCCL_PROTO", "Simple") not in ("Simple", "LL", "LL128")):
                     print(f"{mode:<20} skipped: -ctasN takes a number of SMs, -protoP one of Simple, LL, LL128, and "
@@ -328,7 +309,7 @@ def main():
                     else:
                         gpus = args.gpus
                         ms, peak = run_local(distributed_mode, gpus, base_mode, cfg, batch, args.seq, args.warmup,
-                                             args.iters, max_ctas, sm_carveout, backend="nccl")[0]
+                                             args.iters, max_ctas, backend="nccl")[0]
                 except Exception as error:  # report and go on: one failing mode must not hide the others
                     print(f"{mode:<20} failed after {time.perf_counter() - started:.0f}s: "
                           f"{type(error).__name__}: {str(error)[:300]}", flush=True)

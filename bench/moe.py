@@ -206,7 +206,7 @@ def run_modes(args):
         suffix = (f"-overlap{chunks}" if overlap else "") + ("-ce" if a2a == "copy-engine" else "")
         codegen = step.codegen is not None  # nocomm compiles its compute as the step does
         nocomm = CompiledStep([without_all_to_all(step.program)], step.state, step.batch_spec, step.optimizer,
-                              step.device, step.groups, not args.eager_replay, sm_carveouts={"ep": carveout}, codegen=codegen,
+                              step.device, step.groups, not args.eager_replay, sm_carveout=carveout, codegen=codegen,
                               fsdp_collectives=args.fsdp_collectives, collective_timeout_s=args.collective_timeout)
         runs = [(f"ep{suffix}", step)]
         own_nocomm = "nocomm" + suffix.removesuffix("-ce")  # the same program for both all-to-alls

@@ -289,17 +289,15 @@ def run_peer(mode: str, setup: Setup) -> dict:
     return result
 
 
-def run_fxshard(schedule_name: str, virtual: int, graphed: bool, label: str, setup: Setup,
-                sm_carveout: int | None = None) -> dict:
-    """One rank of an fxshard mode: Mesh(pp=P), the schedule, eager replay or CUDA graphs, matmuls
-    beside a posted receive or a send on SMs less `sm_carveout` (Config(pp_sm_carveout))."""
+def run_fxshard(schedule_name: str, virtual: int, graphed: bool, label: str, setup: Setup) -> dict:
+    """One rank of an fxshard mode: Mesh(pp=P), the schedule, eager replay or CUDA graphs."""
     world = dist.get_world_size()
     device = this_device(setup)
     model = build_model(setup, device)
     data = batch_for(setup, device)
     config = fxshard.Config(schedule=schedule_name, virtual_stages=virtual, microbatches=setup.microbatches,
                             param_dtype=torch.bfloat16, reduce_dtype=torch.float32, sharding="no_shard",
-                            cuda_graphs=graphed, pp_sm_carveout=sm_carveout,
+                            cuda_graphs=graphed,
                             stage_layers=dict(setup.stage_layers).get(world * virtual))
     started = time.perf_counter()
     step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=fxshard.optim.AdamW(lr=1e-4),
@@ -633,15 +631,8 @@ def job(kind: str, name: str, setup: Setup, graphed: bool = False) -> dict:
     """One mode on this rank (the function each spawned process runs)."""
     if kind == "peer":
         return run_peer(name, setup)
-    schedule_name, virtual, sm_carveout = schedule_of(name)
-    return run_fxshard(schedule_name, virtual, graphed, f"{name}-{'graphed' if graphed else 'eager'}", setup,
-                       sm_carveout)
-
-
-def schedule_of(name: str) -> tuple[str, int, int | None]:
-    """An fxshard mode's schedule, virtual stages and Config(pp_sm_carveout): "1f1b-sm16" -> ("1f1b", 1, 16)."""
-    base, found, sms = name.partition("-sm")
-    return (*SCHEDULES[base], int(sms) if found else None)
+    schedule_name, virtual = SCHEDULES[name]
+    return run_fxshard(schedule_name, virtual, graphed, f"{name}-{'graphed' if graphed else 'eager'}", setup)
 
 
 def median(values: list[float]) -> float:
@@ -704,8 +695,7 @@ def format_row(row: dict, rows: list[dict]) -> str:
 
 def planned_modes(args) -> list[tuple[str, str, bool]]:
     """(kind, name, graphed) of every mode to run, in order: the peers, then each fxshard schedule eager
-    and graphed (graphed on CUDA only; a schedule this fxshard cannot build is skipped, saying why),
-    then again with each of `--sm-carveout` ("1f1b-sm16")."""
+    and graphed (graphed on CUDA only; a schedule this fxshard cannot build is skipped, saying why)."""
     modes = [("peer", name, False) for name in args.peers]
     replays = [r for r in args.replays if args.device == "cuda" or r == "eager"]
     for name in args.schedules:
@@ -713,8 +703,7 @@ def planned_modes(args) -> list[tuple[str, str, bool]]:
         if reason:
             print(f"{name}: not in this fxshard ({reason[:200]}); skipped", flush=True)
             continue
-        modes += [("fxshard", name + (f"-sm{sms}" if sms is not None else ""), replay == "graphed")
-                  for sms in [None, *args.sm_carveout] for replay in replays]
+        modes += [("fxshard", name, replay == "graphed") for replay in replays]
     return modes
 
 
@@ -731,7 +720,7 @@ def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model
         print(f"{mode:<32} failed after {time.perf_counter() - started:.0f}s: {type(error).__name__}: "
               f"{str(error)[-600:]}", flush=True)
         return None
-    schedule_name, virtual = PEER_SCHEDULE[PEERS[name][0]] if kind == "peer" else schedule_of(name)[:2]
+    schedule_name, virtual = PEER_SCHEDULE[PEERS[name][0]] if kind == "peer" else SCHEDULES[name]
     row = combine(mode, ranks, setup, *simulated_bubble(schedule_name, gpus, setup.microbatches, virtual,
                                                         splits[virtual]))
     row["schedule"] = (schedule_name, virtual)
@@ -858,9 +847,6 @@ def main():
     parser.add_argument("--stage-layers", nargs="*", default=[], metavar="N,N,...",
                         help="blocks per chunk for the cut with that many chunks, e.g. 9,9 (pp=2) and 4,5,5,4 (V=2): "
                              "fxshard and the peer cut there instead of fxshard's FLOP balance")
-    parser.add_argument("--sm-carveout", nargs="*", type=int, default=[], metavar="N",
-                        help="each fxshard schedule again with Config(pp_sm_carveout=N), as <schedule>-smN: matmuls "
-                             "next to a posted receive leave N SMs to it")
     parser.add_argument("--out", default="bench/pipeline.json")
     args = parser.parse_args()
     try:

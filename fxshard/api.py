@@ -98,9 +98,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
         return evaluation
 
     step = CompiledStep(programs, state, batch_spec, optimizer, batch_spec.device, groups, config.cuda_graphs,
-                        sm_carveouts={"ep": config.ep_sm_carveout, "pp": config.pp_sm_carveout,
-                                      "fsdp": config.fsdp_sm_carveout},
-                        all_to_all=config.ep_all_to_all,
+                        sm_carveout=config.ep_sm_carveout, all_to_all=config.ep_all_to_all,
                         fsdp_collectives=config.fsdp_collectives, collective_timeout_s=config.collective_timeout_s,
                         codegen=codegen,
                         codegen_by_layer=config.codegen_regions == "layer",

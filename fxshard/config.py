@@ -88,12 +88,6 @@ class Config:
     ep_sm_carveout: on CUDA, matmuls placed while an EP all-to-all is in flight leave this many SMs
         free for it (fxshard/runtime/carveout.py; torch's experimental SM carveout), so a persistent
         GEMM next to the all-to-all kernel does not spill into a second wave. None: off.
-    pp_sm_carveout: the same for a pipeline's point-to-point transfers over NCCL: matmuls placed
-        while a receive is posted (from its issue to its wait: its kernel holds SMs until the peer
-        sends) or a send is moving data leave this many SMs free. None: off.
-    fsdp_sm_carveout: the same for the other NCCL collectives (ZeRO's all-gathers and reduce-scatters
-        with fsdp_collectives="nccl", all-reduces), each in flight for its bytes' worth of matmuls.
-        None: off.
     ep_all_to_all: how EP all-to-alls move data on CUDA: "nccl" (an NCCL kernel, which holds SMs
         while it runs) or "copy-engine" (peer-to-peer memcpys through symmetric memory on a side
         stream, no SMs beyond two one-block barriers; GPUs of one host with peer access:
@@ -152,8 +146,6 @@ class Config:
     ep_overlap: bool = False
     ep_chunks: int = 1
     ep_sm_carveout: int | None = None
-    pp_sm_carveout: int | None = None
-    fsdp_sm_carveout: int | None = None
     ep_interleave: str = "combined-1f1b"
     ep_all_to_all: str = "nccl"
     fsdp_collectives: str = "nccl"
@@ -221,10 +213,8 @@ class Config:
             raise FxShardError(f"ep_chunks must be an int >= 1, got {self.ep_chunks!r}")
         if self.ep_interleave not in EP_INTERLEAVINGS:
             raise FxShardError(f"ep_interleave={self.ep_interleave!r}; choose one of {EP_INTERLEAVINGS}")
-        for knob in ("ep_sm_carveout", "pp_sm_carveout", "fsdp_sm_carveout"):
-            value = getattr(self, knob)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise FxShardError(f"{knob} must be an int >= 0 (SMs) or None, got {value!r}")
+        if self.ep_sm_carveout is not None and not (isinstance(self.ep_sm_carveout, int) and self.ep_sm_carveout >= 0):
+            raise FxShardError(f"ep_sm_carveout must be an int >= 0 (SMs) or None, got {self.ep_sm_carveout!r}")
         if self.ep_all_to_all not in EP_ALL_TO_ALLS:
             raise FxShardError(f"ep_all_to_all={self.ep_all_to_all!r}; choose one of {EP_ALL_TO_ALLS}")
         if self.fsdp_collectives not in FSDP_COLLECTIVES:

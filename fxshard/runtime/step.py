@@ -20,7 +20,7 @@ from ..ops.p2p import P2P_OPS
 from ..codegen import CodegenReport, compile_regions, progress_printer
 from ..graph import views_as_reshapes
 from .nonfinite import was_skipped
-from .carveout import carve_out_sms
+from .carveout import carve_out_sms_for_all_to_alls
 from .copy_engine import CopyEngineLowering, Watch, lower_to_copy_engines, marker
 from .gloo import gloo_group_names, lower_gloo_all_gathers
 from .reinplace import reinplace
@@ -56,7 +56,7 @@ class CompiledStep:
 
     def __init__(self, programs: list[Program], state: State, batch_spec: BatchSpec, optimizer: Optimizer,
                  device: torch.device, groups: dict | None = None, cuda_graphs: bool = False,
-                 sm_carveouts: dict[str, int] | None = None, all_to_all: str = "nccl", fsdp_collectives: str = "nccl",
+                 sm_carveout: int | None = None, all_to_all: str = "nccl", fsdp_collectives: str = "nccl",
                  collective_timeout_s: float | None = Config.collective_timeout_s,
                  codegen: bool = False,
                  codegen_by_layer: bool = True,
@@ -101,14 +101,9 @@ class CompiledStep:
         self.gloo_all_gathers = sum(node.target is GLOO_ALL_GATHER for node in run.graph.nodes)
         # optimizer updates write into the state tensors they read (see runtime/reinplace.py)
         self._run, self.in_place_updates = reinplace(run)
-        # runs of matmuls next to NCCL transfers that run narrower (runtime/carveout.py), CUDA only; the
-        # transfers the copy engines move below hold no SMs
-        self.sm_carveout_stretches = 0
-        carveouts = {kind: sms for kind, sms in (sm_carveouts or {}).items() if sms is not None
-                     and not (kind == "ep" and all_to_all == "copy-engine")
-                     and not (kind == "fsdp" and fsdp_collectives == "copy-engine")}
-        if carveouts and device.type == "cuda":
-            self._run, self.sm_carveout_stretches = carve_out_sms(self._run, carveouts)
+        self.sm_carveout_stretches = 0  # runs of matmuls inside all-to-all windows that run narrower, CUDA only
+        if sm_carveout is not None and device.type == "cuda":
+            self._run, self.sm_carveout_stretches = carve_out_sms_for_all_to_alls(self._run, sm_carveout)
         # collectives moved by peer memcpys through symmetric memory (no SMs), CUDA only
         self.copy_engine = CopyEngineLowering()
         if device.type == "cuda" and "copy-engine" in (all_to_all, fsdp_collectives):
