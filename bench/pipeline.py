@@ -56,6 +56,10 @@ and CUPTI: a graphed mode gets a bubble only where the trace holds kernels launc
 (matched by correlation id), else "n/a" with the reason, never an estimate. On CPU it is always n/a.
 The profiled step of an eager mode carries the profiler's own host overhead (CPU activity too, for the
 region ranges below), which a host-bound step shows as extra bubble. --trace-dir keeps each mode's trace per rank (chrome://tracing, Perfetto).
+--p2p-ctas N runs each fxshard schedule again with its point-to-point transfers on at most N CTAs
+(Config(nccl_max_ctas={"pp": N})): an NCCL receive holds its SMs from when it is posted until the
+peer sends, and a persistent GEMM beside it waits for them (session 26, 2x H200: stage 0's backward
+GEMMs ran 1.8x longer beside the 16-CTA receive posted before it).
 Simulated bubble: fxshard.schedule.simulate on the schedule with each chunk's F, B (and W) timed by
 their GEMM FLOPs (passes/pipeline.py `chunk_costs`: a last chunk holding the head takes longer),
 communication free; the JSON also has it with the textbook units F=1, B=2 (F=B=W=1 where W is split
@@ -289,15 +293,17 @@ def run_peer(mode: str, setup: Setup) -> dict:
     return result
 
 
-def run_fxshard(schedule_name: str, virtual: int, graphed: bool, label: str, setup: Setup) -> dict:
-    """One rank of an fxshard mode: Mesh(pp=P), the schedule, eager replay or CUDA graphs."""
+def run_fxshard(schedule_name: str, virtual: int, graphed: bool, label: str, setup: Setup,
+                p2p_ctas: int | None = None) -> dict:
+    """One rank of an fxshard mode: Mesh(pp=P), the schedule, eager replay or CUDA graphs, the
+    point-to-point transfers on at most `p2p_ctas` CTAs (Config(nccl_max_ctas={"pp": ...}))."""
     world = dist.get_world_size()
     device = this_device(setup)
     model = build_model(setup, device)
     data = batch_for(setup, device)
     config = fxshard.Config(schedule=schedule_name, virtual_stages=virtual, microbatches=setup.microbatches,
                             param_dtype=torch.bfloat16, reduce_dtype=torch.float32, sharding="no_shard",
-                            cuda_graphs=graphed,
+                            cuda_graphs=graphed, nccl_max_ctas={"pp": p2p_ctas} if p2p_ctas else None,
                             stage_layers=dict(setup.stage_layers).get(world * virtual))
     started = time.perf_counter()
     step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=fxshard.optim.AdamW(lr=1e-4),
@@ -631,8 +637,14 @@ def job(kind: str, name: str, setup: Setup, graphed: bool = False) -> dict:
     """One mode on this rank (the function each spawned process runs)."""
     if kind == "peer":
         return run_peer(name, setup)
-    schedule_name, virtual = SCHEDULES[name]
-    return run_fxshard(schedule_name, virtual, graphed, f"{name}-{'graphed' if graphed else 'eager'}", setup)
+    schedule_name, virtual, ctas = schedule_of(name)
+    return run_fxshard(schedule_name, virtual, graphed, f"{name}-{'graphed' if graphed else 'eager'}", setup, ctas)
+
+
+def schedule_of(name: str) -> tuple[str, int, int | None]:
+    """An fxshard mode's schedule, virtual stages and the pp group's NCCL CTAs: "1f1b-ctas2" -> ("1f1b", 1, 2)."""
+    base, found, ctas = name.partition("-ctas")
+    return (*SCHEDULES[base], int(ctas) if found else None)
 
 
 def median(values: list[float]) -> float:
@@ -695,7 +707,8 @@ def format_row(row: dict, rows: list[dict]) -> str:
 
 def planned_modes(args) -> list[tuple[str, str, bool]]:
     """(kind, name, graphed) of every mode to run, in order: the peers, then each fxshard schedule eager
-    and graphed (graphed on CUDA only; a schedule this fxshard cannot build is skipped, saying why)."""
+    and graphed (graphed on CUDA only; a schedule this fxshard cannot build is skipped, saying why),
+    then again with each of `--p2p-ctas` ("1f1b-ctas2")."""
     modes = [("peer", name, False) for name in args.peers]
     replays = [r for r in args.replays if args.device == "cuda" or r == "eager"]
     for name in args.schedules:
@@ -703,7 +716,8 @@ def planned_modes(args) -> list[tuple[str, str, bool]]:
         if reason:
             print(f"{name}: not in this fxshard ({reason[:200]}); skipped", flush=True)
             continue
-        modes += [("fxshard", name, replay == "graphed") for replay in replays]
+        modes += [("fxshard", name + (f"-ctas{ctas}" if ctas else ""), replay == "graphed")
+                  for ctas in [None, *args.p2p_ctas] for replay in replays]
     return modes
 
 
@@ -720,7 +734,7 @@ def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model
         print(f"{mode:<32} failed after {time.perf_counter() - started:.0f}s: {type(error).__name__}: "
               f"{str(error)[-600:]}", flush=True)
         return None
-    schedule_name, virtual = PEER_SCHEDULE[PEERS[name][0]] if kind == "peer" else SCHEDULES[name]
+    schedule_name, virtual = PEER_SCHEDULE[PEERS[name][0]] if kind == "peer" else schedule_of(name)[:2]
     row = combine(mode, ranks, setup, *simulated_bubble(schedule_name, gpus, setup.microbatches, virtual,
                                                         splits[virtual]))
     row["schedule"] = (schedule_name, virtual)
@@ -847,6 +861,9 @@ def main():
     parser.add_argument("--stage-layers", nargs="*", default=[], metavar="N,N,...",
                         help="blocks per chunk for the cut with that many chunks, e.g. 9,9 (pp=2) and 4,5,5,4 (V=2): "
                              "fxshard and the peer cut there instead of fxshard's FLOP balance")
+    parser.add_argument("--p2p-ctas", nargs="*", type=int, default=[], metavar="N",
+                        help="each fxshard schedule again with Config(nccl_max_ctas={'pp': N}), as <schedule>-ctasN: "
+                             "its point-to-point kernels, which hold their SMs from when they are posted, on N CTAs")
     parser.add_argument("--out", default="bench/pipeline.json")
     args = parser.parse_args()
     try:

@@ -12,6 +12,8 @@ import torch
 
 from .errors import FxShardError
 
+MESH_AXES = ("pp", "dp", "ep", "edp")  # the process groups' axes (Mesh.all_groups), for nccl_max_ctas
+
 if TYPE_CHECKING:
     from .schedule import Schedule
 
@@ -102,8 +104,12 @@ class Config:
         CTAs (thread blocks, one SM each; NCCL's `maxCTAs` config of the communicator). An NCCL
         collective holds its SMs while it runs, and the GEMMs overlapping it run on the rest: fewer
         CTAs leave more SMs to compute and make each collective slower (bench/fsdp.py `fxshard-ctasN`
-        measures both sides; GPT 1b ZeRO-3 on 2 H200s got slower with 16, 8 and 4: README). None
-        (default): NCCL's choice. Ignored by gloo and by copy-engine collectives (they use no SMs).
+        measures both sides; GPT 1b ZeRO-3 on 2 H200s got slower with 16, 8 and 4: README). A dict
+        limits only the groups of the axes it names, e.g. {"pp": 2}: a pipeline's point-to-point
+        transfers, whose receive kernels (16 CTAs by NCCL's choice on 2 H200s) wait on their SMs from
+        when they are posted until the peer sends, next to the stage's GEMMs (bench/pipeline.py
+        `--p2p-ctas`). None (default): NCCL's choice. Ignored by gloo and by copy-engine collectives
+        (they use no SMs).
     codegen: "inductor" compiles the step's compute with Inductor, region by region between the nodes
         whose order fxshard chose (communication, custom ops), which keep their order
         (fxshard/codegen.py); None replays it aten op by op; "auto" (default): "inductor" on CUDA,
@@ -149,10 +155,33 @@ class Config:
     ep_interleave: str = "combined-1f1b"
     ep_all_to_all: str = "nccl"
     fsdp_collectives: str = "nccl"
-    nccl_max_ctas: int | None = None
+    nccl_max_ctas: "int | dict[str, int] | None" = None
     codegen: str | None = "auto"
     codegen_regions: str = "layer"
     nonfinite: str = "raise"
+
+    def nccl_ctas(self, axis: str) -> int | None:
+        """The CTAs Config(nccl_max_ctas) allows the process groups along mesh axis `axis` (None: NCCL's choice)."""
+        if isinstance(self.nccl_max_ctas, tuple):
+            return dict(self.nccl_max_ctas).get(axis)
+        return self.nccl_max_ctas
+
+    def _check_nccl_max_ctas(self) -> None:
+        """An int for every group, or {axis: int} (kept as sorted pairs: a Config stays hashable)."""
+        ctas = self.nccl_max_ctas
+        try:
+            per_axis = dict(ctas) if isinstance(ctas, (dict, tuple)) else None
+        except (TypeError, ValueError):
+            per_axis = {None: None}
+        values = list(per_axis.values()) if per_axis is not None else [ctas]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 64 for v in values) or (
+                per_axis is not None and not set(per_axis) <= set(MESH_AXES)):
+            raise FxShardError(f"nccl_max_ctas must be an int from 1 to 64 (thread blocks, one SM each, per NCCL "
+                               f"collective or transfer), a dict of mesh axis ({', '.join(MESH_AXES)}) -> such an "
+                               f"int for those axes' groups only (e.g. {{'pp': 2}}), or None (NCCL's choice); "
+                               f"got {ctas!r}")
+        if per_axis is not None:
+            object.__setattr__(self, "nccl_max_ctas", tuple(sorted(per_axis.items())))
 
     def __post_init__(self):
         if self.layers is not None:
@@ -219,10 +248,8 @@ class Config:
             raise FxShardError(f"ep_all_to_all={self.ep_all_to_all!r}; choose one of {EP_ALL_TO_ALLS}")
         if self.fsdp_collectives not in FSDP_COLLECTIVES:
             raise FxShardError(f"fsdp_collectives={self.fsdp_collectives!r}; choose one of {FSDP_COLLECTIVES}")
-        if self.nccl_max_ctas is not None and (isinstance(self.nccl_max_ctas, bool) or not isinstance(
-                self.nccl_max_ctas, int) or not 1 <= self.nccl_max_ctas <= 64):
-            raise FxShardError(f"nccl_max_ctas must be an int from 1 to 64 (thread blocks, one SM each, per NCCL "
-                               f"collective) or None (NCCL's choice), got {self.nccl_max_ctas!r}")
+        if self.nccl_max_ctas is not None:
+            self._check_nccl_max_ctas()
         if self.nonfinite not in NONFINITE_MODES:
             raise FxShardError(f"nonfinite={self.nonfinite!r}; choose one of {NONFINITE_MODES}")
         if self.codegen not in CODEGENS:

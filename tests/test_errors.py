@@ -196,10 +196,23 @@ def test_a_model_on_another_device_than_its_batch_is_named_before_tracing():
     ("clip_grad_norm", "1.0", "clip_grad_norm must be > 0"),
     ("nccl_max_ctas", 0, "nccl_max_ctas must be an int from 1 to 64"),
     ("nccl_max_ctas", True, "nccl_max_ctas must be an int from 1 to 64"),
+    ("nccl_max_ctas", {"tp": 2}, "nccl_max_ctas must be an int from 1 to 64.*a dict of mesh axis"),
+    ("nccl_max_ctas", {"pp": 0}, "nccl_max_ctas must be an int from 1 to 64"),
+    ("nccl_max_ctas", [2], "nccl_max_ctas must be an int from 1 to 64"),
     ("dump_dir", 5, "dump_dir must be a directory path")])
 def test_config_fields_of_the_wrong_type_are_refused(field, value, message):
     with pytest.raises(fxshard.FxShardError, match=message):
         fxshard.Config(**{field: value})
+
+
+def test_nccl_max_ctas_per_axis_limits_only_the_axes_it_names():
+    import dataclasses
+
+    config = fxshard.Config(nccl_max_ctas={"pp": 2, "dp": 8})
+    assert (config.nccl_ctas("pp"), config.nccl_ctas("dp"), config.nccl_ctas("ep")) == (2, 8, None)
+    assert hash(config) == hash(dataclasses.replace(config))  # kept hashable, and replace() keeps it
+    assert dataclasses.replace(config, seed=1).nccl_ctas("pp") == 2
+    assert fxshard.Config(nccl_max_ctas=4).nccl_ctas("ep") == 4 and fxshard.Config().nccl_ctas("pp") is None
 
 
 def test_a_parameter_clamped_in_place_in_forward_is_named_as_such_not_as_a_non_scalar_loss():

@@ -10,6 +10,12 @@ moving data (estimated from its bytes: see carve_out_sms_for_all_to_alls) and cl
 next matmul that does not, so only those run narrower. Under CUDA graphs the setting is read at
 capture.
 
+Which matmuls honor it (one H200, torch 2.11, CUDA 13; bench/RESULTS.md, session 26): fxshard's
+CUTLASS grouped GEMMs and cuBLASLt do; torch's default cuBLAS path for aten.mm does not (the same
+time with and without it). Through cuBLASLt, beside a kernel holding 16 SMs, a 16-SM carveout made
+two of three GPT 1b GEMM shapes slower still. So the lowering pays off for the experts' grouped
+GEMMs it was built for; it is no remedy for dense GEMMs beside NCCL kernels.
+
 Invariant: the lowered graph computes the same values as its input; it only adds calls without
 outputs that change how many SMs later matmul kernels are launched on.
 """
