@@ -406,8 +406,9 @@ def sum_chunks(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_reduce_scatter_sums_its_own_chunk_where_it_is_and_the_others_in_rank_order(sum_chunks, world, dtype):
     """The copy-engine reduce-scatter's sum: this rank's chunk read from its input (its block of the
-    region is never written: NaN here, never read), every chunk summed in rank order in fp32, divided
-    by `world` for avg, rounded once; for fp32 at two ranks, what the three-pass sum it replaced gave."""
+    region is never written: NaN here, never read), every chunk summed in rank order in fp32, times
+    float32(1 / world) for avg (torch's CUDA division by a number; at three ranks the GPU caught an
+    IEEE division here), rounded once; for fp32 at two ranks, what the three-pass sum it replaced gave."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and dtype is torch.bfloat16:
         pytest.skip("Triton's interpreter rounds float32 to bfloat16 by truncation, a GPU to nearest")
@@ -422,7 +423,7 @@ def test_the_reduce_scatter_sums_its_own_chunk_where_it_is_and_the_others_in_ran
             total = torch.zeros(n, dtype=torch.float32, device=device)
             for chunk in chunks:
                 total = total + chunk.float()
-            expected = (total / world if average else total).to(dtype)
+            expected = (total * (1.0 / world) if average else total).to(dtype)  # torch's CUDA div_ by a number
             assert torch.equal(out, expected), (rank, average)
             if dtype is torch.float32 and world == 2:
                 stacked = torch.stack(chunks)

@@ -21,7 +21,7 @@ def _sum_chunks_kernel(own_ptr, landed_ptr, out_ptr, n, WORLD: tl.constexpr, RAN
         else:
             total += chunk
     if AVG:
-        total = tl.math.div_rn(total, WORLD * 1.0)  # IEEE division, as torch's div_
+        total = total * (1.0 / WORLD)  # times float32(1 / world): what torch's div_ by a number does on CUDA
     tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -29,7 +29,8 @@ def sum_chunks(own: torch.Tensor, landed: torch.Tensor, out: torch.Tensor, world
                average: bool) -> torch.Tensor:
     """Into `out`: the sum over ranks r, in rank order and in float32, of chunk r, which is `own` for
     r == `rank` and block r of `landed` ([world * numel(out)] elements, what the peers wrote) otherwise;
-    divided by `world` when `average`; rounded once to out's dtype. One pass: reads each chunk once,
+    times float32(1 / world) when `average` (as torch's CUDA division by a number: bit-identical to
+    NCCL's average at two ranks, where both are exact halvings); rounded once to out's dtype. One pass: reads each chunk once,
     writes `out` once (the sum, the division and the local chunk's copy were three passes)."""
     n = out.numel()
     if n:
