@@ -315,7 +315,7 @@ def _dump_schedule(programs: list[Program], mesh: Mesh, config: Config) -> None:
     from .dump import dump_schedule
 
     schedule, pairs = lowered_schedule(mesh, config, programs[-1].stage.costs)
-    dump_schedule(schedule, programs[-1].stage, config.dump_dir, pairs)
+    dump_schedule(schedule, programs[-1].stage, config.dump_dir, pairs, config.p2p_receives)
 
 
 def _check_arguments(model, loss_fn, optimizer, config) -> None:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 # FSDP strategies, Megatron's names (ZeRO: none, 1, 2, 3); passes/fsdp.py documents each.
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zb-h1", "dualpipev")
+P2P_RECEIVES = ("early", "late")  # fxshard.schedule.order.RECEIVES
 EP_INTERLEAVINGS = ("combined-1f1b", "dual-batch")
 EP_ALL_TO_ALLS = ("nccl", "copy-engine")
 FSDP_COLLECTIVES = ("nccl", "copy-engine")
@@ -72,6 +73,13 @@ class Config:
         sets `microbatches` and `virtual_stages`, and `shard` checks it with
         the simulator (every dependency met, point-to-point deadlock-free) before lowering it.
     stage_layers: layers per pipeline chunk (P*V counts); default: balanced by FLOPs (head and embedding counted).
+    p2p_receives: where a stage's program issues each point-to-point receive: "early" (default: right
+        after the previous transfer with the same peer, so the data moves as soon as it is sent) or
+        "late" (just before the compute that reads it, or the next transfer with that peer). An NCCL
+        receive holds its SMs from when the device reaches it until the data has come, slowing the
+        GEMMs the stage runs meanwhile (2x H200, GPT 1b: stage 0's backward 1.4-1.8x; README);
+        "late" makes it wait where the stage would wait for the data anyway. Both orders are
+        checked deadlock-free (fxshard.schedule.check_point_to_point).
     moe_capacity_factor: bound every `fxshard.moe.dispatch` call to ceil(factor * tokens * top_k /
         experts) assignments per expert (per call, i.e. per rank and microbatch; fxshard/moe.py gives
         the drop rule); None leaves each call's own setting (MoEGPT: dropless unless its config says).
@@ -148,6 +156,7 @@ class Config:
     schedule: "str | Schedule" = "1f1b"
     virtual_stages: int = 1
     stage_layers: tuple[int, ...] | None = None
+    p2p_receives: str = "early"
     moe_capacity_factor: float | None = None
     ep_overlap: bool = False
     ep_chunks: int = 1
@@ -219,6 +228,8 @@ class Config:
         elif self.schedule not in PIPELINE_SCHEDULES:
             raise FxShardError(f"schedule={self.schedule!r}; choose one of {PIPELINE_SCHEDULES}, or pass an "
                                f"fxshard.schedule.Schedule")
+        if self.p2p_receives not in P2P_RECEIVES:
+            raise FxShardError(f"p2p_receives={self.p2p_receives!r}; choose one of {P2P_RECEIVES}")
         if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
             raise FxShardError(f"virtual_stages must be an int >= 1, got {self.virtual_stages!r}")
         if self.virtual_stages > 1 and self.schedule == "1f1b":

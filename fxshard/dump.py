@@ -366,7 +366,7 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-def dump_schedule(schedule, plan, directory, pairs=()) -> list[str]:
+def dump_schedule(schedule, plan, directory, pairs=(), receives: str = "early") -> list[str]:
     """A pipeline stage's schedule next to its programs: `pipeline.txt` (every rank's actions as the
     schedule gives them and as the lowered programs issue them, the combined 1F1B's interleaved
     pairs, ZeRO's collectives, the simulator's makespan / bubble / peak activations) and
@@ -378,13 +378,13 @@ def dump_schedule(schedule, plan, directory, pairs=()) -> list[str]:
     os.makedirs(directory, exist_ok=True)
     costs = dict(plan.costs) or unit_costs(schedule)
     simulation = simulate(schedule, costs)
-    issued = Schedule(issue_order(schedule, plan.costs), schedule.stages, schedule.virtual, schedule.microbatches,
+    issued = Schedule(issue_order(schedule, plan.costs, receives, pairs), schedule.stages, schedule.virtual, schedule.microbatches,
                       schedule.name, schedule.placement)
     lines = [f"schedule {schedule.name}: P={schedule.stages} V={schedule.virtual} M={schedule.microbatches} "
              f"placement={schedule.placement}; "
              f"this is stage {plan.stage}",
              "", "actions per rank:", str(schedule), "",
-             "as the lowered programs issue them (receives early; one transfer order per pair of ranks):",
+             f"as the lowered programs issue them (receives {receives}; one transfer order per pair of ranks):",
              str(issued), "",
              *(["combined 1F1B, pairs run interleaved at their all-to-alls (`interleave` pass):"]
                + [f"rank {rank}: " + (" ".join(f"{a}+{b}" for a, b in mine) or "none")

@@ -78,7 +78,7 @@ def _pipeline(program: Program, mesh, config, stage: int) -> Program:
     schedule, _ = lowered_schedule(mesh, config)
     pipeline = split_stages(program, schedule.chunks, config.stage_layers)
     schedule, pairs = lowered_schedule(mesh, config, tuple(chunk_costs(pipeline, schedule).items()))
-    return lower_schedule(pipeline, schedule, stage, pairs)
+    return lower_schedule(pipeline, schedule, stage, pairs, config.p2p_receives)
 
 
 def _interleaves(mesh, config) -> bool:

@@ -12,7 +12,8 @@ parameters and state out — whose graph holds, in the schedule's order, every a
             at the end of the step
     recv    `fxshard::recv`, issued early (fxshard.schedule.issue_order, which orders a pair's messages
             by when the chunks' FLOP costs say they are produced: right after the previous transfer
-            with the same peer) and waited on just before the action that reads it
+            with the same peer; Config(p2p_receives="late"): just before the compute that reads it or
+            the next transfer with that peer) and waited on just before the action that reads it
     U/R/G   ZeRO's per-chunk collectives over dp: no nodes here. The program's StagePlan lists
             them among its actions and each node carries its action's position there
             (`meta.ACTION_INDEX`), so the fsdp pass issues a chunk's all-gathers at its U and its
@@ -63,16 +64,18 @@ _SEND, _RECV = torch.ops.fxshard.send.default, torch.ops.fxshard.recv.default
 _CAST = torch.ops.aten._to_copy.default
 
 
-def lower_schedule(pipeline: PipelineProgram, schedule: Schedule, stage: int, pairs=()) -> Program:
+def lower_schedule(pipeline: PipelineProgram, schedule: Schedule, stage: int, pairs=(),
+                   receives: str = "early") -> Program:
     """Stage `stage`'s per-rank Program for one training step. See the module docstring. `pairs`:
     each rank's actions that the interleave pass will run interleaved (fxshard.schedule.combine_pairs),
-    checked here with the rest of the transfer order."""
+    checked here with the rest of the transfer order. `receives`: where receives are issued
+    (Config(p2p_receives); fxshard.schedule.issue_order)."""
     if schedule.chunks != len(pipeline.chunks):
         raise FxShardError(f"the schedule has {schedule.chunks} chunks, the pipeline program {len(pipeline.chunks)}")
     if not 0 <= stage < schedule.stages:
         raise FxShardError(f"stage {stage} is not one of the schedule's {schedule.stages} stages")
     costs = tuple(chunk_costs(pipeline, schedule).items())
-    order = issue_order(schedule, costs)
+    order = issue_order(schedule, costs, receives, pairs)
     check_point_to_point(schedule, order, pairs)
     return _Lowering(pipeline, schedule, stage, order[stage], costs).run()
 

@@ -199,6 +199,7 @@ def test_a_model_on_another_device_than_its_batch_is_named_before_tracing():
     ("nccl_max_ctas", {"tp": 2}, "nccl_max_ctas must be an int from 1 to 64.*a dict of mesh axis"),
     ("nccl_max_ctas", {"pp": 0}, "nccl_max_ctas must be an int from 1 to 64"),
     ("nccl_max_ctas", [2], "nccl_max_ctas must be an int from 1 to 64"),
+    ("p2p_receives", "eager", "p2p_receives='eager'; choose one of"),
     ("dump_dir", 5, "dump_dir must be a directory path")])
 def test_config_fields_of_the_wrong_type_are_refused(field, value, message):
     with pytest.raises(fxshard.FxShardError, match=message):

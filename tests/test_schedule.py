@@ -116,6 +116,48 @@ def test_build_picks_the_generator_config_names():
         build("zb-h1", 2, 4, virtual=2)
 
 
+@pytest.mark.parametrize("name, stages, microbatches, virtual", [
+    ("1f1b", 2, 8, 1), ("1f1b", 4, 8, 1), ("interleaved-1f1b", 2, 8, 2), ("interleaved-1f1b", 3, 6, 2),
+    ("zb-h1", 3, 6, 1), ("gpipe", 4, 8, 2), ("dualpipev", 2, 4, 2)])
+def test_late_receives_wait_where_their_data_is_read_and_keep_each_pairs_order(name, stages, microbatches, virtual):
+    """issue_order(receives="late"): the same actions, each pair of ranks' transfers in the same order
+    as the early order, sends and compute where they were; each receive right before the compute that
+    reads it or the next transfer with its peer, after everything else it can follow; deadlock-free
+    under the in-order model (which starts a transfer only once the compute before it is done). And a
+    combined 1F1B pair's receives come before the pair."""
+    schedule = schedules.build(name, stages, microbatches, virtual)
+    costs = {**schedules.unit_costs(schedule), **{f"B{c}": 3.0 for c in range(schedule.chunks)}}  # B = 3x F
+    early, late = schedules.issue_order(schedule, costs), schedules.issue_order(schedule, costs, "late")
+    schedules.check_point_to_point(schedule, late)
+    moved = 0
+    for rank, (mine, theirs) in enumerate(zip(late, early)):
+        assert sorted(map(str, mine)) == sorted(map(str, theirs))
+        fixed = [a for a in mine if a.kind not in ("RF", "RB")]
+        assert fixed == [a for a in theirs if a.kind not in ("RF", "RB")]
+        for peer in range(stages):
+            assert [a for a in mine if a.peer == peer] == [a for a in theirs if a.peer == peer]
+        for index, action in enumerate(mine):
+            if action.kind in ("RF", "RB"):
+                after = mine[index + 1]
+                assert after == Action(action.kind[1], action.chunk, action.mb) or after.peer == action.peer, \
+                    (rank, action, after)
+                moved += theirs.index(action) < index
+    assert moved > 0 or name == "gpipe"  # gpipe's receives already sit where they are read
+    combined, pairs = schedules.combine_pairs(schedules.build("interleaved-1f1b", 2, 8, 2, extra_warmup=1))
+    late = schedules.issue_order(combined, (), "late", pairs)
+    schedules.check_point_to_point(combined, late, pairs)
+    read_by_seconds = 0
+    for mine, rank_pairs in zip(late, pairs):
+        for first, second in rank_pairs:
+            for index, action in enumerate(mine):
+                if action.kind in ("RF", "RB") and Action(action.kind[1], action.chunk, action.mb) == second:
+                    assert index < mine.index(first), (action, first, second)
+                    read_by_seconds += 1
+    assert read_by_seconds  # some pair's second action reads a receive
+    with pytest.raises(FxShardError, match="receives='soon'"):
+        schedules.issue_order(schedule, costs, "soon")
+
+
 def test_lowered_issue_order_is_deadlock_free_where_the_schedules_own_order_is_not():
     """NCCL matches a pair of ranks' sends and receives in issue order on one stream: 1F1B's own order
     has both stages sending at once (rank 0 SF0:1, rank 1 SB1:0) and would hang; issue_order's does not."""

@@ -215,7 +215,8 @@ def check_pipeline_streams(group, mesh, config, costs: tuple = ()) -> None:
         return
     plan, pairs = lowered_schedule(mesh, config, costs)
     try:
-        schedules.check_point_to_point(plan, schedules.issue_order(plan, costs), pairs, streams="group")
+        schedules.check_point_to_point(plan, schedules.issue_order(plan, costs, config.p2p_receives, pairs), pairs,
+                                       streams="group")
     except FxShardError as error:
         raise FxShardError(
             f"the process group was initialized with device_id={bound}, so NCCL runs every "

@@ -8,13 +8,14 @@ import dataclasses
 import functools
 
 from ..errors import FxShardError
-from .model import COMPUTE, Action, Schedule, matching
+from .model import COMPUTE, TRANSFERS, Action, Schedule, matching
 from .simulator import simulate, unit_costs
 
 MIN_COST = 1e-3  # the least time issue_order gives an action (costs are ~1 per stage's forward)
+RECEIVES = ("early", "late")  # where issue_order issues a receive (Config(p2p_receives))
 
 
-def issue_order(schedule: Schedule, cost=None) -> tuple[tuple[Action, ...], ...]:
+def issue_order(schedule: Schedule, cost=None, receives: str = "early", pairs=()) -> tuple[tuple[Action, ...], ...]:
     """Each rank's actions in the order its lowered program issues them.
 
     Compute and sends stay where the schedule has them. Between two ranks, transfers follow one
@@ -31,7 +32,19 @@ def issue_order(schedule: Schedule, cost=None) -> tuple[tuple[Action, ...], ...]
     waits for it. Under unit costs 1F1B's steady state produces a forward's activation and the
     next stage's gradient at the same time (F=1, B=2) and the tie goes to the lower rank; where a
     backward really takes 2.7x a forward (GPT 1b on an H100) the gradient is ready first and waits.
-    `simulate(schedule, cost, order)` times an order with transfers."""
+    `simulate(schedule, cost, order)` times an order with transfers.
+
+    `receives="late"` then moves each receive as late as the pair's order allows: just before the
+    compute that reads it (the first action of its pair, where `pairs` from `combine_pairs` run two
+    actions interleaved) or the rank's next transfer with the same peer, whichever comes first. An
+    NCCL receive holds its SMs from when the device reaches it until its peer's data has come, and
+    the compute the rank runs meanwhile goes slower (2x H200: a backward's GEMMs 1.4-1.8x,
+    bench/RESULTS.md session 26); issued late, it waits where the rank would wait for the data
+    anyway. Messages that fit NCCL's buffers complete on the sender's side without the receive; a
+    larger one holds the sender's send until the receive is issued. `check_point_to_point` checks
+    either order."""
+    if receives not in RECEIVES:
+        raise FxShardError(f"receives={receives!r}; choose one of {RECEIVES}")
     cost = {**unit_costs(schedule), **dict(cost or {})}
     timing = simulate(schedule, {key: max(value, MIN_COST) for key, value in cost.items()})
     messages: dict[frozenset, list] = {}
@@ -56,8 +69,24 @@ def issue_order(schedule: Schedule, cost=None) -> tuple[tuple[Action, ...], ...]
                 continue
             out.append(action)
             out.extend(after.get((rank, action), []))
-        order.append(tuple(out))
+        order.append(tuple(out) if receives == "early" else _receives_late(out, pairs[rank] if pairs else ()))
     return tuple(order)
+
+
+def _receives_late(actions: list[Action], rank_pairs=()) -> tuple[Action, ...]:
+    """One rank's issue order with each receive moved just before the compute that reads it (the first
+    of a pair run interleaved) or the next transfer with the same peer, whichever comes first."""
+    first_of = {second: first for first, second in rank_pairs}
+    out = list(actions)
+    for receive in reversed([a for a in actions if a.kind in ("RF", "RB")]):  # later ones are in place
+        index = out.index(receive)
+        del out[index]
+        reader = Action(receive.kind[1], receive.chunk, receive.mb)
+        reader = first_of.get(reader, reader)
+        stop = next((i for i in range(index, len(out))
+                     if out[i] == reader or (out[i].kind in TRANSFERS and out[i].peer == receive.peer)), len(out))
+        out.insert(stop, receive)
+    return tuple(out)
 
 
 def _pairable(first: Action, second: Action) -> bool:
@@ -156,9 +185,10 @@ def check_point_to_point(schedule: Schedule, order: tuple[tuple[Action, ...], ..
                          streams: str = "pair") -> None:
     """Raise FxShardError unless `order` (each rank's actions in issue order) runs to the end when
     every pair of ranks matches its transfers in issue order, one at a time (a send completes only
-    together with its receive, and only once its value is computed), and each rank computes in
-    order, waiting for the receives its compute reads: the model of NCCL point-to-point. A send is
-    issued after the compute before it in the rank's order. `pairs` (each rank's pairs of actions
+    together with its receive), and each rank computes in order, waiting for the receives its
+    compute reads: the model of NCCL point-to-point. A transfer, send or receive, starts only once
+    the compute before it in the rank's order is done (NCCL's stream waits for the compute stream
+    where the transfer is issued), which is what makes where a receive is issued matter. `pairs` (each rank's pairs of actions
     from `combine_pairs`, run interleaved): the first action of a pair waits for both actions'
     receives.
 
@@ -182,14 +212,19 @@ def check_point_to_point(schedule: Schedule, order: tuple[tuple[Action, ...], ..
         return streams == "pair" or issued[rank][head[rank]] == action
 
     partner = {(rank, first): second for rank, mine in enumerate(pairs) for first, second in mine}
-    gate = {}  # (rank, send) -> the compute action before it in the rank's order (None: nothing)
+    gate = {}  # (rank, transfer) -> the compute action before it in the rank's order (None: nothing)
     for rank, actions in enumerate(order):
         last = None
         for action in actions:
             if action.kind in COMPUTE:
                 last = action
-            elif action.kind in ("SF", "SB"):
+            elif action.kind in ("SF", "SB", "RF", "RB"):
                 gate[rank, action] = last
+
+    def reached(rank: int, action: Action) -> bool:
+        """Whether the device has reached `action`: NCCL's stream waits for the compute issued before it."""
+        after = gate[rank, action]
+        return after is None or (rank, after.kind, after.chunk, after.mb) in done
 
     def ready(rank: int, action: Action) -> bool:
         return all((rank, *need) in done for need in needs_of(rank, action) + (
@@ -229,9 +264,7 @@ def check_point_to_point(schedule: Schedule, order: tuple[tuple[Action, ...], ..
             if matching(mine) != (theirs.kind, theirs.chunk, theirs.mb):
                 raise FxShardError(f"point-to-point out of order between ranks {rank} and {peer}: rank {rank}'s "
                                    f"next transfer is {mine}, rank {peer}'s is {theirs}")
-            send, sender = (mine, rank) if mine.kind.startswith("S") else (theirs, peer)
-            issued_after = gate[sender, send]
-            if issued_after is None or (sender, issued_after.kind, issued_after.chunk, issued_after.mb) in done:
+            if reached(rank, mine) and reached(peer, theirs):
                 for side, action in ((rank, mine), (peer, theirs)):
                     done.add((side, action.kind, action.chunk, action.mb))
                     head[side] += 1

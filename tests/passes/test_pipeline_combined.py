@@ -28,6 +28,7 @@ def test_pairs_are_deadlock_free_hold_no_transfer_and_never_lengthen_the_step(ki
     schedule = build(kind, stages, microbatches, virtual, extra_warmup=1)  # as the lowering builds it
     combined, pairs = combine_pairs(schedule)
     check_point_to_point(combined, issue_order(combined), pairs)  # raises where it would hang
+    check_point_to_point(combined, issue_order(combined, (), "late", pairs), pairs)  # receives late, too
     for actions, rank_pairs in zip(issue_order(combined), pairs):
         for first, second in rank_pairs:
             at = actions.index(first)

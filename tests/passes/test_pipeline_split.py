@@ -51,13 +51,13 @@ def unsplit_program_run(program, params, batch):
     return outputs[OutputKind.LOSS, "loss"], grads
 
 
-def check_pipeline(model, loss_fn, microbatches, schedule, stage_layers=None):
+def check_pipeline(model, loss_fn, microbatches, schedule, stage_layers=None, receives="early"):
     """One SGD step (lr 1) of the lowered stage programs on the simulator: the loss is eager's mean
     over microbatches, each gradient (parameter minus update) eager's, and the sum of the gradients
     of the un-split program run on each microbatch."""
     program = fxshard.trace(model, loss_fn, microbatches[0], optimizer=fxshard.optim.SGD(lr=1.0))
     pipeline = split_stages(program, schedule.chunks, stage_layers)
-    stages = [lower_schedule(pipeline, schedule, stage) for stage in range(schedule.stages)]
+    stages = [lower_schedule(pipeline, schedule, stage, receives=receives) for stage in range(schedule.stages)]
     ranks = SimulatedRanks(stages, model, fxshard.optim.SGD(lr=1.0), fxshard.Mesh(pp=schedule.stages))
     metrics = ranks.step([concatenated(microbatches)] * schedule.stages)
     updated = ranks.parameters()
@@ -86,9 +86,10 @@ def check_pipeline(model, loss_fn, microbatches, schedule, stage_layers=None):
 
 
 @given(layers=st.integers(1, 4), stages=st.integers(1, 3), virtual=st.integers(1, 2), rounds=st.integers(1, 2),
-       kind=st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev"]), data=st.data())
+       kind=st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev"]),
+       receives=st.sampled_from(["early", "late"]), data=st.data())
 def test_every_schedule_over_the_split_computes_eager_losses_and_gradients(layers, stages, virtual, rounds,
-                                                                          kind, data):
+                                                                          kind, receives, data):
     if kind in ("1f1b", "zb-h1"):
         virtual = 1
     if kind == "dualpipev":  # two chunks per rank, in a V
@@ -104,7 +105,7 @@ def test_every_schedule_over_the_split_computes_eager_losses_and_gradients(layer
                 "dualpipev": lambda: schedules.dualpipe_v(stages, microbatches)}[kind]()
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=24, d_model=16, n_layer=layers, n_head=2, d_ff=24))
-    check_pipeline(model, model_loss, token_microbatches(24, microbatches), schedule)
+    check_pipeline(model, model_loss, token_microbatches(24, microbatches), schedule, receives=receives)
 
 
 def test_moe_gpt_over_four_chunks():
@@ -342,6 +343,17 @@ def test_the_lowered_program_issues_receives_early_and_waits_where_the_value_is_
         assert wait.target is torch.ops._c10d_functional.wait_tensor.default
     assert {meta.microbatch(n) for n in nodes if meta.phase(n) == meta.BWD} == {0, 1, 2, 3}
     assert last.stage.stage == 1 and {u.norm_axes for u in last.updates} == {("pp",)}
+    # Config(p2p_receives="late"): only microbatch 0's before the first forward, each receive issued
+    # right before the compute that reads it
+    late = list(lower_schedule(split_stages(program, 2), schedule, 1, receives="late").graph.nodes)
+    late_recvs = [n for n in late if n.target is torch.ops.fxshard.recv.default]
+    first_compute = next(n for n in late if meta.phase(n) == meta.FWD and n.op == "call_function"
+                         and n.target not in (torch.ops.fxshard.recv.default, torch.ops._c10d_functional.wait_tensor.default)
+                         and meta.layer(n) != meta.PRE)
+    assert sum(late.index(r) < late.index(first_compute) for r in late_recvs) == len(late_recvs) // 4
+    early_gaps = [nodes.index(next(iter(r.users))) - nodes.index(r) for r in recvs]
+    late_gaps = [late.index(next(iter(r.users))) - late.index(r) for r in late_recvs]
+    assert sum(late_gaps) < sum(early_gaps)  # fewer nodes issued while a receive is posted
 
 
 @given(strategy=st.sampled_from(["no_shard", "optim", "optim_grads_params"]),
