@@ -7,6 +7,7 @@ import datetime
 import json
 import os
 import re
+import statistics
 import time
 
 import torch
@@ -69,6 +70,7 @@ def kernel_timeline(trace_path: str, steps: int, is_comm) -> dict:
             "kernels_per_step": len(kernels) / steps, "copies_ms": per_step(sum(b - a for a, b in copies)),
             "copies_overlapped_ms": per_step(_intersection(copies, busy)),
             "by_class_ms": dict(sorted(classes.items(), key=lambda item: -item[1])),
+            **{key.replace("_us", "_ms"): per_step(us) for key, us in gemms_beside(events).items()},
             **idle_gaps(events, steps)}
 
 
@@ -116,6 +118,50 @@ def kernel_class(name: str) -> str:
     says where one spends more than the other."""
     lowered = name.lower()
     return next((kind for kind, parts in KERNEL_CLASSES if any(part in lowered for part in parts)), "other")
+
+
+def holds_sms(name: str) -> bool:
+    """A kernel that holds SMs while it waits for a peer or moves data: NCCL's, and the copy-engine
+    collectives' one-block barriers (torch's symmetric-memory barrier kernel)."""
+    lowered = name.lower()
+    return "nccl" in lowered or "barrier" in lowered
+
+
+def gemms_beside(events: list[dict], holds=holds_sms) -> dict:
+    """The GEMM kernels of a trace (`kernel_class` "gemm") that ran beside a kernel holding SMs
+    (`holds(name)`), against the same-named GEMMs that ran alone: a persistent GEMM beside even one
+    waiting block runs up to 1.3x longer, beside 16 up to 1.9x (bench/gemm_contention.py). In us over
+    the whole trace: "gemm_us" (all), "gemm_beside_us" (those that overlapped a holder), and
+    "gemm_beside_extra_us", what they took beyond the median of their name's lone runs (names with no
+    lone run left out: "gemm_beside_unmatched_us")."""
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    held = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if holds(e["name"])])
+    starts = [start for start, _ in held]
+    runs: dict[str, tuple[list, list]] = {}
+    for event in kernels:
+        if kernel_class(event["name"]) != "gemm":
+            continue
+        start, stop = event["ts"], event["ts"] + event["dur"]
+        at = bisect.bisect_left(starts, stop)  # held spans starting before this kernel ends
+        beside = at > 0 and held[at - 1][1] > start
+        runs.setdefault(event["name"], ([], []))[beside].append(event["dur"])
+    total = beside_total = extra = unmatched = 0.0
+    for alone, beside in runs.values():
+        total += sum(alone) + sum(beside)
+        beside_total += sum(beside)
+        if alone:
+            typical = statistics.median(alone)
+            extra += sum(max(0.0, duration - typical) for duration in beside)
+        else:
+            unmatched += sum(beside)
+    return {"gemm_us": total, "gemm_beside_us": beside_total, "gemm_beside_extra_us": extra,
+            "gemm_beside_unmatched_us": unmatched}
+
+
+def gemm_line(timeline: dict) -> str:
+    """`kernel_timeline`'s GEMM figures as one line of a profile's report."""
+    return (f"GEMMs {timeline['gemm_ms']:.2f} ms/step, {timeline['gemm_beside_ms']:.2f} of it beside kernels holding "
+            f"SMs (NCCL, barriers), which took ~{timeline['gemm_beside_extra_ms']:.2f} ms longer than alone")
 
 
 def _union(spans):

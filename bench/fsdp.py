@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import fxshard  # noqa: E402
 from fxshard.launch import run_local  # noqa: E402
 from fxshard.models import GPT, GPTConfig  # noqa: E402
-from common import H200_BF16_DENSE_PEAK, IDLE_SHORT_US, kernel_timeline, write_json  # noqa: E402
+from common import H200_BF16_DENSE_PEAK, IDLE_SHORT_US, gemm_line, kernel_timeline, write_json  # noqa: E402
 
 
 NCCL_SUFFIXES = {"-ctas": "NCCL_MAX_CTAS", "-proto": "NCCL_PROTO"}  # mode suffix -> what NCCL reads
@@ -132,8 +132,8 @@ def profile(step_fn, path, steps=2):
           ", ".join(f"{kind} {ms:.2f}" for kind, ms in timeline["by_class_ms"].items()) +
           f"; GPU idle {timeline['idle_ms']:.2f} ms/step: {timeline['idle_short_ms']:.2f} in "
           f"{timeline['idle_short_gaps']:.0f} gaps of <= {IDLE_SHORT_US:.0f} us, {timeline['idle_long_ms']:.2f} in "
-          f"{timeline['idle_long_gaps']:.0f} longer; largest (us, before, after) {timeline['idle_largest'][:3]}",
-          flush=True)
+          f"{timeline['idle_long_gaps']:.0f} longer; largest (us, before, after) {timeline['idle_largest'][:3]}; "
+          + gemm_line(timeline), flush=True)
 
 
 def build_model(cfg, device):

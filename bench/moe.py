@@ -52,7 +52,7 @@ import fxshard  # noqa: E402
 from fxshard.launch import run_local  # noqa: E402
 from fxshard.models import MoEGPT, MoEGPTConfig  # noqa: E402
 from fxshard.runtime import CompiledStep  # noqa: E402
-from common import H200_BF16_DENSE_PEAK, IDLE_SHORT_US, idle_gaps, kernel_timeline, write_json  # noqa: E402
+from common import H200_BF16_DENSE_PEAK, IDLE_SHORT_US, gemm_line, idle_gaps, kernel_timeline, write_json  # noqa: E402
 
 _c10d = torch.ops._c10d_functional
 
@@ -133,7 +133,8 @@ def profile(step_fn, path, steps=2) -> dict:
             "all_to_all_overlapped_ms": timeline["comm_overlapped_ms"], "copies_ms": timeline["copies_ms"],
             "copies_overlapped_ms": timeline["copies_overlapped_ms"], "by_class_ms": timeline["by_class_ms"],
             "compute_idle_ms": waits["idle_ms"], "compute_idle_long_ms": waits["idle_long_ms"],
-            "compute_idle_long_gaps": waits["idle_long_gaps"], "compute_idle_largest": waits["idle_largest"]}
+            "compute_idle_long_gaps": waits["idle_long_gaps"], "compute_idle_largest": waits["idle_largest"],
+            **{key: timeline[key] for key in ("gemm_ms", "gemm_beside_ms", "gemm_beside_extra_ms")}}
 
 
 def _is_communication(kernel: str) -> bool:
@@ -243,7 +244,7 @@ def run_modes(args):
                           f"{kernels['compute_idle_long_ms']:.2f} of it in "
                           f"{kernels['compute_idle_long_gaps']:.0f} gaps over {IDLE_SHORT_US:.0f} us, "
                           f"largest (us, before, after) "
-                          f"{kernels['compute_idle_largest'][:3]}", flush=True)
+                          f"{kernels['compute_idle_largest'][:3]}; " + gemm_line(kernels), flush=True)
         metrics = step(data)
         dropped = metrics["moe_dropped_tokens"].item()
         results["dropped"] = dropped  # the same routing in every mode

@@ -116,7 +116,7 @@ from fxshard.models import GPT, GPTConfig  # noqa: E402
 from fxshard.models.blocks import rope_tables  # noqa: E402
 from fxshard.passes.pipeline import chunk_costs, split_stages  # noqa: E402
 from fxshard.schedule import Action, build, simulate, unit_costs  # noqa: E402
-from common import device_name, kernels_by_range, write_json  # noqa: E402
+from common import device_name, gemms_beside, kernels_by_range, write_json  # noqa: E402
 
 # fxshard schedule -> (Config(schedule=...), virtual stages)
 SCHEDULES = {"1f1b": ("1f1b", 1), "interleaved-v2": ("interleaved-1f1b", 2), "zb-h1": ("zb-h1", 1),
@@ -384,7 +384,8 @@ def profile_bubble(step_fn, setup: Setup, label: str, graphed: bool, actions: li
     kernels = kernels_in_order(events, actions, graphed) if actions and setup.device == "cuda" else None
     return {**gpu_bubble(events, graphed), "action_ms": action_times(events, actions) if actions else None,
             "p2p_kernel_ms": point_to_point_times(events), "kernels_in_order": kernels,
-            "action_kernels": action_kernels(events, actions) if actions and not graphed else None}
+            "action_kernels": action_kernels(events, actions) if actions and not graphed else None,
+            "gemms_beside_us": gemms_beside(events) if setup.device == "cuda" else None}
 
 
 def kernels_in_order(events: list[dict], actions: list[str], graphed: bool) -> list[tuple]:
@@ -758,6 +759,11 @@ def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model
         if ranks[0]["params_by_stage"] != expected:  # fxshard's own cut against the one the peer is built with
             details.append(f"WARNING: fxshard's stages hold other parameters than this bench's cut "
                            f"({[len(n) for n in ranks[0]['params_by_stage']]} vs {[len(n) for n in expected]})")
+    for index, rank in enumerate(ranks):  # the point-to-point kernels' cost to the GEMMs they overlap
+        if rank.get("gemms_beside_us"):
+            us = rank["gemms_beside_us"]
+            details.append(f"rank {index} GEMMs {us['gemm_us'] / 1e3:.1f} ms, {us['gemm_beside_us'] / 1e3:.1f} of it "
+                           f"beside NCCL kernels, ~{us['gemm_beside_extra_us'] / 1e3:.1f} ms longer than alone")
     if kind == "fxshard" and not graphed:  # what each action spends its time in, chunk by chunk
         row["action_kernels"] = [r.get("action_kernels") for r in ranks]
         for index, kernels in enumerate(row["action_kernels"]):
