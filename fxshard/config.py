@@ -78,8 +78,12 @@ class Config:
         "late" (just before the compute that reads it, or the next transfer with that peer). An NCCL
         receive holds its SMs from when the device reaches it until the data has come, slowing the
         GEMMs the stage runs meanwhile (2x H200, GPT 1b: stage 0's backward 1.4-1.8x; README);
-        "late" makes it wait where the stage would wait for the data anyway. Both orders are
-        checked deadlock-free (fxshard.schedule.check_point_to_point).
+        "late" makes it wait where the stage would wait for the data anyway, at a cost: a message
+        larger than NCCL's buffers (a channel holds 4 MiB by default) moves only once its receive is
+        issued, so its transfer lands on the reader's path, and the sender's kernel holds its SMs
+        until then. Both orders are checked deadlock-free (fxshard.schedule.check_point_to_point);
+        with ep_overlap's combined 1F1B the pairs are chosen under early receives and the lowering
+        re-checks them with late ones (an order that could hang is refused at shard(), not run).
     moe_capacity_factor: bound every `fxshard.moe.dispatch` call to ceil(factor * tokens * top_k /
         experts) assignments per expert (per call, i.e. per rank and microbatch; fxshard/moe.py gives
         the drop rule); None leaves each call's own setting (MoEGPT: dropless unless its config says).
@@ -113,7 +117,8 @@ class Config:
         collective holds its SMs while it runs, and the GEMMs overlapping it run on the rest: fewer
         CTAs leave more SMs to compute and make each collective slower (bench/fsdp.py `fxshard-ctasN`
         measures both sides; GPT 1b ZeRO-3 on 2 H200s got slower with 16, 8 and 4: README). A dict
-        limits only the groups of the axes it names, e.g. {"pp": 2}: a pipeline's point-to-point
+        limits only the groups of the axes it names (a weight tied across some stages is reduced on a
+        group of those stages, which takes the "pp" limit), e.g. {"pp": 2}: a pipeline's point-to-point
         transfers, whose receive kernels (16 CTAs by NCCL's choice on 2 H200s) wait on their SMs from
         when they are posted until the peer sends, next to the stage's GEMMs (bench/pipeline.py
         `--p2p-ctas`). None (default): NCCL's choice. Ignored by gloo and by copy-engine collectives
@@ -189,8 +194,8 @@ class Config:
                                f"collective or transfer), a dict of mesh axis ({', '.join(MESH_AXES)}) -> such an "
                                f"int for those axes' groups only (e.g. {{'pp': 2}}), or None (NCCL's choice); "
                                f"got {ctas!r}")
-        if per_axis is not None:
-            object.__setattr__(self, "nccl_max_ctas", tuple(sorted(per_axis.items())))
+        if per_axis is not None:  # {} limits nothing: the default
+            object.__setattr__(self, "nccl_max_ctas", tuple(sorted(per_axis.items())) or None)
 
     def __post_init__(self):
         if self.layers is not None:

@@ -37,7 +37,7 @@ def _worker(rank, nprocs, port, backend, out_dir, fn, args, environ):
         result = fn(*args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))  # saved before any teardown can hang
         if aborted_here():  # a replay watch aborted the groups: tearing them down can hang (replay_watch.py)
-            sys.stdout.flush()
+            sys.stdout.flush()  # status 0, not the watch's 1: the result is saved, and run_local collects it
             sys.stderr.flush()
             os._exit(0)
         if dist.is_initialized():  # `fn` may have left the group itself (a test of a rank that dies)

@@ -214,6 +214,7 @@ def test_nccl_max_ctas_per_axis_limits_only_the_axes_it_names():
     assert hash(config) == hash(dataclasses.replace(config))  # kept hashable, and replace() keeps it
     assert dataclasses.replace(config, seed=1).nccl_ctas("pp") == 2
     assert fxshard.Config(nccl_max_ctas=4).nccl_ctas("ep") == 4 and fxshard.Config().nccl_ctas("pp") is None
+    assert fxshard.Config(nccl_max_ctas={}) == fxshard.Config()  # limits nothing: the default
 
 
 def test_a_parameter_clamped_in_place_in_forward_is_named_as_such_not_as_a_non_scalar_loss():

@@ -118,7 +118,7 @@ def test_the_watch_thread_reports_a_replay_that_never_finishes_by_itself():
 def test_a_process_whose_groups_were_aborted_exits_with_status_1_without_tearing_them_down():
     """NCCL's abort of a graphed communicator can stop its kernels and never return, and destroying the
     groups then waits forever (2x H200): a process the watch expired exits at interpreter exit, status 1,
-    saying why, before anything else tears down."""
+    saying why, before the exit handlers registered before it (teardown among them) run."""
     import subprocess
     import sys
 

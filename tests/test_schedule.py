@@ -156,6 +156,9 @@ def test_late_receives_wait_where_their_data_is_read_and_keep_each_pairs_order(n
     assert read_by_seconds  # some pair's second action reads a receive
     with pytest.raises(FxShardError, match="receives='soon'"):
         schedules.issue_order(schedule, costs, "soon")
+    from fxshard.schedule.order import _receives_late
+    with pytest.raises(ValueError, match="neither B0:0 nor another transfer with rank 1 follows it"):
+        _receives_late([Action("RB", 0, 0, 1), Action("OPT")])  # nothing reads it: no place for it
 
 
 def test_lowered_issue_order_is_deadlock_free_where_the_schedules_own_order_is_not():

@@ -84,7 +84,9 @@ def _receives_late(actions: list[Action], rank_pairs=()) -> tuple[Action, ...]:
         reader = Action(receive.kind[1], receive.chunk, receive.mb)
         reader = first_of.get(reader, reader)
         stop = next((i for i in range(index, len(out))
-                     if out[i] == reader or (out[i].kind in TRANSFERS and out[i].peer == receive.peer)), len(out))
+                     if out[i] == reader or (out[i].kind in TRANSFERS and out[i].peer == receive.peer)), None)
+        if stop is None:  # a schedule the simulator accepted always reads what it receives, after receiving it
+            raise ValueError(f"{receive}: neither {reader} nor another transfer with rank {receive.peer} follows it")
         out.insert(stop, receive)
     return tuple(out)
 
