@@ -65,6 +65,11 @@ def parse_args(argv=None):
     parser.add_argument("--schedule", default="1f1b", choices=PIPELINE_SCHEDULES)
     parser.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches (with --pp > 1)")
     parser.add_argument("--virtual-stages", type=int, default=1, help="chunks per pipeline rank (interleaved)")
+    parser.add_argument("--p2p-receives", default="early", choices=["early", "late"],
+                        help="where each stage issues a point-to-point receive (Config(p2p_receives); README)")
+    parser.add_argument("--p2p-ctas", type=int, default=None, metavar="N",
+                        help="NCCL: the pipeline's point-to-point transfers on at most N CTAs "
+                             "(Config(nccl_max_ctas={'pp': N}); README)")
     parser.add_argument("--save", metavar="DIR", help="write a checkpoint here (every --save-every steps, and at the end); "
                         "'{step}' in DIR is replaced by the step number (keeps each one)")
     parser.add_argument("--save-every", type=int, default=0, metavar="N", help="with --save: every N steps (0: at the end)")
@@ -154,7 +159,8 @@ def step_config(args, rank: int) -> fxshard.Config:
                           virtual_stages=args.virtual_stages, ep_overlap=args.ep_overlap,
                           microbatches=args.microbatches if args.pp > 1 else args.ep_microbatches,
                           ep_chunks=1, ep_interleave="combined-1f1b" if args.pp > 1 else "dual-batch",
-                          ep_all_to_all=args.ep_all_to_all)
+                          ep_all_to_all=args.ep_all_to_all, p2p_receives=args.p2p_receives,
+                          nccl_max_ctas={"pp": args.p2p_ctas} if args.p2p_ctas is not None else None)
 
 
 def train(args) -> dict:
