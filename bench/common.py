@@ -122,9 +122,9 @@ def kernel_class(name: str) -> str:
 
 def holds_sms(name: str) -> bool:
     """A kernel that holds SMs while it waits for a peer or moves data: NCCL's, and the copy-engine
-    collectives' one-block barriers (torch's symmetric-memory barrier kernel)."""
+    collectives' one-block barriers (torch's symmetric-memory kernels)."""
     lowered = name.lower()
-    return "nccl" in lowered or "barrier" in lowered
+    return "nccl" in lowered or "symmetric_memory" in lowered or "barrier" in lowered
 
 
 def gemms_beside(events: list[dict], holds=holds_sms) -> dict:

@@ -52,7 +52,8 @@ import fxshard  # noqa: E402
 from fxshard.launch import run_local  # noqa: E402
 from fxshard.models import MoEGPT, MoEGPTConfig  # noqa: E402
 from fxshard.runtime import CompiledStep  # noqa: E402
-from common import H200_BF16_DENSE_PEAK, IDLE_SHORT_US, gemm_line, idle_gaps, kernel_timeline, write_json  # noqa: E402
+from common import (H200_BF16_DENSE_PEAK, IDLE_SHORT_US, gemm_line, holds_sms, idle_gaps, kernel_timeline,  # noqa: E402
+                    write_json)
 
 _c10d = torch.ops._c10d_functional
 
@@ -139,7 +140,7 @@ def profile(step_fn, path, steps=2) -> dict:
 
 def _is_communication(kernel: str) -> bool:
     """NCCL's kernels, torch's symmetric-memory barriers and fxshard's progress markers: no compute."""
-    return kernel.startswith("nccl") or "symmetric_memory" in kernel or kernel == "mark"
+    return holds_sms(kernel) or kernel == "mark"
 
 
 def expert_compute_alone(args) -> float:

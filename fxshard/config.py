@@ -183,10 +183,10 @@ class Config:
     def _check_nccl_max_ctas(self) -> None:
         """An int for every group, or {axis: int} (kept as sorted pairs: a Config stays hashable)."""
         ctas = self.nccl_max_ctas
-        try:
-            per_axis = dict(ctas) if isinstance(ctas, (dict, tuple)) else None
-        except (TypeError, ValueError):
-            per_axis = {None: None}
+        pairs = ctas.items() if isinstance(ctas, dict) else ctas if isinstance(ctas, tuple) else None
+        if pairs is not None and not all(isinstance(pair, tuple) and len(pair) == 2 for pair in pairs):
+            pairs = [(None, None)]  # refused below
+        per_axis = dict(pairs) if pairs is not None else None
         values = list(per_axis.values()) if per_axis is not None else [ctas]
         if not all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 64 for v in values) or (
                 per_axis is not None and not set(per_axis) <= set(MESH_AXES)):
