@@ -60,7 +60,8 @@ region ranges below), which a host-bound step shows as extra bubble. --trace-dir
 (Config(nccl_max_ctas={"pp": N})): an NCCL receive holds its SMs from when it is posted until the
 peer sends, and a persistent GEMM beside it waits for them (session 26, 2x H200: stage 0's backward
 GEMMs ran 1.8x longer beside the 16-CTA receive posted before it). --p2p-receives early late runs
-each with receives issued early (default) and late (Config(p2p_receives), "<schedule>-late").
+each with receives issued late (Config(p2p_receives)'s default since session 27) and early
+("<schedule>-early"; session 26's rows named late receives "<schedule>-late").
 Simulated bubble: fxshard.schedule.simulate on the schedule with each chunk's F, B (and W) timed by
 their GEMM FLOPs (passes/pipeline.py `chunk_costs`: a last chunk holding the head takes longer),
 communication free; the JSON also has it with the textbook units F=1, B=2 (F=B=W=1 where W is split
@@ -295,7 +296,7 @@ def run_peer(mode: str, setup: Setup) -> dict:
 
 
 def run_fxshard(schedule_name: str, virtual: int, graphed: bool, label: str, setup: Setup,
-                p2p_ctas: int | None = None, receives: str = "early") -> dict:
+                p2p_ctas: int | None = None, receives: str = "late") -> dict:
     """One rank of an fxshard mode: Mesh(pp=P), the schedule, eager replay or CUDA graphs, the
     point-to-point transfers on at most `p2p_ctas` CTAs (Config(nccl_max_ctas={"pp": ...})), receives
     issued `receives` (Config(p2p_receives))."""
@@ -648,10 +649,10 @@ def job(kind: str, name: str, setup: Setup, graphed: bool = False) -> dict:
 
 def schedule_of(name: str) -> tuple[str, int, int | None, str]:
     """An fxshard mode's schedule, virtual stages, the pp group's NCCL CTAs and Config(p2p_receives):
-    "1f1b-ctas2-late" -> ("1f1b", 1, 2, "late")."""
-    name, late, _ = name.partition("-late")
+    "1f1b-ctas2-early" -> ("1f1b", 1, 2, "early"), "1f1b" -> ("1f1b", 1, None, "late")."""
+    name, early, _ = name.partition("-early")
     base, found, ctas = name.partition("-ctas")
-    return (*SCHEDULES[base], int(ctas) if found else None, "late" if late else "early")
+    return (*SCHEDULES[base], int(ctas) if found else None, "early" if early else "late")
 
 
 def median(values: list[float]) -> float:
@@ -715,7 +716,7 @@ def format_row(row: dict, rows: list[dict]) -> str:
 def planned_modes(args) -> list[tuple[str, str, bool]]:
     """(kind, name, graphed) of every mode to run, in order: the peers, then each fxshard schedule eager
     and graphed (graphed on CUDA only; a schedule this fxshard cannot build is skipped, saying why),
-    then again with each of `--p2p-ctas` ("1f1b-ctas2"), for each of `--p2p-receives` ("1f1b-late")."""
+    then again with each of `--p2p-ctas` ("1f1b-ctas2"), for each of `--p2p-receives` ("1f1b-early")."""
     modes = [("peer", name, False) for name in args.peers]
     replays = [r for r in args.replays if args.device == "cuda" or r == "eager"]
     for name in args.schedules:
@@ -723,7 +724,7 @@ def planned_modes(args) -> list[tuple[str, str, bool]]:
         if reason:
             print(f"{name}: not in this fxshard ({reason[:200]}); skipped", flush=True)
             continue
-        modes += [("fxshard", name + (f"-ctas{ctas}" if ctas else "") + ("-late" if receives == "late" else ""),
+        modes += [("fxshard", name + (f"-ctas{ctas}" if ctas else "") + ("-early" if receives == "early" else ""),
                    replay == "graphed")
                   for receives in args.p2p_receives for ctas in [None, *args.p2p_ctas] for replay in replays]
     return modes
@@ -877,8 +878,8 @@ def main():
     parser.add_argument("--p2p-ctas", nargs="*", type=int, default=[], metavar="N",
                         help="each fxshard schedule again with Config(nccl_max_ctas={'pp': N}), as <schedule>-ctasN: "
                              "its point-to-point kernels, which hold their SMs from when they are posted, on N CTAs")
-    parser.add_argument("--p2p-receives", nargs="+", default=["early"], choices=["early", "late"],
-                        help="Config(p2p_receives) of the fxshard modes, each a mode (late: <schedule>-late)")
+    parser.add_argument("--p2p-receives", nargs="+", default=["late"], choices=["early", "late"],
+                        help="Config(p2p_receives) of the fxshard modes, each a mode (early: <schedule>-early)")
     parser.add_argument("--out", default="bench/pipeline.json")
     args = parser.parse_args()
     try:

@@ -65,7 +65,7 @@ def parse_args(argv=None):
     parser.add_argument("--schedule", default="1f1b", choices=PIPELINE_SCHEDULES)
     parser.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches (with --pp > 1)")
     parser.add_argument("--virtual-stages", type=int, default=1, help="chunks per pipeline rank (interleaved)")
-    parser.add_argument("--p2p-receives", default="early", choices=["early", "late"],
+    parser.add_argument("--p2p-receives", default="late", choices=["early", "late"],
                         help="where each stage issues a point-to-point receive (Config(p2p_receives); README)")
     parser.add_argument("--p2p-ctas", type=int, default=None, metavar="N",
                         help="NCCL: the pipeline's point-to-point transfers on at most N CTAs "

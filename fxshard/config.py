@@ -73,17 +73,19 @@ class Config:
         sets `microbatches` and `virtual_stages`, and `shard` checks it with
         the simulator (every dependency met, point-to-point deadlock-free) before lowering it.
     stage_layers: layers per pipeline chunk (P*V counts); default: balanced by FLOPs (head and embedding counted).
-    p2p_receives: where a stage's program issues each point-to-point receive: "early" (default: right
-        after the previous transfer with the same peer, so the data moves as soon as it is sent) or
-        "late" (just before the compute that reads it, or the next transfer with that peer). An NCCL
+    p2p_receives: where a stage's program issues each point-to-point receive: "late" (default: just
+        before the compute that reads it, or the next transfer with that peer) or "early" (right after
+        the previous transfer with the same peer, so the data moves as soon as it is sent). An NCCL
         receive holds its SMs from when the device reaches it until the data has come, slowing the
-        GEMMs the stage runs meanwhile (2x H200, GPT 1b: stage 0's backward 1.4-1.8x; README);
-        "late" makes it wait where the stage would wait for the data anyway, at a cost: a message
-        larger than NCCL's buffers (a channel holds 4 MiB by default) moves only once its receive is
-        issued, so its transfer lands on the reader's path, and the sender's kernel holds its SMs
-        until then. Both orders are checked deadlock-free (fxshard.schedule.check_point_to_point);
-        with ep_overlap's combined 1F1B the pairs are chosen under early receives and the lowering
-        re-checks them with late ones (an order that could hang is refused at shard(), not run).
+        GEMMs the stage runs meanwhile: on 2x H200, GPT 1b, pp=2, early receives made stage 0's
+        backward GEMMs 1.4-1.8x slower, and late ones made the graphed step 1.13x (1F1B) and 1.10x
+        (interleaved V=2) faster (bench/RESULTS.md, session 27). "late" makes a receive wait where the
+        stage would wait for the data anyway, at a cost: a message larger than NCCL's buffers (a
+        channel holds 4 MiB by default) moves only once its receive is issued, so its transfer lands
+        on the reader's path, and the sender's kernel holds its SMs until then. Both orders are
+        checked deadlock-free (fxshard.schedule.check_point_to_point); with ep_overlap's combined 1F1B
+        the pairs are chosen under early receives and the lowering re-checks them with late ones (an
+        order that could hang is refused at shard(), not run).
     moe_capacity_factor: bound every `fxshard.moe.dispatch` call to ceil(factor * tokens * top_k /
         experts) assignments per expert (per call, i.e. per rank and microbatch; fxshard/moe.py gives
         the drop rule); None leaves each call's own setting (MoEGPT: dropless unless its config says).
@@ -161,7 +163,7 @@ class Config:
     schedule: "str | Schedule" = "1f1b"
     virtual_stages: int = 1
     stage_layers: tuple[int, ...] | None = None
-    p2p_receives: str = "early"
+    p2p_receives: str = "late"
     moe_capacity_factor: float | None = None
     ep_overlap: bool = False
     ep_chunks: int = 1

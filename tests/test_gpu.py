@@ -132,15 +132,15 @@ def test_nccl_max_ctas_reaches_the_communicator_and_changes_no_result():
 
 
 def _pipeline_ctas(batches):
-    """GPT tiny (four blocks) at Mesh(pp=2), interleaved 1F1B, aten replay: as is, with
-    Config(nccl_max_ctas={"pp": 1}), and with Config(p2p_receives="late"): the losses, and the CTAs of
+    """GPT tiny (four blocks) at Mesh(pp=2), interleaved 1F1B, aten replay: as is (receives late), with
+    Config(nccl_max_ctas={"pp": 1}), and with Config(p2p_receives="early"): the losses, and the CTAs of
     the pp group's communicators."""
     rank = dist.get_rank()
     device = f"cuda:{rank}"
     torch.backends.cuda.matmul.allow_tf32 = False
     local = [{k: v.to(device) for k, v in b.items()} for b in batches]
     losses, configured = [], []
-    for settings in ({}, {"nccl_max_ctas": {"pp": 1}}, {"p2p_receives": "late"}):
+    for settings in ({}, {"nccl_max_ctas": {"pp": 1}}, {"p2p_receives": "early"}):
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=64, d_model=32, n_layer=4, n_head=2, d_ff=64)).to(device)
         step = fxshard.shard(model, model_loss, local[0], optimizer=ADAMW, mesh=fxshard.Mesh(pp=2),
@@ -151,11 +151,11 @@ def _pipeline_ctas(batches):
 
 
 @pytest.mark.multigpu
-def test_nccl_max_ctas_for_the_pp_axis_and_late_receives_run_the_pipeline_and_change_no_result():
+def test_nccl_max_ctas_for_the_pp_axis_and_early_receives_run_the_pipeline_and_change_no_result():
     batches = cuda_batches(3, rows=4, device="cpu")
-    for (default, limited, late), (unset, configured, _) in run_local(_pipeline_ctas, 2, batches, backend="nccl"):
+    for (default, limited, early), (unset, configured, _) in run_local(_pipeline_ctas, 2, batches, backend="nccl"):
         assert configured == 1 and unset != 1
-        assert default == limited == late  # point-to-point moves values; how and when it runs changes none
+        assert default == limited == early  # point-to-point moves values; how and when it runs changes none
 
 
 def _a_peer_stalls_under_cuda_graphs(batches):
