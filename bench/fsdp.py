@@ -16,6 +16,8 @@ and the ratio to the single-GPU no-communication time of the same model and batc
     fxshard-aten    the same without codegen
     fxshard-ce      fxshard with Config(fsdp_collectives="copy-engine"): all-gathers and reduce-scatters
                     moved by the copy engines (no SMs); its peak memory includes the symmetric workspace
+    fxshard-ce-stream  the same with Config(copy_engine_barriers="stream"): the collectives' barriers
+                    wait in stream memory operations instead of a one-block kernel (no SM at all)
     fxshard-ctasN   fxshard with Config(nccl_max_ctas=N) (its collectives on at most N SMs, fewer taken
                     from compute; slower collectives), e.g. fxshard-ctas8; fsdp2-compile-ctasN sets
                     NCCL_MAX_CTAS=N, which NCCL reads the same way
@@ -173,7 +175,8 @@ def run_eager_single(cfg, batch, seq, warmup, iters, compiled=False):
     return timed(step, warmup, iters, label), torch.cuda.max_memory_allocated()
 
 
-def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None, codegen="inductor", collectives="nccl", max_ctas=None):
+def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None, codegen="inductor", collectives="nccl", max_ctas=None,
+                barriers="kernel"):
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = f"cuda:{rank}"
     torch.cuda.set_device(device)
@@ -181,7 +184,7 @@ def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None, codegen="inductor", c
     data = batch_for(cfg, batch, seq, device, seed=rank)
     config = fxshard.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cuda_graphs=CUDA_GRAPHS,
                             sharding="optim_grads_params", codegen=codegen, fsdp_collectives=collectives,
-                            nccl_max_ctas=max_ctas)
+                            nccl_max_ctas=max_ctas, copy_engine_barriers=barriers)
     started = time.perf_counter()
     step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=fxshard.optim.AdamW(lr=1e-4),
                          mesh=mesh, config=config)
@@ -192,7 +195,7 @@ def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None, codegen="inductor", c
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     label = (f"fxshard{dist.get_world_size()}" if mesh is not None else "nocomm-fxshard") + \
-        f"{'' if codegen else '-aten'}{'-ce' if collectives != 'nccl' else ''}" \
+        f"{'' if codegen else '-aten'}{'-ce' if collectives != 'nccl' else ''}{'s' if barriers == 'stream' else ''}" \
         f"{f'-ctas{max_ctas}' if max_ctas else ''}" \
         f"{nccl_label() if mesh is not None else ''}_b{batch}"
     ms = timed(lambda: step(data), warmup, iters, label)
@@ -234,7 +237,8 @@ def distributed_mode(mode, cfg, batch, seq, warmup, iters, max_ctas=None):
     else:
         result = run_fxshard(cfg, batch, seq, warmup, iters, mesh=fxshard.Mesh(dp=dist.get_world_size()),
                              codegen=None if mode == "fxshard-aten" else "inductor",
-                             collectives="copy-engine" if mode == "fxshard-ce" else "nccl", max_ctas=max_ctas)
+                             collectives="copy-engine" if mode.startswith("fxshard-ce") else "nccl", max_ctas=max_ctas,
+                             barriers="stream" if mode == "fxshard-ce-stream" else "kernel")
     times = [None] * dist.get_world_size()
     dist.all_gather_object(times, result)
     return max(t for t, _ in times), max(m for _, m in times)

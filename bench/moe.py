@@ -14,6 +14,8 @@ ZeRO-1 over dp; experts split over ep) and the same per-rank batch:
     nocomm-overlapN   as nocomm, with the layers split into N chunks
     ep-ce, ep-overlapN-ce   the same with Config(ep_all_to_all="copy-engine") (--all-to-all ... copy-engine):
                       the all-to-alls moved by peer memcpys instead of an NCCL kernel
+    ep-ces, ep-overlapN-ces  (--all-to-all ... copy-engine-stream) the same with
+                      Config(copy_engine_barriers="stream"): barriers that wait holding no SM
     ep-overlapN       Config(ep_overlap=True, ep_chunks=N): work that does not need an all-to-all
                       is moved between its issue and its wait (passes/overlap.py: delayed weight
                       gradients, the shared expert), and with N > 1 each layer's experts are split
@@ -172,6 +174,18 @@ def expert_compute_alone(args) -> float:
     return (time.perf_counter() - started) / args.iters * 1e3
 
 
+STREAM_BARRIERS = "copy-engine-stream"  # --all-to-all choice: copy engines, Config(copy_engine_barriers="stream")
+CE_SUFFIX = {"copy-engine": "-ce", STREAM_BARRIERS: "-ces"}  # a mode label's suffix per --all-to-all choice
+
+
+def without_ce(label: str) -> str:
+    """A copy-engine mode's label as its NCCL twin's: "-overlap1-ces" -> "-overlap1"."""
+    for suffix in sorted(CE_SUFFIX.values(), key=len, reverse=True):
+        if label.endswith(suffix):
+            return label.removesuffix(suffix)
+    return label
+
+
 def run_modes(args):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)
@@ -187,7 +201,8 @@ def run_modes(args):
     dist.barrier()
     modes = [(False, 1, "nccl")] + [(False, 1, a2a) for a2a in args.all_to_all if a2a != "nccl"]
     modes += [(True, c, a2a) for a2a in args.all_to_all for c in args.chunks]
-    for overlap, chunks, a2a in modes:
+    for overlap, chunks, choice in modes:
+        a2a, barriers = ("copy-engine", "stream") if choice == STREAM_BARRIERS else (choice, "kernel")
         carveout = args.sm_carveout if overlap and a2a == "nccl" else None  # copy engines hold no SMs
         torch.manual_seed(0)
         with torch.device(device):
@@ -196,7 +211,8 @@ def run_modes(args):
                                 cuda_graphs=not args.eager_replay, ep_overlap=overlap, ep_chunks=chunks,
                                 microbatches=args.microbatches, ep_sm_carveout=carveout,
                                 ep_interleave=args.interleave, ep_all_to_all=a2a,
-                                fsdp_collectives=args.fsdp_collectives, collective_timeout_s=args.collective_timeout)
+                                fsdp_collectives=args.fsdp_collectives, collective_timeout_s=args.collective_timeout,
+                                copy_engine_barriers=barriers)
         started = time.perf_counter()
         step = fxshard.shard(model, lambda m, b: m.loss_and_metrics(b), data, optimizer=fxshard.optim.AdamW(lr=1e-5),
                              mesh=fxshard.Mesh(dp=world, ep=args.ep), config=config)
@@ -205,22 +221,24 @@ def run_modes(args):
             print(f"  ep_overlap={overlap}, chunks={chunks}, all-to-all by {a2a}: compiled in {time.perf_counter() - started:.1f}s: {step.program!r}", flush=True)
             if not overlap and "ep" in step.program.notes:  # ep=1: no expert parallelism, no notes
                 print("  " + step.program.notes["ep"].replace("\n", "\n  "), flush=True)
-        suffix = (f"-overlap{chunks}" if overlap else "") + ("-ce" if a2a == "copy-engine" else "")
+        suffix = (f"-overlap{chunks}" if overlap else "") + CE_SUFFIX.get(choice, "")
         codegen = step.codegen is not None  # nocomm compiles its compute as the step does
         nocomm = CompiledStep([without_all_to_all(step.program)], step.state, step.batch_spec, step.optimizer,
                               step.device, step.groups, not args.eager_replay, sm_carveout=carveout, codegen=codegen,
-                              fsdp_collectives=args.fsdp_collectives, collective_timeout_s=args.collective_timeout)
+                              fsdp_collectives=args.fsdp_collectives, collective_timeout_s=args.collective_timeout,
+                              copy_engine_barriers=barriers)
         runs = [(f"ep{suffix}", step)]
-        own_nocomm = "nocomm" + suffix.removesuffix("-ce")  # the same program for both all-to-alls
+        own_nocomm = "nocomm" + without_ce(suffix)  # the same program for every all-to-all
         if own_nocomm not in results:
             runs.insert(0, (own_nocomm, nocomm))
-        if not overlap and a2a == "nccl" and "copy-engine" in args.all_to_all:
+        if not overlap and a2a == "nccl" and set(CE_SUFFIX) & set(args.all_to_all):
             # copy engines move the bytes off the compute stream, where nocomm copies them: the floor
             # they are compared with has no copy either
             runs.insert(1, ("nocomm-nocopy", CompiledStep([without_all_to_all(step.program, copy=False)], step.state,
                                                           step.batch_spec, step.optimizer, step.device, step.groups,
                                                           not args.eager_replay, codegen=codegen,
                                                           fsdp_collectives=args.fsdp_collectives,
+                                                          copy_engine_barriers=barriers,
                                                           collective_timeout_s=args.collective_timeout)))
         for label, runner in runs:
             torch.cuda.reset_peak_memory_stats()
@@ -289,9 +307,11 @@ def main():
                         help="with --microbatches > 1: which two microbatches alternate (Config(ep_interleave))")
     parser.add_argument("--sm-carveout", type=int, default=None,
                         help="overlap modes: Config(ep_sm_carveout=N), SMs kept free of matmuls in all-to-all windows")
-    parser.add_argument("--all-to-all", nargs="+", default=["nccl"], choices=fxshard.config.EP_ALL_TO_ALLS,
+    parser.add_argument("--all-to-all", nargs="+", default=["nccl"],
+                        choices=[*fxshard.config.EP_ALL_TO_ALLS, STREAM_BARRIERS],
                         help="Config(ep_all_to_all) of the ep modes: each listed one gets an ep mode and the overlap "
-                             "modes (copy-engine ones are labelled -ce and compared with the same nocomm)")
+                             "modes (copy-engine ones are labelled -ce and compared with the same nocomm; "
+                             f"{STREAM_BARRIERS}: copy engines with Config(copy_engine_barriers='stream'), -ces)")
     parser.add_argument("--fsdp-collectives", default="nccl", choices=fxshard.config.FSDP_COLLECTIVES,
                         help="Config(fsdp_collectives) of every mode: ZeRO-1's reduce-scatters and gathers of "
                              "updated shards on NCCL or on the copy engines")
@@ -319,8 +339,8 @@ def main():
           f"{flops / 1e12:.1f} TFLOP per step; MFU of {args.gpus} x {H200_BF16_DENSE_PEAK / 1e12:.0f} TFLOP/s")
     print(f"{'mode':<18} {'ms/step':>9} {'MFU':>6} {'exposed a2a ms':>15} {'hidden vs ep':>13}")
     rows = []
-    ce = ["-ce"] if "copy-engine" in args.all_to_all else []
-    labels = ["nocomm", *["nocomm-nocopy" for _ in ce], "ep", *[f"ep{s}" for s in ce]]
+    ce = [CE_SUFFIX[choice] for choice in CE_SUFFIX if choice in args.all_to_all]
+    labels = ["nocomm", *["nocomm-nocopy" for _ in ce[:1]], "ep", *[f"ep{s}" for s in ce]]
     labels += [f"{kind}-overlap{c}" for c in args.chunks for kind in ("nocomm", "ep")]
     labels += [f"ep-overlap{c}{s}" for s in ce for c in args.chunks]
     for label in labels:
@@ -331,7 +351,7 @@ def main():
         row = {"mode": label, "ms_per_step": ms, "mfu": mfu}
         text = f"{label:<18} {ms:>9.2f} {mfu:>6.1%}"
         if label.startswith("ep"):
-            own_base = results["nocomm" + label[2:].removesuffix("-ce")]
+            own_base = results["nocomm" + without_ce(label[2:])]
             row.update(exposed_ms=ms - base, exposed_vs_own_nocomm_ms=ms - own_base,
                        hidden_fraction=1 - (ms - base) / exposed if exposed > 0 else None,
                        hidden_fraction_vs_own_nocomm=1 - (ms - own_base) / exposed if exposed > 0 else None)

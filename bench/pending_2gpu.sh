@@ -5,32 +5,27 @@
 #     bash bench/pending_2gpu.sh p2p-1f1b|p2p-v2|suite-ce|fsdp|fsdp-b1|moe|moe-ce|pipeline|pipeline-cut|pipeline-zb|suite|hf_moe|watch  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
-# (date, machine, command). In priority order (session 26 found why stage 0's backward was slow, an NCCL
-# receive of 16 CTAs posted before it, and measured 2 CTAs for the pp group: 1F1B 1.07x, interleaved 1.06x;
-# RESULTS):
-#   p2p-1f1b  issue 14: 1F1B eager and graphed, as is / pp group on 2 CTAs / receives late (Config(p2p_receives))
-#             / both: which removes the receive's cost, and graphed against eager in one job (~8 min)
-#   p2p-v2    the same for interleaved V=2, graphed only, next to pipelining-interleaved (~5 min)
-#   suite-ce  the copy-engine multigpu tests (the reduce-scatter's sum kernel inside real steps; its own
-#             test passed in session 26); then the two new pipeline/watch multigpu tests (~3 min)
-#   fsdp      issue 15: GPT 1b ZeRO-3 at batch 4 against one GPU's compiled step, next to one GPU's fxshard
-#             step, two rounds (A B A B: medians), profiled (kernel time by class, idle gaps). Session 25:
-#             1.02-1.04x in three jobs; copy engines traded GEMM time for sums and copies (the sum is one
-#             pass since; not measured) (~5 min)
-#   fsdp-b1   the same at batch 1 and 4 with FSDP2 + compile, the peer the issue names (~4 min)
-#   moe       issue 15: MoE ep=2, dual-batch, NCCL and copy-engine all-to-alls (>= 30% MFU, >= 90% hidden),
-#             each mode profiled (~3 min)
-#   pipeline  issue 14: bench/pipeline.py 1F1B and interleaved V=2 with the peers (~6 min; pipeline-zb: ZB-H1,
-#             not run on H200 since session 19; pipeline-cut: the cut moved by one block)
+# (date, machine, command). In priority order (session 27: late receives made the pipelines 1.10-1.13x
+# faster and are the default; ZeRO-3 on copy engines met issue 15's FSDP targets; MoE hid 66%, its GEMMs
+# ~4.1 ms a step slower beside the copy-engine barrier kernels; stream barriers passed their probe):
+#   suite-ce  the copy-engine multigpu tests, now also with Config(copy_engine_barriers="stream") (bit-identical
+#             to NCCL eagerly and graphed; a stalled peer ends the step: the watch's device-side assert
+#             has never run on a GPU), then the pipeline / watch tests (~4 min)
+#   moe       issue 15: MoE ep=2, dual-batch, NCCL, copy engines and copy engines with stream barriers
+#             (>= 30% MFU, >= 90% hidden), each mode profiled (~4 min)
+#   fsdp      issue 15: GPT 1b ZeRO-3 at batch 4, copy engines with kernel and stream barriers, against one
+#             GPU's compiled step, two rounds (A B A B: medians), profiled (~6 min)
+#   pipeline-zb  issue 14: ZB-H1 (not run on H200 since session 19) with the peers, late receives (~4 min)
+#   p2p-1f1b, p2p-v2  session 27's receive / CTA comparison (early now "-early")
 #   suite     the other multigpu tests (~7 min)
-#   moe-ce, hf_moe; watch: the stalled-peer test alone (passed in session 26)
+#   fsdp-b1, pipeline, pipeline-cut, moe-ce, hf_moe, watch
 set -euo pipefail
 part=${1:?usage: bench/pending_2gpu.sh PART [OUT]}
 out=${2:-${OUT:?set OUT or pass a directory}}
 mkdir -p "$out"
 day=$(date +%F)
 case "$part" in
-  moe) timeout 580 python bench/moe.py --gpus 2 --ep 2 --chunks 1 --all-to-all nccl copy-engine --microbatches 2 \
+  moe) timeout 580 python bench/moe.py --gpus 2 --ep 2 --chunks 1 --all-to-all nccl copy-engine copy-engine-stream --microbatches 2 \
          --interleave dual-batch --warmup 3 --iters 8 --profile "$out/moe_profile" --out "$out/moe_2gpu_$day.json" \
          2>&1 | tee "$out/moe.log" | grep -v "codegen: region" | tail -40
        # per mode: kernel time by class, and the copy engines' time beside kernels (what ep-overlap1-ce
@@ -40,17 +35,17 @@ case "$part" in
          --interleave dual-batch --fsdp-collectives copy-engine --warmup 3 --iters 8 \
          --out "$out/moe_ce_2gpu_$day.json" 2>&1 | tee "$out/moe_ce.log" | grep -v "codegen: region" | tail -40 ;;
   fsdp) timeout 570 python bench/fsdp.py --gpus 2 --batch 4 --rounds 2 --modes nocomm-compile nocomm-fxshard fxshard \
-          fxshard-ce --profile "$out/fsdp_profile" --out "$out/fsdp_2gpu_$day.json" 2>&1 | tee "$out/fsdp.log" \
+          fxshard-ce fxshard-ce-stream --profile "$out/fsdp_profile" --out "$out/fsdp_2gpu_$day.json" 2>&1 | tee "$out/fsdp.log" \
           | grep -v "codegen: region" | tail -30
         # one file for the profiles (a mode and batch each): the device tool returns at most 8 files
         tar czf "$out/fsdp_profile.tgz" -C "$out" fsdp_profile && rm -r "$out/fsdp_profile" ;;
   fsdp-b1) timeout 570 python bench/fsdp.py --gpus 2 --batch 1 4 --modes nocomm-compile fxshard fsdp2-compile \
              --out "$out/fsdp_b1_2gpu_$day.json" 2>&1 | tee "$out/fsdp_b1.log" | grep -v "codegen: region" | tail -30 ;;
   p2p-1f1b) timeout 580 python bench/pipeline.py --gpus 2 --schedules 1f1b --replays eager graphed --peers \
-              --p2p-ctas 2 --p2p-receives early late --steps 8 --out "$out/pipeline_p2p_1f1b_2gpu_$day.json" 2>&1 \
+              --p2p-ctas 2 --p2p-receives late early --steps 8 --out "$out/pipeline_p2p_1f1b_2gpu_$day.json" 2>&1 \
               | tee "$out/pipeline_p2p_1f1b.log" | grep -v "codegen: region\|Warning\|warn\|func(" | tail -45 ;;
   p2p-v2) timeout 580 python bench/pipeline.py --gpus 2 --schedules interleaved-v2 --replays graphed \
-            --peers pipelining-interleaved --p2p-ctas 2 --p2p-receives early late --steps 8 \
+            --peers pipelining-interleaved --p2p-ctas 2 --p2p-receives late early --steps 8 \
             --out "$out/pipeline_p2p_v2_2gpu_$day.json" 2>&1 | tee "$out/pipeline_p2p_v2.log" \
             | grep -v "codegen: region\|Warning\|warn\|func(" | tail -40 ;;
   pipeline) timeout 580 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 \

@@ -24,6 +24,7 @@ P2P_RECEIVES = ("early", "late")  # fxshard.schedule.order.RECEIVES
 EP_INTERLEAVINGS = ("combined-1f1b", "dual-batch")
 EP_ALL_TO_ALLS = ("nccl", "copy-engine")
 FSDP_COLLECTIVES = ("nccl", "copy-engine")
+COPY_ENGINE_BARRIERS = ("kernel", "stream")  # runtime/copy_engine.py BARRIERS
 CODEGENS = ("auto", "inductor", None)
 CODEGEN_REGIONS = ("layer", "communication")
 NONFINITE_MODES = ("raise", "skip", "ignore")
@@ -114,6 +115,13 @@ class Config:
         collective's result lives in a region of one symmetric workspace per group, reused once no
         later node reads it (fxshard/runtime/workspace_plan.py; `step.lowerings()` prints its size).
         CPU/gloo always uses the process group's collectives.
+    copy_engine_barriers: how the copy-engine collectives' two barriers wait: "kernel" (default:
+        torch's symmetric-memory barrier, a one-block kernel that spins on an SM until every peer has
+        arrived and traps after collective_timeout_s) or "stream" (CUDA stream memory operations,
+        cuStreamWaitValue32: the side stream waits holding no SM; on 2 H200s 40 GEMMs took 5.37 ms
+        beside one waiting, 7.14 beside the kernel, 5.31 alone, bench/probes/stream_barrier.py; it
+        cannot time out on the device, so after collective_timeout_s the copy-engine watch stops the
+        device itself). Not yet measured inside real steps: bench/RESULTS.md, session 27.
     nccl_max_ctas: on NCCL, each process group fxshard makes runs its collectives on at most this many
         CTAs (thread blocks, one SM each; NCCL's `maxCTAs` config of the communicator). An NCCL
         collective holds its SMs while it runs, and the GEMMs overlapping it run on the rest: fewer
@@ -171,6 +179,7 @@ class Config:
     ep_interleave: str = "combined-1f1b"
     ep_all_to_all: str = "nccl"
     fsdp_collectives: str = "nccl"
+    copy_engine_barriers: str = "kernel"
     nccl_max_ctas: "int | dict[str, int] | None" = None
     codegen: str | None = "auto"
     codegen_regions: str = "layer"
@@ -266,6 +275,9 @@ class Config:
             raise FxShardError(f"ep_all_to_all={self.ep_all_to_all!r}; choose one of {EP_ALL_TO_ALLS}")
         if self.fsdp_collectives not in FSDP_COLLECTIVES:
             raise FxShardError(f"fsdp_collectives={self.fsdp_collectives!r}; choose one of {FSDP_COLLECTIVES}")
+        if self.copy_engine_barriers not in COPY_ENGINE_BARRIERS:
+            raise FxShardError(f"copy_engine_barriers={self.copy_engine_barriers!r}; choose one of "
+                               f"{COPY_ENGINE_BARRIERS}")
         if self.nccl_max_ctas is not None:
             self._check_nccl_max_ctas()
         if self.nonfinite not in NONFINITE_MODES:

@@ -3,6 +3,7 @@
 region really shared, that the lowered program computes exactly what the unlowered one does. What the
 GPU copies compute is checked on GPUs (tests/test_gpu.py: bit-identical to NCCL, eager and graphed)."""
 
+import dataclasses
 import operator
 
 import pytest
@@ -116,7 +117,8 @@ def test_a_region_is_reused_once_its_last_reader_has_run_and_returned_results_ar
     # their barriers give up after Config(collective_timeout_s) instead of hanging on a missing peer, and
     # each writes its place in the program into the device's marker around them (Watch reads it)
     lowered_calls = [n for n in calls if n.target in COPY_ENGINE_COLLECTIVES]
-    assert [n.kwargs for n in lowered_calls] == [{"timeout_ms": 2500, "mark": (report.number, i)} for i in range(5)]
+    assert [n.kwargs for n in lowered_calls] == [{"timeout_ms": 2500, "mark": (report.number, i), "barrier": "kernel"}
+                                                 for i in range(5)]
     assert report.number > 0 and len(report.described) == 5
     assert report.described[4].startswith("all_gather_into_tensor of (8,), float32 [") and "on group 'dp'" in \
         report.described[4]
@@ -170,6 +172,76 @@ def test_the_watch_thread_reports_a_stall_by_itself():
         time.sleep(0.05)
     watch.stop()
     assert watch.reported == report.described[0]
+
+
+def test_stream_barriers_are_each_collectives_argument_and_the_watch_stops_the_device_for_them(capsys):
+    """Config(copy_engine_barriers="stream"): every lowered collective says so in its arguments (the
+    runtime dump shows it), and since such a barrier cannot give up by itself, the watch stops the
+    device once, after the timeout (kernel barriers trap by themselves: the watch only reports)."""
+    from fxshard.runtime.copy_engine import Watch
+
+    graph, _ = gather_graph()
+    with pytest.raises(fxshard.FxShardError, match="copy_engine_barriers='spin'; choose one of"):
+        lower_to_copy_engines(fx.GraphModule(torch.nn.Module(), graph), gathers_and_scatters=True, barriers="spin")
+    lowered, report = lower_to_copy_engines(fx.GraphModule(torch.nn.Module(), graph), gathers_and_scatters=True,
+                                            timeout_s=5, barriers="stream")
+    calls = [n for n in lowered.graph.nodes if n.op == "call_function" and n.target in COPY_ENGINE_COLLECTIVES]
+    assert len(calls) == 5 and {n.kwargs["barrier"] for n in calls} == {"stream"}
+    assert "barrier = 'stream'" in lowered.code and report.line().endswith("stream barriers)")
+    for barriers, stops in (("stream", [3]), ("kernel", [])):
+        stopped = []
+        word = torch.tensor([report.number, 2 * 1 + 1], dtype=torch.int32)  # waiting in collective 1
+        watch = Watch(dataclasses.replace(report, barriers=barriers), word, timeout_s=5, device_index=3,
+                      stopper=stopped.append)
+        seen = watch.poll(None, now=0.0)
+        watch.poll(seen, now=4.0)
+        assert stopped == []  # within the timeout
+        watch.poll(seen, now=6.0)
+        watch.poll(seen, now=9.0)
+        assert stopped == stops and watch.reported == report.described[1]
+        err = capsys.readouterr().err
+        assert ("stops the device" in err) == (barriers == "stream") and ("traps" in err) == (barriers == "kernel")
+    with pytest.raises(fxshard.FxShardError, match="copy_engine_barriers='spin'"):
+        fxshard.Config(copy_engine_barriers="spin")
+
+
+def test_a_stream_barrier_signals_every_peer_then_waits_for_each_then_resets_in_its_slot(monkeypatch):
+    """The barrier of stream memory operations (its GPU run: bench/probes/stream_barrier.py), with the
+    driver's functions recorded: rank 1 of 3 writes 1 into its word of the slot on each peer's signal
+    pad, waits for each peer's word on its own pad to be 1, and sets those back to 0; a collective's two
+    barriers (slots 0 and 1) use different words, all in the pads' second half."""
+    from fxshard.runtime import copy_engine
+
+    calls = []
+
+    def driver(name):
+        def call(stream, word, value, flags):
+            calls.append((name, word, value, flags))
+            return 0
+        call.__name__ = name
+        return call
+    monkeypatch.setattr(copy_engine, "_stream_memory_operations", lambda: (driver("write"), driver("wait")))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("Stream", (), {"cuda_stream": 7})())
+
+    class Handle:
+        signal_pad_ptrs, rank, world_size, signal_pad_size = [1 << 20, 2 << 20, 3 << 20], 1, 3, 2048
+    words = {}
+    for slot in (0, 1):
+        calls.clear()
+        copy_engine._stream_barrier(Handle, slot)
+        base = 1 << 20
+        assert [c[0] for c in calls] == ["write", "write", "wait", "wait", "write", "write"]
+        signals, waits, resets = calls[:2], calls[2:4], calls[4:]
+        assert [w // base for _, w, _, _ in signals] == [1, 3] and all(c[2:] == (1, 0) for c in signals)
+        assert {w // base for _, w, _, _ in waits} == {2} and all(c[2:] == (1, copy_engine._WAIT_EQ) for c in waits)
+        assert [c[1] for c in resets] == [c[1] for c in waits] and all(c[2] == 0 for c in resets)
+        offsets = {w % base for _, w, _, _ in calls}
+        assert all(1024 <= o < 2048 and o % 4 == 0 for o in offsets)  # the second half: torch's channels are below
+        words[slot] = offsets
+    assert not words[0] & words[1]
+    Handle.signal_pad_size = 16  # no room for 3 ranks in two slots
+    with pytest.raises(fxshard.FxShardError, match="no room for 3 ranks"):
+        copy_engine._stream_barrier(Handle, 0)
 
 
 def aliased_read_graph(alias: str) -> fx.GraphModule:

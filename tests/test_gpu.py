@@ -635,14 +635,17 @@ def test_cuda_graph_replay_with_a_mesh_is_bit_identical_to_eager_replay(expert_p
 
 def _copy_engines_and_nccl(batches, case):
     """bf16 compute / fp32 reduce over every rank, NCCL eagerly, then the copy engines eagerly and from a
-    CUDA graph (aten replay: Inductor's kernels are not bitwise deterministic). `case`: "ep" (MoEGPT tiny,
+    CUDA graph, each with kernel and with stream barriers (Config(copy_engine_barriers)) (aten replay:
+    Inductor's kernels are not bitwise deterministic). `case`: "ep" (MoEGPT tiny,
     ep = world, dual-batch overlap: the EP all-to-alls) or a sharding strategy (GPT tiny: the fsdp
     pass's all-gathers and reduce-scatters)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = f"cuda:{rank}"
     local = [{k: v[rank * 2:(rank + 1) * 2].to(device) for k, v in b.items()} for b in batches]
     results = []
-    for backend, cuda_graphs in (("nccl", False), ("copy-engine", False), ("copy-engine", True)):
+    for backend, cuda_graphs, barriers in (("nccl", False, "kernel"), ("copy-engine", False, "kernel"),
+                                           ("copy-engine", True, "kernel"), ("copy-engine", False, "stream"),
+                                           ("copy-engine", True, "stream")):
         torch.manual_seed(0)
         if case.startswith("ep"):
             model, mesh = MoEGPT(MoEGPTConfig.preset("tiny", capacity_factor=1.0)), fxshard.Mesh(dp=world, ep=world)
@@ -653,7 +656,7 @@ def _copy_engines_and_nccl(batches, case):
             model, mesh = GPT(GPTConfig.preset("tiny")), fxshard.Mesh(dp=world)
             fields = {"sharding": case, "fsdp_collectives": backend}
         config = fxshard.Config(cuda_graphs=cuda_graphs, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                codegen=None, **fields)
+                                codegen=None, copy_engine_barriers=barriers, **fields)
         step = fxshard.shard(model.to(device), model_loss, local[0], optimizer=ADAMW, mesh=mesh, config=config)
         lowered = step.copy_engine.all_to_alls + step.copy_engine.all_gathers + step.copy_engine.reduce_scatters
         assert (lowered > 0) == (backend == "copy-engine")
@@ -726,9 +729,9 @@ def test_copy_engine_collectives_compute_their_collective_on_one_rank():
     assert eager["marker"] == graphed["marker"] == [77, 8]  # the device wrote its progress to host memory
 
 
-def _stalled_copy_engine_peer(rank, out_dir):
+def _stalled_copy_engine_peer(rank, out_dir, barriers):
     """Rank 1 sleeps past Config(collective_timeout_s) before its third step; rank 0's copy-engine
-    barrier gives up and traps. Each rank writes what it saw, then leaves without any teardown (the
+    barrier gives up and traps (a stream barrier: the watch stops the device). Each rank writes what it saw, then leaves without any teardown (the
     trapped CUDA context would fail it)."""
     import json
     import time
@@ -742,7 +745,8 @@ def _stalled_copy_engine_peer(rank, out_dir):
     torch.manual_seed(0)
     step = fxshard.shard(GPT(GPTConfig.preset("tiny")).to(device), model_loss, batches[0], optimizer=ADAMW,
                          mesh=fxshard.Mesh(dp=2), config=fxshard.Config(
-                             fsdp_collectives="copy-engine", collective_timeout_s=3, codegen=None))
+                             fsdp_collectives="copy-engine", collective_timeout_s=3, codegen=None,
+                             copy_engine_barriers=barriers))
     seen = {"error": None}
     start = time.monotonic()
     try:
@@ -760,13 +764,14 @@ def _stalled_copy_engine_peer(rank, out_dir):
 
 
 @pytest.mark.multigpu
-def test_a_stalled_peer_of_a_copy_engine_collective_ends_the_step_naming_it(tmp_path):
+@pytest.mark.parametrize("barriers", ["kernel", "stream"])
+def test_a_stalled_peer_of_a_copy_engine_collective_ends_the_step_naming_it(tmp_path, barriers):
     import json
 
     from fxshard.launch import _free_port
 
     os.environ["MASTER_PORT"] = str(_free_port())
-    torch.multiprocessing.start_processes(_stalled_copy_engine_peer, args=(str(tmp_path),), nprocs=2,
+    torch.multiprocessing.start_processes(_stalled_copy_engine_peer, args=(str(tmp_path), barriers), nprocs=2,
                                           start_method="spawn")
     seen = json.loads((tmp_path / "rank0.json").read_text())
     assert seen["error"] is not None and seen["after_s"] < 3 + 10

@@ -21,7 +21,9 @@ into a fresh output (_triton_chunks.py). All of it runs on one side stream;
 the `wait_tensor` the graph already has makes the compute stream wait for it there (and not
 earlier): each result is its own tensor (its own storage), so a wait waits for its collective and
 what the side stream ran before it, never for a collective issued later. The barriers are kernels of
-one block; the rest is copies. Under CUDA graphs it is captured like any other stream work. A result
+one block (torch's symmetric-memory barrier, which spins on its SM while it waits) or, with
+Config(copy_engine_barriers="stream"), CUDA stream memory operations that hold no SM (`_stream_barrier`);
+the rest is copies. Under CUDA graphs it is captured like any other stream work. A result
 that the program returns (ZeRO-1/2's gathered parameters become the next step's state) is copied out
 of the workspace on the side stream, so no state lives in a region that a later collective reuses.
 
@@ -36,7 +38,9 @@ Where a rank waits: before its first barrier and after its second, each collecti
 2i+1) and (lowering, 2i+2) into a pinned host word of its device (`_MARKERS`, a one-thread kernel on
 the side stream, in stream order, captured by CUDA graphs like the rest). A barrier that times out
 traps and leaves the device unusable; the host can still read the word, and `Watch` does: an odd code
-names the collective the side stream stopped in, an even one says it stopped elsewhere.
+names the collective the side stream stopped in, an even one says it stopped elsewhere. A stream
+barrier cannot time out on the device: there `Watch` stops the device itself once the marker has
+waited Config(collective_timeout_s) (a device-side assert on another stream), with the same effect.
 """
 
 from __future__ import annotations
@@ -158,15 +162,97 @@ class _Done(torch._C._distributed_c10d.Work):
         return True
 
 
+BARRIERS = ("kernel", "stream")  # Config(copy_engine_barriers)
+_WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
+
+
+def _barrier(handle, kind: str, slot: int, timeout_ms: int) -> None:
+    """Every rank of the handle's group reaches this point of its side stream before any goes on.
+    `slot`: 0 for a collective's first barrier, 1 for its second (what `_stream_barrier` needs)."""
+    if kind == "stream":
+        _stream_barrier(handle, slot)
+    else:
+        handle.barrier(channel=0, timeout_ms=timeout_ms)
+
+
+@functools.cache
+def _stream_memory_operations():
+    """The driver's cuStreamWriteValue32 and cuStreamWaitValue32 (ctypes; the _v2 entry points of CUDA 12
+    and later), which torch does not expose for waiting."""
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        found = []
+        for name in ("cuStreamWriteValue32", "cuStreamWaitValue32"):
+            function = getattr(driver, name + "_v2", None) or getattr(driver, name)
+            function.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            function.restype = ctypes.c_int
+            found.append(function)
+    except (OSError, AttributeError) as error:
+        raise FxShardError(f"Config(copy_engine_barriers='stream') needs the CUDA driver's stream memory operations "
+                           f"(cuStreamWaitValue32, libcuda.so.1): {error}. Use copy_engine_barriers='kernel'") from error
+    return found[0], found[1]
+
+
+@functools.cache
+def _stream_barrier_words(pads: tuple[int, ...], rank: int, world: int, pad_bytes: int, slot: int):
+    """(words this rank signals on its peers' pads, its own words it waits on and resets) for `slot`:
+    uint32 word base + slot * world + sender of a pad, the base in the pad's second half, clear of the
+    channels torch's own barrier uses (channel * world + rank)."""
+    base = pad_bytes // 4 // 2
+    if base + 2 * world > pad_bytes // 4:
+        raise FxShardError(f"copy-engine stream barriers: the symmetric-memory signal pad ({pad_bytes} bytes) has no "
+                           f"room for {world} ranks; use Config(copy_engine_barriers='kernel')")
+    peers = [p for p in range(world) if p != rank]
+    return ([pads[p] + 4 * (base + slot * world + rank) for p in peers],
+            [pads[rank] + 4 * (base + slot * world + p) for p in peers])
+
+
+def _stream_barrier(handle, slot: int) -> None:
+    """A barrier of stream memory operations on the current stream, holding no SM while it waits
+    (2x H200, bench/probes/stream_barrier.py: 40 GEMMs took 5.37 ms beside one waiting, 5.31 alone and
+    7.14 beside torch's one-block barrier kernel). This rank writes 1 into its word of `slot` on every
+    peer's signal pad (cuStreamWriteValue32: a memory fence first, so the copies before it have landed
+    there), waits until each peer's word on its own pad is 1 (cuStreamWaitValue32), and sets those
+    back to 0. A collective's two barriers use slots 0 and 1, so consecutive barriers on a group never
+    share one: a peer writes into this rank's word of a slot again only after it passed the next
+    barrier, whose signal this rank wrote after its reset (behind the fence). Captured by CUDA graphs
+    as memory-operation nodes."""
+    write, wait = _stream_memory_operations()
+    signals, waits = _stream_barrier_words(tuple(handle.signal_pad_ptrs), handle.rank, handle.world_size,
+                                           handle.signal_pad_size, slot)
+    stream = torch.cuda.current_stream().cuda_stream
+    calls = [(write, word, 1, 0) for word in signals] + [(wait, word, 1, _WAIT_EQ) for word in waits]
+    for function, word, value, flags in calls + [(write, word, 0, 0) for word in waits]:
+        code = function(stream, word, value, flags)
+        if code != 0:
+            raise RuntimeError(f"copy-engine stream barrier: {function.__name__} returned CUresult {code}")
+
+
+def stop_device(index: int) -> None:
+    """Make device `index`'s CUDA context fail, as a trapped barrier does: a device-side assert on a
+    stream of its own, which runs while the side stream waits. What `Watch` does when a stream
+    barrier has waited past the timeout (it cannot give up by itself)."""
+    with torch.cuda.device(index):
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            torch._assert_async(torch.zeros((), dtype=torch.bool, device=f"cuda:{index}"),
+                                "fxshard: a copy-engine collective waited longer than Config(collective_timeout_s)")
+
+
 def _exchange(x: Tensor, group_name: str, region: int, total_bytes: int, shape: list[int], part_for,
-              finish, timeout_ms: int, mark: tuple[int, int] | None, skip_own: bool = False) -> Tensor:
+              finish, timeout_ms: int, mark: tuple[int, int] | None, skip_own: bool = False,
+              barrier: str = "kernel") -> Tensor:
     """The shared body: on the side stream, barrier; write `part_for(peer)` at rows [rank * n, (rank +
     1) * n) of each peer's region (viewed as `shape`, n = part rows; not this rank's own with
     `skip_own`: `finish` reads that part where it is); barrier; `finish(own region)`.
     A barrier that waits longer than `timeout_ms` (0: forever) traps on the device (torch's symmetric
     memory barrier), which fails the step's next synchronization: a peer that never arrives must not
     hang the job, as NCCL's timeout makes sure for its collectives. `mark` = (lowering, i): the
-    barriers are bracketed by the marker writes that let `Watch` name this collective."""
+    barriers are bracketed by the marker writes that let `Watch` name this collective. `barrier`:
+    "kernel" (torch's) or "stream" (`_stream_barrier`: no SM held; no device-side timeout, `Watch`
+    stops the device instead)."""
     group = dist.distributed_c10d._resolve_process_group(group_name)
     world, rank = group.size(), group.rank()
     handle = _workspace(group_name, total_bytes)
@@ -176,13 +262,13 @@ def _exchange(x: Tensor, group_name: str, region: int, total_bytes: int, shape: 
     with torch.cuda.stream(stream):
         if mark is not None:
             _mark(x.device.index, mark[0], 2 * mark[1] + 1)  # waiting in collective i
-        handle.barrier(channel=0, timeout_ms=timeout_ms)  # every rank is here: done with the region's old contents
+        _barrier(handle, barrier, 0, timeout_ms)  # every rank is here: done with the region's old contents
         for step in range(1 if skip_own else 0, world):
             peer = (rank + step) % world
             part = part_for(peer)
             rows = part.shape[0]
             handle.get_buffer(peer, shape, x.dtype, offset)[rank * rows:(rank + 1) * rows].copy_(part)
-        handle.barrier(channel=0, timeout_ms=timeout_ms)  # every rank's part for this one has landed
+        _barrier(handle, barrier, 1, timeout_ms)  # every rank's part for this one has landed
         if mark is not None:
             _mark(x.device.index, mark[0], 2 * mark[1] + 2)  # through collective i
         out = finish(handle.get_buffer(rank, shape, x.dtype, offset))
@@ -201,7 +287,7 @@ def _copied_out(copy_out: bool, shape: list[int], like: Tensor):
 
 def copy_engine_all_to_all(x: Tensor, output_split_sizes, input_split_sizes, group_name: str, region: int,
                            total_bytes: int, copy_out: bool = False, timeout_ms: int = 0,
-                           mark: tuple[int, int] | None = None) -> Tensor:
+                           mark: tuple[int, int] | None = None, barrier: str = "kernel") -> Tensor:
     """all_to_all_single(x) with equal splits over `group_name`, into this call's region (byte offset
     `region`) of the group's workspace (`total_bytes`: what its program's plan needs). Returns at once
     (like the functional collective); read it after `wait_tensor`."""
@@ -210,21 +296,23 @@ def copy_engine_all_to_all(x: Tensor, output_split_sizes, input_split_sizes, gro
     rows = x.shape[0] // world
     return _exchange(x, group_name, region, total_bytes, list(x.shape),
                      lambda peer: x[peer * rows:(peer + 1) * rows], _copied_out(copy_out, list(x.shape), x), timeout_ms,
-                     mark)
+                     mark, barrier=barrier)
 
 
 def copy_engine_all_gather(shard: Tensor, world: int, group_name: str, region: int, total_bytes: int,
-                           copy_out: bool = False, timeout_ms: int = 0, mark: tuple[int, int] | None = None) -> Tensor:
+                           copy_out: bool = False, timeout_ms: int = 0, mark: tuple[int, int] | None = None,
+                           barrier: str = "kernel") -> Tensor:
     """all_gather_into_tensor(shard, world) over `group_name`: every peer's region gets this rank's
     shard at its rows."""
     shard = shard.contiguous()
     shape = [world * shard.shape[0], *shard.shape[1:]]
     return _exchange(shard, group_name, region, total_bytes, shape, lambda peer: shard,
-                     _copied_out(copy_out, shape, shard), timeout_ms, mark)
+                     _copied_out(copy_out, shape, shard), timeout_ms, mark, barrier=barrier)
 
 
 def copy_engine_reduce_scatter(x: Tensor, reduce_op: str, world: int, group_name: str, region: int,
-                               total_bytes: int, timeout_ms: int = 0, mark: tuple[int, int] | None = None) -> Tensor:
+                               total_bytes: int, timeout_ms: int = 0, mark: tuple[int, int] | None = None,
+                               barrier: str = "kernel") -> Tensor:
     """reduce_scatter_tensor(x, "sum" | "avg", world) over `group_name`: peer p's region gets this rank's
     chunk p at row block `rank`; one kernel sums, in rank order and in fp32, the chunks that landed here
     and this rank's own chunk where it is in `x` (never copied), divides by `world` for avg and rounds
@@ -244,7 +332,7 @@ def copy_engine_reduce_scatter(x: Tensor, reduce_op: str, world: int, group_name
     def reduce(landed: Tensor) -> Tensor:
         return sum_chunks(x[rank * rows:(rank + 1) * rows], landed, out, world, rank, reduce_op == "avg")
     return _exchange(x, group_name, region, total_bytes, list(x.shape), lambda peer: x[peer * rows:(peer + 1) * rows],
-                     reduce, timeout_ms, mark, skip_own=True)
+                     reduce, timeout_ms, mark, skip_own=True, barrier=barrier)
 
 
 copy_engine_all_to_all.copy_engine_of = "all_to_all_single"  # what the SPMD simulator runs them as
@@ -267,22 +355,27 @@ class CopyEngineLowering:
     unshared: dict = dataclasses.field(default_factory=dict)  # group name -> bytes without reuse
     number: int = 0  # what its collectives write into the marker (0: nothing lowered)
     described: tuple[str, ...] = ()  # collective i as an error names it (agreement.describe)
+    barriers: str = "kernel"  # Config(copy_engine_barriers)
 
     def line(self) -> str:
         planned = ", ".join(f"{name}: {b / 2**20:.1f} MiB (of {self.unshared[name] / 2**20:.1f} without reuse)"
                             for name, b in sorted(self.workspace.items()))
+        barriers = ", stream barriers" if self.barriers == "stream" and self.number else ""
         return (f"{self.all_to_alls} copy-engine all-to-alls, {self.all_gathers} all-gathers, "
-                f"{self.reduce_scatters} reduce-scatters" + (f" (workspace {planned})" if planned else ""))
+                f"{self.reduce_scatters} reduce-scatters" + (f" (workspace {planned}{barriers})" if planned else ""))
 
 
 def lower_to_copy_engines(graph_module: fx.GraphModule, all_to_alls: bool = True, gathers_and_scatters: bool = False,
-                          timeout_s: float | None = None,
-                          axes: dict[str, str] | None = None) -> tuple[fx.GraphModule, CopyEngineLowering]:
+                          timeout_s: float | None = None, axes: dict[str, str] | None = None,
+                          barriers: str = "kernel") -> tuple[fx.GraphModule, CopyEngineLowering]:
     """A copy of `graph_module` whose chosen collectives run on copy engines: EP all-to-alls with equal
     splits (`all_to_alls`), all-gathers and sum/avg reduce-scatters (`gathers_and_scatters`), each in a
     region of its group's workspace that workspace_plan.plan_regions places; their barriers give up
     after `timeout_s` (Config(collective_timeout_s); None: never). `axes` (group name -> mesh axis)
-    names the groups in the descriptions `Watch` reports."""
+    names the groups in the descriptions `Watch` reports. `barriers` (Config(copy_engine_barriers)):
+    each lowered node's `barrier` argument, "kernel" or "stream" (`_stream_barrier`), in the dump."""
+    if barriers not in BARRIERS:
+        raise FxShardError(f"copy_engine_barriers={barriers!r}; choose one of {BARRIERS}")
     from .agreement import describe
 
     graph = fx.Graph()
@@ -303,12 +396,12 @@ def lower_to_copy_engines(graph_module: fx.GraphModule, all_to_alls: bool = True
             x, reduce_op, world, group_name = node.args
             node.args = (x, reduce_op, world, group_name, region, total)
         node.target = _LOWERED[node.target]
-        node.kwargs = {"timeout_ms": int(timeout_s * 1000) if timeout_s else 0, "mark": (number, i)}
+        node.kwargs = {"timeout_ms": int(timeout_s * 1000) if timeout_s else 0, "mark": (number, i), "barrier": barriers}
     graph.lint()
     kinds = [node.target for node in chosen]
     return fx.GraphModule(graph_module, graph), CopyEngineLowering(
         kinds.count(copy_engine_all_to_all), kinds.count(copy_engine_all_gather),
-        kinds.count(copy_engine_reduce_scatter), dict(plan.workspace), dict(plan.unshared), number, described)
+        kinds.count(copy_engine_reduce_scatter), dict(plan.workspace), dict(plan.unshared), number, described, barriers)
 
 
 class Watch:
@@ -318,10 +411,15 @@ class Watch:
     `waiting_in()` is for the runtime's error path; `start()` runs a daemon thread that prints the
     same to stderr once the marker has said "waiting" in one collective for `timeout_s`, since the
     CUDA error usually surfaces in the user's code (a `loss.item()`), where fxshard cannot catch it.
+    With stream barriers, which wait on the device for as long as it takes, the thread then also
+    stops device `device_index` (`stop_device`), which is what a kernel barrier's trap does.
     """
 
-    def __init__(self, lowering: CopyEngineLowering, word: Tensor, timeout_s: float | None, rank: int = 0):
+    def __init__(self, lowering: CopyEngineLowering, word: Tensor, timeout_s: float | None, rank: int = 0,
+                 device_index: int | None = None, stopper=None):
         self.lowering, self.word, self.timeout_s, self.rank = lowering, word, timeout_s, rank
+        self.device_index = device_index
+        self.stop_device = stopper or stop_device  # stopper: a test's stand-in, on CPU
         self.reported: str | None = None  # what the thread printed
         self._stop = threading.Event()
 
@@ -342,10 +440,14 @@ class Watch:
             return code, now
         if self.reported is None and self.timeout_s and now - seen[1] >= self.timeout_s:
             self.reported = where
+            stream = self.lowering.barriers == "stream"
             print(f"fxshard: rank {self.rank}: waited {now - seen[1]:.0f} s in the copy-engine {where}, longer than "
                   f"Config(collective_timeout_s)={self.timeout_s:g}: a rank of that group stalled or stopped (its own "
-                  "log says why). Its barrier traps on the device, so this process's next CUDA call fails",
+                  "log says why). " + ("fxshard stops the device (a device-side assert)" if stream else
+                                       "Its barrier traps on the device") + ", so this process's next CUDA call fails",
                   file=sys.stderr, flush=True)
+            if stream and self.device_index is not None:
+                self.stop_device(self.device_index)
         return seen
 
     def start(self) -> None:

@@ -57,6 +57,7 @@ class CompiledStep:
     def __init__(self, programs: list[Program], state: State, batch_spec: BatchSpec, optimizer: Optimizer,
                  device: torch.device, groups: dict | None = None, cuda_graphs: bool = False,
                  sm_carveout: int | None = None, all_to_all: str = "nccl", fsdp_collectives: str = "nccl",
+                 copy_engine_barriers: str = "kernel",
                  collective_timeout_s: float | None = Config.collective_timeout_s,
                  codegen: bool = False,
                  codegen_by_layer: bool = True,
@@ -110,12 +111,13 @@ class CompiledStep:
             self._run, self.copy_engine = lower_to_copy_engines(
                 self._run, all_to_alls=all_to_all == "copy-engine",
                 gathers_and_scatters=fsdp_collectives == "copy-engine", timeout_s=collective_timeout_s,
-                axes={group.group_name: axis for axis, group in self.groups.items()})
-        # names the copy-engine collective a device stopped in (their barriers trap after the timeout)
+                axes={group.group_name: axis for axis, group in self.groups.items()}, barriers=copy_engine_barriers)
+        # names the copy-engine collective a device stopped in (kernel barriers trap after the timeout;
+        # with stream barriers the watch stops the device itself)
         self._watch = None
         if self.copy_engine.number:
             index = device.index if device.index is not None else torch.cuda.current_device()
-            self._watch = Watch(self.copy_engine, marker(index), collective_timeout_s, rank)
+            self._watch = Watch(self.copy_engine, marker(index), collective_timeout_s, rank, index)
             self._watch.start()
         # last: the compute between the nodes placed above is compiled; those nodes keep their order
         self.codegen: CodegenReport | None = None
@@ -187,7 +189,7 @@ class CompiledStep:
             raise FxShardError(
                 f"this rank's device stopped in the copy-engine {where}: its barrier gave up after "
                 f"Config(collective_timeout_s) because a rank of that group stalled or stopped (its own error or log "
-                f"says why), and trapped, which leaves this process's CUDA context unusable. Restart the job (from "
+                f"says why), and stopped the device, which leaves this process's CUDA context unusable. Restart the job (from "
                 f"the last checkpoint). CUDA said: {str(error).strip().splitlines()[0][:200]}") from error
 
     def _call(self, batch) -> dict[str, torch.Tensor]:
