@@ -232,6 +232,8 @@ def run_fsdp2(cfg, batch, seq, warmup, iters, compiled=False):
 
 
 def distributed_mode(mode, cfg, batch, seq, warmup, iters, max_ctas=None):
+    if mode.startswith("fxshard-ce") and mode not in ("fxshard-ce", "fxshard-ce-stream"):
+        raise SystemExit(f"unknown mode {mode}: the copy-engine modes are fxshard-ce and fxshard-ce-stream")
     if mode.startswith("fsdp2"):
         result = run_fsdp2(cfg, batch, seq, warmup, iters, compiled=mode == "fsdp2-compile")
     else:

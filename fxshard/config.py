@@ -121,7 +121,10 @@ class Config:
         cuStreamWaitValue32: the side stream waits holding no SM; on 2 H200s 40 GEMMs took 5.37 ms
         beside one waiting, 7.14 beside the kernel, 5.31 alone, bench/probes/stream_barrier.py; it
         cannot time out on the device, so after collective_timeout_s the copy-engine watch stops the
-        device itself). Not yet measured inside real steps: bench/RESULTS.md, session 27.
+        device itself with a device-side assert, and ends the process if that has not taken 30 s
+        later). A stream wait blocks the hardware queue its stream is mapped to, which other streams
+        may share (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default; 1 is refused). Not yet measured inside
+        real steps: bench/RESULTS.md, session 27.
     nccl_max_ctas: on NCCL, each process group fxshard makes runs its collectives on at most this many
         CTAs (thread blocks, one SM each; NCCL's `maxCTAs` config of the communicator). An NCCL
         collective holds its SMs while it runs, and the GEMMs overlapping it run on the rest: fewer

@@ -133,27 +133,31 @@ def test_the_watch_names_the_collective_a_device_stopped_in_and_reports_a_stall_
     graph, nodes = gather_graph()
     _, report = lower_to_copy_engines(fx.GraphModule(torch.nn.Module(), graph), gathers_and_scatters=True,
                                       timeout_s=5, axes={"dp": "data"})
-    word = torch.zeros(2, dtype=torch.int32)
+    word = torch.zeros(3, dtype=torch.int32)  # [lowering, code, marks so far]
     watch = Watch(report, word, timeout_s=5, rank=1)
     assert watch.waiting_in() is None  # nothing ran yet
-    word[:] = torch.tensor([report.number, 2 * 3 + 1])  # waiting in collective 3
+    word[:] = torch.tensor([report.number, 2 * 3 + 1, 7])  # waiting in collective 3
     assert watch.waiting_in() == report.described[3] and "on group 'data'" in report.described[3]
     word[1] = 2 * 3 + 2  # through it: the device stopped elsewhere, if it stopped
     assert watch.waiting_in() is None
-    word[:] = torch.tensor([report.number + 1, 7])  # another program's collective
+    word[:] = torch.tensor([report.number + 1, 7, 8])  # another program's collective
     assert watch.waiting_in() is None
-    assert Watch(CopyEngineLowering(), torch.zeros(2, dtype=torch.int32), 5).waiting_in() is None
+    assert Watch(CopyEngineLowering(), torch.zeros(3, dtype=torch.int32), 5).waiting_in() is None
 
-    word[:] = torch.tensor([report.number, 2 * 1 + 1])
+    word[:] = torch.tensor([report.number, 2 * 1 + 1, 9])
     seen = watch.poll(None, now=100.0)
     assert watch.poll(seen, now=104.0) == seen and capsys.readouterr().err == ""  # within the timeout
-    word[1] = 2 * 2 + 1  # the next collective: the clock starts again
+    word[1:] = torch.tensor([2 * 2 + 1, 11])  # the next collective: the clock starts again
     seen = watch.poll(seen, now=104.5)
-    assert seen == (5, 104.5) and watch.poll(seen, now=109.0) == seen and watch.reported is None
-    watch.poll(seen, now=110.0)
-    watch.poll(seen, now=111.0)
+    assert seen == ((5, 11), 104.5) and watch.poll(seen, now=108.0) == seen and watch.reported is None
+    word[2] = 11 + 2 * 5  # the same collective, steps later (the thread looked at the same moment of each)
+    seen = watch.poll(seen, now=109.6)
+    assert seen == ((5, 21), 109.6) and watch.reported is None  # not a stall: the clock starts again
+    assert watch.poll(seen, now=114.0) == seen and watch.reported is None
+    watch.poll(seen, now=115.0)
+    watch.poll(seen, now=116.0)
     err = capsys.readouterr().err
-    assert err.count("fxshard: rank 1: waited 6 s in the copy-engine " + report.described[2]) == 1
+    assert err.count("fxshard: rank 1: waited 5 s in the copy-engine " + report.described[2]) == 1
     assert "Config(collective_timeout_s)=5" in err and watch.reported == report.described[2]
 
 
@@ -164,7 +168,7 @@ def test_the_watch_thread_reports_a_stall_by_itself():
 
     graph, _ = gather_graph()
     _, report = lower_to_copy_engines(fx.GraphModule(torch.nn.Module(), graph), gathers_and_scatters=True)
-    word = torch.tensor([report.number, 1], dtype=torch.int32)
+    word = torch.tensor([report.number, 1, 1], dtype=torch.int32)
     watch = Watch(report, word, timeout_s=0.2)
     watch.start()
     deadline = time.monotonic() + 10
@@ -189,10 +193,10 @@ def test_stream_barriers_are_each_collectives_argument_and_the_watch_stops_the_d
     assert len(calls) == 5 and {n.kwargs["barrier"] for n in calls} == {"stream"}
     assert "barrier = 'stream'" in lowered.code and report.line().endswith("stream barriers)")
     for barriers, stops in (("stream", [3]), ("kernel", [])):
-        stopped = []
-        word = torch.tensor([report.number, 2 * 1 + 1], dtype=torch.int32)  # waiting in collective 1
+        stopped = []  # what the watch stopped: the stand-in records the call
+        word = torch.tensor([report.number, 2 * 1 + 1, 3], dtype=torch.int32)  # waiting in collective 1
         watch = Watch(dataclasses.replace(report, barriers=barriers), word, timeout_s=5, device_index=3,
-                      stopper=stopped.append)
+                      stopper=lambda: stopped.append(3))
         seen = watch.poll(None, now=0.0)
         watch.poll(seen, now=4.0)
         assert stopped == []  # within the timeout
@@ -203,6 +207,16 @@ def test_stream_barriers_are_each_collectives_argument_and_the_watch_stops_the_d
         assert ("stops the device" in err) == (barriers == "stream") and ("traps" in err) == (barriers == "kernel")
     with pytest.raises(fxshard.FxShardError, match="copy_engine_barriers='spin'"):
         fxshard.Config(copy_engine_barriers="spin")
+
+
+def test_stream_barriers_are_refused_where_every_stream_shares_one_hardware_queue(monkeypatch):
+    graph, _ = gather_graph()
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with pytest.raises(fxshard.FxShardError, match="CUDA_DEVICE_MAX_CONNECTIONS=1.*copy_engine_barriers='kernel'"):
+        lower_to_copy_engines(fx.GraphModule(torch.nn.Module(), graph), gathers_and_scatters=True, barriers="stream")
+    lower_to_copy_engines(fx.GraphModule(torch.nn.Module(), graph), gathers_and_scatters=True)  # kernels: fine
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "2")
+    lower_to_copy_engines(fx.GraphModule(torch.nn.Module(), graph), gathers_and_scatters=True, barriers="stream")
 
 
 def test_a_stream_barrier_signals_every_peer_then_waits_for_each_then_resets_in_its_slot(monkeypatch):
@@ -444,7 +458,7 @@ def test_a_step_whose_device_stopped_in_a_copy_engine_collective_says_which():
     step = fxshard.shard(MLPStack([4, 4]), mse, batch, optimizer=ADAMW)
     graph, _ = gather_graph()
     _, report = lower_to_copy_engines(fx.GraphModule(torch.nn.Module(), graph), gathers_and_scatters=True)
-    word = torch.tensor([report.number, 2 * 4 + 2], dtype=torch.int32)
+    word = torch.tensor([report.number, 2 * 4 + 2, 10], dtype=torch.int32)
     step._watch = Watch(report, word, timeout_s=5)
 
     def trapped(_batch):

@@ -726,7 +726,48 @@ def test_copy_engine_collectives_compute_their_collective_on_one_rank():
         assert torch.equal(values["reduced"], x * scale + 1)
         assert torch.equal(values["copied"], x * scale - 1)
     assert eager["copied_ptr"] != eager["region_ptr"] + 3072  # copied out of its region
-    assert eager["marker"] == graphed["marker"] == [77, 8]  # the device wrote its progress to host memory
+    # the device wrote its progress to host memory: through collective 3 (code 2 * 3 + 2), 8 marks counted
+    assert eager["marker"] == graphed["marker"] == [77, 8, 8]
+
+
+def _late_peer_exchanges(barrier):
+    """60 all-gathers on copy engines with `barrier` ("kernel" or "stream"), rank 1 arriving late at
+    each (its compute stream sleeps before issuing it, so a barrier that did not wait would let rank 0
+    read its region before rank 1's rows landed): 30 issued eagerly, 30 replayed from one CUDA graph.
+    Each rank counts the gathered rows that do not hold the step number both ranks wrote."""
+    from fxshard.runtime.copy_engine import copy_engine_all_gather
+
+    rank, group = dist.get_rank(), dist.group.WORLD.group_name
+    wait = torch.ops._c10d_functional.wait_tensor
+    step = torch.zeros(1, device="cuda")
+    wrong = torch.zeros((), dtype=torch.int64, device="cuda")
+
+    def exchange():
+        step.add_(1)
+        if rank == 1:
+            torch.cuda._sleep(100_000)  # ~50 us late
+        gathered = wait(copy_engine_all_gather(step.expand(4096).contiguous(), 2, group, 0, 1 << 16, barrier=barrier))
+        wrong.add_((gathered != step).sum())
+    for _ in range(30):
+        exchange()
+    torch.cuda.synchronize()
+    eager = (int(wrong.item()), int(step.item()))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        exchange()
+    dist.barrier()
+    for _ in range(30):
+        graph.replay()
+    torch.cuda.synchronize()
+    return eager, (int(wrong.item()), int(step.item()))
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("barrier", ["kernel", "stream"])
+def test_copy_engine_barriers_wait_for_a_late_peer_eagerly_and_under_cuda_graphs(barrier):
+    for eager, graphed in run_local(_late_peer_exchanges, 2, barrier, backend="nccl"):
+        assert eager == (0, 30)
+        assert graphed == (0, 60)  # capturing runs nothing: 30 eager steps, then 30 replayed
 
 
 def _stalled_copy_engine_peer(rank, out_dir, barriers):
@@ -767,12 +808,19 @@ def _stalled_copy_engine_peer(rank, out_dir, barriers):
 @pytest.mark.parametrize("barriers", ["kernel", "stream"])
 def test_a_stalled_peer_of_a_copy_engine_collective_ends_the_step_naming_it(tmp_path, barriers):
     import json
+    import time
 
     from fxshard.launch import _free_port
 
     os.environ["MASTER_PORT"] = str(_free_port())
-    torch.multiprocessing.start_processes(_stalled_copy_engine_peer, args=(str(tmp_path), barriers), nprocs=2,
-                                          start_method="spawn")
+    context = torch.multiprocessing.start_processes(_stalled_copy_engine_peer, args=(str(tmp_path), barriers),
+                                                    nprocs=2, start_method="spawn", join=False)
+    deadline = time.monotonic() + 180  # a stop that did not take must fail this test, not hang the suite
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the ranks did not end within 180 s of a 15 s stall (timeout 3 s)")
     seen = json.loads((tmp_path / "rank0.json").read_text())
     assert seen["error"] is not None and seen["after_s"] < 3 + 10
     assert seen["waiting_in"] is not None and seen["waiting_in"].split(" of ")[0] in (

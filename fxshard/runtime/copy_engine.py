@@ -40,7 +40,8 @@ the side stream, in stream order, captured by CUDA graphs like the rest). A barr
 traps and leaves the device unusable; the host can still read the word, and `Watch` does: an odd code
 names the collective the side stream stopped in, an even one says it stopped elsewhere. A stream
 barrier cannot time out on the device: there `Watch` stops the device itself once the marker has
-waited Config(collective_timeout_s) (a device-side assert on another stream), with the same effect.
+waited Config(collective_timeout_s) (a device-side assert on a high-priority stream of its own), and
+ends the process if that did not take (`DeviceStop`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import os
 import sys
 import threading
 import time
@@ -122,9 +124,10 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def marker(index: int) -> Tensor:
-    """The pinned host word the side stream of device `index` writes its progress into (`_mark`)."""
+    """The pinned host words the side stream of device `index` writes its progress into (`_mark`):
+    [lowering, code, marks so far]."""
     if index not in _MARKERS:
-        _MARKERS[index] = torch.zeros(2, dtype=torch.int32, pin_memory=True)
+        _MARKERS[index] = torch.zeros(3, dtype=torch.int32, pin_memory=True)
     return _MARKERS[index]
 
 
@@ -137,12 +140,15 @@ def _mark_kernel():
     def mark(word, lowering, code):
         tl.store(word, lowering)
         tl.store(word + 1, code)
+        tl.store(word + 2, tl.load(word + 2) + 1)  # one thread, in stream order: a count, not an atomic
     return mark
 
 
 def _mark(index: int, lowering: int, code: int) -> None:
-    """On the current stream: write (lowering, code) into device `index`'s marker, host memory the
-    device writes through (one thread; ~10 us to launch, nothing under CUDA graphs)."""
+    """On the current stream: write (lowering, code) into device `index`'s marker and count the mark
+    (host memory the device writes through; one thread; ~10 us to launch, nothing under CUDA graphs).
+    The count tells `Watch` a side stream that keeps passing the same collective step after step
+    from one that stopped in it."""
     _mark_kernel()[(1,)](marker(index), lowering, code)
 
 
@@ -230,15 +236,41 @@ def _stream_barrier(handle, slot: int) -> None:
             raise RuntimeError(f"copy-engine stream barrier: {function.__name__} returned CUresult {code}")
 
 
-def stop_device(index: int) -> None:
-    """Make device `index`'s CUDA context fail, as a trapped barrier does: a device-side assert on a
-    stream of its own, which runs while the side stream waits. What `Watch` does when a stream
-    barrier has waited past the timeout (it cannot give up by itself)."""
-    with torch.cuda.device(index):
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            torch._assert_async(torch.zeros((), dtype=torch.bool, device=f"cuda:{index}"),
-                                "fxshard: a copy-engine collective waited longer than Config(collective_timeout_s)")
+class DeviceStop:
+    """Makes device `index`'s CUDA context fail, as a trapped barrier does: what `Watch` does once a
+    stream barrier has waited past the timeout (it cannot give up by itself). A device-side assert on a
+    high-priority stream of its own, made with its operand when the watch is (a thread that stops a
+    device must not need the caching allocator, whose lock a stuck main thread may hold). A stream
+    wait blocks the hardware queue its stream is mapped to, and streams share queues
+    (CUDA_DEVICE_MAX_CONNECTIONS): should the assert not have run `grace_s` later, the process
+    exits with status 1 instead of hanging, saying why."""
+
+    def __init__(self, index: int, grace_s: float = 30.0):
+        self.index, self.grace_s = index, grace_s
+        with torch.cuda.device(index):
+            self.stream = torch.cuda.Stream(priority=-1)
+            self.false = torch.zeros((), dtype=torch.bool, device=f"cuda:{index}")
+
+    def __call__(self) -> None:
+        try:
+            with torch.cuda.device(self.index), torch.cuda.stream(self.stream):
+                torch._assert_async(self.false, "fxshard: a copy-engine collective waited longer than "
+                                                "Config(collective_timeout_s)")
+        except RuntimeError:  # the context failed already: what the stop is for
+            return
+        timer = threading.Timer(self.grace_s, self._exit_unless_stopped)
+        timer.daemon = True
+        timer.start()
+
+    def _exit_unless_stopped(self) -> None:
+        try:
+            self.stream.query()
+        except RuntimeError:  # the assert ran: every CUDA call of the process fails, the main thread's too
+            return
+        print(f"fxshard: the device-side assert meant to stop cuda:{self.index} had not run {self.grace_s:g} s "
+              "later (its stream shares a blocked hardware queue?); exiting with status 1 instead of hanging",
+              file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 def _exchange(x: Tensor, group_name: str, region: int, total_bytes: int, shape: list[int], part_for,
@@ -376,6 +408,12 @@ def lower_to_copy_engines(graph_module: fx.GraphModule, all_to_alls: bool = True
     each lowered node's `barrier` argument, "kernel" or "stream" (`_stream_barrier`), in the dump."""
     if barriers not in BARRIERS:
         raise FxShardError(f"copy_engine_barriers={barriers!r}; choose one of {BARRIERS}")
+    connections = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    if barriers == "stream" and connections.isdigit() and int(connections) < 2:
+        raise FxShardError(f"Config(copy_engine_barriers='stream') with CUDA_DEVICE_MAX_CONNECTIONS={connections}: "
+                           "a stream wait blocks the hardware queue its stream runs on, and with one queue that is "
+                           "every stream's, so the compute would wait with it (no overlap; a rank whose peer needs "
+                           "its compute first would hang). Unset it or use copy_engine_barriers='kernel'")
     from .agreement import describe
 
     graph = fx.Graph()
@@ -412,32 +450,35 @@ class Watch:
     same to stderr once the marker has said "waiting" in one collective for `timeout_s`, since the
     CUDA error usually surfaces in the user's code (a `loss.item()`), where fxshard cannot catch it.
     With stream barriers, which wait on the device for as long as it takes, the thread then also
-    stops device `device_index` (`stop_device`), which is what a kernel barrier's trap does.
+    stops device `device_index` (`DeviceStop`), which is what a kernel barrier's trap does. "Waited"
+    means the marker's code and count stayed the same (steps that keep passing one collective at the
+    moments the thread looks change the count).
     """
 
     def __init__(self, lowering: CopyEngineLowering, word: Tensor, timeout_s: float | None, rank: int = 0,
                  device_index: int | None = None, stopper=None):
         self.lowering, self.word, self.timeout_s, self.rank = lowering, word, timeout_s, rank
-        self.device_index = device_index
-        self.stop_device = stopper or stop_device  # stopper: a test's stand-in, on CPU
+        self.stop_device = stopper  # a test's stand-in, on CPU
+        if stopper is None and lowering.barriers == "stream" and lowering.number and device_index is not None:
+            self.stop_device = DeviceStop(device_index)
         self.reported: str | None = None  # what the thread printed
         self._stop = threading.Event()
 
     def waiting_in(self) -> str | None:
         """The collective of this lowering whose barriers the side stream is in (or stopped in), or None."""
-        number, code = (int(v) for v in self.word.tolist())
+        number, code = (int(v) for v in self.word.tolist()[:2])
         if number != self.lowering.number or number == 0 or code % 2 == 0:
             return None
         return self.lowering.described[(code - 1) // 2]
 
     def poll(self, seen: tuple | None, now: float) -> tuple | None:
-        """One look of the thread: (code, since) to remember; reports once it has waited `timeout_s`."""
+        """One look of the thread: ((code, count), since) to remember; reports once it has waited `timeout_s`."""
         where = self.waiting_in()
         if where is None:
             return None
-        code = int(self.word[1])
-        if seen is None or seen[0] != code:
-            return code, now
+        position = (int(self.word[1]), int(self.word[2]))
+        if seen is None or seen[0] != position:
+            return position, now
         if self.reported is None and self.timeout_s and now - seen[1] >= self.timeout_s:
             self.reported = where
             stream = self.lowering.barriers == "stream"
@@ -446,8 +487,8 @@ class Watch:
                   "log says why). " + ("fxshard stops the device (a device-side assert)" if stream else
                                        "Its barrier traps on the device") + ", so this process's next CUDA call fails",
                   file=sys.stderr, flush=True)
-            if stream and self.device_index is not None:
-                self.stop_device(self.device_index)
+            if stream and self.stop_device is not None:
+                self.stop_device()
         return seen
 
     def start(self) -> None:
