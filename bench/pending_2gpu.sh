@@ -9,8 +9,8 @@
 # faster and are the default; ZeRO-3 on copy engines met issue 15's FSDP targets; MoE hid 66%, its GEMMs
 # ~4.1 ms a step slower beside the copy-engine barrier kernels; stream barriers passed their probe):
 #   suite-ce  the copy-engine multigpu tests, now also with Config(copy_engine_barriers="stream") (bit-identical
-#             to NCCL eagerly and graphed; a stalled peer ends the step: the watch's device-side assert
-#             has never run on a GPU), then the pipeline / watch tests (~4 min)
+#             to NCCL eagerly and graphed; a late peer waited for; a stalled peer ends the step: the watch's
+#             device-side assert has never run on a GPU) (~6 min)
 #   moe       issue 15: MoE ep=2, dual-batch, NCCL, copy engines and copy engines with stream barriers
 #             (>= 30% MFU, >= 90% hidden), each mode profiled (~4 min)
 #   fsdp      issue 15: GPT 1b ZeRO-3 at batch 4, copy engines with kernel and stream barriers, against one
@@ -18,7 +18,7 @@
 #   pipeline-zb  issue 14: ZB-H1 (not run on H200 since session 19) with the peers, late receives (~4 min)
 #   p2p-1f1b, p2p-v2  session 27's receive / CTA comparison (early now "-early")
 #   suite     the other multigpu tests (~7 min)
-#   fsdp-b1, pipeline, pipeline-cut, moe-ce, hf_moe, watch
+#   fsdp-b1, pipeline, pipeline-cut, moe-ce, hf_moe, watch (graphed stalls, early receives / 1 CTA; ~3 min)
 set -euo pipefail
 part=${1:?usage: bench/pending_2gpu.sh PART [OUT]}
 out=${2:-${OUT:?set OUT or pass a directory}}
@@ -57,12 +57,11 @@ case "$part" in
                  --out "$out/pipeline_zb_2gpu_$day.json" 2>&1 | tee "$out/pipeline_zb.log" | grep -v "codegen: region" | tail -20 ;;
   hf_moe) timeout 580 python bench/hf_moe.py --out "$out/hf_moe_2gpu_$day.json" 2>&1 | tee "$out/hf_moe.log" \
             | grep -v "codegen: region" | tail -30 ;;
-  suite-ce) timeout 400 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -m multigpu -k copy_engine 2>&1 \
-              | tee "$out/suite_ce.log" | tail -15 || true
-            timeout 170 python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-              -k "for_the_pp_axis or stalled_peer_under_cuda_graphs" 2>&1 | tee -a "$out/suite_ce.log" | tail -5 ;;
-  watch) timeout 150 python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-           -k "stalled_peer_under_cuda_graphs or without_waiting_for_later_work" 2>&1 | tee "$out/watch.log" | tail -15 ;;
+  suite-ce) timeout 570 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -m multigpu -k copy_engine 2>&1 \
+              | tee "$out/suite_ce.log" | tail -15 ;;
+  watch) timeout 300 python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+           -k "stalled_peer_under_cuda_graphs or without_waiting_for_later_work or for_the_pp_axis" 2>&1 \
+           | tee "$out/watch.log" | tail -15 ;;
   suite) timeout 580 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -m multigpu \
            -k "not copy_engine and not stalled_peer_under_cuda_graphs" 2>&1 \
            | tee "$out/suite.log" | tail -15 ;;
