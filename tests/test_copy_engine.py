@@ -209,6 +209,24 @@ def test_stream_barriers_are_each_collectives_argument_and_the_watch_stops_the_d
         fxshard.Config(copy_engine_barriers="spin")
 
 
+def test_with_stream_barriers_the_marker_is_written_by_stream_memory_operations_not_a_kernel(monkeypatch):
+    """No kernel on the way into a collective whose barriers hold no SM: the marker's two words are
+    written by cuStreamWriteValue32 (recorded here), at the marker's own address."""
+    from fxshard.runtime import copy_engine
+
+    calls, word = [], torch.zeros(3, dtype=torch.int32)
+
+    def write(stream, address, value, flags):
+        calls.append((stream, address, value, flags))
+        return 0
+    monkeypatch.setattr(copy_engine, "_stream_memory_operations", lambda: (write, None))
+    monkeypatch.setattr(copy_engine, "marker", lambda index: word)
+    monkeypatch.setattr(copy_engine, "_mark_kernel", lambda: pytest.fail("a kernel was launched"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("Stream", (), {"cuda_stream": 7})())
+    copy_engine._mark(0, 12, 2 * 3 + 1, "stream")
+    assert calls == [(7, word.data_ptr(), 12, 0), (7, word.data_ptr() + 4, 7, 0)]
+
+
 def test_stream_barriers_are_refused_where_every_stream_shares_one_hardware_queue(monkeypatch):
     graph, _ = gather_graph()
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")

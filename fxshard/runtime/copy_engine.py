@@ -36,7 +36,8 @@ checked on the plan), on GPUs against NCCL (tests/test_gpu.py).
 
 Where a rank waits: before its first barrier and after its second, each collective writes (lowering,
 2i+1) and (lowering, 2i+2) into a pinned host word of its device (`_MARKERS`, a one-thread kernel on
-the side stream, in stream order, captured by CUDA graphs like the rest). A barrier that times out
+the side stream, or with stream barriers two stream memory writes, in stream order, captured by CUDA
+graphs like the rest). A barrier that times out
 traps and leaves the device unusable; the host can still read the word, and `Watch` does: an odd code
 names the collective the side stream stopped in, an even one says it stopped elsewhere. A stream
 barrier cannot time out on the device: there `Watch` stops the device itself once the marker has
@@ -144,11 +145,23 @@ def _mark_kernel():
     return mark
 
 
-def _mark(index: int, lowering: int, code: int) -> None:
+def _mark(index: int, lowering: int, code: int, barrier: str = "kernel") -> None:
     """On the current stream: write (lowering, code) into device `index`'s marker and count the mark
     (host memory the device writes through; one thread; ~10 us to launch, nothing under CUDA graphs).
     The count tells `Watch` a side stream that keeps passing the same collective step after step
-    from one that stopped in it."""
+    from one that stopped in it. With stream barriers (`barrier="stream"`) the two words are written
+    by stream memory operations instead, uncounted: a kernel, even of one thread, waits for an SM
+    that the GEMMs beside it may hold for a whole GEMM, and would hold back the collective's start
+    that the barriers no longer do."""
+    if barrier == "stream":
+        write, _ = _stream_memory_operations()
+        stream = torch.cuda.current_stream().cuda_stream
+        address = marker(index).data_ptr()  # pinned: the same address on the device (unified addressing)
+        for offset, value in ((0, lowering), (4, code)):
+            result = write(stream, address + offset, value, 0)
+            if result != 0:
+                raise RuntimeError(f"copy-engine marker: {write.__name__} returned CUresult {result}")
+        return
     _mark_kernel()[(1,)](marker(index), lowering, code)
 
 
@@ -293,7 +306,7 @@ def _exchange(x: Tensor, group_name: str, region: int, total_bytes: int, shape: 
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         if mark is not None:
-            _mark(x.device.index, mark[0], 2 * mark[1] + 1)  # waiting in collective i
+            _mark(x.device.index, mark[0], 2 * mark[1] + 1, barrier)  # waiting in collective i
         _barrier(handle, barrier, 0, timeout_ms)  # every rank is here: done with the region's old contents
         for step in range(1 if skip_own else 0, world):
             peer = (rank + step) % world
@@ -302,7 +315,7 @@ def _exchange(x: Tensor, group_name: str, region: int, total_bytes: int, shape: 
             handle.get_buffer(peer, shape, x.dtype, offset)[rank * rows:(rank + 1) * rows].copy_(part)
         _barrier(handle, barrier, 1, timeout_ms)  # every rank's part for this one has landed
         if mark is not None:
-            _mark(x.device.index, mark[0], 2 * mark[1] + 2)  # through collective i
+            _mark(x.device.index, mark[0], 2 * mark[1] + 2, barrier)  # through collective i
         out = finish(handle.get_buffer(rank, shape, x.dtype, offset))
         torch._C._distributed_c10d._register_work(out, _Done(x))
     return out
@@ -452,7 +465,8 @@ class Watch:
     With stream barriers, which wait on the device for as long as it takes, the thread then also
     stops device `device_index` (`DeviceStop`), which is what a kernel barrier's trap does. "Waited"
     means the marker's code and count stayed the same (steps that keep passing one collective at the
-    moments the thread looks change the count).
+    moments the thread looks change the count; stream barriers' marks are not counted, so there it is
+    the code alone, looked at every second for the whole timeout).
     """
 
     def __init__(self, lowering: CopyEngineLowering, word: Tensor, timeout_s: float | None, rank: int = 0,
