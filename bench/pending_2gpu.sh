@@ -57,7 +57,7 @@ case "$part" in
                  --out "$out/pipeline_zb_2gpu_$day.json" 2>&1 | tee "$out/pipeline_zb.log" | grep -v "codegen: region" | tail -20 ;;
   hf_moe) timeout 580 python bench/hf_moe.py --out "$out/hf_moe_2gpu_$day.json" 2>&1 | tee "$out/hf_moe.log" \
             | grep -v "codegen: region" | tail -30 ;;
-  suite-ce) timeout 570 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -m multigpu -k copy_engine 2>&1 \
+  suite-ce) timeout 570 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -k copy_engine 2>&1 \
               | tee "$out/suite_ce.log" | tail -15 ;;
   watch) timeout 300 python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
            -k "stalled_peer_under_cuda_graphs or without_waiting_for_later_work or for_the_pp_axis" 2>&1 \
