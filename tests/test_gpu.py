@@ -776,8 +776,8 @@ def test_copy_engine_barriers_wait_for_a_late_peer_eagerly_and_under_cuda_graphs
 
 def _stalled_copy_engine_peer(rank, out_dir, barriers):
     """Rank 1 sleeps past Config(collective_timeout_s) before its third step; rank 0's copy-engine
-    barrier gives up and traps (a stream barrier: the watch stops the device). Each rank writes what it saw, then leaves without any teardown (the
-    trapped CUDA context would fail it)."""
+    barrier gives up and traps (a stream barrier: the watch stops the device). Each rank writes what it
+    saw, then leaves without any teardown (the stopped CUDA context would fail it)."""
     import json
     import time
 

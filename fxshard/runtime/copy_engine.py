@@ -209,8 +209,9 @@ def _stream_memory_operations():
             function.restype = ctypes.c_int
             found.append(function)
     except (OSError, AttributeError) as error:
-        raise FxShardError(f"Config(copy_engine_barriers='stream') needs the CUDA driver's stream memory operations "
-                           f"(cuStreamWaitValue32, libcuda.so.1): {error}. Use copy_engine_barriers='kernel'") from error
+        raise FxShardError(f"Config(copy_engine_barriers='stream') needs the CUDA driver's stream memory "
+                           f"operations (cuStreamWaitValue32, libcuda.so.1): {error}. Use "
+                           "copy_engine_barriers='kernel'") from error
     return found[0], found[1]
 
 
@@ -447,7 +448,8 @@ def lower_to_copy_engines(graph_module: fx.GraphModule, all_to_alls: bool = True
             x, reduce_op, world, group_name = node.args
             node.args = (x, reduce_op, world, group_name, region, total)
         node.target = _LOWERED[node.target]
-        node.kwargs = {"timeout_ms": int(timeout_s * 1000) if timeout_s else 0, "mark": (number, i), "barrier": barriers}
+        node.kwargs = {"timeout_ms": int(timeout_s * 1000) if timeout_s else 0, "mark": (number, i),
+                       "barrier": barriers}
     graph.lint()
     kinds = [node.target for node in chosen]
     return fx.GraphModule(graph_module, graph), CopyEngineLowering(

@@ -189,8 +189,8 @@ class CompiledStep:
             raise FxShardError(
                 f"this rank's device stopped in the copy-engine {where}: its barrier gave up after "
                 f"Config(collective_timeout_s) because a rank of that group stalled or stopped (its own error or log "
-                f"says why), and stopped the device, which leaves this process's CUDA context unusable. Restart the job (from "
-                f"the last checkpoint). CUDA said: {str(error).strip().splitlines()[0][:200]}") from error
+                f"says why), and stopped the device, which leaves this process's CUDA context unusable. Restart the "
+                f"job (from the last checkpoint). CUDA said: {str(error).strip().splitlines()[0][:200]}") from error
 
     def _call(self, batch) -> dict[str, torch.Tensor]:
         leaves = self.batch_spec.flatten(batch)
