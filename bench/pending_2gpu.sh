@@ -2,7 +2,7 @@
 # The 2-GPU measurements the open issues wait for, one part per device call (each fits the 10-minute
 # limit of a device command). On the device machine, from the repository root:
 #
-#     bash bench/pending_2gpu.sh p2p-1f1b|p2p-v2|suite-ce|fsdp|fsdp-b1|moe|moe-ce|pipeline|pipeline-cut|pipeline-zb|suite|hf_moe|watch  [OUT dir, default $OUT]
+#     bash bench/pending_2gpu.sh fga|p2p-1f1b|p2p-v2|suite-ce|fsdp|fsdp-b1|moe|moe-ce|pipeline|pipeline-cut|pipeline-zb|suite|hf_moe|watch  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
 # (date, machine, command). In priority order (session 27: late receives made the pipelines 1.10-1.13x
@@ -11,6 +11,9 @@
 #   suite-ce  the copy-engine multigpu tests, now also with Config(copy_engine_barriers="stream") (bit-identical
 #             to NCCL eagerly and graphed; a late peer waited for; a stalled peer ends the step: the watch's
 #             device-side assert has never run on a GPU) (~6 min)
+#   fga       issue 14: 1F1B and interleaved V=2, graphed, with and without Config(fuse_grad_accumulation)
+#             (the wgrad GEMMs add into the fp32 totals; CPU count: up to ~11.6 ms a step on stage 0),
+#             then its GPU test (~6 min)
 #   moe       issue 15: MoE ep=2, dual-batch, NCCL, copy engines and copy engines with stream barriers
 #             (>= 30% MFU, >= 90% hidden), each mode profiled (~4 min)
 #   fsdp      issue 15: GPT 1b ZeRO-3 at batch 4, copy engines with kernel and stream barriers, against one
@@ -41,6 +44,11 @@ case "$part" in
         tar czf "$out/fsdp_profile.tgz" -C "$out" fsdp_profile && rm -r "$out/fsdp_profile" ;;
   fsdp-b1) timeout 570 python bench/fsdp.py --gpus 2 --batch 1 4 --modes nocomm-compile fxshard fsdp2-compile \
              --out "$out/fsdp_b1_2gpu_$day.json" 2>&1 | tee "$out/fsdp_b1.log" | grep -v "codegen: region" | tail -30 ;;
+  fga) timeout 480 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 --replays graphed \
+         --fuse-grad-accumulation --steps 8 --out "$out/pipeline_fga_2gpu_$day.json" 2>&1 \
+         | tee "$out/pipeline_fga.log" | grep -v "codegen: region\|Warning\|warn\|func(" | tail -30
+       timeout 100 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -k fused_grad_accumulation 2>&1 \
+         | tee -a "$out/pipeline_fga.log" | tail -5 ;;
   p2p-1f1b) timeout 580 python bench/pipeline.py --gpus 2 --schedules 1f1b --replays eager graphed --peers \
               --p2p-ctas 2 --p2p-receives late early --steps 8 --out "$out/pipeline_p2p_1f1b_2gpu_$day.json" 2>&1 \
               | tee "$out/pipeline_p2p_1f1b.log" | grep -v "codegen: region\|Warning\|warn\|func(" | tail -45 ;;

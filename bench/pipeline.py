@@ -296,10 +296,11 @@ def run_peer(mode: str, setup: Setup) -> dict:
 
 
 def run_fxshard(schedule_name: str, virtual: int, graphed: bool, label: str, setup: Setup,
-                p2p_ctas: int | None = None, receives: str = "late") -> dict:
+                p2p_ctas: int | None = None, receives: str = "late", fuse_accumulation: bool = False) -> dict:
     """One rank of an fxshard mode: Mesh(pp=P), the schedule, eager replay or CUDA graphs, the
     point-to-point transfers on at most `p2p_ctas` CTAs (Config(nccl_max_ctas={"pp": ...})), receives
-    issued `receives` (Config(p2p_receives))."""
+    issued `receives` (Config(p2p_receives)), gradient accumulation in the wgrad GEMMs with
+    `fuse_accumulation` (Config(fuse_grad_accumulation))."""
     world = dist.get_world_size()
     device = this_device(setup)
     model = build_model(setup, device)
@@ -307,7 +308,7 @@ def run_fxshard(schedule_name: str, virtual: int, graphed: bool, label: str, set
     config = fxshard.Config(schedule=schedule_name, virtual_stages=virtual, microbatches=setup.microbatches,
                             param_dtype=torch.bfloat16, reduce_dtype=torch.float32, sharding="no_shard",
                             cuda_graphs=graphed, nccl_max_ctas={"pp": p2p_ctas} if p2p_ctas else None,
-                            p2p_receives=receives,
+                            p2p_receives=receives, fuse_grad_accumulation=fuse_accumulation,
                             stage_layers=dict(setup.stage_layers).get(world * virtual))
     started = time.perf_counter()
     step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=fxshard.optim.AdamW(lr=1e-4),
@@ -642,17 +643,19 @@ def job(kind: str, name: str, setup: Setup, graphed: bool = False) -> dict:
     """One mode on this rank (the function each spawned process runs)."""
     if kind == "peer":
         return run_peer(name, setup)
-    schedule_name, virtual, ctas, receives = schedule_of(name)
+    schedule_name, virtual, ctas, receives, fused = schedule_of(name)
     return run_fxshard(schedule_name, virtual, graphed, f"{name}-{'graphed' if graphed else 'eager'}", setup, ctas,
-                       receives)
+                       receives, fused)
 
 
-def schedule_of(name: str) -> tuple[str, int, int | None, str]:
-    """An fxshard mode's schedule, virtual stages, the pp group's NCCL CTAs and Config(p2p_receives):
-    "1f1b-ctas2-early" -> ("1f1b", 1, 2, "early"), "1f1b" -> ("1f1b", 1, None, "late")."""
+def schedule_of(name: str) -> tuple[str, int, int | None, str, bool]:
+    """An fxshard mode's schedule, virtual stages, the pp group's NCCL CTAs, Config(p2p_receives) and
+    Config(fuse_grad_accumulation): "1f1b-ctas2-early-fga" -> ("1f1b", 1, 2, "early", True),
+    "1f1b" -> ("1f1b", 1, None, "late", False)."""
+    name, fused, _ = name.partition("-fga")
     name, early, _ = name.partition("-early")
     base, found, ctas = name.partition("-ctas")
-    return (*SCHEDULES[base], int(ctas) if found else None, "early" if early else "late")
+    return (*SCHEDULES[base], int(ctas) if found else None, "early" if early else "late", bool(fused))
 
 
 def median(values: list[float]) -> float:
@@ -724,9 +727,10 @@ def planned_modes(args) -> list[tuple[str, str, bool]]:
         if reason:
             print(f"{name}: not in this fxshard ({reason[:200]}); skipped", flush=True)
             continue
-        modes += [("fxshard", name + (f"-ctas{ctas}" if ctas else "") + ("-early" if receives == "early" else ""),
-                   replay == "graphed")
-                  for receives in args.p2p_receives for ctas in [None, *args.p2p_ctas] for replay in replays]
+        modes += [("fxshard", name + (f"-ctas{ctas}" if ctas else "") + ("-early" if receives == "early" else "")
+                   + ("-fga" if fused else ""), replay == "graphed")
+                  for fused in sorted({False, args.fuse_grad_accumulation}) for receives in args.p2p_receives
+                  for ctas in [None, *args.p2p_ctas] for replay in replays]
     return modes
 
 
@@ -880,6 +884,9 @@ def main():
                              "its point-to-point kernels, which hold their SMs from when they are posted, on N CTAs")
     parser.add_argument("--p2p-receives", nargs="+", default=["late"], choices=["early", "late"],
                         help="Config(p2p_receives) of the fxshard modes, each a mode (early: <schedule>-early)")
+    parser.add_argument("--fuse-grad-accumulation", action="store_true",
+                        help="each fxshard mode again with Config(fuse_grad_accumulation=True), as <mode>-fga: each "
+                             "microbatch's weight gradients added into their fp32 totals by the wgrad GEMMs")
     parser.add_argument("--out", default="bench/pipeline.json")
     args = parser.parse_args()
     try:

@@ -68,6 +68,12 @@ _CHEAP = {"full", "zeros", "ones", "empty", "empty_strided", "scalar_tensor", "a
 FOLD_LIMIT_BYTES = 64 << 20  # a larger input-free result stays in its region (memory held for good otherwise)
 
 
+# fxshard's own ops that are plain compute, which Inductor calls as an extern kernel inside a region:
+# passes/fuse_grad_accumulation.py's GEMM puts one in every layer's backward, and region boundaries
+# there would cut the fusions around it
+_REGION_OPS = ("fxshard::matmul_accumulate",)
+
+
 def is_fixed(node: fx.Node) -> bool:
     """A node whose position in the program fxshard decided, or that Inductor must not see."""
     if node.op != "call_function":
@@ -75,6 +81,8 @@ def is_fixed(node: fx.Node) -> bool:
     if node.target is operator.getitem:
         return is_fixed(node.args[0])
     target = node.target
+    if getattr(target, "_schema", None) is not None and target._schema.name in _REGION_OPS:
+        return False
     if getattr(target, "namespace", None) not in ("aten", "prims") or not hasattr(target, "_schema"):
         return True
     return mutates(node) or _op_name(node) in _DATA_DEPENDENT

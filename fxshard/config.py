@@ -61,6 +61,13 @@ class Config:
         gradients before one reduction and one update (the loss is their mean).
     cuda_graphs: after two eager warm-up steps, capture the whole step into one CUDA graph and replay it
         (collectives included; with Mesh(pp>1) each stage's step, sends and receives included).
+    fuse_grad_accumulation: with microbatches (pipelines included), add each weight gradient into its
+        float32 total inside the weight-gradient matmul instead of in a memory pass of its own
+        (passes/fuse_grad_accumulation.py, `fxshard::matmul_accumulate`: on CUDA one GEMM whose
+        epilogue adds into the total; Megatron's gradient-accumulation fusion). It applies where bf16
+        (or fp16) compute meets float32 gradients, and changes rounding only: a microbatch's weight
+        gradient is no longer rounded to bf16 before it is added. Off by default until measured on
+        GPUs (bench/probes/grad_accumulation.py counts what it could save: bench/RESULTS.md, session 27).
     fuse_grouped_mlp: rewrite each MoE expert MLP (grouped GEMM -> activation -> grouped GEMM, forward
         and backward) into the fused `fxshard::grouped_mlp` op (passes/fuse_grouped_mlp.py).
     schedule: with Mesh(pp=P): "1f1b" (default), "interleaved-1f1b", "gpipe", "zb-h1" (zero bubble:
@@ -171,6 +178,7 @@ class Config:
     fsdp_prefetch: int = 1
     verbose: bool = False
     fuse_grouped_mlp: bool = False
+    fuse_grad_accumulation: bool = False
     schedule: "str | Schedule" = "1f1b"
     virtual_stages: int = 1
     stage_layers: tuple[int, ...] | None = None
@@ -219,7 +227,8 @@ class Config:
                 raise FxShardError(f"layers must be a module path pattern or a sequence of them (strings such as "
                                    f"'layers.*'), got {self.layers!r}")
             object.__setattr__(self, "layers", tuple(self.layers))
-        for name in ("cuda_graphs", "verbose", "fuse_grouped_mlp", "ep_overlap"):  # "no" would read as True
+        # "no" would read as True
+        for name in ("cuda_graphs", "verbose", "fuse_grouped_mlp", "fuse_grad_accumulation", "ep_overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise FxShardError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("microbatches", "virtual_stages", "ep_chunks", "fsdp_prefetch", "seed"):  # True is an int

@@ -15,6 +15,7 @@ from fxshard.program import Program
 from .causal_attention import causal_attention
 from .ep import EPConfig, expert_parallel
 from .fsdp import FSDPConfig, fsdp
+from .fuse_grad_accumulation import fuse_grad_accumulation
 from .fuse_grouped_mlp import fuse_grouped_mlp
 from .interleave import interleave_actions, interleave_microbatches
 from .lower_schedule import lower_schedule
@@ -53,6 +54,10 @@ PIPELINE: list[Pass] = [
     Pass("pipeline",
          lambda program, mesh, config, stage: _pipeline(program, mesh, config, stage),
          lambda mesh, config: mesh is not None and mesh.pp > 1),
+    # with microbatches: each weight gradient's accumulation done by its matmul (bf16 compute, fp32 totals)
+    Pass("fuse_grad_accumulation",
+         lambda program, mesh, config, stage: fuse_grad_accumulation(program),
+         lambda mesh, config: config.fuse_grad_accumulation and config.microbatches > 1),
     Pass("fsdp",
          lambda program, mesh, config, stage: fsdp(program, FSDPConfig(mesh.dp, config.sharding, config.fsdp_prefetch,
                                                                 ep=mesh.ep)),

@@ -1,0 +1,137 @@
+"""Fold gradient accumulation into the weight-gradient matmuls (Megatron's gradient-accumulation fusion).
+
+With microbatches (`Config(microbatches=M)`, pipelines included) each parameter's gradient is summed
+over them: `total + g_m` once per microbatch after the first. Under bf16 compute with float32
+gradients (`reduce_dtype`), a weight's `g_m` is a bf16 matmul widened to float32, and the addition
+is a memory pass of its own over every such parameter (bench/probes/grad_accumulation.py: 40.6 GB a
+step on a stage of GPT 1b at pp=2, M=8). This pass rewrites
+
+    add(total, widen(T(mm(a, b))))    the sum float32; widen: a cast from bf16/fp16 to float32, or
+                                      the addition's own type promotion;
+                                      T: transposes (aten.t, or permute [1, 0]), any number; total:
+                                      float32, or bf16/fp16 (the first microbatch's, which the
+                                      addition widened: widened explicitly then)
+
+into `fxshard::matmul_accumulate(total, a, b)` (for an odd number of transposes, of b^T and a^T),
+where the matmul, the transposes and the cast have no reader but the addition. On CUDA that op is one
+GEMM that adds into the total in its epilogue (fxshard/ops/matmul_accumulate.py).
+
+Invariant: the program computes the same function as its input, except that each rewritten
+accumulation adds the matmul's product to the total without rounding it to bf16 first (the product
+is exact in float32 before the addition; the input rounded it): every other node, the order of the
+fixed nodes and every output are the same. Float32 programs have no widening cast and are returned
+unchanged, as are programs without microbatch accumulation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fxshard import meta
+from fxshard.program import Program
+
+_aten = torch.ops.aten
+_WIDENING = {_aten._to_copy.default, torch.ops.prims.convert_element_type.default}
+
+
+def fuse_grad_accumulation(program: Program) -> Program:
+    """`program` with each gradient accumulation of a widened matmul product done by
+    `fxshard::matmul_accumulate`; `notes["fuse_grad_accumulation"]` counts them. With none, `program`."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(program.graph, {}))
+    fused = 0
+    for node in list(graph.nodes):
+        found = _accumulated_matmul(node)
+        if found is None:
+            continue
+        total, (a, b), dead = found
+        with graph.inserting_before(node):
+            new = graph.call_function(torch.ops.fxshard.matmul_accumulate.default, (total, a, b))
+        new.meta.update(node.meta)  # phase, layer, microbatch, pipeline action, the value's fake tensor
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        for chained in dead:  # the cast, the transposes, the matmul: read by nothing now
+            graph.erase_node(chained)
+        fused += 1
+    if not fused:
+        return program
+    graph.lint()
+    notes = {**program.notes, "fuse_grad_accumulation": fused}
+    return program.replace(graph_module=fx.GraphModule(program.graph_module, graph), notes=notes)
+
+
+def _accumulated_matmul(node: fx.Node):
+    """(total, (a, b), the nodes that go away: cast, transposes, matmul) where `node` is total +
+    widen(T(mm(a, b))) in the backward, else None."""
+    if node.op != "call_function" or node.target is not _aten.add.Tensor or node.kwargs.get("alpha", 1) != 1:
+        return None
+    if meta.phase(node) != meta.BWD or len(node.args) != 2 or not all(isinstance(x, fx.Node) for x in node.args):
+        return None
+    out = node.meta.get("val")
+    if out is None or out.dtype != torch.float32 or out.dim() != 2:
+        return None
+    for total, product in (node.args, node.args[::-1]):
+        found = _widened_matmul(product, out)
+        if found is None or total.meta["val"].shape != out.shape:
+            continue
+        chain, transposes = found
+        if total.meta["val"].dtype != out.dtype:  # the first microbatch's gradient, not yet widened
+            if total.meta["val"].dtype not in (torch.bfloat16, torch.float16):
+                continue
+            total = _widened(node, total, out.dtype)
+        a, b = chain[-1].args
+        return total, ((a, b) if transposes % 2 == 0 else _transposed(node, b, a)), chain
+    return None
+
+
+def _widened_matmul(node: fx.Node, out) -> tuple[list[fx.Node], int] | None:
+    """([cast?, transposes..., mm], how many transposes) when `node` is T(mm(a, b)) in bf16/fp16,
+    widened to `out`'s dtype by a cast or by the addition's type promotion, each node read only by
+    the next one up; else None."""
+    chain, source = [], node
+    if node.op == "call_function" and node.target in _WIDENING:
+        if node.meta["val"].dtype != out.dtype or len(node.users) != 1:
+            return None
+        chain, source = [node], node.args[0]
+    transposes = 0
+    while isinstance(source, fx.Node) and _is_transpose(source) and len(source.users) == 1:
+        chain.append(source)
+        source, transposes = source.args[0], transposes + 1
+    if not (isinstance(source, fx.Node) and source.op == "call_function" and source.target is _aten.mm.default
+            and len(source.users) == 1 and source.meta["val"].dtype in (torch.bfloat16, torch.float16)):
+        return None
+    if node.meta["val"].shape != out.shape:
+        return None
+    return chain + [source], transposes
+
+
+def _is_transpose(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target is _aten.t.default:
+        return True
+    return node.target is _aten.permute.default and list(node.args[1]) == [1, 0]
+
+
+def _widened(anchor: fx.Node, value: fx.Node, dtype: torch.dtype) -> fx.Node:
+    """`value` cast to `dtype` (what the addition's type promotion did), inserted before `anchor`."""
+    with anchor.graph.inserting_before(anchor):
+        cast = anchor.graph.call_function(_aten._to_copy.default, (value,), {"dtype": dtype})
+    cast.meta.update({k: v for k, v in anchor.meta.items() if k != "val"})
+    cast.meta["val"] = value.meta["val"].to(dtype)
+    return cast
+
+
+def _transposed(anchor: fx.Node, b: fx.Node, a: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """(b^T, a^T): (a @ b)^T as a product, the transposes inserted before `anchor`."""
+    graph = anchor.graph
+    pair = []
+    for operand in (b, a):
+        with graph.inserting_before(anchor):
+            flipped = graph.call_function(_aten.t.default, (operand,))
+        flipped.meta.update({k: v for k, v in anchor.meta.items() if k != "val"})
+        value = operand.meta["val"]
+        flipped.meta["val"] = value.t()
+        pair.append(flipped)
+    return pair[0], pair[1]
