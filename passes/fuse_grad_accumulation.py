@@ -40,6 +40,16 @@ def fuse_grad_accumulation(program: Program) -> Program:
     `fxshard::matmul_accumulate`; `notes["fuse_grad_accumulation"]` counts them. With none, `program`."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(program.graph, {}))
+    fused = fuse_in_graph(graph)
+    if not fused:
+        return program
+    graph.lint()
+    notes = {**program.notes, "fuse_grad_accumulation": fused}
+    return program.replace(graph_module=fx.GraphModule(program.graph_module, graph), notes=notes)
+
+
+def fuse_in_graph(graph: fx.Graph) -> int:
+    """The rewrite, in place on `graph`; returns how many accumulations it fused."""
     fused = 0
     for node in list(graph.nodes):
         found = _accumulated_matmul(node)
@@ -54,11 +64,7 @@ def fuse_grad_accumulation(program: Program) -> Program:
         for chained in dead:  # the cast, the transposes, the matmul: read by nothing now
             graph.erase_node(chained)
         fused += 1
-    if not fused:
-        return program
-    graph.lint()
-    notes = {**program.notes, "fuse_grad_accumulation": fused}
-    return program.replace(graph_module=fx.GraphModule(program.graph_module, graph), notes=notes)
+    return fused
 
 
 def _accumulated_matmul(node: fx.Node):
@@ -114,11 +120,20 @@ def _is_transpose(node: fx.Node) -> bool:
     return node.target is _aten.permute.default and list(node.args[1]) == [1, 0]
 
 
+_PLACE = (meta.PHASE, meta.LAYER, meta.MICROBATCH, meta.ACTION, meta.ACTION_INDEX)  # where a node runs, not what it is
+
+
+def _placed_like(node: fx.Node, anchor: fx.Node) -> None:
+    """`node` (a cast or transpose the rewrite adds) runs where `anchor` does; it is not what `anchor`
+    is (a parameter's gradient keeps that mark on the accumulation alone)."""
+    node.meta.update({key: anchor.meta[key] for key in _PLACE if key in anchor.meta})
+
+
 def _widened(anchor: fx.Node, value: fx.Node, dtype: torch.dtype) -> fx.Node:
     """`value` cast to `dtype` (what the addition's type promotion did), inserted before `anchor`."""
     with anchor.graph.inserting_before(anchor):
         cast = anchor.graph.call_function(_aten._to_copy.default, (value,), {"dtype": dtype})
-    cast.meta.update({k: v for k, v in anchor.meta.items() if k != "val"})
+    _placed_like(cast, anchor)
     cast.meta["val"] = value.meta["val"].to(dtype)
     return cast
 
@@ -130,7 +145,7 @@ def _transposed(anchor: fx.Node, b: fx.Node, a: fx.Node) -> tuple[fx.Node, fx.No
     for operand in (b, a):
         with graph.inserting_before(anchor):
             flipped = graph.call_function(_aten.t.default, (operand,))
-        flipped.meta.update({k: v for k, v in anchor.meta.items() if k != "val"})
+        _placed_like(flipped, anchor)
         value = operand.meta["val"]
         flipped.meta["val"] = value.t()
         pair.append(flipped)

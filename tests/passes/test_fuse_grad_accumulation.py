@@ -2,13 +2,16 @@
 the weight-gradient matmul itself (`fxshard::matmul_accumulate`), on one device and in pipelines."""
 
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 import fxshard
 from fxshard.codegen import is_fixed
 from fxshard.models import GPT, GPTConfig
 from fxshard.passes import run_pipeline
-from fxshard.passes.fuse_grad_accumulation import fuse_grad_accumulation
+import torch.fx as fx
+
+from fxshard import meta
+from fxshard.passes.fuse_grad_accumulation import fuse_grad_accumulation, fuse_in_graph
 from fxshard.testing import SimulatedRanks
 
 PRECISION = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
@@ -85,3 +88,48 @@ def test_matmul_accumulate_adds_the_unrounded_product():
     got = torch.ops.fxshard.matmul_accumulate(total, a, b)
     torch.testing.assert_close(got, total + a.double().matmul(b.double()).float(), rtol=1e-6, atol=1e-6)
     assert got.dtype == torch.float32 and not torch.equal(got, total + (a @ b).float())  # not rounded to bf16 first
+
+
+@given(transposes=st.integers(0, 3), widened=st.booleans(), narrow_total=st.booleans())
+def test_a_transposed_or_promoted_product_is_fused_into_the_right_matmul(transposes, widened, narrow_total):
+    """total + widen(T(mm(a, b))) on a graph of its own, for any number of transposes, a widening cast
+    or the addition's own promotion, and a bf16 total (the first microbatch's): the fused graph
+    computes the same sum up to the product's bf16 rounding, with one fxshard::matmul_accumulate."""
+    assume(widened or not narrow_total)  # bf16 + bf16 stays bf16: no float32 total to fuse into
+    generator = torch.Generator().manual_seed(transposes)
+    a = torch.randn(5, 4, generator=generator).bfloat16()
+    b = torch.randn(4, 3, generator=generator).bfloat16()
+    shape = (5, 3) if transposes % 2 == 0 else (3, 5)
+    total = torch.randn(shape, generator=generator).to(torch.bfloat16 if narrow_total else torch.float32)
+    graph = fx.Graph()
+    aten = torch.ops.aten
+
+    def add(target, args, value, kwargs=None):
+        node = graph.call_function(target, args, kwargs or {})
+        node.meta.update({meta.PHASE: meta.BWD, "val": value})
+        return node
+    inputs = [graph.placeholder(name) for name in ("total", "a", "b")]
+    for node, value in zip(inputs, (total, a, b)):
+        node.meta["val"] = value
+    value = a @ b
+    product = add(aten.mm.default, (inputs[1], inputs[2]), value)
+    for _ in range(transposes):
+        value = value.t()
+        product = add(aten.t.default, (product,), value)
+    if widened:
+        value = value.float()
+        product = add(aten._to_copy.default, (product,), value, {"dtype": torch.float32})
+    graph.output(add(aten.add.Tensor, (inputs[0], product), (total.float() + value.float())))
+    want = fx.GraphModule(torch.nn.Module(), graph)(total, a, b)
+    assert fuse_in_graph(graph) == 1
+    graph.lint()
+    fused = fx.GraphModule(torch.nn.Module(), graph)
+    assert [n.target for n in graph.nodes if n.op == "call_function"].count(
+        torch.ops.fxshard.matmul_accumulate.default) == 1 and not any(
+        n.target is aten.mm.default for n in graph.nodes)
+    exact = total.double() + (a.double() @ b.double()).t().double() if transposes % 2 else \
+        total.double() + a.double() @ b.double()
+    got = fused(total, a, b)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=1e-6)  # the product was not rounded
+    torch.testing.assert_close(got, want, rtol=0, atol=2 ** -7 * want.abs().max().item())
