@@ -6,10 +6,11 @@ Gradient accumulation over microbatches adds each microbatch's weight gradient (
 to float32) into the float32 total, a separate memory pass over every parameter per microbatch
 (bench/probes/grad_accumulation.py: 40.6 GB a step on a stage of GPT 1b at pp=2, M=8). On CUDA this op
 is one cuBLAS GEMM with the total as its float32 C (beta = 1, `aten.addmm.dtype`): the epilogue reads
-the total while the GEMM's math hides the read (Megatron's gradient-accumulation fusion). Elsewhere,
-and where this torch has no such GEMM, addmm on inputs widened to the total's dtype: the same exact
-products, summed in float32. Either way the product is not rounded to a's dtype before the addition,
-which is the one way its result differs from `total + (a @ b).to(total.dtype)`.
+the total while the GEMM's math hides the read (Megatron's gradient-accumulation fusion). Elsewhere
+(CPU), addmm on inputs widened to the total's dtype: the same exact products, summed in float32.
+Either way the product is not rounded to a's dtype before the addition, which is the one way its
+result differs from `total + (a @ b).to(total.dtype)`; that is what runs, with a warning, on a CUDA
+torch whose addmm cannot write a wider output.
 """
 
 from __future__ import annotations
