@@ -26,7 +26,6 @@ barrier first, whose signal this rank wrote after the reset, behind the write's 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import sys
@@ -36,45 +35,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+def stream_barrier(handle):
+    """fxshard's barrier of stream memory operations (fxshard/runtime/copy_engine.py `_stream_barrier`)
+    on `handle`'s group, as barrier(slot). Session 27's run (bench/RESULTS.md) used this probe's own
+    copy of the same protocol, from which that function was made."""
+    from fxshard.runtime.copy_engine import _stream_barrier
 
-def driver():
-    lib = ctypes.CDLL("libcuda.so.1")
-    out = {}
-    for name in ("cuStreamWriteValue32", "cuStreamWaitValue32"):
-        fn = getattr(lib, name + "_v2", None) or getattr(lib, name)
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-        fn.restype = ctypes.c_int
-        out[name] = fn
-    return out["cuStreamWriteValue32"], out["cuStreamWaitValue32"]
-
-
-class StreamBarrier:
-    def __init__(self, handle, slots: int):
-        self.write, self.wait = driver()
-        self.pads = list(handle.signal_pad_ptrs)
-        self.rank, self.world, self.slots = handle.rank, handle.world_size, slots
-        self.base = handle.signal_pad_size // 4 // 2  # uint32 index: the pad's second half, clear of torch's channels
-        assert self.base >= 64 and self.base + slots * self.world <= handle.signal_pad_size // 4
-
-    def _word(self, owner: int, slot: int, sender: int) -> int:
-        return self.pads[owner] + 4 * (self.base + slot * self.world + sender)
-
-    def __call__(self, slot: int) -> None:
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        peers = [p for p in range(self.world) if p != self.rank]
-        for p in peers:
-            self._check(self.write(stream, self._word(p, slot, self.rank), 1, 0), "write")
-        for p in peers:
-            self._check(self.wait(stream, self._word(self.rank, slot, p), 1, WAIT_EQ), "wait")
-        for p in peers:
-            self._check(self.write(stream, self._word(self.rank, slot, p), 0, 0), "reset")
-
-    @staticmethod
-    def _check(code: int, what: str) -> None:
-        if code != 0:
-            raise RuntimeError(f"cuStream{what} returned CUresult {code}")
+    return lambda slot: _stream_barrier(handle, slot)
 
 
 def exchange(handle, barrier, step_value, src, rank, world, n, delay_cycles):
@@ -108,7 +77,7 @@ def run(rank: int, world: int, port: int, queue) -> None:
         handle = symm.rendezvous(buf, group)
         torch.cuda.synchronize()
         result["signal_pad_bytes"] = handle.signal_pad_size
-        barrier = StreamBarrier(handle, slots=2)
+        barrier = stream_barrier(handle)
         src = torch.empty(n, device=device)
         step_value = torch.zeros(1, device=device)
         errors = torch.zeros((), device=device, dtype=torch.int64)
