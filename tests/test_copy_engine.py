@@ -209,6 +209,47 @@ def test_stream_barriers_are_each_collectives_argument_and_the_watch_stops_the_d
         fxshard.Config(copy_engine_barriers="spin")
 
 
+_STOP_WHILE_HOLDING_THE_GIL = """
+import ctypes, sys, time
+from fxshard.runtime.copy_engine import DeviceStop
+
+class Blocked(DeviceStop):
+    def __init__(self):  # no CUDA: the assert's launch is what blocks, holding the GIL
+        self.index, self.grace_s, self.armed = 0, 1.0, False
+    def _assert(self):
+        if sys.argv[1] == "reported":
+            self.stopped_seen("the device stopped in a test")
+            print("reported", flush=True)
+            return
+        ctypes.PyDLL(None).sleep(30)  # PyDLL keeps the GIL through the call: no Python thread can run
+
+Blocked()()
+time.sleep(3)
+print("no exit", flush=True)
+"""
+
+
+@pytest.mark.parametrize("reported", [False, True])
+def test_a_device_stop_ends_the_process_even_when_its_launch_blocks_holding_the_gil(reported):
+    """DeviceStop arms a GIL-free exit (faulthandler's C thread) before it launches the assert: a
+    launch behind a blocked hardware queue, with the GIL held, still ends the process after the grace
+    period, with status 1 and every thread's stack; once the runtime has reported the stop, the exit
+    is disarmed (and comes at interpreter exit instead, without group teardown)."""
+    import subprocess
+    import sys
+    import time
+
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", _STOP_WHILE_HOLDING_THE_GIL, "reported" if reported else "blocked"],
+                          capture_output=True, text=True, timeout=60)
+    if reported:
+        assert done.returncode == 1 and "reported" in done.stdout and "no exit" in done.stdout
+        assert "exiting without tearing down" in done.stderr and "Timeout" not in done.stderr
+    else:
+        assert done.returncode == 1 and "no exit" not in done.stdout and time.monotonic() - start < 25
+        assert "exits with status 1 in 1 s" in done.stderr and "Timeout (0:00:01)" in done.stderr
+
+
 def test_with_stream_barriers_the_marker_is_written_by_stream_memory_operations_not_a_kernel(monkeypatch):
     """No kernel on the way into a collective whose barriers hold no SM: the marker's two words are
     written by cuStreamWriteValue32 (recorded here), at the marker's own address."""

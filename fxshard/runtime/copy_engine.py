@@ -42,12 +42,14 @@ traps and leaves the device unusable; the host can still read the word, and `Wat
 names the collective the side stream stopped in, an even one says it stopped elsewhere. A stream
 barrier cannot time out on the device: there `Watch` stops the device itself once the marker has
 waited Config(collective_timeout_s) (a device-side assert on a high-priority stream of its own), and
-ends the process if that did not take (`DeviceStop`).
+the process exits with status 1 some seconds later unless the runtime has reported the stop by then
+(`DeviceStop`: an exit armed without needing the GIL, which a launch blocked behind the wait may hold).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import functools
 import itertools
 import os
@@ -254,37 +256,48 @@ class DeviceStop:
     """Makes device `index`'s CUDA context fail, as a trapped barrier does: what `Watch` does once a
     stream barrier has waited past the timeout (it cannot give up by itself). A device-side assert on a
     high-priority stream of its own, made with its operand when the watch is (a thread that stops a
-    device must not need the caching allocator, whose lock a stuck main thread may hold). A stream
-    wait blocks the hardware queue its stream is mapped to, and streams share queues
-    (CUDA_DEVICE_MAX_CONNECTIONS): should the assert not have run `grace_s` later, the process
-    exits with status 1 instead of hanging, saying why."""
+    device must not need the caching allocator, whose lock a stuck main thread may hold).
 
-    def __init__(self, index: int, grace_s: float = 30.0):
+    Whether that assert runs is not up to this thread: a stream wait blocks the hardware queue its
+    stream is mapped to, streams share queues (CUDA_DEVICE_MAX_CONNECTIONS), a launch behind a full
+    queue blocks, and a main thread blocked in such a launch may hold the GIL. On 2x H200 the rank that
+    arrived late to a collective whose peer had already stopped neither asserted nor ran a Python timer
+    (NCCL's watchdog ended it with SIGABRT a minute later). So the stop first arms an exit that needs no
+    GIL (faulthandler's C thread: every thread's stack on stderr, then status 1) `grace_s` from now,
+    and only then launches the assert. `stopped_seen()` disarms it once the runtime has turned the
+    CUDA error into its FxShardError; the process then exits with status 1 at interpreter exit
+    instead of tearing down groups whose collectives never finished (`expire_process_groups`)."""
+
+    def __init__(self, index: int, grace_s: float = 20.0):
         self.index, self.grace_s = index, grace_s
+        self.armed = False
         with torch.cuda.device(index):
             self.stream = torch.cuda.Stream(priority=-1)
             self.false = torch.zeros((), dtype=torch.bool, device=f"cuda:{index}")
 
     def __call__(self) -> None:
+        faulthandler.dump_traceback_later(self.grace_s, exit=True)
+        self.armed = True
+        print(f"fxshard: cuda:{self.index}'s process exits with status 1 in {self.grace_s:g} s unless the runtime "
+              "reports the stop first", file=sys.stderr, flush=True)
         try:
-            with torch.cuda.device(self.index), torch.cuda.stream(self.stream):
-                torch._assert_async(self.false, "fxshard: a copy-engine collective waited longer than "
-                                                "Config(collective_timeout_s)")
+            self._assert()
         except RuntimeError:  # the context failed already: what the stop is for
-            return
-        timer = threading.Timer(self.grace_s, self._exit_unless_stopped)
-        timer.daemon = True
-        timer.start()
+            pass
 
-    def _exit_unless_stopped(self) -> None:
-        try:
-            self.stream.query()
-        except RuntimeError:  # the assert ran: every CUDA call of the process fails, the main thread's too
-            return
-        print(f"fxshard: the device-side assert meant to stop cuda:{self.index} had not run {self.grace_s:g} s "
-              "later (its stream shares a blocked hardware queue?); exiting with status 1 instead of hanging",
-              file=sys.stderr, flush=True)
-        os._exit(1)
+    def _assert(self) -> None:
+        with torch.cuda.device(self.index), torch.cuda.stream(self.stream):
+            torch._assert_async(self.false, "fxshard: a copy-engine collective waited longer than "
+                                            "Config(collective_timeout_s)")
+
+    def stopped_seen(self, why: str) -> None:
+        """The runtime met the stopped device's error and raises it: no hang is left to end."""
+        if self.armed:
+            faulthandler.cancel_dump_traceback_later()
+            self.armed = False
+            from .replay_watch import expire_process_groups
+
+            expire_process_groups(why)
 
 
 def _exchange(x: Tensor, group_name: str, region: int, total_bytes: int, shape: list[int], part_for,
@@ -517,6 +530,11 @@ class Watch:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def raising(self, where: str) -> None:
+        """The runtime is raising the error of the device stopped in `where`: disarm the stop's exit."""
+        if isinstance(self.stop_device, DeviceStop):
+            self.stop_device.stopped_seen(f"the device stopped in the copy-engine {where}")
 
 
 def _lowerable(node: fx.Node, all_to_alls: bool, gathers_and_scatters: bool) -> bool:

@@ -186,6 +186,7 @@ class CompiledStep:
         up, when the device stopped in one (runtime/copy_engine.py Watch)."""
         where = self._watch.waiting_in() if self._watch is not None else None
         if where is not None:
+            self._watch.raising(where)
             raise FxShardError(
                 f"this rank's device stopped in the copy-engine {where}: its barrier gave up after "
                 f"Config(collective_timeout_s) because a rank of that group stalled or stopped (its own error or log "
