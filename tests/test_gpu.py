@@ -779,6 +779,7 @@ def _stalled_copy_engine_peer(rank, out_dir, barriers):
     barrier gives up and traps (a stream barrier: the watch stops the device). Each rank writes what it
     saw, then leaves without any teardown (the stopped CUDA context would fail it)."""
     import json
+    import sys
     import time
 
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
@@ -801,8 +802,12 @@ def _stalled_copy_engine_peer(rank, out_dir, barriers):
             start = time.monotonic()
             step(batch)["loss"].item()
     except Exception as error:  # FxShardError where fxshard saw the CUDA error, RuntimeError in .item()
+        from fxshard.runtime.copy_engine import marker
+
         seen.update(error=f"{type(error).__name__}: {error}", after_s=time.monotonic() - start,
-                    waiting_in=step._watch.waiting_in(), reported=step._watch.reported)
+                    waiting_in=step._watch.waiting_in(), reported=step._watch.reported,
+                    marker=marker(rank).tolist(), lowering=step._watch.lowering.number)
+    print(f"{time.strftime('%H:%M:%S')} rank {rank} saw: {json.dumps(seen)[:600]}", file=sys.stderr, flush=True)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(seen, f)
     os._exit(0)
@@ -832,7 +837,7 @@ def test_a_stalled_peer_of_a_copy_engine_collective_ends_the_step_naming_it(tmp_
     assert codes[0] == 0, f"rank 0 exited with {codes[0]} instead of reporting the stall"
     assert codes[1] is not None and codes[1] >= 0, f"rank 1 ended by a signal: {codes[1]}"
     seen = json.loads((tmp_path / "rank0.json").read_text())
-    assert seen["error"] is not None and seen["after_s"] < 3 + 10
+    assert seen["error"] is not None and seen["after_s"] < 3 + 10, seen
     assert seen["waiting_in"] is not None and seen["waiting_in"].split(" of ")[0] in (
         "all_gather_into_tensor", "reduce_scatter_tensor")
     assert seen["waiting_in"] in seen["error"] or seen["reported"] == seen["waiting_in"]
