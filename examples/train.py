@@ -59,7 +59,7 @@ def parse_args(argv=None):
                         "interleaved (dual-batch); with --pp, each stage's forward/backward pairs (combined 1F1B)")
     parser.add_argument("--ep-microbatches", type=int, default=1,
                         help="with --ep > 1: gradient-accumulation microbatches per step (2: dual-batch overlap)")
-    parser.add_argument("--ep-all-to-all", default="nccl", choices=["nccl", "copy-engine"],
+    parser.add_argument("--ep-all-to-all", default="auto", choices=["auto", "nccl", "copy-engine"],
                         help="on GPUs: how EP all-to-alls move data (copy-engine: peer memcpys, no SMs held)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (multiplies the processes)")
     parser.add_argument("--schedule", default="1f1b", choices=PIPELINE_SCHEDULES)

@@ -22,8 +22,8 @@ SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zb-h1", "dualpipev")
 P2P_RECEIVES = ("early", "late")  # fxshard.schedule.order.RECEIVES
 EP_INTERLEAVINGS = ("combined-1f1b", "dual-batch")
-EP_ALL_TO_ALLS = ("nccl", "copy-engine")
-FSDP_COLLECTIVES = ("nccl", "copy-engine")
+EP_ALL_TO_ALLS = ("auto", "nccl", "copy-engine")
+FSDP_COLLECTIVES = ("auto", "nccl", "copy-engine")
 COPY_ENGINE_BARRIERS = ("kernel", "stream")  # runtime/copy_engine.py BARRIERS
 CODEGENS = ("auto", "inductor", None)
 CODEGEN_REGIONS = ("layer", "communication")
@@ -113,25 +113,31 @@ class Config:
         free for it (fxshard/runtime/carveout.py; torch's experimental SM carveout), so a persistent
         GEMM next to the all-to-all kernel does not spill into a second wave. None: off.
     ep_all_to_all: how EP all-to-alls move data on CUDA: "nccl" (an NCCL kernel, which holds SMs
-        while it runs) or "copy-engine" (peer-to-peer memcpys through symmetric memory on a side
+        while it runs), "copy-engine" (peer-to-peer memcpys through symmetric memory on a side
         stream, no SMs beyond two one-block barriers; GPUs of one host with peer access:
-        fxshard/runtime/copy_engine.py). CPU/gloo always uses the process group's all-to-all.
-    fsdp_collectives: how the fsdp pass's all-gathers and reduce-scatters move data on CUDA: "nccl"
-        or "copy-engine" (as ep_all_to_all: peer-to-peer memcpys, no SMs taken from the GEMMs they
-        overlap; a reduce-scatter adds one summing kernel; GPUs of one host with peer access). Each
-        collective's result lives in a region of one symmetric workspace per group, reused once no
-        later node reads it (fxshard/runtime/workspace_plan.py; `step.lowerings()` prints its size).
-        CPU/gloo always uses the process group's collectives.
+        fxshard/runtime/copy_engine.py) or "auto" (default: copy engines where they were measured
+        faster, 2 CUDA processes on one host with peer access; NCCL elsewhere: `choose_auto`;
+        `step.lowerings()` says what it chose and why). CPU/gloo always uses the process group's
+        all-to-all.
+    fsdp_collectives: how the fsdp pass's all-gathers and reduce-scatters move data on CUDA: "nccl",
+        "copy-engine" (as ep_all_to_all: peer-to-peer memcpys, no SMs taken from the GEMMs they
+        overlap; a reduce-scatter adds one summing kernel; GPUs of one host with peer access) or
+        "auto" (default, as ep_all_to_all). Each collective's result lives in a region of one
+        symmetric workspace per group, reused once no later node reads it
+        (fxshard/runtime/workspace_plan.py; `step.lowerings()` prints its size). CPU/gloo always
+        uses the process group's collectives.
     copy_engine_barriers: how the copy-engine collectives' two barriers wait: "kernel" (default:
         torch's symmetric-memory barrier, a one-block kernel that spins on an SM until every peer has
         arrived and traps after collective_timeout_s) or "stream" (CUDA stream memory operations,
-        cuStreamWaitValue32: the side stream waits holding no SM; on 2 H200s 40 GEMMs took 5.37 ms
-        beside one waiting, 7.14 beside the kernel, 5.31 alone, bench/probes/stream_barrier.py; it
-        cannot time out on the device, so after collective_timeout_s the copy-engine watch stops the
-        device itself with a device-side assert, and ends the process if that has not taken 30 s
-        later). A stream wait blocks the hardware queue its stream is mapped to, which other streams
-        may share (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default; 1 is refused). Not yet measured inside
-        real steps: bench/RESULTS.md, session 27.
+        cuStreamWaitValue32: the side stream waits holding no SM). Measured on 2 H200s
+        (bench/RESULTS.md, session 28): MoE with dual-batch overlap 57.67 ms against 57.95 (its GEMMs
+        ~0.9 ms slower beside the barriers instead of ~3.8), ZeRO-3 no different. A stream wait cannot
+        time out, and on H200 a device-side assert neither releases it nor could always be launched
+        behind it: after collective_timeout_s the copy-engine watch names the collective on stderr,
+        tries that assert, and the process exits with status 1 20 s later (every thread's stack on
+        stderr) unless fxshard reported the error first. A stream wait blocks the hardware queue its
+        stream is mapped to, which other streams may share (CUDA_DEVICE_MAX_CONNECTIONS, 8 by
+        default; 1 is refused).
     nccl_max_ctas: on NCCL, each process group fxshard makes runs its collectives on at most this many
         CTAs (thread blocks, one SM each; NCCL's `maxCTAs` config of the communicator). An NCCL
         collective holds its SMs while it runs, and the GEMMs overlapping it run on the rest: fewer
@@ -188,8 +194,8 @@ class Config:
     ep_chunks: int = 1
     ep_sm_carveout: int | None = None
     ep_interleave: str = "combined-1f1b"
-    ep_all_to_all: str = "nccl"
-    fsdp_collectives: str = "nccl"
+    ep_all_to_all: str = "auto"
+    fsdp_collectives: str = "auto"
     copy_engine_barriers: str = "kernel"
     nccl_max_ctas: "int | dict[str, int] | None" = None
     codegen: str | None = "auto"

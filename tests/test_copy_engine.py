@@ -574,3 +574,30 @@ def test_the_reduce_scatter_sums_its_own_chunk_where_it_is_and_the_others_in_ran
                 stacked = torch.stack(chunks)
                 before = torch.sum(stacked, dim=0)
                 assert torch.equal(out, before.div_(world) if average else before)
+
+
+def test_auto_collectives_pick_copy_engines_only_where_they_were_measured_faster(monkeypatch):
+    """Config "auto" (the default of ep_all_to_all and fsdp_collectives): copy engines for 2 CUDA
+    processes on one host whose GPUs have peer access, NCCL for anything else; on CPU nothing is
+    gathered and the lowering line says what was chosen and why."""
+    from fxshard.runtime.copy_engine import choose_auto, resolve_auto
+
+    cuda, both = torch.device("cuda", 0), [("node0", 0), ("node0", 1)]
+    everywhere = lambda a, b: True  # noqa: E731 - peer access, as the driver would say
+    assert choose_auto(cuda, 2, both, everywhere) == (True, "2 GPUs of one host with peer access")
+    for device, world, places, access, why in (
+            (torch.device("cpu"), 2, both, everywhere, "not CUDA"),
+            (cuda, 4, both * 2, everywhere, "measured on 2 GPUs only"),
+            (cuda, 2, [("node0", 0), ("node1", 0)], everywhere, "more than one host"),
+            (cuda, 2, [("node0", 0), ("node0", 0)], everywhere, "share a GPU"),
+            (cuda, 2, both, lambda a, b: False, "lack peer access")):
+        chosen, said = choose_auto(device, world, places, access)
+        assert not chosen and why in said
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    assert choose_auto(cuda, 2, both, everywhere) == (False, "NCCL_P2P_DISABLE is set")
+    assert resolve_auto("auto", "copy-engine", torch.device("cpu")) == (
+        "nccl", "copy-engine", "collectives 'auto': nccl (not CUDA)")
+    assert resolve_auto("nccl", "nccl", torch.device("cpu")) == ("nccl", "nccl", None)
+    assert fxshard.Config().fsdp_collectives == fxshard.Config().ep_all_to_all == "auto"
+    step = fxshard.shard(MLPStack([3, 4, 1]), mse, regression_batch(torch.Generator().manual_seed(0), 4))
+    assert "collectives 'auto': nccl (not CUDA)" in step.lowerings()

@@ -117,7 +117,8 @@ def _nccl_max_ctas(batches):
     for max_ctas in (None, 2):
         torch.manual_seed(0)
         step = fxshard.shard(GPT(GPTConfig.preset("tiny")).to(device), model_loss, local[0], optimizer=ADAMW,
-                             mesh=fxshard.Mesh(dp=world), config=fxshard.Config(codegen=None, nccl_max_ctas=max_ctas))
+                             mesh=fxshard.Mesh(dp=world), config=fxshard.Config(codegen=None, nccl_max_ctas=max_ctas,
+                                                                                 fsdp_collectives="nccl"))
         losses.append([step(b)["loss"].item() for b in local])
         configured = step.groups["dp"]._get_backend(torch.device(device)).options.config.max_ctas
     return losses, configured
@@ -170,7 +171,8 @@ def _a_peer_stalls_under_cuda_graphs(batches):
     torch.manual_seed(0)
     step = fxshard.shard(GPT(GPTConfig.preset("tiny")).to(device), model_loss, local[0], optimizer=ADAMW,
                          mesh=fxshard.Mesh(dp=2),
-                         config=fxshard.Config(codegen=None, cuda_graphs=True, collective_timeout_s=5))
+                         config=fxshard.Config(codegen=None, cuda_graphs=True, collective_timeout_s=5,
+                                               fsdp_collectives="nccl"))
     for batch in local[:3]:
         step(batch)
     torch.cuda.synchronize()
@@ -217,6 +219,7 @@ def _nccl_train(model_name, batches, cuda_graphs):
         local = [{k: v[rank * rows:(rank + 1) * rows].to(device) for k, v in b.items()} for b in batches]
         step = fxshard.shard(model, model_loss, local[0], optimizer=ADAMW, mesh=fxshard.Mesh(dp=world),
                              config=fxshard.Config(sharding=strategy, cuda_graphs=cuda_graphs))
+        assert ("copy-engine" in step.auto_collectives) == (world == 2), step.auto_collectives
         losses = [step(b)["loss"].item() for b in local]
         results[strategy] = (losses, {k: v.cpu() for k, v in step.parameters().items()})
     return results
@@ -225,6 +228,8 @@ def _nccl_train(model_name, batches, cuda_graphs):
 @pytest.mark.multigpu
 @pytest.mark.parametrize("model_name, cuda_graphs", [("gpt", False), ("moe_gpt", False)])
 def test_fsdp_over_nccl_matches_single_device_eager(model_name, cuda_graphs):
+    """Every ZeRO strategy with the default collectives: on 2 GPUs of one host that is copy engines
+    (Config "auto"), on 4 NCCL's."""
     world = 4 if torch.cuda.device_count() >= 4 else 2
     batches = cuda_batches(10, rows=2 * world, device="cpu")
     per_rank = run_local(_nccl_train, world, model_name, batches, cuda_graphs, backend="nccl")

@@ -21,7 +21,7 @@ from ..codegen import CodegenReport, compile_regions, progress_printer
 from ..graph import views_as_reshapes
 from .nonfinite import was_skipped
 from .carveout import carve_out_sms_for_all_to_alls
-from .copy_engine import CopyEngineLowering, Watch, lower_to_copy_engines, marker
+from .copy_engine import CopyEngineLowering, Watch, lower_to_copy_engines, marker, resolve_auto
 from .gloo import gloo_group_names, lower_gloo_all_gathers
 from .reinplace import reinplace
 from .replay_watch import ReplayWatch, abort_groups, expire_process_groups
@@ -107,6 +107,7 @@ class CompiledStep:
             self._run, self.sm_carveout_stretches = carve_out_sms_for_all_to_alls(self._run, sm_carveout)
         # collectives moved by peer memcpys through symmetric memory (no SMs), CUDA only
         self.copy_engine = CopyEngineLowering()
+        all_to_all, fsdp_collectives, self.auto_collectives = resolve_auto(all_to_all, fsdp_collectives, device)
         if device.type == "cuda" and "copy-engine" in (all_to_all, fsdp_collectives):
             self._run, self.copy_engine = lower_to_copy_engines(
                 self._run, all_to_alls=all_to_all == "copy-engine",
@@ -153,7 +154,8 @@ class CompiledStep:
     def lowerings(self) -> str:
         """One line: what the runtime changed in the program before running it."""
         return (f"runtime lowerings of {self.program.name!r}: {self.in_place_updates} in-place optimizer updates, "
-                f"{self.copy_engine.line()}, {self.sm_carveout_stretches} "
+                f"{self.copy_engine.line()}"
+                + (f" ({self.auto_collectives})" if self.auto_collectives else "") + f", {self.sm_carveout_stretches} "
                 f"SM-carveout stretches, {self.gloo_all_gathers} gloo all-gathers through _allgather_base; "
                 f"{self.codegen.line() if self.codegen else 'codegen: off (aten replay)'}")
 
