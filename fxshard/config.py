@@ -111,7 +111,8 @@ class Config:
         alive at once).
     ep_sm_carveout: on CUDA, matmuls placed while an EP all-to-all is in flight leave this many SMs
         free for it (fxshard/runtime/carveout.py; torch's experimental SM carveout), so a persistent
-        GEMM next to the all-to-all kernel does not spill into a second wave. None: off.
+        GEMM next to the all-to-all kernel does not spill into a second wave. None: off. Only with NCCL
+        all-to-alls: copy-engine ones hold no SMs to leave room for.
     ep_all_to_all: how EP all-to-alls move data on CUDA: "nccl" (an NCCL kernel, which holds SMs
         while it runs), "copy-engine" (peer-to-peer memcpys through symmetric memory on a side
         stream, no SMs beyond two one-block barriers; GPUs of one host with peer access:

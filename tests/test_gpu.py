@@ -625,7 +625,8 @@ def _graphed_and_eager_over_nccl(batches, ep=1, extra=None):
 @pytest.mark.multigpu
 @pytest.mark.parametrize("expert_parallel, extra", [
     (False, None), (True, None),
-    (True, {"microbatches": 2, "ep_interleave": "dual-batch", "ep_chunks": 1, "ep_sm_carveout": 16})],
+    (True, {"microbatches": 2, "ep_interleave": "dual-batch", "ep_chunks": 1, "ep_sm_carveout": 16,
+            "ep_all_to_all": "nccl"})],
     ids=["fsdp", "fsdp_ep_overlap", "fsdp_ep_dual_batch_carveout"])
 def test_cuda_graph_replay_with_a_mesh_is_bit_identical_to_eager_replay(expert_parallel, extra):
     world = 4 if torch.cuda.device_count() >= 4 else 2

@@ -102,12 +102,13 @@ class CompiledStep:
         self.gloo_all_gathers = sum(node.target is GLOO_ALL_GATHER for node in run.graph.nodes)
         # optimizer updates write into the state tensors they read (see runtime/reinplace.py)
         self._run, self.in_place_updates = reinplace(run)
+        # Config "auto" collectives made concrete (the same on every rank: runtime/copy_engine.py resolve_auto)
+        all_to_all, fsdp_collectives, self.auto_collectives = resolve_auto(all_to_all, fsdp_collectives, device)
         self.sm_carveout_stretches = 0  # runs of matmuls inside all-to-all windows that run narrower, CUDA only
-        if sm_carveout is not None and device.type == "cuda":
+        if sm_carveout is not None and device.type == "cuda" and all_to_all == "nccl":  # copy engines hold no SMs
             self._run, self.sm_carveout_stretches = carve_out_sms_for_all_to_alls(self._run, sm_carveout)
         # collectives moved by peer memcpys through symmetric memory (no SMs), CUDA only
         self.copy_engine = CopyEngineLowering()
-        all_to_all, fsdp_collectives, self.auto_collectives = resolve_auto(all_to_all, fsdp_collectives, device)
         if device.type == "cuda" and "copy-engine" in (all_to_all, fsdp_collectives):
             self._run, self.copy_engine = lower_to_copy_engines(
                 self._run, all_to_alls=all_to_all == "copy-engine",
