@@ -164,6 +164,35 @@ def gemm_line(timeline: dict) -> str:
             f"SMs (NCCL, barriers), which took ~{timeline['gemm_beside_extra_ms']:.2f} ms longer than alone")
 
 
+def exposed_copies(events: list[dict], steps: int, labels=(), largest: int = 6, is_compute=None) -> dict:
+    """The peer-to-peer copies of a trace (copy-engine collectives: one "Memcpy PtoP" per collective
+    and peer) by their place in the step: the k-th copy of every step is the same collective, named
+    `labels[k]` where the labels (`CopyEngineLowering.described`, program order) are as many as the
+    copies a step holds (world 2), else "copy k". For each: its mean duration and how much of it no
+    compute kernel (`is_compute(name)`, default: not SM-holding communication and not a marker) ran
+    beside, in us. "exposed_copies_us" (all, per step), "exposed_copies_largest": the `largest`
+    [label, exposed us, duration us], and "exposed_copies_by_place": exposed us per copy index."""
+    if is_compute is None:
+        is_compute = lambda name: not holds_sms(name) and name != "mark"  # noqa: E731
+    compute = _union([(e["ts"], e["ts"] + e["dur"]) for e in events
+                      if e.get("cat") == "kernel" and "dur" in e and is_compute(e["name"])])
+    copies = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                    if e.get("cat") == "gpu_memcpy" and "dur" in e and "PtoP" in e.get("name", ""))
+    per_step = len(copies) // steps if steps else 0
+    if per_step == 0:
+        return {"exposed_copies_us": 0.0, "exposed_copies_largest": [], "exposed_copies_by_place": []}
+    names = list(labels) if len(labels) == per_step else [f"copy {k}" for k in range(per_step)]
+    exposed, took = [0.0] * per_step, [0.0] * per_step
+    for index, (start, stop) in enumerate(copies[:per_step * steps]):
+        beside = _intersection([[start, stop]], [span for span in compute if span[1] > start and span[0] < stop])
+        exposed[index % per_step] += (stop - start - beside) / steps
+        took[index % per_step] += (stop - start) / steps
+    order = sorted(range(per_step), key=lambda k: -exposed[k])[:largest]
+    return {"exposed_copies_us": sum(exposed),
+            "exposed_copies_largest": [[names[k][:90], round(exposed[k], 1), round(took[k], 1)] for k in order],
+            "exposed_copies_by_place": [round(us, 1) for us in exposed]}
+
+
 def _union(spans):
     merged = []
     for start, stop in sorted(spans):

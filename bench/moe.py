@@ -54,8 +54,8 @@ import fxshard  # noqa: E402
 from fxshard.launch import run_local  # noqa: E402
 from fxshard.models import MoEGPT, MoEGPTConfig  # noqa: E402
 from fxshard.runtime import CompiledStep  # noqa: E402
-from common import (H200_BF16_DENSE_PEAK, IDLE_SHORT_US, gemm_line, holds_sms, idle_gaps, kernel_timeline,  # noqa: E402
-                    write_json)
+from common import (H200_BF16_DENSE_PEAK, IDLE_SHORT_US, exposed_copies, gemm_line, holds_sms, idle_gaps,  # noqa: E402
+                    kernel_timeline, write_json)
 
 _c10d = torch.ops._c10d_functional
 
@@ -106,9 +106,10 @@ def timed(step_fn, warmup, iters) -> float:
     return (time.perf_counter() - started) / iters * 1e3
 
 
-def profile(step_fn, path, steps=2) -> dict:
+def profile(step_fn, path, steps=2, labels=()) -> dict:
     """On rank 0: kernel time per op over `steps` steps into `path` (top 40), and from the kernel timeline: ms/step
-    of all-to-all kernels, and how much of that time other kernels ran alongside (overlap)."""
+    of all-to-all kernels, and how much of that time other kernels ran alongside (overlap); for copy-engine
+    collectives, which of them ran with no compute beside (`exposed_copies`, named by `labels`)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -132,12 +133,13 @@ def profile(step_fn, path, steps=2) -> dict:
     # where no compute kernel runs (communication, barriers, markers and copies aside): the exposed
     # waits of either all-to-all kind, the largest named by the compute kernels around them
     waits = idle_gaps(events, steps, counts=lambda e: e.get("cat") == "kernel" and not _is_communication(e["name"]))
+    alone = exposed_copies(events, steps, labels, is_compute=lambda name: not _is_communication(name))
     return {"gpu_busy_ms": timeline["gpu_busy_ms"], "all_to_all_kernels_ms": timeline["comm_kernels_ms"],
             "all_to_all_overlapped_ms": timeline["comm_overlapped_ms"], "copies_ms": timeline["copies_ms"],
             "copies_overlapped_ms": timeline["copies_overlapped_ms"], "by_class_ms": timeline["by_class_ms"],
             "compute_idle_ms": waits["idle_ms"], "compute_idle_long_ms": waits["idle_long_ms"],
             "compute_idle_long_gaps": waits["idle_long_gaps"], "compute_idle_largest": waits["idle_largest"],
-            **{key: timeline[key] for key in ("gemm_ms", "gemm_beside_ms", "gemm_beside_extra_ms")}}
+            **{key: timeline[key] for key in ("gemm_ms", "gemm_beside_ms", "gemm_beside_extra_ms")}, **alone}
 
 
 def _is_communication(kernel: str) -> bool:
@@ -251,7 +253,8 @@ def run_modes(args):
                       f", peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
             if args.profile:  # every rank steps (collectives); rank 0 reports
                 os.makedirs(args.profile, exist_ok=True)
-                kernels = profile(lambda: runner(data), os.path.join(args.profile, f"{label}.txt"))
+                kernels = profile(lambda: runner(data), os.path.join(args.profile, f"{label}.txt"),
+                                  labels=runner.copy_engine.described)
                 if rank == 0:
                     results[f"{label}-kernels"] = kernels
                     classes = ", ".join(f"{k} {v:.2f}" for k, v in kernels["by_class_ms"].items())
@@ -264,6 +267,10 @@ def run_modes(args):
                           f"{kernels['compute_idle_long_gaps']:.0f} gaps over {IDLE_SHORT_US:.0f} us, "
                           f"largest (us, before, after) "
                           f"{kernels['compute_idle_largest'][:3]}; " + gemm_line(kernels), flush=True)
+                    if kernels["exposed_copies_largest"]:
+                        print(f"  {label}: peer copies with no compute beside them {kernels['exposed_copies_us'] / 1e3:.2f}"
+                              f" ms/step; largest (collective, exposed us, copy us): "
+                              f"{kernels['exposed_copies_largest']}", flush=True)
         metrics = step(data)
         dropped = metrics["moe_dropped_tokens"].item()
         results["dropped"] = dropped  # the same routing in every mode
