@@ -12,10 +12,13 @@ and the ratio to the single-GPU no-communication time of the same model and batc
     nocomm-fxshard-aten  the same without codegen (aten replay)
     fsdp2           N GPUs, torch.distributed.fsdp.fully_shard per block + root, eager
     fsdp2-compile   the same with torch.compile on each block (torchtitan's recipe)
-    fxshard         N GPUs, fxshard ZeRO-3 (optim_grads_params), codegen, CUDA graphs (--eager-replay: without)
+    fxshard         N GPUs, fxshard ZeRO-3 (optim_grads_params), codegen, CUDA graphs (--eager-replay: without),
+                    NCCL collectives (Config(fsdp_collectives="nccl"); the default "auto" picks copy engines
+                    on 2 GPUs of one host, i.e. fxshard-ce there, and NCCL on more)
     fxshard-aten    the same without codegen
     fxshard-ce      fxshard with Config(fsdp_collectives="copy-engine"): all-gathers and reduce-scatters
-                    moved by the copy engines (no SMs); its peak memory includes the symmetric workspace
+                    moved by the copy engines (no SMs); its peak memory includes the symmetric workspace;
+                    what the default gives on 2 GPUs of one host
     fxshard-ce-stream  the same with Config(copy_engine_barriers="stream"): the collectives' barriers
                     wait in stream memory operations instead of a one-block kernel (no SM at all)
     fxshard-ctasN   fxshard with Config(nccl_max_ctas=N) (its collectives on at most N SMs, fewer taken
