@@ -21,7 +21,8 @@ with <schedule> one of --schedules: 1f1b, interleaved-v2 (interleaved 1F1B, V=2,
 (zero bubble, weight gradients split off), and, opt-in (--schedules ... dualpipev), dualpipev (two chunks
 per rank in V placement, B / W split), skipped with the reason where fxshard.schedule.build does not know
 it. fxshard modes use the default codegen (Inductor on CUDA, aten replay on CPU), no data parallelism
-(sharding="no_shard").
+(sharding="no_shard"), bf16 compute and fp32 gradients (reduce_dtype), accumulated over the microbatches
+in fp32; --bf16-grads adds each mode again as <mode>-gbf16 with bf16 gradients, the peer's precision.
 
 The peer, as a user of torch.distributed.pipelining would write it: one nn.Module per chunk (the embedding and
 its blocks, or its blocks and the final norm and head), cut at the same layers as fxshard's chunks (fxshard's
@@ -296,17 +297,20 @@ def run_peer(mode: str, setup: Setup) -> dict:
 
 
 def run_fxshard(schedule_name: str, virtual: int, graphed: bool, label: str, setup: Setup,
-                p2p_ctas: int | None = None, receives: str = "late", fuse_accumulation: bool = False) -> dict:
+                p2p_ctas: int | None = None, receives: str = "late", fuse_accumulation: bool = False,
+                grads: str = "fp32") -> dict:
     """One rank of an fxshard mode: Mesh(pp=P), the schedule, eager replay or CUDA graphs, the
     point-to-point transfers on at most `p2p_ctas` CTAs (Config(nccl_max_ctas={"pp": ...})), receives
     issued `receives` (Config(p2p_receives)), gradient accumulation in the wgrad GEMMs with
-    `fuse_accumulation` (Config(fuse_grad_accumulation))."""
+    `fuse_accumulation` (Config(fuse_grad_accumulation)), gradients accumulated and kept in `grads`
+    ("fp32" or "bf16", as the peer's: Config(reduce_dtype))."""
     world = dist.get_world_size()
     device = this_device(setup)
     model = build_model(setup, device)
     data = batch_for(setup, device)
     config = fxshard.Config(schedule=schedule_name, virtual_stages=virtual, microbatches=setup.microbatches,
-                            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, sharding="no_shard",
+                            param_dtype=torch.bfloat16, sharding="no_shard",
+                            reduce_dtype=torch.bfloat16 if grads == "bf16" else torch.float32,
                             cuda_graphs=graphed, nccl_max_ctas={"pp": p2p_ctas} if p2p_ctas else None,
                             p2p_receives=receives, fuse_grad_accumulation=fuse_accumulation,
                             stage_layers=dict(setup.stage_layers).get(world * virtual))
@@ -643,19 +647,22 @@ def job(kind: str, name: str, setup: Setup, graphed: bool = False) -> dict:
     """One mode on this rank (the function each spawned process runs)."""
     if kind == "peer":
         return run_peer(name, setup)
-    schedule_name, virtual, ctas, receives, fused = schedule_of(name)
+    schedule_name, virtual, ctas, receives, fused, grads = schedule_of(name)
     return run_fxshard(schedule_name, virtual, graphed, f"{name}-{'graphed' if graphed else 'eager'}", setup, ctas,
-                       receives, fused)
+                       receives, fused, grads)
 
 
-def schedule_of(name: str) -> tuple[str, int, int | None, str, bool]:
-    """An fxshard mode's schedule, virtual stages, the pp group's NCCL CTAs, Config(p2p_receives) and
-    Config(fuse_grad_accumulation): "1f1b-ctas2-early-fga" -> ("1f1b", 1, 2, "early", True),
-    "1f1b" -> ("1f1b", 1, None, "late", False)."""
+def schedule_of(name: str) -> tuple[str, int, int | None, str, bool, str]:
+    """An fxshard mode's schedule, virtual stages, the pp group's NCCL CTAs, Config(p2p_receives),
+    Config(fuse_grad_accumulation) and the gradients' dtype (Config(reduce_dtype)):
+    "1f1b-ctas2-early-fga-gbf16" -> ("1f1b", 1, 2, "early", True, "bf16"),
+    "1f1b" -> ("1f1b", 1, None, "late", False, "fp32")."""
+    name, bf16, _ = name.partition("-gbf16")
     name, fused, _ = name.partition("-fga")
     name, early, _ = name.partition("-early")
     base, found, ctas = name.partition("-ctas")
-    return (*SCHEDULES[base], int(ctas) if found else None, "early" if early else "late", bool(fused))
+    return (*SCHEDULES[base], int(ctas) if found else None, "early" if early else "late", bool(fused),
+            "bf16" if bf16 else "fp32")
 
 
 def median(values: list[float]) -> float:
@@ -728,7 +735,8 @@ def planned_modes(args) -> list[tuple[str, str, bool]]:
             print(f"{name}: not in this fxshard ({reason[:200]}); skipped", flush=True)
             continue
         modes += [("fxshard", name + (f"-ctas{ctas}" if ctas else "") + ("-early" if receives == "early" else "")
-                   + ("-fga" if fused else ""), replay == "graphed")
+                   + ("-fga" if fused else "") + ("-gbf16" if grads == "bf16" else ""), replay == "graphed")
+                  for grads in ["fp32", *(["bf16"] if args.bf16_grads else [])]
                   for fused in sorted({False, args.fuse_grad_accumulation}) for receives in args.p2p_receives
                   for ctas in [None, *args.p2p_ctas] for replay in replays]
     return modes
@@ -887,6 +895,10 @@ def main():
     parser.add_argument("--fuse-grad-accumulation", action="store_true",
                         help="each fxshard mode again with Config(fuse_grad_accumulation=True), as <mode>-fga: each "
                              "microbatch's weight gradients added into their fp32 totals by the wgrad GEMMs")
+    parser.add_argument("--bf16-grads", action="store_true",
+                        help="each fxshard mode again with its gradients accumulated in bf16 (Config(reduce_dtype="
+                             "torch.bfloat16)), as <mode>-gbf16: the peer's precision (--peer-precision bf16 accumulates "
+                             "in its bf16 modules' .grad)")
     parser.add_argument("--out", default="bench/pipeline.json")
     args = parser.parse_args()
     try:
