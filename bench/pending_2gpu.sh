@@ -2,26 +2,20 @@
 # The 2-GPU measurements the open issues wait for, one part per device call (each fits the 10-minute
 # limit of a device command). On the device machine, from the repository root:
 #
-#     bash bench/pending_2gpu.sh fga|p2p-1f1b|p2p-v2|suite-ce|fsdp|fsdp-b1|moe|moe-ce|pipeline|pipeline-cut|pipeline-zb|suite|hf_moe|watch  [OUT dir, default $OUT]
+#     bash bench/pending_2gpu.sh precision|fga|p2p-1f1b|p2p-v2|suite-ce|fsdp|fsdp-b1|moe|moe-ce|pipeline|pipeline-cut|pipeline-zb|suite|hf_moe|watch  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
-# (date, machine, command). In priority order (session 27: late receives made the pipelines 1.10-1.13x
-# faster and are the default; ZeRO-3 on copy engines met issue 15's FSDP targets; MoE hid 66%, its GEMMs
-# ~4.1 ms a step slower beside the copy-engine barrier kernels; stream barriers passed their probe):
-#   suite-ce  the copy-engine multigpu tests, now also with Config(copy_engine_barriers="stream") (bit-identical
-#             to NCCL eagerly and graphed; a late peer waited for; a stalled peer ends the step: the watch's
-#             device-side assert has never run on a GPU) (~6 min)
-#   fga       issue 14: 1F1B and interleaved V=2, graphed, with and without Config(fuse_grad_accumulation)
-#             (the wgrad GEMMs add into the fp32 totals; CPU count: up to ~11.6 ms a step on stage 0),
-#             then its GPU test (~6 min)
-#   moe       issue 15: MoE ep=2, dual-batch, NCCL, copy engines and copy engines with stream barriers
-#             (>= 30% MFU, >= 90% hidden), each mode profiled (~4 min)
-#   fsdp      issue 15: GPT 1b ZeRO-3 at batch 4, copy engines with kernel and stream barriers, against one
-#             GPU's compiled step, two rounds (A B A B: medians), profiled (~6 min)
-#   pipeline-zb  issue 14: ZB-H1 (not run on H200 since session 19) with the peers, late receives (~4 min)
-#   p2p-1f1b, p2p-v2  session 27's receive / CTA comparison (early now "-early")
-#   suite     the other multigpu tests (~7 min)
-#   fsdp-b1, pipeline, pipeline-cut, moe-ce, hf_moe, watch (graphed stalls, early receives / 1 CTA; ~3 min)
+# (date, machine, command). In priority order (session 28: Config(ep_all_to_all / fsdp_collectives) now
+# default to "auto", which is copy engines on 2 GPUs of one host; only the fsdp parity and mesh graph-replay
+# tests ran with it; fused gradient accumulation measured 1.02x slower, stream barriers 0.3 ms faster on MoE):
+#   suite     the multigpu tests with the new default (copy engines wherever a test does not name NCCL) (~7 min)
+#   precision issue 14: 1F1B and interleaved V=2 graphed, fp32 and bf16 gradients (-gbf16: the peer's
+#             precision), next to the compiled peer (140.3 ms in session 28; interleaved was 1.07x faster) (~7 min)
+#   moe       issue 15: MoE ep=2, dual-batch, NCCL / copy engines / stream barriers; the profile now names the
+#             collectives whose peer copies ran with no compute beside them (1.56 ms a step in session 28) (~5 min)
+#   pipeline-zb  issue 14: ZB-H1 (not run on H200 since session 19) with the peers (~4 min)
+#   suite-ce  the copy-engine multigpu tests (all passed in session 28 after the stalled-peer fix) (~6 min)
+#   fsdp, fsdp-b1, fga, p2p-1f1b, p2p-v2, pipeline, pipeline-cut, moe-ce, hf_moe, watch: as before
 set -euo pipefail
 part=${1:?usage: bench/pending_2gpu.sh PART [OUT]}
 out=${2:-${OUT:?set OUT or pass a directory}}
@@ -61,6 +55,10 @@ case "$part" in
   pipeline-cut) timeout 580 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 --replays graphed \
                   --peers pipelining-interleaved-compile --stage-layers 9,9 4,5,5,4 \
                   --out "$out/pipeline_cut_2gpu_$day.json" 2>&1 | tee "$out/pipeline_cut.log" | grep -v "codegen: region" | tail -30 ;;
+  precision) timeout 580 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 --replays graphed \
+               --peers pipelining-interleaved-compile --bf16-grads --steps 8 \
+               --out "$out/pipeline_precision_2gpu_$day.json" 2>&1 | tee "$out/pipeline_precision.log" \
+               | grep -v "codegen: region\|Warning\|warn\|func(" | tail -30 ;;
   pipeline-zb) timeout 580 python bench/pipeline.py --gpus 2 --schedules zb-h1 --peers \
                  --out "$out/pipeline_zb_2gpu_$day.json" 2>&1 | tee "$out/pipeline_zb.log" | grep -v "codegen: region" | tail -20 ;;
   hf_moe) timeout 580 python bench/hf_moe.py --out "$out/hf_moe_2gpu_$day.json" 2>&1 | tee "$out/hf_moe.log" \
