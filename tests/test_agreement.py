@@ -120,3 +120,24 @@ def test_a_stalled_peer_ends_the_step_within_the_timeout_naming_the_collective()
     # ZeRO-3's first collective: the all-gather of the first unit, before the forward reads it
     assert message.startswith("step 1: waiting for the all_gather_into_tensor of (") and \
         "[fwd, pre, unit pre] on group 'dp' failed" in message and "collective_timeout_s" in message, message
+
+
+def runtime_choices(differ):
+    """What check_runtime_agreement says on each rank, given the same or different runtime choices."""
+    from fxshard.runtime.agreement import check_runtime_agreement
+
+    how = "all-to-alls by copy-engine" if differ and dist.get_rank() else "all-to-alls by nccl"
+    try:
+        check_runtime_agreement(how, torch.device("cpu"))
+    except fxshard.FxShardError as error:
+        return str(error)
+    return None
+
+
+def test_ranks_that_would_lower_their_collectives_differently_fail_together():
+    """The same program on copy engines on one rank and on NCCL on the other would hang in its first
+    collective: every rank raises, naming each rank's choices (CompiledStep checks this after its
+    runtime lowerings; on CPU every rank uses the process group)."""
+    assert run_local(runtime_choices, 2, False, backend="gloo") == [None, None]
+    messages = run_local(runtime_choices, 2, True, backend="gloo")
+    assert messages[0] == messages[1] and "rank 0: all-to-alls by nccl; rank 1: all-to-alls by copy-engine" in messages[0]

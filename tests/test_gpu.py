@@ -867,6 +867,26 @@ def test_a_stalled_peer_of_a_copy_engine_collective_ends_the_step_naming_it(tmp_
     assert where.split(" of ")[0] in ("all_gather_into_tensor", "reduce_scatter_tensor"), where
 
 
+def _mismatched_fsdp_collectives():
+    rank = dist.get_rank()
+    device = f"cuda:{rank}"
+    batch = {k: v[rank * 2:(rank + 1) * 2].to(device) for k, v in cuda_batches(1, rows=4, device="cpu")[0].items()}
+    try:
+        fxshard.shard(GPT(GPTConfig.preset("tiny")).to(device), model_loss, batch, optimizer=ADAMW,
+                      mesh=fxshard.Mesh(dp=2), config=fxshard.Config(
+                          codegen=None, fsdp_collectives="copy-engine" if rank else "nccl"))
+    except fxshard.FxShardError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.multigpu
+def test_ranks_that_lower_their_collectives_differently_fail_at_shard_instead_of_hanging():
+    messages = run_local(_mismatched_fsdp_collectives, 2, backend="nccl")
+    assert messages[0] == messages[1] and "ZeRO collectives by nccl" in messages[0], messages
+    assert "rank 1: all-to-alls by nccl, ZeRO collectives by copy-engine" in messages[0], messages
+
+
 @pytest.mark.gpu
 def test_cuda_graphs_refuse_expert_ops_that_read_offsets_on_the_host():
     model = MoEGPT(MoEGPTConfig.preset("tiny")).cuda()  # fp32 experts: the reference backend

@@ -148,6 +148,23 @@ def check_agreement(graph: fx.Graph, groups: dict, device: torch.device, stage: 
     raise_together(_disagreement(graph, groups, device, stage), device, "another rank's group disagrees")
 
 
+def check_runtime_agreement(how: str, device: torch.device) -> None:
+    """Raise FxShardError on every rank when the ranks would move their collectives differently (`how`:
+    this rank's runtime choices, e.g. "all-to-alls by copy-engine, ..."): the same program lowered to
+    copy engines on one rank and left on NCCL on another (or with the other kind of barrier) waits
+    forever in its first collective, which the program comparison (`check_agreement`) cannot see."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    every = _all_gather_text(how, dist.group.WORLD, device)
+    if len(set(every)) > 1:
+        said = "; ".join(f"rank {r}: {text}" for r, text in enumerate(every))
+        raise FxShardError(f"the ranks would move their collectives differently ({said}): the job would hang in its "
+                           "first collective. Give every rank the same Config(ep_all_to_all, fsdp_collectives, "
+                           "copy_engine_barriers)")
+
+
 def raise_together(problem: str | None, device: torch.device, elsewhere: str) -> None:
     """Every rank of the job raises FxShardError when any rank found a problem (its own, else the first
     rank's, after `elsewhere`), none when no rank did: a rank whose own part went well must not go on

@@ -114,6 +114,15 @@ class CompiledStep:
                 self._run, all_to_alls=all_to_all == "copy-engine",
                 gathers_and_scatters=fsdp_collectives == "copy-engine", timeout_s=collective_timeout_s,
                 axes={group.group_name: axis for axis, group in self.groups.items()}, barriers=copy_engine_barriers)
+        if self.groups:  # the program agrees across ranks (checked at shard()); how it runs must too
+            from .agreement import check_runtime_agreement
+
+            on_cuda = device.type == "cuda"
+            check_runtime_agreement(
+                f"all-to-alls by {all_to_all if on_cuda else 'the process group'}, ZeRO collectives by "
+                f"{fsdp_collectives if on_cuda else 'the process group'}"
+                + (f", copy-engine barriers {copy_engine_barriers}" if on_cuda and self.copy_engine.number else ""),
+                device)
         # names the copy-engine collective a device stopped in (kernel barriers trap after the timeout;
         # with stream barriers the watch stops the device itself)
         self._watch = None
