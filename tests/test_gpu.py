@@ -883,8 +883,9 @@ def _mismatched_fsdp_collectives():
 @pytest.mark.multigpu
 def test_ranks_that_lower_their_collectives_differently_fail_at_shard_instead_of_hanging():
     messages = run_local(_mismatched_fsdp_collectives, 2, backend="nccl")
-    assert messages[0] == messages[1] and "ZeRO collectives by nccl" in messages[0], messages
-    assert "rank 1: all-to-alls by nccl, ZeRO collectives by copy-engine" in messages[0], messages
+    assert messages[0] == messages[1], messages  # ep_all_to_all="auto": copy engines on both
+    assert "rank 0: all-to-alls by copy-engine, ZeRO collectives by nccl;" in messages[0], messages
+    assert "rank 1: all-to-alls by copy-engine, ZeRO collectives by copy-engine" in messages[0], messages
 
 
 @pytest.mark.gpu
