@@ -598,6 +598,8 @@ def test_auto_collectives_pick_copy_engines_only_where_they_were_measured_faster
     assert resolve_auto("auto", "copy-engine", torch.device("cpu")) == (
         "nccl", "copy-engine", "collectives 'auto': nccl (not CUDA)")
     assert resolve_auto("nccl", "nccl", torch.device("cpu")) == ("nccl", "nccl", None)
+    assert resolve_auto("auto", "auto", cuda, meshed=False) == (  # nothing gathered: no other rank may be here
+        "nccl", "nccl", "collectives 'auto': nccl (no process groups)")
     assert fxshard.Config().fsdp_collectives == fxshard.Config().ep_all_to_all == "auto"
     step = fxshard.shard(MLPStack([3, 4, 1]), mse, regression_batch(torch.Generator().manual_seed(0), 4))
-    assert "collectives 'auto': nccl (not CUDA)" in step.lowerings()
+    assert "collectives 'auto': nccl (no process groups)" in step.lowerings()

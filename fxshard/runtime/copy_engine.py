@@ -453,13 +453,16 @@ def choose_auto(device: torch.device, world: int, places: list[tuple[str, int]] 
     return True, f"{world} GPUs of one host with peer access"
 
 
-def resolve_auto(ep_all_to_all: str, fsdp_collectives: str, device: torch.device) -> tuple[str, str, str | None]:
+def resolve_auto(ep_all_to_all: str, fsdp_collectives: str, device: torch.device,
+                 meshed: bool = True) -> tuple[str, str, str | None]:
     """Config's "auto" settings made concrete for this process: (ep_all_to_all, fsdp_collectives, the
-    line that says what "auto" chose and why, or None where nothing was "auto"). On CUDA, with both
-    "auto" settings it gathers every rank's host and device once (a collective: every rank calls it)."""
+    line that says what "auto" chose and why, or None where nothing was "auto"). On CUDA, where either
+    is "auto" and the step is `meshed` (it has process groups, so every rank of the job builds it), it
+    gathers every rank's host and device once; a step without groups has nothing to lower and gathers
+    nothing (another rank may not be building one)."""
     if "auto" not in (ep_all_to_all, fsdp_collectives):
         return ep_all_to_all, fsdp_collectives, None
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    world = dist.get_world_size() if meshed and dist.is_available() and dist.is_initialized() else 1
     places = None
     if device.type == "cuda" and world == AUTO_MEASURED_WORLD:
         import socket
@@ -467,7 +470,7 @@ def resolve_auto(ep_all_to_all: str, fsdp_collectives: str, device: torch.device
         places = [None] * world
         index = device.index if device.index is not None else torch.cuda.current_device()
         dist.all_gather_object(places, (socket.gethostname(), index))
-    chosen, why = choose_auto(device, world, places)
+    chosen, why = choose_auto(device, world, places) if meshed else (False, "no process groups")
     pick = "copy-engine" if chosen else "nccl"
     ep_all_to_all, fsdp_collectives = (pick if v == "auto" else v for v in (ep_all_to_all, fsdp_collectives))
     return ep_all_to_all, fsdp_collectives, f"collectives 'auto': {pick} ({why})"

@@ -103,7 +103,8 @@ class CompiledStep:
         # optimizer updates write into the state tensors they read (see runtime/reinplace.py)
         self._run, self.in_place_updates = reinplace(run)
         # Config "auto" collectives made concrete (the same on every rank: runtime/copy_engine.py resolve_auto)
-        all_to_all, fsdp_collectives, self.auto_collectives = resolve_auto(all_to_all, fsdp_collectives, device)
+        all_to_all, fsdp_collectives, self.auto_collectives = resolve_auto(all_to_all, fsdp_collectives, device,
+                                                                                meshed=bool(self.groups))
         self.sm_carveout_stretches = 0  # runs of matmuls inside all-to-all windows that run narrower, CUDA only
         if sm_carveout is not None and device.type == "cuda" and all_to_all == "nccl":  # copy engines hold no SMs
             self._run, self.sm_carveout_stretches = carve_out_sms_for_all_to_alls(self._run, sm_carveout)
