@@ -582,19 +582,20 @@ def test_auto_collectives_pick_copy_engines_only_where_they_were_measured_faster
     gathered and the lowering line says what was chosen and why."""
     from fxshard.runtime.copy_engine import choose_auto, resolve_auto
 
-    cuda, both = torch.device("cuda", 0), [("node0", 0), ("node0", 1)]
-    everywhere = lambda a, b: True  # noqa: E731 - peer access, as the driver would say
-    assert choose_auto(cuda, 2, both, everywhere) == (True, "2 GPUs of one host with peer access")
-    for device, world, places, access, why in (
-            (torch.device("cpu"), 2, both, everywhere, "not CUDA"),
-            (cuda, 4, both * 2, everywhere, "measured on 2 GPUs only"),
-            (cuda, 2, [("node0", 0), ("node1", 0)], everywhere, "more than one host"),
-            (cuda, 2, [("node0", 0), ("node0", 0)], everywhere, "share a GPU"),
-            (cuda, 2, both, lambda a, b: False, "lack peer access")):
-        chosen, said = choose_auto(device, world, places, access)
-        assert not chosen and why in said
+    cuda = torch.device("cuda", 0)
+    both = [("node0", "GPU-a", {"GPU-b": True}), ("node0", "GPU-b", {"GPU-a": True})]
+    assert choose_auto(cuda, 2, both) == (True, "2 GPUs of one host with peer access")
+    for device, world, places, why in (
+            (torch.device("cpu"), 2, both, "not CUDA"),
+            (cuda, 4, both * 2, "measured on 2 GPUs only"),
+            (cuda, 2, [("node0", "GPU-a", {}), ("node1", "GPU-b", {})], "more than one host"),
+            (cuda, 2, [("node0", "GPU-a", {"GPU-b": True})] * 2, "share a GPU"),
+            (cuda, 2, [both[0], ("node0", "GPU-b", {"GPU-a": False})], "lack peer access"),
+            (cuda, 2, [("node0", "GPU-a", {}), ("node0", "GPU-b", {})], "sees only its own GPU")):
+        chosen, said = choose_auto(device, world, places)
+        assert not chosen and why in said, said
     monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
-    assert choose_auto(cuda, 2, both, everywhere) == (False, "NCCL_P2P_DISABLE is set")
+    assert choose_auto(cuda, 2, both) == (False, "NCCL_P2P_DISABLE is set")
     assert resolve_auto("auto", "copy-engine", torch.device("cpu")) == (
         "nccl", "copy-engine", "collectives 'auto': nccl (not CUDA)")
     assert resolve_auto("nccl", "nccl", torch.device("cpu")) == ("nccl", "nccl", None)

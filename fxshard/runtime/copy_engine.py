@@ -427,30 +427,48 @@ class CopyEngineLowering:
 AUTO_MEASURED_WORLD = 2  # Config "auto" picks copy engines for jobs of this many GPUs: what bench/RESULTS.md measured
 
 
-def choose_auto(device: torch.device, world: int, places: list[tuple[str, int]] | None,
-                peer_access=None) -> tuple[bool, str]:
+def choose_auto(device: torch.device, world: int, places: list[tuple[str, str, dict[str, bool]]] | None
+                ) -> tuple[bool, str]:
     """What Config(ep_all_to_all / fsdp_collectives)="auto" means for this job: (copy engines?, why).
     Copy engines where they were measured faster than NCCL (2x H200: ZeRO-3 of GPT 1b 0.98-0.99x of one
     GPU's compiled step against NCCL's 1.02x, batch 1 0.90x against 0.99x; MoE with dual-batch overlap
-    57.7-58.0 ms against 61.4): `AUTO_MEASURED_WORLD` CUDA processes, all on one host, each pair with
-    peer access; NCCL everywhere else, including NCCL_P2P_DISABLE=1. `places`: every rank's (host,
-    device index), the same list on every rank, so every rank decides the same; `peer_access(a, b)`:
-    torch.cuda.can_device_access_peer (a stand-in on CPU)."""
+    57.7-58.0 ms against 61.4): `AUTO_MEASURED_WORLD` CUDA processes on one host, on different GPUs,
+    each GPU known to have peer access to each other; NCCL everywhere else, including
+    NCCL_P2P_DISABLE=1, and ranks that each see only their own GPU (CUDA_VISIBLE_DEVICES), where
+    peer access cannot be checked. `places`: every rank's (host, its GPU's UUID, {UUID of each other
+    GPU it sees: can it access that GPU's memory}), the same list on every rank (`_place`), so every
+    rank decides the same."""
     if device.type != "cuda":
         return False, "not CUDA"
     if world != AUTO_MEASURED_WORLD:
         return False, f"{world} processes (copy engines were measured on {AUTO_MEASURED_WORLD} GPUs only)"
     if os.environ.get("NCCL_P2P_DISABLE", "0") not in ("", "0"):
         return False, "NCCL_P2P_DISABLE is set"
-    if places is None or len({host for host, _ in places}) != 1:
+    if places is None or len({host for host, _, _ in places}) != 1:
         return False, "the ranks are on more than one host"
-    indices = [index for _, index in places]
-    if len(set(indices)) != len(indices):
+    gpus = [gpu for _, gpu, _ in places]
+    if len(set(gpus)) != len(gpus):
         return False, "two ranks share a GPU"
-    access = peer_access or torch.cuda.can_device_access_peer
-    if not all(access(a, b) for a in indices for b in indices if a != b):
+    said = [access.get(b) for a in gpus for b in gpus if a != b for _, gpu, access in places if gpu == a]
+    if False in said:
         return False, "the GPUs lack peer access"
+    if None in said:
+        return False, "each rank sees only its own GPU (CUDA_VISIBLE_DEVICES), so peer access cannot be checked"
     return True, f"{world} GPUs of one host with peer access"
+
+
+def _place(device: torch.device) -> tuple[str, str, dict[str, bool]]:
+    """This rank's (host, its GPU's UUID, {UUID of each other visible GPU: peer access to it})."""
+    import socket
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    host = socket.gethostname()
+    try:
+        uuid = lambda i: str(torch.cuda.get_device_properties(i).uuid)  # noqa: E731
+        return host, uuid(index), {uuid(other): torch.cuda.can_device_access_peer(index, other)
+                                   for other in range(torch.cuda.device_count()) if other != index}
+    except (AttributeError, RuntimeError):  # a build without device UUIDs: "auto" stays on NCCL
+        return host, f"cuda:{index}", {}
 
 
 def resolve_auto(ep_all_to_all: str, fsdp_collectives: str, device: torch.device,
@@ -458,18 +476,15 @@ def resolve_auto(ep_all_to_all: str, fsdp_collectives: str, device: torch.device
     """Config's "auto" settings made concrete for this process: (ep_all_to_all, fsdp_collectives, the
     line that says what "auto" chose and why, or None where nothing was "auto"). On CUDA, where either
     is "auto" and the step is `meshed` (it has process groups, so every rank of the job builds it), it
-    gathers every rank's host and device once; a step without groups has nothing to lower and gathers
+    gathers every rank's place (`_place`) once; a step without groups has nothing to lower and gathers
     nothing (another rank may not be building one)."""
     if "auto" not in (ep_all_to_all, fsdp_collectives):
         return ep_all_to_all, fsdp_collectives, None
     world = dist.get_world_size() if meshed and dist.is_available() and dist.is_initialized() else 1
     places = None
     if device.type == "cuda" and world == AUTO_MEASURED_WORLD:
-        import socket
-
         places = [None] * world
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        dist.all_gather_object(places, (socket.gethostname(), index))
+        dist.all_gather_object(places, _place(device))
     chosen, why = choose_auto(device, world, places) if meshed else (False, "no process groups")
     pick = "copy-engine" if chosen else "nccl"
     ep_all_to_all, fsdp_collectives = (pick if v == "auto" else v for v in (ep_all_to_all, fsdp_collectives))
