@@ -107,10 +107,11 @@ def _workspace(group_name: str, nbytes: int):
             held = _WORKSPACES[group_name] = (tensor, handle)
         except (RuntimeError, ValueError) as error:
             raise FxShardError(
-                f"copy-engine collectives (Config(ep_all_to_all='copy-engine') or Config(fsdp_collectives="
-                f"'copy-engine')) could not set up {nbytes / 2**30:.2f} GiB of symmetric memory for process group "
-                f"{group_name}: {error}. They need the group's GPUs on one host with peer access (NVLink) and that "
-                "much free memory; use ep_all_to_all='nccl' / fsdp_collectives='nccl' otherwise") from error
+                f"copy-engine collectives (Config(ep_all_to_all) or Config(fsdp_collectives) 'copy-engine', or "
+                f"'auto', the default, which picks them for 2 GPUs of one host with peer access) could not set up "
+                f"{nbytes / 2**30:.2f} GiB of symmetric memory for process group {group_name}: {error}. They need "
+                "the group's GPUs on one host with peer access (NVLink) and that much free memory; use "
+                "ep_all_to_all='nccl' / fsdp_collectives='nccl' otherwise") from error
     return held[1]
 
 
