@@ -106,10 +106,11 @@ def timed(step_fn, warmup, iters) -> float:
     return (time.perf_counter() - started) / iters * 1e3
 
 
-def profile(step_fn, path, steps=2, labels=()) -> dict:
+def profile(step_fn, path, steps=2, labels=(), keep_trace=False) -> dict:
     """On rank 0: kernel time per op over `steps` steps into `path` (top 40), and from the kernel timeline: ms/step
     of all-to-all kernels, and how much of that time other kernels ran alongside (overlap); for copy-engine
-    collectives, which of them ran with no compute beside (`exposed_copies`, named by `labels`)."""
+    collectives, which of them ran with no compute beside (`exposed_copies`, named by `labels`). With
+    `keep_trace`, the chrome trace stays beside `path`, gzipped (chrome://tracing and Perfetto read it)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -129,6 +130,12 @@ def profile(step_fn, path, steps=2, labels=()) -> dict:
     timeline = kernel_timeline(trace, steps, lambda name: "AllToAll" in name or "SendRecv" in name)
     with open(trace) as handle:
         events = json.load(handle)["traceEvents"]
+    if keep_trace:
+        import gzip
+        import shutil
+
+        with open(trace, "rb") as source, gzip.open(trace + ".gz", "wb") as target:
+            shutil.copyfileobj(source, target)
     os.remove(trace)
     # where no compute kernel runs (communication, barriers, markers and copies aside): the exposed
     # waits of either all-to-all kind, the largest named by the compute kernels around them
@@ -254,7 +261,7 @@ def run_modes(args):
             if args.profile:  # every rank steps (collectives); rank 0 reports
                 os.makedirs(args.profile, exist_ok=True)
                 kernels = profile(lambda: runner(data), os.path.join(args.profile, f"{label}.txt"),
-                                  labels=runner.copy_engine.described)
+                                  labels=runner.copy_engine.described, keep_trace=args.keep_traces)
                 if rank == 0:
                     results[f"{label}-kernels"] = kernels
                     classes = ", ".join(f"{k} {v:.2f}" for k, v in kernels["by_class_ms"].items())
@@ -330,6 +337,8 @@ def main():
                              "run naming it (a device command has 10 minutes)")
     parser.add_argument("--profile", metavar="DIR", help="after timing each mode, profile two steps: kernel table "
                         "into DIR, all-to-all time and its overlap with compute printed")
+    parser.add_argument("--keep-traces", action="store_true",
+                        help="with --profile: keep each mode's chrome trace in DIR, gzipped (rank 0, two steps)")
     parser.add_argument("--out", default="bench/moe.json")
     args = parser.parse_args()
     if args.capacity_factor <= 0:

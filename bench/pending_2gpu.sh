@@ -23,7 +23,7 @@ mkdir -p "$out"
 day=$(date +%F)
 case "$part" in
   moe) timeout 580 python bench/moe.py --gpus 2 --ep 2 --chunks 1 --all-to-all nccl copy-engine copy-engine-stream --microbatches 2 \
-         --interleave dual-batch --warmup 3 --iters 8 --profile "$out/moe_profile" --out "$out/moe_2gpu_$day.json" \
+         --interleave dual-batch --warmup 3 --iters 8 --profile "$out/moe_profile" --keep-traces --out "$out/moe_2gpu_$day.json" \
          2>&1 | tee "$out/moe.log" | grep -v "codegen: region" | tail -40
        # per mode: kernel time by class, and the copy engines' time beside kernels (what ep-overlap1-ce
        # left exposed in session 24: 26%); one archive, the device tool returns at most 8 files
