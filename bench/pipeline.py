@@ -772,6 +772,10 @@ def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model
         if ranks[0]["params_by_stage"] != expected:  # fxshard's own cut against the one the peer is built with
             details.append(f"WARNING: fxshard's stages hold other parameters than this bench's cut "
                            f"({[len(n) for n in ranks[0]['params_by_stage']]} vs {[len(n) for n in expected]})")
+    busy = [r.get("busy_ms") for r in ranks]
+    if all(b is not None for b in busy) and len(busy) > 1:  # a cut balanced in FLOPs may not be in time
+        details.append(f"GPU busy per rank {[round(b, 1) for b in busy]} ms, the busiest "
+                       f"{max(busy) / (sum(busy) / len(busy)) - 1:.1%} above the mean")
     for index, rank in enumerate(ranks):  # the point-to-point kernels' cost to the GEMMs they overlap
         if rank.get("gemms_beside_us"):
             us = rank["gemms_beside_us"]
