@@ -11,6 +11,8 @@
 #   suite     the multigpu tests with the new default (copy engines wherever a test does not name NCCL) (~7 min)
 #   precision issue 14: 1F1B and interleaved V=2 graphed, fp32 and bf16 gradients (-gbf16: the peer's
 #             precision), next to the compiled peer (140.3 ms in session 28; interleaved was 1.07x faster) (~7 min)
+#   pipeline-cut  issue 14: 9 | 9 and 4 | 5 | 5 | 4 instead of the FLOP cut (rank 0 was busy ~16 ms a step more
+#             than rank 1 in session 28) (~5 min)
 #   moe       issue 15: MoE ep=2, dual-batch, NCCL / copy engines / stream barriers; the profile now names the
 #             collectives whose peer copies ran with no compute beside them (1.56 ms a step in session 28) (~5 min)
 #   pipeline-zb  issue 14: ZB-H1 (not run on H200 since session 19) with the peers (~4 min)
