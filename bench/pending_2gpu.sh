@@ -54,9 +54,13 @@ case "$part" in
             | grep -v "codegen: region\|Warning\|warn\|func(" | tail -40 ;;
   pipeline) timeout 580 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 \
               --out "$out/pipeline_2gpu_$day.json" 2>&1 | tee "$out/pipeline.log" | grep -v "codegen: region" | tail -30 ;;
-  pipeline-cut) timeout 580 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 --replays graphed \
-                  --peers pipelining-interleaved-compile --stage-layers 9,9 4,5,5,4 \
-                  --out "$out/pipeline_cut_2gpu_$day.json" 2>&1 | tee "$out/pipeline_cut.log" | grep -v "codegen: region" | tail -30 ;;
+  pipeline-cut) # the FLOP cut and one block over, back to back in one call (no peers: the two cuts are the subject)
+                for cut in flops 9,9; do
+                  layers=$([ "$cut" = flops ] && echo "" || echo "--stage-layers 9,9 4,5,5,4")
+                  timeout 280 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 --replays graphed \
+                    --peers $layers --steps 8 --out "$out/pipeline_cut_${cut/,/_}_2gpu_$day.json" 2>&1 \
+                    | tee "$out/pipeline_cut_${cut/,/_}.log" | grep -v "codegen: region\|Warning\|warn\|func(" | tail -12
+                done ;;
   precision) timeout 580 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 --replays graphed \
                --peers pipelining-interleaved-compile --bf16-grads --steps 8 \
                --out "$out/pipeline_precision_2gpu_$day.json" 2>&1 | tee "$out/pipeline_precision.log" \
