@@ -15,7 +15,8 @@
 #             than rank 1 in session 28) (~5 min)
 #   moe       issue 15: MoE ep=2, dual-batch, NCCL / copy engines / stream barriers; the profile now names the
 #             collectives whose peer copies ran with no compute beside them (1.56 ms a step in session 28) (~5 min)
-#   pipeline-zb  issue 14: ZB-H1 (not run on H200 since session 19) with the peers (~4 min)
+#   pipeline-zb  issue 14: ZB-H1 (not run on H200 since session 19) and DualPipeV (never run on a GPU), eager and
+#             graphed, next to the issue's peer (~6 min)
 #   suite-ce  the copy-engine multigpu tests (all passed in session 28 after the stalled-peer fix) (~6 min)
 #   fsdp, fsdp-b1, fga, p2p-1f1b, p2p-v2, pipeline, pipeline-cut, moe-ce, hf_moe, watch: as before
 set -euo pipefail
@@ -65,8 +66,8 @@ case "$part" in
                --peers pipelining-interleaved-compile --bf16-grads --steps 8 \
                --out "$out/pipeline_precision_2gpu_$day.json" 2>&1 | tee "$out/pipeline_precision.log" \
                | grep -v "codegen: region\|Warning\|warn\|func(" | tail -30 ;;
-  pipeline-zb) timeout 580 python bench/pipeline.py --gpus 2 --schedules zb-h1 --peers \
-                 --out "$out/pipeline_zb_2gpu_$day.json" 2>&1 | tee "$out/pipeline_zb.log" | grep -v "codegen: region" | tail -20 ;;
+  pipeline-zb) timeout 580 python bench/pipeline.py --gpus 2 --schedules zb-h1 dualpipev --peers pipelining-interleaved \
+                 --steps 8 --out "$out/pipeline_zb_2gpu_$day.json" 2>&1 | tee "$out/pipeline_zb.log" | grep -v "codegen: region" | tail -20 ;;
   hf_moe) timeout 580 python bench/hf_moe.py --out "$out/hf_moe_2gpu_$day.json" 2>&1 | tee "$out/hf_moe.log" \
             | grep -v "codegen: region" | tail -30 ;;
   suite-ce) timeout 570 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -k copy_engine 2>&1 \
