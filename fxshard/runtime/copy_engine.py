@@ -485,7 +485,8 @@ def resolve_auto(ep_all_to_all: str, fsdp_collectives: str, device: torch.device
     places = None
     if device.type == "cuda" and world == AUTO_MEASURED_WORLD:
         places = [None] * world
-        dist.all_gather_object(places, _place(device))
+        with torch.cuda.device(device):  # NCCL's object gather uses the current device: this rank's GPU
+            dist.all_gather_object(places, _place(device))
     chosen, why = choose_auto(device, world, places) if meshed else (False, "no process groups")
     pick = "copy-engine" if chosen else "nccl"
     ep_all_to_all, fsdp_collectives = (pick if v == "auto" else v for v in (ep_all_to_all, fsdp_collectives))
