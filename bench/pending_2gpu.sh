@@ -56,11 +56,14 @@ case "$part" in
   pipeline) timeout 580 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 \
               --out "$out/pipeline_2gpu_$day.json" 2>&1 | tee "$out/pipeline.log" | grep -v "codegen: region" | tail -30 ;;
   pipeline-cut) # the FLOP cut and one block over, back to back in one call (no peers: the two cuts are the subject)
+                # (the FLOP cut's eager modes print the cut their measured layer times would make)
                 for cut in flops 9,9; do
-                  layers=$([ "$cut" = flops ] && echo "" || echo "--stage-layers 9,9 4,5,5,4")
-                  timeout 280 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 --replays graphed \
-                    --peers $layers --steps 8 --out "$out/pipeline_cut_${cut/,/_}_2gpu_$day.json" 2>&1 \
-                    | tee "$out/pipeline_cut_${cut/,/_}.log" | grep -v "codegen: region\|Warning\|warn\|func(" | tail -12
+                  if [ "$cut" = flops ]; then extra="--replays eager graphed"; limit=330
+                  else extra="--replays graphed --stage-layers 9,9 4,5,5,4"; limit=235; fi
+                  timeout $limit python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 \
+                    --peers $extra --steps 8 --out "$out/pipeline_cut_${cut/,/_}_2gpu_$day.json" 2>&1 \
+                    | tee "$out/pipeline_cut_${cut/,/_}.log" | grep -v "codegen: region\|Warning\|warn\|func(" | tail -12 \
+                    || echo "cut $cut: ended with status $?"  # the other cut still runs
                 done ;;
   precision) timeout 580 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 --replays graphed \
                --peers pipelining-interleaved-compile --bf16-grads --steps 8 \

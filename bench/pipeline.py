@@ -116,7 +116,7 @@ from fxshard import meta  # noqa: E402
 from fxshard.launch import run_local  # noqa: E402
 from fxshard.models import GPT, GPTConfig  # noqa: E402
 from fxshard.models.blocks import rope_tables  # noqa: E402
-from fxshard.passes.pipeline import chunk_costs, split_stages  # noqa: E402
+from fxshard.passes.pipeline import assign_layers, chunk_costs, split_stages  # noqa: E402
 from fxshard.schedule import Action, build, simulate, unit_costs  # noqa: E402
 from common import device_name, gemms_beside, kernels_by_range, write_json  # noqa: E402
 
@@ -391,6 +391,7 @@ def profile_bubble(step_fn, setup: Setup, label: str, graphed: bool, actions: li
     return {**gpu_bubble(events, graphed), "action_ms": action_times(events, actions) if actions else None,
             "p2p_kernel_ms": point_to_point_times(events), "kernels_in_order": kernels,
             "action_kernels": action_kernels(events, actions) if actions and not graphed else None,
+            "layer_ms": layer_times(events) if actions and not graphed else None,
             "gemms_beside_us": gemms_beside(events) if setup.device == "cuda" else None}
 
 
@@ -556,6 +557,39 @@ def action_times(events: list[dict], actions: list[str]) -> dict[str, float] | N
     for start, end, _, label in kernels:
         per_action.setdefault(owner_of(label, actions), []).append((start, end))
     return {owner: union_length(intervals) / 1e3 for owner, intervals in per_action.items()}
+
+
+LAYER_RANGE = re.compile(r"^fxshard region_\d+ \[\S+ (\S+)(?: mb \d+ action \d+)?\]$")
+
+
+def layer_times(events: list[dict]) -> dict[str, float] | None:
+    """GPU time per layer ("pre", "layers.3", "post") in one process's chrome trace, forward, backward
+    and optimizer together, each kernel attributed to the codegen region that launched it (as
+    `action_times` does), in ms; None where the trace holds no region ranges."""
+    kernels = kernels_by_range(events, LAYER_RANGE, is_communication)
+    if not kernels:
+        return None
+    per_layer: dict[str, list[tuple[float, float]]] = {}
+    for start, end, _, layer in kernels:
+        if layer not in (None, "-"):
+            per_layer.setdefault(layer, []).append((start, end))
+    return {layer: union_length(intervals) / 1e3 for layer, intervals in per_layer.items()}
+
+
+def time_balanced_cut(ranks: list[dict], order: list[str], chunks: int) -> tuple[dict[str, float], list[int]] | None:
+    """Every layer's measured GPU time a step (`layer_times` of the rank that holds it) and the cut into
+    `chunks` that makes the costliest chunk cheapest by those times (fxshard's `assign_layers`, the
+    same DP as its FLOP cut), as Config(stage_layers) counts; `order`: the layers, pre to post. None
+    without region ranges (graphed steps, codegen off)."""
+    if any(r.get("layer_ms") is None for r in ranks):
+        return None
+    measured: dict[str, float] = {}
+    for rank in ranks:
+        for layer, ms in rank["layer_ms"].items():
+            measured[layer] = measured.get(layer, 0.0) + ms
+    blocks = [layer for layer in order if layer not in (meta.PRE, meta.POST)]
+    groups = assign_layers(blocks, chunks, measured)
+    return measured, [sum(1 for layer in group if layer not in (meta.PRE, meta.POST)) for group in groups]
 
 
 def action_kernels(events: list[dict], actions: list[str], top: int = 4) -> dict[str, list] | None:
@@ -781,6 +815,19 @@ def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model
             us = rank["gemms_beside_us"]
             details.append(f"rank {index} GEMMs {us['gemm_us'] / 1e3:.1f} ms, {us['gemm_beside_us'] / 1e3:.1f} of it "
                            f"beside NCCL kernels, ~{us['gemm_beside_extra_us'] / 1e3:.1f} ms longer than alone")
+    if kind == "fxshard" and not graphed:  # the cut the measured layer times would make
+        order = [layer for group in chunk_layers(setup, gpus * virtual) for layer in group]
+        balanced = time_balanced_cut(ranks, order, gpus * virtual)
+        if balanced is not None:
+            measured, counts = balanced
+            blocks = [ms for layer, ms in measured.items() if layer not in (meta.PRE, meta.POST)]
+            row["layer_ms"], row["time_balanced_stage_layers"] = measured, counts
+            current = [sum(1 for layer in group if layer not in (meta.PRE, meta.POST))
+                       for group in chunk_layers(setup, gpus * virtual)]
+            details.append(f"measured ms a step: pre {measured.get(meta.PRE, 0.0):.1f}, blocks "
+                           f"{min(blocks, default=0):.1f}-{max(blocks, default=0):.1f}, post "
+                           f"{measured.get(meta.POST, 0.0):.1f}; a cut balanced by them: --stage-layers "
+                           f"{','.join(map(str, counts))} (this one: {','.join(map(str, current))})")
     if kind == "fxshard" and not graphed:  # what each action spends its time in, chunk by chunk
         row["action_kernels"] = [r.get("action_kernels") for r in ranks]
         for index, kernels in enumerate(row["action_kernels"]):
