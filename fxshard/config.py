@@ -117,8 +117,9 @@ class Config:
         while it runs), "copy-engine" (peer-to-peer memcpys through symmetric memory on a side
         stream, no SMs beyond two one-block barriers; GPUs of one host with peer access:
         fxshard/runtime/copy_engine.py) or "auto" (default: copy engines where they were measured
-        faster, 2 CUDA processes on one host with peer access; NCCL elsewhere: `choose_auto`;
-        `step.lowerings()` says what it chose and why). CPU/gloo always uses the process group's
+        faster, a step under CUDA graphs of 2 CUDA processes on one host with peer access; NCCL
+        elsewhere, eager replay included, where each copy-engine collective costs ~10 host launches:
+        `choose_auto`; `step.lowerings()` says what it chose and why). CPU/gloo always uses the process group's
         all-to-all.
     fsdp_collectives: how the fsdp pass's all-gathers and reduce-scatters move data on CUDA: "nccl",
         "copy-engine" (as ep_all_to_all: peer-to-peer memcpys, no SMs taken from the GEMMs they

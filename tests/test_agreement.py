@@ -126,7 +126,7 @@ def runtime_choices(differ):
     """What check_runtime_agreement says on each rank, given the same or different runtime choices."""
     from fxshard.runtime.agreement import check_runtime_agreement
 
-    how = "all-to-alls by copy-engine" if differ and dist.get_rank() else "all-to-alls by nccl"
+    how = "ep_all_to_all='copy-engine'" if differ and dist.get_rank() else "ep_all_to_all='nccl'"
     try:
         check_runtime_agreement(how, torch.device("cpu"))
     except fxshard.FxShardError as error:
@@ -136,8 +136,9 @@ def runtime_choices(differ):
 
 def test_ranks_that_would_lower_their_collectives_differently_fail_together():
     """The same program on copy engines on one rank and on NCCL on the other would hang in its first
-    collective: every rank raises, naming each rank's choices (CompiledStep checks this after its
-    runtime lowerings; on CPU every rank uses the process group)."""
+    collective: every rank raises, naming each rank's settings (CompiledStep checks them before its
+    runtime lowerings)."""
     assert run_local(runtime_choices, 2, False, backend="gloo") == [None, None]
     messages = run_local(runtime_choices, 2, True, backend="gloo")
-    assert messages[0] == messages[1] and "rank 0: all-to-alls by nccl; rank 1: all-to-alls by copy-engine" in messages[0]
+    assert messages[0] == messages[1] and "rank 0: ep_all_to_all='nccl'; rank 1: ep_all_to_all='copy-engine'" \
+        in messages[0]

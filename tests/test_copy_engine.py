@@ -577,9 +577,9 @@ def test_the_reduce_scatter_sums_its_own_chunk_where_it_is_and_the_others_in_ran
 
 
 def test_auto_collectives_pick_copy_engines_only_where_they_were_measured_faster(monkeypatch):
-    """Config "auto" (the default of ep_all_to_all and fsdp_collectives): copy engines for 2 CUDA
-    processes on one host whose GPUs have peer access, NCCL for anything else; on CPU nothing is
-    gathered and the lowering line says what was chosen and why."""
+    """Config "auto" (the default of ep_all_to_all and fsdp_collectives): copy engines for a step under
+    CUDA graphs of 2 CUDA processes on one host whose GPUs have peer access, NCCL for anything else;
+    on CPU nothing is gathered and the lowering line says what was chosen and why."""
     from fxshard.runtime.copy_engine import choose_auto, resolve_auto
 
     cuda = torch.device("cuda", 0)
@@ -593,6 +593,9 @@ def test_auto_collectives_pick_copy_engines_only_where_they_were_measured_faster
             (cuda, 2, [both[0], ("node0", "GPU-b", {"GPU-a": False})], "lack peer access"),
             (cuda, 2, [("node0", "GPU-a", {}), ("node0", "GPU-b", {})], "sees only its own GPU")):
         chosen, said = choose_auto(device, world, places)
+        assert not chosen and why in said, said
+    for device, graphed, why in ((cuda, False, "no CUDA graphs"), (torch.device("cpu"), True, "not CUDA")):
+        chosen, said = choose_auto(device, 2, both, graphed)
         assert not chosen and why in said, said
     monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
     assert choose_auto(cuda, 2, both) == (False, "NCCL_P2P_DISABLE is set")

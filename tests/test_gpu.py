@@ -219,17 +219,17 @@ def _nccl_train(model_name, batches, cuda_graphs):
         local = [{k: v[rank * rows:(rank + 1) * rows].to(device) for k, v in b.items()} for b in batches]
         step = fxshard.shard(model, model_loss, local[0], optimizer=ADAMW, mesh=fxshard.Mesh(dp=world),
                              config=fxshard.Config(sharding=strategy, cuda_graphs=cuda_graphs))
-        assert ("copy-engine" in step.auto_collectives) == (world == 2), step.auto_collectives
+        assert ("copy-engine" in step.auto_collectives) == (world == 2 and cuda_graphs), step.auto_collectives
         losses = [step(b)["loss"].item() for b in local]
         results[strategy] = (losses, {k: v.cpu() for k, v in step.parameters().items()})
     return results
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("model_name, cuda_graphs", [("gpt", False), ("moe_gpt", False)])
+@pytest.mark.parametrize("model_name, cuda_graphs", [("gpt", False), ("moe_gpt", False), ("gpt", True)])
 def test_fsdp_over_nccl_matches_single_device_eager(model_name, cuda_graphs):
-    """Every ZeRO strategy with the default collectives: on 2 GPUs of one host that is copy engines
-    (Config "auto"), on 4 NCCL's."""
+    """Every ZeRO strategy with the default collectives: under CUDA graphs on 2 GPUs of one host that
+    is copy engines (Config "auto"), else NCCL's."""
     world = 4 if torch.cuda.device_count() >= 4 else 2
     batches = cuda_batches(10, rows=2 * world, device="cpu")
     per_rank = run_local(_nccl_train, world, model_name, batches, cuda_graphs, backend="nccl")
@@ -615,7 +615,10 @@ def _graphed_and_eager_over_nccl(batches, ep=1, extra=None):
         step = fxshard.shard(model, model_loss, local[0], optimizer=ADAMW, mesh=fxshard.Mesh(dp=world, ep=ep),
                              config=fxshard.Config(cuda_graphs=cuda_graphs, param_dtype=torch.bfloat16,
                                                    reduce_dtype=torch.float32, codegen=None,
-                                                   **{"ep_overlap": ep > 1, "ep_chunks": 2, **(extra or {})}))
+                                                   **{"ep_overlap": ep > 1, "ep_chunks": 2,
+                                                      # one backend for both replays ("auto" picks by graphs)
+                                                      "fsdp_collectives": "nccl", "ep_all_to_all": "nccl",
+                                                      **(extra or {})}))
         losses = [step(b)["loss"].item() for b in local]
         results.append((losses, step._replay is not None and step._replay.is_captured,
                         {k: v.cpu() for k, v in step.parameters().items()}))
@@ -883,9 +886,9 @@ def _mismatched_fsdp_collectives():
 @pytest.mark.multigpu
 def test_ranks_that_lower_their_collectives_differently_fail_at_shard_instead_of_hanging():
     messages = run_local(_mismatched_fsdp_collectives, 2, backend="nccl")
-    assert messages[0] == messages[1], messages  # ep_all_to_all="auto": copy engines on both
-    assert "rank 0: all-to-alls by copy-engine, ZeRO collectives by nccl;" in messages[0], messages
-    assert "rank 1: all-to-alls by copy-engine, ZeRO collectives by copy-engine" in messages[0], messages
+    assert messages[0] == messages[1], messages
+    assert "rank 0: ep_all_to_all='auto', fsdp_collectives='nccl'," in messages[0], messages
+    assert "rank 1: ep_all_to_all='auto', fsdp_collectives='copy-engine'," in messages[0], messages
 
 
 @pytest.mark.gpu

@@ -149,9 +149,10 @@ def check_agreement(graph: fx.Graph, groups: dict, device: torch.device, stage: 
 
 
 def check_runtime_agreement(how: str, device: torch.device) -> None:
-    """Raise FxShardError on every rank when the ranks would move their collectives differently (`how`:
-    this rank's runtime choices, e.g. "all-to-alls by copy-engine, ..."): the same program lowered to
-    copy engines on one rank and left on NCCL on another (or with the other kind of barrier) waits
+    """Raise FxShardError on every rank when the ranks would run their collectives differently (`how`:
+    this rank's runtime settings, e.g. "ep_all_to_all='auto', ..., cuda_graphs=True"): the same program
+    lowered to copy engines on one rank and left on NCCL on another (or with the other kind of
+    barrier; or "auto" deciding, which under CUDA graphs takes a collective, on one rank only) waits
     forever in its first collective, which the program comparison (`check_agreement`) cannot see."""
     import torch.distributed as dist
 
@@ -160,9 +161,9 @@ def check_runtime_agreement(how: str, device: torch.device) -> None:
     every = _all_gather_text(how, dist.group.WORLD, device)
     if len(set(every)) > 1:
         said = "; ".join(f"rank {r}: {text}" for r, text in enumerate(every))
-        raise FxShardError(f"the ranks would move their collectives differently ({said}): the job would hang in its "
+        raise FxShardError(f"the ranks would run their collectives differently ({said}): the job would hang in its "
                            "first collective. Give every rank the same Config(ep_all_to_all, fsdp_collectives, "
-                           "copy_engine_barriers)")
+                           "copy_engine_barriers, cuda_graphs)")
 
 
 def raise_together(problem: str | None, device: torch.device, elsewhere: str) -> None:

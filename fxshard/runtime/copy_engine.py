@@ -428,19 +428,23 @@ class CopyEngineLowering:
 AUTO_MEASURED_WORLD = 2  # Config "auto" picks copy engines for jobs of this many GPUs: what bench/RESULTS.md measured
 
 
-def choose_auto(device: torch.device, world: int, places: list[tuple[str, str, dict[str, bool]]] | None
-                ) -> tuple[bool, str]:
+def choose_auto(device: torch.device, world: int, places: list[tuple[str, str, dict[str, bool]]] | None,
+                graphed: bool = True) -> tuple[bool, str]:
     """What Config(ep_all_to_all / fsdp_collectives)="auto" means for this job: (copy engines?, why).
     Copy engines where they were measured faster than NCCL (2x H200: ZeRO-3 of GPT 1b 0.98-0.99x of one
     GPU's compiled step against NCCL's 1.02x, batch 1 0.90x against 0.99x; MoE with dual-batch overlap
-    57.7-58.0 ms against 61.4): `AUTO_MEASURED_WORLD` CUDA processes on one host, on different GPUs,
-    each GPU known to have peer access to each other; NCCL everywhere else, including
+    57.7-58.0 ms against 61.4, all under CUDA graphs): a `graphed` step (Config(cuda_graphs=True)) of
+    `AUTO_MEASURED_WORLD` CUDA processes on one host, on different GPUs, each GPU known to have peer
+    access to each other. NCCL everywhere else: replayed eagerly, each copy-engine collective is ~10
+    host launches, and MoE's step measured 60.89 ms against NCCL's 59.62 there; also
     NCCL_P2P_DISABLE=1, and ranks that each see only their own GPU (CUDA_VISIBLE_DEVICES), where
     peer access cannot be checked. `places`: every rank's (host, its GPU's UUID, {UUID of each other
     GPU it sees: can it access that GPU's memory}), the same list on every rank (`_place`), so every
     rank decides the same."""
     if device.type != "cuda":
         return False, "not CUDA"
+    if not graphed:
+        return False, "no CUDA graphs (copy engines were measured faster under them only)"
     if world != AUTO_MEASURED_WORLD:
         return False, f"{world} processes (copy engines were measured on {AUTO_MEASURED_WORLD} GPUs only)"
     if os.environ.get("NCCL_P2P_DISABLE", "0") not in ("", "0"):
@@ -473,21 +477,21 @@ def _place(device: torch.device) -> tuple[str, str, dict[str, bool]]:
 
 
 def resolve_auto(ep_all_to_all: str, fsdp_collectives: str, device: torch.device,
-                 meshed: bool = True) -> tuple[str, str, str | None]:
+                 meshed: bool = True, graphed: bool = True) -> tuple[str, str, str | None]:
     """Config's "auto" settings made concrete for this process: (ep_all_to_all, fsdp_collectives, the
     line that says what "auto" chose and why, or None where nothing was "auto"). On CUDA, where either
-    is "auto" and the step is `meshed` (it has process groups, so every rank of the job builds it), it
-    gathers every rank's place (`_place`) once; a step without groups has nothing to lower and gathers
-    nothing (another rank may not be building one)."""
+    is "auto" and the step is `meshed` (it has process groups, so every rank of the job builds it) and
+    `graphed`, it gathers every rank's place (`_place`) once; a step without groups has nothing to
+    lower and gathers nothing (another rank may not be building one)."""
     if "auto" not in (ep_all_to_all, fsdp_collectives):
         return ep_all_to_all, fsdp_collectives, None
     world = dist.get_world_size() if meshed and dist.is_available() and dist.is_initialized() else 1
     places = None
-    if device.type == "cuda" and world == AUTO_MEASURED_WORLD:
+    if device.type == "cuda" and graphed and world == AUTO_MEASURED_WORLD:
         places = [None] * world
         with torch.cuda.device(device):  # NCCL's object gather uses the current device: this rank's GPU
             dist.all_gather_object(places, _place(device))
-    chosen, why = choose_auto(device, world, places) if meshed else (False, "no process groups")
+    chosen, why = choose_auto(device, world, places, graphed) if meshed else (False, "no process groups")
     pick = "copy-engine" if chosen else "nccl"
     ep_all_to_all, fsdp_collectives = (pick if v == "auto" else v for v in (ep_all_to_all, fsdp_collectives))
     return ep_all_to_all, fsdp_collectives, f"collectives 'auto': {pick} ({why})"

@@ -102,9 +102,16 @@ class CompiledStep:
         self.gloo_all_gathers = sum(node.target is GLOO_ALL_GATHER for node in run.graph.nodes)
         # optimizer updates write into the state tensors they read (see runtime/reinplace.py)
         self._run, self.in_place_updates = reinplace(run)
+        if self.groups:  # the program agrees across ranks (checked at shard()); how it is run must too
+            from .agreement import check_runtime_agreement
+
+            check_runtime_agreement(f"ep_all_to_all={all_to_all!r}, fsdp_collectives={fsdp_collectives!r}, "
+                                    f"copy_engine_barriers={copy_engine_barriers!r}, cuda_graphs={cuda_graphs}",
+                                    device)
         # Config "auto" collectives made concrete (the same on every rank: runtime/copy_engine.py resolve_auto)
         all_to_all, fsdp_collectives, self.auto_collectives = resolve_auto(all_to_all, fsdp_collectives, device,
-                                                                                meshed=bool(self.groups))
+                                                                                meshed=bool(self.groups),
+                                                                                graphed=cuda_graphs)
         self.sm_carveout_stretches = 0  # runs of matmuls inside all-to-all windows that run narrower, CUDA only
         if sm_carveout is not None and device.type == "cuda" and all_to_all == "nccl":  # copy engines hold no SMs
             self._run, self.sm_carveout_stretches = carve_out_sms_for_all_to_alls(self._run, sm_carveout)
@@ -115,15 +122,6 @@ class CompiledStep:
                 self._run, all_to_alls=all_to_all == "copy-engine",
                 gathers_and_scatters=fsdp_collectives == "copy-engine", timeout_s=collective_timeout_s,
                 axes={group.group_name: axis for axis, group in self.groups.items()}, barriers=copy_engine_barriers)
-        if self.groups:  # the program agrees across ranks (checked at shard()); how it runs must too
-            from .agreement import check_runtime_agreement
-
-            on_cuda = device.type == "cuda"
-            check_runtime_agreement(
-                f"all-to-alls by {all_to_all if on_cuda else 'the process group'}, ZeRO collectives by "
-                f"{fsdp_collectives if on_cuda else 'the process group'}"
-                + (f", copy-engine barriers {copy_engine_barriers}" if on_cuda and self.copy_engine.number else ""),
-                device)
         # names the copy-engine collective a device stopped in (kernel barriers trap after the timeout;
         # with stream barriers the watch stops the device itself)
         self._watch = None
