@@ -14,7 +14,7 @@ and the ratio to the single-GPU no-communication time of the same model and batc
     fsdp2-compile   the same with torch.compile on each block (torchtitan's recipe)
     fxshard         N GPUs, fxshard ZeRO-3 (optim_grads_params), codegen, CUDA graphs (--eager-replay: without),
                     NCCL collectives (Config(fsdp_collectives="nccl"); the default "auto" picks copy engines
-                    on 2 GPUs of one host, i.e. fxshard-ce there, and NCCL on more)
+                    under CUDA graphs on 2 GPUs of one host, i.e. fxshard-ce there, and NCCL elsewhere)
     fxshard-aten    the same without codegen
     fxshard-ce      fxshard with Config(fsdp_collectives="copy-engine"): all-gathers and reduce-scatters
                     moved by the copy engines (no SMs); its peak memory includes the symmetric workspace;
