@@ -6,9 +6,11 @@
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
 # (date, machine, command). In priority order (session 28: Config(ep_all_to_all / fsdp_collectives) now
-# default to "auto", which is copy engines on 2 GPUs of one host; only the fsdp parity and mesh graph-replay
-# tests ran with it; fused gradient accumulation measured 1.02x slower, stream barriers 0.3 ms faster on MoE):
-#   suite     the multigpu tests with the new default (copy engines wherever a test does not name NCCL) (~7 min)
+# default to "auto", which is copy engines under CUDA graphs on 2 GPUs of one host; only the fsdp parity and
+# mesh graph-replay tests ran with an earlier "auto"; fused gradient accumulation measured 1.02x slower, stream
+# barriers 0.3 ms faster on MoE):
+#   suite     the multigpu tests with the new default (copy engines in graphed tests that do not name NCCL), the
+#             new ZeRO parity under CUDA graphs and the runtime-agreement test (~8 min)
 #   precision issue 14: 1F1B and interleaved V=2 graphed, fp32 and bf16 gradients (-gbf16: the peer's
 #             precision), next to the compiled peer (140.3 ms in session 28; interleaved was 1.07x faster) (~7 min)
 #   pipeline-cut  issue 14: 9 | 9 and 4 | 5 | 5 | 4 instead of the FLOP cut (rank 0 was busy ~16 ms a step more
