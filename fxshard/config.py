@@ -66,8 +66,9 @@ class Config:
         (passes/fuse_grad_accumulation.py, `fxshard::matmul_accumulate`: on CUDA one GEMM whose
         epilogue adds into the total; Megatron's gradient-accumulation fusion). It applies where bf16
         (or fp16) compute meets float32 gradients, and changes rounding only: a microbatch's weight
-        gradient is no longer rounded to bf16 before it is added. Off by default until measured on
-        GPUs (bench/probes/grad_accumulation.py counts what it could save: bench/RESULTS.md, session 27).
+        gradient is no longer rounded to bf16 before it is added. Off by default: on 2 H200s (GPT 1b,
+        pp=2, M=8, graphed) it was 1.02x slower, its fp32-C GEMMs ~5 ms a step slower on stage 0 than
+        the passes they replace (bench/RESULTS.md, session 28).
     fuse_grouped_mlp: rewrite each MoE expert MLP (grouped GEMM -> activation -> grouped GEMM, forward
         and backward) into the fused `fxshard::grouped_mlp` op (passes/fuse_grouped_mlp.py).
     schedule: with Mesh(pp=P): "1f1b" (default), "interleaved-1f1b", "gpipe", "zb-h1" (zero bubble:
