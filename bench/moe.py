@@ -322,7 +322,7 @@ def main():
     parser.add_argument("--sm-carveout", type=int, default=None,
                         help="overlap modes: Config(ep_sm_carveout=N), SMs kept free of matmuls in all-to-all windows")
     parser.add_argument("--all-to-all", nargs="+", default=["nccl"],
-                        choices=[*fxshard.config.EP_ALL_TO_ALLS, STREAM_BARRIERS],
+                        choices=["nccl", "copy-engine", STREAM_BARRIERS],  # named ones: "auto" would hide which
                         help="Config(ep_all_to_all) of the ep modes: each listed one gets an ep mode and the overlap "
                              "modes (copy-engine ones are labelled -ce and compared with the same nocomm; "
                              f"{STREAM_BARRIERS}: copy engines with Config(copy_engine_barriers='stream'), -ces)")
