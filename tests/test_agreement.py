@@ -122,23 +122,25 @@ def test_a_stalled_peer_ends_the_step_within_the_timeout_naming_the_collective()
         "[fwd, pre, unit pre] on group 'dp' failed" in message and "collective_timeout_s" in message, message
 
 
-def runtime_choices(differ):
-    """What check_runtime_agreement says on each rank, given the same or different runtime choices."""
+def runtime_choices():
+    """What check_runtime_agreement says on each rank, given the same runtime settings, then different ones."""
     from fxshard.runtime.agreement import check_runtime_agreement
 
-    how = "ep_all_to_all='copy-engine'" if differ and dist.get_rank() else "ep_all_to_all='nccl'"
-    try:
-        check_runtime_agreement(how, torch.device("cpu"))
-    except fxshard.FxShardError as error:
-        return str(error)
-    return None
+    said = []
+    for differ in (False, True):
+        how = "ep_all_to_all='copy-engine'" if differ and dist.get_rank() else "ep_all_to_all='nccl'"
+        try:
+            check_runtime_agreement(how, torch.device("cpu"))
+            said.append(None)
+        except fxshard.FxShardError as error:
+            said.append(str(error))
+    return said
 
 
 def test_ranks_that_would_lower_their_collectives_differently_fail_together():
     """The same program on copy engines on one rank and on NCCL on the other would hang in its first
     collective: every rank raises, naming each rank's settings (CompiledStep checks them before its
     runtime lowerings)."""
-    assert run_local(runtime_choices, 2, False, backend="gloo") == [None, None]
-    messages = run_local(runtime_choices, 2, True, backend="gloo")
-    assert messages[0] == messages[1] and "rank 0: ep_all_to_all='nccl'; rank 1: ep_all_to_all='copy-engine'" \
-        in messages[0]
+    (agreed, messages), (agreed_too, other) = run_local(runtime_choices, 2, backend="gloo")
+    assert agreed is agreed_too is None and other == messages
+    assert "rank 0: ep_all_to_all='nccl'; rank 1: ep_all_to_all='copy-engine'" in messages

@@ -224,7 +224,7 @@ class Blocked(DeviceStop):
         ctypes.PyDLL(None).sleep(30)  # PyDLL keeps the GIL through the call: no Python thread can run
 
 Blocked()()
-time.sleep(3)
+time.sleep(1.5)  # past the grace period: an exit still armed would have fired
 print("no exit", flush=True)
 """
 
