@@ -589,7 +589,12 @@ def time_balanced_cut(ranks: list[dict], order: list[str], chunks: int) -> tuple
             measured[layer] = measured.get(layer, 0.0) + ms
     blocks = [layer for layer in order if layer not in (meta.PRE, meta.POST)]
     groups = assign_layers(blocks, chunks, measured)
-    return measured, [sum(1 for layer in group if layer not in (meta.PRE, meta.POST)) for group in groups]
+    return measured, block_counts(groups)
+
+
+def block_counts(groups: list[list[str]]) -> list[int]:
+    """Config(stage_layers) for a cut given as its chunks' layers: the blocks in each, pre and post left out."""
+    return [sum(1 for layer in group if layer not in (meta.PRE, meta.POST)) for group in groups]
 
 
 def action_kernels(events: list[dict], actions: list[str], top: int = 4) -> dict[str, list] | None:
@@ -822,8 +827,7 @@ def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model
             measured, counts = balanced
             blocks = [ms for layer, ms in measured.items() if layer not in (meta.PRE, meta.POST)]
             row["layer_ms"], row["time_balanced_stage_layers"] = measured, counts
-            current = [sum(1 for layer in group if layer not in (meta.PRE, meta.POST))
-                       for group in chunk_layers(setup, gpus * virtual)]
+            current = block_counts(chunk_layers(setup, gpus * virtual))
             details.append(f"measured ms a step: pre {measured.get(meta.PRE, 0.0):.1f}, blocks "
                            f"{min(blocks, default=0):.1f}-{max(blocks, default=0):.1f}, post "
                            f"{measured.get(meta.POST, 0.0):.1f}; a cut balanced by them: --stage-layers "
