@@ -49,7 +49,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from .ops.gloo import GLOO_ALL_GATHER
+from .ops.gloo import GLOO_ALL_GATHERS
 from .ops.p2p import P2P_OPS
 import torch.nn as nn
 
@@ -91,7 +91,7 @@ def is_fixed(node: fx.Node) -> bool:
 def is_communication(node: fx.Node) -> bool:
     """A collective, a wait, or a point-to-point op: the nodes whose order codegen must keep."""
     return node.op == "call_function" and (getattr(node.target, "namespace", None) in ("_c10d_functional", "c10d")
-                                           or node.target in P2P_OPS or node.target is GLOO_ALL_GATHER)
+                                           or node.target in P2P_OPS or node.target in GLOO_ALL_GATHERS)
 
 
 @dataclasses.dataclass

@@ -57,8 +57,10 @@ MOE_REJECTED = "fxshard_moe_rejected"  # on offsets passes/recognize_moe did not
 
 _c10d = torch.ops._c10d_functional
 # The functional collectives the passes issue; each result is read through a wait_tensor.
+# (all_gather_into_tensor_out only in runtime graphs: runtime/reinplace.py gathers updated shards into parameters)
 COLLECTIVE_ISSUES = frozenset({_c10d.all_to_all_single.default, _c10d.all_gather_into_tensor.default,
-                               _c10d.reduce_scatter_tensor.default, _c10d.all_reduce.default})
+                               _c10d.all_gather_into_tensor_out.default, _c10d.reduce_scatter_tensor.default,
+                               _c10d.all_reduce.default})
 
 
 def is_moe_all_to_all(node) -> bool:

@@ -58,6 +58,7 @@ class Collective:
     ticket: int | None = None  # a receive: its place among the receives from its peer (set where issued)
     # a copy-engine collective (fxshard/runtime/copy_engine.py): (byte offset, workspace bytes, copied out)
     region: tuple[int, int, bool] | None = None
+    out: torch.Tensor | None = None  # a gather into a given tensor (all_gather_into_tensor_out): filled and returned
 
     def __str__(self):
         if self.op in ("send", "recv"):
@@ -70,6 +71,9 @@ def _request(node: fx.Node, args, kwargs) -> Collective | None:
     if target is _c10d.all_gather_into_tensor.default:
         tensor, _, group = args
         return Collective("all_gather_into_tensor", tensor, str(group))
+    if target is _c10d.all_gather_into_tensor_out.default:
+        tensor, _, group = args
+        return Collective("all_gather_into_tensor", tensor, str(group), out=kwargs["out"])
     if target is _c10d.reduce_scatter_tensor.default:
         tensor, reduce_op, _, group = args
         return Collective("reduce_scatter_tensor", tensor, str(group), reduce_op=reduce_op)
@@ -94,9 +98,10 @@ def _request(node: fx.Node, args, kwargs) -> Collective | None:
         tensor, output_splits, input_splits, group, region, total, copy_out = args
         return Collective(lowered, tensor, str(group), output_split_sizes=output_splits,
                           input_split_sizes=input_splits, region=(region, total, copy_out))
-    if lowered == "all_gather_into_tensor":
+    if lowered == "all_gather_into_tensor":  # copied out into a fresh tensor (True) or a given one
         tensor, _, group, region, total, copy_out = args
-        return Collective(lowered, tensor, str(group), region=(region, total, copy_out))
+        into = copy_out if isinstance(copy_out, torch.Tensor) else None
+        return Collective(lowered, tensor, str(group), region=(region, total, into is not None or copy_out), out=into)
     if lowered == "reduce_scatter_tensor":
         tensor, reduce_op, _, group, region, total = args
         return Collective(lowered, tensor, str(group), reduce_op=reduce_op, region=(region, total, True))
@@ -249,6 +254,8 @@ def simulate(graphs: Sequence[fx.GraphModule], inputs: Sequence[Sequence[Any]],
                 for index, (member, result) in enumerate(zip(members, combine(requests))):
                     if requests[index].region is not None:
                         result = _through_workspace(workspaces, member, index, requests, result)
+                    if requests[index].out is not None:
+                        result = requests[index].out.copy_(result)
                     advance(member, result)
                 progressed = True
         if not progressed:

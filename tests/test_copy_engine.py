@@ -19,7 +19,7 @@ from fxshard.passes.fsdp import STRATEGIES, FSDPConfig, fsdp
 from fxshard.runtime import workspace_plan
 from fxshard.runtime.copy_engine import (COPY_ENGINE_COLLECTIVES, copy_engine_all_gather, copy_engine_all_to_all,
                                          copy_engine_reduce_scatter, lower_to_copy_engines)
-from fxshard.runtime.reinplace import reinplace
+from fxshard.runtime.reinplace import gather_updates_in_place, reinplace, write_back_positions
 from fxshard.testing import SimulatedRanks
 from strategies import MLPStack, mse, rank_batches, regression_batch, widths
 
@@ -387,7 +387,8 @@ def simulate_both(program, model, mesh, batches, all_to_alls, gathers_and_scatte
     reports = []
 
     def lowered(gm):
-        gm, report = lower_to_copy_engines(reinplace(gm)[0], all_to_alls, gathers_and_scatters)
+        gm = gather_updates_in_place(reinplace(gm)[0], write_back_positions(program))[0]
+        gm, report = lower_to_copy_engines(gm, all_to_alls, gathers_and_scatters)
         reports.append(report)
         return gm
 

@@ -17,7 +17,8 @@ STEPS, LOCAL_BATCH, SEQ = 10, 2, 16  # local_part takes LOCAL_BATCH rows
 
 
 def train_all_strategies(model_name, batches):
-    """Runs on each rank: for every strategy, the per-step losses and the final full parameters."""
+    """Runs on each rank: for every strategy, the per-step losses, the final full parameters and how
+    many updated shards the runtime gathers straight into their flat parameters (ZeRO-1/2)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
     for strategy in STRATEGIES:
@@ -26,7 +27,7 @@ def train_all_strategies(model_name, batches):
         step = fxshard.shard(model, lambda m, b: m.loss(b), local_part(batches[0], rank), optimizer=ADAMW,
                              mesh=fxshard.Mesh(dp=world), config=fxshard.Config(sharding=strategy))
         losses = [step(local_part(batch, rank))["loss"].item() for batch in batches]
-        results[strategy] = (losses, step.parameters())
+        results[strategy] = (losses, step.parameters(), step.gathers_in_place)
     return results
 
 
@@ -55,7 +56,8 @@ def test_every_strategy_matches_single_device_eager(model_name, world):
     ref_losses, ref_params = eager_reference(model_name, batches, world)
     for strategy in STRATEGIES:
         for rank in range(world):
-            losses, params = per_rank[rank][strategy]
+            losses, params, gathers_in_place = per_rank[rank][strategy]
+            assert (gathers_in_place > 0) == (strategy in ("optim", "optim_grads")), (strategy, gathers_in_place)
             for step, (ours, eager) in enumerate(zip(losses, ref_losses)):
                 assert abs(ours - eager) / abs(eager) < 1e-5, (strategy, rank, step, ours, eager)
             worst = max(relative(params[name], p) for name, p in ref_params.items())

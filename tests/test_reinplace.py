@@ -4,9 +4,10 @@ import torch
 
 import fxshard
 from fxshard.models import GPT, GPTConfig
-from fxshard.runtime.reinplace import reinplace
+from fxshard.runtime.reinplace import gather_updates_in_place, reinplace, write_back_positions
 
 ADAMW = fxshard.optim.AdamW(lr=1e-2, weight_decay=0.1)
+C10D = torch.ops._c10d_functional
 
 
 def _batch(seed):
@@ -96,8 +97,9 @@ def test_shard_leaves_the_users_model_unchanged_and_parameters_are_snapshots():
 
 def test_zero1_shards_and_one_rank_units_update_in_place_with_the_same_values():
     """ZeRO-1 over dp=2 with experts on ep=2 (so the expert units' axis, edp, has one rank): every
-    update is lowered (the shard where it lies, the moments in their inputs), the expert units have
-    no collectives at all, and training is bit-identical to the functional program."""
+    update is lowered (the shard where it lies, the moments in their inputs), every gathered unit is
+    gathered into its flat parameter, the expert units have no collectives at all, and training is
+    bit-identical to the functional program: nothing is left to copy back."""
     from fxshard.models import MoEGPT, MoEGPTConfig
     from fxshard.passes import run_pipeline
     from fxshard.program import OutputKind
@@ -111,13 +113,21 @@ def test_zero1_shards_and_one_rank_units_update_in_place_with_the_same_values():
                                          config=config), mesh, config)[-1]
     lowered, count = reinplace(program.graph_module)
     assert count == len(program.units)
+    lowered, gathers = gather_updates_in_place(lowered, write_back_positions(program))
+    gathered = [u for u in program.units if u.world > 1]
+    assert gathered and gathers == len(gathered)
     edp = [n for n in program.graph.nodes if n.op == "call_function" and "edp" in n.args]
     assert edp == []  # nothing to gather or reduce over one rank
     output = next(n for n in lowered.graph.nodes if n.op == "output")
-    placeholders = {n for n in lowered.graph.nodes if n.op == "placeholder"}
+    placeholders = [n for n in lowered.graph.nodes if n.op == "placeholder"]
+    inputs = {(spec.kind.name, spec.name): node for spec, node in zip(program.inputs, placeholders)}
     for spec, value in zip(program.outputs, output.args[0]):
         if spec.kind is OutputKind.OPT_STATE or (spec.kind is OutputKind.PARAM and "experts" in spec.name):
             assert value in placeholders, spec.name  # updated in place: no copy back
+        elif spec.kind is OutputKind.PARAM:  # waits for the gather that writes into the parameter itself
+            assert value.target is C10D.wait_tensor.default, spec.name
+            assert value.args[0].target is C10D.all_gather_into_tensor_out.default, spec.name
+            assert value.args[0].kwargs["out"] is inputs["PARAM", spec.name], spec.name
     assert_bit_identical([program, program.replace(graph_module=lowered)], model, ADAMW, mesh, local)
 
 
@@ -134,3 +144,55 @@ def test_a_view_of_an_input_is_not_a_temporary():
     assert _temporary(view, update)           # a view of fresh memory that only `update` reads
     graph.call_function(torch.ops.aten.neg.default, (fresh,))
     assert not _temporary(view, update)       # the fresh tensor has another reader
+
+
+def _zero(strategy):
+    """GPT tiny under ZeRO `strategy` over dp=2: the model, mesh, each rank's batch and the program."""
+    from fxshard.passes import run_pipeline
+
+    model, mesh, config = _model(), fxshard.Mesh(dp=2), fxshard.Config(sharding=strategy)
+    local = [_batch(seed) for seed in range(2)]
+    program = run_pipeline(fxshard.trace(model, lambda m, b: m.loss(b), local[0], optimizer=ADAMW, config=config),
+                           mesh, config)[-1]
+    return model, mesh, local, program
+
+
+def _gathers_into(graph_module):
+    return [n for n in graph_module.graph.nodes if n.target is C10D.all_gather_into_tensor_out.default]
+
+
+def test_zero2_gathers_each_updated_shard_into_its_parameter_and_trains_bit_identically():
+    from fxshard.testing import assert_bit_identical
+
+    model, mesh, local, program = _zero("optim_grads")
+    lowered, gathers = gather_updates_in_place(reinplace(program.graph_module)[0], write_back_positions(program))
+    assert gathers == len(program.units) == len(_gathers_into(lowered))
+    assert not [n for n in lowered.graph.nodes if n.target is C10D.all_gather_into_tensor.default]
+    assert_bit_identical([program, program.replace(graph_module=lowered)], model, ADAMW, mesh, local, steps=3)
+
+
+def test_zero3_has_nothing_to_gather_into_and_a_later_reader_keeps_the_gather():
+    """ZeRO-3 keeps shards (nothing to rewrite); under ZeRO-1 a flat parameter read after its gather is
+    issued, or read by a collective (on another stream until its wait), keeps the functional gather."""
+    _, _, _, zero3 = _zero("optim_grads_params")  # its updated shards are the state: no gather after the update
+    assert gather_updates_in_place(reinplace(zero3.graph_module)[0], write_back_positions(zero3))[1] == 0
+    _, _, _, program = _zero("optim")
+    graph_module = reinplace(program.graph_module)[0]
+    graph = graph_module.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    positions = write_back_positions(program)
+    output = next(n for n in graph.nodes if n.op == "output")
+    (first, target), (second, other) = [(o, placeholders[i]) for o, i in positions.items()
+                                        if getattr(output.args[0][o], "target", None) is C10D.wait_tensor.default][:2]
+    with graph.inserting_before(output):  # the old value of one flat parameter is read after its gather
+        late = graph.call_function(torch.ops.aten.sum.default, (target,))
+    with graph.inserting_before(output.args[0][second].args[0]):  # another is sent through a collective
+        reduced = graph.call_function(C10D.all_reduce.default, (other, "sum", "dp"))
+        graph.call_function(C10D.wait_tensor.default, (reduced,))
+    output.args = ((*output.args[0], late),)
+    before = sum(1 for n in graph.nodes if n.target is C10D.all_gather_into_tensor.default)
+    lowered, gathers = gather_updates_in_place(torch.fx.GraphModule(graph_module, graph), positions)
+    assert gathers == before - 2
+    kept = {n.args[0] for n in lowered.graph.nodes if n.target is C10D.wait_tensor.default and n.users
+            and getattr(n.args[0], "target", None) is C10D.all_gather_into_tensor.default}
+    assert len(kept) == 2

@@ -27,3 +27,18 @@ def _gloo_all_gather_fake(shard, group_size, group_name):
 
 
 GLOO_ALL_GATHER = torch.ops.fxshard.gloo_all_gather_into_tensor.default
+
+
+def gloo_all_gather_into_tensor_out(shard: Tensor, group_size: int, group_name: str, *, out: Tensor) -> Tensor:
+    """`_c10d_functional.all_gather_into_tensor_out` on a gloo group: gathers into `out` and returns it,
+    waited on by `wait_tensor(out)`. A runtime function, never traced: runtime/reinplace.py puts it where
+    an updated parameter's gather would otherwise be copied back into the parameter's buffer."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    work = dist.all_gather_into_tensor(out, shard.contiguous(), group=_resolve_process_group(group_name),
+                                       async_op=True)
+    torch._C._distributed_c10d._register_work(out, work)
+    return out
+
+
+GLOO_ALL_GATHERS = frozenset({GLOO_ALL_GATHER, gloo_all_gather_into_tensor_out})  # what gloo groups gather with

@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from .. import meta
 from ..errors import FxShardError
-from ..ops.gloo import GLOO_ALL_GATHER
+from ..ops.gloo import GLOO_ALL_GATHERS
 from ..ops.p2p import P2P_OPS
 
 _c10d = torch.ops._c10d_functional
@@ -59,8 +59,8 @@ def describe(node: fx.Node, group: str | None = None) -> str:
     if node.target in P2P_OPS:
         message = node.args[0] if node.target is _SEND else node
         what = f"{'send to' if node.target is _SEND else 'receive from'} stage {node.args[-2]} of {_value(message)}"
-    else:  # an all-gather the gloo lowering reissued (runtime/gloo.py) is named as the program names it
-        name = "all_gather_into_tensor" if node.target is GLOO_ALL_GATHER else node.target._opname
+    else:  # an all-gather the gloo lowering reissued (runtime/gloo.py, reinplace.py) is named as the program names it
+        name = "all_gather_into_tensor" if node.target in GLOO_ALL_GATHERS else node.target._opname
         what = f"{name} of {_value(node.args[0])}"
     return f"{what} [{_where(node)}] on group {group or node.args[-1]!r}"
 

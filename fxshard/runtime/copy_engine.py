@@ -336,12 +336,13 @@ def _exchange(x: Tensor, group_name: str, region: int, total_bytes: int, shape: 
     return out
 
 
-def _copied_out(copy_out: bool, shape: list[int], like: Tensor):
+def _copied_out(copy_out: bool | Tensor, shape: list[int], like: Tensor):
     """`finish` for results read where they are, or copied into a fresh tensor of `shape` (allocated on
-    the compute stream, which reads it after the wait) when the program returns them."""
-    if not copy_out:
+    the compute stream, which reads it after the wait) when the program returns them, or into the
+    tensor `copy_out` (a gather into a parameter's own buffer: runtime/reinplace.py)."""
+    if copy_out is False:
         return lambda region: region
-    out = like.new_empty(shape)
+    out = like.new_empty(shape) if copy_out is True else copy_out
     return lambda region: out.copy_(region)
 
 
@@ -360,10 +361,10 @@ def copy_engine_all_to_all(x: Tensor, output_split_sizes, input_split_sizes, gro
 
 
 def copy_engine_all_gather(shard: Tensor, world: int, group_name: str, region: int, total_bytes: int,
-                           copy_out: bool = False, timeout_ms: int = 0, mark: tuple[int, int] | None = None,
+                           copy_out: bool | Tensor = False, timeout_ms: int = 0, mark: tuple[int, int] | None = None,
                            barrier: str = "kernel") -> Tensor:
     """all_gather_into_tensor(shard, world) over `group_name`: every peer's region gets this rank's
-    shard at its rows."""
+    shard at its rows; `copy_out`: a tensor to copy the result into (all_gather_into_tensor_out)."""
     shard = shard.contiguous()
     shape = [world * shard.shape[0], *shard.shape[1:]]
     return _exchange(shard, group_name, region, total_bytes, shape, lambda peer: shard,
@@ -530,6 +531,10 @@ def lower_to_copy_engines(graph_module: fx.GraphModule, all_to_alls: bool = True
         elif node.target is _c10d.all_gather_into_tensor.default:
             shard, world, group_name = node.args
             node.args = (shard, world, group_name, region, total, plan.copied_out[node])
+        elif node.target is _c10d.all_gather_into_tensor_out.default:  # into a parameter (runtime/reinplace.py)
+            shard, world, group_name = node.args
+            node.args = (shard, world, group_name, region, total, node.kwargs["out"])
+            node.target = _c10d.all_gather_into_tensor.default
         else:
             x, reduce_op, world, group_name = node.args
             node.args = (x, reduce_op, world, group_name, region, total)
@@ -615,7 +620,7 @@ def _lowerable(node: fx.Node, all_to_alls: bool, gathers_and_scatters: bool) -> 
         return False
     if node.target is _c10d.all_to_all_single.default:
         return all_to_alls and meta.is_moe_all_to_all(node) and _equal_splits(node)
-    if node.target is _c10d.all_gather_into_tensor.default:
+    if node.target in (_c10d.all_gather_into_tensor.default, _c10d.all_gather_into_tensor_out.default):
         return gathers_and_scatters
     if node.target is _c10d.reduce_scatter_tensor.default:
         if not gathers_and_scatters:

@@ -14,6 +14,15 @@ moments are graph inputs (placeholders) that every other reader reads before it,
 and its parameter is such an input too or a temporary that nothing else reads: the eager runtime
 executes nodes in that order, so no reader sees an updated value.
 The lowering runs after every pass and is not a pass: passes and dumps keep the functional form.
+
+`gather_updates_in_place` does the same for ZeRO-1/2's all-gather of each updated shard: the gather
+writes into the flat parameter it updates (`all_gather_into_tensor_out`) instead of a new tensor that
+CUDA graph replay then copies back (2x H200, MoE ep=2 with ZeRO-1 over the dense layers: six copies,
+0.39 ms at the end of every step with no compute beside them; bench/RESULTS.md 2026-11-28, session 29).
+Invariant: as above; a gather is rewritten only when its result is the new value of a flat parameter
+input of the same shape and dtype, nothing reads that input (or a view of it) after the gather is
+issued, no collective or send reads it at all (those read on another stream until their wait), and
+the gathered shard is not a view of it.
 """
 
 from __future__ import annotations
@@ -24,11 +33,22 @@ import torch
 import torch.fx as fx
 
 from ..graph import is_view
+from ..meta import COLLECTIVE_ISSUES
 from ..ops.adamw import adamw_update, adamw_update_  # noqa: F401  (registers both ops)
+from ..ops.gloo import GLOO_ALL_GATHER, gloo_all_gather_into_tensor_out
+from ..ops.p2p import P2P_OPS
+from ..program import InputKind, OutputKind, Program
 
 _FUNCTIONAL = torch.ops.fxshard.adamw_update.default
 _IN_PLACE = torch.ops.fxshard.adamw_update_.default
 _MUTATED = {0: "param", 2: "exp_avg", 3: "exp_avg_sq"}  # argument position -> name; outputs 0, 1, 2
+_c10d = torch.ops._c10d_functional
+# the state a step's outputs become (its inputs next step): output kind -> input kind
+WRITE_BACK = {OutputKind.PARAM: InputKind.PARAM, OutputKind.OPT_STATE: InputKind.OPT_STATE,
+              OutputKind.BUFFER: InputKind.BUFFER}
+# an all-gather -> the same gather into a given tensor (`out=`), returning it
+_INTO = {_c10d.all_gather_into_tensor.default: _c10d.all_gather_into_tensor_out.default,
+         GLOO_ALL_GATHER: gloo_all_gather_into_tensor_out}
 
 
 def reinplace(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, int]:
@@ -62,6 +82,74 @@ def reinplace(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, int]:
         raise AssertionError(f"{node.name}: a user of adamw_update that is not a getitem: {list(node.users)}")
     graph.lint()
     return fx.GraphModule(graph_module, graph), rewritten
+
+
+def write_back_positions(program: Program) -> dict[int, int]:
+    """Output position -> the position of the input it becomes for the next step (parameters, optimizer
+    state, buffers: the state the step owns)."""
+    inputs = {(spec.kind, spec.name): position for position, spec in enumerate(program.inputs)}
+    return {position: inputs[WRITE_BACK[spec.kind], spec.name] for position, spec in enumerate(program.outputs)
+            if spec.kind in WRITE_BACK and (WRITE_BACK[spec.kind], spec.name) in inputs}
+
+
+def gather_updates_in_place(graph_module: fx.GraphModule, write_back: dict[int, int]) -> tuple[fx.GraphModule, int]:
+    """`graph_module` with every safe gather of an updated parameter writing into that parameter's
+    input, and how many were rewritten. `write_back`: output position -> the position of the input
+    (placeholder) that output becomes next step (the runtime's write-back, CompiledStep)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(graph_module.graph, {}))
+    order = {node: position for position, node in enumerate(graph.nodes)}
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    output = next(node for node in graph.nodes if node.op == "output")
+    rewritten = 0
+    for position, value in enumerate(output.args[0]):
+        if position not in write_back or not isinstance(value, fx.Node):
+            continue
+        target = placeholders[write_back[position]]
+        gather = value.args[0] if value.target is _c10d.wait_tensor.default else None
+        if gather is None or gather.target not in _INTO or list(gather.users) != [value]:
+            continue
+        if not (_same_layout(gather, target) and _last_read_by(target, gather, order)
+                and not _read_asynchronously(target) and not _views(gather.args[0], target)):
+            continue
+        with graph.inserting_before(gather):
+            into = graph.call_function(_INTO[gather.target], gather.args, {"out": target})
+        into.meta.update(gather.meta)
+        gather.replace_all_uses_with(into)
+        graph.erase_node(gather)
+        rewritten += 1
+    graph.lint()
+    return fx.GraphModule(graph_module, graph), rewritten
+
+
+def _same_layout(gather: fx.Node, target: fx.Node) -> bool:
+    new, old = gather.meta.get("val"), target.meta.get("val")
+    return isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor) and new.shape == old.shape \
+        and new.dtype == old.dtype
+
+
+def _read_asynchronously(value: fx.Node) -> bool:
+    """A collective or a send reads `value` or a view of it: on another stream, until its wait."""
+    pending = [value]
+    while pending:
+        for user in pending.pop().users:
+            if user.op == "call_function" and (user.target in COLLECTIVE_ISSUES or user.target in P2P_OPS
+                                               or user.target in _INTO):
+                return True
+            if is_view(user):
+                pending.append(user)
+    return False
+
+
+def _views(value, base: fx.Node) -> bool:
+    """`value` is `base` or a view of it."""
+    while isinstance(value, fx.Node):
+        if value is base:
+            return True
+        if not (value.op == "call_function" and is_view(value) and value.args):
+            return False
+        value = value.args[0]
+    return False
 
 
 def _last_read_by(value: fx.Node, node: fx.Node, order: dict[fx.Node, int]) -> bool:

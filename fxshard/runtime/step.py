@@ -15,7 +15,7 @@ from ..config import Config
 from ..errors import FxShardError
 from ..optim import Optimizer, is_learning_rate, lr_at
 from ..program import InputKind, OutputKind, Program
-from ..ops.gloo import GLOO_ALL_GATHER
+from ..ops.gloo import GLOO_ALL_GATHER, GLOO_ALL_GATHERS
 from ..ops.p2p import P2P_OPS
 from ..codegen import CodegenReport, compile_regions, progress_printer
 from ..graph import views_as_reshapes
@@ -23,12 +23,11 @@ from .nonfinite import was_skipped
 from .carveout import carve_out_sms_for_all_to_alls
 from .copy_engine import CopyEngineLowering, Watch, lower_to_copy_engines, marker, resolve_auto
 from .gloo import gloo_group_names, lower_gloo_all_gathers
-from .reinplace import reinplace
+from .reinplace import WRITE_BACK, gather_updates_in_place, reinplace, write_back_positions
 from .replay_watch import ReplayWatch, abort_groups, expire_process_groups
 from .state import State, every_stage_parameters, full_parameters, gather_shard
 
-_WRITE_BACK = {OutputKind.PARAM: InputKind.PARAM, OutputKind.OPT_STATE: InputKind.OPT_STATE,
-               OutputKind.BUFFER: InputKind.BUFFER}
+_WRITE_BACK = WRITE_BACK
 
 
 def bind_groups(program: Program, group_names: dict[str, str]) -> fx.GraphModule:
@@ -100,8 +99,10 @@ class CompiledStep:
         run = self._bound(self.program)
         # all-gathers issued through gloo's _allgather_base (runtime/gloo.py)
         self.gloo_all_gathers = sum(node.target is GLOO_ALL_GATHER for node in run.graph.nodes)
-        # optimizer updates write into the state tensors they read (see runtime/reinplace.py)
+        # optimizer updates write into the state tensors they read, and ZeRO-1/2's gathers of updated
+        # shards into the flat parameters they update (see runtime/reinplace.py)
         self._run, self.in_place_updates = reinplace(run)
+        self._run, self.gathers_in_place = gather_updates_in_place(self._run, write_back_positions(self.program))
         if self.groups:  # the program agrees across ranks (checked at shard()); how it is run must too
             from .agreement import check_runtime_agreement
 
@@ -163,7 +164,7 @@ class CompiledStep:
     def lowerings(self) -> str:
         """One line: what the runtime changed in the program before running it."""
         return (f"runtime lowerings of {self.program.name!r}: {self.in_place_updates} in-place optimizer updates, "
-                f"{self.copy_engine.line()}"
+                f"{self.gathers_in_place} gathers of updated shards into their parameters, {self.copy_engine.line()}"
                 + (f" ({self.auto_collectives})" if self.auto_collectives else "") + f", {self.sm_carveout_stretches} "
                 f"SM-carveout stretches, {self.gloo_all_gathers} gloo all-gathers through _allgather_base; "
                 f"{self.codegen.line() if self.codegen else 'codegen: off (aten replay)'}")
@@ -400,7 +401,7 @@ class CompiledStep:
             if node is not None and node.target is torch.ops._c10d_functional.wait_tensor.default:
                 node = node.args[0]
             if node is None or not (node.target in P2P_OPS or node.target in meta.COLLECTIVE_ISSUES
-                                    or node.target is GLOO_ALL_GATHER):
+                                    or node.target in GLOO_ALL_GATHERS):
                 return None
             return describe(node, axes.get(node.args[-1], node.args[-1]))
         return None

@@ -55,7 +55,7 @@ def region_bytes(node: fx.Node) -> int:
         raise FxShardError(f"copy-engine lowering: {node.name}'s input has no shape (node.meta['val']); lower "
                            "programs built by fxshard's passes")
     size = value.numel() * value.element_size()
-    if node.target is _c10d.all_gather_into_tensor.default:
+    if node.target in (_c10d.all_gather_into_tensor.default, _c10d.all_gather_into_tensor_out.default):
         size *= node.args[1]
     return -(-size // ALIGN) * ALIGN
 
