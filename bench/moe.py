@@ -221,7 +221,7 @@ def run_modes(args):
                                 microbatches=args.microbatches, ep_sm_carveout=carveout,
                                 ep_interleave=args.interleave, ep_all_to_all=a2a,
                                 fsdp_collectives=args.fsdp_collectives, collective_timeout_s=args.collective_timeout,
-                                copy_engine_barriers=barriers)
+                                copy_engine_barriers=barriers, nccl_high_priority=args.nccl_high_priority)
         started = time.perf_counter()
         step = fxshard.shard(model, lambda m, b: m.loss_and_metrics(b), data, optimizer=fxshard.optim.AdamW(lr=1e-5),
                              mesh=fxshard.Mesh(dp=world, ep=args.ep), config=config)
@@ -329,6 +329,9 @@ def main():
     parser.add_argument("--fsdp-collectives", default="nccl", choices=fxshard.config.FSDP_COLLECTIVES,
                         help="Config(fsdp_collectives) of every mode: ZeRO-1's reduce-scatters and gathers of "
                              "updated shards on NCCL or on the copy engines")
+    parser.add_argument("--nccl-high-priority", action="store_true",
+                        help="Config(nccl_high_priority=True) in every mode: NCCL's collectives (ZeRO-1's, NCCL "
+                             "all-to-alls) on high-priority streams (compare a run without it)")
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--eager-replay", action="store_true")
@@ -345,7 +348,7 @@ def main():
         args.capacity_factor = None
     print(f"MoEGPT: {args.layers} layers, hidden {args.hidden}, {args.experts} experts x d_ff {args.d_ff}, "
           f"top-{args.top_k}, {args.routing} routing, shared expert {args.d_ff_shared}, S={args.seq} x {args.microbatches} microbatch(es) per rank ({args.interleave} with overlap), {args.gpus} GPUs, ep={args.ep}, capacity factor "
-          f"{args.capacity_factor}, SM carveout {args.sm_carveout}, ZeRO collectives by {args.fsdp_collectives}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"{args.capacity_factor}, SM carveout {args.sm_carveout}, ZeRO collectives by {args.fsdp_collectives}{', NCCL on high-priority streams' if args.nccl_high_priority else ''}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{'eager replay' if args.eager_replay else 'CUDA graphs'}", flush=True)
     results = run_local(run_modes, args.gpus, args, backend="nccl")[0]
     base, exposed = results["nocomm"], results["ep"] - results["nocomm"]

@@ -2,25 +2,24 @@
 # The 2-GPU measurements the open issues wait for, one part per device call (each fits the 10-minute
 # limit of a device command). On the device machine, from the repository root:
 #
-#     bash bench/pending_2gpu.sh precision|fga|p2p-1f1b|p2p-v2|suite-ce|fsdp|fsdp-b1|moe|moe-ce|pipeline|pipeline-cut|pipeline-zb|suite|hf_moe|watch  [OUT dir, default $OUT]
+#     bash bench/pending_2gpu.sh gather|priority|pipeline-zb|precision|suite-ce|suite|fsdp|fsdp-b1|moe|moe-ce|fga|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe|watch  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
-# (date, machine, command). In priority order (session 28: Config(ep_all_to_all / fsdp_collectives) now
-# default to "auto", which is copy engines under CUDA graphs on 2 GPUs of one host; only the fsdp parity and
-# mesh graph-replay tests ran with an earlier "auto"; fused gradient accumulation measured 1.02x slower, stream
-# barriers 0.3 ms faster on MoE):
-#   suite     the multigpu tests with the new default (copy engines in graphed tests that do not name NCCL), the
-#             new ZeRO parity under CUDA graphs and the runtime-agreement test (~8 min)
-#   precision issue 14: 1F1B and interleaved V=2 graphed, fp32 and bf16 gradients (-gbf16: the peer's
-#             precision), next to the compiled peer (140.3 ms in session 28; interleaved was 1.07x faster) (~7 min)
-#   pipeline-cut  issue 14: 9 | 9 and 4 | 5 | 5 | 4 instead of the FLOP cut (rank 0 was busy ~16 ms a step more
-#             than rank 1 in session 28) (~5 min)
-#   moe       issue 15: MoE ep=2, dual-batch, NCCL / copy engines / stream barriers; the profile now names the
-#             collectives whose peer copies ran with no compute beside them (1.56 ms a step in session 28) (~5 min)
+# (date, machine, command). In priority order (session 29: the multigpu suite passed with "auto"; ZeRO-1/2
+# now gather updated shards into their parameters, not run on a GPU yet; Config(nccl_high_priority) is new
+# and unmeasured; the FLOP cut measured faster than 9 | 9 and as fast as 5 | 4 | 5 | 4):
+#   gather    the GPU tests the in-place gathers touch (ZeRO parity eager and graphed, copy engines, mesh
+#             graph replay, high-priority groups), then MoE ep=2 dual-batch with stream barriers: the six
+#             write-back copies (0.39 ms a step at the end of the graph in session 29) should be gone (~8 min)
+#   priority  MoE as `gather` again with Config(nccl_high_priority): ZeRO-1's gathers started only as each
+#             expert AdamW kernel ended in session 29 (~0.7 ms at the end of the step); then the pipeline
+#             (1F1B and V=2 graphed) without and with it (~9 min)
 #   pipeline-zb  issue 14: ZB-H1 (not run on H200 since session 19) and DualPipeV (never run on a GPU), eager and
 #             graphed, next to the issue's peer (~6 min)
-#   suite-ce  the copy-engine multigpu tests (all passed in session 28 after the stalled-peer fix) (~6 min)
-#   fsdp, fsdp-b1, fga, p2p-1f1b, p2p-v2, pipeline, pipeline-cut, moe-ce, hf_moe, watch: as before
+#   precision issue 14: 1F1B and interleaved V=2 graphed, fp32 and bf16 gradients (-gbf16: the peer's
+#             precision), next to the compiled peer (~7 min)
+#   suite-ce  the copy-engine multigpu tests (~6 min)
+#   suite, fsdp, fsdp-b1, moe, moe-ce, fga, p2p-1f1b, p2p-v2, pipeline, pipeline-cut, hf_moe, watch: as before
 set -euo pipefail
 part=${1:?usage: bench/pending_2gpu.sh PART [OUT]}
 out=${2:-${OUT:?set OUT or pass a directory}}
@@ -33,6 +32,22 @@ case "$part" in
        # per mode: kernel time by class, and the copy engines' time beside kernels (what ep-overlap1-ce
        # left exposed in session 24: 26%); one archive, the device tool returns at most 8 files
        tar czf "$out/moe_profile.tgz" -C "$out" moe_profile && rm -r "$out/moe_profile" ;;
+  gather) timeout 330 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -m multigpu \
+            -k "fsdp_over_nccl or mesh_is_bit_identical or nccl_max_ctas_reaches or (bit_identical_to_nccl and (optim or zero1))" \
+            2>&1 | tee "$out/suite_gather.log" | tail -8 || true
+          timeout 240 python bench/moe.py --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine-stream --microbatches 2 \
+            --interleave dual-batch --warmup 3 --iters 8 --profile "$out/moe_profile" --keep-traces \
+            --out "$out/moe_gather_2gpu_$day.json" 2>&1 | tee "$out/moe_gather.log" | grep -v "codegen: region" | tail -14
+          tar czf "$out/moe_gather_profile.tgz" -C "$out" moe_profile && rm -r "$out/moe_profile" ;;
+  priority) timeout 200 python bench/moe.py --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine-stream nccl --microbatches 2 \
+              --interleave dual-batch --warmup 3 --iters 8 --nccl-high-priority --out "$out/moe_priority_2gpu_$day.json" \
+              2>&1 | tee "$out/moe_priority.log" | grep -v "codegen: region" | tail -14 || echo "moe: status $?"
+            for hp in "" --nccl-high-priority; do
+              timeout 170 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 --replays graphed --peers \
+                --steps 8 $hp --out "$out/pipeline_priority${hp:+_hp}_2gpu_$day.json" 2>&1 \
+                | tee "$out/pipeline_priority${hp:+_hp}.log" | grep -v "codegen: region\|Warning\|warn\|func(" | tail -8 \
+                || echo "pipeline $hp: status $?"
+            done ;;
   moe-ce) timeout 580 python bench/moe.py --collective-timeout 60 --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine --microbatches 2 \
          --interleave dual-batch --fsdp-collectives copy-engine --warmup 3 --iters 8 \
          --out "$out/moe_ce_2gpu_$day.json" 2>&1 | tee "$out/moe_ce.log" | grep -v "codegen: region" | tail -40 ;;

@@ -146,6 +146,7 @@ class Setup:
     trace_dir: str | None
     cuts: tuple = ()      # (chunks, fxshard's layer groups) pairs: the peer is cut where fxshard cuts
     stage_layers: tuple = ()  # (chunks, blocks per chunk) pairs from --stage-layers: those cuts instead of fxshard's
+    nccl_high_priority: bool = False  # --nccl-high-priority: Config(nccl_high_priority) in every fxshard mode
 
     def config(self) -> GPTConfig:
         overrides = {} if self.n_layer is None else {"n_layer": self.n_layer}
@@ -313,7 +314,8 @@ def run_fxshard(schedule_name: str, virtual: int, graphed: bool, label: str, set
                             reduce_dtype=torch.bfloat16 if grads == "bf16" else torch.float32,
                             cuda_graphs=graphed, nccl_max_ctas={"pp": p2p_ctas} if p2p_ctas else None,
                             p2p_receives=receives, fuse_grad_accumulation=fuse_accumulation,
-                            stage_layers=dict(setup.stage_layers).get(world * virtual))
+                            stage_layers=dict(setup.stage_layers).get(world * virtual),
+                            nccl_high_priority=setup.nccl_high_priority)
     started = time.perf_counter()
     step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=fxshard.optim.AdamW(lr=1e-4),
                          mesh=fxshard.Mesh(pp=world), config=config)
@@ -950,6 +952,9 @@ def main():
     parser.add_argument("--fuse-grad-accumulation", action="store_true",
                         help="each fxshard mode again with Config(fuse_grad_accumulation=True), as <mode>-fga: each "
                              "microbatch's weight gradients added into their fp32 totals by the wgrad GEMMs")
+    parser.add_argument("--nccl-high-priority", action="store_true",
+                        help="Config(nccl_high_priority=True) in every fxshard mode: the point-to-point kernels on "
+                             "high-priority streams (compare a run without it)")
     parser.add_argument("--bf16-grads", action="store_true",
                         help="each fxshard mode again with its gradients accumulated in bf16 (Config(reduce_dtype="
                              "torch.bfloat16)), as <mode>-gbf16: the peer's precision (--peer-precision bf16 accumulates "
@@ -962,7 +967,8 @@ def main():
     except ValueError:
         parser.error(f"--stage-layers takes comma-separated block counts per chunk, got {args.stage_layers}")
     setup = Setup(args.model, args.n_layer, args.device, args.microbatches, args.batch, args.seq,
-                  max(args.warmup, 1), args.steps, args.peer_precision, args.trace_dir, stage_layers=stage_layers)
+                  max(args.warmup, 1), args.steps, args.peer_precision, args.trace_dir, stage_layers=stage_layers,
+                  nccl_high_priority=args.nccl_high_priority)
     model = build_model(setup, "meta")
     params = sum(p.numel() for p in model.parameters())
     print(f"GPT {args.model} ({params / 1e9:.2f}B, {setup.config().n_layer} blocks), pp={args.gpus}, "
@@ -999,7 +1005,8 @@ def main():
             print(f"  {row['mode']}: bubble n/a, {row['bubble_note']}")
     print_targets(rows)
     write_json(args.out, model=args.model, params=params, gpus=args.gpus, microbatches=args.microbatches,
-               batch=args.batch, seq=args.seq, peer_precision=args.peer_precision, rows=rows)
+               batch=args.batch, seq=args.seq, peer_precision=args.peer_precision,
+               nccl_high_priority=args.nccl_high_priority, stage_layers=args.stage_layers, rows=rows)
 
 
 if __name__ == "__main__":

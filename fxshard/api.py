@@ -44,7 +44,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     optimizer = optimizer or AdamW()
     _check_arguments(model, loss_fn, optimizer, config)
     mesh = _one_process(mesh)
-    groups, coords = _process_groups(mesh, config.collective_timeout_s, config.nccl_ctas)
+    groups, coords = _process_groups(mesh, config.collective_timeout_s, config.nccl_ctas, config.nccl_high_priority)
     if config.dump_dir is None and os.environ.get("FXSHARD_DUMP"):
         config = dataclasses.replace(config, dump_dir=os.environ["FXSHARD_DUMP"])
     tensors = [*model.parameters(), *model.buffers()]
@@ -57,7 +57,8 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     stage = coords.get("pp", 0)
     programs = _compile(model, loss_fn, example_batch, optimizer, mesh, config, (stage,))
     if programs[-1].stage is not None:
-        groups.update(_stage_groups(programs[-1], mesh, config.collective_timeout_s, config.nccl_ctas))
+        groups.update(_stage_groups(programs[-1], mesh, config.collective_timeout_s, config.nccl_ctas,
+                                    config.nccl_high_priority))
         # one dump per stage, written by its first data-parallel rank
         dump_dir = os.path.join(config.dump_dir, f"stage{stage}") if config.dump_dir and coords["dp"] == 0 else None
         config = dataclasses.replace(config, dump_dir=dump_dir)
@@ -198,10 +199,11 @@ def _report_lowerings(step, config: Config, index: int) -> None:
             write_dump_file(config.dump_dir, f"{index:02d}_codegen.txt", step.codegen.table())
 
 
-def _process_groups(mesh: Mesh | None, timeout_s: float, ctas_of=lambda axis: None):
+def _process_groups(mesh: Mesh | None, timeout_s: float, ctas_of=lambda axis: None, high_priority: bool = False):
     """Axis -> this rank's process group, and axis -> this rank's index along it. fxshard makes its own
     groups (every rank creates every group, in the same order), with `timeout_s` on each wait and, on
-    NCCL, at most `ctas_of(axis)` CTAs per collective (Config.nccl_ctas)."""
+    NCCL, at most `ctas_of(axis)` CTAs per collective (Config.nccl_ctas), on high-priority streams with
+    `high_priority` (Config.nccl_high_priority)."""
     if mesh is None:
         return {}, {}
     _check_mesh(mesh)
@@ -214,19 +216,21 @@ def _process_groups(mesh: Mesh | None, timeout_s: float, ctas_of=lambda axis: No
     if dist.get_world_size() != mesh.size:
         raise FxShardError(f"{mesh} has {mesh.size} ranks but the process group has {dist.get_world_size()}; "
                            f"make them agree")
-    return _new_groups(mesh.all_groups(), timeout_s, ctas_of), mesh.coords(dist.get_rank())
+    return _new_groups(mesh.all_groups(), timeout_s, ctas_of, high_priority), mesh.coords(dist.get_rank())
 
 
-# (default group's id, axis, ranks, timeout, NCCL's max CTAs) -> (that default group, the group): what
+# (default group's id, axis, ranks, timeout, NCCL's max CTAs and priority) -> (that default group, the group): what
 # _new_groups made in this process. The default group is held so that its id cannot name a later one.
 _GROUPS: dict[tuple, tuple] = {}
 
 
-def _new_groups(rank_lists: dict[str, list[list[int]]], timeout_s: float, ctas_of=lambda axis: None) -> dict:
+def _new_groups(rank_lists: dict[str, list[list[int]]], timeout_s: float, ctas_of=lambda axis: None,
+                high_priority: bool = False) -> dict:
     """Axis -> this rank's process group among `rank_lists[axis]` (global ranks). Every rank creates
     every group, in the same order, as torch.distributed requires; each wait times out after `timeout_s`;
-    on NCCL, each collective or transfer runs on at most `ctas_of(axis)` CTAs (None: NCCL's choice).
-    A group is made once per process (per default group, axis, ranks, timeout and CTAs) and every later
+    on NCCL, each collective or transfer runs on at most `ctas_of(axis)` CTAs (None: NCCL's choice), on
+    a high-priority stream with `high_priority`.
+    A group is made once per process (per default group, axis, ranks, timeout, CTAs and priority) and every later
     `shard()` reuses it: each group holds NCCL communicators and, with copy-engine collectives, a
     symmetric workspace, which piled up with every call (1.1 GiB of workspaces in one MoE benchmark
     process). Every rank makes the same calls in the same order, so every rank reuses the same ones."""
@@ -237,10 +241,11 @@ def _new_groups(rank_lists: dict[str, list[list[int]]], timeout_s: float, ctas_o
     rank, timeout, world = dist.get_rank(), datetime.timedelta(seconds=timeout_s), dist.group.WORLD
     groups = {}
     for axis, lists in rank_lists.items():
-        max_ctas = ctas_of(axis) if dist.get_backend() == "nccl" else None
-        options = _nccl_options(max_ctas) if max_ctas is not None else None
+        nccl = dist.get_backend() == "nccl"
+        max_ctas, priority = (ctas_of(axis), high_priority) if nccl else (None, False)
+        options = _nccl_options(max_ctas, priority) if max_ctas is not None or priority else None
         for ranks in lists:
-            key = (id(world), axis, tuple(ranks), timeout_s, options and max_ctas)
+            key = (id(world), axis, tuple(ranks), timeout_s, max_ctas, priority)
             if key not in _GROUPS:
                 _GROUPS[key] = (world, dist.new_group(ranks, timeout=timeout, pg_options=options))
             if rank in ranks:
@@ -248,14 +253,17 @@ def _new_groups(rank_lists: dict[str, list[list[int]]], timeout_s: float, ctas_o
     return groups
 
 
-def _nccl_options(max_ctas: int):
-    """ProcessGroupNCCL options whose communicators run each collective on at most `max_ctas` CTAs."""
+def _nccl_options(max_ctas: int | None, high_priority: bool = False):
+    """ProcessGroupNCCL options whose communicators run each collective on at most `max_ctas` CTAs (None:
+    NCCL's choice), on a high-priority stream with `high_priority`."""
     from torch.distributed import ProcessGroupNCCL
 
     options = ProcessGroupNCCL.Options()
-    options.config.max_ctas = max_ctas
-    if options.config.min_ctas > max_ctas:  # unset is negative (NCCL's default, 1)
-        options.config.min_ctas = max_ctas
+    options.is_high_priority_stream = high_priority
+    if max_ctas is not None:
+        options.config.max_ctas = max_ctas
+        if options.config.min_ctas > max_ctas:  # unset is negative (NCCL's default, 1)
+            options.config.min_ctas = max_ctas
     return options
 
 
@@ -301,12 +309,13 @@ def _first_microbatch(example_batch, config: Config):
     return torch.utils._pytree.tree_map(lambda t: t[:rows] if isinstance(t, torch.Tensor) else t, example_batch)
 
 
-def _stage_groups(program: Program, mesh: Mesh, timeout_s: float, ctas_of=lambda axis: None) -> dict:
+def _stage_groups(program: Program, mesh: Mesh, timeout_s: float, ctas_of=lambda axis: None,
+                  high_priority: bool = False) -> dict:
     """Process groups of the stage subsets the stage programs name (a weight tied across some of the
     stages; the plan lists every stage's, so every rank creates the same groups). They carry the
     pipeline's collectives: Config(nccl_max_ctas={"pp": N}) limits them as it does the pp groups."""
     return _new_groups({axis: mesh.stage_groups(stages) for axis, stages in program.stage.groups if axis != "pp"},
-                       timeout_s, lambda axis: ctas_of("pp"))
+                       timeout_s, lambda axis: ctas_of("pp"), high_priority)
 
 
 def _dump_schedule(programs: list[Program], mesh: Mesh, config: Config) -> None:

@@ -152,6 +152,13 @@ class Config:
         when they are posted until the peer sends, next to the stage's GEMMs (bench/pipeline.py
         `--p2p-ctas`). None (default): NCCL's choice. Ignored by gloo and by copy-engine collectives
         (they use no SMs).
+    nccl_high_priority: NCCL runs the collectives of the process groups fxshard makes on high-priority
+        streams (ProcessGroupNCCL's `is_high_priority_stream`; CUDA graphs keep each kernel's priority).
+        An NCCL kernel issued beside a kernel of many thread blocks otherwise gets SMs only as that
+        kernel's blocks drain: 2x H200, MoE with ZeRO-1 (session 29), each all-gather of an updated
+        shard started only when the expert AdamW kernel launched before it had finished, which left
+        ~0.7 ms of gathers at the end of the step with no compute beside them. False (default): not
+        measured yet (bench/pending_2gpu.sh priority). Ignored by gloo.
     codegen: "inductor" compiles the step's compute with Inductor, region by region between the nodes
         whose order fxshard chose (communication, custom ops), which keep their order
         (fxshard/codegen.py); None replays it aten op by op; "auto" (default): "inductor" on CUDA,
@@ -201,6 +208,7 @@ class Config:
     fsdp_collectives: str = "auto"
     copy_engine_barriers: str = "kernel"
     nccl_max_ctas: "int | dict[str, int] | None" = None
+    nccl_high_priority: bool = False
     codegen: str | None = "auto"
     codegen_regions: str = "layer"
     nonfinite: str = "raise"
@@ -237,7 +245,8 @@ class Config:
                                    f"'layers.*'), got {self.layers!r}")
             object.__setattr__(self, "layers", tuple(self.layers))
         # "no" would read as True
-        for name in ("cuda_graphs", "verbose", "fuse_grouped_mlp", "fuse_grad_accumulation", "ep_overlap"):
+        for name in ("cuda_graphs", "verbose", "fuse_grouped_mlp", "fuse_grad_accumulation", "ep_overlap",
+                     "nccl_high_priority"):
             if not isinstance(getattr(self, name), bool):
                 raise FxShardError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("microbatches", "virtual_stages", "ep_chunks", "fsdp_prefetch", "seed"):  # True is an int

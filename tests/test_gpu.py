@@ -106,30 +106,32 @@ def test_cuda_graph_replay_is_bit_identical_to_eager():
 
 
 def _nccl_max_ctas(batches):
-    """GPT tiny, ZeRO-3 on NCCL, aten replay: with NCCL's choice of CTAs, then with at most 2 per
-    collective (Config(nccl_max_ctas)); the losses, and the CTAs the second step's dp group was given."""
+    """GPT tiny, ZeRO-3 on NCCL, aten replay: with NCCL's choice of CTAs, with at most 2 per collective
+    (Config(nccl_max_ctas)), and on high-priority streams (Config(nccl_high_priority)); the losses, the
+    CTAs the second step's dp group was given and whether the third's streams are high-priority."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = f"cuda:{rank}"
     torch.backends.cuda.matmul.allow_tf32 = False
     rows = batches[0]["idx"].shape[0] // world
     local = [{k: v[rank * rows:(rank + 1) * rows].to(device) for k, v in b.items()} for b in batches]
-    losses, configured = [], None
-    for max_ctas in (None, 2):
+    losses, configured = [], []
+    for settings in ({}, {"nccl_max_ctas": 2}, {"nccl_high_priority": True}):
         torch.manual_seed(0)
         step = fxshard.shard(GPT(GPTConfig.preset("tiny")).to(device), model_loss, local[0], optimizer=ADAMW,
-                             mesh=fxshard.Mesh(dp=world), config=fxshard.Config(codegen=None, nccl_max_ctas=max_ctas,
-                                                                                 fsdp_collectives="nccl"))
+                             mesh=fxshard.Mesh(dp=world), config=fxshard.Config(codegen=None, fsdp_collectives="nccl",
+                                                                                 **settings))
         losses.append([step(b)["loss"].item() for b in local])
-        configured = step.groups["dp"]._get_backend(torch.device(device)).options.config.max_ctas
+        options = step.groups["dp"]._get_backend(torch.device(device)).options
+        configured.append((options.config.max_ctas, options.is_high_priority_stream))
     return losses, configured
 
 
 @pytest.mark.multigpu
 def test_nccl_max_ctas_reaches_the_communicator_and_changes_no_result():
     batches = cuda_batches(4, rows=4, device="cpu")
-    for (default, limited), configured in run_local(_nccl_max_ctas, 2, batches, backend="nccl"):
-        assert configured == 2
-        assert default == limited  # two ranks: each reduce-scatter element is one addition, in any split
+    for (default, limited, prioritized), configured in run_local(_nccl_max_ctas, 2, batches, backend="nccl"):
+        assert configured[1] == (2, False) and configured[2][1] is True and configured[0][1] is False
+        assert default == limited == prioritized  # two ranks: each reduce-scatter element is one addition, in any split
 
 
 def _pipeline_ctas(batches):
