@@ -102,7 +102,7 @@ def lowered_schedule(mesh, config, costs: tuple = ()):
     with Mesh(dp>1), ZeRO's collectives as actions (`zero_schedule`); with Mesh(ep>1) and
     `ep_overlap`, the combined 1F1B (fxshard.schedule.combine_pairs), else no pairs. `costs`: the
     items of the chunk costs the lowering orders transfers by (`StagePlan.costs`); the pairs hold
-    for that order."""
+    for that order, with receives where Config(p2p_receives) puts them."""
     from fxshard import schedule
     from fxshard.errors import FxShardError
 
@@ -113,7 +113,7 @@ def lowered_schedule(mesh, config, costs: tuple = ()):
         raise FxShardError(f"ep_interleave={config.ep_interleave!r} pairs two microbatches' forwards, but with "
                            f"Mesh(pp>1) the pipeline schedule orders the microbatches; use "
                            f"ep_interleave='combined-1f1b' (each stage's forward and backward pairs) or ep_overlap=False")
-    return schedule.combine_pairs(plan, costs)
+    return schedule.combine_pairs(plan, costs, config.p2p_receives)
 
 
 def zero_schedule(plan, mesh, config):

@@ -134,8 +134,8 @@ def pair_candidates(schedule: Schedule) -> list[list[tuple[Action, Action]]]:
 
 
 @functools.lru_cache(maxsize=16)
-def combine_pairs(schedule: Schedule,
-                  cost: tuple = ()) -> tuple[Schedule, tuple[tuple[tuple[Action, Action], ...], ...]]:
+def combine_pairs(schedule: Schedule, cost: tuple = (),
+                  receives: str = "early") -> tuple[Schedule, tuple[tuple[tuple[Action, Action], ...], ...]]:
     """Megatron's combined 1F1B inside a pipeline: on each rank, a forward and a backward of another
     microbatch that follow each other among its compute actions (1F1B's steady state: F m+w next
     to B m, or B m next to F m+1 on the last stage) become a pair, which the `interleave` pass runs
@@ -152,8 +152,9 @@ def combine_pairs(schedule: Schedule,
     interleaved 1F1B with one extra warm-up forward per rank (`build(..., extra_warmup=1)`, as
     Megatron schedules its combined 1F1B) nearly every steady-state action pairs at no cost. Pairs
     are taken greedily, rank by rank (a rank's pairs at once where they hold, else one by one).
-    `cost` (the items of the costs the lowering orders transfers by, `StagePlan.costs`) makes the
-    proof hold for the order that runs: `issue_order(combined, cost)`."""
+    `cost` (the items of the costs the lowering orders transfers by, `StagePlan.costs`) and `receives`
+    (Config(p2p_receives)) make the proof hold for the order that runs:
+    `issue_order(combined, cost, receives, pairs)`."""
     candidates = pair_candidates(schedule)
     timing = {**unit_costs(schedule), **dict(cost)}
     bound = simulate(schedule, timing).makespan * (1 + 1e-9)
@@ -161,7 +162,7 @@ def combine_pairs(schedule: Schedule,
     def holds(pairs) -> bool:
         combined = pair_actions(schedule, pairs)
         try:
-            check_point_to_point(combined, issue_order(combined, cost), pairs)
+            check_point_to_point(combined, issue_order(combined, cost, receives, pairs), pairs)
         except FxShardError:
             return False
         return simulate(combined, timing).makespan <= bound
