@@ -394,6 +394,7 @@ def profile_bubble(step_fn, setup: Setup, label: str, graphed: bool, actions: li
             "p2p_kernel_ms": point_to_point_times(events), "kernels_in_order": kernels,
             "action_kernels": action_kernels(events, actions) if actions and not graphed else None,
             "layer_ms": layer_times(events) if actions and not graphed else None,
+            "layer_excess": layer_excess(events) if actions and not graphed else None,
             "gemms_beside_us": gemms_beside(events) if setup.device == "cuda" else None}
 
 
@@ -576,6 +577,33 @@ def layer_times(events: list[dict]) -> dict[str, float] | None:
         if layer not in (None, "-"):
             per_layer.setdefault(layer, []).append((start, end))
     return {layer: union_length(intervals) / 1e3 for layer, intervals in per_layer.items()}
+
+
+def layer_excess(events: list[dict], over: float = 0.05, top: int = 4) -> dict[str, list] | None:
+    """The blocks of one process's trace that take over `over` more GPU time than its median block
+    (session 29: every block 10.44 ms a step but those at a chunk boundary, 13-16 ms, with the same
+    graph): for each, the `top` kernel names whose time exceeds the median block's most, as [name, ms
+    a step more], and the median block's name under "reference". None without region ranges."""
+    kernels = kernels_by_range(events, LAYER_RANGE, is_communication)
+    if not kernels:
+        return None
+    per_layer: dict[str, dict[str, float]] = {}
+    for start, end, name, layer in kernels:
+        if layer not in (None, "-", meta.PRE, meta.POST):
+            table = per_layer.setdefault(layer, {})
+            table[name] = table.get(name, 0.0) + (end - start) / 1e3
+    if not per_layer:
+        return None
+    totals = {layer: sum(table.values()) for layer, table in per_layer.items()}
+    reference = sorted(totals, key=totals.__getitem__)[len(totals) // 2]
+    base = per_layer[reference]
+    excess = {}
+    for layer, table in per_layer.items():
+        if totals[layer] > (1 + over) * totals[reference]:
+            more = {name: ms - base.get(name, 0.0) for name, ms in table.items()}
+            excess[layer] = [[name[:60], round(ms, 3)] for name, ms in
+                             sorted(more.items(), key=lambda item: -item[1])[:top] if ms > 0]
+    return {"reference": reference, **excess}
 
 
 def time_balanced_cut(ranks: list[dict], order: list[str], chunks: int) -> tuple[dict[str, float], list[int]] | None:
@@ -834,6 +862,13 @@ def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model
                            f"{min(blocks, default=0):.1f}-{max(blocks, default=0):.1f}, post "
                            f"{measured.get(meta.POST, 0.0):.1f}; a cut balanced by them: --stage-layers "
                            f"{','.join(map(str, counts))} (this one: {','.join(map(str, current))})")
+    if kind == "fxshard" and not graphed:  # what makes a block slower than the median one
+        row["layer_excess"] = [r.get("layer_excess") for r in ranks]
+        for index, excess in enumerate(row["layer_excess"]):
+            for layer, table in (excess or {}).items():
+                if layer != "reference":
+                    details.append(f"rank {index} {layer}, ms a step over {excess['reference']}: "
+                                   + ", ".join(f"{name} +{ms}" for name, ms in table))
     if kind == "fxshard" and not graphed:  # what each action spends its time in, chunk by chunk
         row["action_kernels"] = [r.get("action_kernels") for r in ranks]
         for index, kernels in enumerate(row["action_kernels"]):
