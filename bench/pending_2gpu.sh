@@ -8,7 +8,9 @@
 # (date, machine, command). In priority order (session 29: the multigpu suite passed with "auto"; ZeRO-1/2
 # now gather updated shards into their parameters, not run on a GPU yet; Config(nccl_high_priority) is new
 # and unmeasured; the FLOP cut measured faster than 9 | 9 and as fast as 5 | 4 | 5 | 4):
-#   gather    the GPU tests the in-place gathers touch (ZeRO parity eager and graphed, copy engines, mesh
+#   gather    bench/probes/dtod_stall.py first (one GPU, ~20 s: does a side stream's DtoD copy hold up the compute
+#             stream, as the own part of every copy-engine all-to-all seemed to in session 29, ~1.2 ms a step?),
+#             then the GPU tests the in-place gathers touch (ZeRO parity eager and graphed, copy engines, mesh
 #             graph replay, high-priority groups), then MoE ep=2 dual-batch with stream barriers: the six
 #             write-back copies (0.39 ms a step at the end of the graph in session 29) should be gone (~8 min)
 #   priority  MoE as `gather` again with Config(nccl_high_priority): ZeRO-1's gathers started only as each
@@ -34,7 +36,8 @@ case "$part" in
        # per mode: kernel time by class, and the copy engines' time beside kernels (what ep-overlap1-ce
        # left exposed in session 24: 26%); one archive, the device tool returns at most 8 files
        tar czf "$out/moe_profile.tgz" -C "$out" moe_profile && rm -r "$out/moe_profile" ;;
-  gather) timeout 330 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -m multigpu \
+  gather) timeout 60 python bench/probes/dtod_stall.py --out "$out/dtod_stall_$day.json" 2>&1 | tail -8 || true
+          timeout 300 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -m multigpu \
             -k "fsdp_over_nccl or mesh_is_bit_identical or nccl_max_ctas_reaches or (bit_identical_to_nccl and (optim or zero1))" \
             2>&1 | tee "$out/suite_gather.log" | tail -8 || true
           timeout 240 python bench/moe.py --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine-stream --microbatches 2 \
