@@ -517,6 +517,12 @@ def _read_later(flag: torch.Tensor):
     return read
 
 
+def _is_the_same_tensor(value: torch.Tensor, target: torch.Tensor) -> bool:
+    """`value` is `target` or a view of all of it as it is (what an op that wrote into it returned)."""
+    return value is target or (value.data_ptr() == target.data_ptr() and value.shape == target.shape
+                               and value.stride() == target.stride() and value.dtype == target.dtype)
+
+
 class CudaGraphReplay:
     """Captures the whole step into one CUDA graph after a few eager warm-up steps, then replays it.
 
@@ -554,7 +560,7 @@ class CudaGraphReplay:
             for spec, value in zip(program.outputs, results):
                 if spec.kind in _WRITE_BACK:
                     target = inputs[_WRITE_BACK[spec.kind], spec.name]
-                    if value is not target:  # updated in place already
+                    if not _is_the_same_tensor(value, target):  # else updated in place already
                         target.copy_(value)
                 else:
                     self.metrics[spec.name] = value
