@@ -198,6 +198,9 @@ def without_ce(label: str) -> str:
 def run_modes(args):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)
+    from fxshard.runtime import copy_engine
+
+    copy_engine.OWN_PART_COPY = args.own_part_copy  # an experiment's switch (copy_engine.py says why)
     device = f"cuda:{rank}"
     cfg = model_config(args)
     generator = torch.Generator().manual_seed(rank)
@@ -332,6 +335,10 @@ def main():
     parser.add_argument("--nccl-high-priority", action="store_true",
                         help="Config(nccl_high_priority=True) in every mode: NCCL's collectives (ZeRO-1's, NCCL "
                              "all-to-alls) on high-priority streams (compare a run without it)")
+    parser.add_argument("--own-part-copy", default="memcpy", choices=["memcpy", "kernel"],
+                        help="how each copy-engine collective moves this rank's own part into its region: a DtoD "
+                             "memcpy on the side stream (fxshard's default) or a 16-block copy kernel (session 29: "
+                             "the compute stream idled under each own-part memcpy)")
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--eager-replay", action="store_true")
@@ -348,7 +355,7 @@ def main():
         args.capacity_factor = None
     print(f"MoEGPT: {args.layers} layers, hidden {args.hidden}, {args.experts} experts x d_ff {args.d_ff}, "
           f"top-{args.top_k}, {args.routing} routing, shared expert {args.d_ff_shared}, S={args.seq} x {args.microbatches} microbatch(es) per rank ({args.interleave} with overlap), {args.gpus} GPUs, ep={args.ep}, capacity factor "
-          f"{args.capacity_factor}, SM carveout {args.sm_carveout}, ZeRO collectives by {args.fsdp_collectives}{', NCCL on high-priority streams' if args.nccl_high_priority else ''}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"{args.capacity_factor}, SM carveout {args.sm_carveout}, ZeRO collectives by {args.fsdp_collectives}{', NCCL on high-priority streams' if args.nccl_high_priority else ''}, own part by {args.own_part_copy}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{'eager replay' if args.eager_replay else 'CUDA graphs'}", flush=True)
     results = run_local(run_modes, args.gpus, args, backend="nccl")[0]
     base, exposed = results["nocomm"], results["ep"] - results["nocomm"]

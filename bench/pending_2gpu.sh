@@ -2,7 +2,7 @@
 # The 2-GPU measurements the open issues wait for, one part per device call (each fits the 10-minute
 # limit of a device command). On the device machine, from the repository root:
 #
-#     bash bench/pending_2gpu.sh gather|priority|boundary|pipeline-zb|precision|suite-ce|suite|fsdp|fsdp-b1|moe|moe-ce|fga|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe|watch  [OUT dir, default $OUT]
+#     bash bench/pending_2gpu.sh gather|own-part|priority|boundary|pipeline-zb|precision|suite-ce|suite|fsdp|fsdp-b1|moe|moe-ce|fga|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe|watch  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
 # (date, machine, command). In priority order (session 29: the multigpu suite passed with "auto"; ZeRO-1/2
@@ -13,6 +13,8 @@
 #             then the GPU tests the in-place gathers touch (ZeRO parity eager and graphed, copy engines, mesh
 #             graph replay, high-priority groups), then MoE ep=2 dual-batch with stream barriers: the six
 #             write-back copies (0.39 ms a step at the end of the graph in session 29) should be gone (~8 min)
+#   own-part  MoE with each copy-engine collective's own part moved by a 16-block kernel instead of a DtoD
+#             memcpy (what `gather`'s probe and profile suggest; compare `gather`'s ces row) (~3 min)
 #   priority  MoE as `gather` again with Config(nccl_high_priority): ZeRO-1's gathers started only as each
 #             expert AdamW kernel ended in session 29 (~0.7 ms at the end of the step); then the pipeline
 #             (1F1B and V=2 graphed) without and with it (~9 min)
@@ -44,6 +46,10 @@ case "$part" in
             --interleave dual-batch --warmup 3 --iters 8 --profile "$out/moe_profile" --keep-traces \
             --out "$out/moe_gather_2gpu_$day.json" 2>&1 | tee "$out/moe_gather.log" | grep -v "codegen: region" | tail -14
           tar czf "$out/moe_gather_profile.tgz" -C "$out" moe_profile && rm -r "$out/moe_profile" ;;
+  own-part) timeout 200 python bench/moe.py --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine-stream copy-engine \
+              --microbatches 2 --interleave dual-batch --warmup 3 --iters 8 --own-part-copy kernel \
+              --out "$out/moe_own_kernel_2gpu_$day.json" 2>&1 | tee "$out/moe_own_kernel.log" | grep -v "codegen: region" \
+              | tail -14 || echo "moe: status $?" ;;
   priority) timeout 200 python bench/moe.py --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine-stream nccl --microbatches 2 \
               --interleave dual-batch --warmup 3 --iters 8 --nccl-high-priority --out "$out/moe_priority_2gpu_$day.json" \
               2>&1 | tee "$out/moe_priority.log" | grep -v "codegen: region" | tail -14 || echo "moe: status $?"

@@ -535,9 +535,9 @@ def test_a_step_whose_device_stopped_in_a_copy_engine_collective_says_which():
 
 
 @pytest.fixture
-def sum_chunks(monkeypatch):
-    """_triton_chunks.sum_chunks: the real kernel on CUDA; without a GPU, Triton's interpreter (numpy)
-    where triton is installed (not in CI's CPU environment: skipped there)."""
+def triton_chunks(monkeypatch):
+    """fxshard.runtime._triton_chunks: the real kernels on CUDA; without a GPU, Triton's interpreter
+    (numpy) where triton is installed (not in CI's CPU environment: skipped there)."""
     import importlib
     import sys
 
@@ -545,7 +545,24 @@ def sum_chunks(monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when the kernel is decorated: import afresh
         monkeypatch.delitem(sys.modules, "fxshard.runtime._triton_chunks", raising=False)
     pytest.importorskip("triton")
-    return importlib.import_module("fxshard.runtime._triton_chunks").sum_chunks
+    return importlib.import_module("fxshard.runtime._triton_chunks")
+
+
+@pytest.fixture
+def sum_chunks(triton_chunks):
+    return triton_chunks.sum_chunks
+
+
+@pytest.mark.parametrize("programs", [1, 3])
+def test_the_own_part_copy_kernel_copies_every_element_with_few_blocks(triton_chunks, programs):
+    """OWN_PART_COPY "kernel": a few thread blocks stride over the whole tensor (not a multiple of
+    their block), bit for bit, NaN and infinities included."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    src = torch.randn(3 * 4096 + 5, generator=torch.Generator().manual_seed(programs)).to(device)
+    src[:3] = torch.tensor([float("nan"), float("inf"), -0.0])
+    dst = torch.full_like(src, 7.0)
+    assert triton_chunks.copy_with_few_sms(src, dst, programs) is dst
+    assert torch.equal(dst.view(torch.int32), src.view(torch.int32))
 
 
 @pytest.mark.parametrize("world", [2, 3])

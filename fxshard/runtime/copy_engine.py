@@ -327,13 +327,28 @@ def _exchange(x: Tensor, group_name: str, region: int, total_bytes: int, shape: 
             peer = (rank + step) % world
             part = part_for(peer)
             rows = part.shape[0]
-            handle.get_buffer(peer, shape, x.dtype, offset)[rank * rows:(rank + 1) * rows].copy_(part)
+            target = handle.get_buffer(peer, shape, x.dtype, offset)[rank * rows:(rank + 1) * rows]
+            if peer == rank and OWN_PART_COPY != "memcpy":
+                from ._triton_chunks import copy_with_few_sms
+
+                copy_with_few_sms(part.contiguous(), target, OWN_PART_PROGRAMS)
+            else:
+                target.copy_(part)
         _barrier(handle, barrier, 1, timeout_ms)  # every rank's part for this one has landed
         if mark is not None:
             _mark(x.device.index, mark[0], 2 * mark[1] + 2, barrier)  # through collective i
         out = finish(handle.get_buffer(rank, shape, x.dtype, offset))
         torch._C._distributed_c10d._register_work(out, _Done(x))
     return out
+
+
+# How `_exchange` moves this rank's own part into its own region: "memcpy" (a DtoD copy on the side stream)
+# or "kernel" (copy_with_few_sms on OWN_PART_PROGRAMS thread blocks). Session 29 (2x H200, MoE ep=2 with
+# stream barriers) saw the compute stream idle ~30 us under each own-part memcpy, ~1.2 ms a step: an
+# experiment's switch (bench/moe.py --own-part-copy), until bench/probes/dtod_stall.py and the MoE
+# benchmark say which to keep.
+OWN_PART_COPY = "memcpy"
+OWN_PART_PROGRAMS = 16
 
 
 def _copied_out(copy_out: bool | Tensor, shape: list[int], like: Tensor):
