@@ -13,6 +13,7 @@ which side-stream work stalls a compute stream of short kernels, eagerly and in 
 - memcpy:      beside it, `--copies` DtoD copies of `--mb` MB on a side stream (`Tensor.copy_`, what
                fxshard/runtime/copy_engine.py `_exchange` does for the own part);
 - kernel-copy: the same bytes moved by an elementwise kernel on the side stream (holds SMs instead);
+- 16-block-copy: by a kernel of 16 thread blocks (copy_engine.OWN_PART_COPY = "kernel");
 - memcpy+ops:  each copy preceded by a stream memory operation (cuStreamWriteValue32 into a device
                word, as the stream barriers and the marker write), in case the stall is theirs.
 
@@ -42,6 +43,10 @@ def side_work(kind: str, sources, targets, word) -> None:
             write(torch.cuda.current_stream().cuda_stream, word.data_ptr(), 1, 0)
         if kind == "kernel-copy":
             torch.add(src, 0, out=dst)  # an elementwise kernel, not a memcpy
+        elif kind == "16-block-copy":
+            from fxshard.runtime._triton_chunks import copy_with_few_sms
+
+            copy_with_few_sms(src, dst, 16)  # copy_engine.OWN_PART_COPY = "kernel"
         else:
             dst.copy_(src)
 
@@ -89,7 +94,7 @@ def main() -> None:
     word = torch.zeros(1, dtype=torch.int32, device="cuda")
     side = torch.cuda.Stream()
     rows = []
-    for kind in ("alone", "memcpy", "kernel-copy", "memcpy+ops"):
+    for kind in ("alone", "memcpy", "kernel-copy", "16-block-copy", "memcpy+ops"):
         eager = timed(lambda: step(kind, args.chain, x, sources, targets, word, side), args.repeats)
         graph = torch.cuda.CUDAGraph()
         capture = torch.cuda.Stream()
