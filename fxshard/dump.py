@@ -366,7 +366,7 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-def dump_schedule(schedule, plan, directory, pairs=(), receives: str = "early") -> list[str]:
+def dump_schedule(schedule, plan, directory, pairs=(), receives: str = "late") -> list[str]:
     """A pipeline stage's schedule next to its programs: `pipeline.txt` (every rank's actions as the
     schedule gives them and as the lowered programs issue them, the combined 1F1B's interleaved
     pairs, ZeRO's collectives, the simulator's makespan / bubble / peak activations) and

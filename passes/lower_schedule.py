@@ -65,7 +65,7 @@ _CAST = torch.ops.aten._to_copy.default
 
 
 def lower_schedule(pipeline: PipelineProgram, schedule: Schedule, stage: int, pairs=(),
-                   receives: str = "early") -> Program:
+                   receives: str = "late") -> Program:
     """Stage `stage`'s per-rank Program for one training step. See the module docstring. `pairs`:
     each rank's actions that the interleave pass will run interleaved (fxshard.schedule.combine_pairs),
     checked here with the rest of the transfer order. `receives`: where receives are issued

@@ -127,7 +127,7 @@ def test_late_receives_wait_where_their_data_is_read_and_keep_each_pairs_order(n
     combined 1F1B pair's receives come before the pair."""
     schedule = schedules.build(name, stages, microbatches, virtual)
     costs = {**schedules.unit_costs(schedule), **{f"B{c}": 3.0 for c in range(schedule.chunks)}}  # B = 3x F
-    early, late = schedules.issue_order(schedule, costs), schedules.issue_order(schedule, costs, "late")
+    early, late = schedules.issue_order(schedule, costs, "early"), schedules.issue_order(schedule, costs, "late")
     schedules.check_point_to_point(schedule, late)
     moved = 0
     for rank, (mine, theirs) in enumerate(zip(late, early)):
@@ -181,7 +181,7 @@ def test_lowered_issue_order_is_deadlock_free_where_the_schedules_own_order_is_n
 def test_transfers_ordered_by_the_costs_wait_for_nothing_when_free(kind, stages, microbatches, zero, combined,
                                                                      times):
     """`simulate(order=...)` times transfers in issue order, one at a time per pair of ranks. With the
-    order `issue_order` makes from the same costs and free transfers, no message waits behind
+    early order `issue_order` makes from the same costs and free transfers, no message waits behind
     another: the makespan is the schedule's own (with the combined 1F1B's pairs too, each waiting
     for both its actions' receives). Transfers that take time only add to it."""
     name, virtual = kind
@@ -195,8 +195,8 @@ def test_transfers_ordered_by_the_costs_wait_for_nothing_when_free(kind, stages,
     cost.update(U=0.3, G=0.4)
     pairs = ()
     if combined:
-        schedule, pairs = schedules.combine_pairs(schedule, tuple(cost.items()))
-    order = schedules.issue_order(schedule, cost)
+        schedule, pairs = schedules.combine_pairs(schedule, tuple(cost.items()), "early")
+    order = schedules.issue_order(schedule, cost, "early")
     schedules.check_point_to_point(schedule, order, pairs)
     free = simulate(schedule, {**cost, "P2P": 0.0}, order=order, pairs=pairs)
     assert free.makespan == pytest.approx(simulate(schedule, cost).makespan)
@@ -210,7 +210,7 @@ def test_transfers_are_ordered_by_the_chunks_costs_not_units():
     With free transfers both orders take the schedule's own time."""
     schedule = schedules.build("1f1b", 2, 8)
     measured = {"F0": 4.27, "F1": 3.82, "B0": 11.97, "B1": 10.12}
-    by_units, by_costs = schedules.issue_order(schedule), schedules.issue_order(schedule, measured)
+    by_units, by_costs = schedules.issue_order(schedule, None, "early"), schedules.issue_order(schedule, measured, "early")
     assert by_units != by_costs
     own = simulate(schedule, measured).makespan
     for order in (by_units, by_costs):
@@ -226,7 +226,7 @@ def test_transfers_are_ordered_by_the_chunks_costs_not_units():
     # too (without `pairs` the timing would come out 3 units shorter than the schedule's own 24)
     pairs = (tuple((Action("F", 0, m + 1), Action("B", 0, m)) for m in range(3)), ())
     combined = schedules.pair_actions(schedules.build("1f1b", 2, 4), pairs)
-    order = schedules.issue_order(combined)
+    order = schedules.issue_order(combined, None, "early")
     assert simulate(combined, {"P2P": 0.0}, order=order, pairs=pairs).makespan == simulate(combined).makespan == 24
 
 

@@ -15,16 +15,16 @@ MIN_COST = 1e-3  # the least time issue_order gives an action (costs are ~1 per 
 RECEIVES = ("early", "late")  # where issue_order issues a receive (Config(p2p_receives))
 
 
-def issue_order(schedule: Schedule, cost=None, receives: str = "early", pairs=()) -> tuple[tuple[Action, ...], ...]:
+def issue_order(schedule: Schedule, cost=None, receives: str = "late", pairs=()) -> tuple[tuple[Action, ...], ...]:
     """Each rank's actions in the order its lowered program issues them.
 
     Compute and sends stay where the schedule has them. Between two ranks, transfers follow one
     order on both sides: messages sorted by when their sender produces them, as `simulate` times
     the schedule under `cost` (a dict or its items; the chunks' FLOP costs, `StagePlan.costs`;
     default `unit_costs`). A message whose producer depends on another message is produced
-    strictly after it (every action is timed at least `MIN_COST`). Each receive moves up to right
-    after the previous transfer with the same peer in that order: issued early, waited on where its
-    data is first read. That is what in-order matching per pair of ranks needs (NCCL runs a pair's
+    strictly after it (every action is timed at least `MIN_COST`). With `receives="early"` each
+    receive moves up to right after the previous transfer with the same peer in that order: issued
+    early, waited on where its data is first read. That is what in-order matching per pair of ranks needs (NCCL runs a pair's
     sends and receives on one stream, in issue order); `check_point_to_point` proves the result
     deadlock-free.
 
@@ -34,15 +34,18 @@ def issue_order(schedule: Schedule, cost=None, receives: str = "early", pairs=()
     backward really takes 2.7x a forward (GPT 1b on an H100) the gradient is ready first and waits.
     `simulate(schedule, cost, order)` times an order with transfers.
 
-    `receives="late"` then moves each receive as late as the pair's order allows: just before the
+    `receives="late"` (the default, as Config(p2p_receives)) moves each receive as late as the pair's
+    order allows instead: just before the
     compute that reads it (the first action of its pair, where `pairs` from `combine_pairs` run two
     actions interleaved) or the rank's next transfer with the same peer, whichever comes first. An
     NCCL receive holds its SMs from when the device reaches it until its peer's data has come, and
     the compute the rank runs meanwhile goes slower (2x H200: a backward's GEMMs 1.4-1.8x,
     bench/RESULTS.md session 26); issued late, it waits where the rank would wait for the data
     anyway. Messages that fit NCCL's buffers complete on the sender's side without the receive; a
-    larger one holds the sender's send until the receive is issued. `check_point_to_point` checks
-    either order."""
+    larger one holds the sender's send until the receive is issued (the in-order model of `simulate`
+    counts that: with free transfers the late order may take longer than the schedule's own time, the
+    early order never does). `check_point_to_point` checks either order; with `pairs`, pass them here
+    too, so that a pair's receives come before it."""
     if receives not in RECEIVES:
         raise FxShardError(f"receives={receives!r}; choose one of {RECEIVES}")
     cost = {**unit_costs(schedule), **dict(cost or {})}
@@ -135,7 +138,7 @@ def pair_candidates(schedule: Schedule) -> list[list[tuple[Action, Action]]]:
 
 @functools.lru_cache(maxsize=16)
 def combine_pairs(schedule: Schedule, cost: tuple = (),
-                  receives: str = "early") -> tuple[Schedule, tuple[tuple[tuple[Action, Action], ...], ...]]:
+                  receives: str = "late") -> tuple[Schedule, tuple[tuple[tuple[Action, Action], ...], ...]]:
     """Megatron's combined 1F1B inside a pipeline: on each rank, a forward and a backward of another
     microbatch that follow each other among its compute actions (1F1B's steady state: F m+w next
     to B m, or B m next to F m+1 on the last stage) become a pair, which the `interleave` pass runs

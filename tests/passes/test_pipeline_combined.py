@@ -27,9 +27,9 @@ def test_pairs_are_deadlock_free_hold_no_transfer_and_never_lengthen_the_step(ki
         kind, stages * rounds + 1)
     schedule = build(kind, stages, microbatches, virtual, extra_warmup=1)  # as the lowering builds it
     combined, pairs = combine_pairs(schedule)
-    check_point_to_point(combined, issue_order(combined), pairs)  # raises where it would hang
-    check_point_to_point(combined, issue_order(combined, (), "late", pairs), pairs)  # receives late, too
-    for actions, rank_pairs in zip(issue_order(combined), pairs):
+    check_point_to_point(combined, issue_order(combined, (), "late", pairs), pairs)  # raises where it would hang
+    check_point_to_point(combined, issue_order(combined, (), "early"), pairs)  # receives early, too
+    for actions, rank_pairs in zip(issue_order(combined, (), "early"), pairs):
         for first, second in rank_pairs:
             at = actions.index(first)
             assert actions[at + 1] == second and {first.kind, second.kind} == {"F", "B"}
@@ -55,7 +55,7 @@ def test_pairs_that_would_stall_the_next_stage_are_not_made():
     unshifted = build("interleaved-1f1b", 2, 8, 2)
     candidates = pair_candidates(unshifted)  # every pair the pairing made before it timed them
     every = pair_actions(unshifted, candidates)
-    check_point_to_point(every, issue_order(every), candidates)
+    check_point_to_point(every, issue_order(every, None, "early"), candidates)
     assert simulate(every).makespan == 43.5
 
 

@@ -328,7 +328,7 @@ def test_the_lowered_program_issues_receives_early_and_waits_where_the_value_is_
     model = GPT(GPTConfig(vocab_size=24, d_model=16, n_layer=2, n_head=2, d_ff=24))
     program = fxshard.trace(model, model_loss, token_microbatches(24, 1)[0])
     schedule = schedules.one_f_one_b(2, 4)
-    last = lower_schedule(split_stages(program, 2), schedule, 1)
+    last = lower_schedule(split_stages(program, 2), schedule, 1, receives="early")
     nodes = list(last.graph.nodes)
     recvs = [n for n in nodes if n.target is torch.ops.fxshard.recv.default]
     sends = [n for n in nodes if n.target is torch.ops.fxshard.send.default]
