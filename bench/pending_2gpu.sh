@@ -39,10 +39,10 @@ case "$part" in
        # left exposed in session 24: 26%); one archive, the device tool returns at most 8 files
        tar czf "$out/moe_profile.tgz" -C "$out" moe_profile && rm -r "$out/moe_profile" ;;
   gather) timeout 60 python bench/probes/dtod_stall.py --out "$out/dtod_stall_$day.json" 2>&1 | tail -8 || true
-          timeout 300 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -m multigpu \
+          timeout 270 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -m multigpu \
             -k "fsdp_over_nccl or mesh_is_bit_identical or nccl_max_ctas_reaches or (bit_identical_to_nccl and (optim or zero1))" \
             2>&1 | tee "$out/suite_gather.log" | tail -8 || true
-          timeout 240 python bench/moe.py --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine-stream --microbatches 2 \
+          timeout 200 python bench/moe.py --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine-stream --microbatches 2 \
             --interleave dual-batch --warmup 3 --iters 8 --profile "$out/moe_profile" --keep-traces \
             --out "$out/moe_gather_2gpu_$day.json" 2>&1 | tee "$out/moe_gather.log" | grep -v "codegen: region" | tail -14
           tar czf "$out/moe_gather_profile.tgz" -C "$out" moe_profile && rm -r "$out/moe_profile" ;;
