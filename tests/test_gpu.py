@@ -671,6 +671,8 @@ def _copy_engines_and_nccl(batches, case):
         step = fxshard.shard(model.to(device), model_loss, local[0], optimizer=ADAMW, mesh=mesh, config=config)
         lowered = step.copy_engine.all_to_alls + step.copy_engine.all_gathers + step.copy_engine.reduce_scatters
         assert (lowered > 0) == (backend == "copy-engine")
+        # ZeRO-1's updated shards are gathered into their parameters (copied out of the region into them)
+        assert (step.gathers_in_place > 0) == (fields.get("sharding") == "optim"), step.gathers_in_place
         losses = [step(b)["loss"].item() for b in local]
         results.append((losses, {k: v.cpu() for k, v in step.parameters().items()}))
     return results

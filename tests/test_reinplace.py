@@ -4,6 +4,7 @@ import torch
 
 import fxshard
 from fxshard.models import GPT, GPTConfig
+from fxshard.program import InputKind, OutputKind
 from fxshard.runtime.reinplace import gather_updates_in_place, reinplace, write_back_positions
 
 ADAMW = fxshard.optim.AdamW(lr=1e-2, weight_decay=0.1)
@@ -161,38 +162,76 @@ def _gathers_into(graph_module):
     return [n for n in graph_module.graph.nodes if n.target is C10D.all_gather_into_tensor_out.default]
 
 
+def _assert_gathered_into_their_parameters(program, lowered):
+    """Every PARAM output that waits for a gather waits for one into that parameter's own input."""
+    output = next(n for n in lowered.graph.nodes if n.op == "output")
+    placeholders = [n for n in lowered.graph.nodes if n.op == "placeholder"]
+    inputs = {(spec.kind, spec.name): node for spec, node in zip(program.inputs, placeholders)}
+    into = 0
+    for spec, value in zip(program.outputs, output.args[0]):
+        if spec.kind is OutputKind.PARAM and getattr(value, "target", None) is C10D.wait_tensor.default:
+            assert value.args[0].target is C10D.all_gather_into_tensor_out.default, spec.name
+            assert value.args[0].kwargs["out"] is inputs[InputKind.PARAM, spec.name], spec.name
+            into += 1
+    return into
+
+
 def test_zero2_gathers_each_updated_shard_into_its_parameter_and_trains_bit_identically():
     from fxshard.testing import assert_bit_identical
 
     model, mesh, local, program = _zero("optim_grads")
     lowered, gathers = gather_updates_in_place(reinplace(program.graph_module)[0], write_back_positions(program))
-    assert gathers == len(program.units) == len(_gathers_into(lowered))
+    assert gathers == len(program.units) == len(_gathers_into(lowered)) == _assert_gathered_into_their_parameters(
+        program, lowered)
     assert not [n for n in lowered.graph.nodes if n.target is C10D.all_gather_into_tensor.default]
     assert_bit_identical([program, program.replace(graph_module=lowered)], model, ADAMW, mesh, local, steps=3)
 
 
-def test_zero3_has_nothing_to_gather_into_and_a_later_reader_keeps_the_gather():
-    """ZeRO-3 keeps shards (nothing to rewrite); under ZeRO-1 a flat parameter read after its gather is
-    issued, or read by a collective (on another stream until its wait), keeps the functional gather."""
+def test_zero3_has_nothing_to_gather_into():
     _, _, _, zero3 = _zero("optim_grads_params")  # its updated shards are the state: no gather after the update
     assert gather_updates_in_place(reinplace(zero3.graph_module)[0], write_back_positions(zero3))[1] == 0
+
+
+def test_a_flat_parameter_read_later_or_asynchronously_or_returned_twice_keeps_its_gather():
+    """Under ZeRO-1, each of these keeps exactly its own gather functional (the others are rewritten):
+    the flat parameter read after its gather through an alias chain (detach, then view), a view of one
+    read by a collective before its gather (on another stream until its wait), and a gathered value
+    that is also returned as a metric (which would then alias the state)."""
     _, _, _, program = _zero("optim")
     graph_module = reinplace(program.graph_module)[0]
     graph = graph_module.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     positions = write_back_positions(program)
     output = next(n for n in graph.nodes if n.op == "output")
-    (first, target), (second, other) = [(o, placeholders[i]) for o, i in positions.items()
-                                        if getattr(output.args[0][o], "target", None) is C10D.wait_tensor.default][:2]
-    with graph.inserting_before(output):  # the old value of one flat parameter is read after its gather
-        late = graph.call_function(torch.ops.aten.sum.default, (target,))
-    with graph.inserting_before(output.args[0][second].args[0]):  # another is sent through a collective
-        reduced = graph.call_function(C10D.all_reduce.default, (other, "sum", "dp"))
+    gathered = [(o, placeholders[i]) for o, i in positions.items()
+                if getattr(output.args[0][o], "target", None) is C10D.wait_tensor.default]
+    assert len(gathered) >= 4
+    (late_one, late_target), (async_one, async_target), (twice, _) = gathered[:3]
+    with graph.inserting_before(output):  # the old value read after the gather, through detach + view
+        viewed = graph.call_function(torch.ops.aten.view.default,
+                                     (graph.call_function(torch.ops.aten.detach.default, (late_target,)), [-1]))
+        late = graph.call_function(torch.ops.aten.sum.default, (viewed,))
+    with graph.inserting_before(output.args[0][async_one].args[0]):  # a view of it reduced before the gather
+        view = graph.call_function(torch.ops.aten.view.default, (async_target, [-1]))
+        reduced = graph.call_function(C10D.all_reduce.default, (view, "sum", "dp"))
         graph.call_function(C10D.wait_tensor.default, (reduced,))
-    output.args = ((*output.args[0], late),)
-    before = sum(1 for n in graph.nodes if n.target is C10D.all_gather_into_tensor.default)
+    output.args = ((*output.args[0], late, output.args[0][twice]),)  # the last: a metric that is a gathered value
     lowered, gathers = gather_updates_in_place(torch.fx.GraphModule(graph_module, graph), positions)
-    assert gathers == before - 2
-    kept = {n.args[0] for n in lowered.graph.nodes if n.target is C10D.wait_tensor.default and n.users
-            and getattr(n.args[0], "target", None) is C10D.all_gather_into_tensor.default}
-    assert len(kept) == 2
+    assert gathers == len(gathered) - 3
+    lowered_output = next(n for n in lowered.graph.nodes if n.op == "output")
+    for position in (late_one, async_one, twice):
+        assert lowered_output.args[0][position].args[0].target is C10D.all_gather_into_tensor.default, position
+    for position, _ in gathered[3:]:
+        assert lowered_output.args[0][position].args[0].target is C10D.all_gather_into_tensor_out.default, position
+
+
+def test_a_shard_that_may_alias_its_flat_parameter_keeps_its_gather():
+    from fxshard.runtime.reinplace import _aliases
+
+    graph = torch.fx.Graph()
+    flat = graph.placeholder("flat")
+    sliced = graph.call_function(torch.ops.aten.slice.Tensor, (flat, 0, 0, 4))
+    viewed = graph.call_function(torch.ops.aten.view.default, (sliced, [4]))
+    fresh = graph.call_function(torch.ops.aten.index_select.default, (flat, 0, flat))
+    assert _aliases(viewed, flat) and _aliases(flat, flat)
+    assert not _aliases(graph.call_function(torch.ops.aten.view.default, (fresh, [4])), flat)

@@ -20,9 +20,9 @@ writes into the flat parameter it updates (`all_gather_into_tensor_out`) instead
 CUDA graph replay then copies back (2x H200, MoE ep=2 with ZeRO-1 over the dense layers: six copies,
 0.39 ms at the end of every step with no compute beside them; bench/RESULTS.md 2026-11-28, session 29).
 Invariant: as above; a gather is rewritten only when its result is the new value of a flat parameter
-input of the same shape and dtype, nothing reads that input (or a view of it) after the gather is
-issued, no collective or send reads it at all (those read on another stream until their wait), and
-the gathered shard is not a view of it.
+input of the same shape and dtype and nothing else (no metric) returns it, nothing reads that input or
+anything that may alias it after the gather is issued, no collective, gather or send reads it at all
+(those read on another stream until their wait), and the gathered shard cannot alias it.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ WRITE_BACK = {OutputKind.PARAM: InputKind.PARAM, OutputKind.OPT_STATE: InputKind
 # an all-gather -> the same gather into a given tensor (`out=`), returning it
 _INTO = {_c10d.all_gather_into_tensor.default: _c10d.all_gather_into_tensor_out.default,
          GLOO_ALL_GATHER: gloo_all_gather_into_tensor_out}
+_GATHERS = frozenset({*_INTO, *_INTO.values()})
 
 
 def reinplace(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, int]:
@@ -102,19 +103,22 @@ def gather_updates_in_place(graph_module: fx.GraphModule, write_back: dict[int, 
     placeholders = [node for node in graph.nodes if node.op == "placeholder"]
     output = next(node for node in graph.nodes if node.op == "output")
     rewritten = 0
-    for position, value in enumerate(output.args[0]):
-        if position not in write_back or not isinstance(value, fx.Node):
+    values = list(output.args[0])
+    for position, value in enumerate(values):
+        if position not in write_back or not isinstance(value, fx.Node) or values.count(value) != 1:
             continue
         target = placeholders[write_back[position]]
         gather = value.args[0] if value.target is _c10d.wait_tensor.default else None
-        if gather is None or gather.target not in _INTO or list(gather.users) != [value]:
+        if gather is None or gather.target not in _INTO or list(gather.users) != [value] \
+                or list(value.users) != [output]:  # a metric returning it too would alias the state
             continue
-        if not (_same_layout(gather, target) and _last_read_by(target, gather, order)
-                and not _read_asynchronously(target) and not _views(gather.args[0], target)):
+        if not _same_layout(gather, target) or _read_later(target, gather, order) \
+                or _aliases(gather.args[0], target):
             continue
         with graph.inserting_before(gather):
             into = graph.call_function(_INTO[gather.target], gather.args, {"out": target})
         into.meta.update(gather.meta)
+        order[into] = order[gather]
         gather.replace_all_uses_with(into)
         graph.erase_node(gather)
         rewritten += 1
@@ -128,27 +132,41 @@ def _same_layout(gather: fx.Node, target: fx.Node) -> bool:
         and new.dtype == old.dtype
 
 
-def _read_asynchronously(value: fx.Node) -> bool:
-    """A collective or a send reads `value` or a view of it: on another stream, until its wait."""
-    pending = [value]
+def _read_later(value: fx.Node, gather: fx.Node, order: dict[fx.Node, int]) -> bool:
+    """Something reads `value`, or anything that may alias it (workspace_plan's test: views, getitems,
+    waits, ops without a schema), after `gather` in graph order (the output included), or a
+    collective, a gather or a send reads it at all (on another stream, until its wait)."""
+    from .workspace_plan import _may_alias_input
+
+    pending, seen = [value], {value}
     while pending:
         for user in pending.pop().users:
+            if user is gather:
+                continue
             if user.op == "call_function" and (user.target in COLLECTIVE_ISSUES or user.target in P2P_OPS
-                                               or user.target in _INTO):
+                                               or user.target in _GATHERS):
                 return True
-            if is_view(user):
+            if order[user] > order[gather]:
+                return True
+            if user not in seen and _may_alias_input(user):
+                seen.add(user)
                 pending.append(user)
     return False
 
 
-def _views(value, base: fx.Node) -> bool:
-    """`value` is `base` or a view of it."""
-    while isinstance(value, fx.Node):
-        if value is base:
+def _aliases(value, base: fx.Node) -> bool:
+    """`value` may be `base` or share its memory: `base` is reached through nodes that may alias an input."""
+    from .workspace_plan import _may_alias_input
+
+    pending, seen = [value], set()
+    while pending:
+        node = pending.pop()
+        if node is base:
             return True
-        if not (value.op == "call_function" and is_view(value) and value.args):
-            return False
-        value = value.args[0]
+        if not isinstance(node, fx.Node) or node in seen or node.op != "call_function" or not _may_alias_input(node):
+            continue
+        seen.add(node)
+        pending.extend(arg for arg in node.all_input_nodes)
     return False
 
 
