@@ -335,10 +335,10 @@ def main():
     parser.add_argument("--nccl-high-priority", action="store_true",
                         help="Config(nccl_high_priority=True) in every mode: NCCL's collectives (ZeRO-1's, NCCL "
                              "all-to-alls) on high-priority streams (compare a run without it)")
-    parser.add_argument("--own-part-copy", default="memcpy", choices=["memcpy", "kernel"],
+    parser.add_argument("--own-part-copy", default="memcpy", choices=["memcpy", "memcpy-last", "kernel"],
                         help="how each copy-engine collective moves this rank's own part into its region: a DtoD "
-                             "memcpy on the side stream (fxshard's default) or a 16-block copy kernel (session 29: "
-                             "the compute stream idled under each own-part memcpy)")
+                             "memcpy on the side stream before the peers' parts (fxshard's default) or after them, or "
+                             "a 16-block copy kernel (session 29: the compute stream idled under each own-part memcpy)")
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--eager-replay", action="store_true")

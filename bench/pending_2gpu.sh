@@ -14,7 +14,7 @@
 #             graph replay, high-priority groups), then MoE ep=2 dual-batch with stream barriers: the six
 #             write-back copies (0.39 ms a step at the end of the graph in session 29) should be gone (~8 min)
 #   own-part  MoE with each copy-engine collective's own part moved by a 16-block kernel instead of a DtoD
-#             memcpy (what `gather`'s probe and profile suggest; compare `gather`'s ces row) (~3 min)
+#             memcpy, then by the memcpy after the peers' parts (compare `gather`'s ces row) (~7 min)
 #   priority  MoE as `gather` again with Config(nccl_high_priority): ZeRO-1's gathers started only as each
 #             expert AdamW kernel ended in session 29 (~0.7 ms at the end of the step); then the pipeline
 #             (1F1B and V=2 graphed) without and with it (~9 min)
@@ -46,10 +46,12 @@ case "$part" in
             --interleave dual-batch --warmup 3 --iters 8 --profile "$out/moe_profile" --keep-traces \
             --out "$out/moe_gather_2gpu_$day.json" 2>&1 | tee "$out/moe_gather.log" | grep -v "codegen: region" | tail -14
           tar czf "$out/moe_gather_profile.tgz" -C "$out" moe_profile && rm -r "$out/moe_profile" ;;
-  own-part) timeout 200 python bench/moe.py --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine-stream copy-engine \
-              --microbatches 2 --interleave dual-batch --warmup 3 --iters 8 --own-part-copy kernel \
-              --out "$out/moe_own_kernel_2gpu_$day.json" 2>&1 | tee "$out/moe_own_kernel.log" | grep -v "codegen: region" \
-              | tail -14 || echo "moe: status $?" ;;
+  own-part) for own in kernel memcpy-last; do
+              timeout 250 python bench/moe.py --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine-stream \
+                --microbatches 2 --interleave dual-batch --warmup 3 --iters 8 --own-part-copy $own \
+                --out "$out/moe_own_${own}_2gpu_$day.json" 2>&1 | tee "$out/moe_own_$own.log" | grep -v "codegen: region" \
+                | tail -10 || echo "moe $own: status $?"
+            done ;;
   priority) timeout 200 python bench/moe.py --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine-stream nccl --microbatches 2 \
               --interleave dual-batch --warmup 3 --iters 8 --nccl-high-priority --out "$out/moe_priority_2gpu_$day.json" \
               2>&1 | tee "$out/moe_priority.log" | grep -v "codegen: region" | tail -14 || echo "moe: status $?"
