@@ -193,6 +193,25 @@ def exposed_copies(events: list[dict], steps: int, labels=(), largest: int = 6, 
             "exposed_copies_by_place": [round(us, 1) for us in exposed]}
 
 
+def idle_under_local_copies(events: list[dict], steps: int, is_compute) -> dict:
+    """Compute idle (no `is_compute(name)` kernel running) while a device-to-device memcpy runs on a
+    stream that also carries peer copies (a copy-engine collective's side stream: its own part, which
+    `_exchange` copies as "Memcpy DtoD"), in us per step, and how many such copies a step holds
+    (session 29: the compute stream idled under each, ~30 us)."""
+    peer_streams = {(e.get("args") or {}).get("stream") for e in events
+                    if e.get("cat") == "gpu_memcpy" and "PtoP" in e.get("name", "")}
+    local = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("cat") == "gpu_memcpy" and "dur" in e and "DtoD" in e.get("name", "")
+                   and (e.get("args") or {}).get("stream") in peer_streams)
+    if not local or not steps:
+        return {"idle_under_local_copies_us": 0.0, "local_copies": 0}
+    compute = _union([(e["ts"], e["ts"] + e["dur"]) for e in events
+                      if e.get("cat") == "kernel" and "dur" in e and is_compute(e["name"])])
+    spans = _union(local)
+    idle = sum(stop - start for start, stop in spans) - _intersection(spans, compute)
+    return {"idle_under_local_copies_us": idle / steps, "local_copies": len(local) // steps}
+
+
 def _union(spans):
     merged = []
     for start, stop in sorted(spans):

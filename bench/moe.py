@@ -55,7 +55,7 @@ from fxshard.launch import run_local  # noqa: E402
 from fxshard.models import MoEGPT, MoEGPTConfig  # noqa: E402
 from fxshard.runtime import CompiledStep  # noqa: E402
 from common import (H200_BF16_DENSE_PEAK, IDLE_SHORT_US, exposed_copies, gemm_line, holds_sms, idle_gaps,  # noqa: E402
-                    kernel_timeline, write_json)
+                    idle_under_local_copies, kernel_timeline, write_json)
 
 _c10d = torch.ops._c10d_functional
 
@@ -141,6 +141,7 @@ def profile(step_fn, path, steps=2, labels=(), keep_trace=False) -> dict:
     # waits of either all-to-all kind, the largest named by the compute kernels around them
     waits = idle_gaps(events, steps, counts=lambda e: e.get("cat") == "kernel" and not _is_communication(e["name"]))
     alone = exposed_copies(events, steps, labels, is_compute=lambda name: not _is_communication(name))
+    alone.update(idle_under_local_copies(events, steps, is_compute=lambda name: not _is_communication(name)))
     return {"gpu_busy_ms": timeline["gpu_busy_ms"], "all_to_all_kernels_ms": timeline["comm_kernels_ms"],
             "all_to_all_overlapped_ms": timeline["comm_overlapped_ms"], "copies_ms": timeline["copies_ms"],
             "copies_overlapped_ms": timeline["copies_overlapped_ms"], "by_class_ms": timeline["by_class_ms"],
@@ -281,6 +282,9 @@ def run_modes(args):
                         print(f"  {label}: peer copies with no compute beside them {kernels['exposed_copies_us'] / 1e3:.2f}"
                               f" ms/step; largest (collective, exposed us, copy us): "
                               f"{kernels['exposed_copies_largest']}", flush=True)
+                    if kernels.get("local_copies"):
+                        print(f"  {label}: compute idle under the own-part copies ({kernels['local_copies']} a step) "
+                              f"{kernels['idle_under_local_copies_us'] / 1e3:.2f} ms/step", flush=True)
         metrics = step(data)
         dropped = metrics["moe_dropped_tokens"].item()
         results["dropped"] = dropped  # the same routing in every mode
