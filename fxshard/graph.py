@@ -94,6 +94,29 @@ def set_call_argument(node: fx.Node, name: str, value) -> None:
         node.kwargs = {**node.kwargs, name: value}
 
 
+# ops that may return (a view of) an input although their schema has no alias annotation
+_ALIASING_WITHOUT_SCHEMA_SAYING_SO = {"_unsafe_view", "type_as", "atleast_1d", "atleast_2d", "atleast_3d",
+                                      "sum_to_size", "lift", "lift_fresh", "data"}
+
+
+def may_alias_input(node: fx.Node) -> bool:
+    """Whether `node`'s result may share memory with one of its inputs: `is_view`'s question answered
+    cautiously, for lowerings whose safety depends on it (a Python function or an op whose schema cannot
+    be seen into may; so does a wait, which returns its input). runtime/workspace_plan.py and
+    runtime/reinplace.py's gathers into parameters ask it."""
+    target = node.target
+    if node.op != "call_function":
+        return True
+    if target is operator.getitem or target is torch.ops._c10d_functional.wait_tensor.default:
+        return True
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return True
+    if schema.name.split("::")[-1] in _ALIASING_WITHOUT_SCHEMA_SAYING_SO:
+        return True
+    return any(ret.alias_info is not None for ret in schema.returns)
+
+
 def is_view(node: fx.Node) -> bool:
     """`node` returns an alias of an input (a view, or getitem of a tuple): it writes no memory.
     `aten._unsafe_view` is one too, though its schema does not say so."""

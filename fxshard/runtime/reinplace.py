@@ -32,7 +32,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..graph import is_view
+from ..graph import is_view, may_alias_input
 from ..meta import COLLECTIVE_ISSUES
 from ..ops.adamw import adamw_update, adamw_update_  # noqa: F401  (registers both ops)
 from ..ops.gloo import GLOO_ALL_GATHER, gloo_all_gather_into_tensor_out
@@ -133,11 +133,9 @@ def _same_layout(gather: fx.Node, target: fx.Node) -> bool:
 
 
 def _read_later(value: fx.Node, gather: fx.Node, order: dict[fx.Node, int]) -> bool:
-    """Something reads `value`, or anything that may alias it (workspace_plan's test: views, getitems,
-    waits, ops without a schema), after `gather` in graph order (the output included), or a
+    """Something reads `value`, or anything that may alias it (`may_alias_input`: views, getitems, waits,
+    ops without a schema), after `gather` in graph order (the output included), or a
     collective, a gather or a send reads it at all (on another stream, until its wait)."""
-    from .workspace_plan import _may_alias_input
-
     pending, seen = [value], {value}
     while pending:
         for user in pending.pop().users:
@@ -148,7 +146,7 @@ def _read_later(value: fx.Node, gather: fx.Node, order: dict[fx.Node, int]) -> b
                 return True
             if order[user] > order[gather]:
                 return True
-            if user not in seen and _may_alias_input(user):
+            if user not in seen and may_alias_input(user):
                 seen.add(user)
                 pending.append(user)
     return False
@@ -156,14 +154,12 @@ def _read_later(value: fx.Node, gather: fx.Node, order: dict[fx.Node, int]) -> b
 
 def _aliases(value, base: fx.Node) -> bool:
     """`value` may be `base` or share its memory: `base` is reached through nodes that may alias an input."""
-    from .workspace_plan import _may_alias_input
-
     pending, seen = [value], set()
     while pending:
         node = pending.pop()
         if node is base:
             return True
-        if not isinstance(node, fx.Node) or node in seen or node.op != "call_function" or not _may_alias_input(node):
+        if not isinstance(node, fx.Node) or node in seen or node.op != "call_function" or not may_alias_input(node):
             continue
         seen.add(node)
         pending.extend(arg for arg in node.all_input_nodes)

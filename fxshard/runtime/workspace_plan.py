@@ -21,20 +21,17 @@ program run with every region really shared computes what it computes unlowered 
 from __future__ import annotations
 
 import dataclasses
-import operator
 
 import torch
 import torch.fx as fx
 
 from .. import meta
+from ..graph import may_alias_input
 from ..errors import FxShardError
 from ..ops.p2p import P2P_OPS
 
 _c10d = torch.ops._c10d_functional
 ALIGN = 256  # bytes: every region starts aligned for any dtype and for the copy engines
-# ops that may return (a view of) an input although their schema has no alias annotation
-_ALIASING_WITHOUT_SCHEMA_SAYING_SO = {"_unsafe_view", "type_as", "atleast_1d", "atleast_2d", "atleast_3d",
-                                      "sum_to_size", "lift", "lift_fresh", "data"}
 
 
 @dataclasses.dataclass
@@ -107,7 +104,7 @@ def _last_reader(node: fx.Node, position: dict, lowered: set) -> tuple[int, bool
                 returned = True
                 continue
             last = max(last, _read_until(user, position, lowered))
-            if user not in seen and _may_alias_input(user):
+            if user not in seen and may_alias_input(user):
                 seen.add(user)
                 aliases.append(user)
     return last, returned
@@ -122,18 +119,3 @@ def _read_until(user: fx.Node, position: dict, lowered: set) -> int:
         return position[user]
     waits = [position[w] for w in user.users if w.target is _c10d.wait_tensor.default]
     return max(waits) if waits else len(position)
-
-
-def _may_alias_input(node: fx.Node) -> bool:
-    """Whether `node`'s result may share memory with one of its inputs."""
-    target = node.target
-    if node.op != "call_function":
-        return True
-    if target is operator.getitem or target is _c10d.wait_tensor.default:
-        return True
-    schema = getattr(target, "_schema", None)
-    if schema is None:
-        return True  # a Python function or an op we cannot see into
-    if schema.name.split("::")[-1] in _ALIASING_WITHOUT_SCHEMA_SAYING_SO:
-        return True
-    return any(ret.alias_info is not None for ret in schema.returns)
