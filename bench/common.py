@@ -174,8 +174,7 @@ def exposed_copies(events: list[dict], steps: int, labels=(), largest: int = 6, 
     [label, exposed us, duration us], and "exposed_copies_by_place": exposed us per copy index."""
     if is_compute is None:
         is_compute = lambda name: not holds_sms(name) and name != "mark"  # noqa: E731
-    compute = _union([(e["ts"], e["ts"] + e["dur"]) for e in events
-                      if e.get("cat") == "kernel" and "dur" in e and is_compute(e["name"])])
+    compute = _kernel_spans(events, is_compute)
     copies = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
                     if e.get("cat") == "gpu_memcpy" and "dur" in e and "PtoP" in e.get("name", ""))
     per_step = len(copies) // steps if steps else 0
@@ -205,11 +204,16 @@ def idle_under_local_copies(events: list[dict], steps: int, is_compute) -> dict:
                    and (e.get("args") or {}).get("stream") in peer_streams)
     if not local or not steps:
         return {"idle_under_local_copies_us": 0.0, "local_copies": 0}
-    compute = _union([(e["ts"], e["ts"] + e["dur"]) for e in events
-                      if e.get("cat") == "kernel" and "dur" in e and is_compute(e["name"])])
+    compute = _kernel_spans(events, is_compute)
     spans = _union(local)
     idle = sum(stop - start for start, stop in spans) - _intersection(spans, compute)
     return {"idle_under_local_copies_us": idle / steps, "local_copies": len(local) // steps}
+
+
+def _kernel_spans(events: list[dict], keep) -> list:
+    """The merged time spans of a trace's kernels whose name `keep` accepts."""
+    return _union([(e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("cat") == "kernel" and "dur" in e and keep(e["name"])])
 
 
 def _union(spans):

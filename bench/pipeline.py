@@ -390,11 +390,12 @@ def profile_bubble(step_fn, setup: Setup, label: str, graphed: bool, actions: li
             os.makedirs(setup.trace_dir, exist_ok=True)
             shutil.copy(path, os.path.join(setup.trace_dir, f"{label}_rank{dist.get_rank()}.json"))
     kernels = kernels_in_order(events, actions, graphed) if actions and setup.device == "cuda" else None
+    by_layer = layer_kernels(events) if actions and not graphed else None
     return {**gpu_bubble(events, graphed), "action_ms": action_times(events, actions) if actions else None,
             "p2p_kernel_ms": point_to_point_times(events), "kernels_in_order": kernels,
             "action_kernels": action_kernels(events, actions) if actions and not graphed else None,
-            "layer_ms": layer_times(events) if actions and not graphed else None,
-            "layer_excess": layer_excess(events) if actions and not graphed else None,
+            "layer_ms": layer_times(by_layer) if by_layer is not None else None,
+            "layer_excess": layer_excess(by_layer) if by_layer is not None else None,
             "gemms_beside_us": gemms_beside(events) if setup.device == "cuda" else None}
 
 
@@ -565,11 +566,15 @@ def action_times(events: list[dict], actions: list[str]) -> dict[str, float] | N
 LAYER_RANGE = re.compile(r"^fxshard region_\d+ \[\S+ (\S+)(?: mb \d+ action \d+)?\]$")
 
 
-def layer_times(events: list[dict]) -> dict[str, float] | None:
-    """GPU time per layer ("pre", "layers.3", "post") in one process's chrome trace, forward, backward
-    and optimizer together, each kernel attributed to the codegen region that launched it (as
-    `action_times` does), in ms; None where the trace holds no region ranges."""
-    kernels = kernels_by_range(events, LAYER_RANGE, is_communication)
+def layer_kernels(events: list[dict]) -> list[tuple[float, float, str, str | None]]:
+    """One process's kernels, each with the layer ("pre", "layers.3", "post") of the codegen region that
+    launched it (as `action_times` attributes them): what `layer_times` and `layer_excess` read."""
+    return kernels_by_range(events, LAYER_RANGE, is_communication)
+
+
+def layer_times(kernels: list[tuple]) -> dict[str, float] | None:
+    """GPU time per layer in `layer_kernels`, forward, backward and optimizer together, in ms; None
+    where the trace holds no region ranges."""
     if not kernels:
         return None
     per_layer: dict[str, list[tuple[float, float]]] = {}
@@ -579,12 +584,11 @@ def layer_times(events: list[dict]) -> dict[str, float] | None:
     return {layer: union_length(intervals) / 1e3 for layer, intervals in per_layer.items()}
 
 
-def layer_excess(events: list[dict], over: float = 0.05, top: int = 4) -> dict[str, list] | None:
-    """The blocks of one process's trace that take over `over` more GPU time than its median block
+def layer_excess(kernels: list[tuple], over: float = 0.05, top: int = 4) -> dict[str, list] | None:
+    """The blocks in `layer_kernels` that take over `over` more GPU time than the median block
     (session 29: every block 10.44 ms a step but those at a chunk boundary, 13-16 ms, with the same
     graph): for each, the `top` kernel names whose time exceeds the median block's most, as [name, ms
     a step more], and the median block's name under "reference". None without region ranges."""
-    kernels = kernels_by_range(events, LAYER_RANGE, is_communication)
     if not kernels:
         return None
     per_layer: dict[str, dict[str, float]] = {}

@@ -27,8 +27,6 @@ from .reinplace import WRITE_BACK, gather_updates_in_place, reinplace, write_bac
 from .replay_watch import ReplayWatch, abort_groups, expire_process_groups
 from .state import State, every_stage_parameters, full_parameters, gather_shard
 
-_WRITE_BACK = WRITE_BACK
-
 
 def bind_groups(program: Program, group_names: dict[str, str]) -> fx.GraphModule:
     """A copy of the program's graph whose collectives name real process groups instead of mesh axes."""
@@ -380,8 +378,8 @@ class CompiledStep:
             raise
         metrics = {}
         for spec, value in zip(self.program.outputs, results):
-            if spec.kind in _WRITE_BACK:
-                self.state[_WRITE_BACK[spec.kind], spec.name] = value
+            if spec.kind in WRITE_BACK:
+                self.state[WRITE_BACK[spec.kind], spec.name] = value
             else:
                 metrics[spec.name] = value.detach()
         self.step_count += 1
@@ -558,8 +556,8 @@ class CudaGraphReplay:
             results = step._run(*args)
             self.metrics = {}
             for spec, value in zip(program.outputs, results):
-                if spec.kind in _WRITE_BACK:
-                    target = inputs[_WRITE_BACK[spec.kind], spec.name]
+                if spec.kind in WRITE_BACK:
+                    target = inputs[WRITE_BACK[spec.kind], spec.name]
                     if not _is_the_same_tensor(value, target):  # else updated in place already
                         target.copy_(value)
                 else:
