@@ -38,6 +38,7 @@ compare across runs; --routing learned uses the untrained router (~35% dropped a
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
 import os
@@ -199,9 +200,9 @@ def without_ce(label: str) -> str:
 def run_modes(args):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)
-    from fxshard.runtime import copy_engine
+    from fxshard.runtime import reinplace
 
-    copy_engine.OWN_PART_COPY = args.own_part_copy  # an experiment's switch (copy_engine.py says why)
+    reinplace.GATHER_INTO_PARAMETERS = not args.no_gather_in_place  # an experiment's switch (reinplace.py)
     device = f"cuda:{rank}"
     cfg = model_config(args)
     generator = torch.Generator().manual_seed(rank)
@@ -215,6 +216,8 @@ def run_modes(args):
     modes = [(False, 1, "nccl")] + [(False, 1, a2a) for a2a in args.all_to_all if a2a != "nccl"]
     modes += [(True, c, a2a) for a2a in args.all_to_all for c in args.chunks]
     for overlap, chunks, choice in modes:
+        if args.dump_stacks_after:  # restarts the timer: one dump per mode that outlasts it
+            faulthandler.dump_traceback_later(args.dump_stacks_after)
         a2a, barriers = ("copy-engine", "stream") if choice == STREAM_BARRIERS else (choice, "kernel")
         carveout = args.sm_carveout if overlap and a2a == "nccl" else None  # copy engines hold no SMs
         torch.manual_seed(0)
@@ -339,10 +342,12 @@ def main():
     parser.add_argument("--nccl-high-priority", action="store_true",
                         help="Config(nccl_high_priority=True) in every mode: NCCL's collectives (ZeRO-1's, NCCL "
                              "all-to-alls) on high-priority streams (compare a run without it)")
-    parser.add_argument("--own-part-copy", default="memcpy", choices=["memcpy", "memcpy-last", "kernel"],
-                        help="how each copy-engine collective moves this rank's own part into its region: a DtoD "
-                             "memcpy on the side stream before the peers' parts (fxshard's default) or after them, or "
-                             "a 16-block copy kernel (session 29: the compute stream idled under each own-part memcpy)")
+    parser.add_argument("--no-gather-in-place", action="store_true",
+                        help="ZeRO-1's gathers of updated shards into new tensors that CUDA graph replay copies back, "
+                             "not into the parameters (runtime/reinplace.py GATHER_INTO_PARAMETERS)")
+    parser.add_argument("--dump-stacks-after", type=float, default=None, metavar="S",
+                        help="print every thread's Python stack on each rank when a mode has run S seconds "
+                             "(a hang's whereabouts; the run goes on)")
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--eager-replay", action="store_true")
@@ -359,7 +364,7 @@ def main():
         args.capacity_factor = None
     print(f"MoEGPT: {args.layers} layers, hidden {args.hidden}, {args.experts} experts x d_ff {args.d_ff}, "
           f"top-{args.top_k}, {args.routing} routing, shared expert {args.d_ff_shared}, S={args.seq} x {args.microbatches} microbatch(es) per rank ({args.interleave} with overlap), {args.gpus} GPUs, ep={args.ep}, capacity factor "
-          f"{args.capacity_factor}, SM carveout {args.sm_carveout}, ZeRO collectives by {args.fsdp_collectives}{', NCCL on high-priority streams' if args.nccl_high_priority else ''}, own part by {args.own_part_copy}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"{args.capacity_factor}, SM carveout {args.sm_carveout}, ZeRO collectives by {args.fsdp_collectives}{', NCCL on high-priority streams' if args.nccl_high_priority else ''}{', gathers into new tensors' if args.no_gather_in_place else ''}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{'eager replay' if args.eager_replay else 'CUDA graphs'}", flush=True)
     results = run_local(run_modes, args.gpus, args, backend="nccl")[0]
     base, exposed = results["nocomm"], results["ep"] - results["nocomm"]

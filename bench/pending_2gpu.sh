@@ -2,22 +2,16 @@
 # The 2-GPU measurements the open issues wait for, one part per device call (each fits the 10-minute
 # limit of a device command). On the device machine, from the repository root:
 #
-#     bash bench/pending_2gpu.sh gather|own-part|priority|boundary|pipeline-zb|precision|suite-ce|suite|fsdp|fsdp-b1|moe|moe-ce|fga|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe|watch  [OUT dir, default $OUT]
+#     bash bench/pending_2gpu.sh priority|boundary|pipeline-zb|precision|suite-ce|suite|gather|fsdp|fsdp-b1|moe|moe-ce|fga|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe|watch  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
-# (date, machine, command). In priority order (session 29: the multigpu suite passed with "auto"; ZeRO-1/2
-# now gather updated shards into their parameters, not run on a GPU yet; Config(nccl_high_priority) is new
-# and unmeasured; the FLOP cut measured faster than 9 | 9 and as fast as 5 | 4 | 5 | 4):
-#   gather    bench/probes/dtod_stall.py first (one GPU, ~20 s: does a side stream's DtoD copy hold up the compute
-#             stream, as the own part of every copy-engine all-to-all seemed to in session 29, ~1.2 ms a step?),
-#             then the GPU tests the in-place gathers touch (ZeRO parity eager and graphed, copy engines, mesh
-#             graph replay, high-priority groups), then MoE ep=2 dual-batch with stream barriers: the six
-#             write-back copies (0.39 ms a step at the end of the graph in session 29) should be gone (~8 min)
-#   own-part  MoE with each copy-engine collective's own part moved by a 16-block kernel instead of a DtoD
-#             memcpy, then by the memcpy after the peers' parts (compare `gather`'s ces row) (~7 min)
-#   priority  MoE as `gather` again with Config(nccl_high_priority): ZeRO-1's gathers started only as each
-#             expert AdamW kernel ended in session 29 (~0.7 ms at the end of the step); then the pipeline
-#             (1F1B and V=2 graphed) without and with it (~9 min)
+# (date, machine, command). In priority order (session 30: ZeRO-1/2's gathers into the parameters passed
+# their GPU tests and took ~0.6-1.0 ms off the MoE step; three of six MoE benchmark runs then stopped
+# making progress in the NCCL `ep` mode, cause unknown: the MoE parts now print every rank's Python
+# stacks when a mode runs over 150 s, and `--no-gather-in-place` turns the new gathers off for an A/B):
+#   priority  MoE with Config(nccl_high_priority) (its session-30 run stalled, see above): ZeRO-1's gathers
+#             started only as each expert AdamW kernel ended in session 29 (~0.7 ms at the end of the step);
+#             then the pipeline (1F1B and V=2 graphed) without and with it (~9 min)
 #   boundary  1F1B and V=2 eager: which kernels make the blocks at a chunk boundary 3-5 ms a step slower
 #             than the others (session 29), from the per-layer excess the eager rows now print (~4 min)
 #   pipeline-zb  issue 14: ZB-H1 (not run on H200 since session 19) and DualPipeV (never run on a GPU), eager and
@@ -25,34 +19,28 @@
 #   precision issue 14: 1F1B and interleaved V=2 graphed, fp32 and bf16 gradients (-gbf16: the peer's
 #             precision), next to the compiled peer (~7 min)
 #   suite-ce  the copy-engine multigpu tests (~6 min)
-#   suite, fsdp, fsdp-b1, moe, moe-ce, fga, p2p-1f1b, p2p-v2, pipeline, pipeline-cut, hf_moe, watch: as before
+#   gather, suite, fsdp, fsdp-b1, moe, moe-ce, fga, p2p-1f1b, p2p-v2, pipeline, pipeline-cut, hf_moe, watch: as before
 set -euo pipefail
 part=${1:?usage: bench/pending_2gpu.sh PART [OUT]}
 out=${2:-${OUT:?set OUT or pass a directory}}
 mkdir -p "$out"
 day=$(date +%F)
 case "$part" in
-  moe) timeout 580 python bench/moe.py --gpus 2 --ep 2 --chunks 1 --all-to-all nccl copy-engine copy-engine-stream --microbatches 2 \
+  moe) timeout 580 python bench/moe.py --dump-stacks-after 150 --gpus 2 --ep 2 --chunks 1 --all-to-all nccl copy-engine copy-engine-stream --microbatches 2 \
          --interleave dual-batch --warmup 3 --iters 8 --profile "$out/moe_profile" --keep-traces --out "$out/moe_2gpu_$day.json" \
          2>&1 | tee "$out/moe.log" | grep -v "codegen: region" | tail -40
        # per mode: kernel time by class, and the copy engines' time beside kernels (what ep-overlap1-ce
        # left exposed in session 24: 26%); one archive, the device tool returns at most 8 files
        tar czf "$out/moe_profile.tgz" -C "$out" moe_profile && rm -r "$out/moe_profile" ;;
   gather) timeout 60 python bench/probes/dtod_stall.py --out "$out/dtod_stall_$day.json" 2>&1 | tail -8 || true
-          timeout 270 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -m multigpu \
+          timeout 400 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -m multigpu \
             -k "fsdp_over_nccl or mesh_is_bit_identical or nccl_max_ctas_reaches or (bit_identical_to_nccl and (optim or zero1))" \
             2>&1 | tee "$out/suite_gather.log" | tail -8 || true
-          timeout 200 python bench/moe.py --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine-stream --microbatches 2 \
+          timeout 200 python bench/moe.py --dump-stacks-after 150 --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine-stream --microbatches 2 \
             --interleave dual-batch --warmup 3 --iters 8 --profile "$out/moe_profile" --keep-traces \
             --out "$out/moe_gather_2gpu_$day.json" 2>&1 | tee "$out/moe_gather.log" | grep -v "codegen: region" | tail -14
           tar czf "$out/moe_gather_profile.tgz" -C "$out" moe_profile && rm -r "$out/moe_profile" ;;
-  own-part) for own in kernel memcpy-last; do
-              timeout 250 python bench/moe.py --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine-stream \
-                --microbatches 2 --interleave dual-batch --warmup 3 --iters 8 --own-part-copy $own \
-                --out "$out/moe_own_${own}_2gpu_$day.json" 2>&1 | tee "$out/moe_own_$own.log" | grep -v "codegen: region" \
-                | tail -10 || echo "moe $own: status $?"
-            done ;;
-  priority) timeout 200 python bench/moe.py --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine-stream nccl --microbatches 2 \
+  priority) timeout 200 python bench/moe.py --dump-stacks-after 150 --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine-stream nccl --microbatches 2 \
               --interleave dual-batch --warmup 3 --iters 8 --nccl-high-priority --out "$out/moe_priority_2gpu_$day.json" \
               2>&1 | tee "$out/moe_priority.log" | grep -v "codegen: region" | tail -14 || echo "moe: status $?"
             for hp in "" --nccl-high-priority; do
@@ -64,7 +52,7 @@ case "$part" in
   boundary) timeout 300 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 --replays eager --peers \
               --steps 8 --out "$out/pipeline_boundary_2gpu_$day.json" 2>&1 | tee "$out/pipeline_boundary.log" \
               | grep -v "codegen: region\|Warning\|warn\|func(" | grep "ms a step over\|ms/step\|eager " | tail -20 ;;
-  moe-ce) timeout 580 python bench/moe.py --collective-timeout 60 --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine --microbatches 2 \
+  moe-ce) timeout 580 python bench/moe.py --dump-stacks-after 150 --collective-timeout 60 --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine --microbatches 2 \
          --interleave dual-batch --fsdp-collectives copy-engine --warmup 3 --iters 8 \
          --out "$out/moe_ce_2gpu_$day.json" 2>&1 | tee "$out/moe_ce.log" | grep -v "codegen: region" | tail -40 ;;
   fsdp) timeout 570 python bench/fsdp.py --gpus 2 --batch 4 --rounds 2 --modes nocomm-compile nocomm-fxshard fxshard \

@@ -553,18 +553,6 @@ def sum_chunks(triton_chunks):
     return triton_chunks.sum_chunks
 
 
-@pytest.mark.parametrize("programs", [1, 3])
-def test_the_own_part_copy_kernel_copies_every_element_with_few_blocks(triton_chunks, programs):
-    """OWN_PART_COPY "kernel": a few thread blocks stride over the whole tensor (not a multiple of
-    their block), bit for bit, NaN and infinities included."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    src = torch.randn(3 * 4096 + 5, generator=torch.Generator().manual_seed(programs)).to(device)
-    src[:3] = torch.tensor([float("nan"), float("inf"), -0.0])
-    dst = torch.full_like(src, 7.0)
-    assert triton_chunks.copy_with_few_sms(src, dst, programs) is dst
-    assert torch.equal(dst.view(torch.int32), src.view(torch.int32))
-
-
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_reduce_scatter_sums_its_own_chunk_where_it_is_and_the_others_in_rank_order(sum_chunks, world, dtype):

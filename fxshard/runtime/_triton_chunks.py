@@ -39,22 +39,3 @@ def sum_chunks(own: torch.Tensor, landed: torch.Tensor, out: torch.Tensor, world
                                                     BLOCK=block)
     return out
 
-
-@triton.jit
-def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    step = tl.num_programs(0).to(tl.int64) * BLOCK
-    for base in range(start, n, step):  # each program strides over the tensor: a few SMs move all of it
-        offsets = base + tl.arange(0, BLOCK)
-        mask = offsets < n
-        tl.store(dst_ptr + offsets, tl.load(src_ptr + offsets, mask=mask), mask=mask)
-
-
-def copy_with_few_sms(src: torch.Tensor, dst: torch.Tensor, programs: int) -> torch.Tensor:
-    """dst.copy_(src) (both contiguous, same dtype and size) by a kernel of `programs` thread blocks,
-    not a memcpy: copy_engine.py's own-part copy under OWN_PART_COPY "kernel" (bench/probes/dtod_stall.py
-    asks whether a side stream's DtoD memcpy holds up the compute stream)."""
-    n = src.numel()
-    if n:
-        _copy_kernel[(programs,)](src, dst, n, BLOCK=4096)
-    return dst

@@ -323,20 +323,13 @@ def _exchange(x: Tensor, group_name: str, region: int, total_bytes: int, shape: 
         if mark is not None:
             _mark(x.device.index, mark[0], 2 * mark[1] + 1, barrier)  # waiting in collective i
         _barrier(handle, barrier, 0, timeout_ms)  # every rank is here: done with the region's old contents
-        steps = list(range(1 if skip_own else 0, world))
-        if OWN_PART_COPY == "memcpy-last" and not skip_own:
-            steps = steps[1:] + steps[:1]  # the peers' parts first, then this rank's own
-        for step in steps:
+        for step in range(1 if skip_own else 0, world):
             peer = (rank + step) % world
             part = part_for(peer)
             rows = part.shape[0]
-            target = handle.get_buffer(peer, shape, x.dtype, offset)[rank * rows:(rank + 1) * rows]
-            if peer == rank and OWN_PART_COPY == "kernel":
-                from ._triton_chunks import copy_with_few_sms
-
-                copy_with_few_sms(part.contiguous(), target, OWN_PART_PROGRAMS)
-            else:
-                target.copy_(part)
+            # the own part (step 0) is a DtoD copy: on an H200 it takes SMs and HBM bandwidth as a kernel
+            # would, so compute beside it waits (bench/probes/dtod_stall.py; RESULTS session 30)
+            handle.get_buffer(peer, shape, x.dtype, offset)[rank * rows:(rank + 1) * rows].copy_(part)
         _barrier(handle, barrier, 1, timeout_ms)  # every rank's part for this one has landed
         if mark is not None:
             _mark(x.device.index, mark[0], 2 * mark[1] + 2, barrier)  # through collective i
@@ -344,15 +337,6 @@ def _exchange(x: Tensor, group_name: str, region: int, total_bytes: int, shape: 
         torch._C._distributed_c10d._register_work(out, _Done(x))
     return out
 
-
-# How `_exchange` moves this rank's own part into its own region: "memcpy" (a DtoD copy on the side stream,
-# before the peers' parts), "memcpy-last" (after them) or "kernel" (copy_with_few_sms on OWN_PART_PROGRAMS
-# thread blocks, before them). Session 29 (2x H200, MoE ep=2 with
-# stream barriers) saw the compute stream idle ~30 us under each own-part memcpy, ~1.2 ms a step: an
-# experiment's switch (bench/moe.py --own-part-copy), until bench/probes/dtod_stall.py and the MoE
-# benchmark say which to keep.
-OWN_PART_COPY = "memcpy"
-OWN_PART_PROGRAMS = 16
 
 
 def _copied_out(copy_out: bool | Tensor, shape: list[int], like: Tensor):
