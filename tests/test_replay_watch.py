@@ -20,7 +20,7 @@ class Replay:
 
 def a_watch(timeout_s=10.0):
     expired = []
-    watch = ReplayWatch(timeout_s, rank=1, expire=lambda what, seconds: expired.append((what, seconds)))
+    watch = ReplayWatch(timeout_s, rank=1, expire=lambda what, seconds, how: expired.append((what, seconds)))
     watch._thread = object()  # driven by hand: no thread
     return watch, expired
 
@@ -38,6 +38,60 @@ def test_a_replay_counts_from_when_the_one_before_it_finished(capsys):
     assert watch.poll(40.0) is None and len(expired) == 1  # said once
     assert "rank 1: step 2 has run 10 s under its CUDA graph, longer than Config(collective_timeout_s)=10" in \
         capsys.readouterr().err
+
+
+def test_a_report_says_where_every_thread_of_the_host_was(capsys):
+    """The report carries every thread's Python stack (session 30: two stalled benchmark runs said
+    nothing about where they were): here the main thread's, in this test, polling."""
+    watch, _ = a_watch(timeout_s=1.0)
+    watch.launched("step 4", lambda: False, now=0.0)
+    assert watch.poll(2.0) == "step 4"
+    err = capsys.readouterr().err
+    assert "This rank's threads were at:" in err and "thread MainThread:" in err
+    assert "test_a_report_says_where_every_thread_of_the_host_was" in err.split("threads were at:")[1]
+
+
+def test_host_phases_before_the_first_replay_are_said_once_never_aborted_for(capsys):
+    """An eager warm-up step or a capture is pending until the host is through it (done() False). One that
+    runs too long is said once, with the stacks, and not aborted for (a first step may take long;
+    NCCL's watchdog ends its collectives); the replays after it count from when it ended, and a
+    stalled replay is still reported and aborted for."""
+    watch, expired = a_watch(timeout_s=5.0)
+    through = []
+    watch.launched("step 1", lambda: bool(through), now=0.0, how="eagerly, before its CUDA graph was captured",
+                   abort=False)
+    assert watch.poll(4.0) is None and capsys.readouterr().err == ""
+    assert watch.poll(5.5) is None and watch.poll(9.0) is None and not expired
+    err = capsys.readouterr().err
+    assert err.count("rank 1: step 1 has run 6 s eagerly, before its CUDA graph was captured, longer than "
+                     "Config(collective_timeout_s)=5; still waiting") == 1 and "threads are at:" in err
+    through.append(True)
+    replay = Replay()
+    watch.launched("step 3", replay.done, now=9.5)
+    assert watch.poll(10.0) is None  # step 1 seen done at 10.0: step 3 counts from then
+    assert watch.poll(14.9) is None
+    assert watch.poll(15.1) == "step 3" and expired == [("step 3", pytest.approx(5.1))]
+
+
+def test_no_event_is_queried_while_the_main_thread_captures_and_a_long_capture_is_said(capsys):
+    """In CUDA's global capture mode another thread's event query ends the capture: while `capturing`,
+    the watch queries nothing (a query here fails the test) and says once, with the stacks, if the
+    capture runs too long; afterwards it looks again as before."""
+    watch, expired = a_watch(timeout_s=5.0)
+    queried = []
+
+    def done():
+        assert watch.capture is None, "queried during a capture"
+        queried.append(True)
+        return True
+
+    watch.launched("step 2", done, now=0.0, how="eagerly, before its CUDA graph was captured", abort=False)
+    with watch.capturing("the capture of the CUDA graph after step 2", now=lambda: 1.0):
+        assert watch.poll(3.0) is None and watch.poll(7.0) is None and watch.poll(9.0) is None
+        assert not queried and not expired
+    err = capsys.readouterr().err
+    assert err.count("the capture of the CUDA graph after step 2 has run 6 s on the host, longer than") == 1
+    assert watch.poll(9.5) is None and queried and not watch.pending and not expired
 
 
 def test_replays_that_finish_in_time_are_never_reported():
@@ -93,7 +147,7 @@ def test_a_step_whose_replay_the_watch_ended_refuses_every_later_call():
     batch = regression_batch(torch.Generator().manual_seed(0), 4)
     step = fxshard.shard(MLPStack([4, 8, 4]), mse, batch, optimizer=fxshard.optim.AdamW(lr=1e-2))
     step(batch)
-    _expire_replay(weakref.ref(step), 5.0)("step 2", 7.4)
+    _expire_replay(weakref.ref(step), 5.0)("step 2", 7.4, "under its CUDA graph")
     message = re.escape("step 2 ran 7 s under its CUDA graph, longer than Config(collective_timeout_s)=5: a rank stalled")
     for call in (lambda: step(batch), lambda: step.evaluate(batch), step.parameters):
         with pytest.raises(fxshard.FxShardError, match=message):
@@ -107,7 +161,7 @@ def test_the_watch_thread_reports_a_replay_that_never_finishes_by_itself():
     import time
 
     expired = []
-    watch = ReplayWatch(0.2, rank=0, expire=lambda what, seconds: expired.append(what))
+    watch = ReplayWatch(0.2, rank=0, expire=lambda what, seconds, how: expired.append(what))
     watch.launched("step 3", lambda: False)  # starts the thread
     deadline = time.monotonic() + 5
     while not expired and time.monotonic() < deadline:

@@ -15,17 +15,26 @@ groups (NCCL's kernels poll their communicator's abort flag, so the replay stops
 returns) and to make every later call raise an FxShardError that says why, instead of hanging.
 
 The timeout is per replay, not per collective: under CUDA graphs Config(collective_timeout_s) is
-also the longest one step may run on a mesh.
+also the longest one step may run on a mesh. With each report go every thread's Python stacks, so the
+log says where the host was.
+
+The step's host phases before its first replay (the eager warm-up steps, `launched(..., abort=False)`;
+the captures, `capturing`) are watched too, but only said, never aborted for: a first step may legitimately take
+long (NCCL's communicators, autotuning), and its collectives have NCCL's own watchdog. What that
+misses is a host that never comes back (2x H200, session 30: two MoE benchmark runs stopped for
+minutes in such a phase with nothing said); now its stacks are in the log.
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import os
 import sys
 import threading
 import time
+import traceback
 import weakref
 from typing import Callable
 
@@ -33,37 +42,82 @@ from typing import Callable
 class ReplayWatch:
     """Replays in flight, oldest first, and the report once one has run longer than `timeout_s`."""
 
-    def __init__(self, timeout_s: float, rank: int, expire: Callable[[str, float], None]):
+    def __init__(self, timeout_s: float, rank: int, expire: Callable[[str, float, str], None]):
         self.timeout_s, self.rank, self.expire = timeout_s, rank, expire
-        self.pending: collections.deque = collections.deque()  # (what, done() -> bool, launched at)
+        self.pending: collections.deque = collections.deque()  # (what, done() -> bool, launched at, how, abort)
         self.last_done: float | None = None  # when the replay before the oldest pending one was seen done
         self.reported: str | None = None  # the replay it reported, once
+        self.noticed: tuple | None = None  # the host phase it last said had run too long (no abort)
+        self.capture: tuple[str, float] | None = None  # (what, since when) while the main thread captures
+        self.lock = threading.Lock()  # a look at the device, or the start or end of a capture
         self._thread: threading.Thread | None = None  # started at the first replay; ends with the watch
 
-    def launched(self, what: str, done: Callable[[], bool], now: float | None = None) -> None:
-        """`what` ("step 7") was replayed; `done()` says whether the device has finished it (an event's query)."""
-        self.pending.append((what, done, time.monotonic() if now is None else now))
+    def launched(self, what: str, done: Callable[[], bool], now: float | None = None,
+                 how: str = "under its CUDA graph", abort: bool = True) -> None:
+        """`what` ("step 7") was replayed; `done()` says whether the device has finished it (an event's query).
+        `how` says what kind of work it is in the report: a replay by default, or a host phase watched
+        the same way ("eagerly, before its CUDA graph was captured", `abort=False`: said, not aborted
+        for), whose `done()` stays False until the host is through it."""
+        self.pending.append((what, done, time.monotonic() if now is None else now, how, abort))
         if self._thread is None:
             self.start()
 
     def poll(self, now: float) -> str | None:
-        """One look: drop the finished replays; the replay reported if the oldest one has now run too long."""
-        while self.pending and _finished(self.pending[0][1]):
-            self.pending.popleft()
-            self.last_done = now
-        if not self.pending or self.reported is not None:
-            return None
-        what, _, launched = self.pending[0]
-        started = launched if self.last_done is None else max(launched, self.last_done)
-        if now - started < self.timeout_s:
-            return None
-        self.reported = what
-        print(f"fxshard: rank {self.rank}: {what} has run {now - started:.0f} s under its CUDA graph, longer than "
+        """One look: drop the finished replays; the replay reported if the oldest one has now run too long.
+        No device query while a capture is under way (`capturing`): another thread's event query ends a
+        capture in CUDA's global capture mode, which fxshard's captures use."""
+        with self.lock:
+            if self.capture is not None:
+                what, started = self.capture
+                if now - started >= self.timeout_s:
+                    self._notice(self.capture, what, now - started, "on the host")
+                return None
+            while self.pending and _finished(self.pending[0][1]):
+                self.pending.popleft()
+                self.last_done = now
+            if not self.pending or self.reported is not None:
+                return None
+            oldest = self.pending[0]
+            what, _, launched, how, abort = oldest
+            started = launched if self.last_done is None else max(launched, self.last_done)
+            if now - started < self.timeout_s:
+                return None
+            if not abort:
+                self._notice(oldest, what, now - started, how)
+                return None
+            self.reported = what
+        # outside the lock: aborting NCCL's communicators may not return (expire_process_groups)
+        print(f"fxshard: rank {self.rank}: {what} has run {now - started:.0f} s {how}, longer than "
               f"Config(collective_timeout_s)={self.timeout_s:g}: a rank of the job stalled or stopped inside a "
               f"collective or transfer (its own log says why). Aborting this rank's process groups, so the step "
-              f"fails instead of hanging; restart from the last checkpoint", file=sys.stderr, flush=True)
-        self.expire(what, now - started)
+              f"fails instead of hanging; restart from the last checkpoint. This rank's threads were at:\n"
+              f"{thread_stacks()}", file=sys.stderr, flush=True)
+        self.expire(what, now - started, how)
         return what
+
+    def _notice(self, key, what: str, seconds: float, how: str) -> None:
+        """Say once (per `key`) that a host phase has run too long, with the stacks; abort nothing."""
+        if self.noticed is key:
+            return
+        self.noticed = key
+        print(f"fxshard: rank {self.rank}: {what} has run {seconds:.0f} s {how}, longer than "
+              f"Config(collective_timeout_s)={self.timeout_s:g}; still waiting (NCCL's watchdog ends a "
+              f"collective that timed out). This rank's threads are at:\n{thread_stacks()}",
+              file=sys.stderr, flush=True)
+
+    @contextlib.contextmanager
+    def capturing(self, what: str, now: Callable[[], float] = time.monotonic):
+        """Around a CUDA graph capture on the main thread: the watch queries no event meanwhile (it waits
+        for a look in progress to end first) and says, with the stacks, if the capture runs too long."""
+        with self.lock:
+            self.capture = (what, now())
+        if self._thread is None:
+            self.start()
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.capture = None
 
     def start(self) -> None:
         self._thread = poll_in_background(self, lambda watch, _: watch.poll(time.monotonic()),
@@ -90,6 +144,17 @@ def poll_in_background(owner, look: Callable, interval: float, name: str,
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     return thread
+
+
+def thread_stacks() -> str:
+    """Every thread's Python stack, innermost call last, as one text (faulthandler needs a real file
+    descriptor; this works wherever stderr goes)."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        stack = "".join(traceback.format_stack(frame))
+        parts.append(f"  thread {names.get(ident, ident)}:\n{stack}")
+    return "".join(parts)
 
 
 def _finished(done: Callable[[], bool]) -> bool:

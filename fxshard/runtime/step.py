@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import traceback
 import weakref
@@ -214,10 +215,37 @@ class CompiledStep:
             self.step_count += 1
             self._watch_replay(f"step {self.step_count}")
             return self._guarded(metrics)
-        metrics = self._guarded(self._eager_step(leaves))
+        eager = self._watched(f"step {self.step_count + 1}", "eagerly, before its CUDA graph was captured",
+                              lambda: self._eager_step(leaves))
+        metrics = self._guarded(eager)
         if self._replay is not None and self.step_count >= CudaGraphReplay.WARMUP_STEPS:
-            self._replay.capture(self)
+            with self._capturing(f"the capture of the CUDA graph after step {self.step_count}"):
+                self._replay.capture(self)
         return metrics
+
+    def _capturing(self, what: str):
+        """Around a capture: the replay watch (if any) queries no event meanwhile and says if it hangs."""
+        return self._replay_watch.capturing(what) if self._replay_watch is not None else contextlib.nullcontext()
+
+    def _watched(self, what: str, how: str, run):
+        """run(), an eager warm-up step before the graph is captured, told to the replay watch where
+        there is one (a mesh under CUDA graphs): a step that has not
+        finished on the host and the device within Config(collective_timeout_s) is said on stderr with
+        every thread's stack (not aborted for: replay_watch.py says why)."""
+        if self._replay_watch is None:
+            return run()
+        through: list = []  # the event recorded once the host is through, or None where run() raised
+        self._replay_watch.launched(what, lambda: bool(through) and (through[0] is None or through[0].query()),
+                                    how=how, abort=False)
+        try:
+            result = run()
+        except BaseException:
+            through.append(None)  # the error is the main thread's to raise, not the watch's to report
+            raise
+        finished = torch.cuda.Event()
+        finished.record()
+        through.append(finished)
+        return result
 
     def _watch_replay(self, what: str) -> None:
         """Tell the replay watch (on a mesh under CUDA graphs) that `what` was just replayed."""
@@ -302,7 +330,8 @@ class CompiledStep:
             if self._replay is not None and self._replay.is_captured:
                 # the training state no longer moves (the training graph updates it in place): capture
                 # the evaluation too, after this eager call has warmed it up
-                self._evaluation_graph = EvaluationReplay(self, program, run)
+                with self._capturing(f"the capture of the evaluation's CUDA graph after step {self.step_count}"):
+                    self._evaluation_graph = EvaluationReplay(self, program, run)
         return {spec.name: value.detach() for spec, value in zip(program.outputs, results)}
 
     def _build_evaluation(self):
@@ -481,11 +510,11 @@ def _check_capturable(program: Program) -> None:
 def _expire_replay(step_ref, timeout_s: float):
     """What the replay watch does once a replay ran too long: abort the step's process groups, so the
     replay stops, and make every later call say why (refuse_if_interrupted)."""
-    def expire(what: str, seconds: float) -> None:
+    def expire(what: str, seconds: float, how: str) -> None:
         step = step_ref()
         if step is None:
             return
-        step._aborted = (f"{what} ran {seconds:.0f} s under its CUDA graph, longer than Config(collective_timeout_s)="
+        step._aborted = (f"{what} ran {seconds:.0f} s {how}, longer than Config(collective_timeout_s)="
                          f"{timeout_s:g}: a rank stalled or stopped in a collective or transfer, "
                          f"so this rank aborted its process groups rather than hang. Restart the job from the last "
                          f"checkpoint (in this process the groups are gone, the state may be partly updated, and the "
