@@ -6,6 +6,7 @@ import os
 import socket
 import sys
 import tempfile
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,12 @@ def _worker(rank, nprocs, port, backend, out_dir, fn, args, environ):
             os._exit(0)
         if dist.is_initialized():  # `fn` may have left the group itself (a test of a rank that dies)
             dist.barrier()
+    except BaseException:
+        # said now: tearing the groups down below can wait forever on a peer still inside a collective,
+        # and then the error would never reach run_local (2x H200, session 30: benchmark runs that went
+        # silent for minutes)
+        print(f"fxshard: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        raise
     finally:
         if dist.is_initialized() and not aborted_here():
             dist.destroy_process_group()

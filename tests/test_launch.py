@@ -25,6 +25,23 @@ def test_each_rank_sees_the_callers_environment_at_the_call(monkeypatch):
     assert run_local(_what_a_rank_sees, 1) == [(0, 1, None)]
 
 
+def _rank_one_fails():
+    if dist.get_rank() == 1:
+        raise ValueError("rank one's own error")
+    return dist.get_rank()
+
+
+def test_a_failing_rank_says_why_before_its_groups_are_torn_down(capfd, monkeypatch):
+    """Tearing a rank's groups down can wait forever on a peer still inside a collective (NCCL), and
+    the error would then never reach run_local: the rank prints it first. (run_local may raise the
+    peer's error instead, "connection reset": then only this print names the cause.)"""
+    monkeypatch.setenv("FXSHARD_START_METHOD", "spawn")  # a forkserver's ranks write to its stderr, not capfd's
+    with pytest.raises(Exception):
+        run_local(_rank_one_fails, 2, backend="gloo")
+    err = capfd.readouterr().err
+    assert "fxshard: rank 1 failed:" in err and "ValueError: rank one's own error" in err.split("rank 1 failed:")[1]
+
+
 def test_ranks_fork_from_the_server_only_for_gloo_without_cuda(monkeypatch):
     """A process forked after CUDA was asked anything cannot use CUDA: NCCL ranks, and any rank on a
     machine with a GPU, start as fresh interpreters."""

@@ -75,23 +75,27 @@ def test_host_phases_before_the_first_replay_are_said_once_never_aborted_for(cap
 
 def test_no_event_is_queried_while_the_main_thread_captures_and_a_long_capture_is_said(capsys):
     """In CUDA's global capture mode another thread's event query ends the capture: while `capturing`,
-    the watch queries nothing (a query here fails the test) and says once, with the stacks, if the
-    capture runs too long; afterwards it looks again as before."""
+    no watch of the process queries anything (a query here fails the test), and the capturing step's
+    says once, with the stacks, if the capture runs too long; afterwards they look again as before."""
     watch, expired = a_watch(timeout_s=5.0)
     queried = []
 
     def done():
-        assert watch.capture is None, "queried during a capture"
+        assert watch.capture is None and other.capture is None, "queried during a capture"
         queried.append(True)
         return True
 
     watch.launched("step 2", done, now=0.0, how="eagerly, before its CUDA graph was captured", abort=False)
+    other, _ = a_watch(timeout_s=5.0)  # another step of the process (a benchmark's earlier mode)
+    other.launched("step 9", done, now=0.0)
     with watch.capturing("the capture of the CUDA graph after step 2", now=lambda: 1.0):
         assert watch.poll(3.0) is None and watch.poll(7.0) is None and watch.poll(9.0) is None
+        assert other.poll(9.0) is None
         assert not queried and not expired
     err = capsys.readouterr().err
     assert err.count("the capture of the CUDA graph after step 2 has run 6 s on the host, longer than") == 1
-    assert watch.poll(9.5) is None and queried and not watch.pending and not expired
+    assert watch.poll(9.5) is None and other.poll(9.5) is None and len(queried) == 2
+    assert not watch.pending and not other.pending and not expired
 
 
 def test_replays_that_finish_in_time_are_never_reported():

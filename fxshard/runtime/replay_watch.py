@@ -39,6 +39,10 @@ import weakref
 from typing import Callable
 
 
+_CAPTURE_LOCK = threading.Lock()  # held by every watch's look at the device, and to start or end a capture
+_CAPTURES: list = []  # the watches whose steps are being captured now (ReplayWatch.capturing)
+
+
 class ReplayWatch:
     """Replays in flight, oldest first, and the report once one has run longer than `timeout_s`."""
 
@@ -48,8 +52,7 @@ class ReplayWatch:
         self.last_done: float | None = None  # when the replay before the oldest pending one was seen done
         self.reported: str | None = None  # the replay it reported, once
         self.noticed: tuple | None = None  # the host phase it last said had run too long (no abort)
-        self.capture: tuple[str, float] | None = None  # (what, since when) while the main thread captures
-        self.lock = threading.Lock()  # a look at the device, or the start or end of a capture
+        self.capture: tuple[str, float] | None = None  # (what, since when) while this step's graph is captured
         self._thread: threading.Thread | None = None  # started at the first replay; ends with the watch
 
     def launched(self, what: str, done: Callable[[], bool], now: float | None = None,
@@ -64,13 +67,13 @@ class ReplayWatch:
 
     def poll(self, now: float) -> str | None:
         """One look: drop the finished replays; the replay reported if the oldest one has now run too long.
-        No device query while a capture is under way (`capturing`): another thread's event query ends a
-        capture in CUDA's global capture mode, which fxshard's captures use."""
-        with self.lock:
-            if self.capture is not None:
-                what, started = self.capture
-                if now - started >= self.timeout_s:
-                    self._notice(self.capture, what, now - started, "on the host")
+        No device query while any step of this process is being captured (`capturing`): another thread's
+        event query ends a capture in CUDA's global capture mode, which fxshard's captures use, and a
+        benchmark's earlier step may still have replays to look at when the next one is captured."""
+        with _CAPTURE_LOCK:
+            if _CAPTURES:
+                if self.capture is not None and now - self.capture[1] >= self.timeout_s:
+                    self._notice(self.capture, self.capture[0], now - self.capture[1], "on the host")
                 return None
             while self.pending and _finished(self.pending[0][1]):
                 self.pending.popleft()
@@ -107,17 +110,20 @@ class ReplayWatch:
 
     @contextlib.contextmanager
     def capturing(self, what: str, now: Callable[[], float] = time.monotonic):
-        """Around a CUDA graph capture on the main thread: the watch queries no event meanwhile (it waits
-        for a look in progress to end first) and says, with the stacks, if the capture runs too long."""
-        with self.lock:
+        """Around a CUDA graph capture on the main thread: no watch of this process queries an event
+        meanwhile (a look in progress ends first), and this one says, with the stacks, if the capture
+        runs too long."""
+        with _CAPTURE_LOCK:
             self.capture = (what, now())
+            _CAPTURES.append(self)
         if self._thread is None:
             self.start()
         try:
             yield
         finally:
-            with self.lock:
+            with _CAPTURE_LOCK:
                 self.capture = None
+                _CAPTURES.remove(self)
 
     def start(self) -> None:
         self._thread = poll_in_background(self, lambda watch, _: watch.poll(time.monotonic()),
