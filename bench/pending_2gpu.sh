@@ -6,9 +6,10 @@
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
 # (date, machine, command). In priority order (session 30: ZeRO-1/2's gathers into the parameters passed
-# their GPU tests and took ~0.6-1.0 ms off the MoE step; three of six MoE benchmark runs then stopped
-# making progress in the NCCL `ep` mode, cause unknown: the MoE parts now print every rank's Python
-# stacks when a mode runs over 150 s, and `--no-gather-in-place` turns the new gathers off for an A/B):
+# their GPU tests and took ~0.6-1.0 ms off the MoE step; three of six MoE benchmark runs stalled, most
+# likely a replay watch's event query during the next runner's capture, fixed on CPU since: any MoE part
+# shows whether they still stall; the MoE parts print every rank's Python stacks when a mode runs over
+# 150 s, and `bench/moe.py --no-gather-in-place` turns the new gathers off for an A/B):
 #   priority  MoE with Config(nccl_high_priority) (its session-30 run stalled, see above): ZeRO-1's gathers
 #             started only as each expert AdamW kernel ended in session 29 (~0.7 ms at the end of the step);
 #             then the pipeline (1F1B and V=2 graphed) without and with it (~9 min)
