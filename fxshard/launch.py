@@ -34,6 +34,7 @@ def _worker(rank, nprocs, port, backend, out_dir, fn, args, environ):
     else:  # N processes share the host's cores: oversubscribed intra-op threads slow every rank down
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
     dist.init_process_group(backend, rank=rank, world_size=nprocs)
+    failed = False
     try:
         result = fn(*args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))  # saved before any teardown can hang
@@ -48,9 +49,12 @@ def _worker(rank, nprocs, port, backend, out_dir, fn, args, environ):
         # and then the error would never reach run_local (2x H200, session 30: benchmark runs that went
         # silent for minutes)
         print(f"fxshard: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        failed = True
         raise
     finally:
-        if dist.is_initialized() and not aborted_here():
+        # a failed NCCL rank leaves its groups to the process's exit: their teardown can wait on a peer
+        # forever, and the error must reach run_local, which then ends the other ranks
+        if dist.is_initialized() and not aborted_here() and not (failed and backend == "nccl"):
             dist.destroy_process_group()
 
 
