@@ -304,6 +304,7 @@ def run_modes(args):
         del step, nocomm, runs, metrics
         gc.collect()
         torch.cuda.empty_cache()
+    faulthandler.cancel_dump_traceback_later()  # --dump-stacks-after: not during the collection of results
     return results
 
 

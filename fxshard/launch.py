@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import sys
@@ -44,16 +45,19 @@ def _worker(rank, nprocs, port, backend, out_dir, fn, args, environ):
             os._exit(0)
         if dist.is_initialized():  # `fn` may have left the group itself (a test of a rank that dies)
             dist.barrier()
-    except BaseException:
+    except BaseException as error:
         # said now: tearing the groups down below can wait forever on a peer still inside a collective,
         # and then the error would never reach run_local (2x H200, session 30: benchmark runs that went
         # silent for minutes)
-        print(f"fxshard: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        if not isinstance(error, (KeyboardInterrupt, SystemExit)):
+            print(f"fxshard: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         failed = True
+        if backend == "nccl":
+            # nor torch's own teardown of the live groups at exit: once torch.multiprocessing has written
+            # the error for run_local, the process ends without it
+            atexit.register(os._exit, 1)
         raise
     finally:
-        # a failed NCCL rank leaves its groups to the process's exit: their teardown can wait on a peer
-        # forever, and the error must reach run_local, which then ends the other ranks
         if dist.is_initialized() and not aborted_here() and not (failed and backend == "nccl"):
             dist.destroy_process_group()
 

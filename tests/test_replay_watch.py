@@ -98,6 +98,16 @@ def test_no_event_is_queried_while_the_main_thread_captures_and_a_long_capture_i
     assert not watch.pending and not other.pending and not expired
 
 
+def test_a_capture_that_raises_lets_the_watches_look_again():
+    from fxshard.runtime import replay_watch
+
+    watch, _ = a_watch()
+    with pytest.raises(RuntimeError, match="capture failed"):
+        with watch.capturing("the capture of the CUDA graph after step 2"):
+            raise RuntimeError("capture failed")
+    assert watch.capture is None and replay_watch._CAPTURES == []
+
+
 def test_replays_that_finish_in_time_are_never_reported():
     watch, expired = a_watch(timeout_s=1.0)
     for number in range(1, 50):

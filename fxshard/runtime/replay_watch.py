@@ -70,60 +70,73 @@ class ReplayWatch:
         No device query while any step of this process is being captured (`capturing`): another thread's
         event query ends a capture in CUDA's global capture mode, which fxshard's captures use, and a
         benchmark's earlier step may still have replays to look at when the next one is captured."""
+        notice = None  # said after the lock is let go: a full stderr pipe must not hold a capture up
         with _CAPTURE_LOCK:
             if _CAPTURES:
                 if self.capture is not None and now - self.capture[1] >= self.timeout_s:
-                    self._notice(self.capture, self.capture[0], now - self.capture[1], "on the host")
-                return None
-            while self.pending and _finished(self.pending[0][1]):
-                self.pending.popleft()
-                self.last_done = now
-            if not self.pending or self.reported is not None:
-                return None
-            oldest = self.pending[0]
-            what, _, launched, how, abort = oldest
-            started = launched if self.last_done is None else max(launched, self.last_done)
-            if now - started < self.timeout_s:
-                return None
-            if not abort:
-                self._notice(oldest, what, now - started, how)
-                return None
-            self.reported = what
+                    notice = self._notice(self.capture, self.capture[0], now - self.capture[1], "on the host")
+            else:
+                notice = self._look(now)
+        if isinstance(notice, str):
+            print(notice, file=sys.stderr, flush=True)
+            return None
+        if notice is None:
+            return None
+        what, seconds, how = notice
         # outside the lock: aborting NCCL's communicators may not return (expire_process_groups)
-        print(f"fxshard: rank {self.rank}: {what} has run {now - started:.0f} s {how}, longer than "
+        print(f"fxshard: rank {self.rank}: {what} has run {seconds:.0f} s {how}, longer than "
               f"Config(collective_timeout_s)={self.timeout_s:g}: a rank of the job stalled or stopped inside a "
               f"collective or transfer (its own log says why). Aborting this rank's process groups, so the step "
               f"fails instead of hanging; restart from the last checkpoint. This rank's threads were at:\n"
               f"{thread_stacks()}", file=sys.stderr, flush=True)
-        self.expire(what, now - started, how)
+        self.expire(what, seconds, how)
         return what
 
-    def _notice(self, key, what: str, seconds: float, how: str) -> None:
-        """Say once (per `key`) that a host phase has run too long, with the stacks; abort nothing."""
+    def _look(self, now: float):
+        """Under the lock: drop the finished entries; the oldest one's notice (a str) if it is a host phase
+        that has run too long, (what, seconds, how) if it is a replay to abort for, else None."""
+        while self.pending and _finished(self.pending[0][1]):
+            self.pending.popleft()
+            self.last_done = now
+        if not self.pending or self.reported is not None:
+            return None
+        oldest = self.pending[0]
+        what, _, launched, how, abort = oldest
+        started = launched if self.last_done is None else max(launched, self.last_done)
+        if now - started < self.timeout_s:
+            return None
+        if not abort:
+            return self._notice(oldest, what, now - started, how)
+        self.reported = what
+        return what, now - started, how
+
+    def _notice(self, key, what: str, seconds: float, how: str) -> str | None:
+        """Once per `key`: the words that say a host phase has run too long, with the stacks (it aborts
+        nothing); None when already said."""
         if self.noticed is key:
-            return
+            return None
         self.noticed = key
-        print(f"fxshard: rank {self.rank}: {what} has run {seconds:.0f} s {how}, longer than "
-              f"Config(collective_timeout_s)={self.timeout_s:g}; still waiting (NCCL's watchdog ends a "
-              f"collective that timed out). This rank's threads are at:\n{thread_stacks()}",
-              file=sys.stderr, flush=True)
+        return (f"fxshard: rank {self.rank}: {what} has run {seconds:.0f} s {how}, longer than "
+                f"Config(collective_timeout_s)={self.timeout_s:g}; still waiting (NCCL's watchdog ends a "
+                f"collective that timed out). This rank's threads are at:\n{thread_stacks()}")
 
     @contextlib.contextmanager
     def capturing(self, what: str, now: Callable[[], float] = time.monotonic):
         """Around a CUDA graph capture on the main thread: no watch of this process queries an event
         meanwhile (a look in progress ends first), and this one says, with the stacks, if the capture
         runs too long."""
-        with _CAPTURE_LOCK:
-            self.capture = (what, now())
-            _CAPTURES.append(self)
         if self._thread is None:
             self.start()
         try:
+            with _CAPTURE_LOCK:
+                self.capture = (what, now())
+                _CAPTURES.append(self)
             yield
         finally:
             with _CAPTURE_LOCK:
                 self.capture = None
-                _CAPTURES.remove(self)
+                if self in _CAPTURES:
+                    _CAPTURES.remove(self)
 
     def start(self) -> None:
         self._thread = poll_in_background(self, lambda watch, _: watch.poll(time.monotonic()),

@@ -224,8 +224,13 @@ class CompiledStep:
         return metrics
 
     def _capturing(self, what: str):
-        """Around a capture: the replay watch (if any) queries no event meanwhile and says if it hangs."""
-        return self._replay_watch.capturing(what) if self._replay_watch is not None else contextlib.nullcontext()
+        """Around a capture: the replay watch (if any) queries no event meanwhile and says if it hangs.
+        The device is synchronized first, still watched: torch.cuda.graph synchronizes on entering, and
+        a replay stalled on a dead peer must be aborted by its watch, not waited for unwatched."""
+        if self._replay_watch is None:
+            return contextlib.nullcontext()
+        torch.cuda.synchronize()
+        return self._replay_watch.capturing(what)
 
     def _watched(self, what: str, how: str, run):
         """run(), an eager warm-up step before the graph is captured, told to the replay watch where
@@ -239,11 +244,11 @@ class CompiledStep:
                                     how=how, abort=False)
         try:
             result = run()
+            finished = torch.cuda.Event()
+            finished.record()
         except BaseException:
             through.append(None)  # the error is the main thread's to raise, not the watch's to report
             raise
-        finished = torch.cuda.Event()
-        finished.record()
         through.append(finished)
         return result
 
