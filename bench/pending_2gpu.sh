@@ -2,7 +2,7 @@
 # The 2-GPU measurements the open issues wait for, one part per device call (each fits the 10-minute
 # limit of a device command). On the device machine, from the repository root:
 #
-#     bash bench/pending_2gpu.sh priority|boundary|pipeline-zb|precision|suite-ce|suite|gather|fsdp|fsdp-b1|moe|moe-ce|fga|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe|watch  [OUT dir, default $OUT]
+#     bash bench/pending_2gpu.sh watch|priority|boundary|pipeline-zb|precision|suite-ce|suite|gather|fsdp|fsdp-b1|moe|moe-ce|fga|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe|watch  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
 # (date, machine, command). In priority order (session 30: ZeRO-1/2's gathers into the parameters passed
@@ -10,6 +10,8 @@
 # likely a replay watch's event query during the next runner's capture, fixed on CPU since: any MoE part
 # shows whether they still stall; the MoE parts print every rank's Python stacks when a mode runs over
 # 150 s, and `bench/moe.py --no-gather-in-place` turns the new gathers off for an A/B):
+#   watch     the capture guard's test (a step captured while another's replays are watched: what most likely
+#             stalled three MoE runs in session 30), then the stalled-peer tests the watch changes touch (~6 min)
 #   priority  MoE with Config(nccl_high_priority) (its session-30 run stalled, see above): ZeRO-1's gathers
 #             started only as each expert AdamW kernel ended in session 29 (~0.7 ms at the end of the step);
 #             then the pipeline (1F1B and V=2 graphed) without and with it (~9 min)
@@ -20,7 +22,7 @@
 #   precision issue 14: 1F1B and interleaved V=2 graphed, fp32 and bf16 gradients (-gbf16: the peer's
 #             precision), next to the compiled peer (~7 min)
 #   suite-ce  the copy-engine multigpu tests (~6 min)
-#   gather, suite, fsdp, fsdp-b1, moe, moe-ce, fga, p2p-1f1b, p2p-v2, pipeline, pipeline-cut, hf_moe, watch: as before
+#   gather, suite, fsdp, fsdp-b1, moe, moe-ce, fga, p2p-1f1b, p2p-v2, pipeline, pipeline-cut, hf_moe: as before
 set -euo pipefail
 part=${1:?usage: bench/pending_2gpu.sh PART [OUT]}
 out=${2:-${OUT:?set OUT or pass a directory}}
@@ -97,8 +99,8 @@ case "$part" in
             | grep -v "codegen: region" | tail -30 ;;
   suite-ce) timeout 570 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -k copy_engine 2>&1 \
               | tee "$out/suite_ce.log" | tail -15 ;;
-  watch) timeout 300 python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-           -k "stalled_peer_under_cuda_graphs or without_waiting_for_later_work or for_the_pp_axis" 2>&1 \
+  watch) timeout 450 python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+           -k "another_steps_replays or stalled_peer or without_waiting_for_later_work or for_the_pp_axis" 2>&1 \
            | tee "$out/watch.log" | tail -15 ;;
   suite) # the tests the new default "auto" changes first, then the rest (two calls' worth at most: each part
          # stops at its own limit, so the first one's results come back whatever the second does)

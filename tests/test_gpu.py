@@ -202,6 +202,46 @@ def test_a_stalled_peer_under_cuda_graphs_ends_the_step_instead_of_hanging():
             "Config(collective_timeout_s)=5: a rank stalled or stopped" in raised, raised
 
 
+def _a_capture_while_another_steps_replays_are_watched(batches):
+    """Two steps in one process on a mesh under CUDA graphs (a benchmark's runners): the second is
+    captured while replays of the first are still queued and watched. Every watch looks every
+    millisecond here (about once a second in a real run), so without the capture guard a look lands
+    in the capture, and in CUDA's global capture mode that ends the capture with an error."""
+    import time
+
+    from fxshard.runtime import replay_watch
+
+    def start(watch):
+        watch._thread = replay_watch.poll_in_background(watch, lambda w, _: w.poll(time.monotonic()), 0.001,
+                                                        "fxshard-replay-watch")
+
+    replay_watch.ReplayWatch.start = start
+    rank = dist.get_rank()
+    device = f"cuda:{rank}"
+    local = [{k: v[rank * 2:(rank + 1) * 2].to(device) for k, v in b.items()} for b in batches]
+
+    def build():
+        torch.manual_seed(0)
+        return fxshard.shard(GPT(GPTConfig.preset("tiny")).to(device), model_loss, local[0], optimizer=ADAMW,
+                             mesh=fxshard.Mesh(dp=2),
+                             config=fxshard.Config(codegen=None, cuda_graphs=True, collective_timeout_s=60,
+                                                   fsdp_collectives="nccl"))
+
+    first, second = build(), build()
+    first_losses = [first(b)["loss"].item() for b in local]  # eager, eager then captured, replayed
+    for _ in range(200):  # queued ahead of the second step's eager calls and capture
+        first(local[0])
+    second_losses = [second(b)["loss"].item() for b in local]
+    return first_losses, second_losses, second._replay.is_captured
+
+
+@pytest.mark.multigpu
+def test_a_step_is_captured_while_another_steps_replays_are_watched():
+    for first, second, captured in run_local(_a_capture_while_another_steps_replays_are_watched, 2,
+                                             cuda_batches(3, rows=4, device="cpu"), backend="nccl"):
+        assert captured and second == first, (first, second)
+
+
 def _losses_and_parameters(step, batches):
     """Train `step` on `batches`: the losses, then the final parameters on the host."""
     losses = [step(b)["loss"].item() for b in batches]
