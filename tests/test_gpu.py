@@ -229,7 +229,7 @@ def _a_capture_while_another_steps_replays_are_watched(batches):
 
     first, second = build(), build()
     first_losses = [first(b)["loss"].item() for b in local]  # eager, eager then captured, replayed
-    for _ in range(200):  # queued ahead of the second step's eager calls and capture
+    for _ in range(200):  # the last of them still in flight, and watched, as the second step is captured
         first(local[0])
     second_losses = [second(b)["loss"].item() for b in local]
     return first_losses, second_losses, second._replay.is_captured
