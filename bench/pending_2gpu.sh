@@ -2,7 +2,7 @@
 # The 2-GPU measurements the open issues wait for, one part per device call (each fits the 10-minute
 # limit of a device command). On the device machine, from the repository root:
 #
-#     bash bench/pending_2gpu.sh watch|priority|boundary|pipeline-zb|precision|suite-ce|suite|gather|fsdp|fsdp-b1|moe|moe-ce|fga|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe|watch  [OUT dir, default $OUT]
+#     bash bench/pending_2gpu.sh watch|priority|moe-ce|boundary|pipeline-zb|precision|suite-ce|suite|gather|fsdp|fsdp-b1|moe|fga|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
 # (date, machine, command). In priority order (session 30: ZeRO-1/2's gathers into the parameters passed
@@ -15,6 +15,9 @@
 #   priority  MoE with Config(nccl_high_priority) (its session-30 run stalled, see above): ZeRO-1's gathers
 #             started only as each expert AdamW kernel ended in session 29 (~0.7 ms at the end of the step);
 #             then the pipeline (1F1B and V=2 graphed) without and with it (~9 min)
+#   moe-ce    MoE with ZeRO-1's collectives on the copy engines too (stream barriers): in session 30's profile the
+#             NCCL reduce-scatters and gathers beside the GEMMs slowed them ~0.6-1.2 ms a step, and ZeRO-1's last
+#             gathers waited for SMs behind each expert AdamW kernel; copy engines hold no SM (~6 min)
 #   boundary  1F1B and V=2 eager: which kernels make the blocks at a chunk boundary 3-5 ms a step slower
 #             than the others (session 29), from the per-layer excess the eager rows now print (~4 min)
 #   pipeline-zb  issue 14: ZB-H1 (not run on H200 since session 19) and DualPipeV (never run on a GPU), eager and
@@ -22,7 +25,7 @@
 #   precision issue 14: 1F1B and interleaved V=2 graphed, fp32 and bf16 gradients (-gbf16: the peer's
 #             precision), next to the compiled peer (~7 min)
 #   suite-ce  the copy-engine multigpu tests (~6 min)
-#   gather, suite, fsdp, fsdp-b1, moe, moe-ce, fga, p2p-1f1b, p2p-v2, pipeline, pipeline-cut, hf_moe: as before
+#   gather, suite, fsdp, fsdp-b1, moe, fga, p2p-1f1b, p2p-v2, pipeline, pipeline-cut, hf_moe: as before
 set -euo pipefail
 part=${1:?usage: bench/pending_2gpu.sh PART [OUT]}
 out=${2:-${OUT:?set OUT or pass a directory}}
@@ -55,7 +58,7 @@ case "$part" in
   boundary) timeout 300 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 --replays eager --peers \
               --steps 8 --out "$out/pipeline_boundary_2gpu_$day.json" 2>&1 | tee "$out/pipeline_boundary.log" \
               | grep -v "codegen: region\|Warning\|warn\|func(" | grep "ms a step over\|ms/step\|eager " | tail -20 ;;
-  moe-ce) timeout 580 python bench/moe.py --dump-stacks-after 150 --collective-timeout 60 --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine --microbatches 2 \
+  moe-ce) timeout 580 python bench/moe.py --dump-stacks-after 150 --collective-timeout 60 --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine-stream --microbatches 2 \
          --interleave dual-batch --fsdp-collectives copy-engine --warmup 3 --iters 8 \
          --out "$out/moe_ce_2gpu_$day.json" 2>&1 | tee "$out/moe_ce.log" | grep -v "codegen: region" | tail -40 ;;
   fsdp) timeout 570 python bench/fsdp.py --gpus 2 --batch 4 --rounds 2 --modes nocomm-compile nocomm-fxshard fxshard \
