@@ -19,10 +19,16 @@ also the longest one step may run on a mesh. With each report go every thread's 
 log says where the host was.
 
 The step's host phases before its first replay (the eager warm-up steps, `launched(..., abort=False)`;
-the captures, `capturing`) are watched too, but only said, never aborted for: a first step may legitimately take
-long (NCCL's communicators, autotuning), and its collectives have NCCL's own watchdog. What that
-misses is a host that never comes back (2x H200, session 30: two MoE benchmark runs stopped for
-minutes in such a phase with nothing said); now its stacks are in the log.
+the captures, `capturing`) are watched too, but only said, never aborted for: a first step may
+legitimately take long (NCCL's communicators, autotuning), and its collectives have NCCL's own
+watchdog. What that misses is a host that never comes back; now its stacks are in the log.
+
+No watch queries an event while any step of the process is being captured: in CUDA's global capture
+mode, which fxshard's captures use, another thread's event query ends the capture with an error
+(torch's NCCL watchdog had the same problem). Two steps in one process, as a benchmark's runners are,
+made that likely: the earlier step's watch still looked at its last replays, about once a second,
+while the next step was captured (2x H200, session 30: three MoE benchmark runs stalled, the failed
+rank silent in its teardown).
 """
 
 from __future__ import annotations

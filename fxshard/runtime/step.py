@@ -234,9 +234,9 @@ class CompiledStep:
 
     def _watched(self, what: str, how: str, run):
         """run(), an eager warm-up step before the graph is captured, told to the replay watch where
-        there is one (a mesh under CUDA graphs): a step that has not
-        finished on the host and the device within Config(collective_timeout_s) is said on stderr with
-        every thread's stack (not aborted for: replay_watch.py says why)."""
+        there is one (a mesh under CUDA graphs): a step not through on the host and the device within
+        Config(collective_timeout_s) is said on stderr with every thread's stack (not aborted for:
+        replay_watch.py says why)."""
         if self._replay_watch is None:
             return run()
         through: list = []  # the event recorded once the host is through, or None where run() raised
