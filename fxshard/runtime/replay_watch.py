@@ -76,19 +76,19 @@ class ReplayWatch:
         No device query while any step of this process is being captured (`capturing`): another thread's
         event query ends a capture in CUDA's global capture mode, which fxshard's captures use, and a
         benchmark's earlier step may still have replays to look at when the next one is captured."""
-        notice = None  # said after the lock is let go: a full stderr pipe must not hold a capture up
         with _CAPTURE_LOCK:
-            if _CAPTURES:
-                if self.capture is not None and now - self.capture[1] >= self.timeout_s:
-                    notice = self._notice(self.capture, self.capture[0], now - self.capture[1], "on the host")
+            if not _CAPTURES:
+                notice, stalled = self._look(now)
+            elif self.capture is not None and now - self.capture[1] >= self.timeout_s:
+                what, since = self.capture
+                notice, stalled = self._notice(self.capture, what, now - since, "on the host"), None
             else:
-                notice = self._look(now)
-        if isinstance(notice, str):
+                notice, stalled = None, None
+        if notice is not None:  # said after the lock is let go: a full stderr pipe must not hold a capture up
             print(notice, file=sys.stderr, flush=True)
+        if stalled is None:
             return None
-        if notice is None:
-            return None
-        what, seconds, how = notice
+        what, seconds, how = stalled
         # outside the lock: aborting NCCL's communicators may not return (expire_process_groups)
         print(f"fxshard: rank {self.rank}: {what} has run {seconds:.0f} s {how}, longer than "
               f"Config(collective_timeout_s)={self.timeout_s:g}: a rank of the job stalled or stopped inside a "
@@ -98,23 +98,23 @@ class ReplayWatch:
         self.expire(what, seconds, how)
         return what
 
-    def _look(self, now: float):
-        """Under the lock: drop the finished entries; the oldest one's notice (a str) if it is a host phase
-        that has run too long, (what, seconds, how) if it is a replay to abort for, else None."""
+    def _look(self, now: float) -> tuple[str | None, tuple[str, float, str] | None]:
+        """Under the lock: drop the finished entries; then (the notice to print, if the oldest is a host
+        phase that has run too long; (what, seconds, how), if it is a replay to abort for)."""
         while self.pending and _finished(self.pending[0][1]):
             self.pending.popleft()
             self.last_done = now
         if not self.pending or self.reported is not None:
-            return None
+            return None, None
         oldest = self.pending[0]
         what, _, launched, how, abort = oldest
         started = launched if self.last_done is None else max(launched, self.last_done)
         if now - started < self.timeout_s:
-            return None
+            return None, None
         if not abort:
-            return self._notice(oldest, what, now - started, how)
+            return self._notice(oldest, what, now - started, how), None
         self.reported = what
-        return what, now - started, how
+        return None, (what, now - started, how)
 
     def _notice(self, key, what: str, seconds: float, how: str) -> str | None:
         """Once per `key`: the words that say a host phase has run too long, with the stacks (it aborts
