@@ -327,8 +327,8 @@ def _exchange(x: Tensor, group_name: str, region: int, total_bytes: int, shape: 
             peer = (rank + step) % world
             part = part_for(peer)
             rows = part.shape[0]
-            # the own part (step 0) is a DtoD copy: on an H200 it takes SMs and HBM bandwidth as a kernel
-            # would, so compute beside it waits (bench/probes/dtod_stall.py; RESULTS session 30)
+            # the own part (step 0) is a DtoD copy: on an H200 in a CUDA graph it holds compute up as a copy
+            # kernel would (bench/probes/dtod_stall.py; RESULTS session 30)
             handle.get_buffer(peer, shape, x.dtype, offset)[rank * rows:(rank + 1) * rows].copy_(part)
         _barrier(handle, barrier, 1, timeout_ms)  # every rank's part for this one has landed
         if mark is not None:
@@ -336,7 +336,6 @@ def _exchange(x: Tensor, group_name: str, region: int, total_bytes: int, shape: 
         out = finish(handle.get_buffer(rank, shape, x.dtype, offset))
         torch._C._distributed_c10d._register_work(out, _Done(x))
     return out
-
 
 
 def _copied_out(copy_out: bool | Tensor, shape: list[int], like: Tensor):
