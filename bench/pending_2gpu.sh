@@ -2,29 +2,21 @@
 # The 2-GPU measurements the open issues wait for, one part per device call (each fits the 10-minute
 # limit of a device command). On the device machine, from the repository root:
 #
-#     bash bench/pending_2gpu.sh watch|priority|moe-ce|boundary|pipeline-zb|precision|suite-ce|suite|gather|fsdp|fsdp-b1|moe|fga|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
+#     bash bench/pending_2gpu.sh precision|suite-ce|pipeline-zb|boundary|watch|priority|moe-ce|suite|gather|fsdp|fsdp-b1|moe|fga|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
-# (date, machine, command). In priority order (session 30: ZeRO-1/2's gathers into the parameters passed
-# their GPU tests and took ~0.6-1.0 ms off the MoE step; three of six MoE benchmark runs stalled, most
-# likely a replay watch's event query during the next runner's capture, fixed on CPU since: any MoE part
-# shows whether they still stall; the MoE parts print every rank's Python stacks when a mode runs over
-# 150 s, and `bench/moe.py --no-gather-in-place` turns the new gathers off for an A/B):
-#   watch     the capture guard's test (a step captured while another's replays are watched: what most likely
-#             stalled three MoE runs in session 30), then the stalled-peer tests the watch changes touch (~6 min)
-#   priority  MoE with Config(nccl_high_priority) (its session-30 run stalled, see above): ZeRO-1's gathers
-#             started only as each expert AdamW kernel ended in session 29 (~0.7 ms at the end of the step);
-#             then the pipeline (1F1B and V=2 graphed) without and with it (~9 min)
-#   moe-ce    MoE with ZeRO-1's collectives on the copy engines too (stream barriers): in session 30's profile the
-#             NCCL reduce-scatters and gathers beside the GEMMs slowed them ~0.6-1.2 ms a step, and ZeRO-1's last
-#             gathers waited for SMs behind each expert AdamW kernel; copy engines hold no SM (~6 min)
-#   boundary  1F1B and V=2 eager: which kernels make the blocks at a chunk boundary 3-5 ms a step slower
-#             than the others (session 29), from the per-layer excess the eager rows now print (~4 min)
-#   pipeline-zb  issue 14: ZB-H1 (not run on H200 since session 19) and DualPipeV (never run on a GPU), eager and
-#             graphed, next to the issue's peer (~6 min)
+# (date, machine, command). In priority order (session 31: the capture guard's tests passed and no MoE or
+# pipeline run stalled; nccl_high_priority and ZeRO-1 on the copy engines measured no gain; the "slow
+# chunk-boundary blocks" were a codegen region artifact, fixed):
 #   precision issue 14: 1F1B and interleaved V=2 graphed, fp32 and bf16 gradients (-gbf16: the peer's
 #             precision), next to the compiled peer (~7 min)
 #   suite-ce  the copy-engine multigpu tests (~6 min)
+#   pipeline-zb  ZB-H1 and DualPipeV, eager and graphed, next to the issue's peer (~6 min; session 31:
+#             DualPipeV graphed 128.8 ms, the fastest schedule)
+#   boundary  1F1B and V=2 eager with the per-layer excess the eager rows print (~4 min)
+#   watch     the capture guard's test and the stalled-peer tests (~4 min)
+#   priority  MoE and the pipeline with Config(nccl_high_priority) (~7 min)
+#   moe-ce    MoE with ZeRO-1's collectives on the copy engines too (~2 min)
 #   gather, suite, fsdp, fsdp-b1, moe, fga, p2p-1f1b, p2p-v2, pipeline, pipeline-cut, hf_moe: as before
 set -euo pipefail
 part=${1:?usage: bench/pending_2gpu.sh PART [OUT]}

@@ -586,8 +586,8 @@ def layer_times(kernels: list[tuple]) -> dict[str, float] | None:
 
 def layer_excess(kernels: list[tuple], over: float = 0.05, top: int = 4) -> dict[str, list] | None:
     """The blocks in `layer_kernels` that take over `over` more GPU time than the median block
-    (session 29: every block 10.44 ms a step but those at a chunk boundary, 13-16 ms, with the same
-    graph): for each, the `top` kernel names whose time exceeds the median block's most, as [name, ms
+    (sessions 29 and 31: blocks at a chunk boundary 13-16 ms a step against 10.4; it found the
+    first microbatch's whole forward in one codegen region named by one layer, fixed in codegen): for each, the `top` kernel names whose time exceeds the median block's most, as [name, ms
     a step more], and the median block's name under "reference". None without region ranges."""
     if not kernels:
         return None

@@ -93,16 +93,10 @@ def write_back_positions(program: Program) -> dict[int, int]:
             if spec.kind in WRITE_BACK and (WRITE_BACK[spec.kind], spec.name) in inputs}
 
 
-# An experiment's switch (bench/moe.py --no-gather-in-place): False leaves every gather functional
-GATHER_INTO_PARAMETERS = True
-
-
 def gather_updates_in_place(graph_module: fx.GraphModule, write_back: dict[int, int]) -> tuple[fx.GraphModule, int]:
     """`graph_module` with every safe gather of an updated parameter writing into that parameter's
     input, and how many were rewritten. `write_back`: output position -> the position of the input
     (placeholder) that output becomes next step (the runtime's write-back, CompiledStep)."""
-    if not GATHER_INTO_PARAMETERS:
-        return graph_module, 0
     graph = fx.Graph()
     graph.output(graph.graph_copy(graph_module.graph, {}))
     order = {node: position for position, node in enumerate(graph.nodes)}
