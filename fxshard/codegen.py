@@ -132,7 +132,7 @@ def find_regions(graph: fx.Graph, by_layer: bool = True) -> list[Region]:
     nodes of a neighbouring layer that the backward orders in between), so the same code at
     another depth is one structure key and compiles once, however little communication there is to
     cut at (one device: otherwise the whole forward and backward is a single region)."""
-    of_inputs = _of_inputs_alone(graph)
+    input_only = _input_only_nodes(graph)
     runs, run, seen = [], [], set()
     run_action = None  # the pipeline action of the run's nodes (None: not a pipeline, or none seen yet)
     for node in graph.nodes:
@@ -147,11 +147,14 @@ def find_regions(graph: fx.Graph, by_layer: bool = True) -> list[Region]:
             run, run_action = [], None
         run_action = run_action if action is None else action
         part = (meta.phase(node), meta.microbatch(node), meta.layer(node))
-        if by_layer and part not in seen and node not in of_inputs:
+        if by_layer and part not in seen and node not in input_only:
             seen.add(part)
-            if not all(n in of_inputs for n in run):  # casts and views of inputs join the layer after them
-                runs.append(run)
-                run, run_action = [], action
+            carried = len(run)  # the run's trailing views and casts of inputs join the layer after them
+            while carried and run[carried - 1] in input_only:
+                carried -= 1
+            if carried:
+                runs.append(run[:carried])
+                run, run_action = run[carried:], action
         run.append(node)
     regions = []
     for nodes in runs:
@@ -166,27 +169,25 @@ def find_regions(graph: fx.Graph, by_layer: bool = True) -> list[Region]:
 _CASTS = {"_to_copy", "convert_element_type"}
 
 
-def _of_inputs_alone(graph: fx.Graph) -> set[fx.Node]:
-    """The nodes made from the step's inputs alone: those that read only placeholders and constants,
-    and the views and casts of such nodes (a parameter's view of its flat unit, its cast to the
-    compute dtype, the cast's transpose). Such a node neither starts a layer's region nor counts as
-    that layer reached, and joins the region after it. Otherwise the casts and views, which run once
-    per step ahead of the forward, would claim every layer before its forward does, and the whole
-    forward would be one region. (Until session 31 a view of a view did not count: in a pipeline
-    stage the flat units' views came first, the first microbatch's forward was one region, and
-    profiles showed its kernels as one layer's.) Compute on the batch (an embedding) is not of them:
-    it starts its layer's region."""
-    alone: set[fx.Node] = set()
+def _input_only_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes made from the step's inputs alone: those that read only placeholders and constants
+    (whatever they compute, an embedding too when table and indices are both inputs), and the views
+    and casts of such nodes (a parameter's view of its flat unit, its cast to the compute dtype, the
+    cast's transpose). Such a node neither starts a layer's region nor counts as that layer reached,
+    and joins the region after it. Otherwise the casts and views, which run once per step ahead of
+    the forward (in a pipeline stage the flat units' views come first), would claim every layer
+    before its forward does, and the whole forward would be one region."""
+    input_only: set[fx.Node] = set()
     for node in graph.nodes:
         inputs = node.all_input_nodes
         if node.op in ("placeholder", "get_attr"):
-            alone.add(node)
+            input_only.add(node)
         elif is_fixed(node):
             continue
         elif all(arg.op in ("placeholder", "get_attr") for arg in inputs) or (
-                (is_view(node) or _op_name(node) in _CASTS) and all(arg in alone for arg in inputs)):
-            alone.add(node)
-    return alone
+                (is_view(node) or _op_name(node) in _CASTS) and all(arg in input_only for arg in inputs)):
+            input_only.add(node)
+    return input_only
 
 
 def region_graph(region: Region) -> fx.GraphModule:

@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 import fxshard
 from fxshard import meta
 from fxshard.api import _compile
-from fxshard.codegen import compile_regions, find_regions, is_communication, is_fixed
+from fxshard.codegen import _input_only_nodes, compile_regions, find_regions, is_communication, is_fixed
 from fxshard.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig
 from fxshard.passes import run_pipeline
 from fxshard.passes.fsdp import STRATEGIES, FSDPConfig, fsdp
@@ -222,8 +222,9 @@ def test_a_pipeline_actions_layer_is_one_region_even_where_a_pass_copied_views_i
     """Mesh(pp=2) with bf16 compute: the fsdp pass copies parameters' views next to their readers
     without an action of their own; they join the region they sit in instead of cutting it. And the
     views and casts of the flat units at the top of a stage's program do not claim the layers: the
-    first microbatch's forward is a region per layer too, like every other microbatch's (session 31:
-    it was one region, which profiles showed as one layer 5 ms a step slower than the others)."""
+    first microbatch's forward is a region per layer too, the same code as the next microbatch's
+    after the stage's first layer (which also holds the step's casts). It was one region, which
+    profiles showed as one layer 5 ms a step slower than the others."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=24, d_model=16, n_layer=4, n_head=2, d_ff=24))
     config = fxshard.Config(microbatches=2, schedule="1f1b", param_dtype=torch.bfloat16)
@@ -239,6 +240,28 @@ def test_a_pipeline_actions_layer_is_one_region_even_where_a_pass_copied_views_i
         for region in with_matmuls:
             layers = {meta.layer(n) for n in region.nodes if n.target is torch.ops.aten.mm.default}
             assert len(layers) == 1, (region.where, layers)
+        forward = {(meta.microbatch(r.nodes[-1]), meta.layer(r.nodes[-1])): r.key for r in with_matmuls
+                   if r.where.startswith("fwd layers.")}
+        later = sorted({layer for _, layer in forward})[1:]
+        assert later and all(forward[0, layer] == forward[1, layer] for layer in later), forward
+
+
+def test_views_and_casts_of_inputs_are_input_only_and_nothing_past_a_fixed_node_is():
+    """What joins the next layer's region instead of claiming its own: a flat unit's slice, its view,
+    the view's cast and the cast's transpose; not a matmul on them, not a view of a collective's result."""
+    graph = fx.Graph()
+    unit, x = graph.placeholder("unit"), graph.placeholder("x")
+    weight = graph.call_function(torch.ops.aten.reshape.default, (graph.call_function(
+        torch.ops.aten.slice.Tensor, (unit, 0, 0, 16)), [4, 4]))
+    transposed = graph.call_function(torch.ops.aten.t.default, (graph.call_function(
+        torch.ops.aten._to_copy.default, (weight,), {"dtype": torch.bfloat16}),))
+    product = graph.call_function(torch.ops.aten.mm.default, (x, transposed))
+    waited = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (x,))
+    view_of_waited = graph.call_function(torch.ops.aten.reshape.default, (waited, [-1]))
+    graph.output((product, view_of_waited))
+    input_only = _input_only_nodes(graph)
+    assert {weight, transposed, weight.args[0], transposed.args[0]} <= input_only
+    assert not {product, waited, view_of_waited} & input_only
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
