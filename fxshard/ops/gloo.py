@@ -8,6 +8,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+# dist.all_gather_into_tensor under the name torch 2.13 gives it (the old name warns there; torch 2.11
+# has only the old one)
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @torch.library.custom_op("fxshard::gloo_all_gather_into_tensor", mutates_args=())
 def gloo_all_gather_into_tensor(shard: Tensor, group_size: int, group_name: str) -> Tensor:
@@ -15,8 +19,7 @@ def gloo_all_gather_into_tensor(shard: Tensor, group_size: int, group_name: str)
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     gathered = shard.new_empty((shard.shape[0] * group_size, *shard.shape[1:]))
-    work = dist.all_gather_into_tensor(gathered, shard.contiguous(), group=_resolve_process_group(group_name),
-                                       async_op=True)
+    work = all_gather_single(gathered, shard.contiguous(), group=_resolve_process_group(group_name), async_op=True)
     torch._C._distributed_c10d._register_work(gathered, work)  # `wait_tensor(gathered)` waits for it
     return gathered
 
@@ -35,8 +38,7 @@ def gloo_all_gather_into_tensor_out(shard: Tensor, group_size: int, group_name: 
     an updated parameter's gather would otherwise be copied back into the parameter's buffer."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    work = dist.all_gather_into_tensor(out, shard.contiguous(), group=_resolve_process_group(group_name),
-                                       async_op=True)
+    work = all_gather_single(out, shard.contiguous(), group=_resolve_process_group(group_name), async_op=True)
     torch._C._distributed_c10d._register_work(out, work)
     return out
 

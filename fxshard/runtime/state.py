@@ -97,8 +97,10 @@ def gather_shard(shard: torch.Tensor, group) -> torch.Tensor:
     """The concatenation along dim 0 of every rank's `shard` over `group` (a process group), on this rank."""
     import torch.distributed as dist
 
+    from ..ops.gloo import all_gather_single
+
     out = shard.new_empty((shard.shape[0] * dist.get_world_size(group), *shard.shape[1:]))
-    dist.all_gather_into_tensor(out, shard.contiguous(), group=group)
+    all_gather_single(out, shard.contiguous(), group=group)
     return out
 
 
