@@ -2,12 +2,14 @@
 # The 2-GPU measurements the open issues wait for, one part per device call (each fits the 10-minute
 # limit of a device command). On the device machine, from the repository root:
 #
-#     bash bench/pending_2gpu.sh precision|suite-ce|pipeline-zb|boundary|watch|priority|moe-ce|suite|gather|fsdp|fsdp-b1|moe|fga|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
+#     bash bench/pending_2gpu.sh moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|fga|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
 # (date, machine, command). In priority order (session 31: the capture guard's tests passed and no MoE or
 # pipeline run stalled; nccl_high_priority and ZeRO-1 on the copy engines measured no gain; the "slow
 # chunk-boundary blocks" were a codegen region artifact, fixed):
+#   moe-ce    MoE with ZeRO-1's collectives on the copy engines too, profiled: session 31 measured no gain
+#             without a profile, though its gathers hold no SM (~4 min)
 #   precision issue 14: 1F1B and interleaved V=2 graphed, fp32 and bf16 gradients (-gbf16: the peer's
 #             precision), next to the compiled peer (~7 min)
 #   suite-ce  the copy-engine multigpu tests (~6 min)
@@ -16,7 +18,6 @@
 #   boundary  1F1B and V=2 eager with the per-layer excess the eager rows print (~4 min)
 #   watch     the capture guard's test and the stalled-peer tests (~4 min)
 #   priority  MoE and the pipeline with Config(nccl_high_priority) (~7 min)
-#   moe-ce    MoE with ZeRO-1's collectives on the copy engines too (~2 min)
 #   gather, suite, fsdp, fsdp-b1, moe, fga, p2p-1f1b, p2p-v2, pipeline, pipeline-cut, hf_moe: as before
 set -euo pipefail
 part=${1:?usage: bench/pending_2gpu.sh PART [OUT]}
@@ -51,8 +52,11 @@ case "$part" in
               --steps 8 --out "$out/pipeline_boundary_2gpu_$day.json" 2>&1 | tee "$out/pipeline_boundary.log" \
               | grep -v "codegen: region\|Warning\|warn\|func(" | grep "ms a step over\|ms/step\|eager " | tail -20 ;;
   moe-ce) timeout 580 python bench/moe.py --dump-stacks-after 150 --collective-timeout 60 --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine-stream --microbatches 2 \
-         --interleave dual-batch --fsdp-collectives copy-engine --warmup 3 --iters 8 \
-         --out "$out/moe_ce_2gpu_$day.json" 2>&1 | tee "$out/moe_ce.log" | grep -v "codegen: region" | tail -40 ;;
+         --interleave dual-batch --fsdp-collectives copy-engine --warmup 3 --iters 8 --profile "$out/moe_profile" --keep-traces \
+         --out "$out/moe_ce_2gpu_$day.json" 2>&1 | tee "$out/moe_ce.log" | grep -v "codegen: region" | tail -40
+       # session 31 ran it without profiles: with ZeRO-1 off the SMs the step was no faster, so where did
+       # the end-of-step time go? one archive (the device tool returns at most 8 files)
+       tar czf "$out/moe_ce_profile.tgz" -C "$out" moe_profile && rm -r "$out/moe_profile" ;;
   fsdp) timeout 570 python bench/fsdp.py --gpus 2 --batch 4 --rounds 2 --modes nocomm-compile nocomm-fxshard fxshard \
           fxshard-ce fxshard-ce-stream --profile "$out/fsdp_profile" --out "$out/fsdp_2gpu_$day.json" 2>&1 | tee "$out/fsdp.log" \
           | grep -v "codegen: region" | tail -30
