@@ -584,6 +584,9 @@ def layer_times(kernels: list[tuple]) -> dict[str, float] | None:
     return {layer: union_length(intervals) / 1e3 for layer, intervals in per_layer.items()}
 
 
+TRITON_INDEX = re.compile(r"^(triton_.*)_\d+$")  # a generated kernel's name and its index in its region
+
+
 def layer_excess(kernels: list[tuple], over: float = 0.05, top: int = 4) -> dict[str, list] | None:
     """The blocks in `layer_kernels` that take over `over` more GPU time than the median block
     (sessions 29 and 31: blocks at a chunk boundary 13-16 ms a step against 10.4; it found the
@@ -595,6 +598,7 @@ def layer_excess(kernels: list[tuple], over: float = 0.05, top: int = 4) -> dict
     for start, end, name, layer in kernels:
         if layer not in (None, "-", meta.PRE, meta.POST):
             table = per_layer.setdefault(layer, {})
+            name = TRITON_INDEX.sub(r"\1", name)  # the same fusion is `..._view_1` in one region, `..._view_3` in another
             table[name] = table.get(name, 0.0) + (end - start) / 1e3
     if not per_layer:
         return None
