@@ -590,8 +590,9 @@ TRITON_INDEX = re.compile(r"^(triton_.*)_\d+$")  # a generated kernel's name and
 def layer_excess(kernels: list[tuple], over: float = 0.05, top: int = 4) -> dict[str, list] | None:
     """The blocks in `layer_kernels` that take over `over` more GPU time than the median block
     (sessions 29 and 31: blocks at a chunk boundary 13-16 ms a step against 10.4; it found the
-    first microbatch's whole forward in one codegen region named by one layer, fixed in codegen): for each, the `top` kernel names whose time exceeds the median block's most, as [name, ms
-    a step more], and the median block's name under "reference". None without region ranges."""
+    first microbatch's whole forward in one codegen region named by one layer, fixed in codegen):
+    for each, the `top` kernel names whose time exceeds the median block's most, as [name, ms a step
+    more], and the median block's name under "reference". None without region ranges."""
     if not kernels:
         return None
     per_layer: dict[str, dict[str, float]] = {}
