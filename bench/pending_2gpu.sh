@@ -8,8 +8,10 @@
 # (date, machine, command). In priority order (session 31: the capture guard's tests passed and no MoE or
 # pipeline run stalled; nccl_high_priority and ZeRO-1 on the copy engines measured no gain; the "slow
 # chunk-boundary blocks" were a codegen region artifact, fixed):
-#   moe-ce    MoE with ZeRO-1's collectives on the copy engines too, profiled: session 31 measured no gain
-#             without a profile, though its gathers hold no SM (~4 min)
+#   moe-ce    first bench/probes/cat_gather.py (can an all-to-all's consumer read the own part from the
+#             input: does Inductor fuse a cat of graph inputs into a gather on CUDA?), then MoE with
+#             ZeRO-1's collectives on the copy engines too, profiled: session 31 measured no gain
+#             without a profile, though its gathers hold no SM (~5 min)
 #   precision issue 14: 1F1B and interleaved V=2 graphed, fp32 and bf16 gradients (-gbf16: the peer's
 #             precision), next to the compiled peer (~7 min)
 #   suite-ce  the copy-engine multigpu tests (~6 min)
@@ -51,7 +53,8 @@ case "$part" in
   boundary) timeout 300 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 --replays eager --peers \
               --steps 8 --out "$out/pipeline_boundary_2gpu_$day.json" 2>&1 | tee "$out/pipeline_boundary.log" \
               | grep -v "codegen: region\|Warning\|warn\|func(" | grep "ms a step over\|ms/step\|eager " | tail -20 ;;
-  moe-ce) timeout 580 python bench/moe.py --dump-stacks-after 150 --collective-timeout 60 --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine-stream --microbatches 2 \
+  moe-ce) timeout 90 python bench/probes/cat_gather.py --out "$out/cat_gather_$day.json" 2>&1 | tail -5 || true
+          timeout 480 python bench/moe.py --dump-stacks-after 150 --collective-timeout 60 --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine-stream --microbatches 2 \
          --interleave dual-batch --fsdp-collectives copy-engine --warmup 3 --iters 8 --profile "$out/moe_profile" --keep-traces \
          --out "$out/moe_ce_2gpu_$day.json" 2>&1 | tee "$out/moe_ce.log" | grep -v "codegen: region" | tail -40
        # session 31 ran it without profiles: with ZeRO-1 off the SMs the step was no faster, so where did
