@@ -24,28 +24,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from grouped_mlp import graphed  # noqa: E402  (bench/grouped_mlp.py)
+
 
 def timed(fn, iters: int = 50) -> float:
     """Mean ms of one call of `fn` replayed from a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
+    replay = graphed(fn)
+    replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
-        graph.replay()
+        replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
