@@ -2,16 +2,18 @@
 # The 2-GPU measurements the open issues wait for, one part per device call (each fits the 10-minute
 # limit of a device command). On the device machine, from the repository root:
 #
-#     bash bench/pending_2gpu.sh moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|fga|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
+#     bash bench/pending_2gpu.sh own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|fga|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
 # (date, machine, command). In priority order (session 31: the capture guard's tests passed and no MoE or
 # pipeline run stalled; nccl_high_priority and ZeRO-1 on the copy engines measured no gain; the "slow
 # chunk-boundary blocks" were a codegen region artifact, fixed):
-#   moe-ce    first bench/probes/cat_gather.py (can an all-to-all's consumer read the own part from the
-#             input: does Inductor fuse a cat of graph inputs into a gather on CUDA?), then MoE with
-#             ZeRO-1's collectives on the copy engines too, profiled: session 31 measured no gain
-#             without a profile, though its gathers hold no SM (~5 min)
+#   own-part  copy-engine all-to-alls whose readers take the own part from the input (runtime/copy_engine.py
+#             OWN_PART, CPU-tested only): bench/probes/cat_gather.py (does Inductor fuse the cat into the
+#             readers' gathers on CUDA?), the multigpu test against NCCL, then MoE with --own-part copy and
+#             input (~8 min)
+#   moe-ce    MoE with ZeRO-1's collectives on the copy engines too, profiled: session 31 measured no gain
+#             without a profile, though its gathers hold no SM (~4 min)
 #   precision issue 14: 1F1B and interleaved V=2 graphed, fp32 and bf16 gradients (-gbf16: the peer's
 #             precision), next to the compiled peer (~7 min)
 #   suite-ce  the copy-engine multigpu tests (~6 min)
@@ -53,8 +55,16 @@ case "$part" in
   boundary) timeout 300 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 --replays eager --peers \
               --steps 8 --out "$out/pipeline_boundary_2gpu_$day.json" 2>&1 | tee "$out/pipeline_boundary.log" \
               | grep -v "codegen: region\|Warning\|warn\|func(" | grep "ms a step over\|ms/step\|eager " | tail -20 ;;
-  moe-ce) timeout 90 python bench/probes/cat_gather.py --out "$out/cat_gather_$day.json" 2>&1 | tail -5 || true
-          timeout 480 python bench/moe.py --dump-stacks-after 150 --collective-timeout 60 --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine-stream --microbatches 2 \
+  own-part) timeout 60 python bench/probes/cat_gather.py --out "$out/cat_gather_$day.json" 2>&1 | tail -5 || true
+            timeout 150 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "bit_identical_to_nccl and own_part" \
+              2>&1 | tee "$out/own_part_test.log" | tail -4 || true
+            for own in copy input; do
+              timeout 190 python bench/moe.py --dump-stacks-after 120 --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine-stream \
+                --microbatches 2 --interleave dual-batch --warmup 3 --iters 8 --own-part $own \
+                --out "$out/moe_own_part_${own}_2gpu_$day.json" 2>&1 | tee "$out/moe_own_part_$own.log" \
+                | grep -v "codegen: region" | tail -12 || echo "own part $own: status $?"
+            done ;;
+  moe-ce) timeout 580 python bench/moe.py --dump-stacks-after 150 --collective-timeout 60 --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine-stream --microbatches 2 \
          --interleave dual-batch --fsdp-collectives copy-engine --warmup 3 --iters 8 --profile "$out/moe_profile" --keep-traces \
          --out "$out/moe_ce_2gpu_$day.json" 2>&1 | tee "$out/moe_ce.log" | grep -v "codegen: region" | tail -40
        # session 31 ran it without profiles: with ZeRO-1 off the SMs the step was no faster, so where did

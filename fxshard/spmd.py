@@ -59,6 +59,7 @@ class Collective:
     # a copy-engine collective (fxshard/runtime/copy_engine.py): (byte offset, workspace bytes, copied out)
     region: tuple[int, int, bool] | None = None
     out: torch.Tensor | None = None  # a gather into a given tensor (all_gather_into_tensor_out): filled and returned
+    skip_own: bool = False  # a copy-engine all-to-all that leaves this rank's own rows of its region as they were
 
     def __str__(self):
         if self.op in ("send", "recv"):
@@ -97,7 +98,8 @@ def _request(node: fx.Node, args, kwargs) -> Collective | None:
     if lowered == "all_to_all_single":
         tensor, output_splits, input_splits, group, region, total, copy_out = args
         return Collective(lowered, tensor, str(group), output_split_sizes=output_splits,
-                          input_split_sizes=input_splits, region=(region, total, copy_out))
+                          input_split_sizes=input_splits, region=(region, total, copy_out),
+                          skip_own=kwargs.get("skip_own", False))
     if lowered == "all_gather_into_tensor":  # copied out into a fresh tensor (True) or a given one
         tensor, _, group, region, total, copy_out = args
         into = copy_out if isinstance(copy_out, torch.Tensor) else None
@@ -284,7 +286,12 @@ def _through_workspace(workspaces: dict, rank: int, index: int, requests: list[C
         landed = torch.stack([r.tensor.chunk(len(requests), dim=0)[index] for r in requests])
     nbytes = landed.numel() * landed.element_size()
     region = workspaces[key][offset:offset + nbytes].view(landed.dtype).view(landed.shape)
-    region.copy_(landed)
+    if request.skip_own:  # every part but this rank's own lands
+        own = landed.shape[0] // len(requests)
+        region[:index * own].copy_(landed[:index * own])
+        region[(index + 1) * own:].copy_(landed[(index + 1) * own:])
+    else:
+        region.copy_(landed)
     return result if copied_out else region
 
 

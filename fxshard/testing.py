@@ -71,11 +71,13 @@ class SimulatedRanks:
     """Train a per-rank Program on N simulated ranks in this process (the SPMD simulator runs the
     collectives). The counterpart of CompiledStep for property tests: fast, deterministic, no spawning."""
 
-    def __init__(self, program, model, optimizer, mesh, lowering=None):
+    def __init__(self, program, model, optimizer, mesh, lowering=None, rank_lowering=None):
         """`model`: a model with real weights, or an fxshard.init.MetaInit for a meta-device one.
         `program`: every rank's Program, or a list of one per pipeline stage (Mesh(pp>1)).
         `lowering`: a runtime lowering (GraphModule -> GraphModule) to run each rank's graph through,
-        as CompiledStep does (e.g. runtime/copy_engine.py's, whose regions the simulator emulates)."""
+        as CompiledStep does (e.g. runtime/copy_engine.py's, whose regions the simulator emulates);
+        or `rank_lowering` ((GraphModule, rank, {group name: place of rank in it}) -> GraphModule)
+        for one whose graph differs per rank."""
         from .runtime.state import initial_state
 
         self.optimizer, self.mesh = optimizer, mesh
@@ -83,8 +85,13 @@ class SimulatedRanks:
         stages = program if isinstance(program, (list, tuple)) else [program] * mesh.pp
         self.programs = [stages[mesh.coords(rank)["pp"]] for rank in range(self.world)]
         self.program = self.programs[0]
-        lowered = {id(p): (lowering or (lambda gm: gm))(p.graph_module) for p in self.programs}
-        self.graphs = [lowered[id(p)] for p in self.programs]
+        if rank_lowering is not None:
+            places = [{name: next(m for m in lists if rank in m).index(rank) for name, lists in self.groups().items()
+                       if any(rank in m for m in lists)} for rank in range(self.world)]
+            self.graphs = [rank_lowering(p.graph_module, rank, places[rank]) for rank, p in enumerate(self.programs)]
+        else:
+            lowered = {id(p): (lowering or (lambda gm: gm))(p.graph_module) for p in self.programs}
+            self.graphs = [lowered[id(p)] for p in self.programs]
         self.workspaces: dict = {}  # each rank's copy-engine workspaces, kept across steps as on GPUs
         self.states = [initial_state(self.programs[rank], model, optimizer, mesh.coords(rank))
                        for rank in range(self.world)]

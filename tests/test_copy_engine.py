@@ -381,20 +381,21 @@ def test_a_send_an_nccl_collective_or_a_lowered_one_reads_its_input_until_it_is_
     assert plan.regions == {a: 0, c: 256}
 
 
-def simulate_both(program, model, mesh, batches, all_to_alls, gathers_and_scatters):
+def simulate_both(program, model, mesh, batches, all_to_alls, gathers_and_scatters, own_part="copy"):
     """Train `program` on the simulator as CompiledStep lowers it for CUDA, unlowered and lowered to copy
     engines (regions shared for real); return both runs' losses and states, and the lowering's report."""
     reports = []
 
-    def lowered(gm):
+    def lowered(gm, rank, places):
         gm = gather_updates_in_place(reinplace(gm)[0], write_back_positions(program))[0]
-        gm, report = lower_to_copy_engines(gm, all_to_alls, gathers_and_scatters)
+        gm, report = lower_to_copy_engines(gm, all_to_alls, gathers_and_scatters, own_part=own_part,
+                                           group_rank=places.__getitem__)
         reports.append(report)
         return gm
 
     runs = []
-    for lowering in (lambda gm: reinplace(gm)[0], lowered):
-        ranks = SimulatedRanks(program, model, ADAMW, mesh, lowering=lowering)
+    for lowering in (lambda gm, rank, places: reinplace(gm)[0], lowered):
+        ranks = SimulatedRanks(program, model, ADAMW, mesh, rank_lowering=lowering)
         losses = [[m["loss"] for m in ranks.step(batch)] for batch in batches]
         runs.append((losses, ranks.states))
     return runs, reports[0]
@@ -435,6 +436,25 @@ def test_moe_with_every_collective_on_copy_engines_computes_exactly_what_nccl_do
     assert report.all_to_alls > 0 and report.all_gathers > 0 and report.reduce_scatters > 0
     assert sum(report.workspace.values()) < sum(report.unshared.values())  # regions were reused
     assert_identical(runs)
+
+
+def test_all_to_alls_whose_readers_take_the_own_part_from_the_input_compute_exactly_what_nccl_does():
+    """own_part="input": each EP all-to-all skips its own rows (the simulated region keeps whatever it
+    held there) and every reader gets them from the input through a cat, on every rank's own slice."""
+    config = fxshard.Config(sharding="optim", ep_overlap=True, microbatches=2, ep_interleave="dual-batch")
+    model, program = moe_program(config)
+    batches = [rank_batches(2, 2, seed=seed) for seed in range(2)]
+    runs, report = simulate_both(program, model, fxshard.Mesh(dp=2, ep=2), batches, True, False, own_part="input")
+    assert report.all_to_alls > 0
+    assert_identical(runs)
+    for rank in range(2):  # every all-to-all skips its own part, and each reader reads a cat
+        graph = SimulatedRanks(program, model, ADAMW, fxshard.Mesh(dp=2, ep=2), rank_lowering=lambda gm, r, places: (
+            lower_to_copy_engines(reinplace(gm)[0], True, False, own_part="input", group_rank=places.__getitem__)[0]))
+        lowered = [n for n in graph.graphs[rank].graph.nodes if n.target is copy_engine_all_to_all]
+        assert lowered and all(n.kwargs.get("skip_own") for n in lowered)
+        cats = [n for n in graph.graphs[rank].graph.nodes if n.target is torch.ops.aten.cat.default
+                and any(a.target is torch.ops.aten.slice.Tensor and a.args[0] is n.args[0][0].args[0] for a in n.args[0])]
+        assert cats
 
 
 def test_zero3_gathers_reuse_regions_and_a_plan_that_reuses_too_early_is_caught(monkeypatch):

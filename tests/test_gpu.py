@@ -693,6 +693,10 @@ def _copy_engines_and_nccl(batches, case):
     rank, world = dist.get_rank(), dist.get_world_size()
     device = f"cuda:{rank}"
     local = [{k: v[rank * 2:(rank + 1) * 2].to(device) for k, v in b.items()} for b in batches]
+    if case == "ep_own_part_from_input":  # the experiment's switch: readers take the own part from the input
+        from fxshard.runtime import copy_engine
+
+        copy_engine.OWN_PART = "input"
     results = []
     for backend, cuda_graphs, barriers in (("nccl", False, "kernel"), ("copy-engine", False, "kernel"),
                                            ("copy-engine", True, "kernel"), ("copy-engine", False, "stream"),
@@ -719,7 +723,7 @@ def _copy_engines_and_nccl(batches, case):
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("case", ["ep", "ep_zero1", "optim", "optim_grads_params"])
+@pytest.mark.parametrize("case", ["ep", "ep_zero1", "ep_own_part_from_input", "optim", "optim_grads_params"])
 def test_copy_engine_collectives_are_bit_identical_to_nccl(case):
     """EP all-to-alls (4 ranks where there are 4 GPUs), ZeRO-1 / ZeRO-3 collectives and both at once in a
     dual-batch MoE step (2 ranks: NCCL's avg of two fp32 values is exact either way, a scaling by 1/2, so

@@ -350,16 +350,18 @@ def _copied_out(copy_out: bool | Tensor, shape: list[int], like: Tensor):
 
 def copy_engine_all_to_all(x: Tensor, output_split_sizes, input_split_sizes, group_name: str, region: int,
                            total_bytes: int, copy_out: bool = False, timeout_ms: int = 0,
-                           mark: tuple[int, int] | None = None, barrier: str = "kernel") -> Tensor:
+                           mark: tuple[int, int] | None = None, barrier: str = "kernel",
+                           skip_own: bool = False) -> Tensor:
     """all_to_all_single(x) with equal splits over `group_name`, into this call's region (byte offset
     `region`) of the group's workspace (`total_bytes`: what its program's plan needs). Returns at once
-    (like the functional collective); read it after `wait_tensor`."""
+    (like the functional collective); read it after `wait_tensor`. With `skip_own` this rank's own rows
+    of the region are left as they were: its readers take them from `x` (`read_own_part_from_input`)."""
     x = x.contiguous()
     world = dist.distributed_c10d._resolve_process_group(group_name).size()
     rows = x.shape[0] // world
     return _exchange(x, group_name, region, total_bytes, list(x.shape),
                      lambda peer: x[peer * rows:(peer + 1) * rows], _copied_out(copy_out, list(x.shape), x), timeout_ms,
-                     mark, barrier=barrier)
+                     mark, skip_own=skip_own, barrier=barrier)
 
 
 def copy_engine_all_gather(shard: Tensor, world: int, group_name: str, region: int, total_bytes: int,
@@ -500,15 +502,26 @@ def resolve_auto(ep_all_to_all: str, fsdp_collectives: str, device: torch.device
     return ep_all_to_all, fsdp_collectives, f"collectives 'auto': {pick} ({why})"
 
 
+# An experiment's switch (bench/moe.py --own-part): "input" lowers each all-to-all whose result is read
+# in place with `read_own_part_from_input` (meant for codegen: under aten replay the cat is written out).
+# Session 31 wrote it on CPU for the next GPU session to measure against "copy" (what runs by default):
+# remove the loser then.
+OWN_PART = "copy"
+
+
 def lower_to_copy_engines(graph_module: fx.GraphModule, all_to_alls: bool = True, gathers_and_scatters: bool = False,
                           timeout_s: float | None = None, axes: dict[str, str] | None = None,
-                          barriers: str = "kernel") -> tuple[fx.GraphModule, CopyEngineLowering]:
+                          barriers: str = "kernel", own_part: str | None = "copy",
+                          group_rank=None) -> tuple[fx.GraphModule, CopyEngineLowering]:
     """A copy of `graph_module` whose chosen collectives run on copy engines: EP all-to-alls with equal
     splits (`all_to_alls`), all-gathers and sum/avg reduce-scatters (`gathers_and_scatters`), each in a
     region of its group's workspace that workspace_plan.plan_regions places; their barriers give up
     after `timeout_s` (Config(collective_timeout_s); None: never). `axes` (group name -> mesh axis)
     names the groups in the descriptions `Watch` reports. `barriers` (Config(copy_engine_barriers)):
-    each lowered node's `barrier` argument, "kernel" or "stream" (`_stream_barrier`), in the dump."""
+    each lowered node's `barrier` argument, "kernel" or "stream" (`_stream_barrier`), in the dump.
+    `own_part` "input": each all-to-all whose result is read in place skips its own part, and its
+    readers take those rows from its input (`read_own_part_from_input`; `group_rank(group name)`
+    gives this rank's place in the group, by default from its process group); None: `OWN_PART`."""
     if barriers not in BARRIERS:
         raise FxShardError(f"copy_engine_barriers={barriers!r}; choose one of {BARRIERS}")
     connections = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")
@@ -543,11 +556,52 @@ def lower_to_copy_engines(graph_module: fx.GraphModule, all_to_alls: bool = True
         node.target = _LOWERED[node.target]
         node.kwargs = {"timeout_ms": int(timeout_s * 1000) if timeout_s else 0, "mark": (number, i),
                        "barrier": barriers}
+        if (own_part or OWN_PART) == "input" and node.target is copy_engine_all_to_all and not plan.copied_out[node]:
+            group_name = node.args[3]
+            rank = group_rank(group_name) if group_rank else \
+                dist.distributed_c10d._resolve_process_group(group_name).rank()
+            if read_own_part_from_input(graph, node, rank):
+                node.kwargs = {**node.kwargs, "skip_own": True}
     graph.lint()
     kinds = [node.target for node in chosen]
     return fx.GraphModule(graph_module, graph), CopyEngineLowering(
         kinds.count(copy_engine_all_to_all), kinds.count(copy_engine_all_gather),
         kinds.count(copy_engine_reduce_scatter), dict(plan.workspace), dict(plan.unshared), number, described, barriers)
+
+
+def read_own_part_from_input(graph: fx.Graph, node: fx.Node, rank: int) -> bool:
+    """Make every reader of all-to-all `node`'s result read this rank's own rows from the input instead
+    of the region: right before each reader, `cat([region rows before, input's own rows, region rows
+    after])` in place of the waited result; whether it did (not where a reader is fixed: an op with
+    a kernel of its own, which would get the cat written out first, or where the result is only
+    waited on). Under codegen the cat sits in its reader's region, where Inductor can fuse it into
+    the reader's loads (bench/probes/cat_gather.py asks whether it does, on CUDA), so the own part is
+    never copied. Invariant: every reader sees the same values as before, provided the region's own
+    rows are never written (the exchange skips them: `skip_own`)."""
+    from ..codegen import is_fixed
+
+    x, out_splits = node.args[0], node.args[1]
+    rows, world = out_splits[0], len(out_splits)
+    waits = [user for user in node.users if user.target is _c10d.wait_tensor.default]
+    readers = [(wait, reader) for wait in waits for reader in wait.users]
+    if len(waits) != len(node.users) or not readers or any(is_fixed(reader) for _, reader in readers):
+        return False
+    for wait, reader in readers:
+        with graph.inserting_before(reader):
+            pieces = []
+            for source, start, end in ((wait, 0, rank * rows), (x, rank * rows, (rank + 1) * rows),
+                                       (wait, (rank + 1) * rows, world * rows)):
+                if end > start:
+                    piece = graph.call_function(torch.ops.aten.slice.Tensor, (source, 0, start, end))
+                    piece.meta = {**wait.meta, "val": source.meta["val"][start:end]} if "val" in source.meta \
+                        else dict(wait.meta)
+                    pieces.append(piece)
+            whole = graph.call_function(torch.ops.aten.cat.default, (pieces,))
+            whole.meta = {**reader.meta, **({"val": wait.meta["val"]} if "val" in wait.meta else {})}
+            for piece in pieces:
+                piece.meta = {**reader.meta, **({"val": piece.meta["val"]} if "val" in piece.meta else {})}
+        reader.replace_input_with(wait, whole)
+    return True
 
 
 class Watch:
