@@ -27,12 +27,12 @@ c10d = torch.ops._c10d_functional
 ADAMW = fxshard.optim.AdamW(lr=1e-2)
 
 
-def moe_program(config):
+def moe_program(config, world=2):
     torch.manual_seed(0)
     model = MoEGPT(MoEGPTConfig.preset("tiny", capacity_factor=1.0))
-    local = rank_batches(2, 2)
+    local = rank_batches(world, 2)
     program = run_pipeline(fxshard.trace(model, lambda m, b: m.loss_and_metrics(b), local[0], optimizer=ADAMW,
-                                         config=config), fxshard.Mesh(dp=2, ep=2), config)[-1]
+                                         config=config), fxshard.Mesh(dp=world, ep=world), config)[-1]
     return model, program
 
 
@@ -438,23 +438,33 @@ def test_moe_with_every_collective_on_copy_engines_computes_exactly_what_nccl_do
     assert_identical(runs)
 
 
-def test_all_to_alls_whose_readers_take_the_own_part_from_the_input_compute_exactly_what_nccl_does():
+@pytest.mark.parametrize("ep", [2, 4])
+def test_all_to_alls_whose_readers_take_the_own_part_from_the_input_compute_exactly_what_nccl_does(ep):
     """own_part="input": each EP all-to-all skips its own rows (the simulated region keeps whatever it
-    held there) and every reader gets them from the input through a cat, on every rank's own slice."""
+    held there) and every reader gets them from the input through a cat of its rank's own slice (at
+    ep=4 the middle ranks' own rows lie between two parts of the region)."""
     config = fxshard.Config(sharding="optim", ep_overlap=True, microbatches=2, ep_interleave="dual-batch")
-    model, program = moe_program(config)
-    batches = [rank_batches(2, 2, seed=seed) for seed in range(2)]
-    runs, report = simulate_both(program, model, fxshard.Mesh(dp=2, ep=2), batches, True, False, own_part="input")
+    model, program = moe_program(config, world=ep)
+    mesh = fxshard.Mesh(dp=ep, ep=ep)
+    batches = [rank_batches(ep, 2, seed=seed) for seed in range(2)]
+    runs, report = simulate_both(program, model, mesh, batches, True, False, own_part="input")
     assert report.all_to_alls > 0
     assert_identical(runs)
-    for rank in range(2):  # every all-to-all skips its own part, and each reader reads a cat
-        graph = SimulatedRanks(program, model, ADAMW, fxshard.Mesh(dp=2, ep=2), rank_lowering=lambda gm, r, places: (
-            lower_to_copy_engines(reinplace(gm)[0], True, False, own_part="input", group_rank=places.__getitem__)[0]))
-        lowered = [n for n in graph.graphs[rank].graph.nodes if n.target is copy_engine_all_to_all]
+    places = {}
+
+    def lowering(gm, rank, place):
+        places[rank] = place
+        return lower_to_copy_engines(reinplace(gm)[0], True, False, own_part="input", group_rank=place.__getitem__)[0]
+
+    graphs = SimulatedRanks(program, model, ADAMW, mesh, rank_lowering=lowering).graphs
+    for rank, graph in enumerate(graphs):
+        lowered = [n for n in graph.graph.nodes if n.target is copy_engine_all_to_all]
         assert lowered and all(n.kwargs.get("skip_own") for n in lowered)
-        cats = [n for n in graph.graphs[rank].graph.nodes if n.target is torch.ops.aten.cat.default
-                and any(a.target is torch.ops.aten.slice.Tensor and a.args[0] is n.args[0][0].args[0] for a in n.args[0])]
-        assert cats
+        for exchange in lowered:  # its own rows, sliced from its input, go into a cat for each reader
+            x, rows, place = exchange.args[0], exchange.args[1][0], places[rank][exchange.args[3]]
+            own = [n for n in x.users if n.target is torch.ops.aten.slice.Tensor
+                   and n.args[1:] == (0, place * rows, (place + 1) * rows)]
+            assert own and all(user.target is torch.ops.aten.cat.default for n in own for user in n.users)
 
 
 def test_zero3_gathers_reuse_regions_and_a_plan_that_reuses_too_early_is_caught(monkeypatch):

@@ -572,20 +572,32 @@ def lower_to_copy_engines(graph_module: fx.GraphModule, all_to_alls: bool = True
 def read_own_part_from_input(graph: fx.Graph, node: fx.Node, rank: int) -> bool:
     """Make every reader of all-to-all `node`'s result read this rank's own rows from the input instead
     of the region: right before each reader, `cat([region rows before, input's own rows, region rows
-    after])` in place of the waited result; whether it did (not where a reader is fixed: an op with
-    a kernel of its own, which would get the cat written out first, or where the result is only
-    waited on). Under codegen the cat sits in its reader's region, where Inductor can fuse it into
-    the reader's loads (bench/probes/cat_gather.py asks whether it does, on CUDA), so the own part is
-    never copied. Invariant: every reader sees the same values as before, provided the region's own
-    rows are never written (the exchange skips them: `skip_own`)."""
+    after])` in place of the waited result; whether it did. Not where a reader is fixed (an op with a
+    kernel of its own would get the cat written out first), the result is only waited on, anything
+    writes into the result through a view (each reader's cat is its own copy) or into the input, or
+    the input is not fresh compute (a collective's result in a region could be handed to a later
+    collective while the cats still read it: regions are planned before this rewrite). Under codegen
+    the cat sits in its reader's region, where Inductor can fuse it into the reader's loads
+    (bench/probes/cat_gather.py asks whether it does, on CUDA), so the own part is never copied.
+    Invariant: every reader sees the same values as before, provided the region's own rows are never
+    written (the exchange skips them: `skip_own`)."""
     from ..codegen import is_fixed
+    from ..graph import is_view, mutates
 
     x, out_splits = node.args[0], node.args[1]
-    rows, world = out_splits[0], len(out_splits)
     waits = [user for user in node.users if user.target is _c10d.wait_tensor.default]
     readers = [(wait, reader) for wait in waits for reader in wait.users]
-    if len(waits) != len(node.users) or not readers or any(is_fixed(reader) for _, reader in readers):
+    aliases, through = list(waits), []
+    while aliases:  # every view of the result, and every node that reads one
+        alias = aliases.pop()
+        for user in alias.users:
+            through.append(user)
+            if is_view(user):
+                aliases.append(user)
+    if (not out_splits or len(waits) != len(node.users) or not readers or x.op != "call_function" or is_fixed(x)
+            or any(is_fixed(reader) for _, reader in readers) or any(mutates(n) for n in [*through, *x.users])):
         return False
+    rows, world = out_splits[0], len(out_splits)
     for wait, reader in readers:
         with graph.inserting_before(reader):
             pieces = []
@@ -593,13 +605,11 @@ def read_own_part_from_input(graph: fx.Graph, node: fx.Node, rank: int) -> bool:
                                        (wait, (rank + 1) * rows, world * rows)):
                 if end > start:
                     piece = graph.call_function(torch.ops.aten.slice.Tensor, (source, 0, start, end))
-                    piece.meta = {**wait.meta, "val": source.meta["val"][start:end]} if "val" in source.meta \
-                        else dict(wait.meta)
+                    value = {"val": source.meta["val"][start:end]} if "val" in source.meta else {}
+                    piece.meta = {**reader.meta, **value}
                     pieces.append(piece)
             whole = graph.call_function(torch.ops.aten.cat.default, (pieces,))
             whole.meta = {**reader.meta, **({"val": wait.meta["val"]} if "val" in wait.meta else {})}
-            for piece in pieces:
-                piece.meta = {**reader.meta, **({"val": piece.meta["val"]} if "val" in piece.meta else {})}
         reader.replace_input_with(wait, whole)
     return True
 
