@@ -202,7 +202,7 @@ def run_modes(args):
     torch.cuda.set_device(rank)
     from fxshard.runtime import copy_engine
 
-    copy_engine.OWN_PART = args.own_part  # an experiment's switch (runtime/copy_engine.py)
+    copy_engine.OWN_PART = args.own_part  # None: the default (runtime/copy_engine.py own_part_default)
     device = f"cuda:{rank}"
     cfg = model_config(args)
     generator = torch.Generator().manual_seed(rank)
@@ -343,10 +343,10 @@ def main():
     parser.add_argument("--nccl-high-priority", action="store_true",
                         help="Config(nccl_high_priority=True) in every mode: NCCL's collectives (ZeRO-1's, NCCL "
                              "all-to-alls) on high-priority streams (compare a run without it)")
-    parser.add_argument("--own-part", choices=["copy", "input"], default="copy",
+    parser.add_argument("--own-part", choices=["copy", "input"], default=None,
                         help="copy-engine all-to-alls: copy this rank's own rows into the region (copy), or skip "
-                             "them and let the readers take them from the input (input: runtime/copy_engine.py "
-                             "OWN_PART, an experiment's switch)")
+                             "them and let the readers take them from the input (input); default: input under "
+                             "codegen (runtime/copy_engine.py own_part_default)")
     parser.add_argument("--dump-stacks-after", type=float, default=None, metavar="S",
                         help="print every thread's Python stack on each rank when a mode has run S seconds "
                              "(a hang's whereabouts; the run goes on)")
@@ -366,7 +366,7 @@ def main():
         args.capacity_factor = None
     print(f"MoEGPT: {args.layers} layers, hidden {args.hidden}, {args.experts} experts x d_ff {args.d_ff}, "
           f"top-{args.top_k}, {args.routing} routing, shared expert {args.d_ff_shared}, S={args.seq} x {args.microbatches} microbatch(es) per rank ({args.interleave} with overlap), {args.gpus} GPUs, ep={args.ep}, capacity factor "
-          f"{args.capacity_factor}, SM carveout {args.sm_carveout}, ZeRO collectives by {args.fsdp_collectives}{', NCCL on high-priority streams' if args.nccl_high_priority else ''}, own part of an all-to-all by {args.own_part}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"{args.capacity_factor}, SM carveout {args.sm_carveout}, ZeRO collectives by {args.fsdp_collectives}{', NCCL on high-priority streams' if args.nccl_high_priority else ''}, own part of an all-to-all by {args.own_part or 'the default'}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{'eager replay' if args.eager_replay else 'CUDA graphs'}", flush=True)
     results = run_local(run_modes, args.gpus, args, backend="nccl")[0]
     base, exposed = results["nocomm"], results["ep"] - results["nocomm"]

@@ -2,12 +2,14 @@
 # The 2-GPU measurements the open issues wait for, one part per device call (each fits the 10-minute
 # limit of a device command). On the device machine, from the repository root:
 #
-#     bash bench/pending_2gpu.sh own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|fga|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
+#     bash bench/pending_2gpu.sh own-default|own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|fga|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
 # (date, machine, command). In priority order (session 31: the capture guard's tests passed and no MoE or
 # pipeline run stalled; nccl_high_priority and ZeRO-1 on the copy engines measured no gain; the "slow
 # chunk-boundary blocks" were a codegen region artifact, fixed):
+#   own-default  the multigpu tests of the own part read from the input (now the default under codegen:
+#             session 32 measured it 0.65 ms a step faster, the cat fused), then MoE with it, profiled (~8 min)
 #   own-part  copy-engine all-to-alls whose readers take the own part from the input (runtime/copy_engine.py
 #             OWN_PART, CPU-tested only): bench/probes/cat_gather.py (does Inductor fuse the cat into the
 #             readers' gathers on CUDA?), the multigpu test against NCCL, then MoE with --own-part copy and
@@ -64,6 +66,14 @@ case "$part" in
                 --out "$out/moe_own_part_${own}_2gpu_$day.json" 2>&1 | tee "$out/moe_own_part_$own.log" \
                 | grep -v "codegen: region" | tail -12 || echo "own part $own: status $?"
             done ;;
+  own-default) timeout 200 python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+                -k "own_part_from_the_input_under_codegen or (bit_identical_to_nccl and own_part)" 2>&1 \
+                | tee "$out/own_default_test.log" | tail -4 || true
+              timeout 330 python bench/moe.py --dump-stacks-after 150 --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine-stream \
+                --microbatches 2 --interleave dual-batch --warmup 3 --iters 8 --profile "$out/moe_profile" --keep-traces \
+                --out "$out/moe_own_default_2gpu_$day.json" 2>&1 | tee "$out/moe_own_default.log" \
+                | grep -v "codegen: region" | tail -40 || echo "moe: status $?"
+              tar czf "$out/moe_own_default_profile.tgz" -C "$out" moe_profile && rm -r "$out/moe_profile" ;;
   moe-ce) timeout 580 python bench/moe.py --dump-stacks-after 150 --collective-timeout 60 --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine-stream --microbatches 2 \
          --interleave dual-batch --fsdp-collectives copy-engine --warmup 3 --iters 8 --profile "$out/moe_profile" --keep-traces \
          --out "$out/moe_ce_2gpu_$day.json" 2>&1 | tee "$out/moe_ce.log" | grep -v "codegen: region" | tail -40

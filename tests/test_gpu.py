@@ -738,6 +738,42 @@ def test_copy_engine_collectives_are_bit_identical_to_nccl(case):
                 assert torch.equal(value, params[name]), name
 
 
+def _copy_engines_under_codegen(batches):
+    """MoEGPT tiny, dp = ep = world, dual-batch overlap, fp32, codegen and CUDA graphs: NCCL all-to-alls,
+    then copy-engine ones whose readers take the own part from the input (the default under codegen)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = f"cuda:{rank}"
+    local = [{k: v[rank * 2:(rank + 1) * 2].to(device) for k, v in b.items()} for b in batches]
+    results = []
+    for backend in ("nccl", "copy-engine"):
+        torch.manual_seed(0)
+        model = MoEGPT(MoEGPTConfig.preset("tiny", capacity_factor=1.0)).to(device)
+        config = fxshard.Config(cuda_graphs=True, codegen="inductor", ep_overlap=True, microbatches=2,
+                                ep_interleave="dual-batch", ep_all_to_all=backend, fsdp_collectives="nccl")
+        step = fxshard.shard(model, model_loss, local[0], optimizer=ADAMW, mesh=fxshard.Mesh(dp=world, ep=world),
+                             config=config)
+        lowered = step.copy_engine.all_to_alls
+        assert step.copy_engine.own_parts_from_input == lowered and (lowered > 0) == (backend == "copy-engine"), \
+            step.lowerings()
+        results.append(_losses_and_parameters(step, local))
+    return results
+
+
+@pytest.mark.multigpu
+def test_copy_engine_all_to_alls_reading_their_own_part_from_the_input_under_codegen_match_nccl():
+    """Under codegen each reader of a copy-engine all-to-all takes this rank's rows from the input through
+    a cat Inductor fuses into its gather, and the exchange skips them: what NCCL's exchange gives, to fp32
+    rounding (the regions that read a cat are other kernels than the ones that read NCCL's result)."""
+    world = 2
+    per_rank = run_local(_copy_engines_under_codegen, world, cuda_batches(6, rows=2 * world, device="cpu"),
+                         backend="nccl")
+    for (nccl_losses, nccl_params), (losses, params) in per_rank:
+        for ours, theirs in zip(losses, nccl_losses):
+            assert abs(ours - theirs) / abs(theirs) < 1e-5, (losses, nccl_losses)
+        for name, value in nccl_params.items():
+            assert relative(params[name], value) < CODEGEN_PARAM_BOUND, name
+
+
 def _copy_engine_collectives_on_one_rank(barrier):
     """Each copy-engine collective called directly on a one-rank group (the copies then go to this GPU's
     own region): shapes, offsets, the sum, copy-out, and capture in a CUDA graph; `barrier`: how they

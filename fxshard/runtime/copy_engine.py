@@ -421,12 +421,14 @@ class CopyEngineLowering:
     number: int = 0  # what its collectives write into the marker (0: nothing lowered)
     described: tuple[str, ...] = ()  # collective i as an error names it (agreement.describe)
     barriers: str = "kernel"  # Config(copy_engine_barriers)
+    own_parts_from_input: int = 0  # all-to-alls whose readers take the own rows from the input
 
     def line(self) -> str:
         planned = ", ".join(f"{name}: {b / 2**20:.1f} MiB (of {self.unshared[name] / 2**20:.1f} without reuse)"
                             for name, b in sorted(self.workspace.items()))
         barriers = ", stream barriers" if self.barriers == "stream" and self.number else ""
-        return (f"{self.all_to_alls} copy-engine all-to-alls, {self.all_gathers} all-gathers, "
+        own = f" ({self.own_parts_from_input} read their own part from the input)" if self.own_parts_from_input else ""
+        return (f"{self.all_to_alls} copy-engine all-to-alls{own}, {self.all_gathers} all-gathers, "
                 f"{self.reduce_scatters} reduce-scatters" + (f" (workspace {planned}{barriers})" if planned else ""))
 
 
@@ -502,16 +504,25 @@ def resolve_auto(ep_all_to_all: str, fsdp_collectives: str, device: torch.device
     return ep_all_to_all, fsdp_collectives, f"collectives 'auto': {pick} ({why})"
 
 
-# An experiment's switch (bench/moe.py --own-part): "input" lowers each all-to-all whose result is read
-# in place with `read_own_part_from_input` (meant for codegen: under aten replay the cat is written out).
-# Session 31 wrote it on CPU for the next GPU session to measure against "copy" (what runs by default):
-# remove the loser then.
-OWN_PART = "copy"
+# Where an all-to-all's readers take this rank's own rows: "input" (`read_own_part_from_input`) or "copy"
+# (the exchange copies them into the region). None: the default, `own_part_default(codegen)`. Set only to
+# compare the two (bench/moe.py --own-part).
+OWN_PART: str | None = None
+
+
+def own_part_default(codegen: bool) -> str:
+    """Where copy-engine all-to-alls' readers take the own rows from by default: "input" under codegen,
+    where Inductor fuses the `cat` into each reader's gather (bench/probes/cat_gather.py on an H200: a
+    gather of a cat 67.8 us, a plain gather 67.6 us, the copy then the gather 100.9 us; MoE at ep=2
+    57.50 -> 56.85 ms a step, session 32), "copy" under aten replay, where the `cat` is written out."""
+    if OWN_PART is not None:
+        return OWN_PART
+    return "input" if codegen else "copy"
 
 
 def lower_to_copy_engines(graph_module: fx.GraphModule, all_to_alls: bool = True, gathers_and_scatters: bool = False,
                           timeout_s: float | None = None, axes: dict[str, str] | None = None,
-                          barriers: str = "kernel", own_part: str | None = "copy",
+                          barriers: str = "kernel", own_part: str = "copy",
                           group_rank=None) -> tuple[fx.GraphModule, CopyEngineLowering]:
     """A copy of `graph_module` whose chosen collectives run on copy engines: EP all-to-alls with equal
     splits (`all_to_alls`), all-gathers and sum/avg reduce-scatters (`gathers_and_scatters`), each in a
@@ -521,7 +532,10 @@ def lower_to_copy_engines(graph_module: fx.GraphModule, all_to_alls: bool = True
     each lowered node's `barrier` argument, "kernel" or "stream" (`_stream_barrier`), in the dump.
     `own_part` "input": each all-to-all whose result is read in place skips its own part, and its
     readers take those rows from its input (`read_own_part_from_input`; `group_rank(group name)`
-    gives this rank's place in the group, by default from its process group); None: `OWN_PART`."""
+    gives this rank's place in the group, by default from its process group); "copy": the exchange
+    copies them into the region."""
+    if own_part not in ("copy", "input"):
+        raise FxShardError(f"own_part={own_part!r}; choose 'copy' or 'input'")
     if barriers not in BARRIERS:
         raise FxShardError(f"copy_engine_barriers={barriers!r}; choose one of {BARRIERS}")
     connections = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")
@@ -537,6 +551,7 @@ def lower_to_copy_engines(graph_module: fx.GraphModule, all_to_alls: bool = True
     chosen = [node for node in graph.nodes if _lowerable(node, all_to_alls, gathers_and_scatters)]
     plan = plan_regions(graph, chosen)
     number = next(_LOWERINGS) if chosen else 0
+    from_input = 0
     described = tuple(describe(node, (axes or {}).get(node.args[-1], node.args[-1])) for node in chosen)
     for i, node in enumerate(chosen):
         region, total = plan.regions[node], plan.workspace[plan.groups[node]]
@@ -556,17 +571,19 @@ def lower_to_copy_engines(graph_module: fx.GraphModule, all_to_alls: bool = True
         node.target = _LOWERED[node.target]
         node.kwargs = {"timeout_ms": int(timeout_s * 1000) if timeout_s else 0, "mark": (number, i),
                        "barrier": barriers}
-        if (own_part or OWN_PART) == "input" and node.target is copy_engine_all_to_all and not plan.copied_out[node]:
+        if own_part == "input" and node.target is copy_engine_all_to_all and not plan.copied_out[node]:
             group_name = node.args[3]
             rank = group_rank(group_name) if group_rank else \
                 dist.distributed_c10d._resolve_process_group(group_name).rank()
             if read_own_part_from_input(graph, node, rank):
                 node.kwargs = {**node.kwargs, "skip_own": True}
+                from_input += 1
     graph.lint()
     kinds = [node.target for node in chosen]
     return fx.GraphModule(graph_module, graph), CopyEngineLowering(
         kinds.count(copy_engine_all_to_all), kinds.count(copy_engine_all_gather),
-        kinds.count(copy_engine_reduce_scatter), dict(plan.workspace), dict(plan.unshared), number, described, barriers)
+        kinds.count(copy_engine_reduce_scatter), dict(plan.workspace), dict(plan.unshared), number, described, barriers,
+        from_input)
 
 
 def read_own_part_from_input(graph: fx.Graph, node: fx.Node, rank: int) -> bool:
