@@ -5,19 +5,18 @@
 #     bash bench/pending_2gpu.sh own-default|own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|fga|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
-# (date, machine, command). In priority order (session 31: the capture guard's tests passed and no MoE or
-# pipeline run stalled; nccl_high_priority and ZeRO-1 on the copy engines measured no gain; the "slow
-# chunk-boundary blocks" were a codegen region artifact, fixed):
-#   own-default  the multigpu tests of the own part read from the input (now the default under codegen:
-#             session 32 measured it 0.65 ms a step faster, the cat fused), then MoE with it, profiled (~8 min)
-#   own-part  copy-engine all-to-alls whose readers take the own part from the input (runtime/copy_engine.py
-#             OWN_PART, CPU-tested only): bench/probes/cat_gather.py (does Inductor fuse the cat into the
-#             readers' gathers on CUDA?), the multigpu test against NCCL, then MoE with --own-part copy and
-#             input (~8 min)
+# (date, machine, command). In priority order (session 32: the own part read from the input fuses into
+# the readers' gathers and took 0.65-0.72 ms off the MoE step in two jobs, now the default under codegen;
+# the pipelines' bf16-gradient rows ran next to the compiled peer):
+#   own-default  the multigpu tests of the own part read from the input, then MoE with the default,
+#             profiled (~8 min; session 32 ran it)
+#   own-part  bench/probes/cat_gather.py, the multigpu test against NCCL (aten replay), then MoE with
+#             --own-part copy and input in one job (~8 min; session 32 ran it)
 #   moe-ce    MoE with ZeRO-1's collectives on the copy engines too, profiled: session 31 measured no gain
 #             without a profile, though its gathers hold no SM (~4 min)
 #   precision issue 14: 1F1B and interleaved V=2 graphed, fp32 and bf16 gradients (-gbf16: the peer's
-#             precision), next to the compiled peer (~7 min)
+#             precision), next to the compiled peer (~7 min; session 32: interleaved 1.21x / 1.26x the
+#             peer, whose time moves ~7% between jobs)
 #   suite-ce  the copy-engine multigpu tests (~6 min)
 #   pipeline-zb  ZB-H1 and DualPipeV, eager and graphed, next to the issue's peer (~6 min; session 31:
 #             DualPipeV graphed 128.8 ms, the fastest schedule)
@@ -69,7 +68,6 @@ case "$part" in
   own-default) timeout 200 python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
                 -k "own_part_from_the_input_under_codegen or (bit_identical_to_nccl and own_part)" 2>&1 \
                 | tee "$out/own_default_test.log" | tail -4 || true
-              [ "${3:-}" = test-only ] && exit 0
               timeout 330 python bench/moe.py --dump-stacks-after 150 --gpus 2 --ep 2 --chunks 1 --all-to-all copy-engine-stream \
                 --microbatches 2 --interleave dual-batch --warmup 3 --iters 8 --profile "$out/moe_profile" --keep-traces \
                 --out "$out/moe_own_default_2gpu_$day.json" 2>&1 | tee "$out/moe_own_default.log" \

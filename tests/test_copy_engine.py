@@ -448,7 +448,8 @@ def test_all_to_alls_whose_readers_take_the_own_part_from_the_input_compute_exac
     mesh = fxshard.Mesh(dp=ep, ep=ep)
     batches = [rank_batches(ep, 2, seed=seed) for seed in range(2)]
     runs, report = simulate_both(program, model, mesh, batches, True, False, own_part="input")
-    assert report.all_to_alls > 0
+    assert report.all_to_alls > 0 and report.own_parts_from_input == report.all_to_alls
+    assert f"all-to-alls ({report.all_to_alls} read their own part from the input)" in report.line()
     assert_identical(runs)
     places = {}
 
