@@ -200,9 +200,6 @@ def without_ce(label: str) -> str:
 def run_modes(args):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)
-    from fxshard.runtime import copy_engine
-
-    copy_engine.OWN_PART = args.own_part  # None: the default (runtime/copy_engine.py own_part_default)
     device = f"cuda:{rank}"
     cfg = model_config(args)
     generator = torch.Generator().manual_seed(rank)
@@ -228,7 +225,8 @@ def run_modes(args):
                                 microbatches=args.microbatches, ep_sm_carveout=carveout,
                                 ep_interleave=args.interleave, ep_all_to_all=a2a,
                                 fsdp_collectives=args.fsdp_collectives, collective_timeout_s=args.collective_timeout,
-                                copy_engine_barriers=barriers, nccl_high_priority=args.nccl_high_priority)
+                                copy_engine_barriers=barriers, nccl_high_priority=args.nccl_high_priority,
+                                copy_engine_own_part=args.own_part)
         started = time.perf_counter()
         step = fxshard.shard(model, lambda m, b: m.loss_and_metrics(b), data, optimizer=fxshard.optim.AdamW(lr=1e-5),
                              mesh=fxshard.Mesh(dp=world, ep=args.ep), config=config)
@@ -262,9 +260,14 @@ def run_modes(args):
             times = [None] * world
             dist.all_gather_object(times, ms)
             results[label] = max(times)
+            lowered = runner.copy_engine
+            if lowered.all_to_alls:  # how many read their own part from the input (Config(copy_engine_own_part))
+                results[f"{label}-own-parts-from-input"] = [lowered.own_parts_from_input, lowered.all_to_alls]
             if rank == 0:
                 print(f"  {label}: {results[label]:.2f} ms/step (slowest rank; ranks {', '.join(f'{t:.2f}' for t in times)})"
-                      f", peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
+                      f", peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+                      + (f"; {lowered.own_parts_from_input} of {lowered.all_to_alls} copy-engine all-to-alls read "
+                         "their own part from the input" if lowered.all_to_alls else ""), flush=True)
             if args.profile:  # every rank steps (collectives); rank 0 reports
                 os.makedirs(args.profile, exist_ok=True)
                 kernels = profile(lambda: runner(data), os.path.join(args.profile, f"{label}.txt"),
@@ -343,10 +346,10 @@ def main():
     parser.add_argument("--nccl-high-priority", action="store_true",
                         help="Config(nccl_high_priority=True) in every mode: NCCL's collectives (ZeRO-1's, NCCL "
                              "all-to-alls) on high-priority streams (compare a run without it)")
-    parser.add_argument("--own-part", choices=["copy", "input"], default=None,
-                        help="copy-engine all-to-alls: copy this rank's own rows into the region (copy), or skip "
-                             "them and let the readers take them from the input (input); default: input under "
-                             "codegen (runtime/copy_engine.py own_part_default)")
+    parser.add_argument("--own-part", choices=fxshard.config.COPY_ENGINE_OWN_PARTS, default="auto",
+                        help="Config(copy_engine_own_part) of every mode: copy-engine all-to-alls copy this rank's "
+                             "own rows into the region (copy), or skip them and let the readers take them from the "
+                             "input (input); auto: input under codegen")
     parser.add_argument("--dump-stacks-after", type=float, default=None, metavar="S",
                         help="print every thread's Python stack on each rank when a mode has run S seconds "
                              "(a hang's whereabouts; the run goes on)")
@@ -366,7 +369,7 @@ def main():
         args.capacity_factor = None
     print(f"MoEGPT: {args.layers} layers, hidden {args.hidden}, {args.experts} experts x d_ff {args.d_ff}, "
           f"top-{args.top_k}, {args.routing} routing, shared expert {args.d_ff_shared}, S={args.seq} x {args.microbatches} microbatch(es) per rank ({args.interleave} with overlap), {args.gpus} GPUs, ep={args.ep}, capacity factor "
-          f"{args.capacity_factor}, SM carveout {args.sm_carveout}, ZeRO collectives by {args.fsdp_collectives}{', NCCL on high-priority streams' if args.nccl_high_priority else ''}, own part of an all-to-all by {args.own_part or 'the default'}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"{args.capacity_factor}, SM carveout {args.sm_carveout}, ZeRO collectives by {args.fsdp_collectives}{', NCCL on high-priority streams' if args.nccl_high_priority else ''}, own part of an all-to-all by {args.own_part}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{'eager replay' if args.eager_replay else 'CUDA graphs'}", flush=True)
     results = run_local(run_modes, args.gpus, args, backend="nccl")[0]
     base, exposed = results["nocomm"], results["ep"] - results["nocomm"]
@@ -386,6 +389,8 @@ def main():
         ms = results[label]
         mfu = flops / (ms / 1e3) / (args.gpus * H200_BF16_DENSE_PEAK)
         row = {"mode": label, "ms_per_step": ms, "mfu": mfu}
+        if f"{label}-own-parts-from-input" in results:  # [rewritten, copy-engine all-to-alls]
+            row["own_parts_from_input"] = results[f"{label}-own-parts-from-input"]
         text = f"{label:<18} {ms:>9.2f} {mfu:>6.1%}"
         if label.startswith("ep"):
             own_base = results["nocomm" + without_ce(label[2:])]

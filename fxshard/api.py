@@ -101,6 +101,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     step = CompiledStep(programs, state, batch_spec, optimizer, batch_spec.device, groups, config.cuda_graphs,
                         sm_carveout=config.ep_sm_carveout, all_to_all=config.ep_all_to_all,
                         fsdp_collectives=config.fsdp_collectives, copy_engine_barriers=config.copy_engine_barriers,
+                        copy_engine_own_part=config.copy_engine_own_part,
                         collective_timeout_s=config.collective_timeout_s,
                         codegen=codegen,
                         codegen_by_layer=config.codegen_regions == "layer",

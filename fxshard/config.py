@@ -25,6 +25,7 @@ EP_INTERLEAVINGS = ("combined-1f1b", "dual-batch")
 EP_ALL_TO_ALLS = ("auto", "nccl", "copy-engine")
 FSDP_COLLECTIVES = ("auto", "nccl", "copy-engine")
 COPY_ENGINE_BARRIERS = ("kernel", "stream")  # runtime/copy_engine.py BARRIERS
+COPY_ENGINE_OWN_PARTS = ("auto", "copy", "input")  # runtime/copy_engine.py OWN_PARTS, and "auto"
 CODEGENS = ("auto", "inductor", None)
 CODEGEN_REGIONS = ("layer", "communication")
 NONFINITE_MODES = ("raise", "skip", "ignore")
@@ -141,6 +142,15 @@ class Config:
         stderr) unless fxshard reported the error first. A stream wait blocks the hardware queue its
         stream is mapped to, which other streams may share (CUDA_DEVICE_MAX_CONNECTIONS, 8 by
         default; 1 is refused).
+    copy_engine_own_part: where the readers of a copy-engine EP all-to-all's result take this rank's
+        own rows: "copy" (the exchange copies them into its region, a device-to-device copy that holds
+        compute up like a kernel), "input" (the exchange skips them and each reader reads
+        `cat([region rows, input's own rows, region rows])`, which Inductor fuses into the reader's
+        gather on CUDA; under aten replay the cat is written out) or "auto" (default: "input" under
+        codegen, else "copy"). Measured on 2 H200s (bench/RESULTS.md, session 32): MoE with dual-batch
+        overlap 0.65-0.72 ms a step faster with "input". `step.lowerings()` counts the all-to-alls
+        rewritten; one whose readers cannot take it (an op with its own kernel, a view written into)
+        keeps the copy.
     nccl_max_ctas: on NCCL, each process group fxshard makes runs its collectives on at most this many
         CTAs (thread blocks, one SM each; NCCL's `maxCTAs` config of the communicator). An NCCL
         collective holds its SMs while it runs, and the GEMMs overlapping it run on the rest: fewer
@@ -207,6 +217,7 @@ class Config:
     ep_all_to_all: str = "auto"
     fsdp_collectives: str = "auto"
     copy_engine_barriers: str = "kernel"
+    copy_engine_own_part: str = "auto"
     nccl_max_ctas: "int | dict[str, int] | None" = None
     nccl_high_priority: bool = False
     codegen: str | None = "auto"
@@ -308,6 +319,9 @@ class Config:
         if self.copy_engine_barriers not in COPY_ENGINE_BARRIERS:
             raise FxShardError(f"copy_engine_barriers={self.copy_engine_barriers!r}; choose one of "
                                f"{COPY_ENGINE_BARRIERS}")
+        if self.copy_engine_own_part not in COPY_ENGINE_OWN_PARTS:
+            raise FxShardError(f"copy_engine_own_part={self.copy_engine_own_part!r}; choose one of "
+                               f"{COPY_ENGINE_OWN_PARTS}")
         if self.nccl_max_ctas is not None:
             self._check_nccl_max_ctas()
         if self.nonfinite not in NONFINITE_MODES:

@@ -18,7 +18,7 @@ from fxshard.passes import run_pipeline
 from fxshard.passes.fsdp import STRATEGIES, FSDPConfig, fsdp
 from fxshard.runtime import workspace_plan
 from fxshard.runtime.copy_engine import (COPY_ENGINE_COLLECTIVES, copy_engine_all_gather, copy_engine_all_to_all,
-                                         copy_engine_reduce_scatter, lower_to_copy_engines)
+                                         copy_engine_reduce_scatter, lower_to_copy_engines, read_own_part_from_input)
 from fxshard.runtime.reinplace import gather_updates_in_place, reinplace, write_back_positions
 from fxshard.testing import SimulatedRanks
 from strategies import MLPStack, mse, rank_batches, regression_batch, widths
@@ -466,6 +466,48 @@ def test_all_to_alls_whose_readers_take_the_own_part_from_the_input_compute_exac
             own = [n for n in x.users if n.target is torch.ops.aten.slice.Tensor
                    and n.args[1:] == (0, place * rows, (place + 1) * rows)]
             assert own and all(user.target is torch.ops.aten.cat.default for n in own for user in n.users)
+
+
+@pytest.mark.parametrize("source, reader, rewritten", [
+    ("compute", "gather", True), ("view of compute", "gather", True),
+    ("graph input", "gather", False), ("view of a collective's result", "gather", False),
+    ("compute", "op with a kernel of its own", False), ("compute written into later", "gather", False)])
+def test_the_own_part_is_read_from_the_input_only_where_that_input_is_fresh_compute_nobody_writes(
+        source, reader, rewritten):
+    """read_own_part_from_input on small graphs: an all-to-all of 2 ranks x 4 rows whose result a gather
+    (index_select) reads. Refused where its input is a graph input or aliases another collective's
+    result (whose region may be reused while the cat still reads it), where something writes into the
+    input, or where the reader is a fixed op (the cat would be written out before it)."""
+    graph = fx.Graph()
+    a, order = graph.placeholder("a"), graph.placeholder("order")
+    x = {"graph input": a}.get(source) or graph.call_function(torch.ops.aten.mul.Tensor, (a, 2))
+    if source == "view of compute":
+        x = graph.call_function(torch.ops.aten.view.default, (x, [8, 3]))
+    if source == "view of a collective's result":
+        gathered = graph.call_function(c10d.wait_tensor.default, (
+            graph.call_function(c10d.all_gather_into_tensor.default, (a, 1, "g")),))
+        x = graph.call_function(torch.ops.aten.view.default, (gathered, [8, 3]))
+    exchange = graph.call_function(c10d.all_to_all_single.default, (x, [4, 4], [4, 4], "g"))
+    result = graph.call_function(c10d.wait_tensor.default, (exchange,))
+    if reader == "gather":
+        out = graph.call_function(torch.ops.aten.index_select.default, (result, 0, order))
+    else:
+        out = graph.call_function(torch.ops.fxshard.adamw_update.default, (result, result, result, result))
+    if source == "compute written into later":
+        graph.call_function(torch.ops.aten.add_.Tensor, (x, 1))
+    graph.output(out)
+    assert read_own_part_from_input(graph, exchange, rank=1) is rewritten
+    cats = [n for n in graph.nodes if n.target is torch.ops.aten.cat.default]
+    if rewritten:  # rank 1's own rows are the input's last 4; the first 4 come from the region
+        (cat,) = cats
+        assert cat.users.keys() == {out} and result not in out.args
+        (before, own), = cat.args
+        assert (before.args, own.args) == ((result, 0, 0, 4), (x, 0, 4, 8))
+    else:
+        assert not cats and result in out.args
+    graph.lint()
+    with pytest.raises(fxshard.FxShardError, match="copy_engine_own_part='region'; choose one of"):
+        fxshard.Config(copy_engine_own_part="region")
 
 
 def test_zero3_gathers_reuse_regions_and_a_plan_that_reuses_too_early_is_caught(monkeypatch):

@@ -693,10 +693,6 @@ def _copy_engines_and_nccl(batches, case):
     rank, world = dist.get_rank(), dist.get_world_size()
     device = f"cuda:{rank}"
     local = [{k: v[rank * 2:(rank + 1) * 2].to(device) for k, v in b.items()} for b in batches]
-    if case == "ep_own_part_from_input":  # the experiment's switch: readers take the own part from the input
-        from fxshard.runtime import copy_engine
-
-        copy_engine.OWN_PART = "input"
     results = []
     for backend, cuda_graphs, barriers in (("nccl", False, "kernel"), ("copy-engine", False, "kernel"),
                                            ("copy-engine", True, "kernel"), ("copy-engine", False, "stream"),
@@ -705,6 +701,8 @@ def _copy_engines_and_nccl(batches, case):
         if case.startswith("ep"):
             model, mesh = MoEGPT(MoEGPTConfig.preset("tiny", capacity_factor=1.0)), fxshard.Mesh(dp=world, ep=world)
             fields = {"ep_overlap": True, "microbatches": 2, "ep_interleave": "dual-batch", "ep_all_to_all": backend}
+            if case == "ep_own_part_from_input":  # under aten replay too (the cat is then written out)
+                fields.update(copy_engine_own_part="input")
             if case == "ep_zero1":  # bench/pending_2gpu.sh moe-ce stalled here (2x H200, session 24)
                 fields.update(sharding="optim", fsdp_collectives=backend, collective_timeout_s=30)
         else:

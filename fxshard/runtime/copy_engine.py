@@ -64,6 +64,7 @@ from torch import Tensor
 
 from .. import meta
 from ..errors import FxShardError
+from ..graph import is_view, mutates
 from .workspace_plan import plan_regions
 
 _c10d = torch.ops._c10d_functional
@@ -504,20 +505,17 @@ def resolve_auto(ep_all_to_all: str, fsdp_collectives: str, device: torch.device
     return ep_all_to_all, fsdp_collectives, f"collectives 'auto': {pick} ({why})"
 
 
-# Where an all-to-all's readers take this rank's own rows: "input" (`read_own_part_from_input`) or "copy"
-# (the exchange copies them into the region). None: the default, `own_part_default(codegen)`. Set only to
-# compare the two (bench/moe.py --own-part).
-OWN_PART: str | None = None
+OWN_PARTS = ("copy", "input")  # where an all-to-all's readers take this rank's own rows
 
 
-def own_part_default(codegen: bool) -> str:
-    """Where copy-engine all-to-alls' readers take the own rows from by default: "input" under codegen,
-    where Inductor fuses the `cat` into each reader's gather (bench/probes/cat_gather.py on an H200: a
-    gather of a cat 67.8 us, a plain gather 67.6 us, the copy then the gather 100.9 us; MoE at ep=2
-    57.50 -> 56.85 ms a step, session 32), "copy" under aten replay, where the `cat` is written out."""
-    if OWN_PART is not None:
-        return OWN_PART
-    return "input" if codegen else "copy"
+def resolve_own_part(own_part: str, codegen: bool) -> str:
+    """Config(copy_engine_own_part) made concrete: "auto" is "input" under codegen, where Inductor fuses
+    the `cat` into each reader's gather (bench/probes/cat_gather.py on an H200: a gather of a cat 67.8
+    us, a plain gather 67.6 us, the copy then the gather 100.9 us; MoE at ep=2 0.65-0.72 ms a step
+    faster in two jobs, session 32), and "copy" under aten replay, where the `cat` is written out."""
+    if own_part == "auto":
+        return "input" if codegen else "copy"
+    return own_part
 
 
 def lower_to_copy_engines(graph_module: fx.GraphModule, all_to_alls: bool = True, gathers_and_scatters: bool = False,
@@ -534,8 +532,8 @@ def lower_to_copy_engines(graph_module: fx.GraphModule, all_to_alls: bool = True
     readers take those rows from its input (`read_own_part_from_input`; `group_rank(group name)`
     gives this rank's place in the group, by default from its process group); "copy": the exchange
     copies them into the region."""
-    if own_part not in ("copy", "input"):
-        raise FxShardError(f"own_part={own_part!r}; choose 'copy' or 'input'")
+    if own_part not in OWN_PARTS:
+        raise FxShardError(f"own_part={own_part!r}; choose one of {OWN_PARTS}")
     if barriers not in BARRIERS:
         raise FxShardError(f"copy_engine_barriers={barriers!r}; choose one of {BARRIERS}")
     connections = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")
@@ -599,20 +597,16 @@ def read_own_part_from_input(graph: fx.Graph, node: fx.Node, rank: int) -> bool:
     Invariant: every reader sees the same values as before, provided the region's own rows are never
     written (the exchange skips them: `skip_own`)."""
     from ..codegen import is_fixed
-    from ..graph import is_view, mutates
 
     x, out_splits = node.args[0], node.args[1]
     waits = [user for user in node.users if user.target is _c10d.wait_tensor.default]
     readers = [(wait, reader) for wait in waits for reader in wait.users]
-    aliases, through = list(waits), []
-    while aliases:  # every view of the result, and every node that reads one
-        alias = aliases.pop()
-        for user in alias.users:
-            through.append(user)
-            if is_view(user):
-                aliases.append(user)
-    if (not out_splits or len(waits) != len(node.users) or not readers or x.op != "call_function" or is_fixed(x)
-            or any(is_fixed(reader) for _, reader in readers) or any(mutates(n) for n in [*through, *x.users])):
+    base = x  # the tensor whose memory x is: x may be a view of it
+    while base.op == "call_function" and is_view(base) and isinstance(base.args[0], fx.Node):
+        base = base.args[0]
+    if (not out_splits or len(waits) != len(node.users) or not readers or base.op != "call_function"
+            or is_fixed(base) or any(is_fixed(reader) for _, reader in readers)
+            or any(mutates(n) for n in [*_readers_through_views(waits), *_readers_through_views([base])])):
         return False
     rows, world = out_splits[0], len(out_splits)
     for wait, reader in readers:
@@ -629,6 +623,18 @@ def read_own_part_from_input(graph: fx.Graph, node: fx.Node, rank: int) -> bool:
             whole.meta = {**reader.meta, **({"val": wait.meta["val"]} if "val" in wait.meta else {})}
         reader.replace_input_with(wait, whole)
     return True
+
+
+def _readers_through_views(nodes: list[fx.Node]) -> list[fx.Node]:
+    """Every node that reads one of `nodes` or a view of one (views of views too)."""
+    aliases, through = list(nodes), []
+    while aliases:
+        alias = aliases.pop()
+        for user in alias.users:
+            through.append(user)
+            if is_view(user):
+                aliases.append(user)
+    return through
 
 
 class Watch:

@@ -22,7 +22,7 @@ from ..codegen import CodegenReport, compile_regions, progress_printer
 from ..graph import views_as_reshapes
 from .nonfinite import was_skipped
 from .carveout import carve_out_sms_for_all_to_alls
-from .copy_engine import CopyEngineLowering, Watch, lower_to_copy_engines, marker, own_part_default, resolve_auto
+from .copy_engine import CopyEngineLowering, Watch, lower_to_copy_engines, marker, resolve_auto, resolve_own_part
 from .gloo import gloo_group_names, lower_gloo_all_gathers
 from .reinplace import WRITE_BACK, gather_updates_in_place, reinplace, write_back_positions
 from .replay_watch import ReplayWatch, abort_groups, expire_process_groups
@@ -55,7 +55,7 @@ class CompiledStep:
     def __init__(self, programs: list[Program], state: State, batch_spec: BatchSpec, optimizer: Optimizer,
                  device: torch.device, groups: dict | None = None, cuda_graphs: bool = False,
                  sm_carveout: int | None = None, all_to_all: str = "nccl", fsdp_collectives: str = "nccl",
-                 copy_engine_barriers: str = "kernel",
+                 copy_engine_barriers: str = "kernel", copy_engine_own_part: str = "auto",
                  collective_timeout_s: float | None = Config.collective_timeout_s,
                  codegen: bool = False,
                  codegen_by_layer: bool = True,
@@ -122,7 +122,7 @@ class CompiledStep:
                 self._run, all_to_alls=all_to_all == "copy-engine",
                 gathers_and_scatters=fsdp_collectives == "copy-engine", timeout_s=collective_timeout_s,
                 axes={group.group_name: axis for axis, group in self.groups.items()}, barriers=copy_engine_barriers,
-                own_part=own_part_default(bool(codegen)))
+                own_part=resolve_own_part(copy_engine_own_part, codegen))
         # names the copy-engine collective a device stopped in (kernel barriers trap after the timeout;
         # with stream barriers the watch stops the device itself)
         self._watch = None
