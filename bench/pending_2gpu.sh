@@ -2,14 +2,19 @@
 # The 2-GPU measurements the open issues wait for, one part per device call (each fits the 10-minute
 # limit of a device command). On the device machine, from the repository root:
 #
-#     bash bench/pending_2gpu.sh own-default|own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|fga|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
+#     bash bench/pending_2gpu.sh own-default|half-blocks|own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|fga|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
 # (date, machine, command). In priority order (session 32: the own part read from the input fuses into
 # the readers' gathers and took 0.65-0.72 ms off the MoE step in two jobs, now the default under codegen;
 # the pipelines' bf16-gradient rows ran next to the compiled peer):
 #   own-default  the multigpu tests of the own part read from the input, then MoE with the default,
-#             profiled (~8 min; session 32 ran it)
+#             profiled (~8 min; session 32 ran it before its last commits: Config(copy_engine_own_part) and
+#             the test's bf16 graphed half are not run on a GPU yet)
+#   half-blocks  issue 14: 1F1B and interleaved V=2 graphed, the FLOP cut of whole blocks, then a cut inside
+#             a block (bench/pipeline.py --half-blocks: Config(layers) of each block's attention and MLP),
+#             no peers (~6 min; never run: does evening out the ranks by half a block shorten the step
+#             and bring the bubble nearer the simulator's?)
 #   own-part  bench/probes/cat_gather.py, the multigpu test against NCCL (aten replay), then MoE with
 #             --own-part copy and input in one job (~8 min; session 32 ran it)
 #   moe-ce    MoE with ZeRO-1's collectives on the copy engines too, profiled: session 31 measured no gain
@@ -65,6 +70,14 @@ case "$part" in
                 --out "$out/moe_own_part_${own}_2gpu_$day.json" 2>&1 | tee "$out/moe_own_part_$own.log" \
                 | grep -v "codegen: region" | tail -12 || echo "own part $own: status $?"
             done ;;
+  half-blocks) # the FLOP cut of whole blocks, then a cut inside a block (half a block moved from rank 0 to
+               # rank 1, whose busy time was 13.5 ms a step shorter in session 32's V=2 job), graphed, one job
+               for cut in blocks halves; do
+                 extra=""; [ "$cut" = halves ] && extra="--half-blocks --stage-layers 19,17 10,10,9,7"
+                 timeout 280 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 --replays graphed --peers \
+                   --steps 8 $extra --out "$out/pipeline_${cut}_2gpu_$day.json" 2>&1 | tee "$out/pipeline_$cut.log" \
+                   | grep -v "codegen: region\|Warning\|warn\|func(" | tail -12 || echo "cut $cut: status $?"
+               done ;;
   own-default) timeout 200 python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
                 -k "own_part_from_the_input_under_codegen or (bit_identical_to_nccl and own_part)" 2>&1 \
                 | tee "$out/own_default_test.log" | tail -4 || true

@@ -3,6 +3,7 @@
     python bench/pipeline.py --gpus 2 --out bench/pipeline.json                      # 2x H200, the issue's job
     python bench/pipeline.py --device cpu --model tiny --n-layer 4 --seq 64 --gpus 2  # CPU smoke test (gloo)
     python bench/pipeline.py --gpus 2 --stage-layers 9,9 4,5,5,4                     # another cut, peer included
+    python bench/pipeline.py --gpus 2 --half-blocks --stage-layers 10,10,9,7         # a cut inside a block (fxshard only)
 
 GPT 1b (fxshard.models.GPT, untied head), pp=P (--gpus), M=8 microbatches of 1x2048, bf16 compute with fp32
 master weights, AdamW, the same data (seed 0) in every mode. Every mode runs in its own spawned job of P
@@ -41,6 +42,13 @@ ms / this mode's ms (> 1: faster than the peer), "vs best peer" the same against
 pipelining mode of the job, "vs eager" = the same schedule's eager ms / graphed ms, peak GiB (max over
 ranks, after setup), the loss of the first and the last warm-up step (the same model, data and optimizer in
 every mode: they should agree to bf16 rounding).
+
+--half-blocks makes each block's attention and its MLP layers of their own for the fxshard modes
+(Config(layers=("layers.*.attn", "layers.*.mlp")): what runs between them, a norm and a residual add,
+belongs to the one before), so a cut can fall inside a block, where a rank's share of the work can
+be evened out by half a block; --stage-layers then counts half-blocks for them. The peers keep their
+FLOP cut of whole blocks (torch.distributed.pipelining is given modules), and the eager rows leave out
+the per-layer diagnostics, which compare blocks.
 
 Measured bubble: after timing, one more step per mode under torch.profiler (CUDA activity only), after
 one profiled and discarded (the profiler's start-up would otherwise leave the GPU idle for ~2.7 ms at the
@@ -147,6 +155,7 @@ class Setup:
     cuts: tuple = ()      # (chunks, fxshard's layer groups) pairs: the peer is cut where fxshard cuts
     stage_layers: tuple = ()  # (chunks, blocks per chunk) pairs from --stage-layers: those cuts instead of fxshard's
     nccl_high_priority: bool = False  # --nccl-high-priority: Config(nccl_high_priority) in every fxshard mode
+    layers: tuple | None = None  # --half-blocks: Config(layers) of the fxshard modes (their --stage-layers count those)
 
     def config(self) -> GPTConfig:
         overrides = {} if self.n_layer is None else {"n_layer": self.n_layer}
@@ -180,14 +189,17 @@ def synchronize(setup: Setup) -> None:
         torch.cuda.synchronize()
 
 
-def fxshard_split(model: GPT, setup: Setup, chunks: int):
+def fxshard_split(model: GPT, setup: Setup, chunks: int, layers: tuple | None = None):
     """fxshard's split of `model` into `chunks` pipeline chunks (passes/pipeline.py: the program of one
     microbatch, traced, blocks balanced by FLOPs with the head counted in the last chunk, or as
-    --stage-layers says); `model` may be on meta."""
+    --stage-layers says); `model` may be on meta. `layers`: Config(layers) (--half-blocks, whose
+    --stage-layers count half-blocks: a split of whole blocks then takes the FLOP cut)."""
     rows = setup.batch
     batch = {key: value[:rows].cpu() for key, value in batch_for(setup, "cpu").items()}
-    program = fxshard.trace(model, lambda m, b: m.loss(b), batch, optimizer=fxshard.optim.AdamW(lr=1e-4))
-    return split_stages(program, chunks, dict(setup.stage_layers).get(chunks))
+    program = fxshard.trace(model, lambda m, b: m.loss(b), batch, optimizer=fxshard.optim.AdamW(lr=1e-4),
+                            config=fxshard.Config(layers=layers))
+    counts = dict(setup.stage_layers).get(chunks) if layers == setup.layers else None
+    return split_stages(program, chunks, counts)
 
 
 def chunk_layers(setup: Setup, chunks: int) -> list[list[str]]:
@@ -315,7 +327,7 @@ def run_fxshard(schedule_name: str, virtual: int, graphed: bool, label: str, set
                             cuda_graphs=graphed, nccl_max_ctas={"pp": p2p_ctas} if p2p_ctas else None,
                             p2p_receives=receives, fuse_grad_accumulation=fuse_accumulation,
                             stage_layers=dict(setup.stage_layers).get(world * virtual),
-                            nccl_high_priority=setup.nccl_high_priority)
+                            nccl_high_priority=setup.nccl_high_priority, layers=setup.layers)
     started = time.perf_counter()
     step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=fxshard.optim.AdamW(lr=1e-4),
                          mesh=fxshard.Mesh(pp=world), config=config)
@@ -823,7 +835,7 @@ def planned_modes(args) -> list[tuple[str, str, bool]]:
 def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model: GPT,
              splits: dict) -> tuple[dict, list[dict]] | None:
     """One mode in its own job of `gpus` processes: its table row and every rank's result, or None
-    (the failure printed)."""
+    (the failure printed). `splits`: {"peer" or "fxshard": {virtual stages: the split its kind runs}}."""
     mode = name if kind == "peer" else f"{name}-{'graphed' if graphed else 'eager'}"
     started = time.perf_counter()
     try:
@@ -835,7 +847,7 @@ def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model
         return None
     schedule_name, virtual = PEER_SCHEDULE[PEERS[name][0]] if kind == "peer" else schedule_of(name)[:2]
     row = combine(mode, ranks, setup, *simulated_bubble(schedule_name, gpus, setup.microbatches, virtual,
-                                                        splits[virtual]))
+                                                        splits[kind][virtual]))
     row["schedule"] = (schedule_name, virtual)
     row["issued"] = [r["actions"] for r in ranks] if kind == "fxshard" else None  # each rank's program order
     time_by_measured_costs(row, measured_costs(ranks) if kind == "fxshard" else None, gpus, setup.microbatches)
@@ -847,7 +859,8 @@ def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model
         details.insert(0, f"fxshard.shard {max(r['compile_s'] for r in ranks):.1f}s")
         placement = build(schedule_name, gpus, setup.microbatches, virtual).rank_of
         expected = stage_parameter_names(model, chunk_layers(setup, gpus * virtual), placement, gpus)
-        if ranks[0]["params_by_stage"] != expected:  # fxshard's own cut against the one the peer is built with
+        # fxshard's own cut against the one the peer is built with (--half-blocks: another cut on purpose)
+        if not setup.layers and ranks[0]["params_by_stage"] != expected:
             details.append(f"WARNING: fxshard's stages hold other parameters than this bench's cut "
                            f"({[len(n) for n in ranks[0]['params_by_stage']]} vs {[len(n) for n in expected]})")
     busy = [r.get("busy_ms") for r in ranks]
@@ -859,7 +872,7 @@ def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model
             us = rank["gemms_beside_us"]
             details.append(f"rank {index} GEMMs {us['gemm_us'] / 1e3:.1f} ms, {us['gemm_beside_us'] / 1e3:.1f} of it "
                            f"beside NCCL kernels, ~{us['gemm_beside_extra_us'] / 1e3:.1f} ms longer than alone")
-    if kind == "fxshard" and not graphed:  # the cut the measured layer times would make
+    if kind == "fxshard" and not graphed and not setup.layers:  # the cut the measured layer times would make
         order = [layer for group in chunk_layers(setup, gpus * virtual) for layer in group]
         balanced = time_balanced_cut(ranks, order, gpus * virtual)
         if balanced is not None:
@@ -871,7 +884,7 @@ def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model
                            f"{min(blocks, default=0):.1f}-{max(blocks, default=0):.1f}, post "
                            f"{measured.get(meta.POST, 0.0):.1f}; a cut balanced by them: --stage-layers "
                            f"{','.join(map(str, counts))} (this one: {','.join(map(str, current))})")
-    if kind == "fxshard" and not graphed:  # what makes a block slower than the median one
+    if kind == "fxshard" and not graphed and not setup.layers:  # what makes a block slower than the median one
         row["layer_excess"] = [r.get("layer_excess") for r in ranks]
         for index, excess in enumerate(row["layer_excess"]):
             for layer, table in (excess or {}).items():
@@ -1003,6 +1016,10 @@ def main():
                         help="each fxshard mode again with its gradients accumulated in bf16 (Config(reduce_dtype="
                              "torch.bfloat16)), as <mode>-gbf16: the peer's precision (--peer-precision bf16 accumulates "
                              "in its bf16 modules' .grad)")
+    parser.add_argument("--half-blocks", action="store_true",
+                        help="the fxshard modes take each block's attention and MLP as layers (Config(layers)), so a "
+                             "cut can fall inside a block; --stage-layers then counts half-blocks for them, and the "
+                             "peers keep their own FLOP cut of whole blocks")
     parser.add_argument("--out", default="bench/pipeline.json")
     args = parser.parse_args()
     try:
@@ -1012,19 +1029,24 @@ def main():
         parser.error(f"--stage-layers takes comma-separated block counts per chunk, got {args.stage_layers}")
     setup = Setup(args.model, args.n_layer, args.device, args.microbatches, args.batch, args.seq,
                   max(args.warmup, 1), args.steps, args.peer_precision, args.trace_dir, stage_layers=stage_layers,
-                  nccl_high_priority=args.nccl_high_priority)
+                  nccl_high_priority=args.nccl_high_priority,
+                  layers=("layers.*.attn", "layers.*.mlp") if args.half_blocks else None)
     model = build_model(setup, "meta")
     params = sum(p.numel() for p in model.parameters())
     print(f"GPT {args.model} ({params / 1e9:.2f}B, {setup.config().n_layer} blocks), pp={args.gpus}, "
           f"M={args.microbatches}, microbatch {args.batch}x{args.seq}, {device_name()}, torch {torch.__version__}, "
           f"peer precision {args.peer_precision}", flush=True)
-    splits = {virtual: fxshard_split(model, setup, args.gpus * virtual)
-              for virtual in sorted({PEERS[p][0] for p in args.peers} | {SCHEDULES[s][1] for s in args.schedules})}
+    virtuals = sorted({PEERS[p][0] for p in args.peers} | {SCHEDULES[s][1] for s in args.schedules})
+    splits = {virtual: fxshard_split(model, setup, args.gpus * virtual) for virtual in virtuals}
     setup = dataclasses.replace(setup, cuts=tuple((len(split.chunks), tuple(c.layers for c in split.chunks))
                                                   for split in splits.values()))
-    for split in splits.values():
-        print(f"  cut into {len(split.chunks)} chunks: " + " | ".join(", ".join(c.layers) for c in split.chunks),
-              flush=True)
+    own = {virtual: fxshard_split(model, setup, args.gpus * virtual, setup.layers) for virtual in virtuals} \
+        if setup.layers else splits
+    for who, cuts in (("", splits), ("fxshard's half-blocks ", own if setup.layers else {})):
+        for split in cuts.values():
+            print(f"  {who}cut into {len(split.chunks)} chunks: " + " | ".join(", ".join(c.layers) for c in split.chunks),
+                  flush=True)
+    splits = {"peer": splits, "fxshard": own}
     modes = planned_modes(args)
     print(HEADER, flush=True)
     rows, ranks_of = [], {}
@@ -1050,7 +1072,8 @@ def main():
     print_targets(rows)
     write_json(args.out, model=args.model, params=params, gpus=args.gpus, microbatches=args.microbatches,
                batch=args.batch, seq=args.seq, peer_precision=args.peer_precision,
-               nccl_high_priority=args.nccl_high_priority, stage_layers=args.stage_layers, rows=rows)
+               nccl_high_priority=args.nccl_high_priority, stage_layers=args.stage_layers,
+               layers=list(setup.layers) if setup.layers else None, rows=rows)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,10 @@ class Config:
 
     dump_dir: write the traced program and the program after every pass there (also `FXSHARD_DUMP`).
     layers: module paths (globs allowed, e.g. "blocks.*") whose modules are one layer each; default:
-        the children of the model's largest ModuleList/Sequential of same-type blocks.
+        the children of the model's largest ModuleList/Sequential of same-type blocks. What runs
+        between two layers outside both belongs to the one before, so ("layers.*.attn",
+        "layers.*.mlp") lets a pipeline cut fall inside a block (Config(stage_layers) then counts
+        half-blocks).
     clip_grad_norm: clip gradients to this global L2 norm before the update (None: no clipping).
     collective_timeout_s: a step that waits longer than this in one collective or transfer fails with
         an FxShardError naming it (kind, shape, phase, layer, unit, group) instead of hanging; fxshard's

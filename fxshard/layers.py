@@ -2,13 +2,16 @@
 
 A layer is a module whose forward (and, through aot_autograd's metadata link, whose backward) is
 tagged with its module path. Everything traced before the first layer runs is "pre", everything after
-a layer has run and outside any layer is "post". The model needs no edits: hooks do the tagging and
-are removed when tracing ends.
+the last layer has run is "post", and what runs between one layer and the next, outside both,
+belongs to the one before (with Config(layers=("layers.*.attn", "layers.*.mlp")), a block's residual
+add after its attention is the attention's). The model needs no edits: hooks do the tagging and are
+removed when tracing ends.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 
 import torch.fx.traceback as fx_traceback
@@ -66,20 +69,41 @@ def _children(module: nn.Module) -> dict[str, nn.Module]:
     return {}
 
 
+_AFTER = "after "  # the annotation of ops traced after a layer's forward and outside any layer
+
+
+@dataclasses.dataclass
+class LayerTrace:
+    """What annotate_layers saw of one traced step: how many times a layer's forward was entered."""
+    entries: int = 0
+
+    def layer_of(self, annotation: str) -> str:
+        """The layer an op's annotation names: a layer's path, "pre", or for an op traced after layer
+        entry k outside any layer, that layer, or "post" after the step's last entry."""
+        if not annotation.startswith(_AFTER):
+            return annotation
+        entry, path = annotation[len(_AFTER):].split(" ", 1)
+        return meta.POST if int(entry) == self.entries else path
+
+
 @contextlib.contextmanager
 def annotate_layers(root: nn.Module, model: nn.Module, layer_paths: list[str]):
-    """While active, every op traced inside a layer's forward carries that layer's path.
+    """While active, every op traced inside a layer's forward carries that layer's path, and every op
+    traced after it outside any layer says so (`LayerTrace.layer_of` reads both); yields the
+    LayerTrace.
 
     `root` is the module whose call is one traced step (it wraps loss_fn): each call starts "pre".
     aot_autograd runs it more than once (metadata pass, joint trace), so the state resets per call.
     """
     regions: list[contextlib.ExitStack] = []
     open_layers: dict[int, contextlib.AbstractContextManager] = {}
+    trace = LayerTrace()
 
     def start_step(module, args):
         region = contextlib.ExitStack()
         region.enter_context(fx_traceback.annotate({meta.ANNOTATION_LAYER: meta.PRE}))
         regions.append(region)
+        trace.entries = 0
 
     def end_step(module, args, output):
         regions.pop().close()
@@ -89,21 +113,25 @@ def annotate_layers(root: nn.Module, model: nn.Module, layer_paths: list[str]):
             cm = fx_traceback.annotate({meta.ANNOTATION_LAYER: path})
             cm.__enter__()
             open_layers[id(module)] = cm
+            trace.entries += 1
         return pre_hook
 
-    def leave(module, args, output):
-        open_layers.pop(id(module)).__exit__(None, None, None)
-        # From here on, ops outside any layer are "post". The contexts nest properly: this one opens
-        # after the layer's own context closed, and the step's region closes them in reverse.
-        regions[-1].enter_context(fx_traceback.annotate({meta.ANNOTATION_LAYER: meta.POST}))
+    def leave(path):
+        def hook(module, args, output):
+            open_layers.pop(id(module)).__exit__(None, None, None)
+            # From here on, ops outside any layer are this entry's, or "post" if no layer follows. The
+            # contexts nest properly: this one opens after the layer's own context closed, and the
+            # step's region closes them in reverse.
+            regions[-1].enter_context(fx_traceback.annotate({meta.ANNOTATION_LAYER: f"{_AFTER}{trace.entries} {path}"}))
+        return hook
 
     handles = [root.register_forward_pre_hook(start_step), root.register_forward_hook(end_step)]
     for path in layer_paths:
         module = model.get_submodule(path)
         handles.append(module.register_forward_pre_hook(enter(path)))
-        handles.append(module.register_forward_hook(leave))
+        handles.append(module.register_forward_hook(leave(path)))
     try:
-        yield
+        yield trace
     finally:  # a trace that failed midway leaves contexts open: close them innermost first
         for cm in reversed(list(open_layers.values())):
             cm.__exit__(None, None, None)

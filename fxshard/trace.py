@@ -25,7 +25,7 @@ from .config import Config
 from .errors import FxShardError
 from .errors_trace import explain_trace_failure
 from .graph import inline
-from .layers import annotate_layers, find_layers
+from .layers import LayerTrace, annotate_layers, find_layers
 from .moe_modules import swapped_forwards
 from .ops.grouped_mm import RouteGroupedMM
 from .optim import AdamW, Optimizer
@@ -124,14 +124,14 @@ def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     step_module = _LossStep(model, loss_fn, batch_spec, list(params), list(buffers))
     try:
         with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta(), \
-                annotate_layers(step_module.target[0], model, layer_paths), \
+                annotate_layers(step_module.target[0], model, layer_paths) as layer_trace, \
                 moe.capacity_factor_override(config.moe_capacity_factor), RouteGroupedMM(), _tracing_flags(), \
                 _cast_forward_inputs(model, config.param_dtype), _attributes_kept(model), \
                 swapped_forwards(model) as swapped:
             joint = aot_export_joint_with_descriptors(
                 stack, step_module, (fake_params, fake_buffers, fake_leaves))
             joint_gm = joint.graph_module
-        _check_matmul_dtypes(joint_gm, config.param_dtype)
+        _check_matmul_dtypes(joint_gm, config.param_dtype, layer_trace)
     except FxShardError:
         raise
     except Exception as error:  # translate the tracer's failure into the user's terms
@@ -139,6 +139,7 @@ def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
 
     builder = _ProgramBuilder(params, buffers, batch_spec, optimizer, config, device, fake_mode)
     builder.metric_names = step_module.metric_names
+    builder.layer_trace = layer_trace
     program = builder.build(joint_gm)
     program.notes["trace_seconds"] = round(time.perf_counter() - started, 3)
     program.notes["layers"] = layer_paths
@@ -160,6 +161,7 @@ class _ProgramBuilder:
         self.optimizer = optimizer
         self.device = device
         self.fake_mode = fake_mode
+        self.layer_trace = LayerTrace()  # trace() sets the one it traced with: which layer an annotation names
         self.graph = fx.Graph()
         self.root = nn.Module()
         self.inputs: list[Input] = []
@@ -322,7 +324,7 @@ class _ProgramBuilder:
             custom = node.meta.get("custom") or {}
             copy.meta[meta.PHASE] = meta.BWD if node.meta.get("partitioner_tag") == "is_backward" else meta.FWD
             if meta.ANNOTATION_LAYER in custom:
-                copy.meta[meta.LAYER] = custom[meta.ANNOTATION_LAYER]
+                copy.meta[meta.LAYER] = self.layer_trace.layer_of(custom[meta.ANNOTATION_LAYER])
             copy.meta[meta.MICROBATCH] = microbatch
             env[node] = copy
         raise AssertionError("joint graph has no output node")
@@ -398,7 +400,7 @@ _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.a
             torch.ops.aten.baddbmm.default, torch.ops.aten.convolution.default}
 
 
-def _check_matmul_dtypes(joint_gm: fx.GraphModule, param_dtype: torch.dtype | None) -> None:
+def _check_matmul_dtypes(joint_gm: fx.GraphModule, param_dtype: torch.dtype | None, layer_trace) -> None:
     """Refuse at shard() what would fail in the first step: a matmul or convolution of two dtypes
     (the fake kernels accept it, the real ones do not)."""
     for node in joint_gm.graph.nodes:
@@ -407,7 +409,8 @@ def _check_matmul_dtypes(joint_gm: fx.GraphModule, param_dtype: torch.dtype | No
         dtypes = sorted({str(a.meta["val"].dtype) for a in node.args if isinstance(a, fx.Node)
                          and isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].is_floating_point()})
         if len(dtypes) > 1:
-            layer = (node.meta.get("custom") or {}).get(meta.ANNOTATION_LAYER, "outside the layers")
+            annotation = (node.meta.get("custom") or {}).get(meta.ANNOTATION_LAYER)
+            layer = layer_trace.layer_of(annotation) if annotation else "outside the layers"
             hint = (f"a tensor reaches the model in another dtype than Config(param_dtype={param_dtype}): fxshard casts "
                     f"the floating-point tensors passed to the model's forward, not those that enter another way "
                     f"(loss_fn calling another method than forward, tensors made inside the model); cast them "

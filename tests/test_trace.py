@@ -78,6 +78,27 @@ def test_config_layers_accepts_globs():
         fxshard.trace(model, model_loss, tiny_batch(), config=fxshard.Config(layers=["blocks.*"]))
 
 
+def test_ops_between_two_layers_belong_to_the_layer_before_and_after_the_last_one_to_post():
+    """With a block's attention and MLP as layers, what the block runs outside both (its norms, its
+    residual adds) belongs to the layer before, or to "pre" before the first: the stage split can cut
+    between them (tests/passes/test_pipeline_split.py). After the last layer, "post" as before."""
+    model = GPT(GPTConfig.preset("tiny"))
+    blocks = fxshard.trace(model, model_loss, tiny_batch())
+    halves = fxshard.trace(model, model_loss, tiny_batch(), config=fxshard.Config(layers=("layers.*.attn",
+                                                                                        "layers.*.mlp")))
+    assert halves.notes["layers"] == ["layers.0.attn", "layers.0.mlp", "layers.1.attn", "layers.1.mlp"]
+    pairs = [(a, b) for a, b in zip(blocks.graph.nodes, halves.graph.nodes)
+             if a.op == "call_function" and meta.phase(a) in (meta.FWD, meta.BWD)]
+    assert all(a.name == b.name for a, b in pairs)  # the same graph, other layers
+    allowed = {"pre": {"pre"}, "post": {"post"}, "layers.0": {"pre", "layers.0.attn", "layers.0.mlp"},
+               "layers.1": {"layers.0.mlp", "layers.1.attn", "layers.1.mlp", "post"}}
+    for a, b in pairs:
+        assert meta.layer(b) in allowed[meta.layer(a)], (a.format_node(), meta.layer(a), meta.layer(b))
+    # of the blocks' forward, only the last residual add (after the last layer) is post
+    moved = [b for a, b in pairs if meta.phase(a) == meta.FWD and meta.layer(a) != "post" and meta.layer(b) == "post"]
+    assert [n.target for n in moved] == [torch.ops.aten.add.Tensor]
+
+
 _TRACE_1B = """
 import json, resource, time, torch, fxshard
 from fxshard.models import MoEGPT, MoEGPTConfig

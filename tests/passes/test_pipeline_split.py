@@ -51,11 +51,12 @@ def unsplit_program_run(program, params, batch):
     return outputs[OutputKind.LOSS, "loss"], grads
 
 
-def check_pipeline(model, loss_fn, microbatches, schedule, stage_layers=None, receives="early"):
+def check_pipeline(model, loss_fn, microbatches, schedule, stage_layers=None, receives="early", layers=None):
     """One SGD step (lr 1) of the lowered stage programs on the simulator: the loss is eager's mean
     over microbatches, each gradient (parameter minus update) eager's, and the sum of the gradients
-    of the un-split program run on each microbatch."""
-    program = fxshard.trace(model, loss_fn, microbatches[0], optimizer=fxshard.optim.SGD(lr=1.0))
+    of the un-split program run on each microbatch. `layers`: Config(layers)."""
+    program = fxshard.trace(model, loss_fn, microbatches[0], optimizer=fxshard.optim.SGD(lr=1.0),
+                            config=fxshard.Config(layers=layers))
     pipeline = split_stages(program, schedule.chunks, stage_layers)
     stages = [lower_schedule(pipeline, schedule, stage, receives=receives) for stage in range(schedule.stages)]
     ranks = SimulatedRanks(stages, model, fxshard.optim.SGD(lr=1.0), fxshard.Mesh(pp=schedule.stages))
@@ -106,6 +107,18 @@ def test_every_schedule_over_the_split_computes_eager_losses_and_gradients(layer
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=24, d_model=16, n_layer=layers, n_head=2, d_ff=24))
     check_pipeline(model, model_loss, token_microbatches(24, microbatches), schedule, receives=receives)
+
+
+def test_a_cut_between_a_blocks_attention_and_its_mlp():
+    """Config(layers=attention and MLP of each block): chunks may end inside a block (the residual
+    stream crosses between stages there). Each chunk here holds one half-block."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=24, d_model=16, n_layer=2, n_head=2, d_ff=24))
+    pipeline, _ = check_pipeline(model, model_loss, token_microbatches(24, 4),
+                                 schedules.interleaved_one_f_one_b(2, 4, 2), stage_layers=(1, 1, 1, 1),
+                                 layers=("layers.*.attn", "layers.*.mlp"))
+    assert [chunk.layers for chunk in pipeline.chunks] == [
+        ("pre", "layers.0.attn"), ("layers.0.mlp",), ("layers.1.attn",), ("layers.1.mlp", "post")]
 
 
 def test_moe_gpt_over_four_chunks():
