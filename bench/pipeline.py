@@ -28,7 +28,7 @@ in fp32; --bf16-grads adds each mode again as <mode>-gbf16 with bf16 gradients, 
 The peer, as a user of torch.distributed.pipelining would write it: one nn.Module per chunk (the embedding and
 its blocks, or its blocks and the final norm and head), cut at the same layers as fxshard's chunks (fxshard's
 own split of the traced program, balanced by FLOPs; fxshard modes print their cut and it is checked against the
-peer's), `PipelineStage` per chunk, loss = the model's cross entropy (GPT.loss) per microbatch, gradients
+peer's; not with --half-blocks, below), `PipelineStage` per chunk, loss = the model's cross entropy (GPT.loss) per microbatch, gradients
 scaled by 1/M (the mean over microbatches, as fxshard). Precision (--peer-precision): "bf16" (default) holds
 the stage modules in bf16 and fp32 master copies; after the schedule's step the bf16 gradients (accumulated
 over microbatches in bf16) are copied into the masters, fused torch.optim.AdamW steps the masters, and

@@ -69,21 +69,20 @@ def _children(module: nn.Module) -> dict[str, nn.Module]:
     return {}
 
 
-_AFTER = "after "  # the annotation of ops traced after a layer's forward and outside any layer
-
-
 @dataclasses.dataclass
 class LayerTrace:
     """What annotate_layers saw of one traced step: how many times a layer's forward was entered."""
     entries: int = 0
 
-    def layer_of(self, annotation: str) -> str:
-        """The layer an op's annotation names: a layer's path, "pre", or for an op traced after layer
-        entry k outside any layer, that layer, or "post" after the step's last entry."""
-        if not annotation.startswith(_AFTER):
+    def layer_of(self, annotation: "str | tuple[int, str]") -> str:
+        """The layer an op's annotation names: a layer's path or "pre" (a string), or for an op traced
+        after layer entry k outside any layer ((k, path)), that layer, or "post" after the step's last
+        entry. (A step that runs its layers twice, e.g. a loss over two forwards, has its first
+        forward's head in its last layer then.)"""
+        if isinstance(annotation, str):
             return annotation
-        entry, path = annotation[len(_AFTER):].split(" ", 1)
-        return meta.POST if int(entry) == self.entries else path
+        entry, path = annotation
+        return meta.POST if entry == self.entries else path
 
 
 @contextlib.contextmanager
@@ -108,8 +107,12 @@ def annotate_layers(root: nn.Module, model: nn.Module, layer_paths: list[str]):
     def end_step(module, args, output):
         regions.pop().close()
 
+    # A layer's forward run outside a step's call (activation checkpointing's recompute, in the
+    # backward) is neither annotated nor counted.
     def enter(path):
         def pre_hook(module, args):
+            if not regions:
+                return
             cm = fx_traceback.annotate({meta.ANNOTATION_LAYER: path})
             cm.__enter__()
             open_layers[id(module)] = cm
@@ -118,11 +121,13 @@ def annotate_layers(root: nn.Module, model: nn.Module, layer_paths: list[str]):
 
     def leave(path):
         def hook(module, args, output):
+            if id(module) not in open_layers:
+                return
             open_layers.pop(id(module)).__exit__(None, None, None)
             # From here on, ops outside any layer are this entry's, or "post" if no layer follows. The
             # contexts nest properly: this one opens after the layer's own context closed, and the
             # step's region closes them in reverse.
-            regions[-1].enter_context(fx_traceback.annotate({meta.ANNOTATION_LAYER: f"{_AFTER}{trace.entries} {path}"}))
+            regions[-1].enter_context(fx_traceback.annotate({meta.ANNOTATION_LAYER: (trace.entries, path)}))
         return hook
 
     handles = [root.register_forward_pre_hook(start_step), root.register_forward_hook(end_step)]

@@ -137,9 +137,8 @@ def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     except Exception as error:  # translate the tracer's failure into the user's terms
         raise explain_trace_failure(error) from error
 
-    builder = _ProgramBuilder(params, buffers, batch_spec, optimizer, config, device, fake_mode)
+    builder = _ProgramBuilder(params, buffers, batch_spec, optimizer, config, device, fake_mode, layer_trace)
     builder.metric_names = step_module.metric_names
-    builder.layer_trace = layer_trace
     program = builder.build(joint_gm)
     program.notes["trace_seconds"] = round(time.perf_counter() - started, 3)
     program.notes["layers"] = layer_paths
@@ -151,7 +150,7 @@ def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
 class _ProgramBuilder:
     """Assembles the joint graph and the traced optimizer into one graph with a typed signature."""
 
-    def __init__(self, params, buffers, batch_spec, optimizer, config, device, fake_mode):
+    def __init__(self, params, buffers, batch_spec, optimizer, config, device, fake_mode, layer_trace: LayerTrace):
         self.params = params
         self.buffers = buffers
         self.batch_spec = batch_spec
@@ -161,7 +160,7 @@ class _ProgramBuilder:
         self.optimizer = optimizer
         self.device = device
         self.fake_mode = fake_mode
-        self.layer_trace = LayerTrace()  # trace() sets the one it traced with: which layer an annotation names
+        self.layer_trace = layer_trace  # which layer an annotation names
         self.graph = fx.Graph()
         self.root = nn.Module()
         self.inputs: list[Input] = []

@@ -97,6 +97,13 @@ def test_ops_between_two_layers_belong_to_the_layer_before_and_after_the_last_on
     # of the blocks' forward, only the last residual add (after the last layer) is post
     moved = [b for a, b in pairs if meta.phase(a) == meta.FWD and meta.layer(a) != "post" and meta.layer(b) == "post"]
     assert [n.target for n in moved] == [torch.ops.aten.add.Tensor]
+    # the norms, in order: the first block's attention norm (before any layer), each MLP's norm (after its
+    # block's attention), the next block's attention norm (after the MLP before it), the final norm
+    norms = [meta.layer(n) for n in halves.graph.nodes if n.target is torch.ops.aten.rsqrt.default
+             and meta.phase(n) == meta.FWD]
+    assert norms == ["pre", "layers.0.attn", "layers.0.mlp", "layers.1.attn", "post"]
+    known = {*halves.notes["layers"], "pre", "post"}
+    assert all(meta.layer(n) in known for n in halves.graph.nodes if n.op != "output")  # backward too
 
 
 _TRACE_1B = """
