@@ -13,7 +13,8 @@ from fxshard.testing import relative, torch_optimizer
 from test_foreign_models import GPT2
 
 ADAMW = fxshard.optim.AdamW(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-STEPS, ROWS, SEQ = 10, 8, 16
+STEPS, ROWS, SEQ = 10, 8, 16  # 10 steps: the issue's cases (WORLD_4); WORLD_2's schedules run WORLD_2_STEPS
+WORLD_2_STEPS = 5
 MODELS = {
     "gpt2": lambda: GPT(GPTConfig.preset("tiny")),
     "gpt4": lambda: GPT(GPTConfig.preset("tiny", n_layer=4)),
@@ -100,7 +101,7 @@ def eager_loss(name, params, pieces, batch) -> float:
 @pytest.mark.parametrize("world, configs", [(2, WORLD_2), (4, WORLD_4)], ids=["world2", "world4"])
 def test_pipeline_schedules_train_like_one_device(world, configs):
     """World 4 also evaluates (step.evaluate) after training: eager's loss with the trained parameters."""
-    data = batches()
+    data = batches()[:STEPS if world == 4 else WORLD_2_STEPS]
     per_rank = run_local(train, world, configs, data, world == 4, backend="gloo")
     for index, (name, pp, dp, schedule, virtual, microbatches, *sharding) in enumerate(configs):
         ref_losses, ref_params = eager(name, dp, microbatches, data)

@@ -5,7 +5,7 @@ import functools
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 import fxshard
 from fxshard import meta
@@ -92,6 +92,7 @@ def pipeline_programs(kind, microbatches, interleave):
     return model, optimizer, mesh, stages, local, pieces
 
 
+@settings(max_examples=2)  # each kind traces and simulates a dp=2 x pp=2 MoE pipeline (~5 s on the CI machine)
 @given(kind=st.sampled_from(["1f1b", "zb-h1", "interleaved-1f1b", "dualpipev"]))
 def test_combined_pipeline_changes_the_order_not_the_values(kind):
     """Against the un-rewritten program (the one before the interleave pass), on the simulator."""
