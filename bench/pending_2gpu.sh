@@ -9,12 +9,11 @@
 # the readers' gathers and took 0.65-0.72 ms off the MoE step in two jobs, now the default under codegen;
 # the pipelines' bf16-gradient rows ran next to the compiled peer):
 #   own-default  the multigpu tests of the own part read from the input, then MoE with the default,
-#             profiled (~8 min; session 32 ran it before its last commits: Config(copy_engine_own_part) and
-#             the test's bf16 graphed half are not run on a GPU yet)
+#             profiled (~8 min; session 32 ran both, the test at 14fedcb too)
 #   half-blocks  issue 14: 1F1B and interleaved V=2 graphed, the FLOP cut of whole blocks, then a cut inside
 #             a block (bench/pipeline.py --half-blocks: Config(layers) of each block's attention and MLP),
-#             no peers (~6 min; never run: does evening out the ranks by half a block shorten the step
-#             and bring the bubble nearer the simulator's?)
+#             no peers (~6 min; session 32 ran V=2 alone: 131.2 -> 129.3 ms, ranks' busy times evened out;
+#             1F1B's 19,17 is not run yet)
 #   own-part  bench/probes/cat_gather.py, the multigpu test against NCCL (aten replay), then MoE with
 #             --own-part copy and input in one job (~8 min; session 32 ran it)
 #   moe-ce    MoE with ZeRO-1's collectives on the copy engines too, profiled: session 31 measured no gain
