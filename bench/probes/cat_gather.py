@@ -30,21 +30,12 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from grouped_mlp import graphed  # noqa: E402  (bench/grouped_mlp.py)
+from grouped_mlp import cuda_time_ms, graphed  # noqa: E402  (bench/grouped_mlp.py)
 
 
 def timed(fn, iters: int = 50) -> float:
-    """Mean ms of one call of `fn` replayed from a CUDA graph."""
-    replay = graphed(fn)
-    replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    """Mean ms of one call of `fn` replayed from a CUDA graph (one warm-up replay, one block of `iters`)."""
+    return cuda_time_ms(graphed(fn), warmup=1, iters=iters, blocks=1)
 
 
 def materialized_cat(codes: list[str], rows: int, width: int) -> bool:
