@@ -16,6 +16,10 @@ This pass moves such work into the windows, per (phase, microbatch), at each EP 
     wait W    the nodes between W and the next EP collective node that do not need W are moved from
               after W to just before it
 
+Only work worth a window moves (a GEMM, a kernel or collective outside aten, a write into a buffer:
+`_worth_moving`), with what it reads (ahead of a wait) or what reads it (past an issue). Elementwise
+and gather work stays next to the nodes codegen fuses it with.
+
 FSDP's placements stand: no all-gather is issued later (nothing moves ahead of one, and what one
 reads stays before it), and no other collective's wait comes earlier (work before a wait that stays
 keeps running before it; a wait that moves, moves later, with the work that needs it). Gradient
@@ -32,11 +36,13 @@ bit; what changes is which compute runs while each EP all-to-all is in flight.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
 from fxshard import meta
-from fxshard.graph import reordered
+from fxshard.graph import flops, mutates, reordered
 from fxshard.ops.p2p import P2P_OPS
 from fxshard.program import Program
 
@@ -95,18 +101,20 @@ def _closure(seeds, segment: set[fx.Node], neighbours) -> set[fx.Node]:
 
 
 def _delay_past_issue(order: list[fx.Node], issue: fx.Node) -> int:
-    """Move the nodes before `issue` (since the previous EP node) that it does not read to after it."""
+    """Move the nodes before `issue` (since the previous EP node) that it does not read to after it:
+    those worth moving (`_worth_moving`) and what reads them."""
     at = order.index(issue)
     segment = _segment(order, at, -1, issue)
     keep = _kept_before(issue, segment)
     waits = [i for i, n in enumerate(segment) if n in keep and n.target is _c10d.wait_tensor.default]
     if waits:  # nothing moves from before a wait that stays to after it: what it hides behind stays
         del segment[:waits[-1] + 1]
-    later = [n for n in segment if n not in keep]
-    if later:
+    free = {n for n in segment if n not in keep}
+    moving = _closure([n for n in free if _worth_moving(n)], free, lambda n: n.users)
+    if moving:
         start = at - len(segment)  # the segment is the stretch right before the issue
-        order[start:at + 1] = [n for n in segment if n in keep] + [issue] + later
-    return len(later)
+        order[start:at + 1] = [n for n in segment if n not in moving] + [issue] + [n for n in segment if n in moving]
+    return len(moving)
 
 
 def _kept_before(issue: fx.Node, segment: list[fx.Node]) -> set[fx.Node]:
@@ -114,6 +122,24 @@ def _kept_before(issue: fx.Node, segment: list[fx.Node]) -> set[fx.Node]:
     members = set(segment)
     pinned = [n for n in segment if n.target is _c10d.all_gather_into_tensor.default]
     return _closure([i for i in issue.all_input_nodes if i in members] + pinned, members, lambda n: n.all_input_nodes)
+
+
+def _worth_moving(node: fx.Node) -> bool:
+    """Whether `node` is work to put in a window for its own sake: a GEMM-class op, an op outside
+    aten (fxshard's grouped GEMMs, a collective's issue) or one that writes into a buffer. The rest is
+    elementwise, gather and view work that codegen fuses with its neighbours; it moves only with such
+    work (ahead of a wait: what the work reads; past an issue: what reads the work). Moved alone, it
+    would part from the nodes it fuses with and cross a region boundary, written out and read back
+    (an RMSNorm backward's fp32 `pow` and `mul` of saved activations hoisted before a wait; the
+    combine's gathered expert outputs kept before an issue while the router-weight gradient that
+    multiplies and sums them moved past it)."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return _worth_moving(node.args[0])
+    if getattr(node.target, "namespace", None) not in ("aten", "prims"):
+        return True
+    return flops(node) > 0 or mutates(node)
 
 
 def _hoist_before_wait(order: list[fx.Node], wait: fx.Node) -> int:
@@ -126,7 +152,9 @@ def _hoist_before_wait(order: list[fx.Node], wait: fx.Node) -> int:
     members = set(segment)
     pinned = [n for n in segment if n.target is _c10d.wait_tensor.default]  # other collectives' waits
     stay = _closure([u for u in wait.users if u in members] + pinned, members, lambda n: n.users)
-    earlier = [n for n in segment if n not in stay]
+    independent = [n for n in segment if n not in stay]
+    moving = _closure([n for n in independent if _worth_moving(n)], set(independent), lambda n: n.all_input_nodes)
+    earlier = [n for n in segment if n in moving]
     if earlier:
-        order[at:at + 1 + len(segment)] = earlier + [wait] + [n for n in segment if n in stay]
+        order[at:at + 1 + len(segment)] = earlier + [wait] + [n for n in segment if n not in moving]
     return len(earlier)
