@@ -143,7 +143,8 @@ def _worth_moving(node: fx.Node) -> bool:
 
 
 def _hoist_before_wait(order: list[fx.Node], wait: fx.Node) -> int:
-    """Move the nodes after `wait` (up to the next EP node) that do not read it to before it."""
+    """Move the nodes after `wait` (up to the next EP node) that do not read it to before it: those
+    worth moving (`_worth_moving`) and what they read."""
     at = order.index(wait)
     segment = _segment(order, at, 1, wait)
     gathers = [i for i, n in enumerate(segment) if n.target is _c10d.all_gather_into_tensor.default]
