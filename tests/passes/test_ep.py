@@ -7,10 +7,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import fxshard
-from fxshard import meta
+from fxshard import meta, moe
 from fxshard.models import MoEGPT, MoEGPTConfig
 from fxshard.passes import run_pipeline
-from fxshard.passes.ep import EPConfig, expert_parallel
+from fxshard.passes.ep import EPConfig, expert_parallel, receive_order
 from fxshard.passes.fsdp import STRATEGIES
 from fxshard.program import InputKind, Output, OutputKind, Routing
 from fxshard.testing import SimulatedRanks, torch_optimizer
@@ -401,3 +401,19 @@ def test_expert_parallelism_refuses_the_capacity_slot_layout():
                                                       "tgt": torch.zeros(1, 8, dtype=torch.long)})
     with pytest.raises(fxshard.FxShardError, match="capacity slots"):
         expert_parallel(program, EPConfig(2))
+
+
+@given(sizes=st.lists(st.lists(st.integers(0, 6), min_size=3, max_size=3), min_size=1, max_size=4),
+       spare=st.integers(0, 5))
+def test_received_rows_are_ordered_by_expert_then_source_as_a_sort_would(sizes, spare):
+    """receive_order computes each received row's place; an argsort of the (expert, source, place)
+    key (padding last) is the reference."""
+    counts = torch.tensor(sizes)
+    k, experts = counts.shape
+    buffer = int(counts.sum(1).max()) + spare
+    place = torch.arange(buffer).expand(k, buffer)
+    owner = torch.searchsorted(counts.cumsum(1), place.contiguous(), right=True)  # `experts`: padding
+    want = torch.argsort(((owner * k + torch.arange(k).unsqueeze(1)) * buffer + place).reshape(-1))
+    order, inverse = receive_order(counts, buffer)
+    assert torch.equal(order, want)
+    assert torch.equal(inverse, moe.inverse_permutation(want))
