@@ -5,9 +5,12 @@
 #     bash bench/pending_2gpu.sh own-default|half-blocks|own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|fga|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
-# (date, machine, command). In priority order (session 32: the own part read from the input fuses into
-# the readers' gathers and took 0.65-0.72 ms off the MoE step in two jobs, now the default under codegen;
-# the pipelines' bf16-gradient rows ran next to the compiled peer):
+# (date, machine, command). In priority order (session 33: MoE at ep=2 hides 92-94% of the exposed
+# all-to-all time, issue 15's targets met; nothing ran for the pipelines, whose 2-GPU parts lead now):
+#   half-blocks  issue 14 first: the cut inside a block for 1F1B (19,17: the FLOP simulator predicts
+#             1.8% shorter than 10,8; not measured yet) and V=2 again (10,10,9,7: measured 1.5% faster
+#             once, though the FLOP simulator predicts it slower)
+#   precision then suite-ce, moe (profiled: what the remaining ~0.6-0.9 ms of exposed all-to-all is)
 #   own-default  the multigpu tests of the own part read from the input, then MoE with the default,
 #             profiled (~8 min; session 32 ran both, the test at 14fedcb too)
 #   half-blocks  issue 14: 1F1B and interleaved V=2 graphed, the FLOP cut of whole blocks, then a cut inside
