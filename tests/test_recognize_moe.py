@@ -171,6 +171,33 @@ def test_transformers_moe_layers_are_recognized_and_split_over_expert_ranks(arch
         assert [line.split(":")[0] for line in fused_layers] == ["model.layers.0", "model.layers.1"]
 
 
+# other transformers MoE families, each routing its own way: DeepSeek-V3 (sigmoid scores, a bias for
+# the choice only, group-limited top-k, a shared expert, a dense first layer, MLA attention), Qwen2-MoE
+# (a shared expert behind a sigmoid gate), GraniteMoE (its own parallel-experts module)
+OTHER_MOE = {
+    "DeepseekV3": (dict(intermediate_size=32, moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1,
+                        num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
+                        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_group=2, topk_group=1,
+                        num_hidden_layers=3), 2),
+    "Qwen2Moe": (dict(intermediate_size=32, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                      num_experts=4, num_experts_per_tok=2), 2),
+    "GraniteMoe": (dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2), 2),
+}
+
+
+@pytest.mark.parametrize("architecture", list(OTHER_MOE))
+def test_other_transformers_moe_families_split_over_expert_ranks(architecture):
+    transformers = pytest.importorskip("transformers")
+    sizes, moe_layers = OTHER_MOE[architecture]
+    config = getattr(transformers, f"{architecture}Config")(**{
+        "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "attention_dropout": 0.0, **sizes})
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{architecture}ForCausalLM")(config)
+    assert_ep_trains_like_one_device(model, hf_loss, local_batches(2, 64), fxshard.Mesh(dp=2, ep=2),
+                                     recognized_layers=moe_layers)
+
+
 @pytest.mark.parametrize("implementation", ["eager", "batched_mm"])
 def test_transformers_experts_on_other_implementations_trace_as_grouped_mm_and_train_like_eager(implementation):
     """"eager" loops over the experts it finds on the host (untraceable); both trace as transformers'
