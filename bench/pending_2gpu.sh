@@ -2,7 +2,7 @@
 # The 2-GPU measurements the open issues wait for, one part per device call (each fits the 10-minute
 # limit of a device command). On the device machine, from the repository root:
 #
-#     bash bench/pending_2gpu.sh own-default|half-blocks|own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|fga|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
+#     bash bench/pending_2gpu.sh own-default|half-blocks|dualpipev-halves|own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|fga|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
 # (date, machine, command). In priority order (session 33: MoE at ep=2 hides 92-94% of the exposed
@@ -10,6 +10,8 @@
 #   half-blocks  issue 14 first: the cut inside a block for 1F1B (19,17: the FLOP simulator predicts
 #             1.8% shorter than 10,8; not measured yet) and V=2 again (10,10,9,7: measured 1.5% faster
 #             once, though the FLOP simulator predicts it slower)
+#   dualpipev-halves  DualPipeV graphed (session 31's fastest schedule, 128.8 ms), whole-block cut and
+#             10,10,9,7 in halves, which evens its ranks' FLOPs (its busy times were 107.0 / 118.8 ms)
 #   precision then suite-ce, moe (profiled: what the remaining ~0.6-0.9 ms of exposed all-to-all is)
 #   own-default  the multigpu tests of the own part read from the input, then MoE with the default,
 #             profiled (~8 min; session 32 ran both, the test at 14fedcb too)
@@ -79,6 +81,15 @@ case "$part" in
                  timeout 280 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 --replays graphed --peers \
                    --steps 8 $extra --out "$out/pipeline_${cut}_2gpu_$day.json" 2>&1 | tee "$out/pipeline_$cut.log" \
                    | grep -v "codegen: region\|Warning\|warn\|func(" | tail -12 || echo "cut $cut: status $?"
+               done ;;
+  dualpipev-halves) # DualPipeV holds chunks 0 and 3 on rank 0: its FLOP cut 5,5,5,3 left rank 1 11.8 ms a step
+               # busier (session 31); the half-block cut 10,10,9,7 evens the ranks' FLOPs here too
+               for cut in blocks halves; do
+                 extra=""; [ "$cut" = halves ] && extra="--half-blocks --stage-layers 10,10,9,7"
+                 timeout 280 python bench/pipeline.py --gpus 2 --schedules dualpipev --replays graphed --peers \
+                   --steps 8 $extra --out "$out/pipeline_dualpipev_${cut}_2gpu_$day.json" 2>&1 \
+                   | tee "$out/pipeline_dualpipev_$cut.log" | grep -v "codegen: region\|Warning\|warn\|func(" | tail -8 \
+                   || echo "cut $cut: status $?"
                done ;;
   own-default) timeout 200 python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
                 -k "own_part_from_the_input_under_codegen or (bit_identical_to_nccl and own_part)" 2>&1 \
