@@ -996,8 +996,8 @@ def test_cuda_graphs_refuse_expert_ops_that_read_offsets_on_the_host():
 @pytest.mark.gpu
 def test_fused_grad_accumulation_trains_like_the_unfused_step_with_codegen_and_cuda_graphs():
     """Config(fuse_grad_accumulation=True), bf16 compute / fp32 gradients, 4 microbatches, Inductor and
-    CUDA graphs: every accumulation runs as one GEMM adding into the fp32 total (aten.addmm.dtype; no
-    fallback warning), and 20 steps' losses stay within bf16 noise of the unfused step's."""
+    CUDA graphs: every accumulation runs as one GEMM adding into the fp32 total in place
+    (aten.addmm.dtype_out; no fallback warning), and 20 steps' losses stay within bf16 noise of the unfused step's."""
     import warnings
 
     torch.manual_seed(0)
@@ -1011,6 +1011,8 @@ def test_fused_grad_accumulation_trains_like_the_unfused_step_with_codegen_and_c
             warnings.simplefilter("always")
             step = fxshard.shard(copy.deepcopy(model), model_loss, batches[0], optimizer=ADAMW, config=config)
             assert (step.program.notes.get("fuse_grad_accumulation", 0) > 0) == fuse
+            # each one adds into its total where it lies (fxshard::matmul_accumulate_, no copy of the total first)
+            assert step.accumulations_in_place == step.program.notes.get("fuse_grad_accumulation", 0)
             assert step.codegen is not None and step.codegen.count("fallback") == 0
             losses.append([step(b)["loss"].item() for b in batches])
         assert not [w for w in caught if "matmul_accumulate" in str(w.message)]  # its fallback warns

@@ -3,6 +3,7 @@
 import torch
 
 import fxshard
+from fxshard import meta
 from fxshard.models import GPT, GPTConfig
 from fxshard.program import InputKind, OutputKind
 from fxshard.runtime.reinplace import gather_updates_in_place, reinplace, write_back_positions
@@ -235,3 +236,58 @@ def test_a_shard_that_may_alias_its_flat_parameter_keeps_its_gather():
     fresh = graph.call_function(torch.ops.aten.index_select.default, (flat, 0, flat))
     assert _aliases(viewed, flat) and _aliases(flat, flat)
     assert not _aliases(graph.call_function(torch.ops.aten.view.default, (fresh, [4])), flat)
+
+
+def test_fused_gradient_accumulations_add_in_place_and_train_bit_identically():
+    """Config(fuse_grad_accumulation) at pp=2, M=3: every fused accumulation's total is a temporary of
+    the stage's step (the first microbatch's gradient widened, then the accumulations), so the runtime
+    lowers each one to the in-place GEMM, placed at the end of its layer's run of compute; on the SPMD
+    simulator the lowered stages train bit-identically to the functional ones."""
+    from fxshard.codegen import find_regions, is_fixed
+    from fxshard.passes import run_pipeline
+    from fxshard.runtime.reinplace import accumulate_in_place
+    from fxshard.testing import assert_bit_identical
+
+    model, mesh = _model(), fxshard.Mesh(pp=2)
+    precision = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    one = {k: v[:1] for k, v in _batch(0).items()}
+    traced = fxshard.trace(model, lambda m, b: m.loss(b), one, optimizer=ADAMW, config=fxshard.Config(**precision))
+    config = fxshard.Config(microbatches=3, fuse_grad_accumulation=True, sharding="no_shard", **precision)
+    stages = [run_pipeline(traced, mesh, config, stage=s)[-1] for s in range(2)]
+    lowered = []
+    for stage in stages:
+        graph_module, count = accumulate_in_place(stage.graph_module)
+        assert count == stage.notes["fuse_grad_accumulation"] > 0
+        targets = [n.target for n in graph_module.graph.nodes]
+        assert torch.ops.fxshard.matmul_accumulate.default not in targets
+        assert targets.count(torch.ops.fxshard.matmul_accumulate_.default) == count
+        for node in graph_module.graph.nodes:
+            if node.target is torch.ops.fxshard.matmul_accumulate_.default:  # ends its layer's run of compute
+                after = node.next
+                assert is_fixed(after) or node.args[0] in after.all_input_nodes or \
+                    (meta.layer(after), meta.microbatch(after)) != (meta.layer(node), meta.microbatch(node))
+        # cut where layers change anyway: at most one more region per layer and microbatch that accumulates
+        added = len(find_regions(graph_module.graph)) - len(find_regions(stage.graph))
+        assert 0 <= added <= len({(meta.layer(n), meta.microbatch(n)) for n in graph_module.graph.nodes
+                                  if n.target is torch.ops.fxshard.matmul_accumulate_.default})
+        lowered.append(stage.replace(graph_module=graph_module))
+    generator = torch.Generator().manual_seed(1)
+    batches = [{k: torch.randint(0, 32, (3, 8), generator=generator) for k in ("idx", "tgt")}] * 2
+    assert_bit_identical([stages, lowered], model, ADAMW, mesh, batches, steps=2)
+
+
+def test_an_accumulation_into_an_input_or_a_total_read_elsewhere_stays_functional():
+    from fxshard.runtime.reinplace import accumulate_in_place
+
+    graph = torch.fx.Graph()
+    total, a, b = (graph.placeholder(name) for name in ("total", "a", "b"))
+    into_input = graph.call_function(torch.ops.fxshard.matmul_accumulate.default, (total, a, b))
+    fresh = graph.call_function(torch.ops.aten.mul.Tensor, (total, 2.0))
+    read_twice = graph.call_function(torch.ops.fxshard.matmul_accumulate.default, (fresh, a, b))
+    graph.output((into_input, read_twice, fresh))
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    lowered, count = accumulate_in_place(module)
+    assert count == 0
+    args = (torch.randn(3, 4), torch.randn(3, 5).bfloat16(), torch.randn(5, 4).bfloat16())
+    for want, got in zip(module(*[x.clone() for x in args]), lowered(*[x.clone() for x in args])):
+        assert torch.equal(want, got)

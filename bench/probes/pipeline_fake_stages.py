@@ -1,7 +1,7 @@
 """Each pipeline stage's compute, action by action, on one GPU: what bench/pipeline.py's simulator
 would be given as measured costs, before two GPUs are at hand.
 
-    python bench/probes/pipeline_fake_stages.py --out DIR [--schedules 1f1b interleaved-v2]
+    python bench/probes/pipeline_fake_stages.py --out DIR [--schedules 1f1b interleaved-v2] [--fuse-grad-accumulation]
 
 bench/pipeline.py's fxshard setup (GPT 1b, Mesh(pp=2), M=8 microbatches of 1x2048, bf16 compute / fp32
 masters, AdamW, no_shard, codegen, eager replay). Each stage runs in its own process as that rank of a
@@ -10,7 +10,9 @@ whatever the buffers held, so losses are meaningless and the non-finite guard ma
 compute takes the same time on any values), and the cross-rank agreement checks are switched off. One
 step is profiled; its kernels are attributed to actions through codegen's region ranges
 (bench/pipeline.py `action_times`). Prints per chunk the measured F / B (/ W) ms next to the FLOP
-model's (`chunk_costs`), and the simulated bubble under each; writes DIR/pipeline_fake_stages.json.
+model's (`chunk_costs`), and the simulated bubble under each, and each rank's GPU busy time of the step (the union of its
+kernels and copies); writes DIR/pipeline_fake_stages.json (with --fuse-grad-accumulation, which
+runs Config(fuse_grad_accumulation=True): DIR/pipeline_fake_stages_fga.json).
 """
 
 import argparse
@@ -26,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 SCHEDULES = {"1f1b": ("1f1b", 1), "interleaved-v2": ("interleaved-1f1b", 2), "zb-h1": ("zb-h1", 1)}
 
 
-def run_stage(schedule: str, rank: int, microbatches: int, out: str) -> None:
+def run_stage(schedule: str, rank: int, microbatches: int, out: str, fuse: bool = False) -> None:
     """In this process: rank `rank` of a fake 2-rank world; one profiled step of its stage."""
     import torch
     import torch.distributed as dist
@@ -49,7 +51,7 @@ def run_stage(schedule: str, rank: int, microbatches: int, out: str) -> None:
     data = {k: torch.randint(0, 32000, (microbatches, 2048), generator=generator).cuda() for k in ("idx", "tgt")}
     config = fxshard.Config(schedule=name, virtual_stages=virtual, microbatches=microbatches,
                             param_dtype=torch.bfloat16, reduce_dtype=torch.float32, sharding="no_shard",
-                            nonfinite="skip")  # received values are garbage
+                            nonfinite="skip", fuse_grad_accumulation=fuse)  # received values are garbage
     step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=fxshard.optim.AdamW(lr=1e-4),
                          mesh=fxshard.Mesh(pp=2), config=config)
     del model
@@ -66,8 +68,24 @@ def run_stage(schedule: str, rank: int, microbatches: int, out: str) -> None:
         profiler.export_chrome_trace(path)
         with open(path) as handle:
             times = action_times(json.load(handle)["traceEvents"], actions)
+    busy_ms = _busy_ms(profiler)
     with open(out, "w") as handle:
-        json.dump({"actions": actions, "action_ms": times, "pipeline": step.program.notes.get("pipeline")}, handle)
+        json.dump({"actions": actions, "action_ms": times, "pipeline": step.program.notes.get("pipeline"),
+                   "busy_ms": busy_ms, "lowerings": step.lowerings()}, handle)
+    print(f"rank {rank}: GPU busy {busy_ms:.2f} ms a step; {step.lowerings()}", flush=True)
+
+
+def _busy_ms(profiler) -> float:
+    """The union of the profiled step's GPU kernel, memset and memcpy intervals, in ms."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in profiler.events()
+                   if e.device_type.name == "CUDA")
+    busy, end = 0, None
+    for start, stop in spans:
+        if end is None or start > end:
+            busy, end = busy + stop - start, stop
+        elif stop > end:
+            busy, end = busy + stop - end, stop
+    return busy / 1e3
 
 
 def main():
@@ -75,10 +93,12 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved-v2"], choices=sorted(SCHEDULES))
     parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--fuse-grad-accumulation", action="store_true",
+                        help="Config(fuse_grad_accumulation=True): weight gradients added into their totals by the GEMM")
     parser.add_argument("--stage", nargs=3, metavar=("SCHEDULE", "RANK", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.stage:
-        run_stage(args.stage[0], int(args.stage[1]), args.microbatches, args.stage[2])
+        run_stage(args.stage[0], int(args.stage[1]), args.microbatches, args.stage[2], args.fuse_grad_accumulation)
         return
     import torch
 
@@ -98,8 +118,10 @@ def main():
         name, virtual = SCHEDULES[schedule]
         ranks = []
         for rank in range(2):
-            path = os.path.join(args.out, f"{schedule}_rank{rank}.json")
+            suffix = "_fga" if args.fuse_grad_accumulation else ""
+            path = os.path.join(args.out, f"{schedule}{suffix}_rank{rank}.json")
             subprocess.run([sys.executable, __file__, "--out", args.out, "--microbatches", str(args.microbatches),
+                            *(["--fuse-grad-accumulation"] if args.fuse_grad_accumulation else []),
                             "--stage", schedule, str(rank), path], check=True)
             with open(path) as handle:
                 ranks.append(json.load(handle))
@@ -116,19 +138,22 @@ def main():
                   "bubble_simulated_measured": simulate(plan, measured).bubble_fraction,
                   "bubble_simulated_measured_no_opt": simulate(plan, {**measured, "OPT": 0.0}).bubble_fraction,
                   "makespan_measured_ms": simulate(plan, measured).makespan,
-                  "pipeline": [r["pipeline"] for r in ranks]}
+                  "pipeline": [r["pipeline"] for r in ranks], "busy_ms": [r.get("busy_ms") for r in ranks],
+                  "fuse_grad_accumulation": args.fuse_grad_accumulation}
         report[schedule] = result
         print(f"\n{schedule}: " + "; ".join(result["pipeline"]))
         print(f"{'action':<8} {'measured ms':>12} {'FLOP model ms':>14}")
         for key, row in rows.items():
             got = "n/a" if row["measured_ms"] is None else f"{row['measured_ms']:.2f}"
             print(f"{key:<8} {got:>12} {row['flop_model_ms']:>14.2f}")
+        print("GPU busy per rank (ms): " + ", ".join(f"{b:.2f}" for b in result["busy_ms"]))
         print(f"busy outside F/B/W per rank (OPT in the simulation): {result['opt_and_other_ms']:.2f} ms")
         print(f"simulated bubble: textbook units {result['bubble_simulated_units']:.1%}, FLOP costs "
               f"{result['bubble_simulated_flops']:.1%}, measured costs {result['bubble_simulated_measured']:.1%} "
               f"(without OPT {result['bubble_simulated_measured_no_opt']:.1%}); simulated step "
               f"{result['makespan_measured_ms']:.1f} ms")
-    with open(os.path.join(args.out, "pipeline_fake_stages.json"), "w") as handle:
+    name = "pipeline_fake_stages_fga.json" if args.fuse_grad_accumulation else "pipeline_fake_stages.json"
+    with open(os.path.join(args.out, name), "w") as handle:
         json.dump(report, handle, indent=1)
 
 

@@ -5,7 +5,7 @@ from .adamw import adamw_update, adamw_update_
 from .gather_rows import gather_rows
 from .grouped_mlp import grouped_mlp
 from .grouped_mm import grouped_mm, grouped_mm_wgrad
-from .matmul_accumulate import matmul_accumulate
+from .matmul_accumulate import matmul_accumulate, matmul_accumulate_
 
 __all__ = ["adamw_update", "adamw_update_", "gather_rows", "grouped_mlp", "grouped_mm", "grouped_mm_wgrad",
-           "matmul_accumulate"]
+           "matmul_accumulate", "matmul_accumulate_"]

@@ -11,6 +11,14 @@ the total while the GEMM's math hides the read (Megatron's gradient-accumulation
 Either way the product is not rounded to a's dtype before the addition, which is the one way its
 result differs from `total + (a @ b).to(total.dtype)`; that is what runs, with a warning, on a CUDA
 torch whose addmm cannot write a wider output.
+
+`fxshard::matmul_accumulate_` writes the same sum into `total`. The functional GEMM has to copy the
+total into a new buffer first (aten's addmm writes its C in place: a copy, then the GEMM), a full
+extra pass over the total that made the fused accumulation slower than the unfused one (session 28).
+In place, one H200 times a GPT 1b block's five weight gradients of a 2048-token microbatch at 468 us,
+against 560 us functional and ~523 us as matmul, cast and add (bench/probes/wgrad_accumulate.py,
+bench/RESULTS.md session 34). The runtime lowers the functional op to it where nothing else reads
+the old total (fxshard/runtime/reinplace.py `accumulate_in_place`).
 """
 
 from __future__ import annotations
@@ -41,3 +49,21 @@ def matmul_accumulate(total: Tensor, a: Tensor, b: Tensor) -> Tensor:
 @matmul_accumulate.register_fake
 def _matmul_accumulate_fake(total, a, b):
     return torch.empty_like(total)
+
+
+@torch.library.custom_op("fxshard::matmul_accumulate_", mutates_args=("total",))
+def matmul_accumulate_(total: Tensor, a: Tensor, b: Tensor) -> None:
+    """`total += a @ b`, the product not rounded to a's dtype first: `matmul_accumulate` in place."""
+    if total.is_cuda and a.dtype != total.dtype and not _NO_WIDE_GEMM:
+        try:
+            torch.ops.aten.addmm.dtype_out(total, a, b, total.dtype, out=total)
+            return
+        except (RuntimeError, NotImplementedError) as error:
+            _NO_WIDE_GEMM.append(str(error).splitlines()[0][:200])
+            warnings.warn(f"fxshard::matmul_accumulate_: this torch's CUDA addmm cannot write {total.dtype} from "
+                          f"{a.dtype} inputs ({_NO_WIDE_GEMM[0]}); accumulating as matmul, cast, add instead",
+                          stacklevel=2)
+    if total.is_cuda and a.dtype != total.dtype:
+        total.add_((a @ b).to(total.dtype))
+        return
+    total.addmm_(a.to(total.dtype), b.to(total.dtype))

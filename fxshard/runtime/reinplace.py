@@ -15,6 +15,17 @@ and its parameter is such an input too or a temporary that nothing else reads: t
 executes nodes in that order, so no reader sees an updated value.
 The lowering runs after every pass and is not a pass: passes and dumps keep the functional form.
 
+`accumulate_in_place` does it for gradient accumulation fused into the weight-gradient GEMM
+(`Config(fuse_grad_accumulation)`): `fxshard::matmul_accumulate(total, a, b)` becomes
+`fxshard::matmul_accumulate_`, the GEMM adding into the total where it lies, where the total is a
+temporary of the step that nothing else reads (fresh memory: a cast of the first microbatch's
+gradient, or an earlier accumulation's result). Its functional form has to copy the total first
+(aten's addmm writes C in place), a full pass per accumulation. Each in-place node then moves down
+to the end of its layer's run of compute nodes (no further than the first node that reads the total,
+is fixed, or belongs to another layer, microbatch or pipeline action), so that codegen's region of
+that layer is cut once at its end rather than at every weight gradient.
+Invariant: as above; a node is rewritten only when its total is such a temporary read by it alone.
+
 `gather_updates_in_place` does the same for ZeRO-1/2's all-gather of each updated shard: the gather
 writes into the flat parameter it updates (`all_gather_into_tensor_out`) instead of a new tensor that
 CUDA graph replay then copies back (2x H200, MoE ep=2 with ZeRO-1 over the dense layers: six copies,
@@ -32,15 +43,19 @@ import operator
 import torch
 import torch.fx as fx
 
+from .. import meta
 from ..graph import is_view, may_alias_input
 from ..meta import COLLECTIVE_ISSUES
 from ..ops.adamw import adamw_update, adamw_update_  # noqa: F401  (registers both ops)
+from ..ops.matmul_accumulate import matmul_accumulate, matmul_accumulate_  # noqa: F401  (registers both)
 from ..ops.gloo import GLOO_ALL_GATHER, gloo_all_gather_into_tensor_out
 from ..ops.p2p import P2P_OPS
 from ..program import InputKind, OutputKind, Program
 
 _FUNCTIONAL = torch.ops.fxshard.adamw_update.default
 _IN_PLACE = torch.ops.fxshard.adamw_update_.default
+_ACCUMULATE = torch.ops.fxshard.matmul_accumulate.default
+_ACCUMULATE_IN_PLACE = torch.ops.fxshard.matmul_accumulate_.default
 _MUTATED = {0: "param", 2: "exp_avg", 3: "exp_avg_sq"}  # argument position -> name; outputs 0, 1, 2
 _c10d = torch.ops._c10d_functional
 # the state a step's outputs become (its inputs next step): output kind -> input kind
@@ -83,6 +98,54 @@ def reinplace(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, int]:
         raise AssertionError(f"{node.name}: a user of adamw_update that is not a getitem: {list(node.users)}")
     graph.lint()
     return fx.GraphModule(graph_module, graph), rewritten
+
+
+def accumulate_in_place(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, int]:
+    """A copy of `graph_module` with every safe `fxshard::matmul_accumulate` done in place (see the
+    module docstring); and how many were. Checked on the graph as given: a total read by its
+    accumulation alone is read by nothing else once that accumulation writes it instead."""
+    from ..codegen import is_fixed  # the runtime's import of codegen must not run at package import
+
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(graph_module.graph, {}))
+    found = [node for node in graph.nodes if node.op == "call_function" and node.target is _ACCUMULATE
+             and not node.kwargs and _fresh(node.args[0], node)]
+    for node in found:
+        total, a, b = node.args
+        with graph.inserting_before(node):
+            in_place = graph.call_function(_ACCUMULATE_IN_PLACE, (total, a, b))
+        in_place.meta.update({key: value for key, value in node.meta.items() if key != "val"})
+        node.replace_all_uses_with(total)
+        graph.erase_node(node)
+        _move_to_run_end(in_place, total, is_fixed)
+    graph.lint()
+    return fx.GraphModule(graph_module, graph), len(found)
+
+
+def _fresh(total, node: fx.Node) -> bool:
+    """`total` is memory of the step's own that `node` alone reads (`_temporary`), made by compute:
+    not a collective's or a transfer's result, which lives in a buffer its lowering owns."""
+    if not _temporary(total, node):
+        return False
+    while is_view(total):
+        total = total.args[0]
+    return not (getattr(total.target, "namespace", None) in ("_c10d_functional", "c10d") or total.target in P2P_OPS)
+
+
+def _move_to_run_end(node: fx.Node, total: fx.Node, is_fixed) -> None:
+    """Move `node` down past the compute nodes after it of the same (phase, microbatch, layer, action)
+    that do not read `total`: to the end of its layer's run, where codegen's region ends anyway."""
+    part = _part(node)
+    after = node.next
+    while after.op == "call_function" and not is_fixed(after) and _part(after) == part \
+            and total not in after.all_input_nodes:
+        after = after.next
+    if after is not node.next:
+        after.prepend(node)
+
+
+def _part(node: fx.Node) -> tuple:
+    return meta.phase(node), meta.microbatch(node), meta.layer(node), meta.action_index(node)
 
 
 def write_back_positions(program: Program) -> dict[int, int]:
