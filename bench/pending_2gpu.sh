@@ -2,12 +2,16 @@
 # The 2-GPU measurements the open issues wait for, one part per device call (each fits the 10-minute
 # limit of a device command). On the device machine, from the repository root:
 #
-#     bash bench/pending_2gpu.sh own-default|half-blocks|dualpipev-halves|own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|fga|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
+#     bash bench/pending_2gpu.sh fga|own-default|half-blocks|dualpipev-halves|own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
 # (date, machine, command). In priority order (session 33: MoE at ep=2 hides 92-94% of the exposed
-# all-to-all time, issue 15's targets met; nothing ran for the pipelines, whose 2-GPU parts lead now):
-#   half-blocks  issue 14 first: the cut inside a block for 1F1B (19,17: the FLOP simulator predicts
+# all-to-all time, issue 15's targets met; nothing ran for the pipelines, whose 2-GPU parts lead now;
+# session 34 made the fused gradient accumulation the default, measured on one GPU only):
+#   fga       issue 14 first: 1F1B and interleaved V=2 graphed, the fused accumulation (now in place and
+#             the default) against -unfused, next to the compiled peer, then its GPU test (~7 min;
+#             one H200, fake process group: each stage's GPU work 3.7-3.8% less a step)
+#   half-blocks  then: the cut inside a block for 1F1B (19,17: the FLOP simulator predicts
 #             1.8% shorter than 10,8; not measured yet) and V=2 again (10,10,9,7: measured 1.5% faster
 #             once, though the FLOP simulator predicts it slower)
 #   dualpipev-halves  DualPipeV graphed (session 31's fastest schedule, 128.8 ms), whole-block cut and
@@ -32,7 +36,7 @@
 #   boundary  1F1B and V=2 eager with the per-layer excess the eager rows print (~4 min)
 #   watch     the capture guard's test and the stalled-peer tests (~4 min)
 #   priority  MoE and the pipeline with Config(nccl_high_priority) (~7 min)
-#   gather, suite, fsdp, fsdp-b1, moe, fga, p2p-1f1b, p2p-v2, pipeline, pipeline-cut, hf_moe: as before
+#   gather, suite, fsdp, fsdp-b1, moe, p2p-1f1b, p2p-v2, pipeline, pipeline-cut, hf_moe: as before
 set -euo pipefail
 part=${1:?usage: bench/pending_2gpu.sh PART [OUT]}
 out=${2:-${OUT:?set OUT or pass a directory}}
@@ -113,7 +117,8 @@ case "$part" in
   fsdp-b1) timeout 570 python bench/fsdp.py --gpus 2 --batch 1 4 --modes nocomm-compile fxshard fsdp2-compile \
              --out "$out/fsdp_b1_2gpu_$day.json" 2>&1 | tee "$out/fsdp_b1.log" | grep -v "codegen: region" | tail -30 ;;
   fga) timeout 480 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 --replays graphed \
-         --fuse-grad-accumulation --steps 8 --out "$out/pipeline_fga_2gpu_$day.json" 2>&1 \
+         --unfused-grad-accumulation --peers pipelining-interleaved-compile --steps 8 \
+         --out "$out/pipeline_fga_2gpu_$day.json" 2>&1 \
          | tee "$out/pipeline_fga.log" | grep -v "codegen: region\|Warning\|warn\|func(" | tail -30
        timeout 100 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -k fused_grad_accumulation 2>&1 \
          | tee -a "$out/pipeline_fga.log" | tail -5 ;;

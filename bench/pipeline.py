@@ -310,7 +310,7 @@ def run_peer(mode: str, setup: Setup) -> dict:
 
 
 def run_fxshard(schedule_name: str, virtual: int, graphed: bool, label: str, setup: Setup,
-                p2p_ctas: int | None = None, receives: str = "late", fuse_accumulation: bool = False,
+                p2p_ctas: int | None = None, receives: str = "late", fuse_accumulation: bool = True,
                 grads: str = "fp32") -> dict:
     """One rank of an fxshard mode: Mesh(pp=P), the schedule, eager replay or CUDA graphs, the
     point-to-point transfers on at most `p2p_ctas` CTAs (Config(nccl_max_ctas={"pp": ...})), receives
@@ -744,14 +744,16 @@ def job(kind: str, name: str, setup: Setup, graphed: bool = False) -> dict:
 
 def schedule_of(name: str) -> tuple[str, int, int | None, str, bool, str]:
     """An fxshard mode's schedule, virtual stages, the pp group's NCCL CTAs, Config(p2p_receives),
-    Config(fuse_grad_accumulation) and the gradients' dtype (Config(reduce_dtype)):
-    "1f1b-ctas2-early-fga-gbf16" -> ("1f1b", 1, 2, "early", True, "bf16"),
-    "1f1b" -> ("1f1b", 1, None, "late", False, "fp32")."""
+    Config(fuse_grad_accumulation) (on unless "-unfused"; "-fga", which named it on before session 34
+    made it the default, reads as on) and the gradients' dtype (Config(reduce_dtype)):
+    "1f1b-ctas2-early-unfused-gbf16" -> ("1f1b", 1, 2, "early", False, "bf16"),
+    "1f1b" -> ("1f1b", 1, None, "late", True, "fp32")."""
     name, bf16, _ = name.partition("-gbf16")
-    name, fused, _ = name.partition("-fga")
+    name, unfused, _ = name.partition("-unfused")
+    name, _, _ = name.partition("-fga")
     name, early, _ = name.partition("-early")
     base, found, ctas = name.partition("-ctas")
-    return (*SCHEDULES[base], int(ctas) if found else None, "early" if early else "late", bool(fused),
+    return (*SCHEDULES[base], int(ctas) if found else None, "early" if early else "late", not unfused,
             "bf16" if bf16 else "fp32")
 
 
@@ -825,9 +827,10 @@ def planned_modes(args) -> list[tuple[str, str, bool]]:
             print(f"{name}: not in this fxshard ({reason[:200]}); skipped", flush=True)
             continue
         modes += [("fxshard", name + (f"-ctas{ctas}" if ctas else "") + ("-early" if receives == "early" else "")
-                   + ("-fga" if fused else "") + ("-gbf16" if grads == "bf16" else ""), replay == "graphed")
+                   + ("" if fused else "-unfused") + ("-gbf16" if grads == "bf16" else ""), replay == "graphed")
                   for grads in ["fp32", *(["bf16"] if args.bf16_grads else [])]
-                  for fused in sorted({False, args.fuse_grad_accumulation}) for receives in args.p2p_receives
+                  for fused in sorted({True, not args.unfused_grad_accumulation}, reverse=True)
+                  for receives in args.p2p_receives
                   for ctas in [None, *args.p2p_ctas] for replay in replays]
     return modes
 
@@ -1006,9 +1009,10 @@ def main():
                              "its point-to-point kernels, which hold their SMs from when they are posted, on N CTAs")
     parser.add_argument("--p2p-receives", nargs="+", default=["late"], choices=["early", "late"],
                         help="Config(p2p_receives) of the fxshard modes, each a mode (early: <schedule>-early)")
-    parser.add_argument("--fuse-grad-accumulation", action="store_true",
-                        help="each fxshard mode again with Config(fuse_grad_accumulation=True), as <mode>-fga: each "
-                             "microbatch's weight gradients added into their fp32 totals by the wgrad GEMMs")
+    parser.add_argument("--unfused-grad-accumulation", action="store_true",
+                        help="each fxshard mode again with Config(fuse_grad_accumulation=False), as <mode>-unfused: "
+                             "each microbatch's weight gradients added into their fp32 totals by a cast-and-add of "
+                             "their own, not by the wgrad GEMMs (the default since session 34)")
     parser.add_argument("--nccl-high-priority", action="store_true",
                         help="Config(nccl_high_priority=True) in every fxshard mode: the point-to-point kernels on "
                              "high-priority streams (compare a run without it)")

@@ -69,9 +69,10 @@ FOLD_LIMIT_BYTES = 64 << 20  # a larger input-free result stays in its region (m
 
 
 # fxshard's own ops that are plain compute, which Inductor calls as an extern kernel inside a region:
-# passes/fuse_grad_accumulation.py's GEMM puts one in every layer's backward, and region boundaries
-# there would cut the fusions around it
-_REGION_OPS = ("fxshard::matmul_accumulate",)
+# passes/fuse_grad_accumulation.py puts one in every layer's backward, and region boundaries there would
+# cut the fusions around it (where the runtime runs one in place, fxshard/runtime/reinplace.py moves it
+# to its layer's run end, where the region ends anyway)
+_REGION_OPS = ("fxshard::matmul_accumulate", "fxshard::embedding_accumulate")
 
 
 def is_fixed(node: fx.Node) -> bool:

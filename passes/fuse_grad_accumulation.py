@@ -14,11 +14,20 @@ step on a stage of GPT 1b at pp=2, M=8). This pass rewrites
 
 into `fxshard::matmul_accumulate(total, a, b)` (for an odd number of transposes, of b^T and a^T),
 where the matmul, the transposes and the cast have no reader but the addition. On CUDA that op is one
-GEMM that adds into the total in its epilogue (fxshard/ops/matmul_accumulate.py).
+GEMM that adds into the total in its epilogue (fxshard/ops/matmul_accumulate.py), which the runtime
+runs in place on the total where nothing else reads it (fxshard/runtime/reinplace.py
+`accumulate_in_place`). On by default (`Config(fuse_grad_accumulation)`).
+
+An embedding's gradient is the same kind of sum: `add(total, widen(embedding_dense_backward(grad,
+indices, n, padding_idx, False)))` becomes `fxshard::embedding_accumulate(total, grad, indices,
+padding_idx)`, which adds the gradient's rows into the total (fxshard/ops/embedding_accumulate.py)
+instead of writing a dense [n, d] gradient and adding that (GPT 1b: ~0.8 GB of memory passes a
+microbatch for a 32,000 x 2,048 embedding); in place, only the rows move.
 
 Invariant: the program computes the same function as its input, except that each rewritten
 accumulation adds the matmul's product to the total without rounding it to bf16 first (the product
-is exact in float32 before the addition; the input rounded it): every other node, the order of the
+is exact in float32 before the addition; the input rounded it), and each embedding's rows are
+summed into the float32 total instead of into a bf16 gradient rounded before the addition: every other node, the order of the
 fixed nodes and every output are the same. Float32 programs have no widening cast and are returned
 unchanged, as are programs without microbatch accumulation.
 """
@@ -29,6 +38,7 @@ import torch
 import torch.fx as fx
 
 from fxshard import meta
+from fxshard.ops import embedding_accumulate, matmul_accumulate  # noqa: F401  (registers the ops)
 from fxshard.program import Program
 
 _aten = torch.ops.aten
@@ -37,7 +47,8 @@ _WIDENING = {_aten._to_copy.default, torch.ops.prims.convert_element_type.defaul
 
 def fuse_grad_accumulation(program: Program) -> Program:
     """`program` with each gradient accumulation of a widened matmul product done by
-    `fxshard::matmul_accumulate`; `notes["fuse_grad_accumulation"]` counts them. With none, `program`."""
+    `fxshard::matmul_accumulate`, and of a widened embedding gradient by `fxshard::embedding_accumulate`;
+    `notes["fuse_grad_accumulation"]` counts them. With none, `program`."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(program.graph, {}))
     fused = fuse_in_graph(graph)
@@ -52,16 +63,18 @@ def fuse_in_graph(graph: fx.Graph) -> int:
     """The rewrite, in place on `graph`; returns how many accumulations it fused."""
     fused = 0
     for node in list(graph.nodes):
-        found = _accumulated_matmul(node)
+        found, op = _accumulated_matmul(node), torch.ops.fxshard.matmul_accumulate.default
+        if found is None:
+            found, op = _accumulated_embedding(node), torch.ops.fxshard.embedding_accumulate.default
         if found is None:
             continue
-        total, (a, b), dead = found
+        total, operands, dead = found
         with graph.inserting_before(node):
-            new = graph.call_function(torch.ops.fxshard.matmul_accumulate.default, (total, a, b))
+            new = graph.call_function(op, (total, *operands))
         new.meta.update(node.meta)  # phase, layer, microbatch, pipeline action, the value's fake tensor
         node.replace_all_uses_with(new)
         graph.erase_node(node)
-        for chained in dead:  # the cast, the transposes, the matmul: read by nothing now
+        for chained in dead:  # the cast, the transposes, the matmul or embedding backward: read by nothing now
             graph.erase_node(chained)
         fused += 1
     return fused
@@ -88,6 +101,39 @@ def _accumulated_matmul(node: fx.Node):
             total = _widened(node, total, out.dtype)
         a, b = chain[-1].args
         return total, ((a, b) if transposes % 2 == 0 else _transposed(node, b, a)), chain
+    return None
+
+
+def _accumulated_embedding(node: fx.Node):
+    """(total, (grad, indices, padding_idx), the nodes that go away: cast, embedding backward) where
+    `node` is total + widen(embedding_dense_backward(grad, indices, n, padding_idx, False)) in the
+    backward, else None."""
+    if node.op != "call_function" or node.target is not _aten.add.Tensor or node.kwargs.get("alpha", 1) != 1:
+        return None
+    if meta.phase(node) != meta.BWD or len(node.args) != 2 or not all(isinstance(x, fx.Node) for x in node.args):
+        return None
+    out = node.meta.get("val")
+    if out is None or out.dtype != torch.float32 or out.dim() != 2:
+        return None
+    for total, product in (node.args, node.args[::-1]):
+        chain, source = [], product
+        if source.op == "call_function" and source.target in _WIDENING:
+            if source.meta["val"].dtype != out.dtype or len(source.users) != 1:
+                continue
+            chain, source = [source], source.args[0]
+        if not (isinstance(source, fx.Node) and source.op == "call_function"
+                and source.target is _aten.embedding_dense_backward.default and len(source.users) == 1
+                and source.meta["val"].dtype in (torch.bfloat16, torch.float16)
+                and source.meta["val"].shape == out.shape and total.meta["val"].shape == out.shape):
+            continue
+        grad, indices, _, padding_idx, scale_grad_by_freq = source.args
+        if scale_grad_by_freq:
+            continue
+        if total.meta["val"].dtype != out.dtype:  # the first microbatch's gradient, not yet widened
+            if total.meta["val"].dtype not in (torch.bfloat16, torch.float16):
+                continue
+            total = _widened(node, total, out.dtype)
+        return total, (grad, indices, padding_idx), chain + [source]
     return None
 
 

@@ -268,10 +268,12 @@ def test_views_and_casts_of_inputs_are_input_only_and_nothing_past_a_fixed_node_
 def test_a_pipeline_gradient_is_accumulated_in_the_region_that_made_it(schedule):
     """Mesh(pp=2), 3 microbatches, bf16 compute with fp32 gradients: each microbatch's gradient is
     cast to fp32 and added to the accumulator in the same region, so Inductor fuses cast and add and
-    the fp32 cast is never written out (GPT 1b, 2x H100: 4.6 ms of such casts a step on a stage)."""
+    the fp32 cast is never written out (GPT 1b, 2x H100: 4.6 ms of such casts a step on a stage).
+    Weight matrices' accumulations unfused (Config(fuse_grad_accumulation=False)), to have many."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=24, d_model=16, n_layer=4, n_head=2, d_ff=24))
-    config = fxshard.Config(microbatches=3, schedule=schedule, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    config = fxshard.Config(microbatches=3, schedule=schedule, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                            fuse_grad_accumulation=False)
     mesh, batch = fxshard.Mesh(pp=2), token_batches(24, 3, 8, 1)[0]
     for stage in range(mesh.pp):  # traced as shard() does: one microbatch, in the compute dtype
         program = _compile(model, lambda m, b: m.loss(b), batch, ADAMW, mesh, config, (stage,))[-1]

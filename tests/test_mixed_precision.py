@@ -81,12 +81,15 @@ def test_zero3_casts_the_shard_before_the_all_gather_and_reduces_in_fp32():
 def test_bf16_microbatch_gradients_are_added_into_the_fp32_sum_without_a_cast_copy():
     """Accumulating microbatches in a wider reduce dtype: each later microbatch's bf16 gradient is
     added to the fp32 sum directly (the add promotes, exactly as casting first would), and training
-    matches eager bf16 with fp32 masters that sums the microbatch gradients in fp32."""
+    matches eager bf16 with fp32 masters that sums the microbatch gradients in fp32. (With the
+    default Config(fuse_grad_accumulation=True) the weight matrices' products are added unrounded
+    instead: tests/passes/test_fuse_grad_accumulation.py.)"""
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset("tiny"))
     master, low = copy.deepcopy(model), copy.deepcopy(model).to(torch.bfloat16)
     optimizer = torch_optimizer(ADAMW, master.parameters())
-    config = fxshard.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, microbatches=2)
+    config = fxshard.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, microbatches=2,
+                            fuse_grad_accumulation=False)
     step = fxshard.shard(model, loss_fn, batches(1)[0], optimizer=ADAMW, config=config)
     adds = [n for n in step.program.graph.nodes if n.target is torch.ops.aten.add.Tensor and meta.phase(n) == meta.BWD
             and n.meta["val"].dtype == torch.float32

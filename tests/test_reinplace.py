@@ -9,6 +9,7 @@ from fxshard.program import InputKind, OutputKind
 from fxshard.runtime.reinplace import gather_updates_in_place, reinplace, write_back_positions
 
 ADAMW = fxshard.optim.AdamW(lr=1e-2, weight_decay=0.1)
+IN_PLACE_ACCUMULATIONS = (torch.ops.fxshard.matmul_accumulate_.default, torch.ops.fxshard.embedding_accumulate_.default)
 C10D = torch.ops._c10d_functional
 
 
@@ -241,7 +242,7 @@ def test_a_shard_that_may_alias_its_flat_parameter_keeps_its_gather():
 def test_fused_gradient_accumulations_add_in_place_and_train_bit_identically():
     """Config(fuse_grad_accumulation) at pp=2, M=3: every fused accumulation's total is a temporary of
     the stage's step (the first microbatch's gradient widened, then the accumulations), so the runtime
-    lowers each one to the in-place GEMM, placed at the end of its layer's run of compute; on the SPMD
+    lowers each one to the in-place GEMM (the embedding's to the in-place row sum), placed at the end of its layer's run of compute; on the SPMD
     simulator the lowered stages train bit-identically to the functional ones."""
     from fxshard.codegen import find_regions, is_fixed
     from fxshard.passes import run_pipeline
@@ -259,17 +260,19 @@ def test_fused_gradient_accumulations_add_in_place_and_train_bit_identically():
         graph_module, count = accumulate_in_place(stage.graph_module)
         assert count == stage.notes["fuse_grad_accumulation"] > 0
         targets = [n.target for n in graph_module.graph.nodes]
-        assert torch.ops.fxshard.matmul_accumulate.default not in targets
-        assert targets.count(torch.ops.fxshard.matmul_accumulate_.default) == count
+        assert not {torch.ops.fxshard.matmul_accumulate.default, torch.ops.fxshard.embedding_accumulate.default} & \
+            set(targets)
+        assert sum(t in IN_PLACE_ACCUMULATIONS for t in targets) == count
+        assert (torch.ops.fxshard.embedding_accumulate_.default in targets) == (stage is stages[0])
         for node in graph_module.graph.nodes:
-            if node.target is torch.ops.fxshard.matmul_accumulate_.default:  # ends its layer's run of compute
+            if node.target in IN_PLACE_ACCUMULATIONS:  # ends its layer's run of compute
                 after = node.next
                 assert is_fixed(after) or node.args[0] in after.all_input_nodes or \
                     (meta.layer(after), meta.microbatch(after)) != (meta.layer(node), meta.microbatch(node))
         # cut where layers change anyway: at most one more region per layer and microbatch that accumulates
         added = len(find_regions(graph_module.graph)) - len(find_regions(stage.graph))
         assert 0 <= added <= len({(meta.layer(n), meta.microbatch(n)) for n in graph_module.graph.nodes
-                                  if n.target is torch.ops.fxshard.matmul_accumulate_.default})
+                                  if n.target in IN_PLACE_ACCUMULATIONS})
         lowered.append(stage.replace(graph_module=graph_module))
     generator = torch.Generator().manual_seed(1)
     batches = [{k: torch.randint(0, 32, (3, 8), generator=generator) for k in ("idx", "tgt")}] * 2

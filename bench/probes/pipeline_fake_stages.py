@@ -1,7 +1,7 @@
 """Each pipeline stage's compute, action by action, on one GPU: what bench/pipeline.py's simulator
 would be given as measured costs, before two GPUs are at hand.
 
-    python bench/probes/pipeline_fake_stages.py --out DIR [--schedules 1f1b interleaved-v2] [--fuse-grad-accumulation]
+    python bench/probes/pipeline_fake_stages.py --out DIR [--schedules 1f1b interleaved-v2] [--unfused-grad-accumulation]
 
 bench/pipeline.py's fxshard setup (GPT 1b, Mesh(pp=2), M=8 microbatches of 1x2048, bf16 compute / fp32
 masters, AdamW, no_shard, codegen, eager replay). Each stage runs in its own process as that rank of a
@@ -11,8 +11,8 @@ compute takes the same time on any values), and the cross-rank agreement checks 
 step is profiled; its kernels are attributed to actions through codegen's region ranges
 (bench/pipeline.py `action_times`). Prints per chunk the measured F / B (/ W) ms next to the FLOP
 model's (`chunk_costs`), and the simulated bubble under each, and each rank's GPU busy time of the step (the union of its
-kernels and copies); writes DIR/pipeline_fake_stages.json (with --fuse-grad-accumulation, which
-runs Config(fuse_grad_accumulation=True): DIR/pipeline_fake_stages_fga.json).
+kernels and copies); writes DIR/pipeline_fake_stages.json (with --unfused-grad-accumulation, which
+runs Config(fuse_grad_accumulation=False): DIR/pipeline_fake_stages_unfused.json).
 """
 
 import argparse
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 SCHEDULES = {"1f1b": ("1f1b", 1), "interleaved-v2": ("interleaved-1f1b", 2), "zb-h1": ("zb-h1", 1)}
 
 
-def run_stage(schedule: str, rank: int, microbatches: int, out: str, fuse: bool = False) -> None:
+def run_stage(schedule: str, rank: int, microbatches: int, out: str, fuse: bool = True) -> None:
     """In this process: rank `rank` of a fake 2-rank world; one profiled step of its stage."""
     import torch
     import torch.distributed as dist
@@ -37,7 +37,7 @@ def run_stage(schedule: str, rank: int, microbatches: int, out: str, fuse: bool 
     import fxshard
     import fxshard.runtime.agreement as agreement
     from fxshard.models import GPT, GPTConfig
-    from pipeline import action_times  # bench/pipeline.py
+    from pipeline import action_times, gpu_bubble  # bench/pipeline.py
 
     for name in ("check_agreement", "check_pipeline_streams", "connect_pipeline_peers"):  # they talk to the peer
         setattr(agreement, name, lambda *args, **kwargs: None)
@@ -67,25 +67,14 @@ def run_stage(schedule: str, rank: int, microbatches: int, out: str, fuse: bool 
         path = os.path.join(scratch, "trace.json")
         profiler.export_chrome_trace(path)
         with open(path) as handle:
-            times = action_times(json.load(handle)["traceEvents"], actions)
-    busy_ms = _busy_ms(profiler)
+            events = json.load(handle)["traceEvents"]
+    times = action_times(events, actions)
+    busy_ms = gpu_bubble(events)["busy_ms"]  # kernels, memsets and device copies; no communication
     with open(out, "w") as handle:
         json.dump({"actions": actions, "action_ms": times, "pipeline": step.program.notes.get("pipeline"),
                    "busy_ms": busy_ms, "lowerings": step.lowerings()}, handle)
     print(f"rank {rank}: GPU busy {busy_ms:.2f} ms a step; {step.lowerings()}", flush=True)
 
-
-def _busy_ms(profiler) -> float:
-    """The union of the profiled step's GPU kernel, memset and memcpy intervals, in ms."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in profiler.events()
-                   if e.device_type.name == "CUDA")
-    busy, end = 0, None
-    for start, stop in spans:
-        if end is None or start > end:
-            busy, end = busy + stop - start, stop
-        elif stop > end:
-            busy, end = busy + stop - end, stop
-    return busy / 1e3
 
 
 def main():
@@ -93,12 +82,14 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved-v2"], choices=sorted(SCHEDULES))
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--fuse-grad-accumulation", action="store_true",
-                        help="Config(fuse_grad_accumulation=True): weight gradients added into their totals by the GEMM")
+    parser.add_argument("--unfused-grad-accumulation", action="store_true",
+                        help="Config(fuse_grad_accumulation=False): gradients added into their totals by a "
+                             "cast-and-add of their own (the default adds them in the GEMM since session 34)")
     parser.add_argument("--stage", nargs=3, metavar=("SCHEDULE", "RANK", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.stage:
-        run_stage(args.stage[0], int(args.stage[1]), args.microbatches, args.stage[2], args.fuse_grad_accumulation)
+        run_stage(args.stage[0], int(args.stage[1]), args.microbatches, args.stage[2],
+                  not args.unfused_grad_accumulation)
         return
     import torch
 
@@ -118,10 +109,10 @@ def main():
         name, virtual = SCHEDULES[schedule]
         ranks = []
         for rank in range(2):
-            suffix = "_fga" if args.fuse_grad_accumulation else ""
+            suffix = "_unfused" if args.unfused_grad_accumulation else ""
             path = os.path.join(args.out, f"{schedule}{suffix}_rank{rank}.json")
             subprocess.run([sys.executable, __file__, "--out", args.out, "--microbatches", str(args.microbatches),
-                            *(["--fuse-grad-accumulation"] if args.fuse_grad_accumulation else []),
+                            *(["--unfused-grad-accumulation"] if args.unfused_grad_accumulation else []),
                             "--stage", schedule, str(rank), path], check=True)
             with open(path) as handle:
                 ranks.append(json.load(handle))
@@ -139,7 +130,7 @@ def main():
                   "bubble_simulated_measured_no_opt": simulate(plan, {**measured, "OPT": 0.0}).bubble_fraction,
                   "makespan_measured_ms": simulate(plan, measured).makespan,
                   "pipeline": [r["pipeline"] for r in ranks], "busy_ms": [r.get("busy_ms") for r in ranks],
-                  "fuse_grad_accumulation": args.fuse_grad_accumulation}
+                  "fuse_grad_accumulation": not args.unfused_grad_accumulation}
         report[schedule] = result
         print(f"\n{schedule}: " + "; ".join(result["pipeline"]))
         print(f"{'action':<8} {'measured ms':>12} {'FLOP model ms':>14}")
@@ -152,7 +143,7 @@ def main():
               f"{result['bubble_simulated_flops']:.1%}, measured costs {result['bubble_simulated_measured']:.1%} "
               f"(without OPT {result['bubble_simulated_measured_no_opt']:.1%}); simulated step "
               f"{result['makespan_measured_ms']:.1f} ms")
-    name = "pipeline_fake_stages_fga.json" if args.fuse_grad_accumulation else "pipeline_fake_stages.json"
+    name = "pipeline_fake_stages_unfused.json" if args.unfused_grad_accumulation else "pipeline_fake_stages.json"
     with open(os.path.join(args.out, name), "w") as handle:
         json.dump(report, handle, indent=1)
 

@@ -17,6 +17,10 @@ median of CUDA-event timed repetitions:
 - `merged/M`: one GEMM over all M microbatches' tokens at once (K = M x tokens), divided by M: what a
   step would pay per microbatch if it computed each weight gradient once (no accumulation at all).
 
+Then the embedding (32,000 x 2,048) of one microbatch: its dense backward (`embedding_dense_backward`,
+bf16) then a cast-and-add into the fp32 total, against `fxshard::embedding_accumulate_` (the rows
+added into the total in place, `index_put_` with accumulate) and its functional form.
+
 Writes DIR/wgrad_accumulate.json and prints a table (us per accumulation, and the sum over one
 block's and the head's weights).
 """
@@ -75,6 +79,20 @@ def triton_kernel():
         return total
 
     return run
+
+
+def embedding_rows(tokens: int, add) -> dict[str, float]:
+    """us per microbatch: the dense embedding backward plus cast-and-add, against the row sums."""
+    import fxshard.ops  # noqa: F401  (registers fxshard::embedding_accumulate)
+
+    vocab, width = 32000, 2048
+    indices = torch.randint(0, vocab, (1, tokens), device="cuda")
+    grad = torch.randn(1, tokens, width, device="cuda", dtype=torch.bfloat16)
+    total = torch.randn(vocab, width, device="cuda")
+    dense = lambda: torch.ops.aten.embedding_dense_backward(grad, indices, vocab, -1, False)  # noqa: E731
+    return {"dense+add": timed(lambda: add(total, dense())), "dense alone": timed(dense),
+            "embedding_accumulate": timed(lambda: torch.ops.fxshard.embedding_accumulate(total, grad, indices, -1)),
+            "embedding_accumulate_": timed(lambda: torch.ops.fxshard.embedding_accumulate_(total, grad, indices, -1))}
 
 
 def timed(fn, reps: int = 30) -> float:
@@ -156,7 +174,9 @@ def main() -> None:
         blk = None if any(u is None for u in us[:len(block)]) else sum(us[:len(block)])
         totals[variant] = blk
         print(f"{variant:<18}" + "".join(f"{u:>9.1f}" if u else f"{'-':>9}" for u in us) + (f"{blk:>10.1f}" if blk else f"{'-':>10}"))
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": args.tokens,
+    embedding = embedding_rows(args.tokens, add)
+    print("embedding", {k: round(v, 1) for k, v in embedding.items()}, flush=True)
+    result = {"device": torch.cuda.get_device_name(), "embedding_us": embedding, "torch": torch.__version__, "tokens": args.tokens,
               "microbatches": args.microbatches, "rows": rows, "block_us": totals,
               "triton": None if triton_accumulate else why}
     with open(os.path.join(args.out, "wgrad_accumulate.json"), "w") as f:

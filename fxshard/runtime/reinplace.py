@@ -17,7 +17,8 @@ The lowering runs after every pass and is not a pass: passes and dumps keep the 
 
 `accumulate_in_place` does it for gradient accumulation fused into the weight-gradient GEMM
 (`Config(fuse_grad_accumulation)`): `fxshard::matmul_accumulate(total, a, b)` becomes
-`fxshard::matmul_accumulate_`, the GEMM adding into the total where it lies, where the total is a
+`fxshard::matmul_accumulate_`, the GEMM adding into the total where it lies (and
+`fxshard::embedding_accumulate` its in-place form, the rows added where the total lies), where the total is a
 temporary of the step that nothing else reads (fresh memory: a cast of the first microbatch's
 gradient, or an earlier accumulation's result). Its functional form has to copy the total first
 (aten's addmm writes C in place), a full pass per accumulation. Each in-place node then moves down
@@ -47,6 +48,7 @@ from .. import meta
 from ..graph import is_view, may_alias_input
 from ..meta import COLLECTIVE_ISSUES
 from ..ops.adamw import adamw_update, adamw_update_  # noqa: F401  (registers both ops)
+from ..ops.embedding_accumulate import embedding_accumulate, embedding_accumulate_  # noqa: F401  (registers both)
 from ..ops.matmul_accumulate import matmul_accumulate, matmul_accumulate_  # noqa: F401  (registers both)
 from ..ops.gloo import GLOO_ALL_GATHER, gloo_all_gather_into_tensor_out
 from ..ops.p2p import P2P_OPS
@@ -54,8 +56,10 @@ from ..program import InputKind, OutputKind, Program
 
 _FUNCTIONAL = torch.ops.fxshard.adamw_update.default
 _IN_PLACE = torch.ops.fxshard.adamw_update_.default
-_ACCUMULATE = torch.ops.fxshard.matmul_accumulate.default
-_ACCUMULATE_IN_PLACE = torch.ops.fxshard.matmul_accumulate_.default
+# an accumulation into a total -> the same written into the total
+_IN_PLACE_ACCUMULATION = {torch.ops.fxshard.matmul_accumulate.default: torch.ops.fxshard.matmul_accumulate_.default,
+                          torch.ops.fxshard.embedding_accumulate.default:
+                          torch.ops.fxshard.embedding_accumulate_.default}
 _MUTATED = {0: "param", 2: "exp_avg", 3: "exp_avg_sq"}  # argument position -> name; outputs 0, 1, 2
 _c10d = torch.ops._c10d_functional
 # the state a step's outputs become (its inputs next step): output kind -> input kind
@@ -108,12 +112,12 @@ def accumulate_in_place(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, i
 
     graph = fx.Graph()
     graph.output(graph.graph_copy(graph_module.graph, {}))
-    found = [node for node in graph.nodes if node.op == "call_function" and node.target is _ACCUMULATE
+    found = [node for node in graph.nodes if node.op == "call_function" and node.target in _IN_PLACE_ACCUMULATION
              and not node.kwargs and _fresh(node.args[0], node)]
     for node in found:
-        total, a, b = node.args
+        total = node.args[0]
         with graph.inserting_before(node):
-            in_place = graph.call_function(_ACCUMULATE_IN_PLACE, (total, a, b))
+            in_place = graph.call_function(_IN_PLACE_ACCUMULATION[node.target], node.args)
         in_place.meta.update({key: value for key, value in node.meta.items() if key != "val"})
         node.replace_all_uses_with(total)
         graph.erase_node(node)

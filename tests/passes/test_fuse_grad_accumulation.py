@@ -40,8 +40,8 @@ def _programs(traced, pp: int, microbatches: int, fuse: bool):
 def test_fused_accumulation_computes_the_unfused_gradients_up_to_the_products_rounding(pp, microbatches, seed):
     """One SGD step (lr 1) of the program with and without the pass on the SPMD simulator: the same
     loss, and each parameter's update (its gradient) equal up to the bf16 rounding of each
-    microbatch's matmul product that the fused program no longer does; every weight matrix's
-    accumulation is fused, once per microbatch after the first."""
+    microbatch's matmul product (and embedding gradient) that the fused program no longer does;
+    every weight matrix's and the embedding's accumulation is fused, once per microbatch after the first."""
     torch.manual_seed(seed)
     model = GPT(GPTConfig(vocab_size=64, d_model=32, n_layer=2, n_head=2, d_ff=64))
     batch = {k: torch.randint(0, 64, (microbatches, 8), generator=torch.Generator().manual_seed(seed + i))
@@ -55,8 +55,10 @@ def test_fused_accumulation_computes_the_unfused_gradients_up_to_the_products_ro
         runs.append((programs, ranks.step([batch] * ranks.world), before, ranks.states))
     (plain, plain_out, start, plain_after), (fused, fused_out, _, fused_after) = runs
     assert [o["loss"] for o in fused_out] == [o["loss"] for o in plain_out]  # the forward is untouched
-    matrices = sum(1 for name, p in model.named_parameters() if p.dim() == 2 and "emb" not in name)
+    matrices = sum(1 for p in model.parameters() if p.dim() == 2)  # the embedding's rows are fused too
     assert sum(p.notes.get("fuse_grad_accumulation", 0) for p in fused) == matrices * (microbatches - 1)
+    assert sum(n.target is torch.ops.fxshard.embedding_accumulate.default for p in fused
+               for n in p.graph.nodes) == microbatches - 1
     assert all("fuse_grad_accumulation" not in p.notes for p in plain)
     for rank, state in enumerate(start):
         for key, value in state.items():
@@ -75,10 +77,31 @@ def test_programs_without_a_widened_product_are_left_as_they_are_and_the_dump_sh
                          config=fxshard.Config(microbatches=2))
     assert fuse_grad_accumulation(fp32) is fp32  # float32 compute: every product is already exact
     (fused,) = _programs(_traced(model, batch, 1, 2), 1, 2, True)
-    nodes = [n for n in fused.graph.nodes if n.target is torch.ops.fxshard.matmul_accumulate.default]
+    ops = (torch.ops.fxshard.matmul_accumulate.default, torch.ops.fxshard.embedding_accumulate.default)
+    nodes = [n for n in fused.graph.nodes if n.target in ops]
     assert len(nodes) == fused.notes["fuse_grad_accumulation"] > 0
-    assert "torch.ops.fxshard.matmul_accumulate.default" in fused.graph_module.code
+    assert all(f"torch.ops.{op}" in fused.graph_module.code for op in ops)
     assert not any(is_fixed(n) for n in nodes)  # codegen compiles it inside its layer's region
+
+
+@given(padding_idx=st.sampled_from([-1, 0, 3]), seed=st.integers(0, 7))
+def test_embedding_accumulate_adds_the_rows_of_the_dense_gradient(padding_idx, seed):
+    """embedding_accumulate (and its in-place form) against total + the dense embedding backward:
+    repeated indices summed, the padding row left as it is; rows summed in float32, not rounded
+    to bf16 first."""
+    generator = torch.Generator().manual_seed(seed)
+    indices = torch.randint(0, 6, (2, 9), generator=generator)  # 18 lookups of 6 rows: repeats
+    grad = torch.randn(2, 9, 4, generator=generator).bfloat16()
+    total = torch.randn(6, 4, generator=generator)
+    dense = torch.ops.aten.embedding_dense_backward(grad.double(), indices, 6, padding_idx, False)
+    exact = total.double() + dense
+    got = torch.ops.fxshard.embedding_accumulate(total, grad, indices, padding_idx)
+    torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=1e-6)
+    in_place = total.clone()
+    torch.ops.fxshard.embedding_accumulate_(in_place, grad, indices, padding_idx)
+    assert torch.equal(in_place, got)
+    if padding_idx >= 0:
+        assert torch.equal(got[padding_idx], total[padding_idx])
 
 
 def test_matmul_accumulate_adds_the_unrounded_product():
