@@ -29,8 +29,11 @@ import argparse
 import json
 import os
 import statistics
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 SHAPES = {"qkv": (6144, 2048), "proj": (2048, 2048), "gate": (5632, 2048), "up": (5632, 2048),
           "down": (2048, 5632), "head": (32000, 2048)}
