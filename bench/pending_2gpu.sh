@@ -10,7 +10,7 @@
 # session 34 made the fused gradient accumulation the default, measured on one GPU only):
 #   fga       issue 14 first: 1F1B and interleaved V=2 graphed, the fused accumulation (now in place and
 #             the default) against -unfused, next to the compiled peer, then its GPU test (~7 min;
-#             one H200, fake process group: each stage's GPU work 3.7-3.8% less a step)
+#             one H200, fake process group: each stage's GPU work 2.6-4.3% less a step)
 #   half-blocks  then: the cut inside a block for 1F1B (19,17: the FLOP simulator predicts
 #             1.8% shorter than 10,8; not measured yet) and V=2 again (10,10,9,7: measured 1.5% faster
 #             once, though the FLOP simulator predicts it slower)

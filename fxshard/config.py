@@ -71,7 +71,7 @@ class Config:
         epilogue adds into the total; Megatron's gradient-accumulation fusion). It applies where bf16
         (or fp16) compute meets float32 gradients, and changes rounding only: a microbatch's weight
         gradient is no longer rounded to bf16 before it is added. On by default: the runtime runs the
-        GEMM in place on the total (one H200, GPT 1b at pp=2, M=8: each stage's GPU work 3.7-3.8%
+        GEMM in place on the total (one H200, GPT 1b at pp=2, M=8: each stage's GPU work 2.6-4.3%
         less; bench/RESULTS.md, session 34). False keeps a separate cast-and-add per microbatch.
     fuse_grouped_mlp: rewrite each MoE expert MLP (grouped GEMM -> activation -> grouped GEMM, forward
         and backward) into the fused `fxshard::grouped_mlp` op (passes/fuse_grouped_mlp.py).
