@@ -1021,6 +1021,38 @@ def test_fused_grad_accumulation_trains_like_the_unfused_step_with_codegen_and_c
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("padding_idx", [-1, 5])
+def test_embedding_rows_added_in_place_on_cuda_are_exact_deterministic_and_capturable(padding_idx):
+    """fxshard::embedding_accumulate_ on CUDA (the Triton kernel: rows sorted, each run summed in
+    order): the float64 sum of the dense backward within float32 rounding, repeated indices (one
+    index 300 times) and the padding row included; the same bits in a second run and from a CUDA
+    graph's replay."""
+    generator = torch.Generator().manual_seed(0)
+    indices = torch.randint(0, 50, (4, 512), generator=generator)
+    indices[0, :300] = 7  # a long run of one index
+    grad = torch.randn(4, 512, 96, generator=generator).bfloat16()
+    total = torch.randn(50, 96, generator=generator)
+    exact = total.double() + torch.ops.aten.embedding_dense_backward(grad.double(), indices, 50, padding_idx, False)
+    results = []
+    for _ in range(2):
+        got = total.cuda()
+        torch.ops.fxshard.embedding_accumulate_(got, grad.cuda(), indices.cuda(), padding_idx)
+        results.append(got)
+    torch.testing.assert_close(results[0].double().cpu(), exact, rtol=1e-5, atol=1e-4)
+    assert torch.equal(results[0], results[1])
+    if padding_idx >= 0:
+        assert torch.equal(results[0][padding_idx].cpu(), total[padding_idx])
+    captured, inputs = total.cuda(), (grad.cuda(), indices.cuda())
+    torch.ops.fxshard.embedding_accumulate_(captured.clone(), *inputs, padding_idx)  # warm up: compile the kernel
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.ops.fxshard.embedding_accumulate_(captured, *inputs, padding_idx)
+    captured.copy_(total.cuda())
+    graph.replay()
+    assert torch.equal(captured, results[0])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("layout", [{}, {"capacity_factor": 1.0, "expert_slots": True}],
                          ids=["dropless", "capacity-slots"])
 def test_fused_grouped_mlp_in_bf16_replays_in_a_cuda_graph_like_eager(layout):
