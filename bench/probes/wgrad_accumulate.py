@@ -19,7 +19,8 @@ median of CUDA-event timed repetitions:
 
 Then the embedding (32,000 x 2,048) of one microbatch: its dense backward (`embedding_dense_backward`,
 bf16) then a cast-and-add into the fp32 total, against `fxshard::embedding_accumulate_` (the rows
-added into the total in place, `index_put_` with accumulate) and its functional form.
+added into the total in place: sorted, then a Triton kernel) and its functional form (`index_put_` with
+accumulate), each also from a CUDA graph of ten calls (GPU time without the host's launches).
 
 Writes DIR/wgrad_accumulate.json and prints a table (us per accumulation, and the sum over one
 block's and the head's weights).
@@ -93,9 +94,20 @@ def embedding_rows(tokens: int, add) -> dict[str, float]:
     grad = torch.randn(1, tokens, width, device="cuda", dtype=torch.bfloat16)
     total = torch.randn(vocab, width, device="cuda")
     dense = lambda: torch.ops.aten.embedding_dense_backward(grad, indices, vocab, -1, False)  # noqa: E731
-    return {"dense+add": timed(lambda: add(total, dense())), "dense alone": timed(dense),
-            "embedding_accumulate": timed(lambda: torch.ops.fxshard.embedding_accumulate(total, grad, indices, -1)),
-            "embedding_accumulate_": timed(lambda: torch.ops.fxshard.embedding_accumulate_(total, grad, indices, -1))}
+    variants = {"dense+add": lambda: add(total, dense()), "dense alone": dense,
+                "embedding_accumulate": lambda: torch.ops.fxshard.embedding_accumulate(total, grad, indices, -1),
+                "embedding_accumulate_": lambda: torch.ops.fxshard.embedding_accumulate_(total, grad, indices, -1)}
+    result = {name: timed(fn) for name, fn in variants.items()}
+    # the same from a CUDA graph of 10 calls (no host launch time: what a captured step pays), per call
+    for name, fn in variants.items():
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(10):
+                fn()
+        result[f"{name} (graphed)"] = timed(graph.replay) / 10
+    return result
 
 
 def timed(fn, reps: int = 30) -> float:
