@@ -72,6 +72,8 @@ def main():
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--interleave", default="dual-batch", choices=fxshard.config.EP_INTERLEAVINGS)
     parser.add_argument("--no-aten", action="store_true", help="skip the variants without codegen")
+    parser.add_argument("--unfused-grad-accumulation", action="store_true",
+                        help="Config(fuse_grad_accumulation=False), the default before session 34")
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()
@@ -92,6 +94,7 @@ def main():
         config = fxshard.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, sharding="optim",
                                 cuda_graphs=True, ep_overlap=overlap, ep_chunks=1, microbatches=2,
                                 ep_interleave=args.interleave, codegen="inductor" if codegen else None,
+                                fuse_grad_accumulation=not args.unfused_grad_accumulation,
                                 dump_dir=os.path.join(args.out, f"dump-{label}"))
         started = time.perf_counter()
         step = fxshard.shard(model, lambda m, b: m.loss_and_metrics(b), data, optimizer=fxshard.optim.AdamW(lr=1e-5),
