@@ -80,25 +80,40 @@ def fuse_in_graph(graph: fx.Graph) -> int:
     return fused
 
 
-def _accumulated_matmul(node: fx.Node):
-    """(total, (a, b), the nodes that go away: cast, transposes, matmul) where `node` is total +
-    widen(T(mm(a, b))) in the backward, else None."""
+def _float32_sum(node: fx.Node):
+    """The fake value of `node` where it is a backward float32 2-d addition of two nodes (an
+    accumulation's shape), else None."""
     if node.op != "call_function" or node.target is not _aten.add.Tensor or node.kwargs.get("alpha", 1) != 1:
         return None
     if meta.phase(node) != meta.BWD or len(node.args) != 2 or not all(isinstance(x, fx.Node) for x in node.args):
         return None
     out = node.meta.get("val")
-    if out is None or out.dtype != torch.float32 or out.dim() != 2:
+    return out if out is not None and out.dtype == torch.float32 and out.dim() == 2 else None
+
+
+def _wide_total(node: fx.Node, total: fx.Node, out):
+    """`total` in `out`'s dtype: as it is, or (the first microbatch's gradient, which the addition
+    widened) cast before `node`; None for a total of another dtype."""
+    dtype = total.meta["val"].dtype
+    if dtype == out.dtype:
+        return total
+    return _widened(node, total, out.dtype) if dtype in (torch.bfloat16, torch.float16) else None
+
+
+def _accumulated_matmul(node: fx.Node):
+    """(total, (a, b), the nodes that go away: cast, transposes, matmul) where `node` is total +
+    widen(T(mm(a, b))) in the backward, else None."""
+    out = _float32_sum(node)
+    if out is None:
         return None
     for total, product in (node.args, node.args[::-1]):
         found = _widened_matmul(product, out)
         if found is None or total.meta["val"].shape != out.shape:
             continue
         chain, transposes = found
-        if total.meta["val"].dtype != out.dtype:  # the first microbatch's gradient, not yet widened
-            if total.meta["val"].dtype not in (torch.bfloat16, torch.float16):
-                continue
-            total = _widened(node, total, out.dtype)
+        total = _wide_total(node, total, out)
+        if total is None:
+            continue
         a, b = chain[-1].args
         return total, ((a, b) if transposes % 2 == 0 else _transposed(node, b, a)), chain
     return None
@@ -108,12 +123,8 @@ def _accumulated_embedding(node: fx.Node):
     """(total, (grad, indices, padding_idx), the nodes that go away: cast, embedding backward) where
     `node` is total + widen(embedding_dense_backward(grad, indices, n, padding_idx, False)) in the
     backward, else None."""
-    if node.op != "call_function" or node.target is not _aten.add.Tensor or node.kwargs.get("alpha", 1) != 1:
-        return None
-    if meta.phase(node) != meta.BWD or len(node.args) != 2 or not all(isinstance(x, fx.Node) for x in node.args):
-        return None
-    out = node.meta.get("val")
-    if out is None or out.dtype != torch.float32 or out.dim() != 2:
+    out = _float32_sum(node)
+    if out is None:
         return None
     for total, product in (node.args, node.args[::-1]):
         chain, source = [], product
@@ -127,12 +138,9 @@ def _accumulated_embedding(node: fx.Node):
                 and source.meta["val"].shape == out.shape and total.meta["val"].shape == out.shape):
             continue
         grad, indices, _, padding_idx, scale_grad_by_freq = source.args
-        if scale_grad_by_freq:
+        total = None if scale_grad_by_freq else _wide_total(node, total, out)
+        if total is None:
             continue
-        if total.meta["val"].dtype != out.dtype:  # the first microbatch's gradient, not yet widened
-            if total.meta["val"].dtype not in (torch.bfloat16, torch.float16):
-                continue
-            total = _widened(node, total, out.dtype)
         return total, (grad, indices, padding_idx), chain + [source]
     return None
 
