@@ -29,8 +29,8 @@ from torch import Tensor
 def _rows(total: Tensor, grad: Tensor, indices: Tensor, padding_idx: int) -> tuple[Tensor, Tensor]:
     rows = grad.reshape(-1, total.shape[-1]).to(total.dtype)
     flat = indices.reshape(-1)
-    if padding_idx >= 0:
-        rows = rows * (flat != padding_idx).unsqueeze(-1).to(rows.dtype)
+    if padding_idx >= 0:  # what the dense backward leaves out, even where it is not finite
+        rows = torch.where((flat != padding_idx).unsqueeze(-1), rows, torch.zeros((), dtype=rows.dtype))
     return flat, rows
 
 

@@ -17,9 +17,9 @@ The lowering runs after every pass and is not a pass: passes and dumps keep the 
 
 `accumulate_in_place` does it for gradient accumulation fused into the weight-gradient GEMM
 (`Config(fuse_grad_accumulation)`): `fxshard::matmul_accumulate(total, a, b)` becomes
-`fxshard::matmul_accumulate_`, the GEMM adding into the total where it lies (and
-`fxshard::embedding_accumulate` its in-place form, the rows added where the total lies), where the total is a
-temporary of the step that nothing else reads (fresh memory: a cast of the first microbatch's
+`fxshard::matmul_accumulate_`, the GEMM adding into the total where it lies, and
+`fxshard::embedding_accumulate` becomes `fxshard::embedding_accumulate_`, the rows added where it
+lies, where the total is a temporary of the step that nothing else reads (fresh memory: a cast of the first microbatch's
 gradient, or an earlier accumulation's result). Its functional form has to copy the total first
 (aten's addmm writes C in place), a full pass per accumulation. Each in-place node then moves down
 to the end of its layer's run of compute nodes (no further than the first node that reads the total,
@@ -45,6 +45,7 @@ import torch
 import torch.fx as fx
 
 from .. import meta
+from ..codegen import is_fixed
 from ..graph import is_view, may_alias_input
 from ..meta import COLLECTIVE_ISSUES
 from ..ops.adamw import adamw_update, adamw_update_  # noqa: F401  (registers both ops)
@@ -105,11 +106,9 @@ def reinplace(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, int]:
 
 
 def accumulate_in_place(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, int]:
-    """A copy of `graph_module` with every safe `fxshard::matmul_accumulate` done in place (see the
-    module docstring); and how many were. Checked on the graph as given: a total read by its
+    """A copy of `graph_module` with every safe `fxshard::matmul_accumulate` and
+    `fxshard::embedding_accumulate` done in place (see the module docstring); and how many were. Checked on the graph as given: a total read by its
     accumulation alone is read by nothing else once that accumulation writes it instead."""
-    from ..codegen import is_fixed  # the runtime's import of codegen must not run at package import
-
     graph = fx.Graph()
     graph.output(graph.graph_copy(graph_module.graph, {}))
     found = [node for node in graph.nodes if node.op == "call_function" and node.target in _IN_PLACE_ACCUMULATION
@@ -121,7 +120,7 @@ def accumulate_in_place(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, i
         in_place.meta.update({key: value for key, value in node.meta.items() if key != "val"})
         node.replace_all_uses_with(total)
         graph.erase_node(node)
-        _move_to_run_end(in_place, total, is_fixed)
+        _move_to_run_end(in_place, total)
     graph.lint()
     return fx.GraphModule(graph_module, graph), len(found)
 
@@ -136,7 +135,7 @@ def _fresh(total, node: fx.Node) -> bool:
     return not (getattr(total.target, "namespace", None) in ("_c10d_functional", "c10d") or total.target in P2P_OPS)
 
 
-def _move_to_run_end(node: fx.Node, total: fx.Node, is_fixed) -> None:
+def _move_to_run_end(node: fx.Node, total: fx.Node) -> None:
     """Move `node` down past the compute nodes after it of the same (phase, microbatch, layer, action)
     that do not read `total`: to the end of its layer's run, where codegen's region ends anyway."""
     part = _part(node)
