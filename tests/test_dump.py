@@ -76,17 +76,21 @@ def test_bytes_written_show_no_pad_or_squared_copies_of_gradients():
 
 def test_the_graph_the_runtime_runs_is_dumped_and_reported(tmp_path, capsys):
     """After the passes' dumps comes NN_runtime.py, the program as CompiledStep runs it (runtime
-    lowerings applied: here AdamW updates written into the state they read), and verbose says what
-    the runtime changed."""
+    lowerings applied: here AdamW updates written into the state they read, and two bf16
+    microbatches' weight and embedding gradients added into their fp32 totals where they lie), and
+    verbose says what the runtime changed."""
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset("tiny"))
     batch = {"idx": torch.zeros(2, 8, dtype=torch.long), "tgt": torch.zeros(2, 8, dtype=torch.long)}
-    step = fxshard.shard(model, lambda m, b: m.loss(b), batch, optimizer=fxshard.optim.AdamW(lr=1e-3),
-                         config=fxshard.Config(dump_dir=str(tmp_path), verbose=True))
-    assert step.in_place_updates > 0
+    config = fxshard.Config(dump_dir=str(tmp_path), verbose=True, microbatches=2, param_dtype=torch.bfloat16,
+                            reduce_dtype=torch.float32)
+    step = fxshard.shard(model, lambda m, b: m.loss(b), batch, optimizer=fxshard.optim.AdamW(lr=1e-3), config=config)
+    assert step.in_place_updates > 0 and step.accumulations_in_place == step.program.notes["fuse_grad_accumulation"] > 0
     runtime = (tmp_path / f"{len(step.programs):02d}_runtime.py").read_text()
     assert "adamw_update_" in runtime and f"{step.in_place_updates} in-place optimizer updates" in runtime
-    assert f"runtime lowerings of 'traced': {step.in_place_updates} in-place" in capsys.readouterr().err
+    assert "matmul_accumulate_" in runtime and "embedding_accumulate_" in runtime
+    assert f"{step.accumulations_in_place} gradient accumulations in place" in runtime
+    assert f"runtime lowerings of {step.program.name!r}: {step.in_place_updates} in-place" in capsys.readouterr().err
 
 
 def test_collective_windows_are_given_in_flops():
