@@ -120,7 +120,9 @@ case "$part" in
          --unfused-grad-accumulation --peers pipelining-interleaved-compile --steps 8 \
          --out "$out/pipeline_fga_2gpu_$day.json" 2>&1 \
          | tee "$out/pipeline_fga.log" | grep -v "codegen: region\|Warning\|warn\|func(" | tail -30
-       timeout 100 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -k fused_grad_accumulation 2>&1 \
+       # the fused accumulation's tests, and the multigpu tests whose bf16 microbatch programs now use it in place
+       timeout 110 python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+         -k "fused_grad_accumulation or embedding_rows or pipeline_cuda_graph_replay_is_bit_identical" 2>&1 \
          | tee -a "$out/pipeline_fga.log" | tail -5 ;;
   p2p-1f1b) timeout 580 python bench/pipeline.py --gpus 2 --schedules 1f1b --replays eager graphed --peers \
               --p2p-ctas 2 --p2p-receives late early --steps 8 --out "$out/pipeline_p2p_1f1b_2gpu_$day.json" 2>&1 \
