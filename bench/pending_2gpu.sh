@@ -2,7 +2,7 @@
 # The 2-GPU measurements the open issues wait for, one part per device call (each fits the 10-minute
 # limit of a device command). On the device machine, from the repository root:
 #
-#     bash bench/pending_2gpu.sh fga|own-default|half-blocks|dualpipev-halves|own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
+#     bash bench/pending_2gpu.sh fga|fga-suite|own-default|half-blocks|dualpipev-halves|own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
 # (date, machine, command). In priority order (session 33: MoE at ep=2 hides 92-94% of the exposed
@@ -11,6 +11,8 @@
 #   fga       issue 14 first: 1F1B and interleaved V=2 graphed, the fused accumulation (now in place and
 #             the default) against -unfused, next to the compiled peer, then its GPU test (~7 min;
 #             one H200, fake process group: each stage's GPU work 2.6-4.3% less a step)
+#   fga-suite the multigpu tests whose bf16 microbatch programs now use it: pipelines graphed against
+#             eager bit for bit, copy-engine collectives against NCCL (~8 min)
 #   half-blocks  then: the cut inside a block for 1F1B (19,17: the FLOP simulator predicts
 #             1.8% shorter than 10,8; not measured yet) and V=2 again (10,10,9,7: measured 1.5% faster
 #             once, though the FLOP simulator predicts it slower)
@@ -120,10 +122,12 @@ case "$part" in
          --unfused-grad-accumulation --peers pipelining-interleaved-compile --steps 8 \
          --out "$out/pipeline_fga_2gpu_$day.json" 2>&1 \
          | tee "$out/pipeline_fga.log" | grep -v "codegen: region\|Warning\|warn\|func(" | tail -30
-       # the fused accumulation's tests, and the multigpu tests whose bf16 microbatch programs now use it in place
-       timeout 110 python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-         -k "fused_grad_accumulation or embedding_rows or pipeline_cuda_graph_replay_is_bit_identical" 2>&1 \
-         | tee -a "$out/pipeline_fga.log" | tail -5 ;;
+       timeout 100 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "fused_grad_accumulation or embedding_rows" \
+         2>&1 | tee -a "$out/pipeline_fga.log" | tail -5 ;;
+  fga-suite) # the multigpu tests whose bf16 microbatch programs now accumulate in place (session 34's default)
+             timeout 570 python -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+               -k "pipeline_cuda_graph_replay_is_bit_identical or copy_engine_collectives_are_bit_identical_to_nccl" \
+               2>&1 | tee "$out/fga_suite.log" | tail -8 ;;
   p2p-1f1b) timeout 580 python bench/pipeline.py --gpus 2 --schedules 1f1b --replays eager graphed --peers \
               --p2p-ctas 2 --p2p-receives late early --steps 8 --out "$out/pipeline_p2p_1f1b_2gpu_$day.json" 2>&1 \
               | tee "$out/pipeline_p2p_1f1b.log" | grep -v "codegen: region\|Warning\|warn\|func(" | tail -45 ;;
