@@ -1,8 +1,8 @@
 """Small graph-building helpers shared by the tracer and the passes.
 
 `inline` is the workhorse: write a piece of program as a plain PyTorch function (functional
-collectives included, with symbolic group names such as "dp"), and it is traced with make_fx on the
-fake values of its input nodes and copied into the graph at the current insertion point.
+collectives included, with symbolic group names such as "dp"), and the aten ops it calls on the fake
+values of its input nodes are inserted into the graph at the current insertion point.
 """
 
 from __future__ import annotations
@@ -13,8 +13,11 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from torch.fx._lazy_graph_module import _use_lazy_graph_module
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch._C import DispatchKey
+from torch.fx.experimental.proxy_tensor import snapshot_fake
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from . import meta
 
@@ -159,38 +162,84 @@ def reordered(graph_module: fx.GraphModule, order: Sequence[fx.Node]) -> fx.Grap
 
 def inline(graph: fx.Graph, fn: Callable, inputs: Sequence[fx.Node], *, fake_mode, phase: str,
            layer: str | None = None, extra_meta: dict | None = None) -> list[fx.Node]:
-    """Trace `fn(*input values) -> sequence of tensors` and insert its nodes; return the output nodes.
+    """Run `fn(*input values) -> sequence of tensors` on fake values and insert the aten ops it calls
+    at the graph's insertion point; return the output nodes.
 
     Nodes get `phase`, `layer` (if given) and `extra_meta`; a node traced under
     `torch.fx.traceback.annotate({key: value})` with fxshard's meta keys (fxshard.meta: the
     parameter an update is for, the unit and bytes of a collective) also gets those entries.
+
+    The ops are recorded by a dispatch mode (`_Recorder`), at the level where make_fx records them, so
+    the nodes are those `make_fx(fn)` would trace (tests/test_graph.py compares the two); make_fx
+    itself costs ~15 ms a call on the 2-core CI machine, most of a pipeline's shard() time, which
+    inlines every slice, send, receive, wait and accumulation of every action.
     """
-    with fake_mode:  # fresh values: copied nodes share their `val`, and make_fx keys inputs by identity
+    with fake_mode:  # fresh values: copied nodes share their `val`, and the recorder keys tensors by identity
         values = [_fresh(node.meta["val"]) for node in inputs]
-    # lazy: make_fx's GraphModule is only read, never run, so its Python code is never generated
-    # (~10% of a small inline's time on the 2-core CI machine; a pipeline's shard() inlines hundreds)
-    with fx_traceback.preserve_node_meta(), fake_mode, _use_lazy_graph_module(True):
-        traced = make_fx(lambda *args: list(fn(*args)))(*values)
-    env = dict(zip([n for n in traced.graph.nodes if n.op == "placeholder"], inputs))
-    for node in traced.graph.nodes:
-        if node.op == "placeholder":
-            continue
-        if node.op == "output":
-            return [env[value] for value in node.args[0]]
-        if node.op == "get_attr":
-            raise AssertionError(f"inlined code created a constant tensor ({node.target}); build it "
+    recorder = _Recorder(graph, dict(zip(values, inputs)), phase, layer, extra_meta)
+    with fake_mode, recorder:
+        outputs = list(fn(*values))
+    return [recorder.node_of(value) for value in outputs]
+
+
+class _Recorder(TorchDispatchMode):
+    """Inserts a node for each aten op dispatched to it (inner of a FakeTensorMode, so each value is
+    fake), its arguments mapped to the nodes that made them. A tensor argument that no input or
+    recorded op made is a constant from outside the function: refused, a graph has nowhere to keep it.
+    Values are keyed weakly and described by detached aliases, as make_fx's tracker does: a strong
+    reference to a factory's output makes torch hand fn a detached alias of it (an `aten.detach` node
+    more)."""
+
+    def __init__(self, graph: fx.Graph, env: dict[torch.Tensor, fx.Node], phase: str, layer: str | None,
+                 extra_meta: dict | None):
+        super().__init__()
+        self.graph, self.env = graph, WeakTensorKeyDictionary()
+        self.env.update(env)
+        self.phase, self.layer, self.extra_meta = phase, layer, extra_meta or {}
+
+    def node_of(self, value) -> fx.Node:
+        node = self.env.get(value) if isinstance(value, torch.Tensor) else None
+        if node is None:
+            raise AssertionError(f"inlined code created a constant tensor ({type(value).__name__}); build it "
                                  f"from the inputs instead")
-        copy = graph.node_copy(node, lambda n: env[n])
-        copy.meta.pop("custom", None)
-        copy.meta[meta.PHASE] = phase
-        if layer is not None:
-            copy.meta[meta.LAYER] = layer
+        return node
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.prim.device.default:  # a query, no op of the program (make_fx skips it too)
+            return func(*args, **kwargs)
+        if func.has_kernel_for_dispatch_key(DispatchKey.CompositeImplicitAutograd):  # as make_fx: its parts
+            with self:
+                decomposed = func.decompose(*args, **kwargs)
+            if decomposed is not NotImplemented:
+                return decomposed
+        node_args, node_kwargs = pytree.tree_map_only(torch.Tensor, self.node_of, (args, kwargs))
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__ if isinstance(func, torch._ops.OpOverload) else None
+        node = self.graph.create_node("call_function", func, node_args, node_kwargs,
+                                      name=self.graph._target_to_str(name) if name else None)
         # annotations with fxshard's meta keys (the parameter an update is for, a collective's unit)
-        copy.meta.update({key: value for key, value in (node.meta.get("custom") or {}).items()
-                          if key.startswith("fxshard_")})
-        copy.meta.update(extra_meta or {})
-        env[node] = copy
-    raise AssertionError("traced function has no output")
+        custom = fx_traceback.get_current_meta().get("custom") or {}
+        annotations = {key: value for key, value in custom.items() if key.startswith("fxshard_")}
+        self._describe(node, out, annotations)
+        if isinstance(out, (tuple, list)):  # one getitem per tensor, as make_fx's proxies make them
+            for index, value in enumerate(out):
+                if isinstance(value, torch.Tensor):
+                    item = self.graph.create_node("call_function", operator.getitem, (node, index), name="getitem")
+                    self._describe(item, value, annotations)
+                    self.env[value] = item
+        elif isinstance(out, torch.Tensor):
+            self.env[out] = node
+        return out
+
+    def _describe(self, node: fx.Node, value, annotations: dict) -> None:
+        # a detached alias, as make_fx keeps: the graph must not hold the value fn goes on with
+        node.meta["val"] = pytree.tree_map_only(torch.Tensor, snapshot_fake, value)
+        node.meta[meta.PHASE] = self.phase
+        if self.layer is not None:
+            node.meta[meta.LAYER] = self.layer
+        node.meta.update(annotations)
+        node.meta.update(self.extra_meta)
 
 
 def _fresh(value):
