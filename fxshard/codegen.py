@@ -54,7 +54,7 @@ from .ops.p2p import P2P_OPS
 import torch.nn as nn
 
 from . import meta
-from .graph import ancestors, attribute, evaluate, is_pure, is_view, mutates, views_as_reshapes
+from .graph import ancestors, attribute, evaluate, is_pure, is_view, mutates, views_as_reshapes, lazy_module
 
 # ops whose output shape depends on values: Inductor needs unbacked symbols for them; left to aten
 _DATA_DEPENDENT = {"nonzero", "masked_select", "unique", "_unique2", "unique_consecutive", "_local_scalar_dense",
@@ -200,7 +200,7 @@ def region_graph(region: Region) -> fx.GraphModule:
     for node in region.nodes:
         env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(tuple(env[node] for node in region.outputs))
-    return fx.GraphModule(nn.Module(), graph)
+    return lazy_module(nn.Module(), graph)
 
 
 def structure_key(region: Region) -> str:
@@ -326,7 +326,7 @@ def compile_regions(graph_module: fx.GraphModule, compiler: Callable | None = No
     graph = _outer_graph(source, regions)
     attributes = {n.target: folded[n.target] if n.target in folded else attribute(graph_module, n.target)
                   for n in graph.nodes if n.op == "get_attr"}
-    result = fx.GraphModule({**attributes, **modules}, graph)
+    result = lazy_module({**attributes, **modules}, graph)
     return result, CodegenReport(regions, time.perf_counter() - started, folded)
 
 

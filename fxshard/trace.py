@@ -24,7 +24,7 @@ from . import meta, moe
 from .config import Config
 from .errors import FxShardError
 from .errors_trace import explain_trace_failure
-from .graph import inline
+from .graph import inline, lazy_module
 from .layers import LayerTrace, annotate_layers, find_layers
 from .moe_modules import swapped_forwards
 from .ops.grouped_mm import RouteGroupedMM
@@ -257,7 +257,7 @@ class _ProgramBuilder:
         self.graph.output(tuple(values))
         _assign_layers(self.graph, param_nodes)
         self.graph.lint()
-        return Program(fx.GraphModule(self.root, self.graph), tuple(self.inputs), tuple(outputs), train=self.train,
+        return Program(lazy_module(self.root, self.graph), tuple(self.inputs), tuple(outputs), train=self.train,
                        updates=self.updates)
 
     def slice_batch(self, batch_nodes: list[fx.Node], microbatch: int) -> list[fx.Node]:

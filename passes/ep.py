@@ -52,7 +52,7 @@ import torch.fx as fx
 
 from fxshard import meta, moe
 from fxshard.errors import FxShardError
-from fxshard.graph import call_argument, fake_mode_of, inline
+from fxshard.graph import call_argument, fake_mode_of, inline, lazy_module
 from fxshard.ops.grouped_mlp_backends import expert_of_rows
 from fxshard.optimizer_graph import append_update
 from fxshard.program import EXPERT_SHARDED, Input, InputKind, Output, OutputKind, Program
@@ -798,7 +798,7 @@ class _Rewrite:
                 values.append(total)
         self.graph.output(tuple(values))
         self.graph.lint()
-        gm = fx.GraphModule(self.program.graph_module, self.graph)
+        gm = lazy_module(self.program.graph_module, self.graph)
         notes = dict(self.program.notes, ep=self.describe())
         return self.program.replace(graph_module=gm, inputs=tuple(self.inputs), outputs=tuple(outputs), notes=notes)
 

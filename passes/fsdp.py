@@ -50,7 +50,7 @@ import torch.fx.traceback as fx_traceback
 from fxshard import meta
 from fxshard.config import SHARDING_STRATEGIES
 from fxshard.errors import FxShardError
-from fxshard.graph import fake_mode_of, inline
+from fxshard.graph import fake_mode_of, inline, lazy_module
 from fxshard.optimizer_graph import Deferred, append_update
 from fxshard.program import (EXPERT_SHARDED, REPLICATED, FlatUnit, Input, InputKind, Output, OutputKind, Placement,
                              Program, Update)
@@ -628,7 +628,7 @@ class _Rewrite:
             values.append(nonfinite)
         self.graph.output(tuple(values))
         self.graph.lint()
-        gm = fx.GraphModule(self.program.graph_module, self.graph)
+        gm = lazy_module(self.program.graph_module, self.graph)
         notes = dict(self.program.notes, fsdp=f"{cfg.strategy}, world {cfg.world}, prefetch {cfg.prefetch}, "
                                               f"{len(self.units)} units")
         return self.program.replace(graph_module=gm, inputs=tuple(self.inputs), outputs=tuple(outputs),

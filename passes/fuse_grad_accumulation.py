@@ -38,6 +38,7 @@ import torch
 import torch.fx as fx
 
 from fxshard import meta
+from fxshard.graph import lazy_module
 from fxshard.ops import embedding_accumulate, matmul_accumulate  # noqa: F401  (registers the ops)
 from fxshard.program import Program
 
@@ -56,7 +57,7 @@ def fuse_grad_accumulation(program: Program) -> Program:
         return program
     graph.lint()
     notes = {**program.notes, "fuse_grad_accumulation": fused}
-    return program.replace(graph_module=fx.GraphModule(program.graph_module, graph), notes=notes)
+    return program.replace(graph_module=lazy_module(program.graph_module, graph), notes=notes)
 
 
 def fuse_in_graph(graph: fx.Graph) -> int:

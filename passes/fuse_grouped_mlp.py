@@ -37,7 +37,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fxshard import meta
-from fxshard.graph import call_argument, fake_mode_of, inline
+from fxshard.graph import call_argument, fake_mode_of, inline, lazy_module
 from fxshard.errors import FxShardError
 from fxshard.ops.grouped_mlp import check_arguments, grouped_mlp_dgrad, grouped_mlp_fwd, grouped_mlp_wgrad
 from fxshard.ops.grouped_mlp_backends import ACTIVATIONS
@@ -82,7 +82,7 @@ def fuse_grouped_mlp(program: Program) -> Program:
         fused.append(f"{meta.layer(group.y)}: {group.activation} (microbatch {meta.microbatch(group.y)})")
     graph.lint()
     notes = {**program.notes, "fused_grouped_mlp": fused}
-    return program.replace(graph_module=fx.GraphModule(program.graph_module, graph), notes=notes)
+    return program.replace(graph_module=lazy_module(program.graph_module, graph), notes=notes)
 
 
 def find_groups(graph: fx.Graph) -> list[_Group]:

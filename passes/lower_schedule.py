@@ -50,7 +50,7 @@ import torch.fx as fx
 
 from fxshard import meta
 from fxshard.errors import FxShardError
-from fxshard.graph import fake_mode_of, inline, is_pure
+from fxshard.graph import fake_mode_of, inline, is_pure, lazy_module
 from fxshard.ops.p2p import P2P_OPS  # noqa: F401  (registers fxshard::send / recv)
 from fxshard.optimizer_graph import append_update
 from fxshard.program import (REPLICATED, STAGE_LOCAL, Input, InputKind, Output, OutputKind, Program,
@@ -445,7 +445,7 @@ class _Lowering:
             values.append(nonfinite)
         self.graph.output(tuple(values))
         self.graph.lint()
-        gm = fx.GraphModule(self.source.graph_module, self.graph)
+        gm = lazy_module(self.source.graph_module, self.graph)
         groups = {tied_group(stages, count): stages for stages in self.holders.values() if len(stages) > 1}
         plan = StagePlan(self.stage, count, self.params_by_stage, tuple(sorted(groups.items())), self.actions,
                          self.costs)

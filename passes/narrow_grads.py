@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 
 from fxshard import meta
-from fxshard.graph import fake_mode_of
+from fxshard.graph import fake_mode_of, lazy_module
 from fxshard.program import Program
 
 _aten = torch.ops.aten
@@ -67,7 +67,7 @@ def narrow_grads(program: Program) -> Program:
         return program
     graph.lint()
     notes = {**program.notes, "narrow_grads": removed}
-    return program.replace(graph_module=fx.GraphModule(program.graph_module, graph), notes=notes)
+    return program.replace(graph_module=lazy_module(program.graph_module, graph), notes=notes)
 
 
 def _is_widening_grad_cast(node: fx.Node) -> bool:

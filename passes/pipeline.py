@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from fxshard import meta
 from fxshard.errors import FxShardError
-from fxshard.graph import ancestors, flops, is_pure
+from fxshard.graph import ancestors, flops, is_pure, lazy_module
 from fxshard.program import InputKind, OutputKind, Program
 
 _ADD = torch.ops.aten.add.Tensor
@@ -428,7 +428,7 @@ class _Splitter:
         graph.output(tuple(results))
         graph.eliminate_dead_code()
         graph.lint()
-        return fx.GraphModule(self.program.graph_module, graph)
+        return lazy_module(self.program.graph_module, graph)
 
 
     def copy_input_free(self, graph: fx.Graph, env: dict, node: fx.Node) -> None:
@@ -483,7 +483,7 @@ def split_weight_gradients(backward: fx.GraphModule, sent: int):
                 env[node] = new.node_copy(node, env.get)
         new.output(tuple(env[n] for n in outputs))
         new.lint()
-        return fx.GraphModule(backward, new)
+        return lazy_module(backward, new)
 
     input_graph = build(input_part, placeholders, [*sent_nodes, *carry])
     weight_graph = build(weight_part, [*placeholders, *carry], grad_nodes)

@@ -44,7 +44,7 @@ import torch
 import torch.fx as fx
 
 from fxshard import meta, moe
-from fxshard.graph import call_argument
+from fxshard.graph import call_argument, lazy_module
 from fxshard.program import Program
 
 from .ep import first_tensor, keeps_dim0
@@ -91,7 +91,7 @@ def recognize_moe(program: Program, capacity_factor: float | None = None) -> Pro
                       f"buffers sized for the worst case)", stacklevel=2)
     if rejected:
         notes["moe_unrecognized"] = rejected
-    return program.replace(graph_module=fx.GraphModule(program.graph_module, graph), notes=notes)
+    return program.replace(graph_module=lazy_module(program.graph_module, graph), notes=notes)
 
 
 def _unannotated_offsets(graph: fx.Graph) -> list[fx.Node]:

@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from .. import meta
-from ..graph import flops
+from ..graph import flops, lazy_module
 
 _c10d = torch.ops._c10d_functional
 
@@ -76,7 +76,7 @@ def carve_out_sms_for_all_to_alls(graph_module: fx.GraphModule, sms: int,
             with graph.inserting_before(node):
                 graph.call_function(set_sm_carveout, (None,))
     graph.lint()
-    return fx.GraphModule(graph_module, graph), stretches
+    return lazy_module(graph_module, graph), stretches
 
 
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}

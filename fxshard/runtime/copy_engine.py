@@ -64,7 +64,7 @@ from torch import Tensor
 
 from .. import meta
 from ..errors import FxShardError
-from ..graph import is_view, mutates
+from ..graph import is_view, mutates, lazy_module
 from .workspace_plan import plan_regions
 
 _c10d = torch.ops._c10d_functional
@@ -578,7 +578,7 @@ def lower_to_copy_engines(graph_module: fx.GraphModule, all_to_alls: bool = True
                 from_input += 1
     graph.lint()
     kinds = [node.target for node in chosen]
-    return fx.GraphModule(graph_module, graph), CopyEngineLowering(
+    return lazy_module(graph_module, graph), CopyEngineLowering(
         kinds.count(copy_engine_all_to_all), kinds.count(copy_engine_all_gather),
         kinds.count(copy_engine_reduce_scatter), dict(plan.workspace), dict(plan.unshared), number, described, barriers,
         from_input)

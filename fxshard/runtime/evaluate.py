@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from .. import meta
 from ..errors import FxShardError
-from ..graph import ancestors
+from ..graph import ancestors, lazy_module
 from ..program import InputKind, OutputKind, Program
 
 _c10d = torch.ops._c10d_functional
@@ -44,7 +44,7 @@ def forward_only(program: Program) -> Program:
             env[node] = new.node_copy(node, lambda n: env[n])
     new.output(tuple(env[node] for _, node in reported))
     new.lint()
-    return program.replace(graph_module=fx.GraphModule(program.graph_module, new),
+    return program.replace(graph_module=lazy_module(program.graph_module, new),
                            outputs=tuple(spec for spec, _ in reported), name="evaluate",
                            notes=dict(program.notes, evaluate=f"{len(keep)} of {len(graph.nodes)} nodes kept: "
                                                               f"the loss and the metrics, in eval mode"))

@@ -46,7 +46,7 @@ import torch.fx as fx
 
 from .. import meta
 from ..codegen import is_fixed
-from ..graph import is_view, may_alias_input
+from ..graph import is_view, may_alias_input, lazy_module
 from ..meta import COLLECTIVE_ISSUES
 from ..ops.adamw import adamw_update, adamw_update_  # noqa: F401  (registers both ops)
 from ..ops.embedding_accumulate import embedding_accumulate, embedding_accumulate_  # noqa: F401  (registers both)
@@ -102,7 +102,7 @@ def reinplace(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, int]:
             continue
         raise AssertionError(f"{node.name}: a user of adamw_update that is not a getitem: {list(node.users)}")
     graph.lint()
-    return fx.GraphModule(graph_module, graph), rewritten
+    return lazy_module(graph_module, graph), rewritten
 
 
 def accumulate_in_place(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, int]:
@@ -122,7 +122,7 @@ def accumulate_in_place(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, i
         graph.erase_node(node)
         _move_to_run_end(in_place, total)
     graph.lint()
-    return fx.GraphModule(graph_module, graph), len(found)
+    return lazy_module(graph_module, graph), len(found)
 
 
 def _fresh(total, node: fx.Node) -> bool:
@@ -189,7 +189,7 @@ def gather_updates_in_place(graph_module: fx.GraphModule, write_back: dict[int, 
         graph.erase_node(gather)
         rewritten += 1
     graph.lint()
-    return fx.GraphModule(graph_module, graph), rewritten
+    return lazy_module(graph_module, graph), rewritten
 
 
 def _same_layout(gather: fx.Node, target: fx.Node) -> bool:

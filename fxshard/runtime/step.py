@@ -19,7 +19,7 @@ from ..program import InputKind, OutputKind, Program
 from ..ops.gloo import GLOO_ALL_GATHER, GLOO_ALL_GATHERS
 from ..ops.p2p import P2P_OPS
 from ..codegen import CodegenReport, compile_regions, progress_printer
-from ..graph import views_as_reshapes
+from ..graph import views_as_reshapes, lazy_module
 from .nonfinite import was_skipped
 from .carveout import carve_out_sms_for_all_to_alls
 from .copy_engine import CopyEngineLowering, Watch, lower_to_copy_engines, marker, resolve_auto, resolve_own_part
@@ -41,7 +41,7 @@ def bind_group_names(graph_module: fx.GraphModule, group_names: dict[str, str]) 
         if node.op == "call_function" and (getattr(node.target, "namespace", None) == "_c10d_functional"
                                            or node.target in P2P_OPS):
             node.args = tuple(group_names.get(a, a) if isinstance(a, str) else a for a in node.args)
-    return fx.GraphModule(graph_module, graph)
+    return lazy_module(graph_module, graph)
 
 
 class CompiledStep:
