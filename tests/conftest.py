@@ -12,6 +12,17 @@ settings.register_profile("thorough", max_examples=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("FXSHARD_HYPOTHESIS", "ci"))
 
+# Under pytest-xdist (the README's `-n 2`), the workers share the cores: one intra-op thread pool of
+# the machine's size in each would fight over them (the gloo ranks size theirs in fxshard.launch).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+
+# Tests on real processes (several ranks each, 10-90 s on the 2-core CI machine) run first: under
+# pytest-xdist the short in-process tests then fill both workers to the end, where a long test
+# started last would leave one worker idle.
+LONG_FIRST = ("_gloo.py", "test_train_example.py")
+
 
 def pytest_collection_modifyitems(config, items):
     has_gpu = torch.cuda.is_available()
@@ -21,3 +32,4 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "multigpu" in item.keywords and gpus < 2:
             item.add_marker(pytest.mark.skip(reason="needs at least 2 CUDA GPUs"))
+    items.sort(key=lambda item: not item.path.name.endswith(LONG_FIRST))  # stable: the order within each part
