@@ -72,7 +72,7 @@ FOLD_LIMIT_BYTES = 64 << 20  # a larger input-free result stays in its region (m
 # passes/fuse_grad_accumulation.py puts one in every layer's backward, and region boundaries there would
 # cut the fusions around it (where the runtime runs one in place, fxshard/runtime/reinplace.py moves it
 # to its layer's run end, where the region ends anyway)
-_REGION_OPS = ("fxshard::matmul_accumulate", "fxshard::embedding_accumulate")
+_REGION_OPS = ("fxshard::matmul_accumulate", "fxshard::matmul_wide", "fxshard::embedding_accumulate")
 
 
 def is_fixed(node: fx.Node) -> bool:

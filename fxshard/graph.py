@@ -274,6 +274,8 @@ def flops(node: fx.Node) -> int:
 
 
 def _grouped_flops(name: str, args) -> int:
+    if name == "matmul_wide":  # a [m, k], b [k, n]: the matmul it replaced
+        return 2 * args[0].shape[0] * args[0].shape[1] * args[1].shape[1]
     if name == "grouped_mm":  # x [rows, in], weight [E, out, in]
         return 2 * args[0].shape[0] * args[2].shape[1] * args[2].shape[2]
     if name == "grouped_mm_wgrad":  # grad_out [rows, out], x [rows, in]

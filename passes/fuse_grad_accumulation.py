@@ -93,12 +93,37 @@ def _float32_sum(node: fx.Node):
 
 
 def _wide_total(node: fx.Node, total: fx.Node, out):
-    """`total` in `out`'s dtype: as it is, or (the first microbatch's gradient, which the addition
-    widened) cast before `node`; None for a total of another dtype."""
+    """`total` in `out`'s dtype: the first microbatch's widened matmul product computed in that dtype
+    (`_wide_product`), as it is, or (the first microbatch's gradient, which the addition widened)
+    cast before `node`; None for a total of another dtype."""
+    wide = _wide_product(total, out)
+    if wide is not None:
+        return wide
     dtype = total.meta["val"].dtype
     if dtype == out.dtype:
         return total
     return _widened(node, total, out.dtype) if dtype in (torch.bfloat16, torch.float16) else None
+
+
+def _wide_product(total: fx.Node, out):
+    """Where `total` is widen(T(mm(a, b))) in bf16/fp16, each node read only by the next and `total` by
+    the accumulation alone: `fxshard::matmul_wide` of the same operands (of b^T and a^T for an odd
+    number of transposes) in `out`'s dtype, in place of that chain; else None."""
+    found = _widened_matmul(total, out)
+    if found is None or len(total.users) != 1:
+        return None
+    chain, transposes = found
+    mm = chain[-1]
+    a, b = mm.args
+    operands = (a, b) if transposes % 2 == 0 else _transposed(chain[0], b, a)
+    with total.graph.inserting_before(chain[0]):
+        wide = total.graph.call_function(torch.ops.fxshard.matmul_wide.default, (*operands, out.dtype))
+    _placed_like(wide, mm)
+    wide.meta["val"] = out.new_empty(out.shape)
+    total.replace_all_uses_with(wide)
+    for node in chain:  # the cast, the transposes, the matmul: read by nothing now
+        total.graph.erase_node(node)
+    return wide
 
 
 def _accumulated_matmul(node: fx.Node):

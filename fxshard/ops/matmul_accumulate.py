@@ -51,6 +51,28 @@ def _matmul_accumulate_fake(total, a, b):
     return torch.empty_like(total)
 
 
+@torch.library.custom_op("fxshard::matmul_wide", mutates_args=())
+def matmul_wide(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
+    """`a @ b` written in `dtype` (float32 from bf16/fp16 inputs), the product not rounded to a's dtype:
+    the first microbatch's weight gradient, the total the later ones are added into. On CUDA one GEMM
+    with a float32 output (`aten.mm.dtype`), where a bf16 GEMM and a cast wrote the product twice."""
+    if a.is_cuda and a.dtype != dtype and not _NO_WIDE_GEMM:
+        try:
+            return torch.ops.aten.mm.dtype(a, b, dtype)
+        except (RuntimeError, NotImplementedError) as error:  # an older torch: no out_dtype GEMM
+            _NO_WIDE_GEMM.append(str(error).splitlines()[0][:200])
+            warnings.warn(f"fxshard::matmul_wide: this torch's CUDA mm cannot write {dtype} from {a.dtype} inputs "
+                          f"({_NO_WIDE_GEMM[0]}); computing matmul, cast instead", stacklevel=2)
+    if a.is_cuda and a.dtype != dtype:
+        return (a @ b).to(dtype)
+    return torch.mm(a.to(dtype), b.to(dtype))  # CPU: the exact products summed in `dtype`, as matmul_accumulate
+
+
+@matmul_wide.register_fake
+def _matmul_wide_fake(a, b, dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=dtype)
+
+
 @torch.library.custom_op("fxshard::matmul_accumulate_", mutates_args=("total",))
 def matmul_accumulate_(total: Tensor, a: Tensor, b: Tensor) -> None:
     """`total += a @ b`, the product not rounded to a's dtype first: `matmul_accumulate` in place."""

@@ -41,7 +41,8 @@ def test_fused_accumulation_computes_the_unfused_gradients_up_to_the_products_ro
     """One SGD step (lr 1) of the program with and without the pass on the SPMD simulator: the same
     loss, and each parameter's update (its gradient) equal up to the bf16 rounding of each
     microbatch's matmul product (and embedding gradient) that the fused program no longer does;
-    every weight matrix's and the embedding's accumulation is fused, once per microbatch after the first."""
+    every weight matrix's and the embedding's accumulation is fused, once per microbatch after the first,
+    and each weight matrix's first product is computed in float32 (`fxshard::matmul_wide`)."""
     torch.manual_seed(seed)
     model = GPT(GPTConfig(vocab_size=64, d_model=32, n_layer=2, n_head=2, d_ff=64))
     batch = {k: torch.randint(0, 64, (microbatches, 8), generator=torch.Generator().manual_seed(seed + i))
@@ -59,6 +60,9 @@ def test_fused_accumulation_computes_the_unfused_gradients_up_to_the_products_ro
     assert sum(p.notes.get("fuse_grad_accumulation", 0) for p in fused) == matrices * (microbatches - 1)
     assert sum(n.target is torch.ops.fxshard.embedding_accumulate.default for p in fused
                for n in p.graph.nodes) == microbatches - 1
+    # the first microbatch's product of each weight matrix (all but the embedding, whose first gradient is
+    # its rows) is computed in float32 too, by one op
+    assert sum(n.target is torch.ops.fxshard.matmul_wide.default for p in fused for n in p.graph.nodes) == matrices - 1
     assert all("fuse_grad_accumulation" not in p.notes for p in plain)
     for rank, state in enumerate(start):
         for key, value in state.items():
