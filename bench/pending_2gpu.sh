@@ -9,8 +9,9 @@
 # all-to-all time, issue 15's targets met; nothing ran for the pipelines, whose 2-GPU parts lead now;
 # session 34 made the fused gradient accumulation the default, measured on one GPU only):
 #   fga       issue 14 first: 1F1B and interleaved V=2 graphed, the fused accumulation (now in place and
-#             the default) against -unfused, next to the compiled peer, then its GPU test (~7 min;
-#             one H200, fake process group: each stage's GPU work 2.6-4.3% less a step)
+#             the default; since session 35 the first microbatch's product is one fp32 GEMM too) against
+#             -unfused, next to the compiled peer, then its GPU test (~7 min; one H200, fake process
+#             group: each stage's GPU work 2.6-4.3% less a step, then 0.5-1.4% more off)
 #   fga-suite the multigpu tests whose bf16 microbatch programs now use it: pipelines graphed against
 #             eager bit for bit, copy-engine collectives against NCCL (~8 min)
 #   half-blocks  then: the cut inside a block for 1F1B (19,17: the FLOP simulator predicts
