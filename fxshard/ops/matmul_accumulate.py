@@ -28,21 +28,28 @@ import warnings
 import torch
 from torch import Tensor
 
-_NO_WIDE_GEMM: list[str] = []  # why this torch's CUDA addmm cannot write a wider output, once known
+_NO_WIDE_GEMM: list[str] = []  # why this torch's CUDA GEMMs cannot write a wider output, once known
+
+
+def _wide_gemm(name: str, a: Tensor, dtype: torch.dtype, gemm):
+    """`gemm()`: a CUDA GEMM writing `dtype` from `a`'s narrower inputs; None where this torch has no
+    such GEMM (an older one: warned once), and the caller rounds the product to a's dtype and casts."""
+    if _NO_WIDE_GEMM:
+        return None
+    try:
+        return gemm()
+    except (RuntimeError, NotImplementedError) as error:
+        _NO_WIDE_GEMM.append(str(error).splitlines()[0][:200])
+        warnings.warn(f"fxshard::{name}: this torch's CUDA GEMMs cannot write {dtype} from {a.dtype} inputs "
+                      f"({_NO_WIDE_GEMM[0]}); computing matmul, cast (and add) instead", stacklevel=3)
+        return None
 
 
 @torch.library.custom_op("fxshard::matmul_accumulate", mutates_args=())
 def matmul_accumulate(total: Tensor, a: Tensor, b: Tensor) -> Tensor:
-    if total.is_cuda and a.dtype != total.dtype and not _NO_WIDE_GEMM:
-        try:
-            return torch.ops.aten.addmm.dtype(total, a, b, total.dtype)
-        except (RuntimeError, NotImplementedError) as error:  # an older torch: no out_dtype GEMM
-            _NO_WIDE_GEMM.append(str(error).splitlines()[0][:200])
-            warnings.warn(f"fxshard::matmul_accumulate: this torch's CUDA addmm cannot write {total.dtype} from "
-                          f"{a.dtype} inputs ({_NO_WIDE_GEMM[0]}); accumulating as matmul, cast, add instead",
-                          stacklevel=2)
     if total.is_cuda and a.dtype != total.dtype:
-        return total + (a @ b).to(total.dtype)
+        out = _wide_gemm("matmul_accumulate", a, total.dtype, lambda: torch.ops.aten.addmm.dtype(total, a, b, total.dtype))
+        return out if out is not None else total + (a @ b).to(total.dtype)
     return torch.addmm(total, a.to(total.dtype), b.to(total.dtype))
 
 
@@ -56,15 +63,9 @@ def matmul_wide(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
     """`a @ b` written in `dtype` (float32 from bf16/fp16 inputs), the product not rounded to a's dtype:
     the first microbatch's weight gradient, the total the later ones are added into. On CUDA one GEMM
     with a float32 output (`aten.mm.dtype`), where a bf16 GEMM and a cast wrote the product twice."""
-    if a.is_cuda and a.dtype != dtype and not _NO_WIDE_GEMM:
-        try:
-            return torch.ops.aten.mm.dtype(a, b, dtype)
-        except (RuntimeError, NotImplementedError) as error:  # an older torch: no out_dtype GEMM
-            _NO_WIDE_GEMM.append(str(error).splitlines()[0][:200])
-            warnings.warn(f"fxshard::matmul_wide: this torch's CUDA mm cannot write {dtype} from {a.dtype} inputs "
-                          f"({_NO_WIDE_GEMM[0]}); computing matmul, cast instead", stacklevel=2)
     if a.is_cuda and a.dtype != dtype:
-        return (a @ b).to(dtype)
+        out = _wide_gemm("matmul_wide", a, dtype, lambda: torch.ops.aten.mm.dtype(a, b, dtype))
+        return out if out is not None else (a @ b).to(dtype)
     return torch.mm(a.to(dtype), b.to(dtype))  # CPU: the exact products summed in `dtype`, as matmul_accumulate
 
 
@@ -76,16 +77,9 @@ def _matmul_wide_fake(a, b, dtype):
 @torch.library.custom_op("fxshard::matmul_accumulate_", mutates_args=("total",))
 def matmul_accumulate_(total: Tensor, a: Tensor, b: Tensor) -> None:
     """`total += a @ b`, the product not rounded to a's dtype first: `matmul_accumulate` in place."""
-    if total.is_cuda and a.dtype != total.dtype and not _NO_WIDE_GEMM:
-        try:
-            torch.ops.aten.addmm.dtype_out(total, a, b, total.dtype, out=total)
-            return
-        except (RuntimeError, NotImplementedError) as error:
-            _NO_WIDE_GEMM.append(str(error).splitlines()[0][:200])
-            warnings.warn(f"fxshard::matmul_accumulate_: this torch's CUDA addmm cannot write {total.dtype} from "
-                          f"{a.dtype} inputs ({_NO_WIDE_GEMM[0]}); accumulating as matmul, cast, add instead",
-                          stacklevel=2)
     if total.is_cuda and a.dtype != total.dtype:
-        total.add_((a @ b).to(total.dtype))
+        wide = lambda: torch.ops.aten.addmm.dtype_out(total, a, b, total.dtype, out=total)  # noqa: E731
+        if _wide_gemm("matmul_accumulate_", a, total.dtype, wide) is None:
+            total.add_((a @ b).to(total.dtype))
         return
     total.addmm_(a.to(total.dtype), b.to(total.dtype))
