@@ -1,3 +1,4 @@
+import importlib.util
 import os
 
 import pytest
@@ -22,6 +23,9 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
 # pytest-xdist the short in-process tests then fill both workers to the end, where a long test
 # started last would leave one worker idle.
 LONG_FIRST = ("_gloo.py", "test_train_example.py")
+# Tests that must run on one pytest-xdist worker, in one unit: a module fixture that trains every
+# case in one spawn serves them (split over two workers, each would train the whole matrix).
+ONE_WORKER = ("tests/test_parity_models_gloo.py::test_distributed",)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -33,3 +37,20 @@ def pytest_collection_modifyitems(config, items):
         if "multigpu" in item.keywords and gpus < 2:
             item.add_marker(pytest.mark.skip(reason="needs at least 2 CUDA GPUs"))
     items.sort(key=lambda item: not item.path.name.endswith(LONG_FIRST))  # stable: the order within each part
+
+
+if importlib.util.find_spec("xdist") is not None:
+    def pytest_xdist_make_scheduler(config, log):
+        """Under `-n N`: xdist's scheduling by scope, where a scope is one test, or all the tests under
+        one ONE_WORKER prefix. (xdist's own `--dist loadgroup` groups by a suffix it writes into each
+        test's id, which pytest 9 no longer lets it write: the groups it makes are single tests.)"""
+        from xdist.scheduler import LoadScopeScheduling
+
+        if config.getvalue("dist") not in ("load", "loadgroup"):
+            return None  # the user asked for another distribution: xdist's own
+
+        class OneWorkerGroups(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return next((prefix for prefix in ONE_WORKER if nodeid.startswith(prefix)), nodeid)
+
+        return OneWorkerGroups(config, log)

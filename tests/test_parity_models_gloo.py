@@ -21,8 +21,8 @@ from fxshard.testing import relative
 from model_zoo import MODELS, build, eager_losses, masked_batches, rows_of, within
 
 pytest.importorskip("transformers")
-# one worker under pytest-xdist (--dist loadgroup): the module's fixture trains every case in one spawn
-pytestmark = pytest.mark.xdist_group("models_gloo")
+# under pytest-xdist, test_distributed's cases run on one worker (tests/conftest.py ONE_WORKER): the
+# module's fixture trains every case in one spawn
 
 ADAMW = fxshard.optim.AdamW(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 STEPS, ROWS, WORLD = 10, 4, 2
