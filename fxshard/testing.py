@@ -35,6 +35,20 @@ class Parity:
     max_param_rel: float
 
 
+_TRACED: dict = {}
+
+
+def traced_once(key, trace):
+    """`trace()`'s program, made once per test process for each `key`. For property tests whose
+    examples vary what the passes do (schedule, strategy, mesh) and not what is traced: tracing is
+    ~40% of such an example's time. Passes are pure, so the examples can share the program; one that
+    rewrote its input in place would make the next example fail. `key` names the test and everything
+    its trace depends on (model, batch shapes, optimizer, config)."""
+    if key not in _TRACED:
+        _TRACED[key] = trace()
+    return _TRACED[key]
+
+
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     scale = b.detach().abs().max().item()
     return (a.detach() - b.detach()).abs().max().item() / (scale if scale > 0 else 1.0)

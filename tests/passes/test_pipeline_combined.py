@@ -14,7 +14,7 @@ from fxshard.passes import run_pipeline
 from fxshard.schedule import (Action, build, check_point_to_point, combine_pairs, gpipe, issue_order,
                               pair_actions, simulate, unit_costs)
 from fxshard.schedule.order import pair_candidates
-from fxshard.testing import assert_bit_identical, assert_step_like_eager
+from fxshard.testing import assert_bit_identical, assert_step_like_eager, traced_once
 
 c10d = torch.ops._c10d_functional
 
@@ -86,7 +86,9 @@ def pipeline_programs(kind, microbatches, interleave):
     generator = torch.Generator().manual_seed(1)
     pieces = [{"idx": torch.randint(0, 64, (2, 16), generator=generator),
                "tgt": torch.randint(0, 64, (2, 16), generator=generator)} for _ in range(2 * microbatches)]
-    program = fxshard.trace(model, lambda m, b: m.loss(b), pieces[0], optimizer=optimizer)
+    layers = len(model.layers)
+    program = traced_once(("combined", layers, microbatches),
+                          lambda: fxshard.trace(model, lambda m, b: m.loss(b), pieces[0], optimizer=optimizer))
     stages = [run_pipeline(program, mesh, config, stage=stage) for stage in range(mesh.pp)]
     local = [{k: torch.cat([p[k] for p in pieces[i::2]]) for k in pieces[0]} for i in range(2)]
     return model, optimizer, mesh, stages, local, pieces

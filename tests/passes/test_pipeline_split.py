@@ -15,7 +15,7 @@ from fxshard.passes import run_pipeline
 from fxshard.passes.lower_schedule import lower_schedule
 from fxshard.passes.pipeline import assign_layers, chunk_costs, layer_costs, split_stages
 from fxshard.program import STAGE_LOCAL, InputKind, OutputKind
-from fxshard.testing import SimulatedRanks, assert_step_like_eager, relative, torch_optimizer
+from fxshard.testing import SimulatedRanks, assert_step_like_eager, relative, torch_optimizer, traced_once
 
 
 def model_loss(model, batch):
@@ -285,7 +285,7 @@ def test_fsdp_over_dp_inside_the_pipeline_trains_like_one_device(strategy, kind,
     config = fxshard.Config(schedule=kind, virtual_stages=2 if kind == "interleaved-1f1b" else 1,
                             microbatches=microbatches, sharding=strategy)
     steps = [token_microbatches(40, 2 * microbatches, seed=seed) for seed in range(2)]
-    stages = assert_trains_like_eager(model, loss_fn, optimizer, mesh, config, steps)
+    stages = assert_trains_like_eager(model, loss_fn, optimizer, mesh, config, steps, key=("fsdp_inside_pp", tied))
     sharded = {spec.placement.kind for p in stages for spec in p.inputs_of(InputKind.PARAM) if spec.requires_grad}
     assert sharded == ({"sharded"} if strategy == "optim_grads_params" else {"replicated"}), sharded
 
@@ -303,12 +303,14 @@ def test_a_stage_whose_parameters_are_all_frozen_trains_under_every_strategy():
         assert_trains_like_eager(copy.deepcopy(model), model_loss, optimizer, fxshard.Mesh(pp=2, dp=2), config, steps)
 
 
-def assert_trains_like_eager(model, loss_fn, optimizer, mesh, config, steps):
+def assert_trains_like_eager(model, loss_fn, optimizer, mesh, config, steps, key=None):
     """The pass list for every stage on the simulator, one step per entry of `steps` (each rank of dp
     coordinate d gets the d-th half of the step's microbatches), against eager PyTorch on the global
-    batch; returns the stage programs."""
+    batch; returns the stage programs. With `key`, the trace is shared with other calls of that key
+    (fxshard.testing.traced_once)."""
     microbatches = config.microbatches
-    program = fxshard.trace(model, loss_fn, steps[0][0], optimizer=optimizer)
+    trace = lambda: fxshard.trace(model, loss_fn, steps[0][0], optimizer=optimizer)  # noqa: E731
+    program = trace() if key is None else traced_once(key, trace)
     stages = [run_pipeline(program, mesh, config, stage=stage)[-1] for stage in range(mesh.pp)]
     ranks = SimulatedRanks(stages, model, optimizer, mesh)
     reference = copy.deepcopy(model)
@@ -380,7 +382,7 @@ def test_expert_parallel_inside_the_pipeline_trains_like_one_device(strategy, ki
     mesh, microbatches = fxshard.Mesh(pp=2, dp=2, ep=2), 2
     config = fxshard.Config(schedule=kind, microbatches=microbatches, sharding=strategy, ep_overlap=overlap)
     pieces = token_microbatches(64, 2 * microbatches, seq=16)
-    program = fxshard.trace(model, model_loss, pieces[0], optimizer=optimizer)
+    program = traced_once("ep_inside_pp", lambda: fxshard.trace(model, model_loss, pieces[0], optimizer=optimizer))
     stages = [run_pipeline(program, mesh, config, stage=stage) for stage in range(mesh.pp)]
     assert [p.name for p in stages[0]][:4] == ["traced", "recognize_moe", "ep", "pipeline"]
     for programs in stages:  # fsdp and overlap keep the transfer order lower_schedule chose
