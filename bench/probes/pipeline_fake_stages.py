@@ -70,10 +70,49 @@ def run_stage(schedule: str, rank: int, microbatches: int, out: str, fuse: bool 
             events = json.load(handle)["traceEvents"]
     times = action_times(events, actions)
     busy_ms = gpu_bubble(events)["busy_ms"]  # kernels, memsets and device copies; no communication
+    census = kernel_census(events, actions)
     with open(out, "w") as handle:
         json.dump({"actions": actions, "action_ms": times, "pipeline": step.program.notes.get("pipeline"),
-                   "busy_ms": busy_ms, "lowerings": step.lowerings()}, handle)
+                   "busy_ms": busy_ms, "lowerings": step.lowerings(), "kernels": census}, handle)
     print(f"rank {rank}: GPU busy {busy_ms:.2f} ms a step; {step.lowerings()}", flush=True)
+    print(f"rank {rank} kernels: " + json.dumps(census), flush=True)
+
+
+GAP_US = 20.0  # as bench/pipeline.py's bubble: shorter idle time between two kernels is a gap, longer a wait
+
+
+def kernel_census(events: list[dict], actions: list[str]) -> dict:
+    """Per kind of action (F / B / W / other: optimizer and once-per-step work): how many kernels a
+    step launches, their GPU ms, and the ms of gaps under GAP_US before each (the time session 23's
+    traces found between kernels even under CUDA graphs, ~1.7 us each); and the 12 kernel names
+    launched most often in a step, with their count and ms."""
+    from pipeline import REGION_RANGE, is_communication, kernels_by_range, owner_of
+
+    kernels = sorted(kernels_by_range(events, REGION_RANGE, is_communication))
+    kinds: dict[str, dict[str, float]] = {}
+    names: dict[str, list[float]] = {}
+    previous_end = None
+    for start, end, name, label in kernels:
+        kind = owner_of(label, actions)[0] if owner_of(label, actions) != "other" else "other"
+        row = kinds.setdefault(kind, {"kernels": 0, "ms": 0.0, "gap_ms": 0.0})
+        row["kernels"] += 1
+        row["ms"] += (end - start) / 1e3
+        if previous_end is not None and 0 < start - previous_end < GAP_US:
+            row["gap_ms"] += (start - previous_end) / 1e3
+        previous_end = end if previous_end is None else max(previous_end, end)
+        entry = names.setdefault(name[:90], [0, 0.0])
+        entry[0] += 1
+        entry[1] += (end - start) / 1e3
+    top = sorted(names.items(), key=lambda item: -item[1][0])[:12]
+    # one backward and one forward of the steady state, kernel by kernel (what a layer launches)
+    middle = {kind: [i for i, a in enumerate(actions) if a.startswith(kind)] for kind in "FB"}
+    sequences = {}
+    for kind, indices in middle.items():
+        if indices:
+            label = str(indices[len(indices) // 2])
+            sequences[actions[int(label)]] = [name[:70] for _, _, name, own in kernels if own == label]
+    return {"by_kind": kinds, "most_launched": [[name, count, round(ms, 3)] for name, (count, ms) in top],
+            "one_action": sequences}
 
 
 
