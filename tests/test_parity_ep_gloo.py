@@ -20,11 +20,11 @@ def model(capacity):
     return MoEGPT(MoEGPTConfig.preset("tiny", capacity_factor=capacity))  # 4 experts, top-2
 
 
-def train_every_strategy(ep, capacity, batches):
+def train_every_strategy(ep, capacity, batches, strategies=STRATEGIES):
     """On each rank: per strategy (ep_overlap on for every other one), losses, drops and final parameters."""
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
-    for index, strategy in enumerate(STRATEGIES):
+    for index, strategy in enumerate(strategies):
         config = fxshard.Config(sharding=strategy, ep_overlap=index % 2 == 1, ep_chunks=2)
         step = fxshard.shard(model(capacity), lambda m, b: m.loss_and_metrics(b), local_part(batches[0], rank),
                              optimizer=ADAMW, mesh=fxshard.Mesh(dp=world, ep=ep), config=config)
@@ -51,12 +51,15 @@ def eager_reference(capacity, batches, world):
     return losses, drops, dict(reference.named_parameters())
 
 
-@pytest.mark.parametrize("world,ep,capacity", [(2, 2, None), (4, 2, 1.0), (4, 4, None)])
-def test_expert_parallel_matches_single_device_eager(world, ep, capacity):
+# ep=4 on four ranks leaves each expert on one rank of its edp group (edp=1), where the strategies shard
+# nothing of the experts; the rest shards over dp=4 as tests/test_parity_fsdp_gloo.py checks: two suffice
+@pytest.mark.parametrize("world,ep,capacity,strategies", [(2, 2, None, STRATEGIES), (4, 2, 1.0, STRATEGIES),
+                                                          (4, 4, None, ("no_shard", "optim_grads_params"))])
+def test_expert_parallel_matches_single_device_eager(world, ep, capacity, strategies):
     batches = token_batches(world, STEPS, LOCAL_BATCH, SEQ)
-    per_rank = run_local(train_every_strategy, world, ep, capacity, batches, backend="gloo")
+    per_rank = run_local(train_every_strategy, world, ep, capacity, batches, strategies, backend="gloo")
     ref_losses, ref_drops, ref_params = eager_reference(capacity, batches, world)
-    for strategy in STRATEGIES:
+    for strategy in strategies:
         for rank in range(world):
             losses, drops, params = per_rank[rank][strategy]
             for step, (ours, eager) in enumerate(zip(losses, ref_losses)):
