@@ -54,7 +54,8 @@ def eager_reference(capacity, batches, world):
 # ep=4 on four ranks leaves each expert on one rank of its edp group (edp=1), where the strategies shard
 # nothing of the experts; the rest shards over dp=4 as tests/test_parity_fsdp_gloo.py checks: two suffice
 @pytest.mark.parametrize("world,ep,capacity,strategies", [(2, 2, None, STRATEGIES), (4, 2, 1.0, STRATEGIES),
-                                                          (4, 4, None, ("no_shard", "optim_grads_params"))])
+                                                          (4, 4, None, ("no_shard", "optim_grads_params"))],
+                         ids=["dp2-ep2", "dp4-ep2-capacity1", "dp4-ep4"])
 def test_expert_parallel_matches_single_device_eager(world, ep, capacity, strategies):
     batches = token_batches(world, STEPS, LOCAL_BATCH, SEQ)
     per_rank = run_local(train_every_strategy, world, ep, capacity, batches, strategies, backend="gloo")
