@@ -78,15 +78,13 @@ def run_stage(schedule: str, rank: int, microbatches: int, out: str, fuse: bool 
     print(f"rank {rank} kernels: " + json.dumps(census), flush=True)
 
 
-GAP_US = 20.0  # as bench/pipeline.py's bubble: shorter idle time between two kernels is a gap, longer a wait
-
-
 def kernel_census(events: list[dict], actions: list[str]) -> dict:
     """Per kind of action (F / B / W / other: optimizer and once-per-step work): how many kernels a
-    step launches, their GPU ms, and the ms of gaps under GAP_US before each (the time session 23's
-    traces found between kernels even under CUDA graphs, ~1.7 us each); and the 12 kernel names
-    launched most often in a step, with their count and ms."""
-    from pipeline import REGION_RANGE, is_communication, kernels_by_range, owner_of
+    step launches, their GPU ms, and the ms of idle gaps before them shorter than bench/pipeline.py's
+    WAIT_US (what session 23's traces found between kernels even under CUDA graphs, ~1.7 us each);
+    the 12 kernel names launched most often in a step, with their count and ms; and one forward and
+    one backward action of the steady state, kernel by kernel."""
+    from pipeline import REGION_RANGE, WAIT_US, is_communication, kernels_by_range, owner_of
 
     kernels = sorted(kernels_by_range(events, REGION_RANGE, is_communication))
     kinds: dict[str, dict[str, float]] = {}
@@ -97,7 +95,7 @@ def kernel_census(events: list[dict], actions: list[str]) -> dict:
         row = kinds.setdefault(kind, {"kernels": 0, "ms": 0.0, "gap_ms": 0.0})
         row["kernels"] += 1
         row["ms"] += (end - start) / 1e3
-        if previous_end is not None and 0 < start - previous_end < GAP_US:
+        if previous_end is not None and 0 < start - previous_end < WAIT_US:
             row["gap_ms"] += (start - previous_end) / 1e3
         previous_end = end if previous_end is None else max(previous_end, end)
         entry = names.setdefault(name[:90], [0, 0.0])
