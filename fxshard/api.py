@@ -55,7 +55,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     if not is_meta:
         _check_devices(tensors, batch_spec.device)
     stage = coords.get("pp", 0)
-    programs = _compile(model, loss_fn, example_batch, optimizer, mesh, config, (stage,))
+    programs = _compile(model, loss_fn, example_batch, optimizer, mesh, config, (stage,), share=_shares_trace(mesh, config))
     if programs[-1].stage is not None:
         groups.update(_stage_groups(programs[-1], mesh, config.collective_timeout_s, config.nccl_ctas,
                                     config.nccl_high_priority))
@@ -151,20 +151,40 @@ def _check_devices(tensors: list[torch.Tensor], batch: torch.device) -> None:
                            f"on each rank, then build the model there)")
 
 
-def _compile(model, loss_fn, example_batch, optimizer, mesh, config, stages=(0,)) -> list[Program]:
+def _compile(model, loss_fn, example_batch, optimizer, mesh, config, stages=(0,), share=False) -> list[Program]:
     """Trace, then run the passes for each pipeline stage in `stages`: the traced program followed by
     the program after each pass, of the last stage given (Mesh(pp>1) traces one microbatch, which the
-    pipeline pass cuts and schedules)."""
+    pipeline pass cuts and schedules). With `share`, ranks that would trace the same step trace it
+    once (fxshard/share.py)."""
     from fxshard.passes import run_pipeline
 
     if mesh is not None and mesh.pp > 1:
-        first = _first_microbatch(example_batch, config)
+        example_batch = _first_microbatch(example_batch, config)
         # one microbatch; a Schedule object would set microbatches back to its own count
         one = dict(schedule="1f1b", virtual_stages=1) if not isinstance(config.schedule, str) else {}
-        program = _trace(model, loss_fn, first, optimizer, dataclasses.replace(config, microbatches=1, **one))
+        traced_config = dataclasses.replace(config, microbatches=1, **one)
     else:
-        program = _trace(model, loss_fn, example_batch, optimizer, config)
+        traced_config = config
+    if share:
+        from .share import fingerprint, shared_trace
+
+        digest = fingerprint(model, loss_fn, BatchSpec.from_example(example_batch), optimizer, traced_config)
+        program = shared_trace(lambda: _trace(model, loss_fn, example_batch, optimizer, traced_config), digest,
+                               config.verbose)
+    else:
+        program = _trace(model, loss_fn, example_batch, optimizer, traced_config)
     return [run_pipeline(program, mesh, config, stage=stage) for stage in stages][-1]
+
+
+def _shares_trace(mesh, config: Config) -> bool:
+    """Config(share_trace), where None means: on gloo, whose ranks share their host's cores."""
+    if mesh is None or mesh.size == 1:
+        return False
+    if config.share_trace is not None:
+        return config.share_trace
+    import torch.distributed as dist
+
+    return dist.get_backend() == "gloo"
 
 
 def check(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None = None, mesh=None,

@@ -192,6 +192,11 @@ class Config:
         (as torch.amp.GradScaler does; AdamW's bias correction counts applied updates only, the lr
         schedule counts calls). "ignore": no check (the weights become NaN).
     seed: initializes a model built on the meta device (fxshard.init: per module, seeded by its path).
+    share_trace: ranks whose model, loss, batch shapes, optimizer and Config agree trace the step once,
+        on the lowest of them, and the others load its program (fxshard/share.py: a trace must not
+        depend on the rank itself). None (default): on when the default process group is gloo, whose
+        ranks share their host's cores (N ranks tracing at once take N times one trace's CPU); off on
+        NCCL, where each rank traces on its own cores. False: every rank traces.
     """
 
     dump_dir: str | None = None
@@ -226,6 +231,7 @@ class Config:
     codegen: str | None = "auto"
     codegen_regions: str = "layer"
     nonfinite: str = "raise"
+    share_trace: bool | None = None
 
     def nccl_ctas(self, axis: str) -> int | None:
         """The CTAs Config(nccl_max_ctas) allows the process groups along mesh axis `axis` (None: NCCL's choice)."""
@@ -327,6 +333,8 @@ class Config:
                                f"{COPY_ENGINE_OWN_PARTS}")
         if self.nccl_max_ctas is not None:
             self._check_nccl_max_ctas()
+        if self.share_trace is not None and not isinstance(self.share_trace, bool):
+            raise FxShardError(f"share_trace={self.share_trace!r}; choose True, False or None (on for gloo)")
         if self.nonfinite not in NONFINITE_MODES:
             raise FxShardError(f"nonfinite={self.nonfinite!r}; choose one of {NONFINITE_MODES}")
         if self.codegen not in CODEGENS:

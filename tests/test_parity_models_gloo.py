@@ -67,7 +67,7 @@ def train_case(mode, name, batches, hub=None):
     recognized = next((p.notes.get("moe_recognized", []) for p in step.programs if p.name == "recognize_moe"), [])
     ops = Counter(str(node.target) for node in step.program.graph.nodes if node.op == "call_function")
     return {"losses": losses, "params": step.parameters(), "buffers": step.buffers(), "recognized": recognized,
-            "ops": ops}
+            "ops": ops, "trace_shared_by": step.programs[0].notes.get("trace_shared_by")}
 
 
 def train_matrix(cases, batches, hubs):
@@ -151,6 +151,7 @@ def test_one_device(name, batches):
 
 @pytest.mark.parametrize("mode, name", CASES)
 def test_distributed(mode, name, batches, distributed):
+    """Rank 1 trains the program rank 0 traced (gloo's Config(share_trace) default; fxshard/share.py)."""
     eager = eager_losses(name, batches[name], 2, ADAMW)
     for results in distributed:
         result = results[mode, name]
@@ -163,6 +164,7 @@ def test_distributed(mode, name, batches, distributed):
             assert ops["_c10d_functional.reduce_scatter_tensor.default"] > 0
         else:  # two stages: activations and their gradients cross between the ranks
             assert ops["fxshard.send.default"] > 0 and ops["fxshard.recv.default"] > 0
+    assert [results[mode, name]["trace_shared_by"] for results in distributed] == [None, 0]
     if mode == "pp2_1f1b":
         assert_buffers_like_eager(name, [results[mode, name]["buffers"] for results in distributed], eager)
     if mode == "dp2_ep2":  # every MoE layer recognized and its tokens moved by all-to-alls

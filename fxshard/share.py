@@ -1,0 +1,102 @@
+"""Ranks that would trace the same step trace it once (Config(share_trace)).
+
+Every rank of a launch runs `shard` on the same model, loss and batch shapes, and the trace (aot_autograd
+on fake tensors, ~half of `shard`'s time) comes out the same on each. Where the ranks share a host's
+cores (gloo: CPU training, tests, a laptop), N ranks tracing at once take N times the CPU of one. With
+sharing, the ranks exchange a fingerprint of what the trace reads; among the ranks whose fingerprints
+agree, the lowest traces and broadcasts the program's bytes (fxshard/program_io.py), and the others
+load them (~15% of a trace's time).
+
+Invariant: a rank gets the program it would have traced itself, provided its trace is a function of
+what the fingerprint covers: the module tree (each module's path, class and plain attributes), the
+parameters' and buffers' names, shapes, dtypes and devices, the loss function's code and simple closure
+values, the batch's structure, the optimizer and the Config. That is SPMD's premise (every rank runs
+the same code); a forward that branches on the rank itself is outside it (set share_trace=False).
+Nothing is lost when sharing fails: a trace that raises is broadcast as "none", and every rank then
+traces itself (and raises its own error); a program that does not serialize is traced again by each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import sys
+import time
+from typing import Callable
+
+import torch.nn as nn
+
+from . import program_io
+from .program import Program
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def fingerprint(model: nn.Module, loss_fn, batch_spec, optimizer, config) -> str:
+    """A digest of what `fxshard.trace` reads of its arguments (the module docstring lists it)."""
+    parts = [repr(batch_spec), repr(optimizer), repr(dataclasses.replace(config, verbose=False)),
+             _describe_callable(loss_fn)]
+    for path, module in model.named_modules():
+        attributes = sorted((k, _describe(v)) for k, v in vars(module).items()
+                            if not k.startswith("_") and not callable(v))
+        parts.append(f"{path}:{type(module).__module__}.{type(module).__qualname__}:{attributes}")
+    for kind, tensors in (("p", model.named_parameters()), ("b", model.named_buffers())):
+        parts.extend(f"{kind}:{name}:{tuple(t.shape)}:{t.dtype}:{t.device.type}:{t.requires_grad}"
+                     for name, t in tensors)
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _describe(value) -> str:
+    if isinstance(value, _PLAIN):
+        return repr(value)
+    if isinstance(value, (tuple, list)) and all(isinstance(v, _PLAIN) for v in value):
+        return repr(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return repr(value)
+    return type(value).__qualname__
+
+
+def _describe_callable(fn) -> str:
+    code = getattr(fn, "__code__", None)
+    if code is None:  # a callable object, a partial, a builtin: its class and repr
+        return f"{type(fn).__qualname__}:{_describe(fn)}"
+    closure = [_describe(cell.cell_contents) for cell in (fn.__closure__ or ())]
+    return f"{fn.__module__}.{fn.__qualname__}:{code.co_code.hex()}:{code.co_consts!r}:{code.co_names}:{closure}"
+
+
+def shared_trace(trace: Callable[[], Program], digest: str, verbose: bool = False) -> Program:
+    """`trace()`'s program, traced by the lowest rank of those whose `digest` equals this rank's and
+    loaded by the others. Collective over the default process group: every rank calls it, in the same
+    order (as it calls `shard`)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    digests = [None] * world
+    dist.all_gather_object(digests, digest)
+    program, failure = None, None
+    for group_digest in dict.fromkeys(digests):  # each set of agreeing ranks, by its lowest rank
+        source = digests.index(group_digest)
+        if digests.count(group_digest) == 1:
+            continue  # nobody to share with: that rank traces below
+        payload = [None]
+        if rank == source:
+            try:
+                program = trace()
+                payload = [program_io.dumps(program)]
+            except TypeError as error:  # meta that does not serialize: every rank traces itself
+                if verbose:
+                    print(f"fxshard: rank {rank}: the trace is not shared ({error})", file=sys.stderr)
+            except Exception as error:  # noqa: BLE001  the others trace (and fail) themselves
+                failure = error
+        dist.broadcast_object_list(payload, src=source)
+        if digest == group_digest and rank != source and payload[0] is not None:
+            started = time.perf_counter()
+            program = program_io.loads(payload[0])
+            program.notes["trace_shared_by"] = source
+            program.notes["trace_load_seconds"] = round(time.perf_counter() - started, 3)
+            if verbose:
+                print(f"fxshard: rank {rank}: loaded rank {source}'s trace ({len(payload[0]) / 1e6:.1f} MB, "
+                      f"{program.notes['trace_load_seconds']} s)", file=sys.stderr)
+    if failure is not None:
+        raise failure
+    return program if program is not None else trace()
