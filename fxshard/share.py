@@ -24,6 +24,7 @@ import sys
 import time
 from typing import Callable
 
+import torch
 import torch.nn as nn
 
 from . import program_io
@@ -47,12 +48,21 @@ def fingerprint(model: nn.Module, loss_fn, batch_spec, optimizer, config) -> str
 
 
 def _describe(value) -> str:
-    if isinstance(value, _PLAIN):
+    """Plain values and tuples or lists of them, dataclasses and configs (a transformers config's
+    `to_dict()`), by repr; a tensor attribute by its metadata; anything else by its class."""
+    if isinstance(value, _PLAIN) or (isinstance(value, (tuple, list)) and all(isinstance(v, _PLAIN) for v in value)):
         return repr(value)
-    if isinstance(value, (tuple, list)) and all(isinstance(v, _PLAIN) for v in value):
+    if isinstance(value, torch.Tensor):
+        return f"tensor{tuple(value.shape)}:{value.dtype}:{value.device.type}"
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    if dataclasses.is_dataclass(value):
         return repr(value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return repr(value)
+    if callable(getattr(value, "to_dict", None)):
+        try:
+            return f"{type(value).__qualname__}:{sorted(value.to_dict().items(), key=lambda item: str(item[0]))!r}"
+        except Exception:  # noqa: BLE001  a to_dict that needs arguments, or fails: the class alone
+            pass
     return type(value).__qualname__
 
 
