@@ -123,12 +123,13 @@ def loads(data: bytes, fake_mode: FakeTensorMode | None = None) -> Program:
     def resolve(value):
         return by_name[value.name] if isinstance(value, _NodeRef) else value
 
-    for op, name, target, args, kwargs, node_meta in nodes:
+    for op, name, target, args, kwargs, _ in nodes:
         node = graph.create_node(op, target, _map(args, resolve), _map(kwargs, resolve), name=name)
         if node.name != name:
             raise ValueError(f"node {name!r} came back as {node.name!r}")
-        node.meta = _map(node_meta, resolve)
         by_name[name] = node
+    for (*_, node_meta), node in zip(nodes, graph.nodes):  # meta may name a later node
+        node.meta = _map(node_meta, resolve)
     root = torch.nn.Module()
     for target, value in constants.items():
         _set_attribute(root, target, value)
@@ -145,8 +146,8 @@ def _map(value, fn):
     if isinstance(value, list):
         return [_map(v, fn) for v in value]
     if isinstance(value, dict):
-        return type(value)((k, _map(v, fn)) for k, v in value.items()) if type(value) is not dict else \
-            {k: _map(v, fn) for k, v in value.items()}
+        mapped = {k: _map(v, fn) for k, v in value.items()}
+        return mapped if type(value) is dict else type(value)(mapped)
     if isinstance(value, slice):
         return slice(_map(value.start, fn), _map(value.stop, fn), _map(value.step, fn))
     return value
