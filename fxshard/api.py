@@ -55,7 +55,8 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     if not is_meta:
         _check_devices(tensors, batch_spec.device)
     stage = coords.get("pp", 0)
-    programs = _compile(model, loss_fn, example_batch, optimizer, mesh, config, (stage,), share=_shares_trace(mesh, config))
+    programs = _compile(model, loss_fn, example_batch, optimizer, mesh, config, (stage,),
+                        share=_shares_trace(mesh, config))
     if programs[-1].stage is not None:
         groups.update(_stage_groups(programs[-1], mesh, config.collective_timeout_s, config.nccl_ctas,
                                     config.nccl_high_priority))

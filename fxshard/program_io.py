@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from .graph import lazy_module
+from .graph import attribute, lazy_module
 from .program import Program
 
 _FORMAT = 1
@@ -92,7 +92,7 @@ def dumps(program: Program) -> bytes:
     """The program as bytes (`loads` reads them back)."""
     graph_module = program.graph_module
     nodes = [(node.op, node.name, node.target, node.args, node.kwargs, node.meta) for node in program.graph.nodes]
-    constants = {node.target: _attribute(graph_module, node.target) for node in program.graph.nodes
+    constants = {node.target: attribute(graph_module, node.target) for node in program.graph.nodes
                  if node.op == "get_attr"}
     fields = {name: getattr(program, name) for name in ("inputs", "outputs", "train", "units", "name", "notes",
                                                         "updates", "stage")}
@@ -151,12 +151,6 @@ def _map(value, fn):
     if isinstance(value, slice):
         return slice(_map(value.start, fn), _map(value.stop, fn), _map(value.step, fn))
     return value
-
-
-def _attribute(module, target: str):
-    for part in target.split("."):
-        module = getattr(module, part)
-    return module
 
 
 def _set_attribute(root: torch.nn.Module, target: str, value) -> None:
