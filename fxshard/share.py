@@ -92,12 +92,14 @@ def shared_trace(trace: Callable[[], Program], digest: str, verbose: bool = Fals
         if rank == source:
             try:
                 program = trace()
-                payload = [program_io.dumps(program)]
-            except TypeError as error:  # meta that does not serialize: every rank traces itself
-                if verbose:
-                    print(f"fxshard: rank {rank}: the trace is not shared ({error})", file=sys.stderr)
             except Exception as error:  # noqa: BLE001  the others trace (and fail) themselves
                 failure = error
+            else:
+                try:
+                    payload = [program_io.dumps(program)]
+                except TypeError as error:  # meta that does not serialize: the others trace themselves
+                    if verbose:
+                        print(f"fxshard: rank {rank}: the trace is not shared ({error})", file=sys.stderr)
         dist.broadcast_object_list(payload, src=source)
         if digest == group_digest and rank != source and payload[0] is not None:
             started = time.perf_counter()
