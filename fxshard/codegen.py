@@ -54,7 +54,7 @@ from .ops.p2p import P2P_OPS
 import torch.nn as nn
 
 from . import meta
-from .graph import ancestors, attribute, evaluate, is_pure, is_view, mutates, views_as_reshapes, lazy_module
+from .graph import Graph, ancestors, attribute, evaluate, is_pure, is_view, mutates, views_as_reshapes, lazy_module
 
 # ops whose output shape depends on values: Inductor needs unbacked symbols for them; left to aten
 _DATA_DEPENDENT = {"nonzero", "masked_select", "unique", "_unique2", "unique_consecutive", "_local_scalar_dense",
@@ -193,7 +193,7 @@ def _input_only_nodes(graph: fx.Graph) -> set[fx.Node]:
 
 def region_graph(region: Region) -> fx.GraphModule:
     """The region as a GraphModule of its own: inputs in order -> tuple of outputs."""
-    graph = fx.Graph()
+    graph = Graph()
     env = {node: graph.placeholder(f"in{i}") for i, node in enumerate(region.inputs)}
     for node, placeholder in env.items():
         placeholder.meta = dict(node.meta)
@@ -290,7 +290,7 @@ def compile_regions(graph_module: fx.GraphModule, compiler: Callable | None = No
     as they compile. `by_layer`: regions also end where a layer begins (find_regions)."""
     compiler = compiler or inductor_compile
     started = time.perf_counter()
-    source = fx.Graph()
+    source = Graph()
     source.output(source.graph_copy(graph_module.graph, {}))
     folded = fold_constants(source, graph_module)
     _hoist_getitems(source)
@@ -382,7 +382,7 @@ def _outer_graph(source: fx.Graph, regions: list[Region]) -> fx.Graph:
     """`source` with each region's nodes replaced by a call of the region and a getitem per output."""
     first = {region.nodes[0]: region for region in regions}
     covered = {node for region in regions for node in region.nodes}
-    graph, env = fx.Graph(), {}
+    graph, env = Graph(), {}
     for node in source.nodes:
         if node in first:
             region = first[node]

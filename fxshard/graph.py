@@ -23,6 +23,42 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from . import meta
 
 
+class Graph(fx.Graph):
+    """The `fx.Graph` that fxshard's passes and lowerings build: nodes made without torch's scan of
+    their arguments for raw SymInts.
+
+    torch 2.13's `Graph.create_node` walks every new node's arguments with pytree to warn about a raw
+    `torch.SymInt` among them. fxshard's programs have static shapes, so none can be one, and the walk
+    was 14% of the CPU of the world-4 pipeline test (py-spy, session 38): every pass and runtime
+    lowering copies its graph node by node. A node is made as `fx.Graph.create_node` makes it, its
+    arguments set right after through `Node.args` / `Node.kwargs` (which keep the users as
+    `Node.__init__` does); create-node hooks (fxshard registers none) see it without them."""
+
+    def create_node(self, op, target, args=None, kwargs=None, name=None, type_expr=None) -> fx.Node:
+        if args is not None and not isinstance(args, tuple):
+            raise AssertionError(f"args must be a tuple, got {type(args)}")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise AssertionError(f"kwargs must be a dict, got {type(kwargs)}")
+        node = super().create_node(op, target, None, None, name, type_expr)
+        if args:
+            node.args = args
+        if kwargs:
+            node.kwargs = kwargs
+        return node
+
+
+def fake_tensor(fake_mode, shape, stride, dtype, device, offset: int = 0) -> torch.Tensor:
+    """A fake tensor of `fake_mode` with this metadata (a view into a storage as long as it reaches,
+    where `offset` > 0), made from a meta tensor: ~4x cheaper than `torch.empty_strided` dispatched
+    to the mode, which a program's load (fxshard/program_io.py) and each `inline` call pay per value."""
+    if offset:
+        extent = offset + sum((size - 1) * step for size, step in zip(shape, stride) if size > 0) + 1
+        meta_value = torch.empty(extent, dtype=dtype, device="meta").as_strided(shape, stride, offset)
+    else:
+        meta_value = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, meta_value, torch.device(device))
+
+
 def lazy_module(root, graph: fx.Graph) -> fx.GraphModule:
     """`fx.GraphModule(root, graph)` whose Python code is generated when it is first run or read, not
     when it is built: most of the modules the passes build are only ever read as graphs, and
@@ -150,7 +186,7 @@ def views_as_reshapes(graph_module: fx.GraphModule) -> fx.GraphModule:
     view = torch.ops.aten.view.default
     if not any(n.op == "call_function" and n.target is view for n in graph_module.graph.nodes):
         return graph_module
-    graph = fx.Graph()
+    graph = Graph()
     graph.output(graph.graph_copy(graph_module.graph, {}))
     for node in graph.nodes:
         if node.op == "call_function" and node.target is view:
@@ -160,7 +196,7 @@ def views_as_reshapes(graph_module: fx.GraphModule) -> fx.GraphModule:
 
 def reordered(graph_module: fx.GraphModule, order: Sequence[fx.Node]) -> fx.GraphModule:
     """A copy of `graph_module` with its nodes in `order` (every node once, each after its inputs)."""
-    graph = fx.Graph()
+    graph = Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in order:
         env[node] = graph.node_copy(node, env.__getitem__)
@@ -182,8 +218,8 @@ def inline(graph: fx.Graph, fn: Callable, inputs: Sequence[fx.Node], *, fake_mod
     itself costs ~15 ms a call on the 2-core CI machine, most of a pipeline's shard() time, which
     inlines every slice, send, receive, wait and accumulation of every action.
     """
-    with fake_mode:  # fresh values: copied nodes share their `val`, and the recorder keys tensors by identity
-        values = [_fresh(node.meta["val"]) for node in inputs]
+    # fresh values: copied nodes share their `val`, and the recorder keys tensors by identity
+    values = [_fresh(node.meta["val"], fake_mode) for node in inputs]
     recorder = _Recorder(graph, dict(zip(values, inputs)), phase, layer, extra_meta)
     with fake_mode, recorder:
         outputs = list(fn(*values))
@@ -250,9 +286,9 @@ class _Recorder(TorchDispatchMode):
         node.meta.update(self.extra_meta)
 
 
-def _fresh(value):
+def _fresh(value, fake_mode):
     if isinstance(value, torch.Tensor):
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+        return fake_tensor(fake_mode, value.shape, value.stride(), value.dtype, value.device)
     return value
 
 

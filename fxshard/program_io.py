@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from .graph import attribute, lazy_module
+from .graph import Graph, attribute, fake_tensor, lazy_module
 from .program import Program
 
 _FORMAT = 1
@@ -57,14 +57,9 @@ def _packet(namespace: str, name: str):
 
 
 def _fake(shape, stride, offset, dtype, device, requires_grad):
-    with _loading_mode.get():
-        if offset:  # a view into its base's storage: a storage as long as the view reaches
-            extent = offset + sum((size - 1) * step for size, step in zip(shape, stride) if size > 0) + 1
-            value = torch.empty(extent, dtype=dtype, device=device).as_strided(shape, stride, offset)
-        else:
-            value = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-        if requires_grad:
-            value.requires_grad_(True)
+    value = fake_tensor(_loading_mode.get(), shape, stride, dtype, device, offset)
+    if requires_grad:
+        value.requires_grad_(True)
     return value
 
 
@@ -118,7 +113,7 @@ def loads(data: bytes, fake_mode: FakeTensorMode | None = None) -> Program:
         nodes, constants, fields = pickle.Unpickler(io.BytesIO(data[len(header):])).load()
     finally:
         _loading_mode.reset(token)
-    graph, by_name = fx.Graph(), {}
+    graph, by_name = Graph(), {}
 
     def resolve(value):
         return by_name[value.name] if isinstance(value, _NodeRef) else value

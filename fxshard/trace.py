@@ -24,7 +24,7 @@ from . import meta, moe
 from .config import Config
 from .errors import FxShardError
 from .errors_trace import explain_trace_failure
-from .graph import inline, lazy_module
+from .graph import Graph, inline, lazy_module
 from .layers import LayerTrace, annotate_layers, find_layers
 from .moe_modules import swapped_forwards
 from .ops.grouped_mm import RouteGroupedMM
@@ -161,7 +161,7 @@ class _ProgramBuilder:
         self.device = device
         self.fake_mode = fake_mode
         self.layer_trace = layer_trace  # which layer an annotation names
-        self.graph = fx.Graph()
+        self.graph = Graph()
         self.root = nn.Module()
         self.inputs: list[Input] = []
         self.metric_names: tuple[str, ...] = ()

@@ -52,7 +52,7 @@ import torch.fx as fx
 
 from fxshard import meta, moe
 from fxshard.errors import FxShardError
-from fxshard.graph import call_argument, fake_mode_of, inline, lazy_module
+from fxshard.graph import Graph, call_argument, fake_mode_of, inline, lazy_module
 from fxshard.ops.grouped_mlp_backends import expert_of_rows
 from fxshard.optimizer_graph import append_update
 from fxshard.program import EXPERT_SHARDED, Input, InputKind, Output, OutputKind, Program
@@ -383,7 +383,7 @@ class _Rewrite:
 
     # ---- building ------------------------------------------------------------------------------
     def run(self) -> Program:
-        self.graph = fx.Graph()
+        self.graph = Graph()
         self.env: dict[fx.Node, fx.Node] = {}
         self.chunk_env: dict[tuple[fx.Node, int], fx.Node] = {}
         self.plans: dict[int, dict] = {}

@@ -50,7 +50,7 @@ import torch.fx.traceback as fx_traceback
 from fxshard import meta
 from fxshard.config import SHARDING_STRATEGIES
 from fxshard.errors import FxShardError
-from fxshard.graph import fake_mode_of, inline, lazy_module
+from fxshard.graph import Graph, fake_mode_of, inline, lazy_module
 from fxshard.optimizer_graph import Deferred, append_update
 from fxshard.program import (EXPERT_SHARDED, REPLICATED, FlatUnit, Input, InputKind, Output, OutputKind, Placement,
                              Program, Update)
@@ -174,7 +174,7 @@ class _Rewrite:
     def __init__(self, program: Program, units: list[FlatUnit], cfg: FSDPConfig):
         self.program, self.units, self.cfg = program, units, cfg
         self.old = program.graph
-        self.graph = fx.Graph()
+        self.graph = Graph()
         self.fake = fake_mode_of(self.old)
         self.unit_of = {m.name: unit for unit in units for m in unit.members}
         self.old_placeholders = dict(zip([i.name for i in program.inputs], program.placeholders()))

@@ -43,7 +43,7 @@ import torch
 import torch.fx as fx
 
 from fxshard import meta
-from fxshard.graph import lazy_module
+from fxshard.graph import Graph, lazy_module
 from fxshard.ops import embedding_accumulate, matmul_accumulate  # noqa: F401  (registers the ops)
 from fxshard.program import Program
 
@@ -55,7 +55,7 @@ def fuse_grad_accumulation(program: Program) -> Program:
     """`program` with each gradient accumulation of a widened matmul product done by
     `fxshard::matmul_accumulate`, and of a widened embedding gradient by `fxshard::embedding_accumulate`;
     `notes["fuse_grad_accumulation"]` counts them. With none, `program`."""
-    graph = fx.Graph()
+    graph = Graph()
     graph.output(graph.graph_copy(program.graph, {}))
     fused = fuse_in_graph(graph)
     if not fused:

@@ -37,7 +37,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fxshard import meta
-from fxshard.graph import call_argument, fake_mode_of, inline, lazy_module
+from fxshard.graph import Graph, call_argument, fake_mode_of, inline, lazy_module
 from fxshard.errors import FxShardError
 from fxshard.ops.grouped_mlp import check_arguments, grouped_mlp_dgrad, grouped_mlp_fwd, grouped_mlp_wgrad
 from fxshard.ops.grouped_mlp_backends import ACTIVATIONS
@@ -73,7 +73,7 @@ class _Group:
 
 def fuse_grouped_mlp(program: Program) -> Program:
     """`program` with every recognized expert MLP fused; `notes["fused_grouped_mlp"]` lists them."""
-    graph = fx.Graph()
+    graph = Graph()
     graph.output(graph.graph_copy(program.graph, {}))
     fake = fake_mode_of(graph)
     fused = []

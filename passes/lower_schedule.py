@@ -50,7 +50,7 @@ import torch.fx as fx
 
 from fxshard import meta
 from fxshard.errors import FxShardError
-from fxshard.graph import fake_mode_of, inline, is_pure, lazy_module
+from fxshard.graph import Graph, fake_mode_of, inline, is_pure, lazy_module
 from fxshard.ops.p2p import P2P_OPS  # noqa: F401  (registers fxshard::send / recv)
 from fxshard.optimizer_graph import append_update
 from fxshard.program import (REPLICATED, STAGE_LOCAL, Input, InputKind, Output, OutputKind, Program,
@@ -91,7 +91,7 @@ class _Lowering:
         self.pipeline, self.schedule, self.stage, self.actions, self.costs = pipeline, schedule, stage, actions, costs
         self.source = pipeline.source
         self.fake = fake_mode_of(self.source.graph)
-        self.graph = fx.Graph()
+        self.graph = Graph()
         self.local = [c for c in pipeline.chunks if schedule.rank_of(c.index) == stage]
         self.microbatches = schedule.microbatches
         # the stages holding each trained parameter (more than one: tied), and each stage's parameters and buffers

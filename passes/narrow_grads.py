@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 
 from fxshard import meta
-from fxshard.graph import fake_mode_of, lazy_module
+from fxshard.graph import Graph, fake_mode_of, lazy_module
 from fxshard.program import Program
 
 _aten = torch.ops.aten
@@ -47,7 +47,7 @@ _FLATTENS = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.defau
 def narrow_grads(program: Program) -> Program:
     """`program` without the fp32 copies of bf16 gradients that only the optimizer phase reads;
     `notes["narrow_grads"]` counts them. With none to remove, `program` itself."""
-    graph = fx.Graph()
+    graph = Graph()
     graph.output(graph.graph_copy(program.graph, {}))
     removed = 0
     for node in list(graph.nodes):

@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from fxshard import meta
 from fxshard.errors import FxShardError
-from fxshard.graph import ancestors, flops, is_pure, lazy_module
+from fxshard.graph import Graph, ancestors, flops, is_pure, lazy_module
 from fxshard.program import InputKind, OutputKind, Program
 
 _ADD = torch.ops.aten.add.Tensor
@@ -399,7 +399,7 @@ class _Splitter:
                      tuple(self.buffer_nodes[n] for n in buffers))
 
     def subgraph(self, nodes, inputs, outputs, partials=()) -> fx.GraphModule:
-        graph = fx.Graph()
+        graph = Graph()
         env: dict[fx.Node, fx.Node] = {}
         for node in inputs:
             if node in env:
@@ -473,7 +473,7 @@ def split_weight_gradients(backward: fx.GraphModule, sent: int):
     carry += [n for n in grad_nodes if n in input_part and n.op not in read_directly and n not in carry]
 
     def build(nodes, inputs, outputs):
-        new = fx.Graph()
+        new = Graph()
         env = {}
         for node in inputs:
             env[node] = new.placeholder(node.name)

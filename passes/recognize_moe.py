@@ -44,7 +44,7 @@ import torch
 import torch.fx as fx
 
 from fxshard import meta, moe
-from fxshard.graph import call_argument, lazy_module
+from fxshard.graph import Graph, call_argument, lazy_module
 from fxshard.program import Program
 
 from .ep import first_tensor, keeps_dim0
@@ -69,7 +69,7 @@ def recognize_moe(program: Program, capacity_factor: float | None = None) -> Pro
     pending = _unannotated_offsets(program.graph)
     if not pending:  # every layer routed by fxshard.moe: the graph as it is
         return program.replace(notes={**program.notes, "moe_recognized": []})
-    graph = fx.Graph()
+    graph = Graph()
     env: dict[fx.Node, fx.Node] = {}
     graph.output(graph.graph_copy(program.graph, env))
     recognized, rejected = [], []

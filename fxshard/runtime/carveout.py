@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from .. import meta
-from ..graph import flops, lazy_module
+from ..graph import Graph, flops, lazy_module
 
 _c10d = torch.ops._c10d_functional
 
@@ -53,7 +53,7 @@ def carve_out_sms_for_all_to_alls(graph_module: fx.GraphModule, sms: int,
     the budgets of the all-to-alls in flight, oldest first (they run one after another), and only
     matmuls issued while some budget is left run narrower. `flops_per_byte=math.inf`: every matmul
     inside a window."""
-    graph = fx.Graph()
+    graph = Graph()
     graph.output(graph.graph_copy(graph_module.graph, {}))
     in_flight: list[list] = []  # [issue, FLOPs of matmul work left until its transfer is done], in issue order
     carved, stretches = False, 0

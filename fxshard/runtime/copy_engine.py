@@ -64,7 +64,7 @@ from torch import Tensor
 
 from .. import meta
 from ..errors import FxShardError
-from ..graph import is_view, mutates, lazy_module
+from ..graph import Graph, is_view, mutates, lazy_module
 from .workspace_plan import plan_regions
 
 _c10d = torch.ops._c10d_functional
@@ -544,7 +544,7 @@ def lower_to_copy_engines(graph_module: fx.GraphModule, all_to_alls: bool = True
                            "its compute first would hang). Unset it or use copy_engine_barriers='kernel'")
     from .agreement import describe
 
-    graph = fx.Graph()
+    graph = Graph()
     graph.output(graph.graph_copy(graph_module.graph, {}))
     chosen = [node for node in graph.nodes if _lowerable(node, all_to_alls, gathers_and_scatters)]
     plan = plan_regions(graph, chosen)

@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from .. import meta
 from ..errors import FxShardError
-from ..graph import ancestors, lazy_module
+from ..graph import Graph, ancestors, lazy_module
 from ..program import InputKind, OutputKind, Program
 
 _c10d = torch.ops._c10d_functional
@@ -37,7 +37,7 @@ def forward_only(program: Program) -> Program:
     sends = [n for n in graph.nodes if n.target is _SEND and meta.phase(n) == meta.FWD]
     keep = ancestors([node for _, node in reported] + sends)
     keep |= {user for send in sends for user in send.users if user.target is _c10d.wait_tensor.default}
-    new = fx.Graph()
+    new = Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in graph.nodes:
         if node.op == "placeholder" or node in keep:

@@ -46,7 +46,7 @@ import torch.fx as fx
 
 from .. import meta
 from ..codegen import is_fixed
-from ..graph import is_view, may_alias_input, lazy_module
+from ..graph import Graph, is_view, may_alias_input, lazy_module
 from ..meta import COLLECTIVE_ISSUES
 from ..ops.adamw import adamw_update, adamw_update_  # noqa: F401  (registers both ops)
 from ..ops.embedding_accumulate import embedding_accumulate, embedding_accumulate_  # noqa: F401  (registers both)
@@ -74,7 +74,7 @@ _GATHERS = frozenset({*_INTO, *_INTO.values()})
 
 def reinplace(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, int]:
     """A copy of `graph_module` with every safe AdamW update done in place; and how many were."""
-    graph = fx.Graph()
+    graph = Graph()
     graph.output(graph.graph_copy(graph_module.graph, {}))
     order = {node: position for position, node in enumerate(graph.nodes)}
     rewritten = 0
@@ -109,7 +109,7 @@ def accumulate_in_place(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, i
     """A copy of `graph_module` with every safe `fxshard::matmul_accumulate` and
     `fxshard::embedding_accumulate` done in place (see the module docstring); and how many were. Checked on the graph as given: a total read by its
     accumulation alone is read by nothing else once that accumulation writes it instead."""
-    graph = fx.Graph()
+    graph = Graph()
     graph.output(graph.graph_copy(graph_module.graph, {}))
     found = [node for node in graph.nodes if node.op == "call_function" and node.target in _IN_PLACE_ACCUMULATION
              and not node.kwargs and _fresh(node.args[0], node)]
@@ -163,7 +163,7 @@ def gather_updates_in_place(graph_module: fx.GraphModule, write_back: dict[int, 
     """`graph_module` with every safe gather of an updated parameter writing into that parameter's
     input, and how many were rewritten. `write_back`: output position -> the position of the input
     (placeholder) that output becomes next step (the runtime's write-back, CompiledStep)."""
-    graph = fx.Graph()
+    graph = Graph()
     graph.output(graph.graph_copy(graph_module.graph, {}))
     order = {node: position for position, node in enumerate(graph.nodes)}
     placeholders = [node for node in graph.nodes if node.op == "placeholder"]

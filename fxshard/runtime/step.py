@@ -19,7 +19,7 @@ from ..program import InputKind, OutputKind, Program
 from ..ops.gloo import GLOO_ALL_GATHER, GLOO_ALL_GATHERS
 from ..ops.p2p import P2P_OPS
 from ..codegen import CodegenReport, compile_regions, progress_printer
-from ..graph import views_as_reshapes, lazy_module
+from ..graph import Graph, views_as_reshapes, lazy_module
 from .nonfinite import was_skipped
 from .carveout import carve_out_sms_for_all_to_alls
 from .copy_engine import CopyEngineLowering, Watch, lower_to_copy_engines, marker, resolve_auto, resolve_own_part
@@ -35,7 +35,7 @@ def bind_groups(program: Program, group_names: dict[str, str]) -> fx.GraphModule
 
 
 def bind_group_names(graph_module: fx.GraphModule, group_names: dict[str, str]) -> fx.GraphModule:
-    graph = fx.Graph()
+    graph = Graph()
     graph.output(graph.graph_copy(graph_module.graph, {}))
     for node in graph.nodes:
         if node.op == "call_function" and (getattr(node.target, "namespace", None) == "_c10d_functional"
