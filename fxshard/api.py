@@ -93,8 +93,9 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     def compile_evaluation() -> Program:  # step.evaluate's program, compiled on its first call
         from .runtime.evaluate import EvalMode, forward_only
 
-        with EvalMode(structure):
-            evaluation = forward_only(_compile(structure, loss_fn, example_batch, optimizer, mesh, config, (stage,))[-1])
+        with EvalMode(structure):  # every rank calls evaluate(): its trace is shared as shard's is
+            evaluation = forward_only(_compile(structure, loss_fn, example_batch, optimizer, mesh, config, (stage,),
+                                               share=_shares_trace(mesh, config))[-1])
         if config.dump_dir:
             evaluation.dump(config.dump_dir, len(programs) + 1)
         return evaluation

@@ -166,12 +166,16 @@ def evaluate_zero3():
     step(batches[rank][0])
     loss = step.evaluate(batches[rank][1])["loss"].item()
     want = eager_eval_loss(model, step.parameters(), regression_loss, [b[1] for b in batches])
-    return loss, want
+    evaluation, _ = step._evaluation  # what the first evaluate() compiled
+    return loss, want, evaluation.notes.get("trace_shared_by")
 
 
 def test_evaluate_under_zero3_on_real_processes():
-    for loss, want in run_local(evaluate_zero3, 2, backend="gloo"):
+    """On gloo the evaluation's trace is shared as the step's is: rank 1 loads rank 0's."""
+    results = run_local(evaluate_zero3, 2, backend="gloo")
+    for loss, want, _ in results:
         assert abs(loss - want) <= 1e-6 * abs(want), (loss, want)
+    assert [shared_by for *_, shared_by in results] == [None, 0]
 
 
 def test_switching_the_model_to_eval_after_shard_warns_once_and_changes_nothing():
