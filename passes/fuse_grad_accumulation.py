@@ -55,6 +55,8 @@ def fuse_grad_accumulation(program: Program) -> Program:
     """`program` with each gradient accumulation of a widened matmul product done by
     `fxshard::matmul_accumulate`, and of a widened embedding gradient by `fxshard::embedding_accumulate`;
     `notes["fuse_grad_accumulation"]` counts them. With none, `program`."""
+    if not any(_is_half_product(node) for node in program.graph.nodes):  # nothing to fuse: no copy
+        return program
     graph = Graph()
     graph.output(graph.graph_copy(program.graph, {}))
     fused = fuse_in_graph(graph)
@@ -84,6 +86,12 @@ def fuse_in_graph(graph: fx.Graph) -> int:
             graph.erase_node(chained)
         fused += 1
     return fused
+
+
+def _is_half_product(node: fx.Node) -> bool:
+    """`node` is a bf16/fp16 matmul or embedding gradient: what every fused accumulation reads."""
+    return (node.op == "call_function" and node.target in (_aten.mm.default, _aten.embedding_dense_backward.default)
+            and node.meta["val"].dtype in (torch.bfloat16, torch.float16))
 
 
 def _float32_sum(node: fx.Node):
