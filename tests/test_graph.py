@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fxshard import meta
-from fxshard.graph import inline
+from fxshard.graph import Graph, inline
 
 _c10d = torch.ops._c10d_functional
 ROWS, COLS = 4, 6
@@ -56,9 +56,9 @@ def structure(graph: fx.Graph, outputs):
     return nodes, [order[node] for node in outputs]
 
 
-def inlined(fn, count):
+def inlined(fn, count, graph_class=fx.Graph):
     fake = FakeTensorMode()
-    graph = fx.Graph()
+    graph = graph_class()
     inputs = [graph.placeholder(f"x{i}") for i in range(count)]
     with fake:
         for i, node in enumerate(inputs):
@@ -78,6 +78,18 @@ def test_inline_inserts_the_nodes_make_fx_traces(steps, outputs, count):
     output_node = next(node for node in traced.graph.nodes if node.op == "output")
     assert structure(graph, nodes) == structure(traced.graph, output_node.args[0])
     assert all(node.meta[meta.PHASE] == meta.FWD for node in graph.nodes if node.op == "call_function")
+    # fxshard.graph.Graph (what the passes build: nodes made without torch's SymInt scan) records the
+    # same nodes, with the same users, and copies into the same graph
+    ours, our_nodes, _, _ = inlined(fn, count, Graph)
+    assert structure(ours, our_nodes) == structure(graph, nodes)
+    def users(g):
+        return [(n.name, [u.name for u in n.users], [i.name for i in n.all_input_nodes]) for n in g.nodes]
+    assert users(ours) == users(graph)
+    copied = Graph()
+    copied.output(copied.graph_copy(graph, {}))
+    plain = fx.Graph()
+    plain.output(plain.graph_copy(graph, {}))
+    assert users(copied) == users(plain) and copied.python_code("self").src == plain.python_code("self").src
 
 
 def test_annotations_with_fxshard_keys_reach_the_nodes_and_others_do_not():
