@@ -194,9 +194,10 @@ class Config:
     seed: initializes a model built on the meta device (fxshard.init: per module, seeded by its path).
     share_trace: ranks whose model, loss, batch shapes, optimizer and Config agree trace the step once
         (and `evaluate()`'s on its first call), on the lowest of them, and the others load its program
-        (fxshard/share.py: a trace must not depend on the rank itself). None (default): on when the default process group is gloo, whose
-        ranks share their host's cores (N ranks tracing at once take N times one trace's CPU); off on
-        NCCL, where each rank traces on its own cores. False: every rank traces.
+        (fxshard/share.py: a trace must not depend on the rank itself). None (default): on when the
+        default process group is gloo, whose ranks share their host's cores (N ranks tracing at once
+        take N times one trace's CPU); off on NCCL, where each rank traces on its own cores. False:
+        every rank traces.
     """
 
     dump_dir: str | None = None
