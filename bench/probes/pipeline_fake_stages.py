@@ -25,10 +25,13 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-SCHEDULES = {"1f1b": ("1f1b", 1), "interleaved-v2": ("interleaved-1f1b", 2), "zb-h1": ("zb-h1", 1)}
+SCHEDULES = {"1f1b": ("1f1b", 1), "interleaved-v2": ("interleaved-1f1b", 2), "zb-h1": ("zb-h1", 1),
+             "dualpipev": ("dualpipev", 2)}
+HALF_BLOCKS = ("layers.*.attn", "layers.*.mlp")  # bench/pipeline.py --half-blocks: a cut may fall inside a block
 
 
-def run_stage(schedule: str, rank: int, microbatches: int, out: str, fuse: bool = True) -> None:
+def run_stage(schedule: str, rank: int, microbatches: int, out: str, fuse: bool = True, half_blocks: bool = False,
+              stage_layers: tuple | None = None) -> None:
     """In this process: rank `rank` of a fake 2-rank world; one profiled step of its stage."""
     import torch
     import torch.distributed as dist
@@ -51,7 +54,8 @@ def run_stage(schedule: str, rank: int, microbatches: int, out: str, fuse: bool 
     data = {k: torch.randint(0, 32000, (microbatches, 2048), generator=generator).cuda() for k in ("idx", "tgt")}
     config = fxshard.Config(schedule=name, virtual_stages=virtual, microbatches=microbatches,
                             param_dtype=torch.bfloat16, reduce_dtype=torch.float32, sharding="no_shard",
-                            nonfinite="skip", fuse_grad_accumulation=fuse)  # received values are garbage
+                            nonfinite="skip", fuse_grad_accumulation=fuse,  # received values are garbage
+                            layers=HALF_BLOCKS if half_blocks else None, stage_layers=stage_layers)
     step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=fxshard.optim.AdamW(lr=1e-4),
                          mesh=fxshard.Mesh(pp=2), config=config)
     del model
@@ -122,11 +126,15 @@ def main():
     parser.add_argument("--unfused-grad-accumulation", action="store_true",
                         help="Config(fuse_grad_accumulation=False): gradients added into their totals by a "
                              "cast-and-add of their own (the default adds them in the GEMM since session 34)")
+    parser.add_argument("--half-blocks", action="store_true",
+                        help="each block's attention and MLP layers of their own (a cut may fall inside a block)")
+    parser.add_argument("--stage-layers", help="comma-separated layer counts per chunk (Config(stage_layers))")
     parser.add_argument("--stage", nargs=3, metavar=("SCHEDULE", "RANK", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    stage_layers = tuple(int(n) for n in args.stage_layers.split(",")) if args.stage_layers else None
     if args.stage:
         run_stage(args.stage[0], int(args.stage[1]), args.microbatches, args.stage[2],
-                  not args.unfused_grad_accumulation)
+                  not args.unfused_grad_accumulation, args.half_blocks, stage_layers)
         return
     import torch
 
@@ -140,21 +148,25 @@ def main():
     with torch.device("meta"):
         model = GPT(GPTConfig.preset("1b"))
     batch = {k: torch.zeros(1, 2048, dtype=torch.long) for k in ("idx", "tgt")}
-    program = fxshard.trace(model, lambda m, b: m.loss(b), batch, optimizer=fxshard.optim.AdamW(lr=1e-4))
+    program = fxshard.trace(model, lambda m, b: m.loss(b), batch, optimizer=fxshard.optim.AdamW(lr=1e-4),
+                            config=fxshard.Config(layers=HALF_BLOCKS if args.half_blocks else None))
     report = {}
     for schedule in args.schedules:
         name, virtual = SCHEDULES[schedule]
         ranks = []
         for rank in range(2):
-            suffix = "_unfused" if args.unfused_grad_accumulation else ""
+            suffix = ("_unfused" if args.unfused_grad_accumulation else "") + ("_halves" if args.half_blocks else "") \
+                + (f"_{args.stage_layers.replace(',', '-')}" if args.stage_layers else "")
             path = os.path.join(args.out, f"{schedule}{suffix}_rank{rank}.json")
             subprocess.run([sys.executable, __file__, "--out", args.out, "--microbatches", str(args.microbatches),
                             *(["--unfused-grad-accumulation"] if args.unfused_grad_accumulation else []),
+                            *(["--half-blocks"] if args.half_blocks else []),
+                            *(["--stage-layers", args.stage_layers] if args.stage_layers else []),
                             "--stage", schedule, str(rank), path], check=True)
             with open(path) as handle:
                 ranks.append(json.load(handle))
         plan = build(name, 2, args.microbatches, virtual)
-        flops = chunk_costs(split_stages(program, 2 * virtual), plan)
+        flops = chunk_costs(split_stages(program, 2 * virtual, list(stage_layers) if stage_layers else None), plan)
         measured = measured_costs(ranks)
         # the FLOP model in ms: scaled so that its total forward time is the measured one
         forward_ms = sum(v for k, v in measured.items() if k.startswith("F"))
@@ -180,7 +192,8 @@ def main():
               f"{result['bubble_simulated_flops']:.1%}, measured costs {result['bubble_simulated_measured']:.1%} "
               f"(without OPT {result['bubble_simulated_measured_no_opt']:.1%}); simulated step "
               f"{result['makespan_measured_ms']:.1f} ms")
-    name = "pipeline_fake_stages_unfused.json" if args.unfused_grad_accumulation else "pipeline_fake_stages.json"
+    name = "pipeline_fake_stages" + ("_unfused" if args.unfused_grad_accumulation else "") \
+        + ("_halves" if args.half_blocks else "") + (f"_{args.stage_layers.replace(',', '-')}" if args.stage_layers else "") + ".json"
     with open(os.path.join(args.out, name), "w") as handle:
         json.dump(report, handle, indent=1)
 
