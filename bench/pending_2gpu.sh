@@ -7,7 +7,9 @@
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
 # (date, machine, command). In priority order (session 33: MoE at ep=2 hides 92-94% of the exposed
 # all-to-all time, issue 15's targets met; nothing ran for the pipelines, whose 2-GPU parts lead now;
-# session 34 made the fused gradient accumulation the default, measured on one GPU only):
+# session 34 made the fused gradient accumulation the default, measured on one GPU only; session 38 ran
+# 1F1B / V=2 / DualPipeV graphed and the half-block cuts next to the compiled peer: 1.15x and 1.21x in two
+# jobs, not the fused-against-unfused rows, not the GPU tests below):
 #   fga       issue 14 first: 1F1B and interleaved V=2 graphed, the fused accumulation (now in place and
 #             the default; since session 35 the first microbatch's product is one fp32 GEMM too) against
 #             -unfused, next to the compiled peer, then its GPU test (~7 min; one H200, fake process
