@@ -1,7 +1,8 @@
 """Each pipeline stage's compute, action by action, on one GPU: what bench/pipeline.py's simulator
 would be given as measured costs, before two GPUs are at hand.
 
-    python bench/probes/pipeline_fake_stages.py --out DIR [--schedules 1f1b interleaved-v2] [--unfused-grad-accumulation]
+    python bench/probes/pipeline_fake_stages.py --out DIR [--schedules 1f1b interleaved-v2 zb-h1 dualpipev]
+        [--unfused-grad-accumulation] [--half-blocks] [--stage-layers 10,10,9,7]
 
 bench/pipeline.py's fxshard setup (GPT 1b, Mesh(pp=2), M=8 microbatches of 1x2048, bf16 compute / fp32
 masters, AdamW, no_shard, codegen, eager replay). Each stage runs in its own process as that rank of a
@@ -12,7 +13,9 @@ step is profiled; its kernels are attributed to actions through codegen's region
 (bench/pipeline.py `action_times`). Prints per chunk the measured F / B (/ W) ms next to the FLOP
 model's (`chunk_costs`), and the simulated bubble under each, and each rank's GPU busy time of the step (the union of its
 kernels and copies); writes DIR/pipeline_fake_stages.json (with --unfused-grad-accumulation, which
-runs Config(fuse_grad_accumulation=False): DIR/pipeline_fake_stages_unfused.json).
+runs Config(fuse_grad_accumulation=False): DIR/pipeline_fake_stages_unfused.json). --half-blocks and
+--stage-layers cut as bench/pipeline.py's options of those names do (a cut inside a block) and add
+"_halves" and the counts to the file names; a second run with the same options overwrites the summary.
 """
 
 import argparse
@@ -151,12 +154,12 @@ def main():
     program = fxshard.trace(model, lambda m, b: m.loss(b), batch, optimizer=fxshard.optim.AdamW(lr=1e-4),
                             config=fxshard.Config(layers=HALF_BLOCKS if args.half_blocks else None))
     report = {}
+    suffix = ("_unfused" if args.unfused_grad_accumulation else "") + ("_halves" if args.half_blocks else "") \
+        + (f"_{args.stage_layers.replace(',', '-')}" if args.stage_layers else "")
     for schedule in args.schedules:
         name, virtual = SCHEDULES[schedule]
         ranks = []
         for rank in range(2):
-            suffix = ("_unfused" if args.unfused_grad_accumulation else "") + ("_halves" if args.half_blocks else "") \
-                + (f"_{args.stage_layers.replace(',', '-')}" if args.stage_layers else "")
             path = os.path.join(args.out, f"{schedule}{suffix}_rank{rank}.json")
             subprocess.run([sys.executable, __file__, "--out", args.out, "--microbatches", str(args.microbatches),
                             *(["--unfused-grad-accumulation"] if args.unfused_grad_accumulation else []),
@@ -192,9 +195,7 @@ def main():
               f"{result['bubble_simulated_flops']:.1%}, measured costs {result['bubble_simulated_measured']:.1%} "
               f"(without OPT {result['bubble_simulated_measured_no_opt']:.1%}); simulated step "
               f"{result['makespan_measured_ms']:.1f} ms")
-    name = "pipeline_fake_stages" + ("_unfused" if args.unfused_grad_accumulation else "") \
-        + ("_halves" if args.half_blocks else "") + (f"_{args.stage_layers.replace(',', '-')}" if args.stage_layers else "") + ".json"
-    with open(os.path.join(args.out, name), "w") as handle:
+    with open(os.path.join(args.out, f"pipeline_fake_stages{suffix}.json"), "w") as handle:
         json.dump(report, handle, indent=1)
 
 
