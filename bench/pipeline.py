@@ -311,12 +311,13 @@ def run_peer(mode: str, setup: Setup) -> dict:
 
 def run_fxshard(schedule_name: str, virtual: int, graphed: bool, label: str, setup: Setup,
                 p2p_ctas: int | None = None, receives: str = "late", fuse_accumulation: bool = True,
-                grads: str = "fp32") -> dict:
+                grads: str = "fp32", memsets: str = "kernels") -> dict:
     """One rank of an fxshard mode: Mesh(pp=P), the schedule, eager replay or CUDA graphs, the
     point-to-point transfers on at most `p2p_ctas` CTAs (Config(nccl_max_ctas={"pp": ...})), receives
     issued `receives` (Config(p2p_receives)), gradient accumulation in the wgrad GEMMs with
     `fuse_accumulation` (Config(fuse_grad_accumulation)), gradients accumulated and kept in `grads`
-    ("fp32" or "bf16", as the peer's: Config(reduce_dtype))."""
+    ("fp32" or "bf16", as the peer's: Config(reduce_dtype)), the captured graph's library memsets as
+    kernel nodes or kept (`memsets`: Config(cuda_graph_memsets))."""
     world = dist.get_world_size()
     device = this_device(setup)
     model = build_model(setup, device)
@@ -327,7 +328,8 @@ def run_fxshard(schedule_name: str, virtual: int, graphed: bool, label: str, set
                             cuda_graphs=graphed, nccl_max_ctas={"pp": p2p_ctas} if p2p_ctas else None,
                             p2p_receives=receives, fuse_grad_accumulation=fuse_accumulation,
                             stage_layers=dict(setup.stage_layers).get(world * virtual),
-                            nccl_high_priority=setup.nccl_high_priority, layers=setup.layers)
+                            nccl_high_priority=setup.nccl_high_priority, layers=setup.layers,
+                            cuda_graph_memsets=memsets)
     started = time.perf_counter()
     step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=fxshard.optim.AdamW(lr=1e-4),
                          mesh=fxshard.Mesh(pp=world), config=config)
@@ -339,6 +341,8 @@ def run_fxshard(schedule_name: str, virtual: int, graphed: bool, label: str, set
     result = measure(lambda: step(data)["loss"], setup, label, graphed, actions)
     result["actions"] = actions
     result["compile_s"] = compile_s
+    replay = step._replay
+    result["graph_memsets"] = replay.memsets.line() if replay is not None and replay.memsets is not None else None
     result["pipeline"] = step.program.notes.get("pipeline")
     plan = step.program.stage
     result["params_by_stage"] = [sorted(names) for names in plan.params_by_stage] if plan is not None else None
@@ -737,24 +741,26 @@ def job(kind: str, name: str, setup: Setup, graphed: bool = False) -> dict:
     """One mode on this rank (the function each spawned process runs)."""
     if kind == "peer":
         return run_peer(name, setup)
-    schedule_name, virtual, ctas, receives, fused, grads = schedule_of(name)
+    schedule_name, virtual, ctas, receives, fused, grads, memsets = schedule_of(name)
     return run_fxshard(schedule_name, virtual, graphed, f"{name}-{'graphed' if graphed else 'eager'}", setup, ctas,
-                       receives, fused, grads)
+                       receives, fused, grads, memsets)
 
 
-def schedule_of(name: str) -> tuple[str, int, int | None, str, bool, str]:
+def schedule_of(name: str) -> tuple[str, int, int | None, str, bool, str, str]:
     """An fxshard mode's schedule, virtual stages, the pp group's NCCL CTAs, Config(p2p_receives),
     Config(fuse_grad_accumulation) (on unless "-unfused"; "-fga", which named it on before session 34
-    made it the default, reads as on) and the gradients' dtype (Config(reduce_dtype)):
-    "1f1b-ctas2-early-unfused-gbf16" -> ("1f1b", 1, 2, "early", False, "bf16"),
-    "1f1b" -> ("1f1b", 1, None, "late", True, "fp32")."""
+    made it the default, reads as on), the gradients' dtype (Config(reduce_dtype)) and
+    Config(cuda_graph_memsets) ("keep" with "-memsets"):
+    "1f1b-ctas2-early-unfused-gbf16-memsets" -> ("1f1b", 1, 2, "early", False, "bf16", "keep"),
+    "1f1b" -> ("1f1b", 1, None, "late", True, "fp32", "kernels")."""
+    name, keep, _ = name.partition("-memsets")
     name, bf16, _ = name.partition("-gbf16")
     name, unfused, _ = name.partition("-unfused")
     name, _, _ = name.partition("-fga")
     name, early, _ = name.partition("-early")
     base, found, ctas = name.partition("-ctas")
     return (*SCHEDULES[base], int(ctas) if found else None, "early" if early else "late", not unfused,
-            "bf16" if bf16 else "fp32")
+            "bf16" if bf16 else "fp32", "keep" if keep else "kernels")
 
 
 def median(values: list[float]) -> float:
@@ -827,11 +833,13 @@ def planned_modes(args) -> list[tuple[str, str, bool]]:
             print(f"{name}: not in this fxshard ({reason[:200]}); skipped", flush=True)
             continue
         modes += [("fxshard", name + (f"-ctas{ctas}" if ctas else "") + ("-early" if receives == "early" else "")
-                   + ("" if fused else "-unfused") + ("-gbf16" if grads == "bf16" else ""), replay == "graphed")
+                   + ("" if fused else "-unfused") + ("-gbf16" if grads == "bf16" else "")
+                   + ("-memsets" if keep else ""), replay == "graphed")
                   for grads in ["fp32", *(["bf16"] if args.bf16_grads else [])]
                   for fused in sorted({True, not args.unfused_grad_accumulation}, reverse=True)
                   for receives in args.p2p_receives
-                  for ctas in [None, *args.p2p_ctas] for replay in replays]
+                  for ctas in [None, *args.p2p_ctas] for replay in replays
+                  for keep in [False, *([True] if args.keep_graph_memsets and replay == "graphed" else [])]]
     return modes
 
 
@@ -858,6 +866,8 @@ def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model
     row["job_s"] = time.perf_counter() - started
     details = [f"warm-up {max(r['warmup_s'] for r in ranks):.1f}s",
                f"kernels traced per rank {[r['kernels'] for r in ranks]}"]
+    if ranks[0].get("graph_memsets"):
+        details.append("rank 0 " + ranks[0]["graph_memsets"])
     if kind == "fxshard":
         details.insert(0, f"fxshard.shard {max(r['compile_s'] for r in ranks):.1f}s")
         placement = build(schedule_name, gpus, setup.microbatches, virtual).rank_of
@@ -1020,6 +1030,10 @@ def main():
                         help="each fxshard mode again with its gradients accumulated in bf16 (Config(reduce_dtype="
                              "torch.bfloat16)), as <mode>-gbf16: the peer's precision (--peer-precision bf16 accumulates "
                              "in its bf16 modules' .grad)")
+    parser.add_argument("--keep-graph-memsets", action="store_true",
+                        help="each graphed fxshard mode again with Config(cuda_graph_memsets='keep'), as "
+                             "<mode>-memsets-graphed: cuBLAS's and cuDNN's memsets left as memset nodes in the graph "
+                             "(the default since session 39 makes them kernel nodes)")
     parser.add_argument("--half-blocks", action="store_true",
                         help="the fxshard modes take each block's attention and MLP as layers (Config(layers)), so a "
                              "cut can fall inside a block; --stage-layers then counts half-blocks for them, and the "

@@ -24,6 +24,7 @@ P2P_RECEIVES = ("early", "late")  # fxshard.schedule.order.RECEIVES
 EP_INTERLEAVINGS = ("combined-1f1b", "dual-batch")
 EP_ALL_TO_ALLS = ("auto", "nccl", "copy-engine")
 FSDP_COLLECTIVES = ("auto", "nccl", "copy-engine")
+CUDA_GRAPH_MEMSETS = ("kernels", "keep")  # runtime/graph_memsets.py
 COPY_ENGINE_BARRIERS = ("kernel", "stream")  # runtime/copy_engine.py BARRIERS
 COPY_ENGINE_OWN_PARTS = ("auto", "copy", "input")  # runtime/copy_engine.py OWN_PARTS, and "auto"
 CODEGENS = ("auto", "inductor", None)
@@ -65,6 +66,11 @@ class Config:
         gradients before one reduction and one update (the loss is their mean).
     cuda_graphs: after two eager warm-up steps, capture the whole step into one CUDA graph and replay it
         (collectives included; with Mesh(pp>1) each stage's step, sends and receives included).
+    cuda_graph_memsets: "kernels" (default) replaces the small memsets that cuBLAS and cuDNN capture
+        into the graph with kernel nodes writing the same bytes (runtime/graph_memsets.py: on an H200
+        a memset node leaves the GPU idle ~7 us around it, a kernel node ~0.5 us; GPT 1b's pipeline
+        stage has 800 a step); "keep" leaves the captured graph as it is. The runtime lowerings line
+        (`step.lowerings()`) says how many were replaced once the graph is captured.
     fuse_grad_accumulation: with microbatches (pipelines included), add each weight gradient into its
         float32 total inside the weight-gradient matmul instead of in a memory pass of its own
         (passes/fuse_grad_accumulation.py, `fxshard::matmul_accumulate`: on CUDA one GEMM whose
@@ -209,6 +215,7 @@ class Config:
     reduce_dtype: torch.dtype | None = None
     microbatches: int = 1
     cuda_graphs: bool = False
+    cuda_graph_memsets: str = "kernels"
     seed: int = 0
     fsdp_prefetch: int = 1
     verbose: bool = False
@@ -329,6 +336,8 @@ class Config:
         if self.copy_engine_barriers not in COPY_ENGINE_BARRIERS:
             raise FxShardError(f"copy_engine_barriers={self.copy_engine_barriers!r}; choose one of "
                                f"{COPY_ENGINE_BARRIERS}")
+        if self.cuda_graph_memsets not in CUDA_GRAPH_MEMSETS:
+            raise FxShardError(f"cuda_graph_memsets={self.cuda_graph_memsets!r}; choose one of {CUDA_GRAPH_MEMSETS}")
         if self.copy_engine_own_part not in COPY_ENGINE_OWN_PARTS:
             raise FxShardError(f"copy_engine_own_part={self.copy_engine_own_part!r}; choose one of "
                                f"{COPY_ENGINE_OWN_PARTS}")

@@ -101,8 +101,59 @@ def test_cuda_graph_replay_is_bit_identical_to_eager():
     for batch in batches:
         assert eager(batch)["loss"].item() == graphed(batch)["loss"].item()
     assert graphed._replay.is_captured
+    assert graphed._replay.memsets.skipped is None, graphed._replay.memsets  # the rewrite ran (graph_memsets.py)
     for name, value in eager.parameters().items():
         assert torch.equal(value, graphed.parameters()[name]), name
+
+
+@pytest.mark.gpu
+def test_cuda_graph_memsets_become_kernels_that_write_the_same_bytes_in_the_same_order():
+    """runtime/graph_memsets.py on memsets of each element size made through the driver during capture,
+    between kernels that write and read the same words; an unaligned one and one over MAX_BYTES stay."""
+    import ctypes
+
+    from fxshard.runtime.graph_memsets import MAX_BYTES, finish_capture, new_graph
+
+    driver = ctypes.CDLL("libcuda.so.1")
+    memset = {bits: getattr(driver, f"cuMemsetD{bits}Async") for bits in (8, 16, 32)}
+    for bits, function in memset.items():
+        function.argtypes = [ctypes.c_uint64, {8: ctypes.c_ubyte, 16: ctypes.c_ushort, 32: ctypes.c_uint}[bits],
+                             ctypes.c_size_t, ctypes.c_void_p]
+        function.restype = ctypes.c_int
+    words = torch.empty(MAX_BYTES // 4 + 4096, dtype=torch.int32, device="cuda")
+    base, big = words.data_ptr(), (MAX_BYTES // 4 + 8, 2048)
+
+    def work():
+        stream = torch.cuda.current_stream().cuda_stream
+        words[:16].fill_(3)  # a kernel, then a memset over it: the memset's bytes last
+        assert memset[32](base, 0x12345678, 16, stream) == 0
+        assert memset[16](base + 64, 0xBEEF, 64, stream) == 0
+        assert memset[8](base + 192, 0x5A, 4000, stream) == 0
+        assert memset[8](base + 4 * 1100 + 1, 0x11, 7, stream) == 0  # not word-aligned: kept
+        assert memset[32](base + 4 * big[1], 7, big[0], stream) == 0  # over MAX_BYTES: kept
+        read = words[:1100].clone()  # a kernel after the memsets sees their bytes
+        words[16:20].add_(1)
+        return read
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        words.fill_(-1)
+        expected_read = work()
+        expected = words.clone()
+        words.fill_(-1)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = new_graph(True)
+    with torch.cuda.graph(graph, stream=stream):
+        read = work()
+    report = finish_capture(graph, True, torch.cuda.current_device())
+    assert (report.replaced, report.kept, report.skipped) == (3, 2, None), report
+    words.fill_(-1)
+    read.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(words, expected) and torch.equal(read, expected_read)
+    assert words[0].item() == 0x12345678 and words[16].item() == 0xBEEFBEEF - 2**32 + 1
 
 
 def _nccl_max_ctas(batches):

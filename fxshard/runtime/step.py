@@ -23,6 +23,7 @@ from ..graph import Graph, views_as_reshapes, lazy_module
 from .nonfinite import was_skipped
 from .carveout import carve_out_sms_for_all_to_alls
 from .copy_engine import CopyEngineLowering, Watch, lower_to_copy_engines, marker, resolve_auto, resolve_own_part
+from .graph_memsets import MemsetReport, finish_capture, new_graph
 from .gloo import gloo_group_names, lower_gloo_all_gathers
 from .reinplace import WRITE_BACK, accumulate_in_place, gather_updates_in_place, reinplace, write_back_positions
 from .replay_watch import ReplayWatch, abort_groups, expire_process_groups
@@ -62,7 +63,7 @@ class CompiledStep:
                  verbose: bool = False, coords: dict[str, int] | None = None, rank: int = 0,
                  mesh_description: str = "one device", expert_layouts: dict | None = None,
                  model_class: str = "", model_config=None, hf_config: dict | None = None, nonfinite: str = "ignore",
-                 evaluation=None, model=None):
+                 evaluation=None, model=None, cuda_graph_memsets: str = Config.cuda_graph_memsets):
         self.programs = programs
         # where this rank sits, for checkpoints (fxshard/checkpoint): its index along each mesh axis,
         # its global rank, and the expert layers' storage layouts (prefix -> (ExpertLayout, experts))
@@ -143,7 +144,7 @@ class CompiledStep:
             raise FxShardError(f"Config(cuda_graphs=True) needs a CUDA device; the batch is on {device}")
         if cuda_graphs:
             _check_capturable(self.program)
-        self._replay = CudaGraphReplay() if cuda_graphs else None
+        self._replay = CudaGraphReplay(memsets_to_kernels=cuda_graph_memsets == "kernels") if cuda_graphs else None
         # NCCL's watchdog does not see collectives replayed from a graph: this one does (replay_watch.py)
         self._replay_watch = None
         if cuda_graphs and self.groups and collective_timeout_s:
@@ -170,7 +171,8 @@ class CompiledStep:
                 f"gradient accumulations in place, {self.copy_engine.line()}"
                 + (f" ({self.auto_collectives})" if self.auto_collectives else "") + f", {self.sm_carveout_stretches} "
                 f"SM-carveout stretches, {self.gloo_all_gathers} gloo all-gathers through _allgather_base; "
-                f"{self.codegen.line() if self.codegen else 'codegen: off (aten replay)'}")
+                f"{self.codegen.line() if self.codegen else 'codegen: off (aten replay)'}"
+                + (f"; {self._replay.memsets.line()}" if self._replay is not None and self._replay.is_captured else ""))
 
     def runtime_code(self) -> str:
         """The readable code of the graph this step runs (the program after the runtime lowerings)."""
@@ -569,9 +571,11 @@ class CudaGraphReplay:
 
     WARMUP_STEPS = 2
 
-    def __init__(self, capture_error_mode: str = "global"):
+    def __init__(self, capture_error_mode: str = "global", memsets_to_kernels: bool = True):
         self.graph = None
         self.capture_error_mode = capture_error_mode
+        self.memsets_to_kernels = memsets_to_kernels  # Config(cuda_graph_memsets), runtime/graph_memsets.py
+        self.memsets: MemsetReport | None = None
 
     @property
     def is_captured(self) -> bool:
@@ -588,8 +592,8 @@ class CudaGraphReplay:
         self.step_number = next(a for s, a in zip(program.inputs, args) if s.kind is InputKind.STEP)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream), torch.cuda.graph(self.graph, stream=stream,
+        graph = new_graph(self.memsets_to_kernels)
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream,
                                                          capture_error_mode=self.capture_error_mode):
             results = step._run(*args)
             self.metrics = {}
@@ -602,6 +606,8 @@ class CudaGraphReplay:
                     self.metrics[spec.name] = value
         torch.cuda.current_stream().wait_stream(stream)
         del results
+        self.memsets = finish_capture(graph, self.memsets_to_kernels, step.device.index or 0)
+        self.graph = graph  # captured (is_captured) only once instantiated
 
     def replay(self, leaves, lr: float, step_number: float, skipped: torch.Tensor) -> dict[str, torch.Tensor]:
         for static, leaf in zip(self.batch, leaves):
@@ -627,10 +633,12 @@ class EvaluationReplay:
         self.batch = [arg for spec, arg in zip(program.inputs, args) if spec.kind is InputKind.BATCH]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        self.graph = torch.cuda.CUDAGraph()
+        rewrite = step._replay.memsets_to_kernels
+        self.graph = new_graph(rewrite)
         with torch.no_grad(), torch.cuda.stream(stream), torch.cuda.graph(self.graph, stream=stream):
             self.outputs = {spec.name: value for spec, value in zip(program.outputs, run(*args))}
         torch.cuda.current_stream().wait_stream(stream)
+        self.memsets = finish_capture(self.graph, rewrite, step.device.index or 0)
 
     def replay(self, leaves) -> dict[str, torch.Tensor]:
         for static, leaf in zip(self.batch, leaves):
