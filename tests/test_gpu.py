@@ -125,6 +125,7 @@ def test_cuda_graph_memsets_become_kernels_that_write_the_same_bytes_in_the_same
 
     def work():
         stream = torch.cuda.current_stream().cuda_stream
+        assert memset[32](base + 4 * 2000, 9, 4, stream) == 0  # the graph's first node: no dependencies
         words[:16].fill_(3)  # a kernel, then a memset over it: the memset's bytes last
         assert memset[32](base, 0x12345678, 16, stream) == 0
         assert memset[16](base + 64, 0xBEEF, 64, stream) == 0
@@ -147,13 +148,13 @@ def test_cuda_graph_memsets_become_kernels_that_write_the_same_bytes_in_the_same
     with torch.cuda.graph(graph, stream=stream):
         read = work()
     report = finish_capture(graph, True, torch.cuda.current_device())
-    assert (report.replaced, report.kept, report.skipped) == (3, 2, None), report
+    assert (report.replaced, report.kept, report.skipped) == (4, 2, None), report
     words.fill_(-1)
     read.zero_()
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(words, expected) and torch.equal(read, expected_read)
-    assert words[0].item() == 0x12345678 and words[16].item() == 0xBEEFBEEF - 2**32 + 1
+    assert words[0].item() == 0x12345678 and words[16].item() == 0xBEEFBEEF - 2**32 + 1 and words[2000].item() == 9
 
 
 def _nccl_max_ctas(batches):

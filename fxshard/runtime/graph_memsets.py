@@ -147,6 +147,8 @@ class _Driver:
         count = ctypes.c_size_t(0)
         extra = (None,) if self.edge_data and query is not self.get_nodes else ()
         self.check(query(handle, None, *extra, ctypes.byref(count)), what)
+        if count.value == 0:  # an array with no room is refused (CUDA_ERROR_INVALID_VALUE)
+            return []
         found = (ctypes.c_void_p * count.value)()
         self.check(query(handle, found, *extra, ctypes.byref(count)), what)
         return [found[i] for i in range(count.value)]
