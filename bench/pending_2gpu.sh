@@ -2,7 +2,7 @@
 # The 2-GPU measurements the open issues wait for, one part per device call (each fits the 10-minute
 # limit of a device command). On the device machine, from the repository root:
 #
-#     bash bench/pending_2gpu.sh fga|fga-suite|own-default|half-blocks|dualpipev-halves|own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
+#     bash bench/pending_2gpu.sh memsets|fga|fga-suite|own-default|half-blocks|dualpipev-halves|own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
 # (date, machine, command). In priority order (session 33: MoE at ep=2 hides 92-94% of the exposed
@@ -10,7 +10,11 @@
 # session 34 made the fused gradient accumulation the default, measured on one GPU only; session 38 ran
 # 1F1B / V=2 / DualPipeV graphed and the half-block cuts next to the compiled peer: 1.15x and 1.21x in two
 # jobs, not the fused-against-unfused rows, not the GPU tests below):
-#   fga       issue 14 first: 1F1B and interleaved V=2 graphed, the fused accumulation (now in place and
+#   memsets   session 39's open question first: the non-finite skip test with Inductor failed once with
+#             Config(cuda_graph_memsets="kernels") (1e-5 bound, two graphed steps, nondeterministic
+#             kernels); run it (now for both settings) 3 times, then the single-GPU suite, then
+#             DualPipeV graphed next to the compiled peer (not run with the memset rewrite yet)
+#   fga       issue 14: 1F1B and interleaved V=2 graphed, the fused accumulation (now in place and
 #             the default; since session 35 the first microbatch's product is one fp32 GEMM too) against
 #             -unfused, next to the compiled peer, then its GPU test (~7 min; one H200, fake process
 #             group: each stage's GPU work 2.6-4.3% less a step, then 0.5-1.4% more off)
@@ -48,6 +52,16 @@ out=${2:-${OUT:?set OUT or pass a directory}}
 mkdir -p "$out"
 day=$(date +%F)
 case "$part" in
+  memsets) for attempt in 1 2 3; do  # each run: both codegens x both Config(cuda_graph_memsets)
+             timeout 150 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "nonfinite_step_is_skipped_inside" \
+               -rf 2>&1 | grep "FAILED\|passed\|failed" | sed "s/^/run $attempt: /"
+           done
+           timeout 330 python -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/ 2>&1 \
+             | tee "$out/suite_1gpu.log" | tail -4
+           timeout 150 python bench/pipeline.py --gpus 2 --schedules dualpipev --replays graphed \
+             --keep-graph-memsets --peers pipelining-interleaved-compile --steps 8 \
+             --out "$out/pipeline_dualpipev_memsets_2gpu_$day.json" 2>&1 | grep -v "codegen: region\|Warning\|warn\|func(" \
+             | grep -A6 "^all modes" ;;
   moe) timeout 580 python bench/moe.py --dump-stacks-after 150 --gpus 2 --ep 2 --chunks 1 --all-to-all nccl copy-engine copy-engine-stream --microbatches 2 \
          --interleave dual-batch --warmup 3 --iters 8 --profile "$out/moe_profile" --keep-traces --out "$out/moe_2gpu_$day.json" \
          2>&1 | tee "$out/moe.log" | grep -v "codegen: region" | tail -40
