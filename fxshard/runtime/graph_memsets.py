@@ -16,8 +16,11 @@ word-aligned, a pitched 2-D one, larger than MAX_BYTES, where the copy engine's 
 better tool) stay as they are.
 
 Invariant: the rewritten graph writes the same bytes to the same addresses, ordered after and before
-the same nodes, so a replay computes bit for bit what the captured one would (tests/test_gpu.py:
-a graphed GEMM with memsets against eager, and every graphed-vs-eager test runs with the lowering).
+the same nodes, so a replay computes bit for bit what the captured one would. Checked on CPU for the
+pattern (tests/test_graph_memsets.py: the 32-bit stores write what the memset writes, for any element
+size, value, width and alignment) and on a GPU for the graph (tests/test_gpu.py: memset nodes made
+through the driver between kernels that write and read the same words, and every graphed-vs-eager
+test runs with the rewrite).
 
 It uses the CUDA driver API through ctypes (torch exposes the captured graph, `raw_cuda_graph()`,
 but not its nodes). Where that fails (an old torch without `keep_graph`, a driver without an entry
