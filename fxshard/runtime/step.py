@@ -227,6 +227,9 @@ class CompiledStep:
         if self._replay is not None and self.step_count >= CudaGraphReplay.WARMUP_STEPS:
             with self._capturing(f"the capture of the CUDA graph after step {self.step_count}"):
                 self._replay.capture(self)
+            if self._verbose:
+                print(f"fxshard: rank {self.rank}: the step's CUDA graph captured after step {self.step_count}; "
+                      f"{self._replay.memsets.line()}", file=sys.stderr, flush=True)
         return metrics
 
     def _capturing(self, what: str):
