@@ -564,6 +564,10 @@ def _is_the_same_tensor(value: torch.Tensor, target: torch.Tensor) -> bool:
                                and value.stride() == target.stride() and value.dtype == target.dtype)
 
 
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 class CudaGraphReplay:
     """Captures the whole step into one CUDA graph after a few eager warm-up steps, then replays it.
 
@@ -609,7 +613,7 @@ class CudaGraphReplay:
                     self.metrics[spec.name] = value
         torch.cuda.current_stream().wait_stream(stream)
         del results
-        self.memsets = finish_capture(graph, self.memsets_to_kernels, step.device.index or 0)
+        self.memsets = finish_capture(graph, self.memsets_to_kernels, _device_index(step.device))
         self.graph = graph  # captured (is_captured) only once instantiated
 
     def replay(self, leaves, lr: float, step_number: float, skipped: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -641,7 +645,7 @@ class EvaluationReplay:
         with torch.no_grad(), torch.cuda.stream(stream), torch.cuda.graph(self.graph, stream=stream):
             self.outputs = {spec.name: value for spec, value in zip(program.outputs, run(*args))}
         torch.cuda.current_stream().wait_stream(stream)
-        self.memsets = finish_capture(self.graph, rewrite, step.device.index or 0)
+        self.memsets = finish_capture(self.graph, rewrite, _device_index(step.device))
 
     def replay(self, leaves) -> dict[str, torch.Tensor]:
         for static, leaf in zip(self.batch, leaves):
