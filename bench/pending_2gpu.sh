@@ -2,7 +2,7 @@
 # The 2-GPU measurements the open issues wait for, one part per device call (each fits the 10-minute
 # limit of a device command). On the device machine, from the repository root:
 #
-#     bash bench/pending_2gpu.sh memsets|fga|fga-suite|own-default|half-blocks|dualpipev-halves|own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
+#     bash bench/pending_2gpu.sh memsets|cuts|fga|fga-suite|own-default|half-blocks|dualpipev-halves|own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
 # (date, machine, command). In priority order (session 33: MoE at ep=2 hides 92-94% of the exposed
@@ -12,8 +12,11 @@
 # jobs, not the fused-against-unfused rows, not the GPU tests below):
 #   memsets   session 39's open question first: the non-finite skip test with Inductor failed once with
 #             Config(cuda_graph_memsets="kernels") (1e-5 bound, two graphed steps, nondeterministic
-#             kernels); run it (now for both settings) 3 times, then the single-GPU suite, then
-#             DualPipeV graphed next to the compiled peer (not run with the memset rewrite yet)
+#             kernels); run it (now for both settings) 3 times, then the single-GPU suite (~9 min)
+#   cuts      then interleaved V=2 and DualPipeV graphed with the memset rewrite, whole blocks and the
+#             half-block cut 10,10,9,7, next to the compiled peer (~8 min; session 38 measured the half-block
+#             cut with the memsets kept: no gain for V=2; the one-GPU probe had DualPipeV's ranks 106.8 / 96.8
+#             ms busy there against the FLOP simulator's even split)
 #   fga       issue 14: 1F1B and interleaved V=2 graphed, the fused accumulation (now in place and
 #             the default; since session 35 the first microbatch's product is one fp32 GEMM too) against
 #             -unfused, next to the compiled peer, then its GPU test (~7 min; one H200, fake process
@@ -57,11 +60,16 @@ case "$part" in
                -rf 2>&1 | grep "FAILED\|passed\|failed" | sed "s/^/run $attempt: /"
            done
            timeout 330 python -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/ 2>&1 \
-             | tee "$out/suite_1gpu.log" | tail -4
-           timeout 150 python bench/pipeline.py --gpus 2 --schedules dualpipev --replays graphed \
-             --keep-graph-memsets --peers pipelining-interleaved-compile --steps 8 \
-             --out "$out/pipeline_dualpipev_memsets_2gpu_$day.json" 2>&1 | grep -v "codegen: region\|Warning\|warn\|func(" \
-             | grep -A6 "^all modes" ;;
+             | tee "$out/suite_1gpu.log" | tail -4 ;;
+  cuts) # with the memset rewrite, the whole-block FLOP cut and the half-block one (10,10,9,7: the FLOP
+        # simulator's best for both schedules, 2.0% bubble for DualPipeV), next to the compiled peer
+        for cut in blocks halves; do
+          extra=""; [ "$cut" = halves ] && extra="--half-blocks --stage-layers 10,10,9,7"
+          timeout 270 python bench/pipeline.py --gpus 2 --schedules interleaved-v2 dualpipev --replays graphed \
+            --peers pipelining-interleaved-compile --steps 8 $extra --out "$out/pipeline_cuts_${cut}_2gpu_$day.json" \
+            2>&1 | tee "$out/pipeline_cuts_$cut.log" | grep -v "codegen: region\|Warning\|warn\|func(" \
+            | grep -A5 "^all modes" || echo "cut $cut: status $?"
+        done ;;
   moe) timeout 580 python bench/moe.py --dump-stacks-after 150 --gpus 2 --ep 2 --chunks 1 --all-to-all nccl copy-engine copy-engine-stream --microbatches 2 \
          --interleave dual-batch --warmup 3 --iters 8 --profile "$out/moe_profile" --keep-traces --out "$out/moe_2gpu_$day.json" \
          2>&1 | tee "$out/moe.log" | grep -v "codegen: region" | tail -40
