@@ -20,7 +20,8 @@
 #   fga       issue 14: 1F1B and interleaved V=2 graphed, the fused accumulation (now in place and
 #             the default; since session 35 the first microbatch's product is one fp32 GEMM too) against
 #             -unfused, next to the compiled peer, then its GPU test (~7 min; one H200, fake process
-#             group: each stage's GPU work 2.6-4.3% less a step, then 0.5-1.4% more off)
+#             group: each stage's GPU work 2.6-4.3% less a step, then 0.5-1.4% more off; session 39 ran
+#             its GPU tests and the pipeline's graphed-vs-eager test on 2x H200: passed; the rows not yet)
 #   fga-suite the multigpu tests whose bf16 microbatch programs now use it: pipelines graphed against
 #             eager bit for bit, copy-engine collectives against NCCL (~8 min)
 #   half-blocks  then: the cut inside a block for 1F1B (19,17: the FLOP simulator predicts
