@@ -23,9 +23,12 @@ through the driver between kernels that write and read the same words, and every
 test runs with the rewrite).
 
 It uses the CUDA driver API through ctypes (torch exposes the captured graph, `raw_cuda_graph()`,
-but not its nodes). Where that fails (an old torch without `keep_graph`, a driver without an entry
-point, an edge with data the old queries cannot report), the graph stays as captured and the report
-says why; Config(cuda_graph_memsets="keep") skips it.
+but not its nodes). Each memset is replaced whole or not at all. Where the driver refuses (an old
+torch without `keep_graph`, a driver without an entry point, an edge with data the queries cannot
+report, a graph with allocation nodes, whose nodes cannot be destroyed), the memsets not yet
+replaced stay as captured and the report says why. The rewiring and that rollback are checked on
+CPU against a driver held in Python (tests/test_graph_memsets.py). Config(cuda_graph_memsets="keep")
+skips the rewrite.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import torch
 
 MAX_BYTES = 1 << 20  # larger memsets stay memset nodes
 _MEMSET_NODE = 2  # CU_GRAPH_NODE_TYPE_MEMSET
+_ALLOCATION_NODES = {10, 11}  # CU_GRAPH_NODE_TYPE_MEM_ALLOC, _MEM_FREE
 
 # fill32(dst, value, words): dst[i] = value for i < words, a grid-stride loop
 _FILL32_PTX = b"""
@@ -98,6 +102,9 @@ class MemsetReport:
     skipped: str | None = None  # why it left the whole graph as captured
 
     def line(self) -> str:
+        if self.skipped and self.replaced:
+            return (f"CUDA graph memsets: {self.replaced} replaced by kernel nodes, then the rest left as captured "
+                    f"({self.skipped})")
         if self.skipped:
             return f"CUDA graph memsets: left as captured ({self.skipped})"
         return (f"CUDA graph memsets: {self.replaced} replaced by kernel nodes"
@@ -208,20 +215,28 @@ def fill_pattern(params) -> tuple[int, int] | None:
 def memsets_to_kernels(graph, device: int) -> MemsetReport:
     """Replace the small memset nodes of the captured, not yet instantiated CUDA graph `graph`
     (`torch.cuda.CUDAGraph(keep_graph=True)` after capture) with fill kernel nodes; see the module
-    docstring. Instantiate the graph afterwards."""
+    docstring. Instantiate the graph afterwards.
+
+    Each node is replaced whole or not at all: where a driver call fails after the kernel node was
+    added, that node is removed again, so the memset stays with its edges. The graph is then valid:
+    the memsets replaced before the failure write what they wrote, the rest are as captured, and the
+    report says how many of each and why it stopped."""
+    replaced = kept = 0
     try:
         driver = _driver()
         raw = graph.raw_cuda_graph()
-        memsets = []
+        memsets, kinds = [], set()
         for node in driver.nodes(raw):
             kind = ctypes.c_int(-1)
             driver.check(driver.node_type(node, ctypes.byref(kind)), "cuGraphNodeGetType")
+            kinds.add(kind.value)
             if kind.value == _MEMSET_NODE:
                 memsets.append(node)
+        if kinds & _ALLOCATION_NODES:  # cuGraphDestroyNode refuses every node of such a graph
+            return MemsetReport(kept=len(memsets), skipped="the graph allocates memory (cudaMallocAsync allocator)")
         if not memsets:
             return MemsetReport()
         function = _fill32(device)
-        replaced = kept = 0
         for node in memsets:
             params = _MemsetParams()
             driver.check(driver.memset_params(node, ctypes.byref(params)), "cuGraphMemsetNodeGetParams")
@@ -229,25 +244,33 @@ def memsets_to_kernels(graph, device: int) -> MemsetReport:
             if pattern is None:
                 kept += 1
                 continue
-            word, words = pattern
-            before, after = driver.edges_of(node)
-            arguments = [ctypes.c_uint64(params.dst), ctypes.c_uint32(word), ctypes.c_uint64(words)]
-            pointers = (ctypes.c_void_p * 3)(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in arguments])
-            block = 32 if words <= 32 else 256
-            launch = _KernelParams(func=function, gridDimX=min((words + block - 1) // block, 1024), gridDimY=1,
-                                   gridDimZ=1, blockDimX=block, blockDimY=1, blockDimZ=1, sharedMemBytes=0,
-                                   kernelParams=pointers, extra=None, kern=None, ctx=None)
-            kernel = ctypes.c_void_p()
-            dependencies = (ctypes.c_void_p * max(len(before), 1))(*before)
-            driver.check(driver.add_kernel(ctypes.byref(kernel), raw, dependencies if before else None, len(before),
-                                           ctypes.byref(launch)), "cuGraphAddKernelNode")
-            driver.connect(raw, kernel.value, after)
-            driver.check(driver.destroy(node), "cuGraphDestroyNode")
+            _replace(driver, raw, node, function, params.dst, *pattern)
             replaced += 1
         return MemsetReport(replaced, kept)
-    except (OSError, AttributeError, _DriverError) as error:
-        # a node rewritten before the failure computes the same bytes; the graph stays valid
-        return MemsetReport(skipped=f"{type(error).__name__}: {error}")
+    except Exception as error:  # noqa: BLE001 - the graph stays valid (see above) and the report says why
+        return MemsetReport(replaced, kept, skipped=f"{type(error).__name__}: {error}")
+
+
+def _replace(driver: _Driver, raw, node, function: int, dst: int, word: int, words: int) -> None:
+    """Memset node `node` of graph `raw` replaced by a fill kernel node with its edges; on a failure
+    after the kernel node was added, that node is removed again and the error raised."""
+    before, after = driver.edges_of(node)
+    arguments = [ctypes.c_uint64(dst), ctypes.c_uint32(word), ctypes.c_uint64(words)]
+    pointers = (ctypes.c_void_p * 3)(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in arguments])
+    block = 32 if words <= 32 else 256
+    launch = _KernelParams(func=function, gridDimX=min((words + block - 1) // block, 1024), gridDimY=1, gridDimZ=1,
+                           blockDimX=block, blockDimY=1, blockDimZ=1, sharedMemBytes=0, kernelParams=pointers,
+                           extra=None, kern=None, ctx=None)  # the driver copies the arguments
+    kernel = ctypes.c_void_p()
+    dependencies = (ctypes.c_void_p * max(len(before), 1))(*before)
+    driver.check(driver.add_kernel(ctypes.byref(kernel), raw, dependencies if before else None, len(before),
+                                   ctypes.byref(launch)), "cuGraphAddKernelNode")
+    try:
+        driver.connect(raw, kernel.value, after)
+        driver.check(driver.destroy(node), "cuGraphDestroyNode")
+    except Exception:
+        driver.destroy(kernel.value)  # its edges go with it: the memset is as captured
+        raise
 
 
 def new_graph(rewrite: bool) -> torch.cuda.CUDAGraph:
