@@ -75,6 +75,9 @@ class FakeDriver:
             dst, size, width, height, pitch, 0
         return 0
 
+    def device_of(self, address):
+        return 1 if address == 0x5000 else 0  # memory of another device: kept
+
     def edges_of(self, node):
         return (sorted(a for a, b in self.edges if b == node), sorted(b for a, b in self.edges if a == node))
 
@@ -134,8 +137,9 @@ def test_memset_nodes_are_replaced_with_their_edges_or_left_whole(data, count):
     edges = {(a, b) for b in range(1, count + 1) for a in range(1, b) if data.draw(st.booleans())}
     memsets = {n: (0x1000 * n, 4, data.draw(st.sampled_from([1, 3])), 1, 4) for n in range(1, count + 1)
                if data.draw(st.booleans())}  # width 3 of 4-byte elements: 12 bytes; width 1: 4 (both replaced)
-    kept = {n for n in memsets if data.draw(st.booleans())}
-    memsets = {n: (dst + (1 if n in kept else 0), *rest) for n, (dst, *rest) in memsets.items()}  # unaligned: kept
+    kept = {n for n in memsets if data.draw(st.booleans())} | ({5} & set(memsets))  # node 5: another device's
+    memsets = {n: (dst + (1 if n in kept and n != 5 else 0), *rest)  # unaligned: kept
+               for n, (dst, *rest) in memsets.items()}
     fail = data.draw(st.sampled_from([None, "connect", "destroy"]))
     replaceable = len(memsets) - len(kept)
     at = data.draw(st.integers(1, max(replaceable, 1)))

@@ -13,7 +13,7 @@ memset node of the captured graph with a kernel node that writes the same 32-bit
 words (a grid-stride loop, PTX below, loaded through the driver), wired to the same dependencies
 and dependents; the memset node is then removed. Memsets it cannot express as 32-bit stores (not
 word-aligned, a pitched 2-D one, larger than MAX_BYTES, where the copy engine's memset may be the
-better tool) stay as they are.
+better tool) or whose memory is not this device's stay as they are.
 
 Invariant: the rewritten graph writes the same bytes to the same addresses, ordered after and before
 the same nodes, so a replay computes bit for bit what the captured one would. Checked on CPU for the
@@ -108,7 +108,8 @@ class MemsetReport:
         if self.skipped:
             return f"CUDA graph memsets: left as captured ({self.skipped})"
         return (f"CUDA graph memsets: {self.replaced} replaced by kernel nodes"
-                + (f", {self.kept} kept (not 32-bit expressible or over {MAX_BYTES} bytes)" if self.kept else ""))
+                + (f", {self.kept} kept (not 32-bit expressible, over {MAX_BYTES} bytes or another device's)"
+                   if self.kept else ""))
 
 
 class _DriverError(RuntimeError):
@@ -137,6 +138,7 @@ class _Driver:
         self.destroy = entry("cuGraphDestroyNode", vp)
         self.load = entry("cuModuleLoadData", ctypes.POINTER(vp), ctypes.c_char_p)
         self.function = entry("cuModuleGetFunction", ctypes.POINTER(vp), vp, ctypes.c_char_p)
+        self.pointer_attribute = entry("cuPointerGetAttribute", vp, ctypes.c_int, ctypes.c_uint64)
         self.edge_data = hasattr(lib, "cuGraphNodeGetDependencies_v2")
         if self.edge_data:  # the extra argument: the edges' data, NULL
             self.dependencies = entry("cuGraphNodeGetDependencies_v2", vp, nodes, vp, count)
@@ -162,6 +164,12 @@ class _Driver:
         found = (ctypes.c_void_p * count.value)()
         self.check(query(handle, found, *extra, ctypes.byref(count)), what)
         return [found[i] for i in range(count.value)]
+
+    def device_of(self, address: int) -> int | None:
+        """The ordinal of the device whose memory `address` is, or None where the driver cannot say."""
+        ordinal = ctypes.c_int(-1)
+        status = self.pointer_attribute(ctypes.byref(ordinal), 9, address)  # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+        return ordinal.value if status == 0 else None
 
     def nodes(self, graph) -> list[int]:
         return self._listed(self.get_nodes, graph, "cuGraphGetNodes")
@@ -241,7 +249,7 @@ def memsets_to_kernels(graph, device: int) -> MemsetReport:
             params = _MemsetParams()
             driver.check(driver.memset_params(node, ctypes.byref(params)), "cuGraphMemsetNodeGetParams")
             pattern = fill_pattern(params)
-            if pattern is None:
+            if pattern is None or driver.device_of(params.dst) != device:  # a fill runs on this device
                 kept += 1
                 continue
             _replace(driver, raw, node, function, params.dst, *pattern)
