@@ -98,8 +98,8 @@ class _KernelParams(ctypes.Structure):  # CUDA_KERNEL_NODE_PARAMS_v2
 class MemsetReport:
     """What `memsets_to_kernels` did to one graph."""
     replaced: int = 0
-    kept: int = 0  # memsets it cannot express as 32-bit stores
-    skipped: str | None = None  # why it left the whole graph as captured
+    kept: int = 0  # memsets left as they are: not 32-bit expressible, too large, or another device's memory
+    skipped: str | None = None  # why it stopped: the memsets not replaced by then are as captured
 
     def line(self) -> str:
         if self.skipped and self.replaced:
