@@ -371,6 +371,24 @@ def test_the_lowered_program_issues_receives_early_and_waits_where_the_value_is_
     assert sum(late_gaps) < sum(early_gaps)  # fewer nodes issued while a receive is posted
 
 
+def test_a_chunks_parameter_casts_run_ahead_of_the_wait_for_its_first_input():
+    """The once-a-step casts to param_dtype read nothing received: they come before the wait of the
+    chunk's first forward, so they run while its input is in transit, not after it arrives."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=24, d_model=16, n_layer=4, n_head=2, d_ff=24))
+    program = fxshard.trace(model, model_loss, token_microbatches(24, 1)[0],
+                            config=fxshard.Config(param_dtype=torch.bfloat16))
+    schedule = schedules.interleaved_one_f_one_b(2, 4, 2)
+    for receives in ("early", "late"):
+        nodes = list(lower_schedule(split_stages(program, 4), schedule, 1, receives=receives).graph.nodes)
+        for chunk in (1, 3):
+            first = [n for n in nodes if n.meta.get(meta.ACTION) == f"F{chunk}:0"]
+            casts = [n for n in first if n.target is torch.ops.aten._to_copy.default
+                     and n.args[0].op == "placeholder"]
+            wait = next(n for n in first if n.target is torch.ops._c10d_functional.wait_tensor.default)
+            assert casts and all(nodes.index(cast) < nodes.index(wait) for cast in casts), (receives, chunk)
+
+
 @given(strategy=st.sampled_from(["no_shard", "optim", "optim_grads_params"]),
        kind=st.sampled_from(["1f1b", "zb-h1", "gpipe"]), overlap=st.booleans())
 def test_expert_parallel_inside_the_pipeline_trains_like_one_device(strategy, kind, overlap):
