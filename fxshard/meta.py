@@ -8,6 +8,7 @@ PARAM = "fxshard_param"   # parameter name on parameter inputs, their gradients 
 MICROBATCH = "fxshard_microbatch"  # which microbatch's forward/backward a node belongs to (0-based)
 ACTION = "fxshard_action"  # in a pipeline stage's program: the schedule action that made the node ("F0:3")
 ACTION_INDEX = "fxshard_action_index"  # ... and its position in the stage's actions (StagePlan.actions)
+LOSS_TANGENT = "fxshard_loss_tangent"  # True on the constant the backward starts from (d loss / d loss)
 # On the optimizer phase's non-finite flags (Config(nonfinite)): the tensor each flag is about.
 NONFINITE_TENSORS = "fxshard_nonfinite_tensors"
 

@@ -308,7 +308,7 @@ class _ProgramBuilder:
                 ones = self.graph.call_function(torch.ops.aten.full.default, ([], 1.0 / self.microbatches),
                                                 {"dtype": value.dtype, "device": value.device})
                 ones.meta.update({"val": value, meta.PHASE: meta.BWD, meta.LAYER: meta.POST,
-                                  meta.MICROBATCH: microbatch})
+                                  meta.MICROBATCH: microbatch, meta.LOSS_TANGENT: True})
                 env[node] = ones
             return env[node]
 

@@ -358,6 +358,10 @@ def test_the_lowered_program_issues_receives_early_and_waits_where_the_value_is_
         assert wait.target is torch.ops._c10d_functional.wait_tensor.default
     assert {meta.microbatch(n) for n in nodes if meta.phase(n) == meta.BWD} == {0, 1, 2, 3}
     assert last.stage.stage == 1 and {u.norm_axes for u in last.updates} == {("pp",)}
+    # the backward starts from d(mean loss)/d(microbatch loss) = 1/4: no pass divides the gradients after
+    (tangent,) = [n for n in nodes if n.meta.get(meta.LOSS_TANGENT)]
+    assert tangent.args[1] == 1 / 4 and not any(n.target is torch.ops.aten.mul.Tensor and n.args[1] == 1 / 4
+                                                 and meta.phase(n) == meta.BWD for n in nodes)
     # Config(p2p_receives="late"): only microbatch 0's before the first forward, each receive issued
     # right before the compute that reads it
     late = list(lower_schedule(split_stages(program, 2), schedule, 1, receives="late").graph.nodes)
