@@ -88,7 +88,10 @@ way: its kernel names lined up with the eager profile's (difflib) give each kern
 (`graphed_action_times`; where they do not line up, the eager profile's costs; JSON
 `action_costs_from`). An eager step's profile carries host overhead, and on 2x H100 (2026-11-28) its
 kernels alone were 8% busier than the graphed step's on one rank. The JSON also has it with
-free transfers (`bubble_simulated_measured_free`). The gap between this and the measured bubble is
+free transfers (`bubble_simulated_measured_free`), and with every compute action timed by its own
+kernels rather than its chunk's mean (`bubble_simulated_actions`, printed beside the targets as a
+diagnostic: what the schedule's model predicts once costs that vary over the microbatches are
+known). The gap between this and the measured bubble is
 what the model leaves out: NCCL sharing the SMs, host stalls, kernel gaps inside an action.
 A graphed mode also gets a diagnostic that counts those gaps as work on both sides: the simulator
 fed each chunk's shortest action span (first kernel's start to last kernel's end, over microbatches
@@ -875,7 +878,8 @@ def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model
                                                         splits[kind][virtual]))
     row["schedule"] = (schedule_name, virtual)
     row["issued"] = [r["actions"] for r in ranks] if kind == "fxshard" else None  # each rank's program order
-    time_by_measured_costs(row, measured_costs(ranks) if kind == "fxshard" else None, gpus, setup.microbatches)
+    time_by_measured_costs(row, measured_costs(ranks) if kind == "fxshard" else None, gpus, setup.microbatches,
+                           [r["action_ms"] for r in ranks] if kind == "fxshard" else None)
     row["action_costs_from"] = "eager profile" if row["action_costs_ms"] else None
     row["job_s"] = time.perf_counter() - started
     details = [f"warm-up {max(r['warmup_s'] for r in ranks):.1f}s",
@@ -934,16 +938,17 @@ def time_graphed_actions(row: dict, ranks: list[dict], eager_ranks: list[dict] |
     the graph's kernels up with the eager step's (`graphed_action_times`); where they do not line up on
     every rank, the eager profile's costs (the same kernels, timed in another step). The row says which
     (`action_costs_from`)."""
-    costs, source, per_action = None, None, None
+    costs, source, per_action, action_ms = None, None, None, None
     if eager_ranks and all(r.get("kernels_in_order") for r in ranks + eager_ranks):
         per_action = [graphed_kernels_by_action(e["kernels_in_order"], g["kernels_in_order"])
                       for e, g in zip(eager_ranks, ranks)]
         if all(p is not None for p in per_action):
-            costs = measured_costs([{**g, "action_ms": graphed_action_times(p)} for g, p in zip(ranks, per_action)])
+            action_ms = [graphed_action_times(p) for p in per_action]
+            costs = measured_costs([{**g, "action_ms": ms} for g, ms in zip(ranks, action_ms)])
             source = "graphed trace"
     if costs is None and eager_row and eager_row["action_costs_ms"]:
         costs, source = eager_row["action_costs_ms"], "eager profile"
-    time_by_measured_costs(row, costs, gpus, microbatches)
+    time_by_measured_costs(row, costs, gpus, microbatches, action_ms)
     row["action_costs_from"] = source
     # A diagnostic beside the target: the gaps between kernels as work of the actions (span costs),
     # against the measured waits, which leave those gaps out of the bubble too.
@@ -953,16 +958,23 @@ def time_graphed_actions(row: dict, ranks: list[dict], eager_ranks: list[dict] |
         row["bubble_simulated_spans"] = simulated_as_issued(row, row["action_span_costs_ms"], gpus, microbatches)
 
 
-def time_by_measured_costs(row: dict, costs: dict | None, gpus: int, microbatches: int) -> None:
+def time_by_measured_costs(row: dict, costs: dict | None, gpus: int, microbatches: int,
+                           action_ms: list[dict] | None = None) -> None:
     """`row`'s action costs and the bubble the simulator gives its schedule under them (None without):
     `bubble_simulated_measured` with the transfers timed as the ranks issued them
-    (`simulated_as_issued`), `bubble_simulated_measured_free` with free transfers."""
+    (`simulated_as_issued`), `bubble_simulated_measured_free` with free transfers. With `action_ms`
+    (each rank's time per action), `bubble_simulated_actions`: every compute action timed by its own
+    kernels instead of its chunk's mean over microbatches (a diagnostic: a first microbatch's casts,
+    a last one's gradient flattening, the clock drifting over the step, where they fall)."""
     row["action_costs_ms"] = costs
-    row["bubble_simulated_measured"] = row["bubble_simulated_measured_free"] = None
+    row["bubble_simulated_measured"] = row["bubble_simulated_measured_free"] = row["bubble_simulated_actions"] = None
     if costs:
         schedule = build(row["schedule"][0], gpus, microbatches, row["schedule"][1])
         row["bubble_simulated_measured_free"] = simulate(schedule, {**costs, "P2P": 0.0}).bubble_fraction
         row["bubble_simulated_measured"] = simulated_as_issued(row, costs, gpus, microbatches)
+        if action_ms and all(action_ms):
+            own = {action: ms for rank in action_ms for action, ms in rank.items() if action != "other"}
+            row["bubble_simulated_actions"] = simulated_as_issued(row, {**costs, **own}, gpus, microbatches)
 
 
 def simulated_as_issued(row: dict, costs: dict, gpus: int, microbatches: int) -> float:
@@ -1002,6 +1014,10 @@ def print_targets(rows: list[dict]) -> None:
         if row.get("bubble_measured_waits") is not None and row.get("bubble_simulated_measured") is not None:
             gap = (row["bubble_measured_waits"] - row["bubble_simulated_measured"]) * 100
             parts.append(f"waits alone vs simulated with measured costs {gap:+.1f} pp (diagnostic, not the target)")
+        if row["bubble_measured"] is not None and row.get("bubble_simulated_actions") is not None:
+            gap = (row["bubble_measured"] - row["bubble_simulated_actions"]) * 100
+            parts.append(f"bubble vs simulated with each action's own measured time "
+                         f"({row['bubble_simulated_actions']:.1%}) {gap:+.1f} pp (diagnostic, not the target)")
         if row.get("bubble_measured_waits") is not None and row.get("bubble_simulated_spans") is not None:
             gap = (row["bubble_measured_waits"] - row["bubble_simulated_spans"]) * 100
             parts.append(f"waits alone vs simulated with action spans ({row['bubble_simulated_spans']:.1%}: gaps between "

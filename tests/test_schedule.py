@@ -89,6 +89,23 @@ def test_per_chunk_costs_override_the_per_kind_cost():
     assert slow_last.bubble[0] > slow_last.bubble[1]  # the fast stage waits on the slow one
 
 
+@given(stages=st.integers(1, 4), microbatches=st.integers(1, 6), extra=st.floats(0.0, 5.0))
+def test_an_actions_own_cost_overrides_its_chunks(stages, microbatches, extra):
+    """`cost["B0:m"]` times that one action: the last microbatch's backward on rank 0 ends 1F1B's
+    step, so making it `extra` longer makes the step exactly that much longer, and nothing else moves
+    (but the optimizer phase after it)."""
+    from fxshard.schedule import Action, one_f_one_b, simulate
+
+    schedule = one_f_one_b(stages, microbatches)
+    last = f"B0:{microbatches - 1}"
+    base = simulate(schedule, {"F": 1.0, "B": 2.0})
+    slow = simulate(schedule, {"F": 1.0, "B": 2.0, last: 2.0 + extra})
+    assert slow.makespan == pytest.approx(base.makespan + extra)
+    index = schedule.ranks[0].index(Action.parse(last))
+    moved = {node for node in base.start if slow.start[node] != base.start[node]}
+    assert all(schedule.ranks[r][i].kind == "OPT" for r, i in moved) and slow.end[0, index] > base.end[0, index] - 1e-9
+
+
 @given(stages=st.integers(1, 6), microbatches=st.integers(1, 12))
 def test_zero_bubble_h1_is_valid_and_fills_1f1b_bubbles_with_weight_gradients(stages, microbatches):
     from fxshard.schedule import one_f_one_b, simulate, zero_bubble_h1

@@ -34,7 +34,8 @@ def unit_costs(schedule: Schedule) -> dict[str, float]:
 
 def simulate(schedule: Schedule, cost: dict[str, float] | None = None, order=None, pairs=()) -> Simulation:
     """Check `schedule` and time it. `cost[kind]` is the time of one action of a stage (split over
-    its V chunks); `cost[f"{kind}{chunk}"]`, where given, is one chunk's own time (measured costs).
+    its V chunks); `cost[f"{kind}{chunk}"]`, where given, is one chunk's own time (measured costs), and
+    `cost[str(action)]` ("B0:7"), where given, that one action's.
 
     Point-to-point, without `order`: free, sends never block, and a receive waits for its send
     where the schedule has it. With `order` (each rank's actions in the order its program issues
@@ -186,6 +187,8 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None, order=Non
             duration = cost.get("P2P", 0.0)
         elif action.kind not in COMPUTE + ("U", "G"):
             duration = 0.0
+        elif str(action) in cost:  # one action's own time ("F0:3": measured, microbatch by microbatch)
+            duration = cost[str(action)]
         elif own in cost:
             duration = cost[own]
         else:
