@@ -17,7 +17,11 @@ A unit on an axis of one rank (expert units when N = K) is its own shard: it get
 
 Overlap is graph order: a unit's all-gather is issued `prefetch` units ahead of its first use and
 waited on just before it; a unit's reduce-scatter is issued as soon as its last gradient exists and
-waited on only when the optimizer phase starts. Under a sharded optimizer without clipping or
+waited on only when the optimizer phase starts. In a pipeline stage, a unit on an axis of one rank
+has nothing to reduce: its gradient is laid out flat where the optimizer phase starts, not in its
+chunk's last backward, which would send its input gradient on only after the flattening (GPT 1b,
+2x H200: ~0.5 ms a chunk on the cooldown's critical path). Elsewhere it stays next to its last
+accumulation, whose add codegen fuses into the flat buffer's write. Under a sharded optimizer without clipping or
 pipeline, the units (not experts) whose last gradient the backward makes once its last layer has
 begun (that layer and "pre") are reduced by the optimizer phase instead, issued before any update and
 waited after the other units' updates, which run under them (`deferred_units`;
@@ -528,9 +532,17 @@ class _Rewrite:
         metric_values = {value for spec, value in zip(self.program.outputs, old_values) if spec.kind is OutputKind.METRIC}
         issued_gathers, reductions, self.metric_sums = {}, {}, {}
         loss_reduce = None
+        local = []  # a pipeline stage's units with nothing to reduce: flattened where the optimizer phase starts
+
+        def reduce(unit):
+            if unit.world == 1 and unit.name not in self.deferred and self.program.stage is not None:
+                local.append(unit)
+            else:
+                reductions[unit.name] = self.reduce(unit)
+
         for node in walk:
             for unit in reduce_before.get(node, []):
-                reductions[unit.name] = self.reduce(unit)
+                reduce(unit)
             for unit, region, phase in issue_before.get(node, []):
                 issued_gathers[unit.name, region] = self.issue_all_gather(unit, phase, region=region)
                 if self.windows:
@@ -551,9 +563,12 @@ class _Rewrite:
                     reductions[unit.name] = self.flatten_gradient(
                         unit, [self.env[self.grad_nodes[m.name]] for m in unit.members])
                 else:
-                    reductions[unit.name] = self.reduce(unit)
+                    reduce(unit)
         for unit in reduce_before.get(None, []):  # a G after every node of the walk
-            reductions[unit.name] = self.reduce(unit)
+            reduce(unit)
+        for unit in local:
+            grads = [self.env[self.grad_nodes[m.name]] for m in unit.members]
+            reductions[unit.name] = self.flatten_gradient(unit, grads)
         return self.finish(old_values, loss_reduce, reductions)
 
     def sum_metric(self, value: fx.Node, phase: str) -> fx.Node:

@@ -572,3 +572,20 @@ def test_each_actions_nodes_stay_together_where_a_gradient_is_made_once_a_step()
                         fxshard.Config(microbatches=3, schedule="1f1b"), (1,))
     indices = [meta.action_index(n) for n in programs[-1].graph.nodes if meta.action_index(n) is not None]
     assert indices == sorted(indices) and len(set(indices)) > 3
+
+
+def test_a_stages_flat_gradients_are_laid_out_after_its_last_send():
+    """With nothing to reduce (dp = 1), the fsdp pass lays a unit's gradient out flat where the
+    optimizer phase starts: a chunk's last backward sends its input gradient on without waiting for
+    its layers' flattening (each a memory pass over the layer's gradients)."""
+    from fxshard.api import _compile
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=24, d_model=16, n_layer=4, n_head=2, d_ff=24))
+    batch = {"idx": torch.randint(0, 24, (4, 8)), "tgt": torch.randint(0, 24, (4, 8))}
+    config = fxshard.Config(microbatches=4, schedule="interleaved-1f1b", virtual_stages=2)
+    programs = _compile(model, model_loss, batch, fxshard.optim.AdamW(lr=1e-3), fxshard.Mesh(pp=2), config, (0,))
+    nodes = list(programs[-1].graph.nodes)
+    flats = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.cat.default and meta.MICROBATCH not in n.meta]
+    sends = [i for i, n in enumerate(nodes) if n.target is torch.ops.fxshard.send.default]
+    assert len(flats) >= 2 and sends and min(flats) > max(sends)
