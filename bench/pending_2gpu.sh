@@ -10,9 +10,8 @@
 # session 34 made the fused gradient accumulation the default, measured on one GPU only; session 38 ran
 # 1F1B / V=2 / DualPipeV graphed and the half-block cuts next to the compiled peer: 1.15x and 1.21x in two
 # jobs, not the fused-against-unfused rows, not the GPU tests below):
-#   memsets   session 39's open question first: the non-finite skip test with Inductor failed once with
-#             Config(cuda_graph_memsets="kernels") (1e-5 bound, two graphed steps, nondeterministic
-#             kernels); run it (now for both settings) 3 times, then the single-GPU suite (~9 min)
+#   memsets   the single-GPU suite with the memset rewrite (session 40 ran the non-finite skip test,
+#             which had failed once in session 39, twice with both settings: passed), ~9 min
 #   cuts      then interleaved V=2 and DualPipeV graphed with the memset rewrite, whole blocks and the
 #             half-block cut 10,10,9,7, next to the compiled peer (~8 min; session 38 measured the half-block
 #             cut with the memsets kept: no gain for V=2; the one-GPU probe had DualPipeV's ranks 106.8 / 96.8
