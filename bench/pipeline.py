@@ -93,6 +93,8 @@ kernels rather than its chunk's mean (`bubble_simulated_actions`, printed beside
 diagnostic: what the schedule's model predicts once costs that vary over the microbatches are
 known). The gap between this and the measured bubble is
 what the model leaves out: NCCL sharing the SMs, host stalls, kernel gaps inside an action.
+A graphed mode's JSON also has `drift` (`action_drift`, printed after the targets): per rank, each
+action's measured start and end against the simulator's, and where the measured step falls behind.
 A graphed mode also gets a diagnostic that counts those gaps as work on both sides: the simulator
 fed each chunk's shortest action span (first kernel's start to last kernel's end, over microbatches
 and ranks: `graphed_action_spans`, JSON `bubble_simulated_spans`), against the measured waits (idle
@@ -544,6 +546,7 @@ def gpu_bubble(events: list[dict], graphed: bool = False) -> dict:
     busy = union_length(busy_intervals)
     gaps = idle_gaps(busy_intervals, first, last)
     short = sum(gap for gap in gaps if gap < WAIT_US)
+    result.update(window_start_us=first)
     result.update(bubble=1 - busy / window if window > 0 else None, busy_ms=busy / 1e3, window_ms=window / 1e3,
                   bubble_waits=(window - busy - short) / window if window > 0 else None, short_gaps_ms=short / 1e3)
     return result
@@ -953,9 +956,57 @@ def time_graphed_actions(row: dict, ranks: list[dict], eager_ranks: list[dict] |
     # A diagnostic beside the target: the gaps between kernels as work of the actions (span costs),
     # against the measured waits, which leave those gaps out of the bubble too.
     row["action_span_costs_ms"] = row["bubble_simulated_spans"] = None
+    row["drift"] = None
     if source == "graphed trace":
         row["action_span_costs_ms"] = span_costs([graphed_action_spans(p) for p in per_action], costs)
         row["bubble_simulated_spans"] = simulated_as_issued(row, row["action_span_costs_ms"], gpus, microbatches)
+        if all(r.get("window_start_us") is not None for r in ranks):
+            spans = [{owner: ((min(s for s, _ in iv) - r["window_start_us"]) / 1e3,
+                              (max(e for _, e in iv) - r["window_start_us"]) / 1e3)
+                      for owner, iv in p.items() if owner != "other"} for r, p in zip(ranks, per_action)]
+            row["drift"] = action_drift(row, spans, costs, gpus, microbatches)
+
+
+def action_drift(row: dict, spans: list[dict], costs: dict, gpus: int, microbatches: int, top: int = 4) -> list[dict]:
+    """Where a graphed step falls behind the simulator's timing of it. Per rank, each compute action's
+    measured (start, end) in ms from the rank's window start (`spans`; each rank's own clock) against
+    the simulated ones under `costs` and the ranks' issue order, as `timeline` rows [action, start,
+    end, simulated start, simulated end]; and the `top` places where the lag (measured - simulated
+    start) grows most: an action that ran longer than its cost ("longer"), or one that started later
+    after the action before it than the simulation has it ("later": a wait the model does not have,
+    or work outside any action, e.g. the step's start). A span runs from the action's first kernel to
+    its last: a chunk's first forward, whose casts run before the wait for its input, counts that
+    wait as "longer" (and starts "later" by less, or earlier). Session 40 found the casts after a
+    receive's wait, and the gradients' flattening in a chunk's last backward, this way."""
+    schedule = build(row["schedule"][0], gpus, microbatches, row["schedule"][1])
+    order = [tuple(Action.parse(token) for token in actions) for actions in row["issued"]]
+    sim = simulate(schedule, costs, order=order)
+    drift = []
+    for rank, actions in enumerate(order):
+        timeline, growth, lag = [], [], 0.0
+        for index, action in enumerate(actions):
+            if str(action) not in spans[rank]:
+                continue
+            start, end = spans[rank][str(action)]
+            sim_start, sim_end = sim.start[rank, index], sim.end[rank, index]
+            timeline.append([str(action), round(start, 3), round(end, 3), round(sim_start, 3), round(sim_end, 3)])
+            growth.append([str(action), "later", round(start - sim_start - lag, 3)])
+            growth.append([str(action), "longer", round((end - start) - (sim_end - sim_start), 3)])
+            lag = end - sim_end
+        growth.sort(key=lambda item: -item[2])
+        drift.append({"timeline": timeline, "growth": growth[:top], "lag_at_end_ms": round(lag, 3)})
+    return drift
+
+
+def print_drift(rows: list[dict]) -> None:
+    """`action_drift` of each graphed row, one line per rank."""
+    drifting = [row for row in rows if row.get("drift")]
+    if drifting:
+        print("\nwhere each graphed step falls behind the simulation with measured costs (ms; each rank's clock):")
+    for row in drifting:
+        for rank, item in enumerate(row["drift"]):
+            print(f"  {row['mode']} rank {rank}: last action ends {item['lag_at_end_ms']:+.2f} behind; most at "
+                  + ", ".join(f"{action} {how} {ms:+.2f}" for action, how, ms in item["growth"]))
 
 
 def time_by_measured_costs(row: dict, costs: dict | None, gpus: int, microbatches: int,
@@ -1118,6 +1169,7 @@ def main():
         if row["bubble_note"]:
             print(f"  {row['mode']}: bubble n/a, {row['bubble_note']}")
     print_targets(rows)
+    print_drift(rows)
     write_json(args.out, model=args.model, params=params, gpus=args.gpus, microbatches=args.microbatches,
                batch=args.batch, seq=args.seq, peer_precision=args.peer_precision,
                nccl_high_priority=args.nccl_high_priority, stage_layers=args.stage_layers,
