@@ -1076,6 +1076,45 @@ def test_fused_grad_accumulation_trains_like_the_unfused_step_with_codegen_and_c
 
 
 @pytest.mark.gpu
+def test_flat_gradient_gemms_on_cuda_write_the_bits_the_unit_gemms_and_the_cat_did():
+    """runtime/flat_gradients.py's ops on CUDA: the wide GEMM and the in-place accumulations written
+    into slices of one flat buffer, and a copy into another slice, hold bit for bit what
+    matmul_wide, matmul_accumulate_ and the cat of the totals held; and the same from a CUDA graph."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(96, 64, 128), (64, 128, 40)]  # (rows, inner, columns) of two weights' gradients
+    inputs = [[(torch.randn(m, k, generator=generator).bfloat16().cuda(), torch.randn(k, n, generator=generator)
+                .bfloat16().cuda()) for _ in range(3)] for m, k, n in shapes]
+    norm = torch.randn(64, generator=generator).cuda()
+    totals = []
+    for operands in inputs:
+        total = torch.ops.fxshard.matmul_wide(*operands[0], torch.float32)
+        for a, b in operands[1:]:
+            torch.ops.fxshard.matmul_accumulate_(total, a, b)
+        totals.append(total)
+    want = torch.cat([t.reshape(-1) for t in totals] + [norm])
+
+    def flat_step():
+        flat = torch.ops.fxshard.flat_buffer(want.numel(), torch.float32, want.device)
+        offset = 0
+        for (m, _, n), operands in zip(shapes, inputs):
+            torch.ops.fxshard.matmul_wide_at_(flat, offset, *operands[0])
+            for a, b in operands[1:]:
+                torch.ops.fxshard.matmul_accumulate_at_(flat, offset, a, b)
+            offset += m * n
+        torch.ops.fxshard.copy_at_(flat, offset, norm)
+        return flat
+
+    assert torch.equal(flat_step(), want)
+    graph = torch.cuda.CUDAGraph()
+    flat_step()  # warm-up on the side stream capture needs
+    with torch.cuda.graph(graph):
+        captured = flat_step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, want)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("padding_idx", [-1, 5])
 def test_embedding_rows_added_in_place_on_cuda_are_exact_deterministic_and_capturable(padding_idx):
     """fxshard::embedding_accumulate_ on CUDA (the Triton kernel: rows sorted, each run summed in

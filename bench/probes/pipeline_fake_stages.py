@@ -10,7 +10,8 @@ masters, AdamW, no_shard, codegen, eager replay). Each stage runs in its own pro
 whatever the buffers held, so losses are meaningless and the non-finite guard may skip the update;
 compute takes the same time on any values), and the cross-rank agreement checks are switched off. One
 step is profiled; its kernels are attributed to actions through codegen's region ranges
-(bench/pipeline.py `action_times`). Prints per chunk the measured F / B (/ W) ms next to the FLOP
+(bench/pipeline.py `action_times`). --cat-flat-gradients runs without the runtime's flat-gradient
+lowering (A/B; "_cat" in the file names). Prints per chunk the measured F / B (/ W) ms next to the FLOP
 model's (`chunk_costs`), and the simulated bubble under each, and each rank's GPU busy time of the step (the union of its
 kernels and copies); writes DIR/pipeline_fake_stages.json (with --unfused-grad-accumulation, which
 runs Config(fuse_grad_accumulation=False): DIR/pipeline_fake_stages_unfused.json). --half-blocks and
@@ -34,14 +35,19 @@ HALF_BLOCKS = ("layers.*.attn", "layers.*.mlp")  # bench/pipeline.py --half-bloc
 
 
 def run_stage(schedule: str, rank: int, microbatches: int, out: str, fuse: bool = True, half_blocks: bool = False,
-              stage_layers: tuple | None = None) -> None:
-    """In this process: rank `rank` of a fake 2-rank world; one profiled step of its stage."""
+              stage_layers: tuple | None = None, cat_flat_gradients: bool = False) -> None:
+    """In this process: rank `rank` of a fake 2-rank world; one profiled step of its stage.
+    `cat_flat_gradients`: without the runtime's flat-gradient lowering (runtime/flat_gradients.py)."""
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import fxshard
     import fxshard.runtime.agreement as agreement
+    import fxshard.runtime.step
+
+    if cat_flat_gradients:  # the units' flat gradients as the fsdp pass writes them: a cat at the end
+        fxshard.runtime.step.flat_gradients_in_place = lambda graph_module: (graph_module, 0)
     from fxshard.models import GPT, GPTConfig
     from pipeline import action_times, gpu_bubble  # bench/pipeline.py
 
@@ -132,12 +138,14 @@ def main():
     parser.add_argument("--half-blocks", action="store_true",
                         help="each block's attention and MLP layers of their own (a cut may fall inside a block)")
     parser.add_argument("--stage-layers", help="comma-separated layer counts per chunk (Config(stage_layers))")
+    parser.add_argument("--cat-flat-gradients", action="store_true",
+                        help="without the runtime's flat-gradient lowering (a cat per unit; before session 40)")
     parser.add_argument("--stage", nargs=3, metavar=("SCHEDULE", "RANK", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     stage_layers = tuple(int(n) for n in args.stage_layers.split(",")) if args.stage_layers else None
     if args.stage:
         run_stage(args.stage[0], int(args.stage[1]), args.microbatches, args.stage[2],
-                  not args.unfused_grad_accumulation, args.half_blocks, stage_layers)
+                  not args.unfused_grad_accumulation, args.half_blocks, stage_layers, args.cat_flat_gradients)
         return
     import torch
 
@@ -155,6 +163,7 @@ def main():
                             config=fxshard.Config(layers=HALF_BLOCKS if args.half_blocks else None))
     report = {}
     suffix = ("_unfused" if args.unfused_grad_accumulation else "") + ("_halves" if args.half_blocks else "") \
+        + ("_cat" if args.cat_flat_gradients else "") \
         + (f"_{args.stage_layers.replace(',', '-')}" if args.stage_layers else "")
     for schedule in args.schedules:
         name, virtual = SCHEDULES[schedule]
@@ -164,6 +173,7 @@ def main():
             subprocess.run([sys.executable, __file__, "--out", args.out, "--microbatches", str(args.microbatches),
                             *(["--unfused-grad-accumulation"] if args.unfused_grad_accumulation else []),
                             *(["--half-blocks"] if args.half_blocks else []),
+                            *(["--cat-flat-gradients"] if args.cat_flat_gradients else []),
                             *(["--stage-layers", args.stage_layers] if args.stage_layers else []),
                             "--stage", schedule, str(rank), path], check=True)
             with open(path) as handle:

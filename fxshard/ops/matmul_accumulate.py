@@ -83,3 +83,47 @@ def matmul_accumulate_(total: Tensor, a: Tensor, b: Tensor) -> None:
             total.add_((a @ b).to(total.dtype))
         return
     total.addmm_(a.to(total.dtype), b.to(total.dtype))
+
+
+# A unit's flat gradient written where its members' totals accumulate (fxshard/runtime/flat_gradients.py):
+# the same GEMMs with their [M, N] output a slice of the flat buffer, viewed inside the op (no aliasing
+# view node in the program for codegen to see).
+
+@torch.library.custom_op("fxshard::flat_buffer", mutates_args=())
+def flat_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An uninitialized 1-D tensor (a unit's flat gradient, whose every element the lowering's ops
+    write before it is read)."""
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+@flat_buffer.register_fake
+def _flat_buffer_fake(numel, dtype, device):
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+def _slot(flat: Tensor, offset: int, rows: int, columns: int) -> Tensor:
+    return flat[offset:offset + rows * columns].view(rows, columns)
+
+
+@torch.library.custom_op("fxshard::matmul_wide_at_", mutates_args=("flat",))
+def matmul_wide_at_(flat: Tensor, offset: int, a: Tensor, b: Tensor) -> None:
+    """`matmul_wide(a, b, flat.dtype)` written into flat[offset : offset + M*N], viewed [M, N]."""
+    out = _slot(flat, offset, a.shape[0], b.shape[1])
+    if a.is_cuda and a.dtype != flat.dtype:
+        gemm = lambda: torch.ops.aten.mm.dtype_out(a, b, flat.dtype, out=out)  # noqa: E731
+        if _wide_gemm("matmul_wide", a, flat.dtype, gemm) is None:
+            out.copy_(a @ b)
+        return
+    torch.mm(a.to(flat.dtype), b.to(flat.dtype), out=out)
+
+
+@torch.library.custom_op("fxshard::matmul_accumulate_at_", mutates_args=("flat",))
+def matmul_accumulate_at_(flat: Tensor, offset: int, a: Tensor, b: Tensor) -> None:
+    """`matmul_accumulate_` into flat[offset : offset + M*N], viewed [M, N]."""
+    matmul_accumulate_(_slot(flat, offset, a.shape[0], b.shape[1]), a, b)
+
+
+@torch.library.custom_op("fxshard::copy_at_", mutates_args=("flat",))
+def copy_at_(flat: Tensor, offset: int, source: Tensor) -> None:
+    """`source`'s elements, in order, written into flat[offset : offset + numel]."""
+    flat[offset:offset + source.numel()].view(source.shape).copy_(source)

@@ -25,6 +25,7 @@ from .carveout import carve_out_sms_for_all_to_alls
 from .copy_engine import CopyEngineLowering, Watch, lower_to_copy_engines, marker, resolve_auto, resolve_own_part
 from .graph_memsets import MemsetReport, finish_capture, new_graph
 from .gloo import gloo_group_names, lower_gloo_all_gathers
+from .flat_gradients import flat_gradients_in_place
 from .reinplace import WRITE_BACK, accumulate_in_place, gather_updates_in_place, reinplace, write_back_positions
 from .replay_watch import ReplayWatch, abort_groups, expire_process_groups
 from .state import State, every_stage_parameters, full_parameters, gather_shard
@@ -104,6 +105,8 @@ class CompiledStep:
         self._run, self.in_place_updates = reinplace(run)
         # Config(fuse_grad_accumulation)'s GEMMs add into the gradient totals where they lie
         self._run, self.accumulations_in_place = accumulate_in_place(self._run)
+        # ... and write the flat gradients the reductions and the optimizer read, with no cat (flat_gradients.py)
+        self._run, self.flat_gradients_in_place = flat_gradients_in_place(self._run)
         self._run, self.gathers_in_place = gather_updates_in_place(self._run, write_back_positions(self.program))
         if self.groups:  # the program agrees across ranks (checked at shard()); how it is run must too
             from .agreement import check_runtime_agreement
@@ -168,7 +171,8 @@ class CompiledStep:
         """One line: what the runtime changed in the program before running it."""
         return (f"runtime lowerings of {self.program.name!r}: {self.in_place_updates} in-place optimizer updates, "
                 f"{self.gathers_in_place} gathers of updated shards into their parameters, {self.accumulations_in_place} "
-                f"gradient accumulations in place, {self.copy_engine.line()}"
+                f"gradient accumulations in place, {self.flat_gradients_in_place} flat gradients accumulated where "
+                f"they lie, {self.copy_engine.line()}"
                 + (f" ({self.auto_collectives})" if self.auto_collectives else "") + f", {self.sm_carveout_stretches} "
                 f"SM-carveout stretches, {self.gloo_all_gathers} gloo all-gathers through _allgather_base; "
                 f"{self.codegen.line() if self.codegen else 'codegen: off (aten replay)'}"
