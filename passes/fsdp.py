@@ -21,12 +21,13 @@ waited on only when the optimizer phase starts. In a pipeline stage, a unit on a
 has nothing to reduce: its gradient is laid out flat where the optimizer phase starts, not in its
 chunk's last backward, which would send its input gradient on only after the flattening (GPT 1b,
 2x H200: ~0.5 ms a chunk on the cooldown's critical path). Elsewhere it stays next to its last
-accumulation, whose add codegen fuses into the flat buffer's write. Under a sharded optimizer without clipping or
-pipeline, the units (not experts) whose last gradient the backward makes once its last layer has
-begun (that layer and "pre") are reduced by the optimizer phase instead, issued before any update and
-waited after the other units' updates, which run under them (`deferred_units`;
-optimizer_graph.Deferred says how the non-finite guard decides first). ZeRO-1/2 update the units
-whose updated shard is all-gathered first, each gather issued right after its update.
+accumulation, whose add codegen fuses into the flat buffer's write. (The runtime then has the weight
+gradients' GEMMs accumulate into the flat buffer itself: runtime/flat_gradients.py.) Under a sharded
+optimizer without clipping or pipeline, the units (not experts) whose last gradient the backward makes
+once its last layer has begun (that layer and "pre") are reduced by the optimizer phase instead,
+issued before any update and waited after the other units' updates, which run under them
+(`deferred_units`; optimizer_graph.Deferred says how the non-finite guard decides first). ZeRO-1/2
+update the units whose updated shard is all-gathered first, each gather issued right after its update.
 
 A pipeline stage's program (passes/lower_schedule.py) whose actions hold ZeRO's collectives
 (fxshard.schedule.add_zero_actions; `StagePlan.actions`) gets them where the schedule says: under
