@@ -48,7 +48,12 @@ MIN_IN_PLACE = 0.9  # of a flat gradient's elements that must be accumulated in 
 
 def flat_gradients_in_place(graph_module: fx.GraphModule) -> tuple[fx.GraphModule, int]:
     """A copy of `graph_module` with each such cat's buffer accumulated in place (see the module
-    docstring); and how many cats were lowered. Run after `accumulate_in_place`."""
+    docstring); and how many cats were lowered. Run after `accumulate_in_place`. A graph with no such
+    cat is returned as it is, not copied (every step's construction runs this)."""
+    order = {node: position for position, node in enumerate(graph_module.graph.nodes)}
+    if not any(node.op == "call_function" and node.target is _CAT and _plan(node, order) is not None
+               for node in graph_module.graph.nodes):
+        return graph_module, 0
     graph = Graph()
     graph.output(graph.graph_copy(graph_module.graph, {}))
     order = {node: position for position, node in enumerate(graph.nodes)}
