@@ -2,7 +2,7 @@
 # The 2-GPU measurements the open issues wait for, one part per device call (each fits the 10-minute
 # limit of a device command). On the device machine, from the repository root:
 #
-#     bash bench/pending_2gpu.sh memsets|cuts|fga|fga-suite|own-default|half-blocks|dualpipev-halves|own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
+#     bash bench/pending_2gpu.sh issue|memsets|cuts|fga|fga-suite|own-default|half-blocks|dualpipev-halves|own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
 # (date, machine, command). In priority order (session 33: MoE at ep=2 hides 92-94% of the exposed
@@ -10,6 +10,8 @@
 # session 34 made the fused gradient accumulation the default, measured on one GPU only; session 38 ran
 # 1F1B / V=2 / DualPipeV graphed and the half-block cuts next to the compiled peer: 1.15x and 1.21x in two
 # jobs, not the fused-against-unfused rows, not the GPU tests below):
+#   issue     session 40's last change first: the issue's whole job with the flat-gradient lowering
+#             (runtime/flat_gradients.py, measured on one H200 only), traces kept for `drift` (~7 min)
 #   memsets   the single-GPU suite with the memset rewrite (session 40 ran the non-finite skip test,
 #             which had failed once in session 39, twice with both settings: passed), ~9 min
 #   cuts      then interleaved V=2 and DualPipeV graphed with the memset rewrite, whole blocks and the
@@ -55,6 +57,11 @@ out=${2:-${OUT:?set OUT or pass a directory}}
 mkdir -p "$out"
 day=$(date +%F)
 case "$part" in
+  issue) timeout 480 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 zb-h1 --replays eager graphed \
+           --peers pipelining-interleaved pipelining-interleaved-compile --steps 8 --trace-dir /tmp/pipeline_traces \
+           --out "$out/pipeline_issue_2gpu_$day.json" 2>&1 | tee "$out/pipeline_issue.log" \
+           | grep -v "codegen: region\|Warning\|warn\|func(" | grep -A60 "^all modes"
+         (cd /tmp/pipeline_traces && tar czf "$out/pipeline_issue_traces.tgz" interleaved-v2*) ;;
   memsets) for attempt in 1 2 3; do  # each run: both codegens x both Config(cuda_graph_memsets)
              timeout 150 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "nonfinite_step_is_skipped_inside" \
                -rf 2>&1 | grep "FAILED\|passed\|failed" | sed "s/^/run $attempt: /"
