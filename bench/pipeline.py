@@ -106,6 +106,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import difflib
 import inspect
 import json
@@ -161,6 +162,7 @@ class Setup:
     stage_layers: tuple = ()  # (chunks, blocks per chunk) pairs from --stage-layers: those cuts instead of fxshard's
     nccl_high_priority: bool = False  # --nccl-high-priority: Config(nccl_high_priority) in every fxshard mode
     layers: tuple | None = None  # --half-blocks: Config(layers) of the fxshard modes (their --stage-layers count those)
+    gc: str = "default"   # --gc freeze: gc.freeze() after the warm-up, before the timed steps (every mode)
 
     def config(self) -> GPTConfig:
         overrides = {} if self.n_layer is None else {"n_layer": self.n_layer}
@@ -369,17 +371,62 @@ def measure(step_fn, setup: Setup, label: str, graphed: bool, actions: list[str]
             warmup_losses.append(loss.item())
     synchronize(setup)
     warmup_s = time.perf_counter() - started
-    step_ms = []
-    for _ in range(setup.steps):
-        synchronize(setup)
-        host_barrier()
-        started = time.perf_counter()
-        step_fn()
-        synchronize(setup)
-        step_ms.append((time.perf_counter() - started) * 1e3)
+    if setup.gc == "freeze":  # what the warm-up and the compile left is never looked at again
+        gc.collect()
+        gc.freeze()
+    step_ms, host = [], {"issue_ms": [], "thread_cpu_ms": [], "process_cpu_ms": [], "gc_ms": []}
+    with HostClock() as clock:
+        for _ in range(setup.steps):
+            synchronize(setup)
+            host_barrier()
+            clock.start()
+            step_fn()
+            clock.issued()
+            synchronize(setup)
+            step_ms.append(clock.end(host))
     peak = torch.cuda.max_memory_allocated() if setup.device == "cuda" else None
     bubble = profile_bubble(step_fn, setup, label, graphed, actions)
-    return {"step_ms": step_ms, "warmup_s": warmup_s, "peak_bytes": peak, "warmup_losses": warmup_losses, **bubble}
+    return {"step_ms": step_ms, "warmup_s": warmup_s, "peak_bytes": peak, "warmup_losses": warmup_losses,
+            "host": host, **bubble}
+
+
+class HostClock:
+    """Where a timed step's host time went (is an eager replay held up by its host?): `issue_ms` until
+    the step call returned (an eager replay's launches; a graph's one launch), `thread_cpu_ms` of it on
+    the CPU in this thread (less than issue_ms: the thread waited, or was not scheduled),
+    `process_cpu_ms` of every thread of the process over the whole step, `gc_ms` in Python's cyclic
+    garbage collector (timed by gc.callbacks)."""
+
+    def __enter__(self):
+        self.gc_s, self.gc_started = 0.0, None
+        gc.callbacks.append(self._gc)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._gc)
+
+    def _gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.gc_started = time.perf_counter()
+        elif self.gc_started is not None:
+            self.gc_s += time.perf_counter() - self.gc_started
+            self.gc_started = None
+
+    def start(self) -> None:
+        self.gc_s = 0.0
+        self.wall, self.thread, self.process = time.perf_counter(), time.thread_time(), time.process_time()
+
+    def issued(self) -> None:
+        self.issue_wall, self.issue_thread = time.perf_counter(), time.thread_time()
+
+    def end(self, host: dict) -> float:
+        """The step's wall ms; its host times appended to `host`'s lists."""
+        now = time.perf_counter()
+        host["issue_ms"].append((self.issue_wall - self.wall) * 1e3)
+        host["thread_cpu_ms"].append((self.issue_thread - self.thread) * 1e3)
+        host["process_cpu_ms"].append((time.process_time() - self.process) * 1e3)
+        host["gc_ms"].append(self.gc_s * 1e3)
+        return (now - self.wall) * 1e3
 
 
 def profile_bubble(step_fn, setup: Setup, label: str, graphed: bool, actions: list[str] | None = None) -> dict:
@@ -809,7 +856,7 @@ def combine(mode: str, ranks: list[dict], setup: Setup, simulated: float, simula
 
 
 PER_RANK = ("bubble", "bubble_waits", "short_gaps_ms", "bubble_note", "kernels", "graph_kernels", "busy_ms",
-            "window_ms", "peak_bytes", "warmup_s", "compile_s", "pipeline")  # what the JSON keeps of each rank's result
+            "window_ms", "peak_bytes", "warmup_s", "compile_s", "pipeline", "host")  # what the JSON keeps of each rank's result
 
 
 HEADER = (f"{'mode':<32} {'ms/step':>9} {'tokens/s':>9} {'vs peer':>8} {'vs best peer':>12} {'vs eager':>8} "
@@ -897,6 +944,11 @@ def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model
         if not setup.layers and ranks[0]["params_by_stage"] != expected:
             details.append(f"WARNING: fxshard's stages hold other parameters than this bench's cut "
                            f"({[len(n) for n in ranks[0]['params_by_stage']]} vs {[len(n) for n in expected]})")
+    if all(r.get("host") for r in ranks):  # is a replay held up by its host? (HostClock)
+        details.append("host a step, median per rank (issue / its thread's CPU / process CPU / gc): " + ", ".join(
+            f"rank {i} " + " / ".join(f"{median(r['host'][key]):.1f}" for key in
+                                      ("issue_ms", "thread_cpu_ms", "process_cpu_ms", "gc_ms"))
+            for i, r in enumerate(ranks)) + " ms")
     busy = [r.get("busy_ms") for r in ranks]
     if all(b is not None for b in busy) and len(busy) > 1:  # a cut balanced in FLOPs may not be in time
         details.append(f"GPU busy per rank {[round(b, 1) for b in busy]} ms, the busiest "
@@ -1119,6 +1171,9 @@ def main():
                         help="the fxshard modes take each block's attention and MLP as layers (Config(layers)), so a "
                              "cut can fall inside a block; --stage-layers then counts half-blocks for them, and the "
                              "peers keep their own FLOP cut of whole blocks")
+    parser.add_argument("--gc", choices=["default", "freeze"], default="default",
+                        help="freeze: gc.collect() and gc.freeze() after each mode's warm-up, so Python's collector "
+                             "never walks what compiling left (the host-time lines say how long it ran a step)")
     parser.add_argument("--out", default="bench/pipeline.json")
     args = parser.parse_args()
     try:
@@ -1128,7 +1183,7 @@ def main():
         parser.error(f"--stage-layers takes comma-separated block counts per chunk, got {args.stage_layers}")
     setup = Setup(args.model, args.n_layer, args.device, args.microbatches, args.batch, args.seq,
                   max(args.warmup, 1), args.steps, args.peer_precision, args.trace_dir, stage_layers=stage_layers,
-                  nccl_high_priority=args.nccl_high_priority,
+                  nccl_high_priority=args.nccl_high_priority, gc=args.gc,
                   layers=("layers.*.attn", "layers.*.mlp") if args.half_blocks else None)
     model = build_model(setup, "meta")
     params = sum(p.numel() for p in model.parameters())
