@@ -63,10 +63,22 @@ def matmul_wide(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
     """`a @ b` written in `dtype` (float32 from bf16/fp16 inputs), the product not rounded to a's dtype:
     the first microbatch's weight gradient, the total the later ones are added into. On CUDA one GEMM
     with a float32 output (`aten.mm.dtype`), where a bf16 GEMM and a cast wrote the product twice."""
+    return _product_wide(a, b, dtype)
+
+
+def _product_wide(a: Tensor, b: Tensor, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
+    """`matmul_wide`'s product, into `out` where given (a view the `_at_` op made). A plain function,
+    so the ops that share it add no second dispatch (each custom-op call costs ~20 us of host time)."""
     if a.is_cuda and a.dtype != dtype:
-        out = _wide_gemm("matmul_wide", a, dtype, lambda: torch.ops.aten.mm.dtype(a, b, dtype))
-        return out if out is not None else (a @ b).to(dtype)
-    return torch.mm(a.to(dtype), b.to(dtype))  # CPU: the exact products summed in `dtype`, as matmul_accumulate
+        if out is None:
+            gemm = lambda: torch.ops.aten.mm.dtype(a, b, dtype)  # noqa: E731
+        else:
+            gemm = lambda: torch.ops.aten.mm.dtype_out(a, b, dtype, out=out)  # noqa: E731
+        result = _wide_gemm("matmul_wide", a, dtype, gemm)
+        if result is not None:
+            return result
+        return (a @ b).to(dtype) if out is None else out.copy_(a @ b)
+    return torch.mm(a.to(dtype), b.to(dtype), out=out)  # CPU: the exact products summed in `dtype`, as matmul_accumulate
 
 
 @matmul_wide.register_fake
@@ -77,6 +89,11 @@ def _matmul_wide_fake(a, b, dtype):
 @torch.library.custom_op("fxshard::matmul_accumulate_", mutates_args=("total",))
 def matmul_accumulate_(total: Tensor, a: Tensor, b: Tensor) -> None:
     """`total += a @ b`, the product not rounded to a's dtype first: `matmul_accumulate` in place."""
+    _accumulate(total, a, b)
+
+
+def _accumulate(total: Tensor, a: Tensor, b: Tensor) -> None:
+    """`matmul_accumulate_`'s body, shared with `matmul_accumulate_at_` as a plain function."""
     if total.is_cuda and a.dtype != total.dtype:
         wide = lambda: torch.ops.aten.addmm.dtype_out(total, a, b, total.dtype, out=total)  # noqa: E731
         if _wide_gemm("matmul_accumulate_", a, total.dtype, wide) is None:
@@ -108,19 +125,13 @@ def _slot(flat: Tensor, offset: int, rows: int, columns: int) -> Tensor:
 @torch.library.custom_op("fxshard::matmul_wide_at_", mutates_args=("flat",))
 def matmul_wide_at_(flat: Tensor, offset: int, a: Tensor, b: Tensor) -> None:
     """`matmul_wide(a, b, flat.dtype)` written into flat[offset : offset + M*N], viewed [M, N]."""
-    out = _slot(flat, offset, a.shape[0], b.shape[1])
-    if a.is_cuda and a.dtype != flat.dtype:
-        gemm = lambda: torch.ops.aten.mm.dtype_out(a, b, flat.dtype, out=out)  # noqa: E731
-        if _wide_gemm("matmul_wide", a, flat.dtype, gemm) is None:
-            out.copy_(a @ b)
-        return
-    torch.mm(a.to(flat.dtype), b.to(flat.dtype), out=out)
+    _product_wide(a, b, flat.dtype, out=_slot(flat, offset, a.shape[0], b.shape[1]))
 
 
 @torch.library.custom_op("fxshard::matmul_accumulate_at_", mutates_args=("flat",))
 def matmul_accumulate_at_(flat: Tensor, offset: int, a: Tensor, b: Tensor) -> None:
     """`matmul_accumulate_` into flat[offset : offset + M*N], viewed [M, N]."""
-    matmul_accumulate_(_slot(flat, offset, a.shape[0], b.shape[1]), a, b)
+    _accumulate(_slot(flat, offset, a.shape[0], b.shape[1]), a, b)
 
 
 @torch.library.custom_op("fxshard::copy_at_", mutates_args=("flat",))
