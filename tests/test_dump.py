@@ -89,7 +89,9 @@ def test_the_graph_the_runtime_runs_is_dumped_and_reported(tmp_path, capsys):
     runtime = (tmp_path / f"{len(step.programs):02d}_runtime.py").read_text()
     assert "adamw_update_" in runtime and f"{step.in_place_updates} in-place optimizer updates" in runtime
     assert "matmul_accumulate_" in runtime and "embedding_accumulate_" in runtime
-    assert "fxshard.matmul_wide" in runtime  # the first microbatch's products, written in fp32
+    # the first microbatch's products, written in fp32, by the op's body called past the dispatcher
+    assert "fxshard_ops_matmul_accumulate_matmul_wide(" in runtime and "fxshard.matmul_wide" not in runtime
+    assert f"{step.direct_calls} calls of fxshard ops past the dispatcher" in runtime and step.direct_calls > 0
     assert f"{step.accumulations_in_place} gradient accumulations in place" in runtime
     assert f"runtime lowerings of {step.program.name!r}: {step.in_place_updates} in-place" in capsys.readouterr().err
 

@@ -25,6 +25,7 @@ from .carveout import carve_out_sms_for_all_to_alls
 from .copy_engine import CopyEngineLowering, Watch, lower_to_copy_engines, marker, resolve_auto, resolve_own_part
 from .graph_memsets import MemsetReport, finish_capture, new_graph
 from .gloo import gloo_group_names, lower_gloo_all_gathers
+from .direct_calls import call_directly
 from .flat_gradients import flat_gradients_in_place
 from .reinplace import WRITE_BACK, accumulate_in_place, gather_updates_in_place, reinplace, write_back_positions
 from .replay_watch import ReplayWatch, abort_groups, expire_process_groups
@@ -143,6 +144,8 @@ class CompiledStep:
                                                       by_layer=codegen_by_layer)
         else:  # aten replay: a view whose input's real layout is not its fake one copies instead of failing
             self._run = views_as_reshapes(self._run)
+        # fxshard's ops outside the regions run their bodies, not through the dispatcher (direct_calls.py)
+        self._run, self.direct_calls = call_directly(self._run)
         if cuda_graphs and device.type != "cuda":
             raise FxShardError(f"Config(cuda_graphs=True) needs a CUDA device; the batch is on {device}")
         if cuda_graphs:
@@ -174,7 +177,8 @@ class CompiledStep:
                 f"gradient accumulations in place, {self.flat_gradients_in_place} flat gradients accumulated where "
                 f"they lie, {self.copy_engine.line()}"
                 + (f" ({self.auto_collectives})" if self.auto_collectives else "") + f", {self.sm_carveout_stretches} "
-                f"SM-carveout stretches, {self.gloo_all_gathers} gloo all-gathers through _allgather_base; "
+                f"SM-carveout stretches, {self.gloo_all_gathers} gloo all-gathers through _allgather_base, "
+                f"{self.direct_calls} calls of fxshard ops past the dispatcher; "
                 f"{self.codegen.line() if self.codegen else 'codegen: off (aten replay)'}"
                 + (f"; {self._replay.memsets.line()}" if self._replay is not None and self._replay.is_captured else ""))
 
