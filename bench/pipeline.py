@@ -163,6 +163,7 @@ class Setup:
     nccl_high_priority: bool = False  # --nccl-high-priority: Config(nccl_high_priority) in every fxshard mode
     layers: tuple | None = None  # --half-blocks: Config(layers) of the fxshard modes (their --stage-layers count those)
     gc: str = "default"   # --gc freeze: gc.freeze() after the warm-up, before the timed steps (every mode)
+    dispatched_ops: bool = False  # --dispatched-ops: fxshard's ops called through the dispatcher (every fxshard mode)
 
     def config(self) -> GPTConfig:
         overrides = {} if self.n_layer is None else {"n_layer": self.n_layer}
@@ -337,6 +338,9 @@ def run_fxshard(schedule_name: str, virtual: int, graphed: bool, label: str, set
                             stage_layers=dict(setup.stage_layers).get(world * virtual),
                             nccl_high_priority=setup.nccl_high_priority, layers=setup.layers,
                             cuda_graph_memsets=memsets)
+    if setup.dispatched_ops:  # this mode's own process: the runtime keeps every op call as it was traced
+        import fxshard.runtime.step
+        fxshard.runtime.step.call_directly = lambda graph_module: (graph_module, 0)
     started = time.perf_counter()
     step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=fxshard.optim.AdamW(lr=1e-4),
                          mesh=fxshard.Mesh(pp=world), config=config)
@@ -348,6 +352,7 @@ def run_fxshard(schedule_name: str, virtual: int, graphed: bool, label: str, set
     result = measure(lambda: step(data)["loss"], setup, label, graphed, actions)
     result["actions"] = actions
     result["compile_s"] = compile_s
+    result["direct_calls"] = step.direct_calls  # fxshard op calls past the dispatcher (0 with --dispatched-ops)
     replay = step._replay
     result["graph_memsets"] = replay.memsets.line() if replay is not None and replay.memsets is not None else None
     result["pipeline"] = step.program.notes.get("pipeline")
@@ -856,7 +861,7 @@ def combine(mode: str, ranks: list[dict], setup: Setup, simulated: float, simula
 
 
 PER_RANK = ("bubble", "bubble_waits", "short_gaps_ms", "bubble_note", "kernels", "graph_kernels", "busy_ms",
-            "window_ms", "peak_bytes", "warmup_s", "compile_s", "pipeline", "host")  # what the JSON keeps of each rank's result
+            "window_ms", "peak_bytes", "warmup_s", "compile_s", "pipeline", "host", "direct_calls")  # what the JSON keeps of each rank's result
 
 
 HEADER = (f"{'mode':<32} {'ms/step':>9} {'tokens/s':>9} {'vs peer':>8} {'vs best peer':>12} {'vs eager':>8} "
@@ -1174,6 +1179,10 @@ def main():
     parser.add_argument("--gc", choices=["default", "freeze"], default="default",
                         help="freeze: gc.collect() and gc.freeze() after each mode's warm-up, so Python's collector "
                              "never walks what compiling left (the host-time lines say how long it ran a step)")
+    parser.add_argument("--dispatched-ops", action="store_true",
+                        help="every fxshard mode calls fxshard's ops through the dispatcher, as before the runtime "
+                             "called them as their bodies (fxshard/runtime/direct_calls.py): the host-time lines of "
+                             "its eager rows against a run without it")
     parser.add_argument("--out", default="bench/pipeline.json")
     args = parser.parse_args()
     try:
@@ -1184,6 +1193,7 @@ def main():
     setup = Setup(args.model, args.n_layer, args.device, args.microbatches, args.batch, args.seq,
                   max(args.warmup, 1), args.steps, args.peer_precision, args.trace_dir, stage_layers=stage_layers,
                   nccl_high_priority=args.nccl_high_priority, gc=args.gc,
+                  dispatched_ops=args.dispatched_ops,
                   layers=("layers.*.attn", "layers.*.mlp") if args.half_blocks else None)
     model = build_model(setup, "meta")
     params = sum(p.numel() for p in model.parameters())
@@ -1227,7 +1237,8 @@ def main():
     print_drift(rows)
     write_json(args.out, model=args.model, params=params, gpus=args.gpus, microbatches=args.microbatches,
                batch=args.batch, seq=args.seq, peer_precision=args.peer_precision,
-               nccl_high_priority=args.nccl_high_priority, stage_layers=args.stage_layers,
+               nccl_high_priority=args.nccl_high_priority, stage_layers=args.stage_layers, gc=args.gc,
+               dispatched_ops=args.dispatched_ops,
                layers=list(setup.layers) if setup.layers else None, rows=rows)
 
 
