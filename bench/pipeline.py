@@ -339,8 +339,8 @@ def run_fxshard(schedule_name: str, virtual: int, graphed: bool, label: str, set
                             nccl_high_priority=setup.nccl_high_priority, layers=setup.layers,
                             cuda_graph_memsets=memsets)
     if setup.dispatched_ops:  # this mode's own process: the runtime keeps every op call as it was traced
-        import fxshard.runtime.step
-        fxshard.runtime.step.call_directly = lambda graph_module: (graph_module, 0)
+        from fxshard.runtime import step as runtime_step
+        runtime_step.call_directly = lambda graph_module: (graph_module, 0)
     started = time.perf_counter()
     step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=fxshard.optim.AdamW(lr=1e-4),
                          mesh=fxshard.Mesh(pp=world), config=config)
@@ -398,7 +398,9 @@ def measure(step_fn, setup: Setup, label: str, graphed: bool, actions: list[str]
 class HostClock:
     """Where a timed step's host time went (is an eager replay held up by its host?): `issue_ms` until
     the step call returned (an eager replay's launches; a graph's one launch), `thread_cpu_ms` of it on
-    the CPU in this thread (less than issue_ms: the thread waited, or was not scheduled),
+    the CPU in this thread (less than issue_ms: the thread waited, or was not scheduled; a launch into
+    a full queue spins in the driver, which counts as CPU, so an issue time under the GPU's time is
+    paced by the GPU, one over it is the host's own),
     `process_cpu_ms` of every thread of the process over the whole step, `gc_ms` in Python's cyclic
     garbage collector (timed by gc.callbacks)."""
 
