@@ -1037,9 +1037,7 @@ def action_drift(row: dict, spans: list[dict], costs: dict, gpus: int, microbatc
     its last: a chunk's first forward, whose casts run before the wait for its input, counts that
     wait as "longer" (and starts "later" by less, or earlier). Session 40 found the casts after a
     receive's wait, and the gradients' flattening in a chunk's last backward, this way."""
-    schedule = build(row["schedule"][0], gpus, microbatches, row["schedule"][1])
-    order = [tuple(Action.parse(token) for token in actions) for actions in row["issued"]]
-    sim = simulate(schedule, costs, order=order)
+    sim, order = simulate_as_issued(row, costs, gpus, microbatches)
     drift = []
     for rank, actions in enumerate(order):
         timeline, growth, lag = [], [], 0.0
@@ -1089,12 +1087,18 @@ def time_by_measured_costs(row: dict, costs: dict | None, gpus: int, microbatche
 
 def simulated_as_issued(row: dict, costs: dict, gpus: int, microbatches: int) -> float:
     """The simulated bubble of `row`'s schedule under `costs`, with the transfers timed as the ranks
-    issued them (`row["issued"]`, each rank's actions in its program's order; `simulate(order=...)`:
-    one at a time per pair of ranks, each `costs["P2P"]` long)."""
+    issued them (`simulate_as_issued`)."""
+    return simulate_as_issued(row, costs, gpus, microbatches)[0].bubble_fraction
+
+
+def simulate_as_issued(row: dict, costs: dict, gpus: int, microbatches: int):
+    """`simulate` of `row`'s schedule under `costs` with each rank's actions in its program's order
+    (`row["issued"]`; the transfers one at a time per pair of ranks, each `costs["P2P"]` long), and
+    that order (None where the row has none)."""
     schedule = build(row["schedule"][0], gpus, microbatches, row["schedule"][1])
     issued = row.get("issued")
     order = [tuple(Action.parse(token) for token in actions) for actions in issued] if issued else None
-    return simulate(schedule, costs, order=order).bubble_fraction
+    return simulate(schedule, costs, order=order), order
 
 
 def print_targets(rows: list[dict]) -> None:
