@@ -144,8 +144,11 @@ class CompiledStep:
                                                       by_layer=codegen_by_layer)
         else:  # aten replay: a view whose input's real layout is not its fake one copies instead of failing
             self._run = views_as_reshapes(self._run)
-        # fxshard's ops outside the regions run their bodies, not through the dispatcher (direct_calls.py)
-        self._run, self.direct_calls = call_directly(self._run)
+        # eager replay: fxshard's ops outside the regions run their bodies, past the dispatcher
+        # (direct_calls.py); a graph's replay spends no host time on them
+        self.direct_calls = 0
+        if not cuda_graphs:
+            self._run, self.direct_calls = call_directly(self._run)
         if cuda_graphs and device.type != "cuda":
             raise FxShardError(f"Config(cuda_graphs=True) needs a CUDA device; the batch is on {device}")
         if cuda_graphs:
