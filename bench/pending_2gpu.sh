@@ -2,7 +2,7 @@
 # The 2-GPU measurements the open issues wait for, one part per device call (each fits the 10-minute
 # limit of a device command). On the device machine, from the repository root:
 #
-#     bash bench/pending_2gpu.sh issue|memsets|cuts|fga|fga-suite|own-default|half-blocks|dualpipev-halves|own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
+#     bash bench/pending_2gpu.sh tests|issue|memsets|cuts|fga|fga-suite|own-default|half-blocks|dualpipev-halves|own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
 # (date, machine, command). In priority order (session 33: MoE at ep=2 hides 92-94% of the exposed
@@ -10,8 +10,13 @@
 # session 34 made the fused gradient accumulation the default, measured on one GPU only; session 38 ran
 # 1F1B / V=2 / DualPipeV graphed and the half-block cuts next to the compiled peer: 1.15x and 1.21x in two
 # jobs, not the fused-against-unfused rows, not the GPU tests below):
-#   issue     session 40's last change first: the issue's whole job with the flat-gradient lowering
-#             (runtime/flat_gradients.py, measured on one H200 only), traces kept for `drift` (~7 min)
+#   tests     session 41's last change first: the GPU tests with fxshard's ops called past the
+#             dispatcher in eager replay (runtime/direct_calls.py, landed after the session's device time
+#             was spent): the pipeline over NCCL against single-device eager, graphed against eager bit
+#             for bit, the flat-gradient ops, then the single-GPU suite (~7 min; session 41 ran them all
+#             at c45ac12, before direct calls: passed)
+#   issue     the issue's whole job (session 41 ran it at c45ac12 with the flat-gradient lowering:
+#             V=2 graphed 120.2 ms, 1.50x the compiled peer), traces kept for `drift` (~7 min)
 #   memsets   the single-GPU suite with the memset rewrite (session 40 ran the non-finite skip test,
 #             which had failed once in session 39, twice with both settings: passed), ~9 min
 #   cuts      then interleaved V=2 and DualPipeV graphed with the memset rewrite, whole blocks and the
@@ -57,6 +62,11 @@ out=${2:-${OUT:?set OUT or pass a directory}}
 mkdir -p "$out"
 day=$(date +%F)
 case "$part" in
+  tests) timeout 230 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -rf \
+           -k "pipeline_over_nccl or pipeline_cuda_graph_replay or nccl_max_ctas_for_the_pp or flat_gradient" 2>&1 \
+           | tee "$out/pipeline_tests.log" | grep "FAILED\|passed\|failed" | tail -8 || true
+         timeout 320 python -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/ -rf 2>&1 \
+           | tee "$out/suite_1gpu.log" | grep "FAILED\|passed\|failed" | tail -8 ;;
   issue) timeout 480 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 zb-h1 --replays eager graphed \
            --peers pipelining-interleaved pipelining-interleaved-compile --steps 8 --trace-dir /tmp/pipeline_traces \
            --out "$out/pipeline_issue_2gpu_$day.json" 2>&1 | tee "$out/pipeline_issue.log" \
