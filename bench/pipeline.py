@@ -163,7 +163,7 @@ class Setup:
     nccl_high_priority: bool = False  # --nccl-high-priority: Config(nccl_high_priority) in every fxshard mode
     layers: tuple | None = None  # --half-blocks: Config(layers) of the fxshard modes (their --stage-layers count those)
     gc: str = "default"   # --gc freeze: gc.freeze() after the warm-up, before the timed steps (every mode)
-    dispatched_ops: bool = False  # --dispatched-ops: fxshard's ops called through the dispatcher (every fxshard mode)
+    dispatched_ops: bool = False  # --dispatched-ops: Config(direct_calls=False) in every fxshard mode
 
     def config(self) -> GPTConfig:
         overrides = {} if self.n_layer is None else {"n_layer": self.n_layer}
@@ -337,10 +337,7 @@ def run_fxshard(schedule_name: str, virtual: int, graphed: bool, label: str, set
                             p2p_receives=receives, fuse_grad_accumulation=fuse_accumulation,
                             stage_layers=dict(setup.stage_layers).get(world * virtual),
                             nccl_high_priority=setup.nccl_high_priority, layers=setup.layers,
-                            cuda_graph_memsets=memsets)
-    if setup.dispatched_ops:  # this mode's own process: the runtime keeps every op call as it was traced
-        from fxshard.runtime import step as runtime_step
-        runtime_step.call_directly = lambda graph_module: (graph_module, 0)
+                            cuda_graph_memsets=memsets, direct_calls=not setup.dispatched_ops)
     started = time.perf_counter()
     step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=fxshard.optim.AdamW(lr=1e-4),
                          mesh=fxshard.Mesh(pp=world), config=config)
@@ -1186,9 +1183,10 @@ def main():
                         help="freeze: gc.collect() and gc.freeze() after each mode's warm-up, so Python's collector "
                              "never walks what compiling left (the host-time lines say how long it ran a step)")
     parser.add_argument("--dispatched-ops", action="store_true",
-                        help="every fxshard mode calls fxshard's ops through the dispatcher, as before the runtime "
-                             "called them as their bodies (fxshard/runtime/direct_calls.py): the host-time lines of "
-                             "its eager rows against a run without it")
+                        help="Config(direct_calls=False) in every fxshard mode: fxshard's ops called through the "
+                             "dispatcher, as before the runtime called them as their bodies in eager replay "
+                             "(fxshard/runtime/direct_calls.py): the host-time lines of its eager rows against a run "
+                             "without it")
     parser.add_argument("--out", default="bench/pipeline.json")
     args = parser.parse_args()
     try:

@@ -112,7 +112,8 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
                         expert_layouts=_expert_layouts(model), model_class=type(model).__name__,
                         model_config=getattr(model, "cfg", None), hf_config=_hf_config(model),
                         nonfinite=config.nonfinite,
-                        evaluation=compile_evaluation, model=model, cuda_graph_memsets=config.cuda_graph_memsets)
+                        evaluation=compile_evaluation, model=model, cuda_graph_memsets=config.cuda_graph_memsets,
+                        direct_calls=config.direct_calls)
     if config.dump_dir or config.verbose:
         _report_lowerings(step, config, len(programs))
     return step

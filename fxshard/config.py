@@ -71,6 +71,11 @@ class Config:
         a memset node leaves the GPU idle ~7 us around it, a kernel node ~0.5 us; GPT 1b's pipeline
         stage has 800 a step); "keep" leaves the captured graph as it is. The runtime lowerings line
         (`step.lowerings()`) says how many were replaced once the graph is captured.
+    direct_calls: in eager replay (no CUDA graphs), call fxshard's own ops outside the compiled regions
+        as their Python bodies, past torch's dispatcher (runtime/direct_calls.py: 12-29 us of host time
+        saved a call on an H200 machine's host, ~450 calls a step on a GPT 1b pipeline stage). The same
+        code runs either way; False keeps every call through torch.ops, where a TorchDispatchMode or
+        the profiler's op ranges see them.
     fuse_grad_accumulation: with microbatches (pipelines included), add each weight gradient into its
         float32 total inside the weight-gradient matmul instead of in a memory pass of its own
         (passes/fuse_grad_accumulation.py, `fxshard::matmul_accumulate`: on CUDA one GEMM whose
@@ -216,6 +221,7 @@ class Config:
     microbatches: int = 1
     cuda_graphs: bool = False
     cuda_graph_memsets: str = "kernels"
+    direct_calls: bool = True
     seed: int = 0
     fsdp_prefetch: int = 1
     verbose: bool = False
@@ -274,7 +280,7 @@ class Config:
             object.__setattr__(self, "layers", tuple(self.layers))
         # "no" would read as True
         for name in ("cuda_graphs", "verbose", "fuse_grouped_mlp", "fuse_grad_accumulation", "ep_overlap",
-                     "nccl_high_priority"):
+                     "nccl_high_priority", "direct_calls"):
             if not isinstance(getattr(self, name), bool):
                 raise FxShardError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("microbatches", "virtual_stages", "ep_chunks", "fsdp_prefetch", "seed"):  # True is an int

@@ -1,5 +1,7 @@
 """fxshard's ops called as their Python bodies in the replayed graph (fxshard/runtime/direct_calls.py)."""
 
+import dataclasses
+
 import torch
 
 import fxshard
@@ -29,20 +31,20 @@ def test_only_fxshards_one_kernel_ops_have_a_body_to_call_and_transfers_keep_the
     assert body_of(torch.ops.aten.mm.default) is None and body_of(torch.ops.aten.add_.Tensor) is None
 
 
-def test_a_step_calls_its_ops_bodies_and_trains_bit_identically(monkeypatch):
+def test_a_step_calls_its_ops_bodies_and_trains_bit_identically():
     """bf16 compute, fp32 gradients over 3 microbatches, AdamW, aten replay: the step calls every
     fxshard op it runs as the op's body (the wide first-microbatch GEMMs, the in-place accumulations,
     the embedding's row sums, AdamW), says how many in `lowerings()`, and trains bit for bit as the
-    step that dispatches them."""
+    step that dispatches them (Config(direct_calls=False))."""
     generator = torch.Generator().manual_seed(1)
     batches = [{k: torch.randint(0, 32, (3, 8), generator=generator) for k in ("idx", "tgt")} for _ in range(3)]
     adamw = fxshard.optim.AdamW(lr=1e-2, weight_decay=0.1)
     config = fxshard.Config(microbatches=3, **PRECISION)
     direct = fxshard.shard(_model(), lambda m, b: m.loss(b), batches[0], optimizer=adamw, config=config)
-    monkeypatch.setattr("fxshard.runtime.step.call_directly", lambda graph_module: (graph_module, 0))
-    dispatched = fxshard.shard(_model(), lambda m, b: m.loss(b), batches[0], optimizer=adamw, config=config)
+    dispatched = fxshard.shard(_model(), lambda m, b: m.loss(b), batches[0], optimizer=adamw,
+                               config=dataclasses.replace(config, direct_calls=False))
     assert direct.direct_calls > 0 and f"{direct.direct_calls} calls of fxshard ops past the dispatcher" \
-        in direct.lowerings()
+        in direct.lowerings() and dispatched.direct_calls == 0
     assert not _ops_left(direct._run) and _ops_left(dispatched._run)
     for batch in batches:
         assert torch.equal(direct(batch)["loss"], dispatched(batch)["loss"])

@@ -192,6 +192,7 @@ def test_a_model_on_another_device_than_its_batch_is_named_before_tracing():
     ("cuda_graphs", "no", "cuda_graphs must be True or False"),  # a string would read as True
     ("fuse_grad_accumulation", 1, "fuse_grad_accumulation must be True or False"),
     ("nccl_high_priority", "yes", "nccl_high_priority must be True or False"),
+    ("direct_calls", "off", "direct_calls must be True or False"),
     ("microbatches", True, "microbatches must be an int"),
     ("layers", 5, "layers must be a module path pattern"),
     ("stage_layers", 4, "stage_layers must list ints"),

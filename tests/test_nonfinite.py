@@ -242,7 +242,7 @@ def test_a_bound_that_overflows_where_the_reduced_norm_does_not_skips_and_says_s
         "overflow float32" in message, message
 
 
-def test_a_step_stopped_mid_update_refuses_to_go_on_until_a_checkpoint_is_loaded(tmp_path, monkeypatch):
+def test_a_step_stopped_mid_update_refuses_to_go_on_until_a_checkpoint_is_loaded(tmp_path):
     """AdamW writes its updates in place one tensor after another: a step stopped among them (Ctrl-C,
     out of memory) leaves some stepped and others not. Training on, or saving, is refused; loading
     the last checkpoint clears it and training resumes exactly."""
@@ -258,12 +258,12 @@ def test_a_step_stopped_mid_update_refuses_to_go_on_until_a_checkpoint_is_loaded
                     raise KeyboardInterrupt("stopped in the optimizer phase")
             return func(*args, **(kwargs or {}))
 
-    # the updates go through the dispatcher, where the mode stops the second one (the runtime calls
-    # fxshard's ops as their bodies otherwise: runtime/direct_calls.py)
-    monkeypatch.setattr("fxshard.runtime.step.call_directly", lambda graph_module: (graph_module, 0))
     torch.manual_seed(0)
     data = regression_batches(3)
-    step = fxshard.shard(Regressor(), regression_loss, data[0], optimizer=ADAMW)
+    # the updates go through the dispatcher, where the mode stops the second one (eager replay calls
+    # fxshard's ops as their bodies otherwise: runtime/direct_calls.py)
+    step = fxshard.shard(Regressor(), regression_loss, data[0], optimizer=ADAMW,
+                         config=fxshard.Config(direct_calls=False))
     step(data[0])
     fxshard.save(step, tmp_path / "ck")
     with pytest.raises(KeyboardInterrupt), StopAtSecondUpdate():

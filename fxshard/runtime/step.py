@@ -65,7 +65,8 @@ class CompiledStep:
                  verbose: bool = False, coords: dict[str, int] | None = None, rank: int = 0,
                  mesh_description: str = "one device", expert_layouts: dict | None = None,
                  model_class: str = "", model_config=None, hf_config: dict | None = None, nonfinite: str = "ignore",
-                 evaluation=None, model=None, cuda_graph_memsets: str = Config.cuda_graph_memsets):
+                 evaluation=None, model=None, cuda_graph_memsets: str = Config.cuda_graph_memsets,
+                 direct_calls: bool = Config.direct_calls):
         self.programs = programs
         # where this rank sits, for checkpoints (fxshard/checkpoint): its index along each mesh axis,
         # its global rank, and the expert layers' storage layouts (prefix -> (ExpertLayout, experts))
@@ -144,10 +145,10 @@ class CompiledStep:
                                                       by_layer=codegen_by_layer)
         else:  # aten replay: a view whose input's real layout is not its fake one copies instead of failing
             self._run = views_as_reshapes(self._run)
-        # eager replay: fxshard's ops outside the regions run their bodies, past the dispatcher
-        # (direct_calls.py); a graph's replay spends no host time on them
+        # Config(direct_calls), eager replay: fxshard's ops outside the regions run their bodies, past the
+        # dispatcher (direct_calls.py); a graph's replay spends no host time on them
         self.direct_calls = 0
-        if not cuda_graphs:
+        if direct_calls and not cuda_graphs:
             self._run, self.direct_calls = call_directly(self._run)
         if cuda_graphs and device.type != "cuda":
             raise FxShardError(f"Config(cuda_graphs=True) needs a CUDA device; the batch is on {device}")
