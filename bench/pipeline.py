@@ -106,8 +106,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import difflib
+import gc
 import inspect
 import json
 import os
@@ -395,11 +395,10 @@ def measure(step_fn, setup: Setup, label: str, graphed: bool, actions: list[str]
 class HostClock:
     """Where a timed step's host time went (is an eager replay held up by its host?): `issue_ms` until
     the step call returned (an eager replay's launches; a graph's one launch), `thread_cpu_ms` of it on
-    the CPU in this thread (less than issue_ms: the thread waited, or was not scheduled; a launch into
-    a full queue spins in the driver, which counts as CPU, so an issue time under the GPU's time is
-    paced by the GPU, one over it is the host's own),
-    `process_cpu_ms` of every thread of the process over the whole step, `gc_ms` in Python's cyclic
-    garbage collector (timed by gc.callbacks)."""
+    the CPU in this thread, `process_cpu_ms` of every thread of the process over the whole step, and
+    `gc_ms` in Python's cyclic garbage collector (timed by gc.callbacks). Thread CPU under issue_ms:
+    the thread waited or was not scheduled. A launch into a full queue spins in the driver, which
+    counts as CPU: an issue time under the GPU's time is paced by the GPU, one over it is the host's."""
 
     def __enter__(self):
         self.gc_s, self.gc_started = 0.0, None
