@@ -10,13 +10,11 @@
 # session 34 made the fused gradient accumulation the default, measured on one GPU only; session 38 ran
 # 1F1B / V=2 / DualPipeV graphed and the half-block cuts next to the compiled peer: 1.15x and 1.21x in two
 # jobs, not the fused-against-unfused rows, not the GPU tests below):
-#   tests     session 41's last change first: the GPU tests with fxshard's ops called past the
-#             dispatcher in eager replay (runtime/direct_calls.py, landed after the session's device time
-#             was spent): the pipeline over NCCL against single-device eager, graphed against eager bit
-#             for bit, the flat-gradient ops, then the single-GPU suite (~7 min; session 41 ran them all
-#             at c45ac12, before direct calls: passed)
-#   issue     the issue's whole job (session 41 ran it at c45ac12 with the flat-gradient lowering:
-#             V=2 graphed 120.2 ms, 1.50x the compiled peer), traces kept for `drift` (~7 min)
+#   tests     the pipeline's GPU tests (over NCCL against single-device eager, graphed against eager
+#             bit for bit, the flat-gradient ops), then the single-GPU suite (~8 min; session 42 ran
+#             them at fb8fbc6, direct calls included: 4 + 54 passed)
+#   issue     the issue's whole job (session 42 ran it at fb8fbc6: V=2 graphed 122.5 ms, 1.42x the
+#             compiled peer, 1.06x its eager replay on a fast host), traces kept for `drift` (~6 min)
 #   memsets   the single-GPU suite with the memset rewrite (session 40 ran the non-finite skip test,
 #             which had failed once in session 39, twice with both settings: passed), ~9 min
 #   cuts      then interleaved V=2 and DualPipeV graphed with the memset rewrite, whole blocks and the
