@@ -1099,9 +1099,9 @@ def simulate_as_issued(row: dict, costs: dict, gpus: int, microbatches: int):
 
 def eager_host(row: dict) -> str:
     """What held an eager row's steps: its host's issue time (HostClock, the median step of its
-    slowest rank) against its busiest rank's GPU time. Under it the GPU paces the launches and a
-    graph saves only the gaps between kernels; over it the host is the limit, which a graph removes.
-    Empty where either is unknown (a CPU run)."""
+    slowest rank) against its busiest rank's GPU time. An issue time under the GPU time: the GPU paced
+    the launches, and a graph saves only the gaps between kernels. Over it: the host was the limit,
+    which a graph removes. Empty where either is unknown (a CPU run)."""
     ranks = row.get("per_rank") or []
     issue = [median(r["host"]["issue_ms"]) for r in ranks if (r.get("host") or {}).get("issue_ms")]
     busy = [r["busy_ms"] for r in ranks if r.get("busy_ms") is not None]
