@@ -2,7 +2,7 @@
 # The 2-GPU measurements the open issues wait for, one part per device call (each fits the 10-minute
 # limit of a device command). On the device machine, from the repository root:
 #
-#     bash bench/pending_2gpu.sh tests|issue|memsets|cuts|fga|fga-suite|own-default|half-blocks|dualpipev-halves|own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
+#     bash bench/pending_2gpu.sh tests|rest|zb-halves|issue|memsets|cuts|fga|fga-suite|own-default|half-blocks|dualpipev-halves|own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
 # (date, machine, command). In priority order (session 33: MoE at ep=2 hides 92-94% of the exposed
@@ -13,6 +13,12 @@
 #   tests     the pipeline's GPU tests (over NCCL against single-device eager, graphed against eager
 #             bit for bit, the flat-gradient ops), then the single-GPU suite (~8 min; session 42 ran
 #             them at fb8fbc6, direct calls included: 4 + 54 passed)
+#   rest      the two multigpu tests session 42 could not finish with direct calls in eager replay:
+#             expert parallelism over NCCL against single-device eager, ranks that lower their
+#             collectives differently (together they did not finish in 130 s; 300 s here)
+#   zb-halves 1F1B and ZB-H1 graphed, the whole-block FLOP cut (10,8) and the half-block cut 19,17, one
+#             job, no peers (~6 min): session 42's ZB-H1 ranks were 117.5 / 104.5 ms busy; session 38's
+#             half-block 1F1B evened them to 107.5 / 109.6 and ran 1.4% faster, ZB-H1 not measured
 #   issue     the issue's whole job (session 42 ran it at fb8fbc6: V=2 graphed 122.5 ms, 1.42x the
 #             compiled peer, 1.06x its eager replay on a fast host), traces kept for `drift` (~6 min)
 #   memsets   the single-GPU suite with the memset rewrite (session 40 ran the non-finite skip test,
@@ -65,6 +71,15 @@ case "$part" in
            | tee "$out/pipeline_tests.log" | grep "FAILED\|passed\|failed" | tail -8 || true
          timeout 320 python -m pytest -q -p no:cacheprovider -m "gpu and not multigpu" tests/ -rf 2>&1 \
            | tee "$out/suite_1gpu.log" | grep "FAILED\|passed\|failed" | tail -8 ;;
+  rest) timeout 300 python -m pytest -v -p no:cacheprovider tests/test_gpu.py -rf \
+          -k "expert_parallel_over_nccl_matches or lower_their_collectives_differently" 2>&1 \
+          | tee "$out/rest.log" | grep "PASSED\|FAILED\|passed\|failed" | tail -6 ;;
+  zb-halves) for cut in blocks halves; do
+               extra=""; [ "$cut" = halves ] && extra="--half-blocks --stage-layers 19,17"
+               timeout 270 python bench/pipeline.py --gpus 2 --schedules 1f1b zb-h1 --replays graphed --steps 8 $extra \
+                 --out "$out/pipeline_zb_${cut}_2gpu_$day.json" 2>&1 | tee "$out/pipeline_zb_$cut.log" \
+                 | grep -v "codegen: region\|Warning\|warn\|func(" | grep -A4 "^all modes" || echo "cut $cut: status $?"
+             done ;;
   issue) timeout 480 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 zb-h1 --replays eager graphed \
            --peers pipelining-interleaved pipelining-interleaved-compile --steps 8 --trace-dir /tmp/pipeline_traces \
            --out "$out/pipeline_issue_2gpu_$day.json" 2>&1 | tee "$out/pipeline_issue.log" \
