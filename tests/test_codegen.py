@@ -57,12 +57,15 @@ def fixed_sequence(graph_module: fx.GraphModule) -> list[tuple]:
     return sequence
 
 
-@pytest.mark.parametrize("make_model", [lambda: GPT(GPTConfig.preset("tiny")),
-                                        lambda: MoEGPT(MoEGPTConfig.preset("tiny"))], ids=["gpt", "moe_gpt"])
-def test_tiny_models_compiled_by_inductor_train_like_eager(make_model, tmp_path):
+def test_a_tiny_moe_model_compiled_by_inductor_trains_like_eager(tmp_path):
+    """One device, MoEGPT tiny (attention, the router, the grouped expert ops between regions). GPT
+    tiny's dense blocks compiled by Inductor are checked against eager on two gloo ranks under ZeRO-3
+    (tests/test_parity_fsdp_gloo.py) and as pipeline stages (below); each Inductor test costs the
+    2-core CI machine 30-90 s of compiling."""
     torch.manual_seed(0)
     config = fxshard.Config(codegen="inductor", dump_dir=str(tmp_path))
-    parity = eager_parity(make_model(), lambda m, b: m.loss(b), token_batches(64, 4, 32, 10), ADAMW, config=config)
+    parity = eager_parity(MoEGPT(MoEGPTConfig.preset("tiny")), lambda m, b: m.loss(b), token_batches(64, 4, 32, 10),
+                          ADAMW, config=config)
     assert parity.max_loss_rel < 1e-5, parity.losses
     # AdamW divides by sqrt(v): a weight whose gradient is near eps (an expert that sees few tokens)
     # moves by the last bits of its gradient, which fused kernels round differently (1.04e-4 measured)
