@@ -2,7 +2,7 @@
 # The 2-GPU measurements the open issues wait for, one part per device call (each fits the 10-minute
 # limit of a device command). On the device machine, from the repository root:
 #
-#     bash bench/pending_2gpu.sh tests|rest|zb-halves|issue|memsets|cuts|fga|fga-suite|own-default|half-blocks|dualpipev-halves|own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
+#     bash bench/pending_2gpu.sh tests|rest|zb-halves|precision-again|issue-again|issue|memsets|cuts|fga|fga-suite|own-default|half-blocks|dualpipev-halves|own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
 # (date, machine, command). In priority order (session 33: MoE at ep=2 hides 92-94% of the exposed
@@ -10,15 +10,18 @@
 # session 34 made the fused gradient accumulation the default, measured on one GPU only; session 38 ran
 # 1F1B / V=2 / DualPipeV graphed and the half-block cuts next to the compiled peer: 1.15x and 1.21x in two
 # jobs, not the fused-against-unfused rows, not the GPU tests below):
+#   precision-again  issue 14 against the compiled peer on a fast host: 1F1B, V=2 and ZB-H1 graphed, fp32
+#             and bf16 gradients (the peer's precision), the peer run first and again last (~8 min;
+#             session 43 saw the peer at 179.2 and then 143.9 ms in one lease, its host 1.3x faster)
+#   issue-again  the issue's whole job with both peers run first and again last (~8 min)
 #   tests     the pipeline's GPU tests (over NCCL against single-device eager, graphed against eager
 #             bit for bit, the flat-gradient ops), then the single-GPU suite (~8 min; session 42 ran
 #             them at fb8fbc6, direct calls included: 4 + 54 passed)
 #   rest      the two multigpu tests session 42 could not finish with direct calls in eager replay:
 #             expert parallelism over NCCL against single-device eager, ranks that lower their
-#             collectives differently (together they did not finish in 130 s; 300 s here)
+#             collectives differently (session 43: both passed, 157 s)
 #   zb-halves 1F1B and ZB-H1 graphed, the whole-block FLOP cut (10,8) and the half-block cut 19,17, one
-#             job, no peers (~6 min): session 42's ZB-H1 ranks were 117.5 / 104.5 ms busy; session 38's
-#             half-block 1F1B evened them to 107.5 / 109.6 and ran 1.4% faster, ZB-H1 not measured
+#             job (~7 min with the default peers; session 43 ran it: the ranks even out, no step faster)
 #   issue     the issue's whole job (session 42 ran it at fb8fbc6: V=2 graphed 122.5 ms, 1.42x the
 #             compiled peer, 1.06x its eager replay on a fast host), traces kept for `drift` (~6 min)
 #   memsets   the single-GPU suite with the memset rewrite (session 40 ran the non-finite skip test,
@@ -80,6 +83,14 @@ case "$part" in
                  --out "$out/pipeline_zb_${cut}_2gpu_$day.json" 2>&1 | tee "$out/pipeline_zb_$cut.log" \
                  | grep -v "codegen: region\|Warning\|warn\|func(" | grep -A4 "^all modes" || echo "cut $cut: status $?"
              done ;;
+  precision-again) timeout 560 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 zb-h1 --replays graphed \
+                     --peers pipelining-interleaved-compile --peers-again --bf16-grads --steps 8 \
+                     --out "$out/pipeline_precision_again_2gpu_$day.json" 2>&1 | tee "$out/pipeline_precision_again.log" \
+                     | grep -v "codegen: region\|Warning\|warn\|func(" | grep -A40 "^all modes" ;;
+  issue-again) timeout 560 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 zb-h1 --replays eager graphed \
+                 --peers pipelining-interleaved pipelining-interleaved-compile --peers-again --steps 8 \
+                 --out "$out/pipeline_issue_again_2gpu_$day.json" 2>&1 | tee "$out/pipeline_issue_again.log" \
+                 | grep -v "codegen: region\|Warning\|warn\|func(" | grep -A40 "^all modes" ;;
   issue) timeout 480 python bench/pipeline.py --gpus 2 --schedules 1f1b interleaved-v2 zb-h1 --replays eager graphed \
            --peers pipelining-interleaved pipelining-interleaved-compile --steps 8 --trace-dir /tmp/pipeline_traces \
            --out "$out/pipeline_issue_2gpu_$day.json" 2>&1 | tee "$out/pipeline_issue.log" \
