@@ -89,12 +89,12 @@ def test_meta_model_with_microbatches_and_bf16_on_real_processes():
     assert per_rank[0] == per_rank[1]
 
 
-def train_zero3_compiled(batches):
+def train_zero3_compiled(batches, dump_dir):
     """ZeRO-3 with the compute compiled by Inductor (codegen) on each rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     step = fxshard.shard(MODELS["gpt"](), lambda m, b: m.loss(b), local_part(batches[0], rank), optimizer=ADAMW,
-                         mesh=fxshard.Mesh(dp=world), config=fxshard.Config(codegen="inductor"))
+                         mesh=fxshard.Mesh(dp=world), config=fxshard.Config(codegen="inductor", dump_dir=dump_dir))
     losses = [step(local_part(batch, rank))["loss"].item() for batch in batches]
     gathers = sum(n.target is torch.ops._c10d_functional.all_gather_into_tensor.default for n in step.program.graph.nodes)
     code = step.runtime_code()
@@ -103,10 +103,12 @@ def train_zero3_compiled(batches):
     return losses, step.parameters(), step.codegen.count("compiled"), step.codegen.count("fallback"), lowered
 
 
-def test_zero3_with_codegen_matches_single_device_eager():
+def test_zero3_with_codegen_matches_single_device_eager(tmp_path):
     world = 2
     batches = token_batches(world, STEPS, LOCAL_BATCH, SEQ)
-    per_rank = run_local(train_zero3_compiled, world, batches, backend="gloo")
+    per_rank = run_local(train_zero3_compiled, world, batches, str(tmp_path), backend="gloo")
+    table = next(tmp_path.glob("*_codegen.txt")).read_text()  # the dump names what Inductor compiled
+    assert " 0 fell back to aten" in table and "compiled in" in table and "generated code: " in table, table
     ref_losses, ref_params = eager_reference("gpt", batches, world)
     for losses, params, compiled, fallbacks, (lowered, gathers, in_code, functional_in_code) in per_rank:
         assert compiled > 0 and fallbacks == 0
