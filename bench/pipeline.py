@@ -142,11 +142,12 @@ PEERS = {"pipelining-1f1b": (1, False), "pipelining-interleaved": (2, False),
          "pipelining-interleaved-compile": (2, True)}
 PEER = "pipelining-interleaved"  # the issue's yardstick: ScheduleInterleaved1F1B
 AGAIN = "-again"  # a peer's row run a second time, after fxshard's modes (--peers-again)
+PEER_SCHEDULE = {1: ("1f1b", 1), 2: ("interleaved-1f1b", 2)}  # the fxshard schedule a peer is simulated as
 
 
 def is_peer(mode: str) -> bool:
+    """A peer's row, first run or again."""
     return mode.removesuffix(AGAIN) in PEERS
-PEER_SCHEDULE = {1: ("1f1b", 1), 2: ("interleaved-1f1b", 2)}  # the fxshard schedule a peer is simulated as
 
 
 @dataclass(frozen=True)
