@@ -63,12 +63,13 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
         # one dump per stage, written by its first data-parallel rank
         dump_dir = os.path.join(config.dump_dir, f"stage{stage}") if config.dump_dir and coords["dp"] == 0 else None
         config = dataclasses.replace(config, dump_dir=dump_dir)
-    if config.dump_dir:
+    elif config.dump_dir and any(coords.values()):  # without stages, the mesh's first rank writes the dump
+        config = dataclasses.replace(config, dump_dir=None)
+    if config.dump_dir:  # one writer per folder: it clears what an earlier run left there
         from .dump import clear_stale_dumps, dump_programs
 
-        if programs[-1].stage is not None or not any(coords.values()):  # one writer per folder clears it
-            clear_stale_dumps(config.dump_dir, stage=stage if programs[-1].stage is not None else None,
-                              stages=mesh.pp if mesh is not None else 1)
+        clear_stale_dumps(config.dump_dir, stage=stage if programs[-1].stage is not None else None,
+                          stages=mesh.pp if mesh is not None else 1)
         dump_programs(programs, config.dump_dir)
         if programs[-1].stage is not None:
             _dump_schedule(programs, mesh, config)

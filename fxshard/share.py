@@ -10,7 +10,8 @@ load them (~15% of a trace's time).
 Invariant: a rank gets the program it would have traced itself, provided its trace is a function of
 what the fingerprint covers: the module tree (each module's path, class and plain attributes), the
 parameters' and buffers' names, shapes, dtypes and devices, the loss function's code and simple closure
-values, the batch's structure, the optimizer and the Config. That is SPMD's premise (every rank runs
+values, the batch's structure, the optimizer and the Config (less `verbose` and `dump_dir`, which only
+report: each pipeline stage dumps into its own folder, and the trace does not read it). That is SPMD's premise (every rank runs
 the same code); a forward that branches on the rank itself is outside it (set share_trace=False).
 Nothing is lost when sharing fails: a trace that raises is broadcast as "none", and every rank then
 traces itself (and raises its own error); a program that does not serialize is traced again by each.
@@ -35,7 +36,7 @@ _PLAIN = (bool, int, float, str, type(None))
 
 def fingerprint(model: nn.Module, loss_fn, batch_spec, optimizer, config) -> str:
     """A digest of what `fxshard.trace` reads of its arguments (the module docstring lists it)."""
-    parts = [repr(batch_spec), repr(optimizer), repr(dataclasses.replace(config, verbose=False)),
+    parts = [repr(batch_spec), repr(optimizer), repr(dataclasses.replace(config, verbose=False, dump_dir=None)),
              _describe_callable(loss_fn)]
     for path, module in model.named_modules():
         attributes = sorted((k, _describe(v)) for k, v in vars(module).items()

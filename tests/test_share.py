@@ -91,7 +91,7 @@ def test_meta_that_does_not_serialize_is_named_and_other_bytes_are_refused():
         program_io.loads(stale)
 
 
-def test_the_fingerprint_changes_with_what_the_trace_reads():
+def test_the_fingerprint_changes_with_what_the_trace_reads(tmp_path):
     batch = {"idx": torch.zeros(2, 8, dtype=torch.long), "tgt": torch.zeros(2, 8, dtype=torch.long)}
 
     def digest(model=None, loss_fn=lambda m, b: m.loss(b), rows=2, config=fxshard.Config(),
@@ -110,6 +110,7 @@ def test_the_fingerprint_changes_with_what_the_trace_reads():
               digest(optimizer=fxshard.optim.AdamW(lr=0.5))]
     assert same not in others and len(set(others)) == len(others)
     assert digest(config=fxshard.Config(verbose=True)) == same  # what the trace does not read
+    assert digest(config=fxshard.Config(dump_dir=str(tmp_path / "stage1"))) == same
 
 
 def ranks_share(digests, failing):
