@@ -10,10 +10,12 @@
 # session 34 made the fused gradient accumulation the default, measured on one GPU only; session 38 ran
 # 1F1B / V=2 / DualPipeV graphed and the half-block cuts next to the compiled peer: 1.15x and 1.21x in two
 # jobs, not the fused-against-unfused rows, not the GPU tests below):
-#   precision-again  issue 14 against the compiled peer on a fast host: 1F1B, V=2 and ZB-H1 graphed, fp32
-#             and bf16 gradients (the peer's precision), the peer run first and again last (~8 min;
-#             session 43 saw the peer at 179.2 and then 143.9 ms in one lease, its host 1.3x faster)
-#   issue-again  the issue's whole job with both peers run first and again last (~8 min)
+#   issue-again  the issue's whole job with both peers run first and again last (~7 min; session 43:
+#             graphed 1.41-1.49x the faster compiled-peer run, bubble +1.4 / +2.0 / +1.7 over the
+#             measured-cost simulation, graphed vs eager 1.21x for 1F1B and 1.02-1.03x where eager's
+#             host kept up). The job to run for issue 14's record.
+#   precision-again  1F1B, V=2 and ZB-H1 graphed, fp32 and bf16 gradients (the peer's precision), the
+#             compiled peer first and last (~7 min; session 43: bf16 gradients no faster any more)
 #   tests     the pipeline's GPU tests (over NCCL against single-device eager, graphed against eager
 #             bit for bit, the flat-gradient ops), then the single-GPU suite (~8 min; session 42 ran
 #             them at fb8fbc6, direct calls included: 4 + 54 passed)
