@@ -1122,6 +1122,13 @@ def eager_host(row: dict) -> str:
     return f"; eager's host issued a step in {max(issue):.1f} ms against {max(busy):.1f} ms of GPU work: {limit}"
 
 
+def against(peer: dict, row: dict) -> str:
+    """`row`'s speedup over a peer row and, for a graphed row, whether it meets the 1.2x target."""
+    speedup = peer["ms_per_step"] / row["ms_per_step"]
+    verdict = ('met' if speedup >= 1.2 else 'NOT met') if row["mode"].endswith("-graphed") else "no target"
+    return f"{speedup:.2f}x ({verdict})"
+
+
 def print_targets(rows: list[dict]) -> None:
     """The issue's targets per fxshard mode: graphed >= 1.1x eager, >= 1.2x the peer, measured bubble
     within 2 points of the simulated one (an eager row: the last two, for reference)."""
@@ -1139,13 +1146,10 @@ def print_targets(rows: list[dict]) -> None:
             speedup = eager["ms_per_step"] / row["ms_per_step"]
             parts.append(f"vs eager {speedup:.2f}x ({'met' if speedup >= 1.1 else 'NOT met'}{eager_host(eager)})")
         if peer:
-            speedup = peer["ms_per_step"] / row["ms_per_step"]
-            verdict = ('met' if speedup >= 1.2 else 'NOT met') if row["mode"].endswith("-graphed") else "no target"
-            parts.append(f"vs peer {speedup:.2f}x ({verdict})")
+            parts.append(f"vs peer {against(peer, row)}")
         if fastest and fastest is not peer:
-            speedup = fastest["ms_per_step"] / row["ms_per_step"]
-            verdict = ('met' if speedup >= 1.2 else 'NOT met') if row["mode"].endswith("-graphed") else "no target"
-            parts.append(f"vs the fastest peer row ({fastest['mode']}, {fastest['ms_per_step']:.1f} ms) {speedup:.2f}x ({verdict})")
+            parts.append(f"vs the fastest peer row ({fastest['mode']}, {fastest['ms_per_step']:.1f} ms) "
+                         f"{against(fastest, row)}")
         if row["bubble_measured"] is None:
             parts.append("bubble n/a")
         for key, what in (("bubble_simulated", "FLOP costs"), ("bubble_simulated_measured", "measured costs")):

@@ -11,8 +11,9 @@ Invariant: a rank gets the program it would have traced itself, provided its tra
 what the fingerprint covers: the module tree (each module's path, class and plain attributes), the
 parameters' and buffers' names, shapes, dtypes and devices, the loss function's code and simple closure
 values, the batch's structure, the optimizer and the Config (less `verbose` and `dump_dir`, which only
-report: each pipeline stage dumps into its own folder, and the trace does not read it). That is SPMD's premise (every rank runs
-the same code); a forward that branches on the rank itself is outside it (set share_trace=False).
+report: each pipeline stage dumps into its own folder, and the trace does not read it). That is
+SPMD's premise (every rank runs the same code); a forward that branches on the rank itself is
+outside it (set share_trace=False).
 Nothing is lost when sharing fails: a trace that raises is broadcast as "none", and every rank then
 traces itself (and raises its own error); a program that does not serialize is traced again by each.
 """
