@@ -7,7 +7,9 @@ import datetime
 import json
 import os
 import re
+import shutil
 import statistics
+import subprocess
 import time
 
 import torch
@@ -27,6 +29,61 @@ def write_json(path: str, **fields) -> None:
         json.dump({"date": datetime.date.today().isoformat(), "device": device_name(),
                    "torch": torch.__version__, **fields}, handle, indent=1)
     print(f"wrote {path}")
+
+
+class GpuClocks:
+    """The SM clock, power draw and clock-event reasons of this process's GPU, sampled by `nvidia-smi
+    -lms` while the `with` block runs (the timed steps of a benchmark): does a denser step run at a
+    lower clock? (Session 44: the same GEMMs took 3.5-6 ms longer a step replayed from a CUDA graph than
+    eagerly.) `summary()` is None where there is no GPU or no nvidia-smi, or it sampled nothing."""
+
+    FIELDS = ("clocks.sm", "power.draw", "clocks_event_reasons.active")
+    POWER_CAP = 0x4  # "SW power cap" in clocks_event_reasons; 0x20 / 0x40 thermal, 0x80 power brake
+
+    def __init__(self, interval_ms: int = 20):
+        self.interval_ms, self.process, self.lines = interval_ms, None, []
+
+    def __enter__(self):
+        smi = shutil.which("nvidia-smi")
+        if smi is None or not torch.cuda.is_available():
+            return self
+        gpu = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
+        command = [smi, "-i", gpu, f"--query-gpu={','.join(self.FIELDS)}", "--format=csv,noheader,nounits"]
+        if subprocess.run(command, capture_output=True, timeout=20).returncode != 0:
+            return self  # an older driver without the event reasons' name: no samples rather than wrong ones
+        self.process = subprocess.Popen(command + [f"-lms={self.interval_ms}"], stdout=subprocess.PIPE,
+                                        stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc):
+        if self.process is not None:
+            self.process.terminate()
+            out, _ = self.process.communicate(timeout=20)
+            self.lines = [line for line in out.splitlines() if line.strip()]
+
+    def summary(self) -> dict | None:
+        samples = []
+        for line in self.lines:
+            fields = [field.strip() for field in line.split(",")]
+            try:
+                samples.append((float(fields[0]), float(fields[1]), int(fields[2], 16)))
+            except (ValueError, IndexError):
+                continue
+        if not samples:
+            return None
+        clocks, power, reasons = zip(*samples)
+        return {"samples": len(samples), "sm_mhz_median": statistics.median(clocks), "sm_mhz_min": min(clocks),
+                "sm_mhz_max": max(clocks), "power_w_median": statistics.median(power), "power_w_max": max(power),
+                "power_capped": sum(1 for r in reasons if r & self.POWER_CAP) / len(samples)}
+
+    @staticmethod
+    def line(summary: dict | None) -> str:
+        if summary is None:
+            return "no clock samples"
+        return (f"SM clock {summary['sm_mhz_median']:.0f} MHz median ({summary['sm_mhz_min']:.0f}-"
+                f"{summary['sm_mhz_max']:.0f}), power {summary['power_w_median']:.0f} W median "
+                f"({summary['power_w_max']:.0f} max), power-capped in {summary['power_capped']:.0%} of "
+                f"{summary['samples']} samples")
 
 
 def timed(fn, warmup: int, iters: int) -> float:

@@ -2,7 +2,7 @@
 # The 2-GPU measurements the open issues wait for, one part per device call (each fits the 10-minute
 # limit of a device command). On the device machine, from the repository root:
 #
-#     bash bench/pending_2gpu.sh tests|rest|zb-halves|precision-again|issue-again|issue|memsets|cuts|fga|fga-suite|own-default|half-blocks|dualpipev-halves|own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
+#     bash bench/pending_2gpu.sh clocks|tests|rest|zb-halves|precision-again|issue-again|issue|memsets|cuts|fga|fga-suite|own-default|half-blocks|dualpipev-halves|own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
 # (date, machine, command). In priority order (session 33: MoE at ep=2 hides 92-94% of the exposed
@@ -10,6 +10,9 @@
 # session 34 made the fused gradient accumulation the default, measured on one GPU only; session 38 ran
 # 1F1B / V=2 / DualPipeV graphed and the half-block cuts next to the compiled peer: 1.15x and 1.21x in two
 # jobs, not the fused-against-unfused rows, not the GPU tests below):
+#   clocks    interleaved V=2 and ZB-H1 eager and graphed, the compiled peer, with each rank's SM clock and
+#             power sampled during the timed steps and V=2's traces kept (~5 min): are the graphed step's
+#             GEMMs (3.5-6 ms longer a step than eager's in session 43's jobs) slower at a lower clock?
 #   issue-again  the issue's whole job with both peers run first and again last (~7 min; session 43:
 #             graphed 1.41-1.49x the faster compiled-peer run, bubble +1.4 / +2.0 / +1.7 over the
 #             measured-cost simulation, graphed vs eager 1.21x for 1F1B and 1.02-1.03x where eager's
@@ -71,6 +74,12 @@ out=${2:-${OUT:?set OUT or pass a directory}}
 mkdir -p "$out"
 day=$(date +%F)
 case "$part" in
+  clocks) timeout 420 python bench/pipeline.py --gpus 2 --schedules interleaved-v2 zb-h1 --replays eager graphed \
+            --peers pipelining-interleaved-compile --steps 8 --trace-dir /tmp/pipeline_traces \
+            --out "$out/pipeline_clocks_2gpu_$day.json" 2>&1 | tee "$out/pipeline_clocks.log" \
+            | grep -v "codegen: region\|Warning\|warn\|func(" | grep -A40 "^all modes"
+          grep "SM clock\|GEMMs" "$out/pipeline_clocks.log" | head -20
+          (cd /tmp/pipeline_traces && tar czf "$out/pipeline_clocks_traces.tgz" interleaved-v2*) ;;
   tests) timeout 230 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -rf \
            -k "pipeline_over_nccl or pipeline_cuda_graph_replay or nccl_max_ctas_for_the_pp or flat_gradient" 2>&1 \
            | tee "$out/pipeline_tests.log" | grep "FAILED\|passed\|failed" | tail -8 || true

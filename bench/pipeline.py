@@ -63,6 +63,10 @@ between kernels (launches, dependencies), which a profile of thousands of kernel
 `short_gaps_ms` per rank). Kernels replayed from a CUDA graph appear in the trace or not depending on torch
 and CUPTI: a graphed mode gets a bubble only where the trace holds kernels launched by its graph launch
 (matched by correlation id), else "n/a" with the reason, never an estimate. On CPU it is always n/a.
+During the timed steps nvidia-smi samples each rank's SM clock, power draw and clock-event reasons
+every 20 ms (bench/common.py `GpuClocks`; JSON `gpu_clocks` per rank, one details line per rank): a
+graphed step, with no launch gaps, may draw more power and run its kernels at a lower clock than the
+same step replayed eagerly.
 The profiled step of an eager mode carries the profiler's own host overhead (CPU activity too, for the
 region ranges below), which a host-bound step shows as extra bubble. --trace-dir keeps each mode's trace per rank (chrome://tracing, Perfetto).
 --p2p-ctas N runs each fxshard schedule again with its point-to-point transfers on at most N CTAs
@@ -132,7 +136,7 @@ from fxshard.models import GPT, GPTConfig  # noqa: E402
 from fxshard.models.blocks import rope_tables  # noqa: E402
 from fxshard.passes.pipeline import assign_layers, chunk_costs, split_stages  # noqa: E402
 from fxshard.schedule import Action, build, simulate, unit_costs  # noqa: E402
-from common import device_name, gemms_beside, kernels_by_range, write_json  # noqa: E402
+from common import GpuClocks, device_name, gemms_beside, kernels_by_range, write_json  # noqa: E402
 
 # fxshard schedule -> (Config(schedule=...), virtual stages)
 SCHEDULES = {"1f1b": ("1f1b", 1), "interleaved-v2": ("interleaved-1f1b", 2), "zb-h1": ("zb-h1", 1),
@@ -383,7 +387,7 @@ def measure(step_fn, setup: Setup, label: str, graphed: bool, actions: list[str]
         gc.collect()
         gc.freeze()
     step_ms, host = [], {"issue_ms": [], "thread_cpu_ms": [], "process_cpu_ms": [], "gc_ms": []}
-    with HostClock() as clock:
+    with HostClock() as clock, GpuClocks() as clocks:
         for _ in range(setup.steps):
             synchronize(setup)
             host_barrier()
@@ -395,7 +399,7 @@ def measure(step_fn, setup: Setup, label: str, graphed: bool, actions: list[str]
     peak = torch.cuda.max_memory_allocated() if setup.device == "cuda" else None
     bubble = profile_bubble(step_fn, setup, label, graphed, actions)
     return {"step_ms": step_ms, "warmup_s": warmup_s, "peak_bytes": peak, "warmup_losses": warmup_losses,
-            "host": host, **bubble}
+            "host": host, "gpu_clocks": clocks.summary(), **bubble}
 
 
 class HostClock:
@@ -865,7 +869,7 @@ def combine(mode: str, ranks: list[dict], setup: Setup, simulated: float, simula
 
 
 PER_RANK = ("bubble", "bubble_waits", "short_gaps_ms", "bubble_note", "kernels", "graph_kernels", "busy_ms",
-            "window_ms", "peak_bytes", "warmup_s", "compile_s", "pipeline", "host", "direct_calls")  # what the JSON keeps of each rank's result
+            "window_ms", "peak_bytes", "warmup_s", "compile_s", "pipeline", "host", "direct_calls", "gpu_clocks")  # what the JSON keeps of each rank's result
 
 
 HEADER = (f"{'mode':<32} {'ms/step':>9} {'tokens/s':>9} {'vs peer':>8} {'vs best peer':>12} {'vs eager':>8} "
@@ -967,6 +971,9 @@ def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model
     if all(b is not None for b in busy) and len(busy) > 1:  # a cut balanced in FLOPs may not be in time
         details.append(f"GPU busy per rank {[round(b, 1) for b in busy]} ms, the busiest "
                        f"{max(busy) / (sum(busy) / len(busy)) - 1:.1%} above the mean")
+    if any(r.get("gpu_clocks") for r in ranks):  # a denser step may run at a lower clock (GpuClocks)
+        details.extend(f"rank {index} timed steps: {GpuClocks.line(r.get('gpu_clocks'))}"
+                       for index, r in enumerate(ranks))
     for index, rank in enumerate(ranks):  # the point-to-point kernels' cost to the GEMMs they overlap
         if rank.get("gemms_beside_us"):
             us = rank["gemms_beside_us"]
