@@ -32,27 +32,33 @@ def write_json(path: str, **fields) -> None:
 
 
 class GpuClocks:
-    """The SM clock, power draw and clock-event reasons of this process's GPU, sampled by `nvidia-smi
-    -lms` while the `with` block runs (the timed steps of a benchmark): does a denser step run at a
-    lower clock? (Session 44: the same GEMMs took 3.5-6 ms longer a step replayed from a CUDA graph than
-    eagerly.) `summary()` is None where there is no GPU or no nvidia-smi, or it sampled nothing."""
+    """The SM clock, power draw, temperature and clock-event reasons of this process's GPU, sampled by
+    `nvidia-smi -lms` while the `with` block runs (the timed steps of a benchmark): does a denser step
+    run at a lower clock? (Session 44: the same GEMMs ran 4-9% longer in a graphed pipeline step than in
+    its eager replay, at a median SM clock of 1,710-1,725 against 1,770-1,905 MHz.) `summary()` is None
+    where there is no GPU or no nvidia-smi, or it sampled nothing."""
 
-    FIELDS = ("clocks.sm", "power.draw", "clocks_event_reasons.active")
-    POWER_CAP = 0x4  # "SW power cap" in clocks_event_reasons; 0x20 / 0x40 thermal, 0x80 power brake
+    # the instantaneous power where the driver has it (power.draw is a 1 s average on Hopper)
+    QUERIES = (("clocks.sm", "power.draw.instant", "temperature.gpu", "clocks_event_reasons.active"),
+               ("clocks.sm", "power.draw", "temperature.gpu", "clocks_event_reasons.active"))
+    REASONS = {"sw_power_cap": 0x4, "hw_slowdown": 0x8, "sw_thermal": 0x20, "hw_thermal": 0x40,
+               "hw_power_brake": 0x80}  # bits of clocks_event_reasons (nvidia-smi -q -d PERFORMANCE)
 
     def __init__(self, interval_ms: int = 20):
-        self.interval_ms, self.process, self.lines = interval_ms, None, []
+        self.interval_ms, self.process, self.lines, self.fields = interval_ms, None, [], None
 
     def __enter__(self):
         smi = shutil.which("nvidia-smi")
         if smi is None or not torch.cuda.is_available():
             return self
         gpu = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
-        command = [smi, "-i", gpu, f"--query-gpu={','.join(self.FIELDS)}", "--format=csv,noheader,nounits"]
-        if subprocess.run(command, capture_output=True, timeout=20).returncode != 0:
-            return self  # an older driver without the event reasons' name: no samples rather than wrong ones
-        self.process = subprocess.Popen(command + [f"-lms={self.interval_ms}"], stdout=subprocess.PIPE,
-                                        stderr=subprocess.DEVNULL, text=True)
+        for fields in self.QUERIES:  # an older driver lacks a field's name: fewer fields, never wrong ones
+            command = [smi, "-i", gpu, f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"]
+            if subprocess.run(command, capture_output=True, timeout=20).returncode == 0:
+                self.fields = fields
+                self.process = subprocess.Popen(command + [f"-lms={self.interval_ms}"], stdout=subprocess.PIPE,
+                                                stderr=subprocess.DEVNULL, text=True)
+                break
         return self
 
     def __exit__(self, *exc):
@@ -66,24 +72,29 @@ class GpuClocks:
         for line in self.lines:
             fields = [field.strip() for field in line.split(",")]
             try:
-                samples.append((float(fields[0]), float(fields[1]), int(fields[2], 16)))
+                samples.append((float(fields[0]), float(fields[1]), float(fields[2]), int(fields[3], 16)))
             except (ValueError, IndexError):
                 continue
         if not samples:
             return None
-        clocks, power, reasons = zip(*samples)
-        return {"samples": len(samples), "sm_mhz_median": statistics.median(clocks), "sm_mhz_min": min(clocks),
-                "sm_mhz_max": max(clocks), "power_w_median": statistics.median(power), "power_w_max": max(power),
-                "power_capped": sum(1 for r in reasons if r & self.POWER_CAP) / len(samples)}
+        clocks, power, temperature, reasons = zip(*samples)
+        return {"samples": len(samples), "power_field": self.fields[1],
+                "sm_mhz_median": statistics.median(clocks), "sm_mhz_min": min(clocks), "sm_mhz_max": max(clocks),
+                "power_w_median": statistics.median(power), "power_w_max": max(power),
+                "temperature_c_first": temperature[0], "temperature_c_last": temperature[-1],
+                "reasons": {name: sum(1 for r in reasons if r & bit) / len(samples)
+                            for name, bit in self.REASONS.items()}}
 
     @staticmethod
     def line(summary: dict | None) -> str:
         if summary is None:
             return "no clock samples"
+        reasons = ", ".join(f"{name} {share:.0%}" for name, share in summary["reasons"].items() if share)
         return (f"SM clock {summary['sm_mhz_median']:.0f} MHz median ({summary['sm_mhz_min']:.0f}-"
                 f"{summary['sm_mhz_max']:.0f}), power {summary['power_w_median']:.0f} W median "
-                f"({summary['power_w_max']:.0f} max), power-capped in {summary['power_capped']:.0%} of "
-                f"{summary['samples']} samples")
+                f"({summary['power_w_max']:.0f} max), {summary['temperature_c_first']:.0f} -> "
+                f"{summary['temperature_c_last']:.0f} C, clock held by: {reasons or 'nothing'} "
+                f"({summary['samples']} samples)")
 
 
 def timed(fn, warmup: int, iters: int) -> float:
