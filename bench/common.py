@@ -80,7 +80,8 @@ class GpuClocks:
         clocks, power, temperature, reasons = zip(*samples)
         return {"samples": len(samples), "power_field": self.fields[1],
                 "sm_mhz_median": statistics.median(clocks), "sm_mhz_min": min(clocks), "sm_mhz_max": max(clocks),
-                "power_w_median": statistics.median(power), "power_w_max": max(power),
+                "power_w_median": statistics.median(power), "power_w_mean": statistics.fmean(power),
+                "power_w_max": max(power),
                 "temperature_c_first": temperature[0], "temperature_c_last": temperature[-1],
                 "reasons": {name: sum(1 for r in reasons if r & bit) / len(samples)
                             for name, bit in self.REASONS.items()}}

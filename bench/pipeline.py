@@ -974,6 +974,10 @@ def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model
     if any(r.get("gpu_clocks") for r in ranks):  # a denser step may run at a lower clock (GpuClocks)
         details.extend(f"rank {index} timed steps: {GpuClocks.line(r.get('gpu_clocks'))}"
                        for index, r in enumerate(ranks))
+        if all(r.get("gpu_clocks") for r in ranks):  # at the power cap, a step's time is its energy / the cap
+            row["energy_j_per_step"] = sum(r["gpu_clocks"]["power_w_mean"] for r in ranks) * row["ms_per_step"] / 1e3
+            details.append(f"~{row['energy_j_per_step']:.0f} J a step on {len(ranks)} GPUs (mean power while "
+                           f"timing x ms/step; the barriers between timed steps included)")
     for index, rank in enumerate(ranks):  # the point-to-point kernels' cost to the GEMMs they overlap
         if rank.get("gemms_beside_us"):
             us = rank["gemms_beside_us"]
