@@ -11,10 +11,10 @@
 # 1F1B / V=2 / DualPipeV graphed and the half-block cuts next to the compiled peer: 1.15x and 1.21x in two
 # jobs, not the fused-against-unfused rows, not the GPU tests below):
 #   energy    interleaved V=2 and ZB-H1 graphed between two runs of the compiled peer, each row with its
-#             energy a step (~5 min): at the 700 W cap a step takes its joules / the cap
+#             energy a step (~4 min; session 44: fxshard 161-163 J, the peer 196-210 J)
 #   clocks    interleaved V=2 and ZB-H1 eager and graphed, the compiled peer, with each rank's SM clock and
-#             power sampled during the timed steps and V=2's traces kept (~5 min): are the graphed step's
-#             GEMMs (3.5-6 ms longer a step than eager's in session 43's jobs) slower at a lower clock?
+#             power sampled during the timed steps and V=2's traces kept (~4 min; session 44: the graphed
+#             step runs at the 700 W cap at 1,710-1,800 MHz, eager at 1,770-1,920: its GEMMs 4-9% longer)
 #   issue-again  the issue's whole job with both peers run first and again last (~7 min; session 43:
 #             graphed 1.41-1.49x the faster compiled-peer run, bubble +1.4 / +2.0 / +1.7 over the
 #             measured-cost simulation, graphed vs eager 1.21x for 1F1B and 1.02-1.03x where eager's
