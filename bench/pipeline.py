@@ -1161,6 +1161,12 @@ def print_targets(rows: list[dict]) -> None:
         if fastest and fastest is not peer:
             parts.append(f"vs the fastest peer row ({fastest['mode']}, {fastest['ms_per_step']:.1f} ms) "
                          f"{against(fastest, row)}")
+        lowest = min((r for r in rows if is_peer(r["mode"]) and r.get("energy_j_per_step")),
+                     key=lambda r: r["energy_j_per_step"], default=None)
+        if lowest and row.get("energy_j_per_step"):  # at the power cap a GPU-bound step takes its joules / the cap
+            parts.append(f"energy a step {row['energy_j_per_step']:.0f} J against {lowest['mode']}'s "
+                         f"{lowest['energy_j_per_step']:.0f} J, {lowest['energy_j_per_step'] / row['energy_j_per_step']:.2f}x "
+                         f"(diagnostic: the ratio of two steps both held by the GPUs' power cap)")
         if row["bubble_measured"] is None:
             parts.append("bubble n/a")
         for key, what in (("bubble_simulated", "FLOP costs"), ("bubble_simulated_measured", "measured costs")):
