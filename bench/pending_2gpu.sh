@@ -2,7 +2,7 @@
 # The 2-GPU measurements the open issues wait for, one part per device call (each fits the 10-minute
 # limit of a device command). On the device machine, from the repository root:
 #
-#     bash bench/pending_2gpu.sh energy|clocks|tests|rest|zb-halves|precision-again|issue-again|issue|memsets|cuts|fga|fga-suite|own-default|half-blocks|dualpipev-halves|own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
+#     bash bench/pending_2gpu.sh marks|energy|clocks|tests|rest|zb-halves|precision-again|issue-again|issue|memsets|cuts|fga|fga-suite|own-default|half-blocks|dualpipev-halves|own-part|moe-ce|precision|suite-ce|pipeline-zb|boundary|watch|priority|suite|gather|fsdp|fsdp-b1|moe|p2p-1f1b|p2p-v2|pipeline|pipeline-cut|hf_moe  [OUT dir, default $OUT]
 #
 # Each part writes its JSON and log under OUT and prints the table; record results in bench/RESULTS.md
 # (date, machine, command). In priority order (session 33: MoE at ep=2 hides 92-94% of the exposed
@@ -10,6 +10,8 @@
 # session 34 made the fused gradient accumulation the default, measured on one GPU only; session 38 ran
 # 1F1B / V=2 / DualPipeV graphed and the half-block cuts next to the compiled peer: 1.15x and 1.21x in two
 # jobs, not the fused-against-unfused rows, not the GPU tests below):
+#   marks     the stalled-peer and graphed-pipeline GPU tests with Config(wait_marks) (the stall's report
+#             names the collective), then interleaved V=2 graphed with and without the marks (~5 min)
 #   energy    interleaved V=2 and ZB-H1 graphed between two runs of the compiled peer, each row with its
 #             energy a step (~4 min; session 44: fxshard 161-163 J, the peer 196-210 J)
 #   clocks    interleaved V=2 and ZB-H1 eager and graphed, the compiled peer, with each rank's SM clock and
@@ -76,6 +78,13 @@ out=${2:-${OUT:?set OUT or pass a directory}}
 mkdir -p "$out"
 day=$(date +%F)
 case "$part" in
+  marks) timeout 200 python -m pytest -q -p no:cacheprovider tests/test_gpu.py -rf \
+           -k "stalled_peer_under_cuda_graphs or pipeline_cuda_graph_replay" 2>&1 \
+           | tee "$out/marks_tests.log" | grep "FAILED\|passed\|failed\|Error" | tail -8 || true
+         timeout 200 python bench/pipeline.py --gpus 2 --schedules interleaved-v2 --replays graphed --peers \
+           --no-wait-marks --steps 8 --out "$out/pipeline_marks_2gpu_$day.json" 2>&1 | tee "$out/pipeline_marks.log" \
+           | grep -v "codegen: region\|Warning\|warn\|func(" | grep -A6 "^all modes"
+         grep "marked\|J a step" "$out/pipeline_marks.log" | sed 's/.*\(waits for NCCL marked[^;]*\).*/\1/' ;;
   energy) timeout 400 python bench/pipeline.py --gpus 2 --schedules interleaved-v2 zb-h1 --replays graphed \
             --peers pipelining-interleaved-compile --peers-again --steps 8 \
             --out "$out/pipeline_energy_2gpu_$day.json" 2>&1 | tee "$out/pipeline_energy.log" \

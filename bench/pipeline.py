@@ -329,13 +329,14 @@ def run_peer(mode: str, setup: Setup) -> dict:
 
 def run_fxshard(schedule_name: str, virtual: int, graphed: bool, label: str, setup: Setup,
                 p2p_ctas: int | None = None, receives: str = "late", fuse_accumulation: bool = True,
-                grads: str = "fp32", memsets: str = "kernels") -> dict:
+                grads: str = "fp32", memsets: str = "kernels", marks: bool = True) -> dict:
     """One rank of an fxshard mode: Mesh(pp=P), the schedule, eager replay or CUDA graphs, the
     point-to-point transfers on at most `p2p_ctas` CTAs (Config(nccl_max_ctas={"pp": ...})), receives
     issued `receives` (Config(p2p_receives)), gradient accumulation in the wgrad GEMMs with
     `fuse_accumulation` (Config(fuse_grad_accumulation)), gradients accumulated and kept in `grads`
     ("fp32" or "bf16", as the peer's: Config(reduce_dtype)), the captured graph's library memsets as
-    kernel nodes or kept (`memsets`: Config(cuda_graph_memsets))."""
+    kernel nodes or kept (`memsets`: Config(cuda_graph_memsets)), the waits for NCCL marked under CUDA graphs
+    or not (`marks`: Config(wait_marks))."""
     world = dist.get_world_size()
     device = this_device(setup)
     model = build_model(setup, device)
@@ -347,7 +348,7 @@ def run_fxshard(schedule_name: str, virtual: int, graphed: bool, label: str, set
                             p2p_receives=receives, fuse_grad_accumulation=fuse_accumulation,
                             stage_layers=dict(setup.stage_layers).get(world * virtual),
                             nccl_high_priority=setup.nccl_high_priority, layers=setup.layers,
-                            cuda_graph_memsets=memsets, direct_calls=not setup.dispatched_ops)
+                            cuda_graph_memsets=memsets, wait_marks=marks, direct_calls=not setup.dispatched_ops)
     started = time.perf_counter()
     step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=fxshard.optim.AdamW(lr=1e-4),
                          mesh=fxshard.Mesh(pp=world), config=config)
@@ -360,6 +361,7 @@ def run_fxshard(schedule_name: str, virtual: int, graphed: bool, label: str, set
     result["actions"] = actions
     result["compile_s"] = compile_s
     result["direct_calls"] = step.direct_calls  # fxshard op calls past the dispatcher (0 with --dispatched-ops)
+    result["wait_marks"] = step.wait_marks.count  # waits for NCCL marked (runtime/wait_marks.py; graphed only)
     replay = step._replay
     result["graph_memsets"] = replay.memsets.line() if replay is not None and replay.memsets is not None else None
     result["pipeline"] = step.program.notes.get("pipeline")
@@ -821,18 +823,19 @@ def job(kind: str, name: str, setup: Setup, graphed: bool = False) -> dict:
     HOST_GROUP = dist.new_group(backend="gloo")
     if kind == "peer":
         return run_peer(name, setup)
-    schedule_name, virtual, ctas, receives, fused, grads, memsets = schedule_of(name)
+    schedule_name, virtual, ctas, receives, fused, grads, memsets, marks = schedule_of(name)
     return run_fxshard(schedule_name, virtual, graphed, f"{name}-{'graphed' if graphed else 'eager'}", setup, ctas,
-                       receives, fused, grads, memsets)
+                       receives, fused, grads, memsets, marks)
 
 
-def schedule_of(name: str) -> tuple[str, int, int | None, str, bool, str, str]:
+def schedule_of(name: str) -> tuple[str, int, int | None, str, bool, str, str, bool]:
     """An fxshard mode's schedule, virtual stages, the pp group's NCCL CTAs, Config(p2p_receives),
     Config(fuse_grad_accumulation) (on unless "-unfused"; "-fga", which named it on before session 34
     made it the default, reads as on), the gradients' dtype (Config(reduce_dtype)) and
-    Config(cuda_graph_memsets) ("keep" with "-memsets"):
-    "1f1b-ctas2-early-unfused-gbf16-memsets" -> ("1f1b", 1, 2, "early", False, "bf16", "keep"),
-    "1f1b" -> ("1f1b", 1, None, "late", True, "fp32", "kernels")."""
+    Config(cuda_graph_memsets) ("keep" with "-memsets") and Config(wait_marks) (off with "-nomarks"):
+    "1f1b-ctas2-early-unfused-gbf16-memsets-nomarks" -> ("1f1b", 1, 2, "early", False, "bf16", "keep", False),
+    "1f1b" -> ("1f1b", 1, None, "late", True, "fp32", "kernels", True)."""
+    name, nomarks, _ = name.partition("-nomarks")
     name, keep, _ = name.partition("-memsets")
     name, bf16, _ = name.partition("-gbf16")
     name, unfused, _ = name.partition("-unfused")
@@ -840,7 +843,7 @@ def schedule_of(name: str) -> tuple[str, int, int | None, str, bool, str, str]:
     name, early, _ = name.partition("-early")
     base, found, ctas = name.partition("-ctas")
     return (*SCHEDULES[base], int(ctas) if found else None, "early" if early else "late", not unfused,
-            "bf16" if bf16 else "fp32", "keep" if keep else "kernels")
+            "bf16" if bf16 else "fp32", "keep" if keep else "kernels", not nomarks)
 
 
 def median(values: list[float]) -> float:
@@ -916,12 +919,13 @@ def planned_modes(args) -> list[tuple[str, str, bool]]:
             continue
         modes += [("fxshard", name + (f"-ctas{ctas}" if ctas else "") + ("-early" if receives == "early" else "")
                    + ("" if fused else "-unfused") + ("-gbf16" if grads == "bf16" else "")
-                   + ("-memsets" if keep else ""), replay == "graphed")
+                   + ("-memsets" if keep else "") + ("" if marks else "-nomarks"), replay == "graphed")
                   for grads in ["fp32", *(["bf16"] if args.bf16_grads else [])]
                   for fused in sorted({True, not args.unfused_grad_accumulation}, reverse=True)
                   for receives in args.p2p_receives
                   for ctas in [None, *args.p2p_ctas] for replay in replays
-                  for keep in [False, *([True] if args.keep_graph_memsets and replay == "graphed" else [])]]
+                  for keep in [False, *([True] if args.keep_graph_memsets and replay == "graphed" else [])]
+                  for marks in [True, *([False] if args.no_wait_marks and replay == "graphed" else [])]]
     return modes + [("peer" + AGAIN, name, False) for name in args.peers if args.peers_again]
 
 
@@ -954,6 +958,8 @@ def run_mode(kind: str, name: str, graphed: bool, setup: Setup, gpus: int, model
                f"kernels traced per rank {[r['kernels'] for r in ranks]}"]
     if ranks[0].get("graph_memsets"):
         details.append("rank 0 " + ranks[0]["graph_memsets"])
+    if ranks[0].get("wait_marks"):
+        details.append(f"waits for NCCL marked per rank {[r.get('wait_marks') for r in ranks]}")
     if kind == "fxshard":
         details.insert(0, f"fxshard.shard {max(r['compile_s'] for r in ranks):.1f}s")
         placement = build(schedule_name, gpus, setup.microbatches, virtual).rank_of
@@ -1228,6 +1234,10 @@ def main():
                         help="each graphed fxshard mode again with Config(cuda_graph_memsets='keep'), as "
                              "<mode>-memsets-graphed: cuBLAS's and cuDNN's memsets left as memset nodes in the graph "
                              "(the default since session 39 makes them kernel nodes)")
+    parser.add_argument("--no-wait-marks", action="store_true",
+                        help="each graphed fxshard mode again with Config(wait_marks=False), as <mode>-nomarks-graphed: "
+                             "no stream memory write before each wait for an NCCL transfer or collective "
+                             "(runtime/wait_marks.py), what the marks cost")
     parser.add_argument("--half-blocks", action="store_true",
                         help="the fxshard modes take each block's attention and MLP as layers (Config(layers)), so a "
                              "cut can fall inside a block; --stage-layers then counts half-blocks for them, and the "

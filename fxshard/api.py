@@ -114,7 +114,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
                         model_config=getattr(model, "cfg", None), hf_config=_hf_config(model),
                         nonfinite=config.nonfinite,
                         evaluation=compile_evaluation, model=model, cuda_graph_memsets=config.cuda_graph_memsets,
-                        direct_calls=config.direct_calls)
+                        wait_marks=config.wait_marks, direct_calls=config.direct_calls)
     if config.dump_dir or config.verbose:
         _report_lowerings(step, config, len(programs))
     return step

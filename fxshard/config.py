@@ -71,6 +71,10 @@ class Config:
         a memset node leaves the GPU idle ~7 us around it, a kernel node ~0.5 us; GPT 1b's pipeline
         stage has 800 a step); "keep" leaves the captured graph as it is. The runtime lowerings line
         (`step.lowerings()`) says how many were replaced once the graph is captured.
+    wait_marks: under CUDA graphs on a mesh, each wait for an NCCL collective or transfer first writes its
+        number into pinned host memory (two stream memory operations, no kernel; runtime/wait_marks.py),
+        so a step that a stalled peer holds past collective_timeout_s is reported with the collective or
+        transfer it waits for, not only the step. False: no marks (the report names the step).
     direct_calls: in eager replay (no CUDA graphs), call fxshard's own ops outside the compiled regions
         as their Python bodies, past torch's dispatcher (runtime/direct_calls.py: 12-29 us of host time
         saved a call on an H200 machine's host, ~450 calls a step on a GPT 1b pipeline stage). The same
@@ -221,6 +225,7 @@ class Config:
     microbatches: int = 1
     cuda_graphs: bool = False
     cuda_graph_memsets: str = "kernels"
+    wait_marks: bool = True
     direct_calls: bool = True
     seed: int = 0
     fsdp_prefetch: int = 1

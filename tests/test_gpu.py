@@ -252,6 +252,9 @@ def test_a_stalled_peer_under_cuda_graphs_ends_the_step_instead_of_hanging():
         assert waited < 15, waited
         assert raised is not None and raised.startswith("step 4 ran ") and "under its CUDA graph, longer than " \
             "Config(collective_timeout_s)=5: a rank stalled or stopped" in raised, raised
+        # the wait marks (runtime/wait_marks.py) name what the replay's stream waited for: one of ZeRO-3's
+        # collectives over dp, the first of the step on a rank whose peer never came
+        assert "(this rank was at the wait for the " in raised and "on group 'dp'" in raised, raised
 
 
 def _a_capture_while_another_steps_replays_are_watched(batches):

@@ -52,8 +52,10 @@ _CAPTURES: list = []  # the watches whose steps are being captured now (ReplayWa
 class ReplayWatch:
     """Replays in flight, oldest first, and the report once one has run longer than `timeout_s`."""
 
-    def __init__(self, timeout_s: float, rank: int, expire: Callable[[str, float, str], None]):
-        self.timeout_s, self.rank, self.expire = timeout_s, rank, expire
+    def __init__(self, timeout_s: float, rank: int, expire: Callable[[str, float, str], None],
+                 where: Callable[[], str | None] | None = None):
+        # where(): what the replay's stream waits for, said with the report (the step's wait marks)
+        self.timeout_s, self.rank, self.expire, self.where = timeout_s, rank, expire, where
         self.pending: collections.deque = collections.deque()  # (what, done() -> bool, launched at, how, abort)
         self.last_done: float | None = None  # when the replay before the oldest pending one was seen done
         self.reported: str | None = None  # the replay it reported, once
@@ -89,10 +91,12 @@ class ReplayWatch:
         if stalled is None:
             return None
         what, seconds, how = stalled
+        waiting = self.where() if self.where is not None else None  # host memory: no device query
         # outside the lock: aborting NCCL's communicators may not return (expire_process_groups)
         print(f"fxshard: rank {self.rank}: {what} has run {seconds:.0f} s {how}, longer than "
               f"Config(collective_timeout_s)={self.timeout_s:g}: a rank of the job stalled or stopped inside a "
-              f"collective or transfer (its own log says why). Aborting this rank's process groups, so the step "
+              f"collective or transfer (its own log says why)"
+              + (f"; this rank is at {waiting}" if waiting else "") + f". Aborting this rank's process groups, so the step "
               f"fails instead of hanging; restart from the last checkpoint. This rank's threads were at:\n"
               f"{thread_stacks()}", file=sys.stderr, flush=True)
         self.expire(what, seconds, how)

@@ -29,6 +29,7 @@ from .direct_calls import call_directly
 from .flat_gradients import flat_gradients_in_place
 from .reinplace import WRITE_BACK, accumulate_in_place, gather_updates_in_place, reinplace, write_back_positions
 from .replay_watch import ReplayWatch, abort_groups, expire_process_groups
+from .wait_marks import WaitMarks, mark_waits, words as wait_marks_words
 from .state import State, every_stage_parameters, full_parameters, gather_shard
 
 
@@ -66,7 +67,7 @@ class CompiledStep:
                  mesh_description: str = "one device", expert_layouts: dict | None = None,
                  model_class: str = "", model_config=None, hf_config: dict | None = None, nonfinite: str = "ignore",
                  evaluation=None, model=None, cuda_graph_memsets: str = Config.cuda_graph_memsets,
-                 direct_calls: bool = Config.direct_calls):
+                 wait_marks: bool = Config.wait_marks, direct_calls: bool = Config.direct_calls):
         self.programs = programs
         # where this rank sits, for checkpoints (fxshard/checkpoint): its index along each mesh axis,
         # its global rank, and the expert layers' storage layouts (prefix -> (ExpertLayout, experts))
@@ -138,6 +139,12 @@ class CompiledStep:
             index = device.index if device.index is not None else torch.cuda.current_device()
             self._watch = Watch(self.copy_engine, marker(index), collective_timeout_s, rank, index)
             self._watch.start()
+        # under CUDA graphs NCCL's watchdog does not see the collectives: each wait for one writes its number
+        # into host memory first, so a stall is reported with what the step waits for (wait_marks.py)
+        self.wait_marks, self._evaluation_marks, self._marks_device = WaitMarks(), WaitMarks(), 0
+        if wait_marks and cuda_graphs and self.groups and device.type == "cuda":
+            self._marks_device = device.index if device.index is not None else torch.cuda.current_device()
+            self._run, self.wait_marks = mark_waits(self._run, self._marks_device, self._group_axes())
         # last: the compute between the nodes placed above is compiled; those nodes keep their order
         self.codegen: CodegenReport | None = None
         if codegen:
@@ -159,7 +166,8 @@ class CompiledStep:
         self._replay_watch = None
         if cuda_graphs and self.groups and collective_timeout_s:
             self._replay_watch = ReplayWatch(collective_timeout_s, rank,
-                                             _expire_replay(weakref.ref(self), collective_timeout_s))
+                                             _expire_replay(weakref.ref(self), collective_timeout_s),
+                                             where=_waiting_in(weakref.ref(self)))
 
     @property
     def copy_engine_all_to_alls(self) -> int:
@@ -174,6 +182,10 @@ class CompiledStep:
         run = bind_groups(program, {axis: g.group_name for axis, g in self.groups.items()})
         return lower_gloo_all_gathers(run, gloo_group_names(self.groups))[0]
 
+    def _group_axes(self) -> dict[str, str]:
+        """Process-group name -> the mesh axis it is, as errors name groups."""
+        return {group.group_name: axis for axis, group in self.groups.items()}
+
     def lowerings(self) -> str:
         """One line: what the runtime changed in the program before running it."""
         return (f"runtime lowerings of {self.program.name!r}: {self.in_place_updates} in-place optimizer updates, "
@@ -182,7 +194,7 @@ class CompiledStep:
                 f"they lie, {self.copy_engine.line()}"
                 + (f" ({self.auto_collectives})" if self.auto_collectives else "") + f", {self.sm_carveout_stretches} "
                 f"SM-carveout stretches, {self.gloo_all_gathers} gloo all-gathers through _allgather_base, "
-                f"{self.direct_calls} calls of fxshard ops past the dispatcher; "
+                f"{self.direct_calls} calls of fxshard ops past the dispatcher, {self.wait_marks.line()}; "
                 f"{self.codegen.line() if self.codegen else 'codegen: off (aten replay)'}"
                 + (f"; {self._replay.memsets.line()}" if self._replay is not None and self._replay.is_captured else ""))
 
@@ -372,6 +384,8 @@ class CompiledStep:
             check_agreement(program.graph, self.groups, self.device,
                             self.program.stage.stage if self.program.stage is not None else None)
         run = self._bound(program)
+        if self.wait_marks.count:  # its waits marked too, so a stalled evaluation's report says where it waits
+            run, self._evaluation_marks = mark_waits(run, self._marks_device, self._group_axes())
         if self._codegen_on:
             run, _ = compile_regions(run, progress=progress_printer(self._verbose), by_layer=self._codegen_by_layer)
         else:
@@ -533,6 +547,17 @@ def _check_capturable(program: Program) -> None:
                     f"widths divisible by 8) or cuda_graphs=False")
 
 
+def _waiting_in(step_ref):
+    """What the step's stream was waiting for, by its wait marks (wait_marks.py), or None."""
+    def where() -> str | None:
+        step = step_ref()
+        if step is None or not step.wait_marks.count:
+            return None
+        word = wait_marks_words(step._marks_device)
+        return step.wait_marks.waiting_in(word) or step._evaluation_marks.waiting_in(word)
+    return where
+
+
 def _expire_replay(step_ref, timeout_s: float):
     """What the replay watch does once a replay ran too long: abort the step's process groups, so the
     replay stops, and make every later call say why (refuse_if_interrupted)."""
@@ -540,11 +565,13 @@ def _expire_replay(step_ref, timeout_s: float):
         step = step_ref()
         if step is None:
             return
+        waiting = _waiting_in(step_ref)()
         step._aborted = (f"{what} ran {seconds:.0f} s {how}, longer than Config(collective_timeout_s)="
-                         f"{timeout_s:g}: a rank stalled or stopped in a collective or transfer, "
-                         f"so this rank aborted its process groups rather than hang. Restart the job from the last "
-                         f"checkpoint (in this process the groups are gone, the state may be partly updated, and the "
-                         f"process exits with status 1 at interpreter exit without tearing the groups down)")
+                         f"{timeout_s:g}: a rank stalled or stopped in a collective or transfer"
+                         + (f" (this rank was at {waiting})" if waiting else "")
+                         + ", so this rank aborted its process groups rather than hang. Restart the job from the last "
+                         "checkpoint (in this process the groups are gone, the state may be partly updated, and the "
+                         "process exits with status 1 at interpreter exit without tearing the groups down)")
         if step.groups:
             expire_process_groups(f"{what} on rank {step.rank}")
         for line in abort_groups(step.groups):
