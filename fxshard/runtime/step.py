@@ -130,7 +130,7 @@ class CompiledStep:
             self._run, self.copy_engine = lower_to_copy_engines(
                 self._run, all_to_alls=all_to_all == "copy-engine",
                 gathers_and_scatters=fsdp_collectives == "copy-engine", timeout_s=collective_timeout_s,
-                axes={group.group_name: axis for axis, group in self.groups.items()}, barriers=copy_engine_barriers,
+                axes=self._group_axes(), barriers=copy_engine_barriers,
                 own_part=resolve_own_part(copy_engine_own_part, codegen))
         # names the copy-engine collective a device stopped in (kernel barriers trap after the timeout;
         # with stream barriers the watch stops the device itself)
