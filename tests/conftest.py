@@ -27,6 +27,22 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
+@pytest.fixture
+def stream_writes(monkeypatch):
+    """The stream memory writes (cuStreamWriteValue32) fxshard's runtime makes, recorded as (stream,
+    address, value, flags) on a fake current stream 7: the CUDA calls a CPU test can check."""
+    from fxshard.runtime import copy_engine
+
+    calls = []
+
+    def write(stream, address, value, flags):
+        calls.append((stream, address, value, flags))
+        return 0
+    monkeypatch.setattr(copy_engine, "_stream_memory_operations", lambda: (write, None))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("Stream", (), {"cuda_stream": 7})())
+    return calls
+
+
 # Tests on real processes (several ranks each, 10-90 s on the 2-core CI machine) run first: under
 # pytest-xdist the short in-process tests then fill both workers to the end, where a long test
 # started last would leave one worker idle.

@@ -250,22 +250,17 @@ def test_a_device_stop_ends_the_process_even_when_its_launch_blocks_holding_the_
         assert "exits with status 1 in 1 s" in done.stderr and "Timeout (0:00:01)" in done.stderr
 
 
-def test_with_stream_barriers_the_marker_is_written_by_stream_memory_operations_not_a_kernel(monkeypatch):
+def test_with_stream_barriers_the_marker_is_written_by_stream_memory_operations_not_a_kernel(monkeypatch,
+                                                                                            stream_writes):
     """No kernel on the way into a collective whose barriers hold no SM: the marker's two words are
     written by cuStreamWriteValue32 (recorded here), at the marker's own address."""
     from fxshard.runtime import copy_engine
 
-    calls, word = [], torch.zeros(3, dtype=torch.int32)
-
-    def write(stream, address, value, flags):
-        calls.append((stream, address, value, flags))
-        return 0
-    monkeypatch.setattr(copy_engine, "_stream_memory_operations", lambda: (write, None))
+    word = torch.zeros(3, dtype=torch.int32)
     monkeypatch.setattr(copy_engine, "marker", lambda index: word)
     monkeypatch.setattr(copy_engine, "_mark_kernel", lambda: pytest.fail("a kernel was launched"))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("Stream", (), {"cuda_stream": 7})())
     copy_engine._mark(0, 12, 2 * 3 + 1, "stream")
-    assert calls == [(7, word.data_ptr(), 12, 0), (7, word.data_ptr() + 4, 7, 0)]
+    assert stream_writes == [(7, word.data_ptr(), 12, 0), (7, word.data_ptr() + 4, 7, 0)]
 
 
 def test_stream_barriers_are_refused_where_every_stream_shares_one_hardware_queue(monkeypatch):

@@ -142,19 +142,11 @@ def test_a_mark_before_each_nccl_wait_names_it_and_what_its_group_still_has_in_f
     assert mark_waits(fx.GraphModule(torch.nn.Module(), fx.Graph()), 0)[1] == WaitMarks()
 
 
-def test_the_marks_are_stream_memory_writes_at_the_words_address(monkeypatch):
-    from fxshard.runtime import copy_engine
-
-    calls, word = [], torch.zeros(2, dtype=torch.int32)
-
-    def write(stream, address, value, flags):
-        calls.append((stream, address, value, flags))
-        return 0
-    monkeypatch.setattr(copy_engine, "_stream_memory_operations", lambda: (write, None))
+def test_the_marks_are_stream_memory_writes_at_the_words_address(monkeypatch, stream_writes):
+    word = torch.zeros(2, dtype=torch.int32)
     monkeypatch.setattr(wait_marks, "words", lambda index: word)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("Stream", (), {"cuda_stream": 9})())
     wait_marks.wait_mark(0, 4, 17)
-    assert calls == [(9, word.data_ptr(), 4, 0), (9, word.data_ptr() + 4, 17, 0)]
+    assert stream_writes == [(7, word.data_ptr(), 4, 0), (7, word.data_ptr() + 4, 17, 0)]
 
 
 def test_the_replay_watch_and_the_step_it_ends_say_what_the_stalled_stream_waits_for(capsys, monkeypatch):

@@ -158,15 +158,20 @@ def _mark(index: int, lowering: int, code: int, barrier: str = "kernel") -> None
     that the GEMMs beside it may hold for a whole GEMM, and would hold back the collective's start
     that the barriers no longer do."""
     if barrier == "stream":
-        write, _ = _stream_memory_operations()
-        stream = torch.cuda.current_stream().cuda_stream
-        address = marker(index).data_ptr()  # pinned: the same address on the device (unified addressing)
-        for offset, value in ((0, lowering), (4, code)):
-            result = write(stream, address + offset, value, 0)
-            if result != 0:
-                raise RuntimeError(f"copy-engine marker: {write.__name__} returned CUresult {result}")
+        write_words(marker(index), (lowering, code), "copy-engine marker")
         return
     _mark_kernel()[(1,)](marker(index), lowering, code)
+
+
+def write_words(words: Tensor, values: tuple[int, ...], what: str) -> None:
+    """On the current stream, by stream memory operations (no kernel): `values` into the first 32-bit
+    words of `words`, pinned host memory (the same address on the device: unified addressing)."""
+    write, _ = _stream_memory_operations()
+    stream = torch.cuda.current_stream().cuda_stream
+    for offset, value in enumerate(values):
+        result = write(stream, words.data_ptr() + 4 * offset, value, 0)
+        if result != 0:
+            raise RuntimeError(f"{what}: {write.__name__} returned CUresult {result}")
 
 
 class _Done(torch._C._distributed_c10d.Work):

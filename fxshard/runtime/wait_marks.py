@@ -48,15 +48,9 @@ def words(index: int) -> torch.Tensor:
 def wait_mark(index: int, lowering: int, wait: int) -> None:
     """On the current stream: write [lowering, wait] into device `index`'s words (the runtime's call
     before each marked wait; `wait` 0 at the step's start)."""
-    from .copy_engine import _stream_memory_operations
+    from .copy_engine import write_words
 
-    write, _ = _stream_memory_operations()
-    stream = torch.cuda.current_stream().cuda_stream
-    address = words(index).data_ptr()  # pinned: the same address on the device (unified addressing)
-    for offset, value in ((0, lowering), (4, wait)):
-        result = write(stream, address + offset, value, 0)
-        if result != 0:
-            raise RuntimeError(f"wait marks: {write.__name__} returned CUresult {result}")
+    write_words(words(index), (lowering, wait), "wait marks")
 
 
 @dataclass(frozen=True)
