@@ -63,10 +63,12 @@ between kernels (launches, dependencies), which a profile of thousands of kernel
 `short_gaps_ms` per rank). Kernels replayed from a CUDA graph appear in the trace or not depending on torch
 and CUPTI: a graphed mode gets a bubble only where the trace holds kernels launched by its graph launch
 (matched by correlation id), else "n/a" with the reason, never an estimate. On CPU it is always n/a.
-During the timed steps nvidia-smi samples each rank's SM clock, power draw and clock-event reasons
-every 20 ms (bench/common.py `GpuClocks`; JSON `gpu_clocks` per rank, one details line per rank): a
-graphed step, with no launch gaps, may draw more power and run its kernels at a lower clock than the
-same step replayed eagerly.
+During the timed steps nvidia-smi samples each rank's SM clock, power draw, temperature and
+clock-event reasons every 20 ms (bench/common.py `GpuClocks`; JSON `gpu_clocks` per rank, one details
+line per rank), and each row gets its energy a step (`energy_j_per_step`: both ranks' mean power x
+ms/step), printed beside the targets against the lowest-energy peer row: on 2 H200s (session 44) every
+busy mode runs at the 700 W power cap, a graphed step, with no launch gaps, at a lower clock than its
+eager replay, so a GPU-bound step takes its joules over the cap.
 The profiled step of an eager mode carries the profiler's own host overhead (CPU activity too, for the
 region ranges below), which a host-bound step shows as extra bubble. --trace-dir keeps each mode's trace per rank (chrome://tracing, Perfetto).
 --p2p-ctas N runs each fxshard schedule again with its point-to-point transfers on at most N CTAs

@@ -23,7 +23,7 @@ watchdog); copy-engine collectives have their own markers (copy_engine.py) and a
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -60,7 +60,7 @@ class WaitMarks:
 
     number: int = 0
     described: tuple[str, ...] = ()  # wait i (1-based) waits for described[i - 1]
-    in_flight: tuple[tuple[str, ...], ...] = field(default=())  # issued earlier on its group, not yet waited
+    in_flight: tuple[tuple[str, ...], ...] = ()  # issued earlier on its group, not yet waited
 
     @property
     def count(self) -> int:
