@@ -144,3 +144,58 @@ def test_ranks_that_would_lower_their_collectives_differently_fail_together():
     (agreed, messages), (agreed_too, other) = run_local(runtime_choices, 2, backend="gloo")
     assert agreed is agreed_too is None and other == messages
     assert "rank 0: ep_all_to_all='nccl'; rank 1: ep_all_to_all='copy-engine'" in messages
+
+
+def starts_apart():
+    """Each case on rank 1 only: another init seed, lr or batch size, none of which changes a collective
+    (ZeRO-3 over dp=2: the units and their gathers are the same); then both ranks alike."""
+    from strategies import MLPStack, mse, regression_batch
+
+    rank = dist.get_rank()
+    said = {}
+    for case in ("seed", "lr", "rows", "none"):
+        torch.manual_seed(1 if case == "seed" and rank else 0)
+        model = MLPStack([4, 4])
+        optimizer = fxshard.optim.AdamW(lr=2e-3 if case == "lr" and rank else 1e-3)
+        batch = regression_batch(torch.Generator().manual_seed(rank), 2 if case == "rows" and rank else 4)
+        try:
+            fxshard.shard(model, mse, batch, optimizer=optimizer, mesh=fxshard.Mesh(dp=2))
+            said[case] = None
+        except fxshard.FxShardError as error:
+            said[case] = str(error)
+    return said
+
+
+def test_ranks_that_start_from_other_weights_optimizer_or_batch_shapes_fail_together():
+    """Their programs issue the same collectives, so only check_same_start can stop them: rank 1 seeded
+    apart would train a mixture of both ranks' weights under ZeRO-3 (a new user's review found it)."""
+    said, said_too = run_local(starts_apart, 2, backend="gloo")
+    assert said == said_too, (said, said_too)
+    assert said["none"] is None
+    assert said["seed"].startswith("rank 1 starts from something else than rank 0: parameter 'inp.weight': (4, 3) "
+                                   "float32, checksum") and "torch.manual_seed(0)" in said["seed"], said["seed"]
+    assert "optimizer: AdamW(lr=0.002," in said["lr"] and "AdamW(lr=0.001," in said["lr"], said["lr"]
+    assert "example batch: batch['x'] (2, 3) float32; batch['y'] (2, 1) float32 on rank 1" in said["rows"] \
+        and "batch['x'] (4, 3) float32" in said["rows"] and "equal share of the global batch" in said["rows"], said["rows"]
+
+
+def test_start_entries_see_every_bit_and_no_summation_order():
+    from fxshard.batch import BatchSpec
+    from fxshard.runtime.agreement import start_entries
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.BatchNorm1d(3))
+    model[1].register_buffer("scratch", torch.empty(1000), persistent=False)  # uninitialized: not compared
+    spec = BatchSpec.from_example(torch.zeros(2, 5))
+    optimizer, config = fxshard.optim.AdamW(lr=lambda step: 1e-3), fxshard.Config()
+    before = start_entries(model, spec, optimizer, config)
+    assert [e.where for e in before] == ["example batch", "optimizer", "Config"] + ["parameter"] * 4 + ["buffer"] * 3
+    assert "lr=<test_start_entries_see_every_bit_and_no_summation_order.<locals>.<lambda> " in before[1].key
+    assert before == start_entries(model, spec, fxshard.optim.AdamW(lr=lambda step: 1e-3),
+                                   fxshard.Config(verbose=True, dump_dir="elsewhere"))
+    with torch.no_grad():  # the lowest bit of one weight: only that parameter's entry changes
+        model[0].weight.view(-1).view(torch.int32)[7] ^= 1
+    changed = start_entries(model, spec, optimizer, config)
+    assert changed[3] != before[3] and changed[:3] + changed[4:] == before[:3] + before[4:]
+    meta = start_entries(torch.nn.Linear(5, 3, device="meta"), spec, optimizer, config)
+    assert meta[3].key == "parameter 'weight': (3, 5) float32, meta"

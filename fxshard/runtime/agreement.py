@@ -9,6 +9,11 @@ exchange mismatched buffers; instead, `check_agreement` compares, right after co
     per pair of stages the sequence of sends and receives between them (one rank's sends are the
                        other's receives, in the same order)
 
+and then, over the whole job, what the programs do not show (`check_same_start`): every rank starts
+from the same weights (a checksum of each parameter's and buffer's bits), the same optimizer, Config
+and example batch structure, shapes and dtypes. Ranks whose models were seeded differently run the
+same collectives and would train a mixture of their models (ZeRO) or drift apart (replicated).
+
 Each rank hashes its sequences and the ranks all-gather the hashes: one small collective per group.
 Only when hashes differ are the sequences themselves exchanged, so that every rank raises the same
 `FxShardError` naming the first collective that differs, with its phase, layer and unit.
@@ -16,6 +21,7 @@ Only when hashes differ are the sequences themselves exchanged, so that every ra
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 
@@ -278,3 +284,90 @@ def connect_pipeline_peers(graph: fx.Graph, group, device: torch.device) -> None
             dist.send(token, group=group, group_dst=peer)
         else:
             dist.recv(token, group=group, group_src=peer)
+
+
+_START_FIXES = {
+    "parameter": "every rank must build the same model with the same initial values (seed every rank alike "
+                 "before building it, e.g. torch.manual_seed(0), or load the same weights on each): ranks that "
+                 "start apart would train a mixture of their models (ZeRO) or drift apart (replicated)",
+    "example batch": "every rank's batches must have the same structure, shapes and dtypes (an equal share of "
+                     "the global batch): the gradient average weighs every rank alike",
+    "optimizer": "give every rank the same optimizer and hyperparameters",
+    "Config": "give every rank the same Config",
+}
+_START_FIXES["buffer"] = _START_FIXES["parameter"]
+
+
+def start_entries(model, batch_spec, optimizer, config) -> list[Entry]:
+    """What every rank of a job must start from, one Entry per item (`where`: what it is): the example
+    batch's leaves, the optimizer, the Config (less `verbose` and `dump_dir`, which may differ), and
+    each parameter and persistent buffer of `model` (what a checkpoint holds: a non-persistent one may be
+    scratch, allocated uninitialized) by shape, dtype and a checksum of its bits (two int64 sums of
+    its 32-bit words, all and odd ones; exact, so summation order cannot make equal tensors differ;
+    "meta" for a meta-device model, which fxshard initializes the same way on every rank)."""
+    from ..share import _describe_callable
+
+    leaves = "; ".join(f"{leaf.path} {tuple(leaf.shape)} {str(leaf.dtype).replace('torch.', '')}"
+                       for leaf in batch_spec.leaves)
+    fields = []
+    for field in dataclasses.fields(optimizer):
+        value = getattr(optimizer, field.name)
+        if callable(value):  # an lr schedule: its name, and a digest of its code and closure
+            code = hashlib.sha256(_describe_callable(value).encode()).hexdigest()[:8]
+            value = f"<{getattr(value, '__qualname__', type(value).__qualname__)} {code}>"
+        fields.append(f"{field.name}={value}")
+    entries = [Entry(f"example batch: {leaves}", "example batch"),
+               Entry(f"optimizer: {type(optimizer).__name__}({', '.join(fields)})", "optimizer"),
+               Entry(f"Config: {dataclasses.replace(config, verbose=False, dump_dir=None)!r}", "Config")]
+    tensors = [(f"parameter {name!r}", t) for name, t in model.named_parameters()]
+    tensors += [(f"buffer {name!r}", t) for name, t in model.named_buffers() if _persistent(model, name)]
+    sums = _checksums([t for _, t in tensors])
+    for (what, tensor), checksum in zip(tensors, sums):
+        dtype = str(tensor.dtype).replace("torch.", "")
+        bits = "meta" if checksum is None else f"checksum {checksum[0] & (2**64 - 1):016x}.{checksum[1] & (2**64 - 1):016x}"
+        entries.append(Entry(f"{what}: {tuple(tensor.shape)} {dtype}, {bits}", what.split(" ")[0]))
+    return entries
+
+
+def _persistent(model, name: str) -> bool:
+    owner, _, leaf = name.rpartition(".")
+    return leaf not in model.get_submodule(owner)._non_persistent_buffers_set
+
+
+def _checksums(tensors: list[torch.Tensor]) -> list[tuple[int, int] | None]:
+    """Per tensor, the int64 sums (wrapping) of its 32-bit words (bytes where its size is no multiple
+    of 4), all of them and the odd ones; None for a meta tensor. One host read for all."""
+    sums = []
+    for tensor in tensors:
+        if tensor.is_meta:
+            sums.append(None)
+            continue
+        words = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        if words.numel() % 4 == 0:
+            words = words.view(torch.int32)
+        sums.append(torch.stack([words.sum(dtype=torch.int64), words[1::2].sum(dtype=torch.int64)]).cpu())
+    real = [s for s in sums if s is not None]
+    values = iter(torch.stack(real).tolist() if real else [])
+    return [None if s is None else tuple(next(values)) for s in sums]
+
+
+def check_same_start(model, batch_spec, optimizer, config, device: torch.device) -> None:
+    """Raise FxShardError on every rank of the job when some rank starts from other weights, another
+    optimizer, Config or example batch than rank 0 (`start_entries`), naming the first item that
+    differs and each side of it. One small all-gather of digests over the default group; the items
+    themselves are exchanged only when the digests differ. Nothing to compare in one process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    mine = start_entries(model, batch_spec, optimizer, config)
+    if len({tuple(d) for d in _all_gather_lists(_digest(mine), dist.group.WORLD, device)}) == 1:
+        return
+    every = [_decode(text) for text in _all_gather_text(_encode(mine), dist.group.WORLD, device)]
+    index, entries = first_difference(every)
+    rank = next(r for r, entry in enumerate(entries) if entry != entries[0])
+    first, theirs = entries[0], entries[rank]
+    what = (first or theirs).where
+    fix = _START_FIXES.get(what, _HINT)
+    raise FxShardError(f"rank {rank} starts from something else than rank 0: {theirs.key if theirs else 'nothing'} "
+                       f"on rank {rank}, {first.key if first else 'nothing'} on rank 0. {fix[0].upper()}{fix[1:]}")
