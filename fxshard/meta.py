@@ -19,6 +19,10 @@ PRE, POST = "pre", "post"
 # Key under torch.fx.traceback.annotate's "custom" dict that carries the layer during tracing.
 ANNOTATION_LAYER = "fxshard_layer"
 ANNOTATION_PARAM = "fxshard_param"
+# ... and the number of the torch.utils.checkpoint call a forward node was made in (fxshard/trace.py);
+# on the program's forward nodes as RECOMPUTE, which passes/recompute.py reads
+ANNOTATION_RECOMPUTE = "fxshard_recompute"
+RECOMPUTE = "fxshard_recompute"
 
 
 def phase(node) -> str | None:

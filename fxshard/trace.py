@@ -11,6 +11,8 @@ the same fake tensors and appended, so the program is one graph:
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import time
 
 import torch
@@ -126,7 +128,7 @@ def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
         with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta(), \
                 annotate_layers(step_module.target[0], model, layer_paths) as layer_trace, \
                 moe.capacity_factor_override(config.moe_capacity_factor), RouteGroupedMM(), _tracing_flags(), \
-                _cast_forward_inputs(model, config.param_dtype), _attributes_kept(model), \
+                _cast_forward_inputs(model, config.param_dtype), _attributes_kept(model), _checkpoints_marked(), \
                 swapped_forwards(model) as swapped:
             joint = aot_export_joint_with_descriptors(
                 stack, step_module, (fake_params, fake_buffers, fake_leaves))
@@ -324,6 +326,8 @@ class _ProgramBuilder:
             copy.meta[meta.PHASE] = meta.BWD if node.meta.get("partitioner_tag") == "is_backward" else meta.FWD
             if meta.ANNOTATION_LAYER in custom:
                 copy.meta[meta.LAYER] = self.layer_trace.layer_of(custom[meta.ANNOTATION_LAYER])
+            if meta.ANNOTATION_RECOMPUTE in custom and copy.meta[meta.PHASE] == meta.FWD:
+                copy.meta[meta.RECOMPUTE] = custom[meta.ANNOTATION_RECOMPUTE]
             copy.meta[meta.MICROBATCH] = microbatch
             env[node] = copy
         raise AssertionError("joint graph has no output node")
@@ -425,11 +429,75 @@ def _tracing_flags():
     `torch.compiler.is_compiling()` / `is_exporting()` true, transformers and torch itself take their
     traceable paths (no host reads of masks, no fast paths that branch on tensor values)."""
     compiling, exporting = torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag
+    is_exporting = torch.compiler.is_exporting
+
+    def is_exporting_unless_asked_by_dynamo_disable():
+        # torch._dynamo.disable's wrapper (on torch.utils.checkpoint.checkpoint, among others) asks, and
+        # when exporting wraps its call in fx_traceback.annotate, which on the way out restores the whole
+        # annotation: the layer marks annotate_layers sets inside the call (after layer k) would be lost
+        caller = sys._getframe(1).f_code
+        if caller.co_name == "_fn" and caller.co_filename.endswith(os.path.join("_dynamo", "eval_frame.py")):
+            return False
+        return is_exporting()
+
     torch.compiler._is_compiling_flag = torch.compiler._is_exporting_flag = True
+    torch.compiler.is_exporting = is_exporting_unless_asked_by_dynamo_disable
     try:
         yield
     finally:
         torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag = compiling, exporting
+        torch.compiler.is_exporting = is_exporting
+
+
+@contextlib.contextmanager
+def _checkpoints_marked():
+    """Activation checkpointing, traced: each `torch.utils.checkpoint.checkpoint` call (either
+    implementation; transformers' gradient_checkpointing_enable() and checkpoint_sequential call it)
+    runs its function as a plain call whose nodes carry the call's number (meta.ANNOTATION_RECOMPUTE),
+    instead of autograd's saved-tensor machinery, which a joint trace would flatten into one forward
+    whose values the backward reads (the checkpoint silently lost). passes/recompute.py then gives
+    the backward its own copy of what it reads from inside each call. A selective policy
+    (`context_fn`) is not applied: every deterministic op of the call is computed again."""
+    import warnings
+
+    import torch.utils.checkpoint as checkpoint
+
+    numbers = iter(range(1 << 62))
+
+    @contextlib.contextmanager
+    def mark():
+        # not fx_traceback.annotate, which restores the whole annotation on exit: the layer hooks set
+        # theirs inside the call (annotate_layers' "after layer k"), and it must outlive the call
+        fx_traceback.current_meta.setdefault("custom", {})[meta.ANNOTATION_RECOMPUTE] = next(numbers)
+        try:
+            yield
+        finally:
+            fx_traceback.current_meta.get("custom", {}).pop(meta.ANNOTATION_RECOMPUTE, None)
+
+    def marked(function, *args, **kwargs):
+        with mark():
+            return function(*args, **kwargs)
+
+    class Reentrant:  # stands for CheckpointFunction: checkpoint(use_reentrant=True) calls its apply
+        @staticmethod
+        def apply(function, preserve_rng_state, *args):
+            return marked(function, *args)
+
+    def without_reentrant(function, preserve_rng_state=True, context_fn=checkpoint.noop_context_fn, *rest, **kwargs):
+        # checkpoint(use_reentrant=False) runs its function between this generator's two steps
+        if context_fn is not checkpoint.noop_context_fn:
+            warnings.warn("fxshard: a torch.utils.checkpoint call's context_fn (a selective checkpointing "
+                          "policy) is not applied: every deterministic op in the call is computed again "
+                          "in the backward", stacklevel=3)
+        with mark():
+            yield
+
+    saved = checkpoint.CheckpointFunction, checkpoint._checkpoint_without_reentrant_generator
+    checkpoint.CheckpointFunction, checkpoint._checkpoint_without_reentrant_generator = Reentrant, without_reentrant
+    try:
+        yield
+    finally:
+        checkpoint.CheckpointFunction, checkpoint._checkpoint_without_reentrant_generator = saved
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from .lower_schedule import lower_schedule
 from .narrow_grads import narrow_grads
 from .overlap import fill_ep_windows
 from .recognize_moe import recognize_moe
+from .recompute import recompute
 from .pipeline import chunk_costs, split_stages
 
 
@@ -49,6 +50,11 @@ PIPELINE: list[Pass] = [
          lambda program, mesh, config, stage: expert_parallel(
              program, EPConfig(mesh.ep, config.ep_chunks if config.ep_overlap else 1)),
          lambda mesh, config: mesh is not None and mesh.ep > 1),
+    # activation checkpointing: the backward computes again what it reads from inside checkpointed
+    # calls (after ep, whose collectives and custom ops it leaves to be read; before the cut)
+    Pass("recompute",
+         lambda program, mesh, config, stage: recompute(program),
+         lambda mesh, config: True),
     # Mesh(pp>1): the microbatch program cut into chunks, and this stage's actions of the schedule
     # lowered into one program for the whole step (sends, receives, accumulation, optimizer phase)
     Pass("pipeline",

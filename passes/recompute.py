@@ -1,0 +1,100 @@
+"""recompute: what the backward reads from inside an activation-checkpointed call is computed again.
+
+`torch.utils.checkpoint.checkpoint(fn, *args)` (transformers' `gradient_checkpointing_enable()`
+calls it per decoder layer) asks autograd to keep only the call's inputs and to run `fn` again when
+the backward needs a value made inside it. A joint trace computes every forward value once and lets
+the backward read it, which would keep all of them: the checkpoint silently lost. The tracer marks
+each node made inside a checkpointed call (meta.RECOMPUTE: the call's number; fxshard/trace.py
+`_checkpoints_marked`), and this pass gives the backward of each call and microbatch its own copy of
+the call's inner forward nodes it reads (not the call's results, which later forward code reads:
+those stay alive as the next call's saved input would), and of those they are computed from inside the call, placed right
+before the first backward node that reads any of them. The forward's originals then die where the
+forward stops needing them, and the copies live from the backward's first read to its last.
+
+What is computed again: deterministic ops (`graph.is_pure`: aten, no mutation, no random draw; an
+attention call with dropout_p == 0 too). A value made by anything else inside the call (a random
+draw such as dropout, which must not be drawn again; a collective; a custom op such as the fused
+grouped MLP) is read where the forward made it, as is every value the call read from outside.
+A selective checkpointing policy (checkpoint's `context_fn`) is not applied (the tracer warns).
+
+Invariant: the program computes the same values (each copy runs its original's op on the same
+inputs, so on one device bit-identically), and no backward node reads a recomputable forward value
+made inside a checkpointed call that only the call itself reads in the forward; the bytes of forward values the backward reads never grow.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fxshard import meta
+from fxshard.graph import Graph, call_argument, is_pure, lazy_module
+from fxshard.program import Program
+
+_ATTENTION = frozenset({
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+})
+
+
+def recomputable(node: fx.Node) -> bool:
+    """Computing `node` again gives the same value: a pure op, or attention that draws no dropout."""
+    if is_pure(node):
+        return True
+    return node.op == "call_function" and node.target in _ATTENTION and call_argument(node, "dropout_p") == 0
+
+
+def internal(node: fx.Node, call: list[fx.Node] | set[fx.Node]) -> bool:
+    """No forward node outside the call reads `node`: it is not one of the call's results (a result
+    stays alive anyway: the next layer reads it, and a checkpoint keeps its own inputs)."""
+    return all(u in call or meta.phase(u) != meta.FWD for u in node.users)
+
+
+def recompute(program: Program) -> Program:
+    """`program` with the backward reading copies of checkpointed calls' forward values (see the
+    module docstring); the same program when no call was checkpointed."""
+    graph = program.graph
+    calls: dict[tuple, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if node.meta.get(meta.RECOMPUTE) is not None and meta.phase(node) == meta.FWD:
+            calls.setdefault((node.meta[meta.RECOMPUTE], meta.microbatch(node)), []).append(node)
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    before: dict[fx.Node, list[fx.Node]] = {}  # the first backward reader -> the nodes to copy there
+    read_count = recomputed_calls = 0
+    for nodes in calls.values():
+        inside = {n for n in nodes if recomputable(n)}
+        read = [n for n in inside if internal(n, nodes) and any(meta.phase(u) == meta.BWD for u in n.users)]
+        if not read:
+            continue
+        read_count, recomputed_calls = read_count + len(read), recomputed_calls + 1
+        copied, stack = set(), list(read)
+        while stack:  # what the read values are computed from inside the call
+            node = stack.pop()
+            if node not in copied:
+                copied.add(node)
+                stack.extend(n for n in node.all_input_nodes if n in inside)
+        first = min((u for n in read for u in n.users if meta.phase(u) == meta.BWD), key=position.__getitem__)
+        before.setdefault(first, []).extend(sorted(copied, key=position.__getitem__))
+    if not before:
+        return program
+
+    new = Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    copies: dict[fx.Node, fx.Node] = {}  # a forward original -> its copy for the backward
+    for node in graph.nodes:
+        for original in before.get(node, ()):
+            copy = new.node_copy(original, lambda n: copies[n] if n in copies else env[n])
+            copy.meta = {k: v for k, v in original.meta.items() if k != meta.RECOMPUTE}
+            copy.meta[meta.PHASE] = meta.BWD
+            copies[original] = copy
+        if meta.phase(node) == meta.BWD:
+            env[node] = new.node_copy(node, lambda n: copies[n] if n in copies else env[n])
+        else:
+            env[node] = new.node_copy(node, env.__getitem__)
+    new.lint()
+    copied_count = sum(len(nodes) for nodes in before.values())
+    notes = dict(program.notes, recompute=f"{recomputed_calls} checkpointed calls: {copied_count} forward nodes computed "
+                                          f"again in the backward, where it read {read_count} of their values")
+    return program.replace(graph_module=lazy_module(program.graph_module, new), notes=notes)
