@@ -1,6 +1,6 @@
 """FSDP benchmark: one GPU without communication vs FSDP2 (fully_shard, eager) vs fxshard, side by side.
 
-    python bench/fsdp.py --gpus 2 --batch 1 4 --model 1b --out bench/fsdp.json
+    python bench/fsdp.py --gpus 2 --batch 1 4 --model 1b --out bench/fsdp.json [--checkpoint-layers]
 
 Every mode trains the same dense GPT (bf16 compute, fp32 master weights, fp32 gradient reduction,
 AdamW) at sequence length S on per-GPU batch B and reports ms/step, tokens/s/GPU, MFU, peak memory
@@ -263,6 +263,9 @@ def main():
     parser.add_argument("--out", default="bench/fsdp.json")
     parser.add_argument("--profile", metavar="DIR", help="after timing, write a kernel-time table per mode here")
     parser.add_argument("--eager-replay", action="store_true", help="fxshard modes without CUDA graphs")
+    parser.add_argument("--checkpoint-layers", action="store_true",
+                        help="activation checkpointing in every mode: GPTConfig(checkpoint_layers), each block under "
+                             "torch.utils.checkpoint (eager and compiled modes: PyTorch's; fxshard: its recompute pass)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every mode this many times in turn and report each one's median (profiles: round 1)")
     args = parser.parse_args()
@@ -276,11 +279,12 @@ def main():
         os.environ["FXSHARD_BENCH_PROFILE"] = args.profile
         global PROFILE_DIR
         PROFILE_DIR = args.profile
-    cfg = GPTConfig.preset(args.model)
+    cfg = GPTConfig.preset(args.model, checkpoint_layers=args.checkpoint_layers)
     params = sum(p.numel() for p in build_model(cfg, "meta").parameters())
     per_token = flops_per_token(cfg, args.seq)
     rows = []
-    print(f"GPT {args.model}: {params / 1e9:.2f}B parameters, S={args.seq}, {torch.cuda.get_device_name()}, "
+    print(f"GPT {args.model}{' (activation checkpointing)' if args.checkpoint_layers else ''}: "
+          f"{params / 1e9:.2f}B parameters, S={args.seq}, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}", flush=True)
     header = (f"{'mode':<20} {'gpus':>4} {'batch':>5} {'ms/step':>9} {'tok/s/gpu':>10} {'MFU':>6} {'peak GiB':>9} "
               f"{'vs nocomm':>9} {'vs compile':>10}")
@@ -347,7 +351,7 @@ def main():
                 print(f"{mode:<20} {gpus:>4} {batch:>5} {ms:>9.1f} {row['tokens_per_s_per_gpu']:>10.0f} "
                       f"{mfu:>6.1%} {peak / 2**30:>9.1f} {ratio:>9} {vs_compile:>10}", flush=True)
     summary = by_median(rows, per_token, args.seq) if args.rounds > 1 else []
-    write_json(args.out, model=args.model, params=params, rounds=args.rounds, rows=rows, summary=summary)
+    write_json(args.out, model=args.model, checkpoint_layers=args.checkpoint_layers, params=params, rounds=args.rounds, rows=rows, summary=summary)
 
 
 def by_median(rows: list[dict], per_token: float, seq: int) -> list[dict]:
