@@ -35,7 +35,9 @@ def model_loss(model, batch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("codegen", ["inductor", None])
 @pytest.mark.parametrize("make_model", [lambda: GPT(GPTConfig.preset("tiny")),
-                                        lambda: MoEGPT(MoEGPTConfig.preset("tiny"))], ids=["gpt", "moe_gpt"])
+                                        lambda: MoEGPT(MoEGPTConfig.preset("tiny")),
+                                        lambda: GPT(GPTConfig.preset("tiny", checkpoint_layers=True))],
+                         ids=["gpt", "moe_gpt", "gpt_checkpointed"])  # the last: eager recomputes, fxshard's pass too
 def test_fp32_parity_on_cuda(make_model, codegen):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
