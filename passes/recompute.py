@@ -46,7 +46,7 @@ def recomputable(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in _ATTENTION and call_argument(node, "dropout_p") == 0
 
 
-def internal(node: fx.Node, call: list[fx.Node] | set[fx.Node]) -> bool:
+def internal(node: fx.Node, call: set[fx.Node]) -> bool:
     """No forward node outside the call reads `node`: it is not one of the call's results (a result
     stays alive anyway: the next layer reads it, and a checkpoint keeps its own inputs)."""
     return all(u in call or meta.phase(u) != meta.FWD for u in node.users)
@@ -64,8 +64,9 @@ def recompute(program: Program) -> Program:
     before: dict[fx.Node, list[fx.Node]] = {}  # the first backward reader -> the nodes to copy there
     read_count = recomputed_calls = 0
     for nodes in calls.values():
+        members = set(nodes)
         inside = {n for n in nodes if recomputable(n)}
-        read = [n for n in inside if internal(n, nodes) and any(meta.phase(u) == meta.BWD for u in n.users)]
+        read = [n for n in inside if internal(n, members) and any(meta.phase(u) == meta.BWD for u in n.users)]
         if not read:
             continue
         read_count, recomputed_calls = read_count + len(read), recomputed_calls + 1
@@ -83,16 +84,17 @@ def recompute(program: Program) -> Program:
     new = Graph()
     env: dict[fx.Node, fx.Node] = {}
     copies: dict[fx.Node, fx.Node] = {}  # a forward original -> its copy for the backward
+    def copied_or_kept(n: fx.Node) -> fx.Node:
+        return copies[n] if n in copies else env[n]
+
     for node in graph.nodes:
-        for original in before.get(node, ()):
-            copy = new.node_copy(original, lambda n: copies[n] if n in copies else env[n])
+        for original in before.get(node, ()):  # named for the dumps: recompute_<the forward node>
+            args, kwargs = fx.map_arg((original.args, original.kwargs), copied_or_kept)
+            copy = new.create_node(original.op, original.target, args, kwargs, name=f"recompute_{original.name}")
             copy.meta = {k: v for k, v in original.meta.items() if k != meta.RECOMPUTE}
             copy.meta[meta.PHASE] = meta.BWD
             copies[original] = copy
-        if meta.phase(node) == meta.BWD:
-            env[node] = new.node_copy(node, lambda n: copies[n] if n in copies else env[n])
-        else:
-            env[node] = new.node_copy(node, env.__getitem__)
+        env[node] = new.node_copy(node, copied_or_kept if meta.phase(node) == meta.BWD else env.__getitem__)
     new.lint()
     copied_count = sum(len(nodes) for nodes in before.values())
     notes = dict(program.notes, recompute=f"{recomputed_calls} checkpointed calls: {copied_count} forward nodes computed "
