@@ -207,6 +207,11 @@ class Config:
         (as torch.amp.GradScaler does; AdamW's bias correction counts applied updates only, the lr
         schedule counts calls). "ignore": no check (the weights become NaN).
     seed: initializes a model built on the meta device (fxshard.init: per module, seeded by its path).
+    check_initial_weights: on a mesh, `shard` compares a checksum of every rank's initial parameters
+        and persistent buffers (runtime/agreement.py `check_same_start`) and refuses ranks that start
+        apart, which would train a mixture of their weights. False skips that comparison only (the
+        optimizer, Config and batch shapes are still compared): for ranks that replace their weights
+        right after `shard` (`fxshard.load`, `load_hf`) whatever they were built with.
     share_trace: ranks whose model, loss, batch shapes, optimizer and Config agree trace the step once
         (and `evaluate()`'s on its first call), on the lowest of them, and the others load its program
         (fxshard/share.py: a trace must not depend on the rank itself). None (default): on when the
@@ -228,6 +233,7 @@ class Config:
     wait_marks: bool = True
     direct_calls: bool = True
     seed: int = 0
+    check_initial_weights: bool = True
     fsdp_prefetch: int = 1
     verbose: bool = False
     fuse_grouped_mlp: bool = False

@@ -69,11 +69,19 @@ def _describe(value) -> str:
 
 
 def _describe_callable(fn) -> str:
+    """A function by its name, code and closure, the same in every process that holds the same one."""
     code = getattr(fn, "__code__", None)
     if code is None:  # a callable object, a partial, a builtin: its class and repr
         return f"{type(fn).__qualname__}:{_describe(fn)}"
     closure = [_describe(cell.cell_contents) for cell in (fn.__closure__ or ())]
-    return f"{fn.__module__}.{fn.__qualname__}:{code.co_code.hex()}:{code.co_consts!r}:{code.co_names}:{closure}"
+    return f"{fn.__module__}.{fn.__qualname__}:{_describe_code(code)}:{closure}"
+
+
+def _describe_code(code) -> str:
+    """Bytecode, constants and names; a nested code object (a comprehension, a generator expression, an
+    inner function) described the same way, since its repr holds a memory address."""
+    consts = [_describe_code(c) if hasattr(c, "co_code") else repr(c) for c in code.co_consts]
+    return f"{code.co_code.hex()}:{consts}:{code.co_names}"
 
 
 def shared_trace(trace: Callable[[], Program], digest: str, verbose: bool = False) -> Program:

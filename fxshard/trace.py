@@ -451,8 +451,9 @@ def _tracing_flags():
 
 @contextlib.contextmanager
 def _checkpoints_marked():
-    """Activation checkpointing, traced: each `torch.utils.checkpoint.checkpoint` call (either
-    implementation; transformers' gradient_checkpointing_enable() and checkpoint_sequential call it)
+    """Activation checkpointing, traced: each `torch.utils.checkpoint.checkpoint` call (use_reentrant
+    True or False; transformers' gradient_checkpointing_enable() and checkpoint_sequential call it;
+    not torch.distributed._composable.checkpoint, which binds torch's generator at import)
     runs its function as a plain call whose nodes carry the call's number (meta.ANNOTATION_RECOMPUTE),
     instead of autograd's saved-tensor machinery, which a joint trace would flatten into one forward
     whose values the backward reads (the checkpoint silently lost). passes/recompute.py then gives
@@ -468,11 +469,17 @@ def _checkpoints_marked():
     def mark():
         # not fx_traceback.annotate, which restores the whole annotation on exit: the layer hooks set
         # theirs inside the call (annotate_layers' "after layer k"), and it must outlive the call
-        fx_traceback.current_meta.setdefault("custom", {})[meta.ANNOTATION_RECOMPUTE] = next(numbers)
+        custom = fx_traceback.current_meta.setdefault("custom", {})
+        outer = custom.get(meta.ANNOTATION_RECOMPUTE)  # a checkpoint inside a checkpointed call
+        custom[meta.ANNOTATION_RECOMPUTE] = next(numbers)
         try:
             yield
         finally:
-            fx_traceback.current_meta.get("custom", {}).pop(meta.ANNOTATION_RECOMPUTE, None)
+            custom = fx_traceback.current_meta.get("custom", {})
+            if outer is None:
+                custom.pop(meta.ANNOTATION_RECOMPUTE, None)
+            else:
+                custom[meta.ANNOTATION_RECOMPUTE] = outer
 
     def marked(function, *args, **kwargs):
         with mark():

@@ -12,7 +12,10 @@ before the first backward node that reads any of them. The forward's originals t
 forward stops needing them, and the copies live from the backward's first read to its last.
 
 What is computed again: deterministic ops (`graph.is_pure`: aten, no mutation, no random draw; an
-attention call with dropout_p == 0 too). A value made by anything else inside the call (a random
+attention call with dropout_p == 0 too; not the scatters that accumulate with atomics on CUDA, such
+as index_add, whose sums could come out in another order). A call that runs several layers is taken
+layer by layer (a pipeline may cut between them): a layer's values that the next one reads count as
+results. A value made by anything else inside the call (a random
 draw such as dropout, which must not be drawn again; a collective; a custom op such as the fused
 grouped MLP) is read where the forward made it, as is every value the call read from outside.
 A selective checkpointing policy (checkpoint's `context_fn`) is not applied (the tracer warns).
@@ -39,10 +42,18 @@ _ATTENTION = frozenset({
 })
 
 
+# pure, but accumulating with atomics on CUDA: computed again, the sum could differ in its last bits
+_ATOMIC = frozenset({
+    torch.ops.aten.index_add.default, torch.ops.aten.scatter_add.default, torch.ops.aten.scatter_reduce.two,
+    torch.ops.aten.index_put.default, torch.ops.aten._index_put_impl.default,
+})
+
+
 def recomputable(node: fx.Node) -> bool:
-    """Computing `node` again gives the same value: a pure op, or attention that draws no dropout."""
+    """Computing `node` again gives the same bits: a pure op that accumulates without atomics, or
+    attention that draws no dropout."""
     if is_pure(node):
-        return True
+        return node.target not in _ATOMIC
     return node.op == "call_function" and node.target in _ATTENTION and call_argument(node, "dropout_p") == 0
 
 
@@ -59,7 +70,9 @@ def recompute(program: Program) -> Program:
     calls: dict[tuple, list[fx.Node]] = {}
     for node in graph.nodes:
         if node.meta.get(meta.RECOMPUTE) is not None and meta.phase(node) == meta.FWD:
-            calls.setdefault((node.meta[meta.RECOMPUTE], meta.microbatch(node)), []).append(node)
+            # per layer too: a call over several layers (checkpoint_sequential) may span pipeline chunks,
+            # and a chunk's backward must only read copies its own backward made
+            calls.setdefault((node.meta[meta.RECOMPUTE], meta.microbatch(node), meta.layer(node)), []).append(node)
     position = {node: i for i, node in enumerate(graph.nodes)}
     before: dict[fx.Node, list[fx.Node]] = {}  # the first backward reader -> the nodes to copy there
     read_count = recomputed_calls = 0

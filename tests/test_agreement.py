@@ -153,13 +153,14 @@ def starts_apart():
 
     rank = dist.get_rank()
     said = {}
-    for case in ("seed", "lr", "rows", "none"):
-        torch.manual_seed(1 if case == "seed" and rank else 0)
+    for case in ("seed", "lr", "rows", "none", "seed unchecked"):
+        torch.manual_seed(1 if case.startswith("seed") and rank else 0)
         model = MLPStack([4, 4])
         optimizer = fxshard.optim.AdamW(lr=2e-3 if case == "lr" and rank else 1e-3)
         batch = regression_batch(torch.Generator().manual_seed(rank), 2 if case == "rows" and rank else 4)
         try:
-            fxshard.shard(model, mse, batch, optimizer=optimizer, mesh=fxshard.Mesh(dp=2))
+            config = fxshard.Config(check_initial_weights=case != "seed unchecked")  # e.g. ranks about to load
+            fxshard.shard(model, mse, batch, optimizer=optimizer, mesh=fxshard.Mesh(dp=2), config=config)
             said[case] = None
         except fxshard.FxShardError as error:
             said[case] = str(error)
@@ -171,7 +172,7 @@ def test_ranks_that_start_from_other_weights_optimizer_or_batch_shapes_fail_toge
     apart would train a mixture of both ranks' weights under ZeRO-3 (a new user's review found it)."""
     said, said_too = run_local(starts_apart, 2, backend="gloo")
     assert said == said_too, (said, said_too)
-    assert said["none"] is None
+    assert said["none"] is None and said["seed unchecked"] is None
     assert said["seed"].startswith("rank 1 starts from something else than rank 0: parameter 'inp.weight': (4, 3) "
                                    "float32, checksum") and "torch.manual_seed(0)" in said["seed"], said["seed"]
     assert "optimizer: AdamW(lr=0.002," in said["lr"] and "AdamW(lr=0.001," in said["lr"], said["lr"]
@@ -199,3 +200,19 @@ def test_start_entries_see_every_bit_and_no_summation_order():
     assert changed[3] != before[3] and changed[:3] + changed[4:] == before[:3] + before[4:]
     meta = start_entries(torch.nn.Linear(5, 3, device="meta"), spec, optimizer, config)
     assert meta[3].key == "parameter 'weight': (3, 5) float32, meta"
+    # a schedule with a generator expression: described by its code, not by the code object's address
+    schedule = fxshard.optim.AdamW(lr=lambda step: min(x for x in (1e-3, step * 1e-4)))
+    assert "0x" not in start_entries(model, spec, schedule, config)[1].key
+
+
+def test_checksums_read_every_bit_at_any_offset_and_in_chunks():
+    from fxshard.runtime.agreement import _checksums
+
+    flat = torch.arange(13, dtype=torch.bfloat16)
+    odd, whole = flat[1:9], flat[:12]  # a view 2 bytes into its storage: no int32 view of it
+    sums = _checksums([odd, whole, torch.empty(3, device="meta")])
+    assert sums[2] is None and sums[0] == _checksums([odd.clone()])[0]
+    assert _checksums([whole], chunk_words=2) == [sums[1]]  # chunks of 4 words sum as one
+    flat[3] = 100.0
+    changed = _checksums([odd, whole])
+    assert changed[0] != sums[0] and changed[1] != sums[1]

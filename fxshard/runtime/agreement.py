@@ -289,7 +289,9 @@ def connect_pipeline_peers(graph: fx.Graph, group, device: torch.device) -> None
 _START_FIXES = {
     "parameter": "every rank must build the same model with the same initial values (seed every rank alike "
                  "before building it, e.g. torch.manual_seed(0), or load the same weights on each): ranks that "
-                 "start apart would train a mixture of their models (ZeRO) or drift apart (replicated)",
+                 "start apart would train a mixture of their models (ZeRO) or drift apart (replicated). Ranks "
+                 "that load a checkpoint into the step right after shard may pass "
+                 "Config(check_initial_weights=False)",
     "example batch": "every rank's batches must have the same structure, shapes and dtypes (an equal share of "
                      "the global batch): the gradient average weighs every rank alike",
     "optimizer": "give every rank the same optimizer and hyperparameters",
@@ -304,7 +306,8 @@ def start_entries(model, batch_spec, optimizer, config) -> list[Entry]:
     each parameter and persistent buffer of `model` (what a checkpoint holds: a non-persistent one may be
     scratch, allocated uninitialized) by shape, dtype and a checksum of its bits (two int64 sums of
     its 32-bit words, all and odd ones; exact, so summation order cannot make equal tensors differ;
-    "meta" for a meta-device model, which fxshard initializes the same way on every rank)."""
+    "meta" for a meta-device model, which fxshard initializes the same way on every rank). With
+    Config(check_initial_weights=False), no tensor entries."""
     from ..share import _describe_callable
 
     leaves = "; ".join(f"{leaf.path} {tuple(leaf.shape)} {str(leaf.dtype).replace('torch.', '')}"
@@ -321,6 +324,8 @@ def start_entries(model, batch_spec, optimizer, config) -> list[Entry]:
                Entry(f"Config: {dataclasses.replace(config, verbose=False, dump_dir=None)!r}", "Config")]
     tensors = [(f"parameter {name!r}", t) for name, t in model.named_parameters()]
     tensors += [(f"buffer {name!r}", t) for name, t in model.named_buffers() if _persistent(model, name)]
+    if not config.check_initial_weights:
+        tensors = []
     sums = _checksums([t for _, t in tensors])
     for (what, tensor), checksum in zip(tensors, sums):
         dtype = str(tensor.dtype).replace("torch.", "")
@@ -334,21 +339,30 @@ def _persistent(model, name: str) -> bool:
     return leaf not in model.get_submodule(owner)._non_persistent_buffers_set
 
 
-def _checksums(tensors: list[torch.Tensor]) -> list[tuple[int, int] | None]:
+def _checksums(tensors: list[torch.Tensor], chunk_words: int = 1 << 24) -> list[tuple[int, int] | None]:
     """Per tensor, the int64 sums (wrapping) of its 32-bit words (bytes where its size is no multiple
-    of 4), all of them and the odd ones; None for a meta tensor. One host read for all."""
-    sums = []
+    of 4), all of them and the odd ones; None for a meta tensor. Summed in chunks (an int64
+    sum of int32 words may widen its input first: a chunk's worth of memory, not a tensor's), on
+    the tensor's device, read to the host once for all."""
+    sums, parts = [], []
     for tensor in tensors:
         if tensor.is_meta:
             sums.append(None)
             continue
         words = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         if words.numel() % 4 == 0:
+            if words.storage_offset() % 4:  # a view 2 bytes into its storage: copied, so that where a
+                words = words.clone()       # tensor lies never changes its checksum
             words = words.view(torch.int32)
-        sums.append(torch.stack([words.sum(dtype=torch.int64), words[1::2].sum(dtype=torch.int64)]).cpu())
-    real = [s for s in sums if s is not None]
-    values = iter(torch.stack(real).tolist() if real else [])
-    return [None if s is None else tuple(next(values)) for s in sums]
+        total = odd = torch.zeros((), dtype=torch.int64, device=words.device)
+        for start in range(0, words.numel(), 2 * chunk_words):  # even starts: a chunk's odd words are the tensor's
+            chunk = words[start:start + 2 * chunk_words]
+            total = total + chunk.sum(dtype=torch.int64)
+            odd = odd + chunk[1::2].sum(dtype=torch.int64)
+        sums.append(len(parts))
+        parts.append(torch.stack([total, odd]))
+    values = torch.stack([p.to(parts[0].device) for p in parts]).cpu().tolist() if parts else []
+    return [None if index is None else tuple(values[index]) for index in sums]
 
 
 def check_same_start(model, batch_spec, optimizer, config, device: torch.device) -> None:

@@ -78,6 +78,52 @@ def test_recompute_before_the_pipeline_cut_and_fsdp_changes_no_bit(case):
                          [local[mesh.coords(r)["dp"]] for r in range(mesh.size)])
 
 
+class Pairs(GPT):
+    """Layers 1 and 2 in one checkpointed call, which a pipeline cut at (2, 2) splits."""
+
+    def forward(self, idx):
+        from fxshard.models.blocks import rope_tables
+
+        x = self.tok_emb(idx)
+        cos, sin = rope_tables(idx.shape[1], self.cfg.d_model // self.cfg.n_head, self.cfg.rope_theta, idx.device)
+        x = self.layers[0](x, cos, sin)
+        x = checkpoint(lambda h: self.layers[2](self.layers[1](h, cos, sin), cos, sin), x, use_reentrant=False)
+        return self.head(self.norm(self.layers[3](x, cos, sin)))
+
+
+def test_a_call_over_two_layers_that_the_pipeline_cuts_is_recomputed_layer_by_layer():
+    torch.manual_seed(0)
+    model = Pairs(GPTConfig(vocab_size=24, d_model=16, n_layer=4, n_head=2, d_ff=24))
+    mesh, config = fxshard.Mesh(pp=2), fxshard.Config(microbatches=2, stage_layers=(2, 2))
+    batch = token_batches(1, 1, 4, seq=8, vocab=24, seed=3)[0]
+    traced = fxshard.trace(model, lambda m, b: m.loss(b), local_part(batch, 0, 2), optimizer=ADAMW)
+    without = [p for p in PIPELINE if p.name != "recompute"]
+    stages = [[run_pipeline(traced, mesh, config, pipeline=passes, stage=s)[-1] for s in range(2)]
+              for passes in (PIPELINE, without)]
+    assert all("recompute" in p.notes for p in stages[0])  # both stages' layers of the call
+    assert_bit_identical(stages, model, ADAMW, mesh, [batch, batch])
+
+
+def test_a_checkpoint_inside_a_checkpointed_call_leaves_the_outer_call_marked():
+    class Nested(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.out = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)
+
+        def outer(self, x):
+            h = checkpoint(lambda y: torch.tanh(self.b(y)), torch.tanh(self.a(x)), use_reentrant=False)
+            return torch.sigmoid(h) * 3.0  # after the inner call: still the outer call's
+
+        def forward(self, x):
+            return self.out(checkpoint(self.outer, x, use_reentrant=False))
+
+    program = fxshard.trace(Nested(), regression_loss, {"x": torch.randn(4, 4), "y": torch.randn(4, 1)})
+    forward = [n for n in program.graph.nodes if meta.phase(n) == meta.FWD]
+    outer_linear, inner_linear, _ = [n.meta.get(meta.RECOMPUTE) for n in forward if n.target is torch.ops.aten.addmm.default]
+    after_inner = next(n.meta.get(meta.RECOMPUTE) for n in forward if n.target is torch.ops.aten.sigmoid.default)
+    assert None not in (outer_linear, inner_linear) and outer_linear != inner_linear and after_inner == outer_linear
+
+
 class Noisy(nn.Module):
     """A block with batch norm and dropout inside a checkpoint (reentrant or not): the random draw is
     read where the forward made it (drawn again it would differ), the rest computed again."""
