@@ -46,6 +46,9 @@ def parse_args(argv=None):
     parser.add_argument("--dump", metavar="DIR", help="write the graph dumps here")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=1)
+    parser.add_argument("--checkpoint-layers", action="store_true",
+                        help="activation checkpointing: each block under torch.utils.checkpoint, its inside "
+                             "computed again in the backward (fxshard's recompute pass)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks (spawns local processes)")
     parser.add_argument("--sharding", default=None, choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
                         help="default: optim_grads_params, or optim (ZeRO-1) with --pp > 1")
@@ -140,6 +143,7 @@ def build_model(args):
     model_cls, config_cls = MODELS[args.model]
     overrides = ({"capacity_factor": args.capacity_factor, "expert_slots": args.expert_slots}
                  if args.model == "moe_gpt" else {})
+    overrides["checkpoint_layers"] = args.checkpoint_layers
     return model_cls(config_cls.preset(args.preset, **overrides))
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from fxshard import moe
 from fxshard.checkpoint import ExpertLayout
@@ -43,6 +44,7 @@ class MoEGPTConfig:
     routing: str = "learned"
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    checkpoint_layers: bool = False  # activation checkpointing: each block's inside computed again in the backward
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "MoEGPTConfig":
@@ -148,7 +150,10 @@ class MoEGPT(nn.Module):
         aux_total = x.new_zeros((), dtype=torch.float32)
         dropped_total = torch.zeros((), dtype=torch.long, device=idx.device)
         for layer in self.layers:
-            x, aux, dropped = layer(x, cos, sin)
+            if self.cfg.checkpoint_layers:
+                x, aux, dropped = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x, aux, dropped = layer(x, cos, sin)
             aux_total = aux_total + aux
             dropped_total = dropped_total + dropped
         return self.head(self.norm(x)), aux_total, dropped_total

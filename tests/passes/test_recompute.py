@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 import fxshard
 from fxshard import meta
 from fxshard.dump import peak_live_bytes, saved_activation_bytes
-from fxshard.models import GPT, GPTConfig
+from fxshard.models import GPT, MoEGPT, GPTConfig, MoEGPTConfig
 from fxshard.passes import PIPELINE, run_pipeline
 from fxshard.passes.recompute import internal, recompute, recomputable
 from fxshard.testing import SimulatedRanks, assert_bit_identical, eager_parity
@@ -35,7 +35,7 @@ def gpt(n_layer, checkpointed):
 
 
 @settings(deadline=None)
-@given(n_layer=st.integers(1, 3), microbatches=st.sampled_from([1, 2]))
+@given(n_layer=st.integers(1, 2), microbatches=st.sampled_from([1, 2]))
 def test_recomputed_program_computes_the_same_bits_and_saves_less(n_layer, microbatches):
     batches = token_batches(1, 2, local_batch=2, seq=8, vocab=24)
     config = fxshard.Config(microbatches=microbatches)
@@ -122,6 +122,26 @@ def test_a_checkpoint_inside_a_checkpointed_call_leaves_the_outer_call_marked():
     outer_linear, inner_linear, _ = [n.meta.get(meta.RECOMPUTE) for n in forward if n.target is torch.ops.aten.addmm.default]
     after_inner = next(n.meta.get(meta.RECOMPUTE) for n in forward if n.target is torch.ops.aten.sigmoid.default)
     assert None not in (outer_linear, inner_linear) and outer_linear != inner_linear and after_inner == outer_linear
+
+
+def test_moe_blocks_under_checkpoint_keep_their_dispatch_and_change_no_bit_under_expert_parallelism():
+    """MoEGPTConfig(checkpoint_layers) at Mesh(dp=2, ep=2): the all-to-alls and fxshard's MoE ops are
+    read where the forward made them, the rest of each block computed again."""
+    def model():
+        torch.manual_seed(0)
+        return MoEGPT(MoEGPTConfig.preset("tiny", n_layer=2, checkpoint_layers=True))
+
+    mesh, config = fxshard.Mesh(dp=2, ep=2), fxshard.Config()
+    local = token_batches(2, 1, local_batch=4, seq=8)[0]
+    local = [local_part(local, rank, 4) for rank in range(2)]
+    traced = fxshard.trace(model(), lambda m, b: m.loss_and_metrics(b), local[0], optimizer=ADAMW, config=config)
+    without = [p for p in PIPELINE if p.name != "recompute"]
+    programs = [run_pipeline(traced, mesh, config, pipeline=passes)[-1] for passes in (PIPELINE, without)]
+    assert "recompute" in programs[0].notes and checkpointed_reads(programs[0]) == []
+    assert not any(n.name.startswith("recompute_") and n.target in meta.COLLECTIVE_ISSUES
+                   for n in programs[0].graph.nodes)
+    assert saved_activation_bytes(programs[0]) < saved_activation_bytes(programs[1])
+    assert_bit_identical(programs, model(), ADAMW, mesh, local)
 
 
 class Noisy(nn.Module):
