@@ -11,6 +11,7 @@ the same fake tensors and appended, so the program is one graph:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import sys
 import time
@@ -463,7 +464,7 @@ def _checkpoints_marked():
 
     import torch.utils.checkpoint as checkpoint
 
-    numbers = iter(range(1 << 62))
+    numbers = itertools.count()
 
     @contextlib.contextmanager
     def mark():

@@ -63,16 +63,22 @@ def internal(node: fx.Node, call: set[fx.Node]) -> bool:
     return all(u in call or meta.phase(u) != meta.FWD for u in node.users)
 
 
+def checkpointed_calls(graph: fx.Graph) -> dict[tuple, list[fx.Node]]:
+    """(call number, microbatch, layer) -> the forward nodes made inside that checkpointed call, in
+    graph order. Per layer too: a call over several layers (checkpoint_sequential) may span pipeline
+    chunks, and a chunk's backward must only read copies its own backward made."""
+    calls: dict[tuple, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if node.meta.get(meta.RECOMPUTE) is not None and meta.phase(node) == meta.FWD:
+            calls.setdefault((node.meta[meta.RECOMPUTE], meta.microbatch(node), meta.layer(node)), []).append(node)
+    return calls
+
+
 def recompute(program: Program) -> Program:
     """`program` with the backward reading copies of checkpointed calls' forward values (see the
     module docstring); the same program when no call was checkpointed."""
     graph = program.graph
-    calls: dict[tuple, list[fx.Node]] = {}
-    for node in graph.nodes:
-        if node.meta.get(meta.RECOMPUTE) is not None and meta.phase(node) == meta.FWD:
-            # per layer too: a call over several layers (checkpoint_sequential) may span pipeline chunks,
-            # and a chunk's backward must only read copies its own backward made
-            calls.setdefault((node.meta[meta.RECOMPUTE], meta.microbatch(node), meta.layer(node)), []).append(node)
+    calls = checkpointed_calls(graph)
     position = {node: i for i, node in enumerate(graph.nodes)}
     before: dict[fx.Node, list[fx.Node]] = {}  # the first backward reader -> the nodes to copy there
     read_count = recomputed_calls = 0

@@ -378,7 +378,7 @@ def check_same_start(model, batch_spec, optimizer, config, device: torch.device)
     if len({tuple(d) for d in _all_gather_lists(_digest(mine), dist.group.WORLD, device)}) == 1:
         return
     every = [_decode(text) for text in _all_gather_text(_encode(mine), dist.group.WORLD, device)]
-    index, entries = first_difference(every)
+    _, entries = first_difference(every)
     rank = next(r for r, entry in enumerate(entries) if entry != entries[0])
     first, theirs = entries[0], entries[rank]
     what = (first or theirs).where

@@ -11,7 +11,7 @@ from fxshard import meta
 from fxshard.dump import peak_live_bytes, saved_activation_bytes
 from fxshard.models import GPT, MoEGPT, GPTConfig, MoEGPTConfig
 from fxshard.passes import PIPELINE, run_pipeline
-from fxshard.passes.recompute import internal, recompute, recomputable
+from fxshard.passes.recompute import checkpointed_calls, internal, recompute, recomputable
 from fxshard.testing import SimulatedRanks, assert_bit_identical, eager_parity
 from strategies import local_part, token_batches
 
@@ -21,11 +21,8 @@ ADAMW = fxshard.optim.AdamW(lr=1e-2)
 def checkpointed_reads(program) -> list:
     """Backward nodes' reads of recomputable forward values made inside checkpointed calls, other than
     the calls' results."""
-    calls = {}
-    for n in program.graph.nodes:
-        if meta.phase(n) == meta.FWD and n.meta.get(meta.RECOMPUTE) is not None:
-            calls.setdefault((n.meta[meta.RECOMPUTE], meta.microbatch(n)), set()).add(n)
-    return [(n.name, u.name) for call in calls.values() for n in call if recomputable(n) and internal(n, call)
+    calls = [set(nodes) for nodes in checkpointed_calls(program.graph).values()]
+    return [(n.name, u.name) for call in calls for n in call if recomputable(n) and internal(n, call)
             for u in n.users if meta.phase(u) == meta.BWD]
 
 
