@@ -110,7 +110,7 @@ def measure(name, call, args, tensors, iters, reference):
         with torch.no_grad():
             out = call(q, k, v)
     except RuntimeError as error:  # a backend that does not take this shape or GPU
-        return {"backend": name, "error": str(error).splitlines()[0][:160]}
+        return {"backend": name, "error": str(error).splitlines()[0][:160]}, None
     torch.cuda.synchronize()
     error_vs_ref = None
     if reference is not None:
@@ -122,7 +122,7 @@ def measure(name, call, args, tensors, iters, reference):
         total = time_ms(both, iters, during=clocks)
     except RuntimeError as error:  # e.g. a backend whose kernels do not capture
         traceback.print_exc()
-        return {"backend": name, "error": f"timing failed: {str(error).splitlines()[0][:160]}"}
+        return {"backend": name, "error": f"timing failed: {str(error).splitlines()[0][:160]}"}, None
     fwd_flops, bwd_flops = attention_flops(args.batch, args.heads, args.seq, args.head_dim)
     summary = clocks.summary()
     row = {"backend": name, "fwd_ms": fwd, "bwd_ms": total - fwd, "fwd_bwd_ms": total,
@@ -155,11 +155,7 @@ def main() -> None:
     for name, call in candidates:
         if call is None:
             call = flex_call(args.seq, "cuda")
-        result = measure(name, call, args, tensors, args.iters, reference)
-        if isinstance(result, dict):
-            rows.append(result)
-            continue
-        row, out = result
+        row, out = measure(name, call, args, tensors, args.iters, reference)  # out: None where it did not run
         reference = out if reference is None else reference
         rows.append(row)
     shape = f"batch {args.batch}, {args.heads} heads x {args.head_dim}, {args.seq} tokens, causal, bf16"
