@@ -1,6 +1,6 @@
 """FSDP benchmark: one GPU without communication vs FSDP2 (fully_shard, eager) vs fxshard, side by side.
 
-    python bench/fsdp.py --gpus 2 --batch 1 4 --model 1b --out bench/fsdp.json [--checkpoint-layers]
+    python bench/fsdp.py --gpus 2 --batch 1 4 --model 1b --out bench/fsdp.json [--checkpoint-layers [selective]]
 
 Every mode trains the same dense GPT (bf16 compute, fp32 master weights, fp32 gradient reduction,
 AdamW) at sequence length S on per-GPU batch B and reports ms/step, tokens/s/GPU, MFU, peak memory
@@ -40,15 +40,18 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import fxshard  # noqa: E402
 from fxshard.launch import run_local  # noqa: E402
 from fxshard.models import GPT, GPTConfig  # noqa: E402
+from fxshard.models.blocks import checkpointed  # noqa: E402
 from common import H200_BF16_DENSE_PEAK, IDLE_SHORT_US, gemm_line, kernel_timeline, write_json  # noqa: E402
 
 
@@ -147,8 +150,25 @@ def build_model(cfg, device):
         return GPT(cfg)
 
 
+class CheckpointedBlock(nn.Module):
+    """A block with its activation checkpoint inside, where torch.compile sees both: torchtitan applies
+    activation checkpointing before it compiles each block, so the compiler's partitioner decides what
+    the backward computes again (selective policies included)."""
+
+    def __init__(self, block: nn.Module, mode):
+        super().__init__()
+        self.block, self.mode = block, mode
+
+    def forward(self, x, cos, sin):
+        return checkpointed(self.block, x, cos, sin, mode=self.mode)
+
+
 def compile_blocks(model) -> None:
-    """torch.compile each transformer block in place (torchtitan's per-block recipe)."""
+    """torch.compile each transformer block in place (torchtitan's per-block recipe), a checkpointed
+    model's with the checkpoint inside the compiled block."""
+    if model.cfg.checkpoint_layers:
+        model.layers = nn.ModuleList(CheckpointedBlock(block, model.cfg.checkpoint_layers) for block in model.layers)
+        model.cfg = replace(model.cfg, checkpoint_layers=False)
     for block in model.layers:
         block.compile()
 
@@ -263,9 +283,10 @@ def main():
     parser.add_argument("--out", default="bench/fsdp.json")
     parser.add_argument("--profile", metavar="DIR", help="after timing, write a kernel-time table per mode here")
     parser.add_argument("--eager-replay", action="store_true", help="fxshard modes without CUDA graphs")
-    parser.add_argument("--checkpoint-layers", action="store_true",
+    parser.add_argument("--checkpoint-layers", nargs="?", const="full", default=False, choices=["full", "selective"],
                         help="activation checkpointing in every mode: GPTConfig(checkpoint_layers), each block under "
-                             "torch.utils.checkpoint (eager and compiled modes: PyTorch's; fxshard: its recompute pass)")
+                             "torch.utils.checkpoint, 'full' or 'selective' (matmul and attention outputs kept); eager "
+                             "and compiled modes: PyTorch's (compiled: inside each compiled block); fxshard: its recompute pass")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every mode this many times in turn and report each one's median (profiles: round 1)")
     args = parser.parse_args()
@@ -283,7 +304,7 @@ def main():
     params = sum(p.numel() for p in build_model(cfg, "meta").parameters())
     per_token = flops_per_token(cfg, args.seq)
     rows = []
-    print(f"GPT {args.model}{' (activation checkpointing)' if args.checkpoint_layers else ''}: "
+    print(f"GPT {args.model}{f' ({args.checkpoint_layers} activation checkpointing)' if args.checkpoint_layers else ''}: "
           f"{params / 1e9:.2f}B parameters, S={args.seq}, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}", flush=True)
     header = (f"{'mode':<20} {'gpus':>4} {'batch':>5} {'ms/step':>9} {'tok/s/gpu':>10} {'MFU':>6} {'peak GiB':>9} "

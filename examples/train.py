@@ -46,9 +46,10 @@ def parse_args(argv=None):
     parser.add_argument("--dump", metavar="DIR", help="write the graph dumps here")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=1)
-    parser.add_argument("--checkpoint-layers", action="store_true",
+    parser.add_argument("--checkpoint-layers", nargs="?", const="full", default=False, choices=["full", "selective"],
                         help="activation checkpointing: each block under torch.utils.checkpoint, its inside "
-                             "computed again in the backward (fxshard's recompute pass)")
+                             "computed again in the backward (fxshard's recompute pass); 'selective' keeps the "
+                             "matmuls' and attention's outputs")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel ranks (spawns local processes)")
     parser.add_argument("--sharding", default=None, choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
                         help="default: optim_grads_params, or optim (ZeRO-1) with --pp > 1")

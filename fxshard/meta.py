@@ -23,6 +23,8 @@ ANNOTATION_PARAM = "fxshard_param"
 # on the program's forward nodes as RECOMPUTE, which passes/recompute.py reads
 ANNOTATION_RECOMPUTE = "fxshard_recompute"
 RECOMPUTE = "fxshard_recompute"
+# ... and, on such a node, that the call's selective checkpointing policy saves its value (not computed again)
+SAVED = "fxshard_saved"
 
 
 def phase(node) -> str | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 import os
 import sys
 import time
@@ -129,11 +130,12 @@ def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
         with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta(), \
                 annotate_layers(step_module.target[0], model, layer_paths) as layer_trace, \
                 moe.capacity_factor_override(config.moe_capacity_factor), RouteGroupedMM(), _tracing_flags(), \
-                _cast_forward_inputs(model, config.param_dtype), _attributes_kept(model), _checkpoints_marked(), \
+                _cast_forward_inputs(model, config.param_dtype), _attributes_kept(model), _checkpoints_marked() as policies, \
                 swapped_forwards(model) as swapped:
             joint = aot_export_joint_with_descriptors(
                 stack, step_module, (fake_params, fake_buffers, fake_leaves))
             joint_gm = joint.graph_module
+        _apply_checkpoint_policies(joint_gm, policies)
         _check_matmul_dtypes(joint_gm, config.param_dtype, layer_trace)
     except FxShardError:
         raise
@@ -329,6 +331,8 @@ class _ProgramBuilder:
                 copy.meta[meta.LAYER] = self.layer_trace.layer_of(custom[meta.ANNOTATION_LAYER])
             if meta.ANNOTATION_RECOMPUTE in custom and copy.meta[meta.PHASE] == meta.FWD:
                 copy.meta[meta.RECOMPUTE] = custom[meta.ANNOTATION_RECOMPUTE]
+                if node.meta.get(meta.SAVED):
+                    copy.meta[meta.SAVED] = True
             copy.meta[meta.MICROBATCH] = microbatch
             env[node] = copy
         raise AssertionError("joint graph has no output node")
@@ -454,17 +458,21 @@ def _tracing_flags():
 def _checkpoints_marked():
     """Activation checkpointing, traced: each `torch.utils.checkpoint.checkpoint` call (use_reentrant
     True or False; transformers' gradient_checkpointing_enable() and checkpoint_sequential call it;
-    not torch.distributed._composable.checkpoint, which binds torch's generator at import)
+    torch.distributed._composable.checkpoint, which binds torch's generator at import, too)
     runs its function as a plain call whose nodes carry the call's number (meta.ANNOTATION_RECOMPUTE),
     instead of autograd's saved-tensor machinery, which a joint trace would flatten into one forward
     whose values the backward reads (the checkpoint silently lost). passes/recompute.py then gives
-    the backward its own copy of what it reads from inside each call. A selective policy
-    (`context_fn`) is not applied: every deterministic op of the call is computed again."""
+    the backward its own copy of what it reads from inside each call.
+
+    Yields {call number: policy}: the selective checkpointing policies (`context_fn` made by
+    `torch.utils.checkpoint.create_selective_checkpoint_contexts`), which `_apply_checkpoint_policies`
+    asks about the call's ops once the trace exists. Another `context_fn` is not applied (warned)."""
     import warnings
 
     import torch.utils.checkpoint as checkpoint
 
     numbers = itertools.count()
+    policies = {}
 
     @contextlib.contextmanager
     def mark():
@@ -472,9 +480,9 @@ def _checkpoints_marked():
         # theirs inside the call (annotate_layers' "after layer k"), and it must outlive the call
         custom = fx_traceback.current_meta.setdefault("custom", {})
         outer = custom.get(meta.ANNOTATION_RECOMPUTE)  # a checkpoint inside a checkpointed call
-        custom[meta.ANNOTATION_RECOMPUTE] = next(numbers)
+        number = custom[meta.ANNOTATION_RECOMPUTE] = next(numbers)
         try:
-            yield
+            yield number
         finally:
             custom = fx_traceback.current_meta.get("custom", {})
             if outer is None:
@@ -493,19 +501,63 @@ def _checkpoints_marked():
 
     def without_reentrant(function, preserve_rng_state=True, context_fn=checkpoint.noop_context_fn, *rest, **kwargs):
         # checkpoint(use_reentrant=False) runs its function between this generator's two steps
-        if context_fn is not checkpoint.noop_context_fn:
-            warnings.warn("fxshard: a torch.utils.checkpoint call's context_fn (a selective checkpointing "
-                          "policy) is not applied: every deterministic op in the call is computed again "
-                          "in the backward", stacklevel=3)
-        with mark():
+        forward_context = context_fn()[0]
+        policy = None
+        if isinstance(forward_context, checkpoint._CachingTorchDispatchMode):
+            policy = forward_context.policy_fn
+        elif not isinstance(forward_context, contextlib.nullcontext):
+            warnings.warn(f"fxshard: a torch.utils.checkpoint call's context_fn gave {type(forward_context).__name__}, "
+                          f"which is not applied (only selective checkpointing policies from "
+                          f"create_selective_checkpoint_contexts are): every deterministic op in the call "
+                          f"is computed again in the backward", stacklevel=3)
+        with mark() as number:
+            if policy is not None:
+                policies[number] = policy
             yield
 
-    saved = checkpoint.CheckpointFunction, checkpoint._checkpoint_without_reentrant_generator
-    checkpoint.CheckpointFunction, checkpoint._checkpoint_without_reentrant_generator = Reentrant, without_reentrant
+    bindings = [(checkpoint, "CheckpointFunction", Reentrant),
+                (checkpoint, "_checkpoint_without_reentrant_generator", without_reentrant)]
+    composable = sys.modules.get("torch.distributed._composable.checkpoint_activation")
+    if composable is not None:  # imported it from torch.utils.checkpoint when the user imported it
+        bindings.append((composable, "_checkpoint_without_reentrant_generator", without_reentrant))
+    saved = [(module, name, getattr(module, name)) for module, name, _ in bindings]
+    for module, name, replacement in bindings:
+        setattr(module, name, replacement)
     try:
-        yield
+        yield policies
     finally:
-        checkpoint.CheckpointFunction, checkpoint._checkpoint_without_reentrant_generator = saved
+        for module, name, original in saved:
+            setattr(module, name, original)
+
+
+def _apply_checkpoint_policies(joint_gm: fx.GraphModule, policies: dict) -> None:
+    """Mark meta.SAVED on the forward nodes of selectively checkpointed calls whose op the call's
+    policy saves (CheckpointPolicy.MUST_SAVE / PREFER_SAVE, or True): passes/recompute.py lets the
+    backward read those where the forward made them. Each policy is asked as autograd would ask it in
+    eager: once per op of its call, in the forward's order, with the op's output (fake tensors here),
+    so policies that count ops (torchtitan's "every other matmul") decide the same."""
+    if not policies:
+        return
+    from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
+
+    def value(n):
+        return n.meta.get("val") if isinstance(n, fx.Node) else n
+
+    saving = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE, True)
+    for node in joint_gm.graph.nodes:
+        number = (node.meta.get("custom") or {}).get(meta.ANNOTATION_RECOMPUTE)
+        if (number not in policies or node.op != "call_function" or node.meta.get("partitioner_tag") == "is_backward"):
+            continue
+        if node.target is operator.getitem:  # an output of a multi-output op is saved with it
+            if node.args[0].meta.get(meta.SAVED):
+                node.meta[meta.SAVED] = True
+            continue
+        if not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        args, kwargs = fx.map_arg((node.args, node.kwargs), value)
+        context = SelectiveCheckpointContext(is_recompute=False, op_output=node.meta.get("val"))
+        if policies[number](context, node.target, *args, **kwargs) in saving:
+            node.meta[meta.SAVED] = True
 
 
 @contextlib.contextmanager

@@ -7,7 +7,9 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+aten = torch.ops.aten
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -63,6 +65,34 @@ class SwiGLU(nn.Module):
 
     def forward(self, x):
         return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+# what "selective" checkpointing keeps: the matmuls' and attention's outputs (the compute-bound work);
+# the rest of a block (norms, RoPE, the MLP's activation: memory-bound elementwise work) is computed again
+SAVED_BY_SELECTIVE = [aten.mm.default, aten.addmm.default, aten.bmm.default,
+                      aten._scaled_dot_product_flash_attention.default,
+                      aten._scaled_dot_product_flash_attention_for_cpu.default,
+                      aten._scaled_dot_product_efficient_attention.default,
+                      aten._scaled_dot_product_cudnn_attention.default]
+CHECKPOINT_MODES = (False, True, "full", "selective")
+
+
+def checkpointed(layer: nn.Module, *args, mode: bool | str):
+    """`layer(*args)`, under activation checkpointing per `mode` (a model config's checkpoint_layers):
+    False: none; True or "full": everything inside computed again in the backward; "selective": the
+    outputs of SAVED_BY_SELECTIVE kept (torch's selective checkpointing), the rest computed again."""
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint_layers={mode!r}: choose from {CHECKPOINT_MODES}")
+    if not mode:
+        return layer(*args)
+    if mode == "selective":
+        return checkpoint(layer, *args, use_reentrant=False, context_fn=selective_context)
+    return checkpoint(layer, *args, use_reentrant=False)
+
+
+def selective_context():
+    """The context_fn of "selective" checkpointing: SAVED_BY_SELECTIVE's outputs kept."""
+    return create_selective_checkpoint_contexts(SAVED_BY_SELECTIVE)
 
 
 def init_weights(model: nn.Module, n_layer: int, std: float = 0.02) -> None:

@@ -6,9 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
-
-from .blocks import Attention, RMSNorm, SwiGLU, init_weights, rope_tables
+from .blocks import Attention, RMSNorm, SwiGLU, checkpointed, init_weights, rope_tables
 
 
 @dataclass(frozen=True)
@@ -20,7 +18,9 @@ class GPTConfig:
     d_ff: int = 128
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
-    checkpoint_layers: bool = False  # activation checkpointing: each block's inside computed again in the backward
+    # activation checkpointing of each block: False, True (its inside computed again in the backward) or
+    # "selective" (its matmuls' and attention's outputs kept, the rest computed again): blocks.checkpointed
+    checkpoint_layers: bool | str = False
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GPTConfig":
@@ -62,7 +62,7 @@ class GPT(nn.Module):
         x = self.tok_emb(idx)
         cos, sin = rope_tables(idx.shape[1], self.cfg.d_model // self.cfg.n_head, self.cfg.rope_theta, idx.device)
         for layer in self.layers:
-            x = checkpoint(layer, x, cos, sin, use_reentrant=False) if self.cfg.checkpoint_layers else layer(x, cos, sin)
+            x = checkpointed(layer, x, cos, sin, mode=self.cfg.checkpoint_layers)
         return self.head(self.norm(x))
 
     def loss(self, batch):

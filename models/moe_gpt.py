@@ -12,13 +12,12 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from fxshard import moe
 from fxshard.checkpoint import ExpertLayout
 from fxshard.ops import grouped_mm
 
-from .blocks import Attention, RMSNorm, SwiGLU, init_weights, rope_tables
+from .blocks import Attention, RMSNorm, SwiGLU, checkpointed, init_weights, rope_tables
 from .grouped_linear import GroupedLinear
 
 
@@ -44,7 +43,7 @@ class MoEGPTConfig:
     routing: str = "learned"
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
-    checkpoint_layers: bool = False  # activation checkpointing: each block's inside computed again in the backward
+    checkpoint_layers: bool | str = False  # as GPTConfig's: False, True or "selective"
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "MoEGPTConfig":
@@ -150,10 +149,7 @@ class MoEGPT(nn.Module):
         aux_total = x.new_zeros((), dtype=torch.float32)
         dropped_total = torch.zeros((), dtype=torch.long, device=idx.device)
         for layer in self.layers:
-            if self.cfg.checkpoint_layers:
-                x, aux, dropped = checkpoint(layer, x, cos, sin, use_reentrant=False)
-            else:
-                x, aux, dropped = layer(x, cos, sin)
+            x, aux, dropped = checkpointed(layer, x, cos, sin, mode=self.cfg.checkpoint_layers)
             aux_total = aux_total + aux
             dropped_total = dropped_total + dropped
         return self.head(self.norm(x)), aux_total, dropped_total

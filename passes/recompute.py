@@ -17,8 +17,9 @@ as index_add, whose sums could come out in another order). A call that runs seve
 layer by layer (a pipeline may cut between them): a layer's values that the next one reads count as
 results. A value made by anything else inside the call (a random
 draw such as dropout, which must not be drawn again; a collective; a custom op such as the fused
-grouped MLP) is read where the forward made it, as is every value the call read from outside.
-A selective checkpointing policy (checkpoint's `context_fn`) is not applied (the tracer warns).
+grouped MLP) is read where the forward made it, as is every value the call read from outside,
+and every value the call's selective checkpointing policy saves (checkpoint's `context_fn` from
+`create_selective_checkpoint_contexts`, asked by the tracer: meta.SAVED), so a copy stops there.
 
 Invariant: the program computes the same values (each copy runs its original's op on the same
 inputs, so on one device bit-identically), and no backward node reads a recomputable forward value
@@ -84,7 +85,7 @@ def recompute(program: Program) -> Program:
     read_count = recomputed_calls = 0
     for nodes in calls.values():
         members = set(nodes)
-        inside = {n for n in nodes if recomputable(n)}
+        inside = {n for n in nodes if recomputable(n) and not n.meta.get(meta.SAVED)}
         read = [n for n in inside if internal(n, members) and any(meta.phase(u) == meta.BWD for u in n.users)]
         if not read:
             continue
@@ -116,6 +117,8 @@ def recompute(program: Program) -> Program:
         env[node] = new.node_copy(node, copied_or_kept if meta.phase(node) == meta.BWD else env.__getitem__)
     new.lint()
     copied_count = sum(len(nodes) for nodes in before.values())
+    kept = sum(1 for nodes in calls.values() for n in nodes if n.meta.get(meta.SAVED))
     notes = dict(program.notes, recompute=f"{recomputed_calls} checkpointed calls: {copied_count} forward nodes computed "
-                                          f"again in the backward, where it read {read_count} of their values")
+                                          f"again in the backward, where it read {read_count} of their values"
+                                          + (f"; {kept} values kept by selective policies" if kept else ""))
     return program.replace(graph_module=lazy_module(program.graph_module, new), notes=notes)

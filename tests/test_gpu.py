@@ -36,8 +36,10 @@ def model_loss(model, batch):
 @pytest.mark.parametrize("codegen", ["inductor", None])
 @pytest.mark.parametrize("make_model", [lambda: GPT(GPTConfig.preset("tiny")),
                                         lambda: MoEGPT(MoEGPTConfig.preset("tiny")),
-                                        lambda: GPT(GPTConfig.preset("tiny", checkpoint_layers=True))],
-                         ids=["gpt", "moe_gpt", "gpt_checkpointed"])  # the last: eager recomputes, fxshard's pass too
+                                        lambda: GPT(GPTConfig.preset("tiny", checkpoint_layers=True)),
+                                        lambda: GPT(GPTConfig.preset("tiny", checkpoint_layers="selective"))],
+                         # the last two: eager recomputes (all of a block, or what its policy does not keep), fxshard's pass too
+                         ids=["gpt", "moe_gpt", "gpt_checkpointed", "gpt_selective"])
 def test_fp32_parity_on_cuda(make_model, codegen):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)

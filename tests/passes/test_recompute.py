@@ -207,3 +207,79 @@ def test_hugging_face_gradient_checkpointing_is_applied():
         saved[enabled] = saved_activation_bytes(programs[-1])
         assert ("recompute" in [p.name for p in programs]) == enabled
     assert saved[True] < saved[False] / 2, saved
+
+
+def test_a_selective_policy_keeps_what_it_saves_and_trains_like_eager_selective_checkpointing():
+    """GPTConfig(checkpoint_layers="selective") (torch's create_selective_checkpoint_contexts keeping
+    matmul and attention outputs): those are read where the forward made them, the rest computed
+    again; the program changes no bit and trains as eager PyTorch's selective checkpoint does."""
+    from fxshard.models.blocks import SAVED_BY_SELECTIVE
+
+    batches = token_batches(1, 3, local_batch=2, seq=8, vocab=24)
+    saved = {}
+    for mode in (False, True, "selective"):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=24, d_model=16, n_layer=2, n_head=2, d_ff=24, checkpoint_layers=mode))
+        traced = fxshard.trace(model, lambda m, b: m.loss(b), batches[0], optimizer=ADAMW)
+        rewritten = recompute(traced)
+        saved[mode] = saved_activation_bytes(rewritten)
+        if mode == "selective":
+            copies = {n.target for n in rewritten.graph.nodes if n.name.startswith("recompute_")}
+            assert copies and not copies & set(SAVED_BY_SELECTIVE)
+            assert "kept by selective policies" in rewritten.notes["recompute"]
+            assert_bit_identical([traced, rewritten], model, ADAMW, fxshard.Mesh(), batches[:1])
+            parity = eager_parity(model, lambda m, b: m.loss(b), batches, ADAMW)
+            assert parity.max_loss_rel < 1e-6 and parity.max_param_rel < 1e-5, parity
+    assert saved[True] < saved["selective"] < saved[False], saved
+
+
+def test_a_counting_policy_is_asked_in_forward_order_and_composable_checkpoint_is_applied():
+    """A policy that keeps every other matmul (torchtitan's op-level rule) keeps the second of each
+    call's two, as eager PyTorch would; torch.distributed._composable.checkpoint marks its module's
+    calls like torch.utils.checkpoint (it binds torch's generator at import)."""
+    from functools import partial
+
+    from torch.distributed._composable import checkpoint as composable_checkpoint
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def every_other_matmul(counts, ctx, op, *args, **kwargs):
+        if op is torch.ops.aten.mm.default:
+            counts["mm"] += 1
+            if counts["mm"] % 2 == 0:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    class Mlp(nn.Module):
+        def __init__(self, selective):
+            super().__init__()
+            self.a, self.b, self.selective = nn.Linear(6, 6, bias=False), nn.Linear(6, 1, bias=False), selective
+
+        def block(self, x):
+            return torch.tanh(self.b(torch.tanh(self.a(x))))
+
+        def forward(self, x):
+            if self.selective:  # a fresh count for each call, as context_fn is called once per call
+                context = lambda: create_selective_checkpoint_contexts(partial(every_other_matmul, {"mm": 0}))
+                return checkpoint(self.block, x, use_reentrant=False, context_fn=context)
+            return self.block(x)
+
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(4, 6), "y": torch.randn(4, 1)}
+    program = fxshard.trace(Mlp(True), regression_loss, batch, optimizer=ADAMW)
+    matmuls = [n for n in program.graph.nodes if meta.phase(n) == meta.FWD and n.target is torch.ops.aten.mm.default]
+    assert [bool(n.meta.get(meta.SAVED)) for n in matmuls] == [False, True]
+
+    class Composable(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre, self.inner = nn.Linear(6, 6), composable_checkpoint(Mlp(False))
+
+        def forward(self, x):
+            return self.inner(self.pre(x))
+
+    torch.manual_seed(0)
+    rewritten = recompute(fxshard.trace(Composable(), regression_loss, batch, optimizer=ADAMW))
+    assert "recompute" in rewritten.notes and checkpointed_reads(rewritten) == []
+    torch.manual_seed(0)
+    parity = eager_parity(Composable(), regression_loss, [batch, batch], ADAMW)
+    assert parity.max_loss_rel < 1e-6 and parity.max_param_rel < 1e-5, parity
