@@ -555,7 +555,8 @@ def _apply_checkpoint_policies(joint_gm: fx.GraphModule, policies: dict) -> None
         if not isinstance(node.target, torch._ops.OpOverload):
             continue
         args, kwargs = fx.map_arg((node.args, node.kwargs), value)
-        context = SelectiveCheckpointContext(is_recompute=False, op_output=node.meta.get("val"))
+        context = SelectiveCheckpointContext(is_recompute=False)
+        context.op_output = node.meta.get("val")  # torch >= 2.12 passes it to the constructor
         if policies[number](context, node.target, *args, **kwargs) in saving:
             node.meta[meta.SAVED] = True
 
