@@ -532,32 +532,35 @@ def _checkpoints_marked():
 
 def _apply_checkpoint_policies(joint_gm: fx.GraphModule, policies: dict) -> None:
     """Mark meta.SAVED on the forward nodes of selectively checkpointed calls whose op the call's
-    policy saves (CheckpointPolicy.MUST_SAVE / PREFER_SAVE, or True): passes/recompute.py lets the
-    backward read those where the forward made them. Each policy is asked as autograd would ask it in
-    eager: once per op of its call, in the forward's order, with the op's output (fake tensors here),
-    so policies that count ops (torchtitan's "every other matmul") decide the same."""
+    policy keeps (CheckpointPolicy's MUST_SAVE / PREFER_SAVE, or True; the CPU-offload policies too,
+    kept on the device): passes/recompute.py lets the backward read those where the forward made them.
+    Each policy is asked as autograd asks it in eager: once per op of its call (not the ops it never
+    asks about, SAC_IGNORED_OPS), in the forward's order, with the op's output (fake tensors here), so
+    policies that count ops (torchtitan's "every other matmul") decide the same."""
     if not policies:
         return
-    from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
+    import torch.utils.checkpoint as checkpoint
 
     def value(n):
         return n.meta.get("val") if isinstance(n, fx.Node) else n
 
-    saving = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE, True)
+    ignored = getattr(checkpoint, "SAC_IGNORED_OPS", frozenset())
     for node in joint_gm.graph.nodes:
         number = (node.meta.get("custom") or {}).get(meta.ANNOTATION_RECOMPUTE)
-        if (number not in policies or node.op != "call_function" or node.meta.get("partitioner_tag") == "is_backward"):
+        if number not in policies or node.op != "call_function" or node.meta.get("partitioner_tag") == "is_backward":
             continue
         if node.target is operator.getitem:  # an output of a multi-output op is saved with it
             if node.args[0].meta.get(meta.SAVED):
                 node.meta[meta.SAVED] = True
             continue
-        if not isinstance(node.target, torch._ops.OpOverload):
+        if not isinstance(node.target, torch._ops.OpOverload) or node.target in ignored:
             continue
         args, kwargs = fx.map_arg((node.args, node.kwargs), value)
-        context = SelectiveCheckpointContext(is_recompute=False)
+        context = checkpoint.SelectiveCheckpointContext(is_recompute=False)
         context.op_output = node.meta.get("val")  # torch >= 2.12 passes it to the constructor
-        if policies[number](context, node.target, *args, **kwargs) in saving:
+        decision = policies[number](context, node.target, *args, **kwargs)
+        if decision is True or (isinstance(decision, checkpoint.CheckpointPolicy) and
+                                decision.name.endswith(("_SAVE", "_OFFLOAD"))):
             node.meta[meta.SAVED] = True
 
 
