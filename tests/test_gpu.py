@@ -13,6 +13,7 @@ from fxshard.launch import run_local
 from fxshard.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig
 from fxshard.passes.fsdp import STRATEGIES
 from fxshard.testing import eager_parity, relative, torch_optimizer
+from test_parity_pipeline_gloo import Dropping
 
 ADAMW = fxshard.optim.AdamW(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 # Parameters against eager with Inductor codegen (on by default on CUDA): fused kernels round
@@ -678,8 +679,9 @@ def _pipeline_graphed_and_eager(configs, data):
     for model_name, schedule, virtual in configs:
         for cuda_graphs in (False, True):
             torch.manual_seed(0)
-            model = (GPT(GPTConfig.preset("tiny", n_layer=4)) if model_name == "gpt"
-                     else MoEGPT(MoEGPTConfig.preset("tiny", n_layer=4))).to(device)
+            model = {"gpt": lambda: GPT(GPTConfig.preset("tiny", n_layer=4)),
+                     "moe_gpt": lambda: MoEGPT(MoEGPTConfig.preset("tiny", n_layer=4)),
+                     "dropping": lambda: Dropping(seq=32)}[model_name]().to(device)
             config = fxshard.Config(schedule=schedule, virtual_stages=virtual, microbatches=4, sharding="no_shard",
                                     param_dtype=torch.bfloat16, reduce_dtype=torch.float32, codegen=None,
                                     cuda_graphs=cuda_graphs)
@@ -691,8 +693,10 @@ def _pipeline_graphed_and_eager(configs, data):
 
 @pytest.mark.multigpu
 def test_pipeline_cuda_graph_replay_is_bit_identical_to_eager_replay():
-    """The whole per-stage step, sends and receives included, captured in one CUDA graph per rank."""
-    configs = [("gpt", "1f1b", 1), ("gpt", "interleaved-1f1b", 2), ("gpt", "zb-h1", 1), ("moe_gpt", "1f1b", 1)]
+    """The whole per-stage step, sends and receives included, captured in one CUDA graph per rank;
+    dropout drawn from each stage's own stream (runtime/rng.py) the same under the graph as eagerly."""
+    configs = [("gpt", "1f1b", 1), ("gpt", "interleaved-1f1b", 2), ("gpt", "zb-h1", 1), ("moe_gpt", "1f1b", 1),
+               ("dropping", "1f1b", 1)]
     per_rank = run_local(_pipeline_graphed_and_eager, 2, configs, cuda_batches(6, rows=8, device="cpu"),
                          backend="nccl")
     for results in per_rank:

@@ -207,3 +207,76 @@ def test_meta_device_model_materializes_only_its_stage_and_trains_like_one_devic
     for losses, _ in per_rank:
         for ours, want in zip(losses, expected):
             assert abs(ours - want) <= 1e-5 * abs(want), (losses, expected)
+
+
+class Dropping(torch.nn.Module):
+    """Four blocks, each adding dropout(c_k) to the residual stream: every block's output gradient is
+    the same, so under SGD at lr=1 two blocks' updates of c are equal only if they dropped the same units."""
+
+    def __init__(self, seq=SEQ, d=8):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(64, d), torch.nn.Linear(d, 64)
+        self.blocks = torch.nn.ModuleList(Drop(seq, d) for _ in range(4))
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def loss(self, batch):
+        return torch.nn.functional.cross_entropy(self(batch["idx"]).flatten(0, 1), batch["tgt"].flatten())
+
+
+class Drop(torch.nn.Module):
+    def __init__(self, seq, d):
+        super().__init__()
+        self.c, self.drop = torch.nn.Parameter(torch.ones(seq, d)), torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        return x + self.drop(self.c.expand(x.shape[0], -1, -1))
+
+
+def dropping_stages(data, directory):
+    torch.manual_seed(0)
+    step = fxshard.shard(Dropping(), lambda m, b: m.loss(b), data[0], optimizer=fxshard.optim.SGD(lr=1.0), mesh=fxshard.Mesh(pp=2),
+                         config=fxshard.Config(microbatches=2, stage_layers=(2, 2)))
+    before = torch.get_rng_state()
+    step(data[0])
+    untouched = torch.equal(before, torch.get_rng_state())  # the stage drew from its own stream
+    updates = [1 - value for name, value in sorted(step.parameters().items()) if name.endswith(".c")]
+    fxshard.save(step, directory)
+    losses = [step(b)["loss"].item() for b in data[1:3]]
+    fxshard.load(step, directory)
+    return untouched, updates, losses, [step(b)["loss"].item() for b in data[1:3]]
+
+
+def test_pipeline_stages_draw_their_own_dropout_masks_and_resume_exactly(tmp_path):
+    """Every rank seeds alike; had the stages drawn from the process's generators, the first block of
+    each stage would drop the same units (blocks 0 and 2, 1 and 3)."""
+    results = run_local(dropping_stages, 2, batches()[:3], str(tmp_path / "ckpt"), backend="gloo")
+    for untouched, updates, losses, again in results:
+        assert all(not torch.equal(updates[i], updates[j]) for i in range(4) for j in range(i + 1, 4))
+        assert untouched and losses == again
+
+
+def test_a_stage_stream_is_the_stages_own_and_restored_only_into_its_stage():
+    from fxshard.runtime.rng import StageStream
+
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    streams = [StageStream(cpu, stage, "pp=2") for stage in (0, 1)]
+    assert not torch.equal(streams[0].state["cpu"], streams[1].state["cpu"])
+    before = torch.get_rng_state()
+    with streams[1].drawn_from():
+        first = torch.rand(4)
+    with streams[1].drawn_from():
+        assert not torch.equal(first, torch.rand(4))  # the stream went on from where it stopped
+    assert torch.equal(before, torch.get_rng_state())  # the process's generator never moved
+    saved = streams[1].saved()
+    same, other_layout = StageStream(cpu, 1, "pp=2"), StageStream(cpu, 1, "pp=2 x dp=2")
+    same.restore(saved)
+    other_layout.restore(saved)
+    streams[0].restore(saved)
+    assert torch.equal(same.state["cpu"], saved["cpu"])
+    assert not torch.equal(other_layout.state["cpu"], saved["cpu"]) and not torch.equal(streams[0].state["cpu"], saved["cpu"])

@@ -8,7 +8,8 @@ other. `SavePlanner` / `LoadPlanner` are DCP's default planners taught to find a
 `Boxes` (DCP's own lookup knows only tensors, DTensors and ShardedTensors).
 
 Beside the tensors: `fxshard.progress` (step count, learning-rate override), `rng.rank<r>` (this
-rank's CPU and CUDA generator states) and `buffers.rank<r>` (this rank's copies of the buffers its
+rank's CPU and CUDA generator states; on a pipeline stage that draws random values, its own stream
+too, fxshard/runtime/rng.py) and `buffers.rank<r>` (this rank's copies of the buffers its
 step updates), plain objects DCP pickles.
 """
 
@@ -23,6 +24,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ..program import InputKind, OutputKind
+from ..runtime.rng import rng_state, set_rng_state
 from .items import Piece, boxes, global_tensors, state_pieces
 
 PROGRESS = "fxshard.progress"
@@ -126,6 +128,8 @@ def step_state_dict(step, copy: bool = False) -> dict:
     state[PROGRESS] = {"step_count": step.step_count, "lr_override": step._lr_override,
                        "skipped_steps": step.skipped_steps}
     state[rng_key(step.rank)] = rng_state(step.device)
+    if step._stream is not None:  # a pipeline stage's own random stream (runtime/rng.py)
+        state[rng_key(step.rank)]["stage_stream"] = step._stream.saved()
     return state
 
 
@@ -148,19 +152,6 @@ def host_copies(step, tensors: dict) -> dict:
         torch.cuda.current_stream().synchronize()
     step._host_staging = copies
     return copies
-
-
-def rng_state(device: torch.device) -> dict:
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["cpu"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def staging_state_dict(step) -> tuple[dict, dict]:
@@ -201,6 +192,8 @@ def set_progress(step, progress: dict | None, rng: dict | None) -> None:
         step._skipped.fill_(int(progress.get("skipped_steps", 0)))
     if rng is not None:
         set_rng_state(rng, step.device)
+    if step._stream is not None:  # the stage's stream where this stage saved it, else derived again
+        step._stream.restore((rng or {}).get("stage_stream"))
 
 
 def load_state_dict(step, state: dict, strict: bool = True) -> None:

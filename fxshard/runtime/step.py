@@ -30,6 +30,7 @@ from .flat_gradients import flat_gradients_in_place
 from .reinplace import WRITE_BACK, accumulate_in_place, gather_updates_in_place, reinplace, write_back_positions
 from .replay_watch import ReplayWatch, abort_groups, expire_process_groups
 from .wait_marks import WaitMarks, mark_waits, words as wait_marks_words
+from .rng import StageStream, draws_random_values
 from .state import State, every_stage_parameters, full_parameters, gather_shard
 
 
@@ -100,6 +101,9 @@ class CompiledStep:
         # (a weak reference: the step must not keep the user's model and its weights alive)
         self._model = weakref.ref(model) if model is not None else None
         self._traced_training = model.training if model is not None else None
+        # a pipeline stage that draws random values draws them from a stream of its own (runtime/rng.py)
+        self._stream = (StageStream(device, self.program.stage.stage, mesh_description)
+                        if self.program.stage is not None and draws_random_values(self.program.graph) else None)
         run = self._bound(self.program)
         # all-gathers issued through gloo's _allgather_base (runtime/gloo.py)
         self.gloo_all_gathers = sum(node.target is GLOO_ALL_GATHER for node in run.graph.nodes)
@@ -240,6 +244,10 @@ class CompiledStep:
         self._raise_if_nonfinite(keep=1)
         self.refuse_if_interrupted()  # the replay watch may have ended the step that check waited for
         self._warn_if_mode_changed()
+        with self._stream.drawn_from() if self._stream is not None else contextlib.nullcontext():
+            return self._run_step(leaves)
+
+    def _run_step(self, leaves) -> dict[str, torch.Tensor]:
         if self._replay is not None and self._replay.is_captured:
             metrics = self._replay.replay(leaves, self.lr, float(self.step_count + 1), self._skipped)
             self.step_count += 1
