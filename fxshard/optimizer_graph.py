@@ -22,7 +22,8 @@ from .program import Update
 @dataclass(frozen=True)
 class TrainSpec:
     """What the optimizer phase does: the optimizer, the gradient-norm clip, and whether a step whose
-    gradient norm is not finite leaves parameters and optimizer state unchanged (Config(nonfinite))."""
+    gradient norm is not finite leaves parameters and optimizer state unchanged (Config(nonfinite); the
+    runtime keeps the buffers the step updates too: runtime/nonfinite.py keep_buffers_when_skipped)."""
 
     optimizer: Optimizer
     clip_grad_norm: float | None = None

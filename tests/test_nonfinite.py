@@ -1,4 +1,4 @@
-"""Config(nonfinite): a step whose gradients are not finite leaves parameters and optimizer state as
+"""Config(nonfinite): a step whose gradients are not finite leaves parameters, optimizer state and buffers as
 they were, on every rank alike; "skip" goes on, "raise" names the step and the parameter."""
 
 import pytest
@@ -16,15 +16,16 @@ SGD_MOMENTUM = fxshard.optim.SGD(lr=0.05, momentum=0.9)
 
 
 class Regressor(nn.Module):
-    def __init__(self, width=8, depth=2):
+    def __init__(self, width=8, depth=2, norm=False):
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.norm = nn.BatchNorm1d(width) if norm else nn.Identity()  # buffers the step updates
         self.head = nn.Linear(width, 1)
 
     def forward(self, x):
         for layer in self.layers:
             x = torch.relu(layer(x))
-        return self.head(x)
+        return self.head(self.norm(x))
 
 
 def regression_loss(model, batch):
@@ -52,8 +53,10 @@ def poisoned(batch, key="x"):
 
 @pytest.mark.parametrize("optimizer", [ADAMW, SGD_MOMENTUM], ids=["adamw", "sgd_momentum"])
 def test_a_skipped_step_leaves_the_state_of_a_run_without_it(optimizer):
+    """Parameters, optimizer state and the buffers the step updates (BatchNorm's running statistics,
+    which a NaN batch would make NaN) end as in a run that never saw the skipped batch."""
     torch.manual_seed(0)
-    model = Regressor()
+    model = Regressor(norm=True)
     good = regression_batches(3)
     skipping = fxshard.shard(model, regression_loss, good[0], optimizer=optimizer,
                              config=fxshard.Config(nonfinite="skip"))
@@ -68,6 +71,9 @@ def test_a_skipped_step_leaves_the_state_of_a_run_without_it(optimizer):
         assert torch.equal(got[name], value), name
     for name, value in reference.optimizer_state().items():
         assert torch.equal(skipping.optimizer_state()[name], value), name
+    assert "3 buffers kept on skipped steps" in skipping.lowerings()
+    for name, value in reference.buffers().items():
+        assert torch.equal(skipping.buffers()[name], value), name
     ignoring = fxshard.shard(model, regression_loss, good[0], optimizer=optimizer,
                              config=fxshard.Config(nonfinite="ignore"))
     assert not guards(ignoring.program)
@@ -88,7 +94,7 @@ def test_raise_names_the_step_and_the_first_parameter_and_keeps_the_last_good_st
     message = str(caught.value)
     assert message.startswith("step 2: the gradients are not finite (grad norm nan); the first parameter whose "
                               "gradient is not finite is layers.0.weight (on rank 0)"), message
-    assert "parameters and optimizer state are those after step 1." in message and "nonfinite='skip'" in message
+    assert "parameters, optimizer state and updated buffers are those after step 1." in message and "nonfinite='skip'" in message
     for name, value in step.parameters().items():  # reported once; the bad update was never applied
         assert torch.equal(value, before[name]), name
     step(poisoned(good[1]))  # step 3: a call checks the step before the last, so the host runs ahead

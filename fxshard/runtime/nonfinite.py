@@ -8,10 +8,12 @@ import contextlib
 import math
 
 import torch
+import torch.fx as fx
 
 from .. import meta
+from ..graph import Graph, lazy_module
 from ..errors import FxShardError
-from ..program import InputKind, OutputKind
+from ..program import InputKind, OutputKind, Program
 
 
 def was_skipped(flags: torch.Tensor) -> torch.Tensor:
@@ -70,6 +72,36 @@ def nonfinite_error(step, number: int, last: int, grad_norm: float, flags: torch
              " ran before this check; metrics['skipped'] says which of them applied its update)")
     return FxShardError(
         f"step {number}: {what} (grad norm {grad_norm}); {where}. That step's update "
-        f"was not applied: parameters and optimizer state are {after}. Look for a NaN or inf in "
+        f"was not applied: parameters, optimizer state and updated buffers are {after}. Look for a NaN or inf in "
         f"that step's batch, a learning rate that diverges, or an overflow in the model; "
         f"Config(nonfinite='skip') skips such steps and goes on (metrics['skipped'])")
+
+
+def keep_buffers_when_skipped(run: fx.GraphModule, program: Program) -> tuple[fx.GraphModule, int]:
+    """`run` (the program's graph, outputs in `program.outputs`' order) with each buffer the step
+    updates (BatchNorm's running statistics, counters) kept as it was where the step was skipped:
+    its output becomes where(skipped, the buffer as read, its update). A skipped step then leaves the
+    whole training state as it was; without this a NaN batch would write NaN statistics that later
+    steps and evaluation read, while the parameters stayed finite. Returns (graph module, how many
+    buffers); `run` itself where the program has no non-finite guard or updates no buffer."""
+    outputs = program.outputs
+    flags = [i for i, spec in enumerate(outputs) if spec.kind is OutputKind.NONFINITE]
+    buffers = [(i, spec.name) for i, spec in enumerate(outputs) if spec.kind is OutputKind.BUFFER]
+    if not flags or not buffers:
+        return run, 0
+    graph = Graph()  # a copy: `run` may be the program's own module
+    graph.output(graph.graph_copy(run.graph, {}))
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    read = {spec.name: node for spec, node in zip(program.inputs, placeholders) if spec.kind is InputKind.BUFFER}
+    output = graph.output_node()
+    values = list(output.args[0])
+    with graph.inserting_before(output):
+        skipped = graph.call_function(torch.ops.aten.select.int, (values[flags[0]], 0, 0))
+        skipped.meta[meta.PHASE] = meta.OPTIM
+        for index, name in buffers:
+            kept = graph.call_function(torch.ops.aten.where.self, (skipped, read[name], values[index]))
+            kept.meta[meta.PHASE] = meta.OPTIM
+            values[index] = kept
+    output.args = (tuple(values),)
+    graph.lint()
+    return lazy_module(run, graph), len(buffers)

@@ -20,7 +20,7 @@ from ..ops.gloo import GLOO_ALL_GATHER, GLOO_ALL_GATHERS
 from ..ops.p2p import P2P_OPS
 from ..codegen import CodegenReport, compile_regions, progress_printer
 from ..graph import Graph, views_as_reshapes, lazy_module
-from .nonfinite import was_skipped
+from .nonfinite import keep_buffers_when_skipped, was_skipped
 from .carveout import carve_out_sms_for_all_to_alls
 from .copy_engine import CopyEngineLowering, Watch, lower_to_copy_engines, marker, resolve_auto, resolve_own_part
 from .graph_memsets import MemsetReport, finish_capture, new_graph
@@ -105,6 +105,8 @@ class CompiledStep:
         self._stream = (StageStream(device, self.program.stage.stage, mesh_description)
                         if self.program.stage is not None and draws_random_values(self.program.graph) else None)
         run = self._bound(self.program)
+        # a skipped step (Config(nonfinite)) leaves the buffers it updated as they were, too
+        run, self.buffers_kept_when_skipped = keep_buffers_when_skipped(run, self.program)
         # all-gathers issued through gloo's _allgather_base (runtime/gloo.py)
         self.gloo_all_gathers = sum(node.target is GLOO_ALL_GATHER for node in run.graph.nodes)
         # optimizer updates write into the state tensors they read, and ZeRO-1/2's gathers of updated
@@ -198,7 +200,8 @@ class CompiledStep:
                 f"they lie, {self.copy_engine.line()}"
                 + (f" ({self.auto_collectives})" if self.auto_collectives else "") + f", {self.sm_carveout_stretches} "
                 f"SM-carveout stretches, {self.gloo_all_gathers} gloo all-gathers through _allgather_base, "
-                f"{self.direct_calls} calls of fxshard ops past the dispatcher, {self.wait_marks.line()}; "
+                f"{self.direct_calls} calls of fxshard ops past the dispatcher, {self.wait_marks.line()}, "
+                f"{self.buffers_kept_when_skipped} buffers kept on skipped steps; "
                 f"{self.codegen.line() if self.codegen else 'codegen: off (aten replay)'}"
                 + (f"; {self._replay.memsets.line()}" if self._replay is not None and self._replay.is_captured else ""))
 
