@@ -81,7 +81,7 @@ def test_a_skipped_step_leaves_the_state_of_a_run_without_it(optimizer):
     assert not all(torch.isfinite(p).all() for p in ignoring.parameters().values())  # what the guard prevents
 
 
-def test_raise_names_the_step_and_the_first_parameter_and_keeps_the_last_good_state():
+def test_raise_names_the_step_and_the_first_parameter_and_keeps_the_last_good_state(tmp_path):
     torch.manual_seed(0)
     model = Regressor()
     good = regression_batches(3)
@@ -103,6 +103,10 @@ def test_raise_names_the_step_and_the_first_parameter_and_keeps_the_last_good_st
         step(good[2])
     assert str(caught.value).startswith("step 3: the gradients are not finite") and \
         "are those after step 4 (step 4 ran before this check; metrics['skipped'] says which" in str(caught.value)
+    step(poisoned(good[1]))  # a save reports it too, before writing: the run's last step may be the bad one
+    with pytest.raises(fxshard.FxShardError, match="step 5: the gradients are not finite"):
+        fxshard.save(step, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
 
 
 def scaled_loss(model, batch):

@@ -71,6 +71,7 @@ def save(step, path: str | os.PathLike, extra=None, async_save: bool = False) ->
     the files (a later save waits for an earlier one itself)."""
     path = _real(path)
     step.refuse_if_interrupted()  # a partly updated state is no checkpoint
+    step._raise_if_nonfinite()  # under Config(nonfinite="raise"), a step not checked yet (the last ones)
     previous = getattr(step, "_pending_save", None)
     if previous is not None:
         previous.wait()
