@@ -167,6 +167,14 @@ def test_a_trailing_slash_names_the_same_checkpoint_and_extra_is_kept_as_it_was_
     assert sorted(os.listdir(tmp_path)) == ["ck"]
     extra = fxshard.load(shard(), f"{tmp_path}/ck/")
     assert extra["seen"] == [1] and torch.equal(extra["t"], torch.tensor([5]))
+    step.set_lr(0.25)  # an override is state: it comes back with the checkpoint, which says so
+    fxshard.save(step, tmp_path / "override")
+    loaded = shard()
+    with pytest.warns(UserWarning, match=r"learning rate set by set_lr \(0.25\).*set_lr\(None\)"):
+        fxshard.load(loaded, tmp_path / "override")
+    assert loaded.lr == 0.25
+    loaded.set_lr(None)
+    assert loaded.lr == ADAMW.lr
 
 
 def test_a_symlinked_path_saves_into_its_target_and_keeps_the_link(tmp_path):

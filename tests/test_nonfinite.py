@@ -304,3 +304,7 @@ def test_local_state_reads_do_not_report_a_pending_non_finite_step_and_lr_must_f
     for bad in (1e39, True, float("nan")):
         with pytest.raises(fxshard.FxShardError, match="set_lr needs a finite float >= 0"):
             step.set_lr(bad)
+    step.set_lr(0.5)
+    assert step.lr == 0.5
+    step.set_lr(None)  # back to the optimizer's
+    assert step.lr == ADAMW.lr

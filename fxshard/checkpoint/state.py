@@ -189,6 +189,12 @@ def set_progress(step, progress: dict | None, rng: dict | None) -> None:
     if progress is not None:
         step.step_count = int(progress["step_count"])
         step._lr_override = progress["lr_override"]
+        if step._lr_override is not None:
+            import warnings
+
+            warnings.warn(f"fxshard: the loaded state holds a learning rate set by set_lr ({step._lr_override}), "
+                          f"which replaces this step's optimizer lr or schedule from now on; step.set_lr(None) "
+                          f"returns to the optimizer's", stacklevel=3)
         step._skipped.fill_(int(progress.get("skipped_steps", 0)))
     if rng is not None:
         set_rng_state(rng, step.device)

@@ -209,8 +209,12 @@ class CompiledStep:
         """The readable code of the graph this step runs (the program after the runtime lowerings)."""
         return self._run.print_readable(print_output=False, include_stride=False, include_device=False)
 
-    def set_lr(self, lr: float) -> None:
-        """Use this learning rate from the next step on (overrides the optimizer's lr/schedule)."""
+    def set_lr(self, lr: float | None) -> None:
+        """Use this learning rate from the next step on (overrides the optimizer's lr/schedule; a
+        checkpoint keeps the override); None returns to the optimizer's."""
+        if lr is None:
+            self._lr_override = None
+            return
         if not is_learning_rate(lr):
             raise FxShardError(f"set_lr needs a finite float >= 0 (below float32's largest: the step reads it in "
                                f"float32), got {lr!r}")
