@@ -143,7 +143,7 @@ def test_an_export_states_the_dtype_its_file_holds(tmp_path):
     for dtype, name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
         step = shard(lambda: GPT(GPTConfig.preset("tiny")).to(dtype))
         fxshard.export_hf(step, tmp_path / name)
-        assert json.loads((tmp_path / name / "config.json").read_text())["torch_dtype"] == name
+        assert json.loads((tmp_path / name / "config.json").read_text())["dtype"] == name
 
 
 def test_an_export_cut_short_leaves_the_files_it_replaces_whole(tmp_path, monkeypatch):

@@ -207,7 +207,7 @@ def hf_layout(model_class: str, cfg, names: set[str]) -> tuple[dict, dict[str, l
               "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
               "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
               "max_position_embeddings": 4096, "tie_word_embeddings": False, "attention_bias": False,
-              "torch_dtype": "float32"}
+              "dtype": "float32"}
     parts = {"tok_emb.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"],
              "head.weight": ["lm_head.weight"]}
     for i in range(layers):
@@ -277,7 +277,7 @@ def export_hf(step, directory: str | os.PathLike) -> None:
         raise FxShardError(f"export_hf: parameters {sorted(left)[:6]} have no place in {config['architectures'][0]}")
     dtypes = {value.dtype for value in tensors.values()}  # what the file holds: one dtype, or float32 as written
     if len(dtypes) == 1:
-        config["torch_dtype"] = str(next(iter(dtypes))).removeprefix("torch.")
+        config["dtype"] = str(next(iter(dtypes))).removeprefix("torch.")  # transformers >= 4.56 (torch_dtype before)
     writer = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == dist.get_world_size() - 1
     if writer:
         os.makedirs(directory, exist_ok=True)
