@@ -124,6 +124,17 @@ def is_pure(node: fx.Node) -> bool:
     return not mutates(node) and torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())
 
 
+def draws_random(node: fx.Node) -> bool:
+    """The op draws from a random generator (dropout, rand): tagged nondeterministic_seeded, except an
+    op with a dropout_p of 0 (SDPA's kernels carry the tag for their dropout)."""
+    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and any(argument.name == "dropout_p" for argument in schema.arguments):
+        return call_argument(node, "dropout_p") != 0
+    return True
+
+
 def call_argument(node: fx.Node, name: str):
     """Argument `name` of an op call, passed by position or by name, or its schema default."""
     arguments = node.target._schema.arguments

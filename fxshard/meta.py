@@ -22,6 +22,7 @@ ANNOTATION_PARAM = "fxshard_param"
 # ... and the number of the torch.utils.checkpoint call a forward node was made in (fxshard/trace.py);
 # on the program's forward nodes as RECOMPUTE, which passes/recompute.py reads
 ANNOTATION_RECOMPUTE = "fxshard_recompute"
+ANNOTATION_RECOMPUTE_CALLS = "fxshard_recompute_calls"  # ... and of every call enclosing it, outermost first
 RECOMPUTE = "fxshard_recompute"
 # ... and, on such a node, that the call's selective checkpointing policy saves its value (not computed again)
 SAVED = "fxshard_saved"

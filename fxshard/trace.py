@@ -480,15 +480,19 @@ def _checkpoints_marked():
         # theirs inside the call (annotate_layers' "after layer k"), and it must outlive the call
         custom = fx_traceback.current_meta.setdefault("custom", {})
         outer = custom.get(meta.ANNOTATION_RECOMPUTE)  # a checkpoint inside a checkpointed call
+        enclosing = custom.get(meta.ANNOTATION_RECOMPUTE_CALLS, ())
         number = custom[meta.ANNOTATION_RECOMPUTE] = next(numbers)
+        custom[meta.ANNOTATION_RECOMPUTE_CALLS] = (*enclosing, number)  # whose policies are asked
         try:
             yield number
         finally:
             custom = fx_traceback.current_meta.get("custom", {})
             if outer is None:
                 custom.pop(meta.ANNOTATION_RECOMPUTE, None)
+                custom.pop(meta.ANNOTATION_RECOMPUTE_CALLS, None)
             else:
                 custom[meta.ANNOTATION_RECOMPUTE] = outer
+                custom[meta.ANNOTATION_RECOMPUTE_CALLS] = enclosing
 
     def marked(function, *args, **kwargs):
         with mark():
@@ -531,12 +535,17 @@ def _checkpoints_marked():
 
 
 def _apply_checkpoint_policies(joint_gm: fx.GraphModule, policies: dict) -> None:
-    """Mark meta.SAVED on the forward nodes of selectively checkpointed calls whose op the call's
-    policy keeps (CheckpointPolicy's MUST_SAVE / PREFER_SAVE, or True; the CPU-offload policies too,
-    kept on the device): passes/recompute.py lets the backward read those where the forward made them.
-    Each policy is asked as autograd asks it in eager: once per op of its call (not the ops it never
-    asks about, SAC_IGNORED_OPS), in the forward's order, with the op's output (fake tensors here), so
-    policies that count ops (torchtitan's "every other matmul") decide the same."""
+    """Mark meta.SAVED on the forward nodes of selectively checkpointed calls whose op a policy keeps
+    (CheckpointPolicy's MUST_SAVE / PREFER_SAVE, or True; the CPU-offload decisions are computed
+    again, as eager PyTorch's checkpoint does): passes/recompute.py lets the backward read those where
+    the forward made them. Each policy is asked as autograd asks it in eager: once per op of its call
+    and of the calls inside it (nested checkpoints: every enclosing call's policy is asked, and one
+    that keeps a value keeps it), in the forward's order, with the op's output (fake tensors here),
+    not about the ops it never asks about (SAC_IGNORED_OPS), so policies that count ops
+    (torchtitan's "every other matmul") decide the same on the same ops. The ops are the joint
+    trace's: functional (an in-place `mul_` is asked about as `mul`), decomposed as aot_autograd
+    decomposes them (CPU dropout is one `native_dropout`), and without ops whose value nothing
+    reads (the trace drops them; eager runs and counts them)."""
     if not policies:
         return
     import torch.utils.checkpoint as checkpoint
@@ -545,9 +554,11 @@ def _apply_checkpoint_policies(joint_gm: fx.GraphModule, policies: dict) -> None
         return n.meta.get("val") if isinstance(n, fx.Node) else n
 
     ignored = getattr(checkpoint, "SAC_IGNORED_OPS", frozenset())
+    keeping = (checkpoint.CheckpointPolicy.MUST_SAVE, checkpoint.CheckpointPolicy.PREFER_SAVE)
     for node in joint_gm.graph.nodes:
-        number = (node.meta.get("custom") or {}).get(meta.ANNOTATION_RECOMPUTE)
-        if number not in policies or node.op != "call_function" or node.meta.get("partitioner_tag") == "is_backward":
+        custom = node.meta.get("custom") or {}
+        calls = [number for number in custom.get(meta.ANNOTATION_RECOMPUTE_CALLS, ()) if number in policies]
+        if not calls or node.op != "call_function" or node.meta.get("partitioner_tag") == "is_backward":
             continue
         if node.target is operator.getitem:  # an output of a multi-output op is saved with it
             if node.args[0].meta.get(meta.SAVED):
@@ -556,12 +567,12 @@ def _apply_checkpoint_policies(joint_gm: fx.GraphModule, policies: dict) -> None
         if not isinstance(node.target, torch._ops.OpOverload) or node.target in ignored:
             continue
         args, kwargs = fx.map_arg((node.args, node.kwargs), value)
-        context = checkpoint.SelectiveCheckpointContext(is_recompute=False)
-        context.op_output = node.meta.get("val")  # torch >= 2.12 passes it to the constructor
-        decision = policies[number](context, node.target, *args, **kwargs)
-        if decision is True or (isinstance(decision, checkpoint.CheckpointPolicy) and
-                                decision.name.endswith(("_SAVE", "_OFFLOAD"))):
-            node.meta[meta.SAVED] = True
+        for number in calls:  # outermost first; each policy counts what it is asked about
+            context = checkpoint.SelectiveCheckpointContext(is_recompute=False)
+            context.op_output = node.meta.get("val")  # torch >= 2.12 passes it to the constructor
+            decision = policies[number](context, node.target, *args, **kwargs)
+            if decision is True or decision in keeping:
+                node.meta[meta.SAVED] = True
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 aten = torch.ops.aten
 
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()

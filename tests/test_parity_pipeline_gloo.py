@@ -260,9 +260,23 @@ def test_pipeline_stages_draw_their_own_dropout_masks_and_resume_exactly(tmp_pat
         assert untouched and losses == again
 
 
-def test_a_stage_stream_is_the_stages_own_and_restored_only_into_its_stage():
-    from fxshard.runtime.rng import StageStream
+class Attending(torch.nn.Module):
+    def __init__(self, dropout):
+        super().__init__()
+        self.proj, self.dropout = torch.nn.Linear(4, 4), dropout
 
+    def forward(self, x):
+        q = self.proj(x).unsqueeze(1)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=self.dropout).sum()
+
+
+def test_a_stage_stream_is_the_stages_own_and_restored_only_into_its_stage():
+    from fxshard.runtime.rng import StageStream, draws_random_values
+
+    # attention kernels carry the random tag for their dropout: a stream only where they draw
+    draws = [draws_random_values(fxshard.trace(Attending(p), lambda m, b: m(b["x"]), {"x": torch.randn(2, 3, 4)}).graph)
+             for p in (0.0, 0.5)]
+    assert draws == [False, True]
     cpu = torch.device("cpu")
     torch.manual_seed(0)
     streams = [StageStream(cpu, stage, "pp=2") for stage in (0, 1)]
@@ -275,8 +289,8 @@ def test_a_stage_stream_is_the_stages_own_and_restored_only_into_its_stage():
     assert torch.equal(before, torch.get_rng_state())  # the process's generator never moved
     saved = streams[1].saved()
     same, other_layout = StageStream(cpu, 1, "pp=2"), StageStream(cpu, 1, "pp=2 x dp=2")
-    same.restore(saved)
-    other_layout.restore(saved)
-    streams[0].restore(saved)
+    other_device = StageStream(torch.device("meta"), 1, "pp=2")  # stands for CUDA: the key has the device type
+    for stream in (same, other_layout, other_device, streams[0]):
+        stream.restore(saved)
     assert torch.equal(same.state["cpu"], saved["cpu"])
-    assert not torch.equal(other_layout.state["cpu"], saved["cpu"]) and not torch.equal(streams[0].state["cpu"], saved["cpu"])
+    assert not any(torch.equal(stream.state["cpu"], saved["cpu"]) for stream in (other_layout, other_device, streams[0]))

@@ -9,8 +9,9 @@ dropping the same units, a silent correlation eager PyTorch never has. So a pipe
 draws random values draws them from a stream of its stage's own (`StageStream`): derived at `shard`
 from the process's generator states and the stage index, without drawing from them, swapped in around
 each call and out after it. The process's generators then move only by what the user draws (batches
-drawn on each rank stay the same on every stage). Data-parallel replicas of a stage share its stream,
-as they share their seed in eager data parallelism.
+drawn on each rank stay the same on every stage); seeding them after `shard` does not reseed the
+stages' streams. Data-parallel replicas of a stage share its stream, as they share their seed in
+eager data parallelism.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import hashlib
 
 import torch
 import torch.fx as fx
+
+from ..graph import draws_random
 
 
 def rng_state(device: torch.device) -> dict:
@@ -37,9 +40,9 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 
 
 def draws_random_values(graph: fx.Graph) -> bool:
-    """The graph has an op that draws from a generator (dropout, rand, bernoulli)."""
-    return any(node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
-               for node in graph.nodes)
+    """The graph has an op that draws from a generator (dropout, rand, bernoulli; not attention
+    without dropout)."""
+    return any(draws_random(node) for node in graph.nodes)
 
 
 class StageStream:
@@ -47,7 +50,9 @@ class StageStream:
     layout and stage, so a checkpoint's stream is restored only into the stage that drew from it."""
 
     def __init__(self, device: torch.device, stage: int, layout: str):
-        self.device, self.stage, self.key = device, stage, f"{layout}, stage {stage}"
+        # a checkpoint's stream is this one's only under the same layout, stage and device type (a CPU
+        # checkpoint has no CUDA state to restore)
+        self.device, self.stage, self.key = device, stage, f"{layout}, stage {stage}, {device.type}"
         self.state = self.derived()
 
     def derived(self) -> dict:

@@ -269,6 +269,17 @@ def test_a_counting_policy_is_asked_in_forward_order_and_composable_checkpoint_i
     matmuls = [n for n in program.graph.nodes if meta.phase(n) == meta.FWD and n.target is torch.ops.aten.mm.default]
     assert [bool(n.meta.get(meta.SAVED)) for n in matmuls] == [False, True]
 
+    class Nested(Mlp):  # the outer call's policy is asked about the inner (fully checkpointed) call's ops too
+        def forward(self, x):
+            inner = lambda h: checkpoint(lambda y: torch.tanh(self.b(y)), h, use_reentrant=False)
+            keep_matmuls = lambda: create_selective_checkpoint_contexts([torch.ops.aten.mm.default])
+            return checkpoint(lambda y: inner(torch.tanh(self.a(y))), x, use_reentrant=False, context_fn=keep_matmuls)
+
+    program = fxshard.trace(Nested(False), regression_loss, batch, optimizer=ADAMW)
+    matmuls = [n for n in program.graph.nodes if meta.phase(n) == meta.FWD and n.target is torch.ops.aten.mm.default]
+    assert len(matmuls) == 2 and all(n.meta.get(meta.SAVED) for n in matmuls)
+    assert len({n.meta[meta.RECOMPUTE] for n in matmuls}) == 2  # each in its own call
+
     class Composable(nn.Module):
         def __init__(self):
             super().__init__()
