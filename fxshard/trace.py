@@ -577,11 +577,14 @@ def _apply_checkpoint_policies(joint_gm: fx.GraphModule, policies: dict) -> None
 
 @contextlib.contextmanager
 def _attributes_kept(model: nn.Module):
-    """The model's plain attributes as they were before tracing: a forward that stores a value on its
-    module (`self.last = out`) would leave a fake tensor of the trace there (parameters, buffers and
-    submodules live in their own dicts, which functional_call restores)."""
+    """The model's attributes as they were before tracing: a forward that stores a value on its
+    module (`self.last = out`) would leave a fake tensor of the trace there; and its parameters and
+    buffers, which functional_call swaps back itself except in a module registered under two paths
+    (`nn.ModuleList([block] * 4)`, `self.b = self.a`: it restores the swapped-in tensor there, leaving
+    the model holding the trace's tensors)."""
     own = ("_parameters", "_buffers", "_modules")
     before = {module: {k: v for k, v in vars(module).items() if k not in own} for module in model.modules()}
+    tensors = {module: (dict(module._parameters), dict(module._buffers)) for module in model.modules()}
     try:
         yield
     finally:
@@ -591,6 +594,11 @@ def _attributes_kept(model: nn.Module):
             for key, value in attributes.items():
                 if vars(module).get(key, _MISSING) is not value:
                     object.__setattr__(module, key, value)
+        for module, (parameters, buffers) in tensors.items():
+            module._parameters.clear()
+            module._parameters.update(parameters)
+            module._buffers.clear()
+            module._buffers.update(buffers)
 
 
 _MISSING = object()

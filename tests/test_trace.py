@@ -192,3 +192,33 @@ def test_tracing_leaves_the_models_attributes_as_they_were():
     model = Stash()
     fxshard.trace(model, lambda m, b: m(b["x"]).square().mean(), {"x": torch.randn(8, 4)})
     assert model.calls == 0 and not hasattr(model, "last")
+
+
+def test_a_module_registered_under_two_paths_trains_like_eager_and_keeps_its_own_tensors():
+    """ALBERT-style sharing (one block at every position of a ModuleList) and an attribute alias: torch's
+    functional_call restores the trace's tensors into such a module; the tracer puts the model's back."""
+    from fxshard.testing import eager_parity
+
+    class Shared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            block = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 8))
+            self.layers = torch.nn.ModuleList([block] * 3)
+            self.head = torch.nn.Linear(8, 1)
+            self.alias = self.head
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = x + layer(x)
+            return self.alias(torch.tanh(self.head(x)) * x)
+
+    torch.manual_seed(0)
+    model = Shared()
+    before = dict(model.named_parameters())
+    generator = torch.Generator().manual_seed(0)
+    batches = [{"x": torch.randn(4, 8, generator=generator), "y": torch.randn(4, 1, generator=generator)}
+               for _ in range(3)]
+    loss = lambda m, b: ((m(b["x"]) - b["y"]) ** 2).mean()
+    parity = eager_parity(model, loss, batches, fxshard.optim.AdamW(lr=1e-2))
+    assert parity.max_loss_rel < 1e-6 and parity.max_param_rel < 1e-5, parity
+    assert all(p is before[name] and type(p) is torch.nn.Parameter for name, p in model.named_parameters())
