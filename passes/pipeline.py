@@ -332,10 +332,21 @@ class _Splitter:
             cast, top = grad.kwargs.get("dtype"), grad.args[0]
         tree, leaves = [], []
 
+        def summing(node, is_top):  # an add only the gradient's sum reads, of two computed values
+            return node.target is _ADD and not node.kwargs and (is_top or len(node.users) == 1) and \
+                all(isinstance(a, fx.Node) and a.op == "call_function" for a in node.args[:2])
+
+        def chunks(node, is_top):  # the chunks of the partial gradients this sum adds up
+            if not summing(node, is_top):
+                return {self.chunk(node)} if node.op == "call_function" else set()
+            return chunks(node.args[0], False) | chunks(node.args[1], False)
+
         def walk(node, is_top):
-            mixed = node.target is _ADD and (is_top or len(node.users) == 1) and \
-                len({self.chunk(a) for a in node.args[:2] if isinstance(a, fx.Node) and a.op == "call_function"}) > 1
-            if mixed:
+            # taken apart where its parts lie in several chunks, to any depth: a weight read in
+            # several places of one chunk (T5's shared embedding: encoder, decoder) and tied to
+            # another's (the head) sums add(add(head, decoder), encoder), whose top add's two
+            # inputs lie in the same chunk
+            if summing(node, is_top) and len(chunks(node, is_top)) > 1:
                 tree.append(node)
                 for a in node.args[:2]:
                     walk(a, False)

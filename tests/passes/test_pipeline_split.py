@@ -147,6 +147,35 @@ def test_tied_embedding_gets_a_partial_gradient_on_the_first_and_the_last_chunk(
     assert all(u.counted for u in stages[0].updates)
 
 
+class TwiceTied(torch.nn.Module):
+    """An embedding read twice before the blocks (T5's shared embedding feeds encoder and decoder)
+    and tied to the head: its gradient sums add(add(head, one read), other read)."""
+
+    def __init__(self, vocab=40, d=16):
+        super().__init__()
+        self.emb, self.norm = torch.nn.Embedding(vocab, d), torch.nn.LayerNorm(d)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(2))
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx, ctx):
+        x = self.emb(idx) + self.emb(ctx).mean(1, keepdim=True)
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return self.head(self.norm(x))
+
+
+def test_a_tied_embedding_read_twice_in_the_first_chunk_gets_its_partial_gradients():
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    microbatches = [{"idx": torch.randint(0, 40, (2, 8), generator=generator),
+                     "ctx": torch.randint(0, 40, (2, 3), generator=generator),
+                     "tgt": torch.randint(0, 40, (2, 8), generator=generator)} for _ in range(2)]
+    loss = lambda m, b: torch.nn.functional.cross_entropy(m(b["idx"], b["ctx"]).flatten(0, 1), b["tgt"].flatten())
+    pipeline, _ = check_pipeline(TwiceTied(), loss, microbatches, schedules.one_f_one_b(2, 2))
+    assert "emb.weight" in pipeline.chunks[0].grads and "emb.weight" in pipeline.chunks[-1].grads
+
+
 def test_dualpipev_keeps_the_tied_embedding_and_head_on_rank_0_with_no_all_reduce():
     """V placement: chunk 0 (embedding) and chunk 2P-1 (head, loss) both run on stage 0, so the tied
     weight's two partial gradients add up there and no stage pair exchanges it."""
