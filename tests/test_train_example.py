@@ -33,24 +33,13 @@ def test_transformers_example_learns_saves_and_starts_from_its_weights(tmp_path)
     result = subprocess.run([sys.executable, str(script), "--dp", "2", "--steps", "60", "--log-every", "30",
                              "--save", str(tmp_path / "hf")], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "Mesh(dp=2)" in result.stdout and "Program('fsdp'" in result.stdout  # the launcher's data parallelism
     first, last, evaluated = (float(x) for x in re.search(
         r"first 10 steps ([\d.]+) -> last 10 steps ([\d.]+); evaluation loss ([\d.]+)", result.stdout).groups())
     assert last < 0.9 * first and evaluated < first, result.stdout
     assert (tmp_path / "hf" / "model.safetensors").exists()
     resumed = load_train("train_hf.py").main(["--steps", "1", "--weights", str(tmp_path / "hf")])
     assert resumed["losses"][0] < 0.95 * first, (resumed, first)
-
-
-def test_train_example_with_two_data_parallel_processes():
-    import subprocess
-    import sys
-
-    script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train.py"
-    result = subprocess.run([sys.executable, str(script), "--dp", "2", "--steps", "40", "--log-every", "20"],
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "Mesh(dp=2)" in result.stdout and "Program('fsdp'" in result.stdout
-    assert "step 40 loss" in result.stdout and "done: 40 steps" in result.stdout
 
 
 def test_train_example_with_two_stages_times_two_data_parallel_times_two_expert_parallel(tmp_path):
