@@ -44,6 +44,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     optimizer = optimizer or AdamW()
     _check_arguments(model, loss_fn, optimizer, config)
     mesh = _one_process(mesh)
+    _refuse_no_mesh_in_a_job(mesh)
     groups, coords = _process_groups(mesh, config.collective_timeout_s, config.nccl_ctas, config.nccl_high_priority)
     if config.dump_dir is None and os.environ.get("FXSHARD_DUMP"):
         config = dataclasses.replace(config, dump_dir=os.environ["FXSHARD_DUMP"])
@@ -322,6 +323,20 @@ def _one_process(mesh):
     if isinstance(mesh, Mesh) and mesh.size == 1 and not (dist.is_available() and dist.is_initialized()):
         return None
     return mesh
+
+
+def _refuse_no_mesh_in_a_job(mesh) -> None:
+    """No mesh inside a process group of several ranks would train a copy of the model on each rank,
+    silently, and a save would then write a mixture of them (each rank writes part of the tensors)."""
+    import torch.distributed as dist
+
+    if mesh is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        world = dist.get_world_size()
+        raise FxShardError(
+            f"shard() was given no mesh, in a process group of {world} ranks: each rank would train its own "
+            f"copy of the model and a save would mix them. Pass the job's mesh, e.g. mesh=fxshard.Mesh(dp={world}) "
+            f"(its sizes multiply to {world}); for independent single-device runs, start the processes without "
+            f"torch.distributed")
 
 
 def _check_mesh(mesh) -> None:

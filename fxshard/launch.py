@@ -7,6 +7,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 import traceback
 
 import torch
@@ -23,7 +24,45 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank, nprocs, port, backend, out_dir, fn, args, environ):
+def _end_with_launcher(launcher: int, rank: int, every_s: float = 1.0) -> None:
+    """A daemon thread that ends this rank once the launching process `launcher` is gone (killed, or
+    interrupted while the ranks ran): a rank's parent is the forkserver, which outlives a killed
+    launcher, so without it the ranks trained on as orphans."""
+    import threading
+
+    def watch():
+        while True:
+            time.sleep(every_s)
+            try:
+                os.kill(launcher, 0)
+            except ProcessLookupError:
+                print(f"fxshard: rank {rank}: the launching process {launcher} is gone; ending this rank",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
+            except PermissionError:  # the pid was reused by another user's process: it is gone too
+                os._exit(1)
+
+    threading.Thread(target=watch, name="fxshard-launcher-watch", daemon=True).start()
+
+
+def _finished_barrier(rank: int, heads_up_s: float = 30.0) -> None:
+    """The barrier every rank reaches once `fn` returned; after `heads_up_s` this rank says it waits:
+    a rank still inside a step waits there for this one (the ranks ran a different number of steps,
+    or of collective calls), and its timeout error sends the reader to this rank's log."""
+    work = dist.barrier(async_op=True)
+    started = time.monotonic()
+    while not work.is_completed():
+        if heads_up_s is not None and time.monotonic() - started > heads_up_s:
+            print(f"fxshard: rank {rank} finished and has waited {heads_up_s:.0f} s for the other ranks to finish: a "
+                  f"rank still inside a step waits for this one (did the ranks call step(), evaluate(), save() or "
+                  f"parameters() a different number of times?)", file=sys.stderr, flush=True)
+            heads_up_s = None
+        time.sleep(0.01)
+    work.wait()
+
+
+def _worker(rank, nprocs, port, backend, out_dir, fn, args, environ, launcher):
+    _end_with_launcher(launcher, rank)
     # a forkserver child has the server's environment, from when it started: give it the caller's now
     # (NCCL and fxshard read theirs after import)
     os.environ.clear()
@@ -44,7 +83,7 @@ def _worker(rank, nprocs, port, backend, out_dir, fn, args, environ):
             sys.stderr.flush()
             os._exit(0)
         if dist.is_initialized():  # `fn` may have left the group itself (a test of a rank that dies)
-            dist.barrier()
+            _finished_barrier(rank)
     except BaseException as error:
         # said now: tearing the groups down below can wait forever on a peer still inside a collective,
         # and then the error would never reach run_local (2x H200, session 30: benchmark runs that went
@@ -87,6 +126,16 @@ def run_local(fn, nprocs: int, *args, backend: str | None = None) -> list:
     sees the caller's environment as it is at this call."""
     backend = backend or ("nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "gloo")
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(nprocs, _free_port(), backend, out_dir, fn, args, dict(os.environ)),
-                           nprocs=nprocs, start_method=_start_method(backend))
+        context = mp.start_processes(_worker, args=(nprocs, _free_port(), backend, out_dir, fn, args, dict(os.environ), os.getpid()),
+                                     nprocs=nprocs, start_method=_start_method(backend), join=False)
+        try:
+            while not context.join():
+                pass
+        except BaseException:  # Ctrl-C here, or a rank failed: no rank trains on without its launcher
+            for process in context.processes:
+                if process.is_alive():
+                    process.terminate()
+            for process in context.processes:
+                process.join(10)
+            raise
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(nprocs)]

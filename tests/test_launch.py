@@ -13,6 +13,16 @@ from fxshard.launch import run_local
 
 
 def _what_a_rank_sees():
+    try:  # no mesh in a job of several ranks: each would train its own copy (and a save would mix them)
+        fxshard.shard(torch.nn.Linear(2, 1), lambda m, b: m(b["x"]).sum(), {"x": torch.randn(2, 2)})
+        refused = None
+    except fxshard.FxShardError as error:
+        refused = str(error)
+    if dist.get_world_size() > 1:
+        assert refused.startswith("shard() was given no mesh, in a process group of 2 ranks") and \
+            "mesh=fxshard.Mesh(dp=2)" in refused, refused
+    else:
+        assert refused is None, refused
     return dist.get_rank(), dist.get_world_size(), os.environ.get("FXSHARD_TEST_LAUNCH")
 
 

@@ -278,7 +278,8 @@ def test_a_step_stopped_mid_update_refuses_to_go_on_until_a_checkpoint_is_loaded
     fxshard.save(step, tmp_path / "ck")
     with pytest.raises(KeyboardInterrupt), StopAtSecondUpdate():
         step(data[1])
-    for use in (lambda: step(data[1]), step.parameters, step.buffers, lambda: fxshard.save(step, tmp_path / "other")):
+    for use in (lambda: step(data[1]), step.parameters, step.buffers, lambda: fxshard.save(step, tmp_path / "other"),
+                lambda: step.evaluate(data[1])):
         with pytest.raises(fxshard.FxShardError, match=r"step 2 stopped while it ran \(KeyboardInterrupt: stopped "
                                                         r"in the optimizer phase\).*load the last checkpoint"):
             use()

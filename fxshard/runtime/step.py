@@ -369,6 +369,7 @@ class CompiledStep:
         to what the loss needs (runtime/evaluate.py), then replayed. Every rank must call it, with a
         batch shaped like the training batch."""
         self._refuse_if_aborted()
+        self.refuse_if_interrupted()  # a partly updated state: no evaluation of it
         self._raise_if_nonfinite()
         leaves = self.batch_spec.flatten(batch)
         if self._evaluation is None:
