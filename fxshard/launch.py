@@ -126,8 +126,9 @@ def run_local(fn, nprocs: int, *args, backend: str | None = None) -> list:
     sees the caller's environment as it is at this call."""
     backend = backend or ("nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "gloo")
     with tempfile.TemporaryDirectory() as out_dir:
-        context = mp.start_processes(_worker, args=(nprocs, _free_port(), backend, out_dir, fn, args, dict(os.environ), os.getpid()),
-                                     nprocs=nprocs, start_method=_start_method(backend), join=False)
+        worker_args = (nprocs, _free_port(), backend, out_dir, fn, args, dict(os.environ), os.getpid())
+        context = mp.start_processes(_worker, args=worker_args, nprocs=nprocs, start_method=_start_method(backend),
+                                     join=False)
         try:
             while not context.join():
                 pass

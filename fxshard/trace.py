@@ -130,8 +130,8 @@ def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
         with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta(), \
                 annotate_layers(step_module.target[0], model, layer_paths) as layer_trace, \
                 moe.capacity_factor_override(config.moe_capacity_factor), RouteGroupedMM(), _tracing_flags(), \
-                _cast_forward_inputs(model, config.param_dtype), _attributes_kept(model), _checkpoints_marked() as policies, \
-                swapped_forwards(model) as swapped:
+                _cast_forward_inputs(model, config.param_dtype), _attributes_kept(model), \
+                _checkpoints_marked() as policies, swapped_forwards(model) as swapped:
             joint = aot_export_joint_with_descriptors(
                 stack, step_module, (fake_params, fake_buffers, fake_leaves))
             joint_gm = joint.graph_module

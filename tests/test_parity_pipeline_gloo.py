@@ -239,7 +239,8 @@ class Drop(torch.nn.Module):
 
 def dropping_stages(data, directory):
     torch.manual_seed(0)
-    step = fxshard.shard(Dropping(), lambda m, b: m.loss(b), data[0], optimizer=fxshard.optim.SGD(lr=1.0), mesh=fxshard.Mesh(pp=2),
+    step = fxshard.shard(Dropping(), lambda m, b: m.loss(b), data[0], optimizer=fxshard.optim.SGD(lr=1.0),
+                         mesh=fxshard.Mesh(pp=2),
                          config=fxshard.Config(microbatches=2, stage_layers=(2, 2)))
     before = torch.get_rng_state()
     step(data[0])
@@ -293,4 +294,5 @@ def test_a_stage_stream_is_the_stages_own_and_restored_only_into_its_stage():
     for stream in (same, other_layout, other_device, streams[0]):
         stream.restore(saved)
     assert torch.equal(same.state["cpu"], saved["cpu"])
-    assert not any(torch.equal(stream.state["cpu"], saved["cpu"]) for stream in (other_layout, other_device, streams[0]))
+    others = (other_layout, other_device, streams[0])
+    assert not any(torch.equal(stream.state["cpu"], saved["cpu"]) for stream in others)
