@@ -108,6 +108,17 @@ def main(argv=None) -> dict:
                          "--log-every and --virtual-stages must be >= 1")
     if args.pp == 1 and (args.virtual_stages > 1 or args.schedule != "1f1b"):
         raise SystemExit("--virtual-stages and --schedule shape a pipeline: they need --pp >= 2")
+    if args.ep == 1 and (args.ep_microbatches > 1 or args.ep_all_to_all != "auto"):
+        raise SystemExit("--ep-microbatches and --ep-all-to-all shape expert parallelism: they need --ep >= 2 "
+                         "(--microbatches splits the batch without it)")
+    if args.ep_overlap and args.ep == 1 and args.pp == 1:
+        raise SystemExit("--ep-overlap overlaps expert parallelism's all-to-alls: it needs --ep >= 2 (or, with "
+                         "--pp, pairs each stage's forwards and backwards)")
+    if args.p2p_ctas is not None and args.pp == 1:
+        raise SystemExit("--p2p-ctas limits the pipeline's point-to-point transfers: it needs --pp >= 2")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: this torch sees no CUDA device ({torch.__version__}); "
+                         f"use --device cpu")
     if args.model != "moe_gpt" and (args.capacity_factor is not None or args.expert_slots):
         raise SystemExit("--capacity-factor and --expert-slots bound MoE experts: they need --model moe_gpt")
     for flag, path in (("--save", args.save), ("--dump", args.dump)):

@@ -86,3 +86,13 @@ def test_a_bad_pipeline_cut_fails_in_the_launching_process_before_spawning(monke
     monkeypatch.setattr(train, "run_local", lambda *a, **k: pytest.fail("spawned processes for a bad configuration"))
     with pytest.raises(fxshard.FxShardError, match="4 pipeline chunks .* only 2 layers"):
         train.main(["--pp", "2", "--virtual-stages", "2", "--steps", "1"])
+
+
+def test_flags_that_shape_what_the_run_does_not_have_are_refused():
+    import pytest
+
+    train = load_train()
+    for flags, says in ((["--ep-microbatches", "3"], "need --ep >= 2"), (["--ep-overlap"], "needs --ep >= 2"),
+                        (["--p2p-ctas", "2"], "needs --pp >= 2"), (["--ep-all-to-all", "nccl"], "need --ep >= 2")):
+        with pytest.raises(SystemExit, match=says):
+            train.main([*flags, "--steps", "1"])
