@@ -48,6 +48,12 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     groups, coords = _process_groups(mesh, config.collective_timeout_s, config.nccl_ctas, config.nccl_high_priority)
     if config.dump_dir is None and os.environ.get("FXSHARD_DUMP"):
         config = dataclasses.replace(config, dump_dir=os.environ["FXSHARD_DUMP"])
+    if config.dump_dir is not None:  # said now, not after compiling
+        try:
+            os.makedirs(config.dump_dir, exist_ok=True)
+        except OSError as error:
+            raise FxShardError(f"Config(dump_dir={str(config.dump_dir)!r}) cannot be made ({error.strerror}); "
+                               f"choose a directory this process can write") from error
     tensors = [*model.parameters(), *model.buffers()]
     is_meta = any(t.is_meta for t in tensors)
     if is_meta and not all(t.is_meta for t in tensors):

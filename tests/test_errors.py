@@ -233,3 +233,10 @@ def test_a_parameter_clamped_in_place_in_forward_is_named_as_such_not_as_a_non_s
 
     with pytest.raises(fxshard.FxShardError, match="the forward mutates a parameter or the batch in place"):
         fxshard.trace(Clamped(), lambda m, b: m(b["x"]).square().mean(), {"x": torch.randn(8, 4)})
+
+
+def test_a_dump_directory_that_cannot_be_made_is_refused_before_compiling(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(fxshard.FxShardError, match=r"Config\(dump_dir=.*\) cannot be made"):
+        fxshard.shard(torch.nn.Linear(2, 1), lambda m, b: m(b["x"]).sum(), {"x": torch.randn(2, 2)},
+                      config=fxshard.Config(dump_dir=str(tmp_path / "file" / "dumps")))
