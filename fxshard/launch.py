@@ -124,6 +124,10 @@ def run_local(fn, nprocs: int, *args, backend: str | None = None) -> list:
     """Run `fn(*args)` in `nprocs` fresh processes (rank = process index, process group initialized);
     return each rank's return value. `fn` must be importable (a module-level function). Each process
     sees the caller's environment as it is at this call."""
+    qualname = getattr(fn, "__qualname__", "")
+    if "<lambda>" in qualname or "<locals>" in qualname:  # said here, not as a pickling error in a new process
+        raise FxShardError(f"run_local needs a function the ranks can import (defined at a module's top level); "
+                           f"{qualname} is a lambda or a nested function: move it to module level")
     backend = backend or ("nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "gloo")
     with tempfile.TemporaryDirectory() as out_dir:
         worker_args = (nprocs, _free_port(), backend, out_dir, fn, args, dict(os.environ), os.getpid())

@@ -94,3 +94,12 @@ def test_shard_reuses_its_process_groups_and_steps_on_them_stay_apart():
         assert shared and not shared_with_other_timeout
         assert all(a == b for a, b in losses), losses
         assert losses[-1][0] < losses[0][0]  # it trains
+
+
+def test_a_function_the_ranks_cannot_import_is_refused_before_any_process_starts():
+    def nested():
+        return 1
+
+    for fn in (nested, lambda: 1):
+        with pytest.raises(fxshard.FxShardError, match="needs a function the ranks can import"):
+            run_local(fn, 2, backend="gloo")
