@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from fxshard import meta
-from fxshard.graph import Graph, call_argument, is_pure, lazy_module
+from fxshard.graph import Graph, draws_random, is_pure, lazy_module
 from fxshard.program import Program
 
 _ATTENTION = frozenset({
@@ -55,7 +55,7 @@ def recomputable(node: fx.Node) -> bool:
     attention that draws no dropout."""
     if is_pure(node):
         return node.target not in _ATOMIC
-    return node.op == "call_function" and node.target in _ATTENTION and call_argument(node, "dropout_p") == 0
+    return node.op == "call_function" and node.target in _ATTENTION and not draws_random(node)
 
 
 def internal(node: fx.Node, call: set[fx.Node]) -> bool:
