@@ -116,6 +116,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
                         collective_timeout_s=config.collective_timeout_s,
                         codegen=codegen,
                         codegen_by_layer=config.codegen_regions == "layer",
+                        share_compile=config.share_compile and mesh is not None and mesh.size > 1,
                         verbose=config.verbose, coords=coords, rank=_global_rank(),
                         mesh_description=str(mesh) if mesh is not None else "one device",
                         expert_layouts=_expert_layouts(model), model_class=type(model).__name__,

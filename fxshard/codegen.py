@@ -44,7 +44,7 @@ import sys
 import time
 import warnings
 from collections import Counter
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.fx as fx
@@ -55,6 +55,9 @@ import torch.nn as nn
 
 from . import meta
 from .graph import Graph, ancestors, attribute, evaluate, is_pure, is_view, mutates, views_as_reshapes, lazy_module
+
+if TYPE_CHECKING:
+    from .share import CompileSplit
 
 # ops whose output shape depends on values: Inductor needs unbacked symbols for them; left to aten
 _DATA_DEPENDENT = {"nonzero", "masked_select", "unique", "_unique2", "unique_consecutive", "_local_scalar_dense",
@@ -106,6 +109,7 @@ class Region:
     status: str = "replayed"  # "compiled" | "cache hit" | "replayed" (views only) | "fallback: <why>"
     seconds: float = 0.0
     kernel_files: list[str] = dataclasses.field(default_factory=list)
+    compiled_first_by: int | None = None  # the rank that compiled this code before this one (share_compile)
 
     @property
     def name(self) -> str:
@@ -256,7 +260,9 @@ class CodegenReport:
         return sum(any(r.status.startswith(s) for s in statuses) for r in self.regions)
 
     def line(self) -> str:
-        return (f"codegen: {len(self.regions)} regions, {self.count('compiled')} compiled, "
+        shared = sum(r.compiled_first_by is not None for r in self.regions)
+        return (f"codegen: {len(self.regions)} regions, {self.count('compiled')} compiled"
+                f"{f' ({shared} first compiled by another rank of this host)' if shared else ''}, "
                 f"{self.count('cache hit')} cache hits, {self.count('replayed')} replayed (views only), "
                 f"{self.count('fallback')} fell back to aten, {len(self.folded)} constants folded "
                 f"({sum(t.nbytes for t in self.folded.values()) / 2**20:.1f} MiB), {self.seconds:.1f}s")
@@ -273,7 +279,8 @@ class CodegenReport:
             ops = Counter(str(n.target).replace("aten.", "").split(".")[0] for n in r.nodes if n.op == "call_function")
             lines.append(f"{r.name} [{r.where}] {len(r.nodes)} nodes {r.nodes[0].name} .. {r.nodes[-1].name}; "
                          f"{len(r.inputs)} inputs, {len(r.outputs)} outputs; key {r.key}; {r.status}"
-                         f"{f' in {r.seconds:.1f}s' if r.status == 'compiled' else ''}")
+                         f"{f' in {r.seconds:.1f}s' if r.status == 'compiled' else ''}"
+                         f"{f' (rank {r.compiled_first_by} compiled it first)' if r.compiled_first_by is not None else ''}")
             lines.append("    ops: " + ", ".join(f"{op} x{n}" for op, n in ops.most_common(12)))
             for path in r.kernel_files:
                 lines.append(f"    generated code: {path}")
@@ -282,12 +289,15 @@ class CodegenReport:
 
 def compile_regions(graph_module: fx.GraphModule, compiler: Callable | None = None,
                     progress: Callable[[str], None] | None = None,
-                    by_layer: bool = True) -> tuple[fx.GraphModule, CodegenReport]:
+                    by_layer: bool = True, split: Callable[[list[str]], CompileSplit] | None = None,
+                    ) -> tuple[fx.GraphModule, CodegenReport]:
     """A copy of `graph_module` whose regions each run as one compiled call; and what was done.
 
     `compiler(gm, region) -> callable` compiles one region (default: Inductor); an exception from it
     makes that region fall back to aten replay with a warning. `progress(line)` hears about regions
-    as they compile. `by_layer`: regions also end where a layer begins (find_regions)."""
+    as they compile. `by_layer`: regions also end where a layer begins (find_regions). `split(keys)`
+    (`fxshard.share.split_compiles`, collective) says which structure keys this rank compiles before
+    the others' share, which it then finds in Inductor's cache."""
     compiler = compiler or inductor_compile
     started = time.perf_counter()
     source = Graph()
@@ -295,34 +305,53 @@ def compile_regions(graph_module: fx.GraphModule, compiler: Callable | None = No
     folded = fold_constants(source, graph_module)
     _hoist_getitems(source)
     regions = find_regions(source, by_layer)
-    compiled_by_key: dict[str, Callable | None] = {}
-    modules: dict[str, nn.Module] = {}
+    replays = {}
     for region in regions:
-        replay = region_graph(region)
+        replays[region.name] = region_graph(region)
         region.key = structure_key(region)
-        compiled = None
-        if all(is_view(n) for n in region.nodes):
-            region.status = "replayed"
-        elif region.key in compiled_by_key:
-            compiled = compiled_by_key[region.key]
-            region.status = "cache hit" if compiled is not None else "fallback: same code as a region that fell back"
-        else:
-            began = time.perf_counter()
-            try:
-                compiled = compiler(replay, region)
-                region.status = "compiled"
-            except Exception as error:  # noqa: BLE001 -- any failure of the compiler means: replay this region
-                reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-                region.status = f"fallback: {reason}"
-                warnings.warn(f"fxshard codegen: {region.name} ({len(region.nodes)} nodes, {region.where}, "
-                              f"{region.nodes[0].name} .. {region.nodes[-1].name}) runs as aten replay: Inductor "
-                              f"could not compile it ({reason})", stacklevel=2)
-            region.seconds = time.perf_counter() - began
-            compiled_by_key[region.key] = compiled
-        modules[region.name] = CompiledRegion(region, views_as_reshapes(replay) if compiled is None else replay, compiled)
+    first = {}  # each key to compile, at its first region
+    for region in regions:
+        if not all(is_view(n) for n in region.nodes):
+            first.setdefault(region.key, region)
+    plan = split(list(first)) if split is not None else None
+    order = list(first.values())
+    if plan is not None:  # this rank's share first, then the others' (from the cache)
+        order = [r for r in order if r.key in plan.mine] + [r for r in order if r.key not in plan.mine]
+    compiled_by_key: dict[str, Callable | None] = {}
+    done = 0
+    for position, region in enumerate(order):
+        if plan is not None and position == len(plan.mine):
+            plan.wait()
+        began = time.perf_counter()
+        try:
+            compiled_by_key[region.key] = compiler(replays[region.name], region)
+            region.status = "compiled"
+            if plan is not None and plan.owner.get(region.key, plan.rank) != plan.rank:
+                region.compiled_first_by = plan.owner[region.key]
+        except Exception as error:  # noqa: BLE001 -- any failure of the compiler means: replay this region
+            compiled_by_key[region.key] = None
+            reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            region.status = f"fallback: {reason}"
+            warnings.warn(f"fxshard codegen: {region.name} ({len(region.nodes)} nodes, {region.where}, "
+                          f"{region.nodes[0].name} .. {region.nodes[-1].name}) runs as aten replay: Inductor "
+                          f"could not compile it ({reason})", stacklevel=2)
+        region.seconds = time.perf_counter() - began
+        done += 1
         if progress is not None:
             progress(f"codegen: region {region.index + 1} of {len(regions)} ({len(region.nodes)} nodes, "
-                     f"{region.where}) {region.status}; {time.perf_counter() - started:.1f}s elapsed")
+                     f"{region.where}) {region.status}; {done} of {len(order)} to compile; "
+                     f"{time.perf_counter() - started:.1f}s elapsed")
+    if plan is not None and len(plan.mine) == len(order):
+        plan.wait()  # every rank waits once, also one that had nothing of the others' to compile
+    modules: dict[str, nn.Module] = {}
+    for region in regions:
+        compiled = compiled_by_key.get(region.key)
+        if all(is_view(n) for n in region.nodes):
+            region.status = "replayed"
+        elif first[region.key] is not region:
+            region.status = "cache hit" if compiled is not None else "fallback: same code as a region that fell back"
+        replay = replays[region.name]
+        modules[region.name] = CompiledRegion(region, views_as_reshapes(replay) if compiled is None else replay, compiled)
     graph = _outer_graph(source, regions)
     attributes = {n.target: folded[n.target] if n.target in folded else attribute(graph_module, n.target)
                   for n in graph.nodes if n.op == "get_attr"}

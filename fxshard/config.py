@@ -218,6 +218,12 @@ class Config:
         default process group is gloo, whose ranks share their host's cores (N ranks tracing at once
         take N times one trace's CPU); off on NCCL, where each rank traces on its own cores. False:
         every rank traces.
+    share_compile: under codegen, the ranks on one host that use the same Inductor cache directory
+        split the compiling of the regions their programs have in common (`fxshard.share.split_compiles`):
+        each compiles its share, then takes the others' from Inductor's on-disk cache, so N ranks with
+        the same program compile 1/N of it each rather than all of it at once (on the 2-core CI machine,
+        ZeRO-3 over two gloo ranks: see bench/RESULTS.md, session 47). True (default); False: every rank
+        compiles all of its regions itself.
     """
 
     dump_dir: str | None = None
@@ -257,6 +263,7 @@ class Config:
     codegen_regions: str = "layer"
     nonfinite: str = "raise"
     share_trace: bool | None = None
+    share_compile: bool = True
 
     def nccl_ctas(self, axis: str) -> int | None:
         """The CTAs Config(nccl_max_ctas) allows the process groups along mesh axis `axis` (None: NCCL's choice)."""
@@ -362,6 +369,8 @@ class Config:
             self._check_nccl_max_ctas()
         if self.share_trace is not None and not isinstance(self.share_trace, bool):
             raise FxShardError(f"share_trace={self.share_trace!r}; choose True, False or None (on for gloo)")
+        if not isinstance(self.share_compile, bool):
+            raise FxShardError(f"share_compile={self.share_compile!r}; choose True or False")
         if self.nonfinite not in NONFINITE_MODES:
             raise FxShardError(f"nonfinite={self.nonfinite!r}; choose one of {NONFINITE_MODES}")
         if self.codegen not in CODEGENS:

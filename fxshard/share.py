@@ -1,4 +1,5 @@
-"""Ranks that would trace the same step trace it once (Config(share_trace)).
+"""Ranks that would trace the same step trace it once (Config(share_trace)); ranks on one host split
+the compiling of their regions (Config(share_compile), `split_compiles` below).
 
 Every rank of a launch runs `shard` on the same model, loss and batch shapes, and the trace (aot_autograd
 on fake tensors, ~half of `shard`'s time) comes out the same on each. Where the ranks share a host's
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import sys
 import time
 from typing import Callable
@@ -122,3 +124,60 @@ def shared_trace(trace: Callable[[], Program], digest: str, verbose: bool = Fals
     if failure is not None:
         raise failure
     return program if program is not None else trace()
+
+
+def compile_owners(everyone: list[tuple[tuple, list[str]]], rank: int) -> dict[str, int]:
+    """For each key rank `rank` needs, the rank that compiles it first: among the ranks whose place
+    (host, cache directory) is `rank`'s, the one that needs it with the fewest keys given so far (the
+    lowest on a tie), keys needed by fewer ranks given first (they have fewer places to go), else in
+    the order the ranks list them. `everyone[r]` is rank r's (place, keys)."""
+    place = everyone[rank][0]
+    members = [r for r, (p, _) in enumerate(everyone) if p == place]
+    load = dict.fromkeys(members, 0)
+    needed = {r: set(everyone[r][1]) for r in members}
+    owner: dict[str, int] = {}
+    keys = list(dict.fromkeys(k for r in members for k in everyone[r][1]))
+    for key in sorted(keys, key=lambda k: sum(k in needed[r] for r in members)):  # stable
+        chosen = min((r for r in members if key in needed[r]), key=lambda r: (load[r], r))
+        load[chosen] += 1
+        owner[key] = chosen
+    return {k: owner[k] for k in everyone[rank][1]}
+
+
+@dataclasses.dataclass
+class CompileSplit:
+    """Which of this rank's regions (by structure key) it compiles first, and which rank compiles each
+    key first (`owner`); `wait()` returns once every rank has compiled its share (collective)."""
+    mine: set[str]
+    owner: dict[str, int]
+    wait: Callable[[], None]
+    rank: int
+
+
+def split_compiles(keys: list[str]) -> CompileSplit:
+    """Split the compiling of `keys` (this rank's regions, `fxshard.codegen.structure_key`) among the
+    ranks that can read each other's compiled code: those on this host with the same Inductor cache
+    directory. Each key goes to the least-loaded of those ranks that need it; a rank compiles its own
+    keys, waits (`wait()`), then compiles the rest, which Inductor finds in its on-disk cache, written
+    there by the rank that compiled it (a key a rank's peers could not compile, or that the cache does
+    not match, it simply compiles). N ranks with the same program compile 1/N of it each instead of all
+    of it at once. Collective over the default process group: every rank calls it, as it calls `shard`.
+
+    Invariant: which code a region runs does not depend on the split; only the order in which the
+    ranks compile, and so what Inductor's cache holds when each compiles, does."""
+    import socket
+
+    import torch.distributed as dist
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    world = dist.get_world_size()
+    place = (socket.gethostname(), os.path.realpath(cache_dir()))
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (place, list(keys)))
+    owner = compile_owners(everyone, dist.get_rank())
+    rank = dist.get_rank()
+
+    def wait() -> None:
+        done = [None] * world
+        dist.all_gather_object(done, rank)
+    return CompileSplit({k for k in keys if owner.get(k) == rank}, owner, wait, rank)

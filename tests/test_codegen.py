@@ -17,6 +17,7 @@ from fxshard.codegen import _input_only_nodes, compile_regions, find_regions, is
 from fxshard.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig
 from fxshard.passes import run_pipeline
 from fxshard.passes.fsdp import STRATEGIES, FSDPConfig, fsdp
+from fxshard.share import CompileSplit, compile_owners
 from fxshard.testing import assert_bit_identical
 from strategies import MLPStack, mse, regression_batch, widths
 
@@ -169,6 +170,53 @@ def test_identical_layers_compile_once(world, param_dtype):
             _, whole = compile_regions(program.graph_module, compiler=lambda gm, region: gm, by_layer=False)
             assert whole.count("compiled") == 1 and whole.regions[0].where != "fwd layers.0"
     assert compiled[4] == compiled[6]
+
+
+def test_ranks_of_one_host_and_cache_split_the_regions_they_share():
+    """share_compile's assignment: each key to one rank of the ranks that share a host and an Inductor
+    cache directory and need it, the fewest keys each; ranks elsewhere compile what they need."""
+    here, other_dir, other_host = ("a", "/c"), ("a", "/d"), ("b", "/c")
+    everyone = [(here, ["k0", "k1", "k2", "k3", "k4"]), (here, ["k0", "k1", "k2", "k3", "k4"]),
+                (here, ["k0", "k5"]), (other_dir, ["k0", "k1"]), (other_host, ["k0"])]
+    owners = [compile_owners(everyone, rank) for rank in range(len(everyone))]
+    # k5 only rank 2 needs: it goes first; k0, which three ranks need, last, to the one with the fewest
+    assert owners[0] == {"k0": 2, "k1": 0, "k2": 1, "k3": 0, "k4": 1}
+    assert owners[1] == owners[0] and owners[2] == {"k0": 2, "k5": 2}
+    assert owners[3] == {"k0": 3, "k1": 3} and owners[4] == {"k0": 4}
+
+
+def test_a_split_compile_compiles_this_ranks_share_first_then_the_rest():
+    """compile_regions with a split: this rank's keys first, one wait, then the others' keys (from the
+    cache, in a real job), each key compiled once; the program computes the same bits."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", n_layer=3))
+    batches = token_batches(64, 2, 8, 1)
+    program = fxshard.trace(model, lambda m, b: m.loss(b), batches[0], optimizer=ADAMW)
+    events = []
+
+    def split(keys):
+        events.append(("keys", list(keys)))
+        owner = {k: i % 2 for i, k in enumerate(keys)}  # this is rank 0 of two
+        return CompileSplit({k for k in keys if owner[k] == 0}, owner, lambda: events.append(("wait",)), 0)
+
+    def compiler(graph_module, region):
+        events.append(("compile", region.key))
+        return graph_module
+    compiled, report = compile_regions(program.graph_module, compiler=compiler, split=split)
+    (_, keys), *rest = events
+    wait = rest.index(("wait",))
+    assert [key for _, key in rest[:wait]] == keys[::2] and [key for _, key in rest[wait + 1:]] == keys[1::2]
+    assert len(keys) == len(set(keys)) == report.count("compiled") and ("wait",) not in rest[wait + 1:]
+    assert {r.key for r in report.regions if r.compiled_first_by == 1} == set(keys[1::2])
+    assert f"({len(keys[1::2])} first compiled by another rank of this host)" in report.line()
+    assert "(rank 1 compiled it first)" in report.table()
+    assert_bit_identical([program, program.replace(graph_module=compiled)], model, ADAMW, fxshard.Mesh(dp=1), batches)
+    for share in (set(keys), set()):  # all or nothing of its own: it still waits, once
+        events.clear()
+        compile_regions(program.graph_module, compiler=compiler,
+                        split=lambda keys: CompileSplit(share, dict.fromkeys(keys, 0 if share else 1),
+                                                        lambda: events.append(("wait",)), 0))
+        assert events.count(("wait",)) == 1 and len(events) == len(keys) + 1
 
 
 def pipeline_stages(mesh, config, model, batch):

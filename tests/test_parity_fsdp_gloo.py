@@ -100,7 +100,8 @@ def train_zero3_compiled(batches, dump_dir):
     code = step.runtime_code()
     lowered = (step.gloo_all_gathers, gathers, code.count("fxshard.gloo_all_gather_into_tensor"),
                code.count("_c10d_functional.all_gather_into_tensor"))
-    return losses, step.parameters(), step.codegen.count("compiled"), step.codegen.count("fallback"), lowered
+    first_by = {r.key: r.compiled_first_by for r in step.codegen.regions if r.status == "compiled"}
+    return losses, step.parameters(), step.codegen.count("compiled"), step.codegen.count("fallback"), lowered, first_by
 
 
 def test_zero3_with_codegen_matches_single_device_eager(tmp_path):
@@ -110,7 +111,13 @@ def test_zero3_with_codegen_matches_single_device_eager(tmp_path):
     table = next(tmp_path.glob("*_codegen.txt")).read_text()  # the dump names what Inductor compiled
     assert " 0 fell back to aten" in table and "compiled in" in table and "generated code: " in table, table
     ref_losses, ref_params = eager_reference("gpt", batches, world)
-    for losses, params, compiled, fallbacks, (lowered, gathers, in_code, functional_in_code) in per_rank:
+    # Config(share_compile): the two ranks (one program) each compiled about half the regions first
+    # and took the other half from Inductor's cache
+    (*_, first_0), (*_, first_1) = per_rank
+    assert first_0.keys() == first_1.keys()
+    assert all((first_0[k] is None) == (first_1[k] == 0) and first_0[k] in (None, 1) for k in first_0)
+    assert abs(sum(v is None for v in first_0.values()) - sum(v is None for v in first_1.values())) <= 1
+    for losses, params, compiled, fallbacks, (lowered, gathers, in_code, functional_in_code), _ in per_rank:
         assert compiled > 0 and fallbacks == 0
         # every all-gather runs through gloo's _allgather_base (fxshard/runtime/gloo.py), outside the regions
         assert lowered == gathers == in_code > 0 and functional_in_code == 0, (lowered, gathers, in_code)

@@ -19,6 +19,7 @@ from ..program import InputKind, OutputKind, Program
 from ..ops.gloo import GLOO_ALL_GATHER, GLOO_ALL_GATHERS
 from ..ops.p2p import P2P_OPS
 from ..codegen import CodegenReport, compile_regions, progress_printer
+from ..share import split_compiles
 from ..graph import Graph, views_as_reshapes, lazy_module
 from .nonfinite import keep_buffers_when_skipped, was_skipped
 from .carveout import carve_out_sms_for_all_to_alls
@@ -63,7 +64,7 @@ class CompiledStep:
                  copy_engine_barriers: str = "kernel", copy_engine_own_part: str = "auto",
                  collective_timeout_s: float | None = Config.collective_timeout_s,
                  codegen: bool = False,
-                 codegen_by_layer: bool = True,
+                 codegen_by_layer: bool = True, share_compile: bool = False,
                  verbose: bool = False, coords: dict[str, int] | None = None, rank: int = 0,
                  mesh_description: str = "one device", expert_layouts: dict | None = None,
                  model_class: str = "", model_config=None, hf_config: dict | None = None, nonfinite: str = "ignore",
@@ -97,6 +98,7 @@ class CompiledStep:
         self._compile_evaluation, self._evaluation = evaluation, None
         self._evaluation_graph: EvaluationReplay | None = None  # with cuda_graphs, once training is captured
         self._codegen_on, self._codegen_by_layer, self._verbose = codegen, codegen_by_layer, verbose
+        self._compile_split = split_compiles if share_compile else None  # collective: every rank compiles
         # the model's train/eval mode at shard(): changing it later changes nothing, which __call__ says once
         # (a weak reference: the step must not keep the user's model and its weights alive)
         self._model = weakref.ref(model) if model is not None else None
@@ -155,7 +157,7 @@ class CompiledStep:
         self.codegen: CodegenReport | None = None
         if codegen:
             self._run, self.codegen = compile_regions(self._run, progress=progress_printer(verbose),
-                                                      by_layer=codegen_by_layer)
+                                                      by_layer=codegen_by_layer, split=self._compile_split)
         else:  # aten replay: a view whose input's real layout is not its fake one copies instead of failing
             self._run = views_as_reshapes(self._run)
         # Config(direct_calls), eager replay: fxshard's ops outside the regions run their bodies, past the
@@ -403,7 +405,8 @@ class CompiledStep:
         if self.wait_marks.count:  # its waits marked too, so a stalled evaluation's report says where it waits
             run, self._evaluation_marks = mark_waits(run, self._marks_device, self._group_axes())
         if self._codegen_on:
-            run, _ = compile_regions(run, progress=progress_printer(self._verbose), by_layer=self._codegen_by_layer)
+            run, _ = compile_regions(run, progress=progress_printer(self._verbose), by_layer=self._codegen_by_layer,
+                                     split=self._compile_split)
         else:
             run = views_as_reshapes(run)
         return program, run
