@@ -175,6 +175,17 @@ def test_a_trailing_slash_names_the_same_checkpoint_and_extra_is_kept_as_it_was_
     assert loaded.lr == 0.25
     loaded.set_lr(None)
     assert loaded.lr == ADAMW.lr
+    # an async save that fails is reported, with its cause, by the next save (which does not start)
+    # and by its own wait(), each time; the save after that works
+    (tmp_path / "blocked").touch()
+    failed = fxshard.save(step, tmp_path / "blocked" / "ck", async_save=True)
+    with pytest.raises(fxshard.FxShardError, match="earlier asynchronous save failed.*rank 0: NotADirectoryError"):
+        fxshard.save(step, tmp_path / "after")
+    for _ in range(2):
+        with pytest.raises(fxshard.FxShardError, match="blocked/ck is unchanged: rank 0: NotADirectoryError"):
+            failed.wait()
+    fxshard.save(step, tmp_path / "after")
+    assert (tmp_path / "after" / "fxshard.json").exists()
 
 
 def test_a_symlinked_path_saves_into_its_target_and_keeps_the_link(tmp_path):

@@ -34,7 +34,11 @@ LAYOUTS = {
 def model():
     # no load-balancing loss: it is a function of each rank's own tokens, so it would differ by layout
     torch.manual_seed(0)
-    return MoEGPT(MoEGPTConfig.preset("tiny", aux_loss_coef=0.0))
+    moe = MoEGPT(MoEGPTConfig.preset("tiny", aux_loss_coef=0.0))
+    # a buffer the forward never reads (transformers' rotary_emb.original_inv_freq): no pipeline stage
+    # holds it, so the pipeline's checkpoint lacks it, and it loads anywhere all the same
+    moe.register_buffer("unread", torch.arange(3.0))
+    return moe
 
 
 def batches():
@@ -203,7 +207,8 @@ class _Counting(torch.nn.Module):
 
 def own_buffers_job(directory: str):
     """Each rank's updated buffer resumes as that rank had it; a failure of rank 0's part of a save
-    (its manifest and swap) reaches every rank as an FxShardError instead of leaving them waiting."""
+    (its manifest and swap), and a checkpoint only rank 1 cannot find, reach every rank as an
+    FxShardError instead of leaving the others waiting in DCP's collectives."""
     from fxshard.checkpoint import dcp as dcp_module
 
     rank = dist.get_rank()
@@ -226,6 +231,11 @@ def own_buffers_job(directory: str):
     resumed = shard()
     fxshard.load(resumed, os.path.join(directory, "ck"))
     got = [resumed(batch)["loss"].item() for batch in local[3:]]
+    try:  # "resume if there is a checkpoint" where one rank's path is wrong: both start fresh
+        fxshard.load(resumed, os.path.join(directory, "ck" if rank == 0 else "nowhere"))
+        missing = None
+    except fxshard.FxShardError as raised:
+        missing = str(raised)
 
     def swap_fails(staging, path):
         raise OSError(28, "No space left on device")
@@ -236,10 +246,11 @@ def own_buffers_job(directory: str):
         error = None
     except fxshard.FxShardError as raised:
         error = str(raised)
-    return got == want, error
+    return got == want, error, missing
 
 
 def test_own_buffers_resume_per_rank_and_a_failed_swap_on_rank_0_fails_every_rank(tmp_path):
-    for exact, error in run_local(own_buffers_job, 2, str(tmp_path), backend="gloo"):
+    for rank, (exact, error, missing) in enumerate(run_local(own_buffers_job, 2, str(tmp_path), backend="gloo")):
         assert exact
+        assert missing.startswith("rank 1 could not load" if rank == 0 else "no checkpoint at"), missing
         assert error is not None and "rank 0 could not put the written checkpoint in place (OSError: " in error

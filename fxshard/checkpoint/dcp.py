@@ -44,7 +44,7 @@ def extra_key(rank: int) -> str:
 
 class PendingSave:
     """A save in progress (`async_save=True`) or done. `wait()` returns once the checkpoint is in
-    place on every rank, and raises what the save raised."""
+    place on every rank, and raises what the save raised (each time it is called)."""
 
     def __init__(self, thread: threading.Thread | None = None):
         self._thread, self._error = thread, None
@@ -57,8 +57,7 @@ class PendingSave:
             self._thread.join()
             self._thread = None
         if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+            raise self._error
 
 
 def save(step, path: str | os.PathLike, extra=None, async_save: bool = False) -> PendingSave:
@@ -70,15 +69,22 @@ def save(step, path: str | os.PathLike, extra=None, async_save: bool = False) ->
     step stalls only for the device-to-host copy; call `.wait()` on the result before relying on
     the files (a later save waits for an earlier one itself)."""
     path = _real(path)
-    step.refuse_if_interrupted()  # a partly updated state is no checkpoint
-    step._raise_if_nonfinite()  # under Config(nonfinite="raise"), a step not checked yet (the last ones)
-    previous = getattr(step, "_pending_save", None)
-    if previous is not None:
-        previous.wait()
-    if os.path.exists(path) and not (os.path.isdir(path) and (not os.listdir(path) or
-                                                               os.path.exists(os.path.join(path, MANIFEST)))):
-        raise FxShardError(f"{path} exists and is not an fxshard checkpoint (no {MANIFEST}); a save replaces the "
-                           f"directory it writes to, so choose a new or checkpoint path")
+
+    def checks():
+        step.refuse_if_interrupted()  # a partly updated state is no checkpoint
+        step._raise_if_nonfinite()  # under Config(nonfinite="raise"), a step not checked yet (the last ones)
+        previous, step._pending_save = getattr(step, "_pending_save", None), None
+        if previous is not None:  # an earlier async save's failure is reported here once (its wait() keeps it)
+            try:
+                previous.wait()
+            except FxShardError as error:
+                raise FxShardError(f"an earlier asynchronous save failed, so this one did not start (call save "
+                                   f"again): {error}") from error
+        if os.path.exists(path) and not (os.path.isdir(path) and (not os.listdir(path) or
+                                                                   os.path.exists(os.path.join(path, MANIFEST)))):
+            raise FxShardError(f"{path} exists and is not an fxshard checkpoint (no {MANIFEST}); a save replaces the "
+                               f"directory it writes to, so choose a new or checkpoint path")
+    _on_every_rank(checks, f"save to {path}")
     distributed = _is_distributed()
     staging = f"{path}.partial"
     if _rank() == 0:
@@ -213,16 +219,21 @@ def load(step, path: str | os.PathLike):
     """Load a checkpoint written by `save` (under any mesh) into `step`; returns this rank's `extra`
     (rank 0's where the saving job had fewer ranks). Every rank calls it. On any error the step is
     left unchanged and every rank raises `FxShardError`."""
-    path = _resolve(_real(path))
-    pending = getattr(step, "_pending_save", None)
-    if pending is not None:
-        pending.wait()
-    manifest, metadata = _read_checks(path)
-    expected, conversions = _expected_keys(step, manifest)
-    _check_keys(step, path, manifest, metadata.state_dict_metadata, expected)
-    for layer in conversions:
-        layer.check_shapes(path, metadata.state_dict_metadata)
+    def checks():
+        resolved = _resolve(_real(path))
+        pending, step._pending_save = getattr(step, "_pending_save", None), None
+        if pending is not None:
+            pending.wait()
+        manifest, metadata = _read_checks(resolved)
+        expected, conversions = _expected_keys(step, manifest)
+        _check_keys(step, resolved, manifest, metadata.state_dict_metadata, expected)
+        for layer in conversions:
+            layer.check_shapes(resolved, metadata.state_dict_metadata)
+        return resolved, manifest, metadata, conversions
+    path, manifest, metadata, conversions = _on_every_rank(checks, f"load {path}")
     state, copies = staging_state_dict(step)
+    for key in _unread_state(step.programs[0]) - set(metadata.state_dict_metadata):
+        state.pop(key, None)  # saved by a layout none of whose programs held it: this step's value stays
     for layer in conversions:
         for key in layer.ours:
             state.pop(key, None)  # the pieces of it this rank holds come from the conversion
@@ -369,6 +380,38 @@ def _expected_keys(step, manifest) -> tuple[dict, list[_ExpertConversion]]:
     return expected, conversions
 
 
+def _unread_state(traced) -> set[str]:
+    """Model keys of parameters and buffers the traced step neither reads nor updates (transformers'
+    `rotary_emb.original_inv_freq`): no pipeline stage holds them, so a checkpoint saved under a
+    pipeline lacks them, and their value changes nothing the step computes."""
+    from ..program import InputKind, OutputKind
+
+    updated = {spec.name for spec in traced.outputs if spec.kind in (OutputKind.PARAM, OutputKind.BUFFER)}
+    return {model_key(spec.name) for spec, node in zip(traced.inputs, traced.placeholders())
+            if spec.kind in (InputKind.PARAM, InputKind.BUFFER) and not node.users and spec.name not in updated}
+
+
+def _on_every_rank(check, what: str):
+    """`check()`'s result; its FxShardError raised on every rank of a job, not only this one: where
+    one rank's checks fail, the others would otherwise wait in DCP's collectives for it."""
+    error, result = None, None
+    try:
+        result = check()
+    except FxShardError as raised:
+        error = raised
+    if _is_distributed():
+        import torch.distributed as dist
+
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, None if error is None else str(error))
+        failed = next((rank for rank, message in enumerate(errors) if message is not None), None)
+        if error is None and failed is not None:
+            raise FxShardError(f"rank {failed} could not {what}, so no rank does: {errors[failed]}")
+    if error is not None:
+        raise error
+    return result
+
+
 def _check_keys(step, path, manifest, saved: dict, expected: dict) -> None:
     """Raise, naming them, for keys missing from the checkpoint, keys it has that the step lacks,
     shapes that differ, and another optimizer's state."""
@@ -379,7 +422,7 @@ def _check_keys(step, path, manifest, saved: dict, expected: dict) -> None:
                            f"with")
     tensors = {key: value for key, value in saved.items() if key.startswith(("model.", "optim."))}
     empty = {key for key, shape in expected.items() if shape is not None and math.prod(shape) == 0}
-    missing = sorted(set(expected) - set(tensors) - empty)  # no rank writes an empty tensor
+    missing = sorted(set(expected) - set(tensors) - empty - _unread_state(step.programs[0]))  # no rank writes an empty tensor
     unexpected = sorted(set(tensors) - set(expected))
     mis_shaped = sorted(f"{key} {tuple(tensors[key].size)} != {tuple(shape)}" for key, shape in expected.items()
                         if shape is not None and key in tensors and tuple(tensors[key].size) != tuple(shape))
@@ -397,7 +440,11 @@ def _as_fxshard_error(what: str):
 
     try:
         yield
-    except (CheckpointException, OSError) as error:
+    except CheckpointException as error:  # its str is every rank's traceback: name each rank's error
+        causes = "; ".join(f"rank {rank}: {type(failure[0]).__name__}: {failure[0]}"
+                           for rank, failure in sorted(error.failures.items()))
+        raise FxShardError(f"{what}: {causes[:1500]}") from error
+    except OSError as error:
         raise FxShardError(f"{what}: {str(error).strip()[:1500]}") from error
 
 
