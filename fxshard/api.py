@@ -116,7 +116,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
                         collective_timeout_s=config.collective_timeout_s,
                         codegen=codegen,
                         codegen_by_layer=config.codegen_regions == "layer",
-                        share_compile=config.share_compile and mesh is not None and mesh.size > 1,
+                        share_compile=_shares_compile(mesh, config),
                         verbose=config.verbose, coords=coords, rank=_global_rank(),
                         mesh_description=str(mesh) if mesh is not None else "one device",
                         expert_layouts=_expert_layouts(model), model_class=type(model).__name__,
@@ -195,6 +195,17 @@ def _shares_trace(mesh, config: Config) -> bool:
         return False
     if config.share_trace is not None:
         return config.share_trace
+    import torch.distributed as dist
+
+    return dist.get_backend() == "gloo"
+
+
+def _shares_compile(mesh, config: Config) -> bool:
+    """Config(share_compile), where None means: on gloo (on NCCL it did not shorten compiling)."""
+    if mesh is None or mesh.size == 1:
+        return False
+    if config.share_compile is not None:
+        return config.share_compile
     import torch.distributed as dist
 
     return dist.get_backend() == "gloo"

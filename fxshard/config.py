@@ -221,9 +221,11 @@ class Config:
     share_compile: under codegen, the ranks on one host that use the same Inductor cache directory
         split the compiling of the regions their programs have in common (`fxshard.share.split_compiles`):
         each compiles its share, then takes the others' from Inductor's on-disk cache, so N ranks with
-        the same program compile 1/N of it each rather than all of it at once (on the 2-core CI machine,
-        ZeRO-3 over two gloo ranks: see bench/RESULTS.md, session 47). True (default); False: every rank
-        compiles all of its regions itself.
+        the same program compile 1/N of it each rather than all of it at once. None (default): on when
+        the default process group is gloo (ZeRO-3 over two gloo ranks on 2 cores: 22 s of codegen each
+        instead of 28 s); off on NCCL, where it did not shorten compiling (2 H200s, GPT 1b: 21.7-22.8 s
+        with it, 20.2-20.3 without: regions that create tensors name their GPU, so the ranks share 13 of
+        21, and those took as long as compiling; bench/RESULTS.md, session 47). True / False: on / off.
     """
 
     dump_dir: str | None = None
@@ -263,7 +265,7 @@ class Config:
     codegen_regions: str = "layer"
     nonfinite: str = "raise"
     share_trace: bool | None = None
-    share_compile: bool = True
+    share_compile: bool | None = None
 
     def nccl_ctas(self, axis: str) -> int | None:
         """The CTAs Config(nccl_max_ctas) allows the process groups along mesh axis `axis` (None: NCCL's choice)."""
@@ -369,8 +371,8 @@ class Config:
             self._check_nccl_max_ctas()
         if self.share_trace is not None and not isinstance(self.share_trace, bool):
             raise FxShardError(f"share_trace={self.share_trace!r}; choose True, False or None (on for gloo)")
-        if not isinstance(self.share_compile, bool):
-            raise FxShardError(f"share_compile={self.share_compile!r}; choose True or False")
+        if self.share_compile is not None and not isinstance(self.share_compile, bool):
+            raise FxShardError(f"share_compile={self.share_compile!r}; choose True, False or None (on for gloo)")
         if self.nonfinite not in NONFINITE_MODES:
             raise FxShardError(f"nonfinite={self.nonfinite!r}; choose one of {NONFINITE_MODES}")
         if self.codegen not in CODEGENS:
