@@ -261,6 +261,18 @@ def _process_groups(mesh: Mesh | None, timeout_s: float, ctas_of=lambda axis: No
     if dist.get_world_size() != mesh.size:
         raise FxShardError(f"{mesh} has {mesh.size} ranks but the process group has {dist.get_world_size()}; "
                            f"make them agree")
+    # every rank makes every group: ranks that were given another mesh or timeout would wait in
+    # torch's store for groups nobody else makes (collective_timeout_s, then a store error)
+    ours = (str(mesh), timeout_s, [ctas_of(axis) for axis in ("pp", "dp", "ep")], high_priority)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, ours)
+    other = next((rank for rank, theirs in enumerate(everyone) if theirs != ours), None)
+    if other is not None:
+        raise FxShardError(f"rank {dist.get_rank()} shards with {mesh}, collective_timeout_s={timeout_s}, "
+                           f"nccl_max_ctas {ours[2]}, nccl_high_priority={high_priority}; rank {other} with "
+                           f"{everyone[other][0]}, collective_timeout_s={everyone[other][1]}, nccl_max_ctas "
+                           f"{everyone[other][2]}, nccl_high_priority={everyone[other][3]}: give every rank the same "
+                           f"Mesh and Config")
     return _new_groups(mesh.all_groups(), timeout_s, ctas_of, high_priority), mesh.coords(dist.get_rank())
 
 

@@ -300,11 +300,11 @@ class Config:
             object.__setattr__(self, "layers", tuple(self.layers))
         # "no" would read as True
         for name in ("cuda_graphs", "verbose", "fuse_grouped_mlp", "fuse_grad_accumulation", "ep_overlap",
-                     "nccl_high_priority", "direct_calls"):
+                     "nccl_high_priority", "direct_calls", "check_initial_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise FxShardError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("microbatches", "virtual_stages", "ep_chunks", "fsdp_prefetch", "seed"):  # True is an int
-            if isinstance(getattr(self, name), bool):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
                 raise FxShardError(f"{name} must be an int, got {getattr(self, name)!r}")
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise FxShardError(f"dump_dir must be a directory path or None, got {self.dump_dir!r}")
@@ -379,8 +379,10 @@ class Config:
             raise FxShardError(f"codegen={self.codegen!r}; choose one of {CODEGENS}")
         if self.codegen_regions not in CODEGEN_REGIONS:
             raise FxShardError(f"codegen_regions={self.codegen_regions!r}; choose one of {CODEGEN_REGIONS}")
-        if not isinstance(self.collective_timeout_s, (int, float)) or not self.collective_timeout_s > 0:
-            raise FxShardError(f"collective_timeout_s must be a number of seconds > 0, got {self.collective_timeout_s!r}")
+        if not isinstance(self.collective_timeout_s, (int, float)) or isinstance(self.collective_timeout_s, bool) \
+                or not 0 < self.collective_timeout_s < 1e7:  # inf: torch's timedelta cannot hold it
+            raise FxShardError(f"collective_timeout_s must be a number of seconds > 0 (finite; under 1e7), got "
+                               f"{self.collective_timeout_s!r}")
         if self.clip_grad_norm is not None and not (isinstance(self.clip_grad_norm, (int, float))
                                                     and not isinstance(self.clip_grad_norm, bool)
                                                     and self.clip_grad_norm > 0):

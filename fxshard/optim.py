@@ -23,8 +23,20 @@ LearningRate = Union[float, Callable[[int], float]]
 
 
 def _check_lr(lr) -> None:
-    if not callable(lr) and not (isinstance(lr, (int, float)) and lr >= 0):
+    if not callable(lr) and not (_is_number(lr) and lr >= 0 and math.isfinite(lr)):
         raise FxShardError(f"lr must be a non-negative float or a callable step -> float, got {lr!r}")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_numbers(owner: str, low: float, **values) -> None:
+    """Each value a finite number >= `low` (torch.optim refuses the rest; a NaN would make every
+    parameter NaN at the first update, while the gradients stay finite)."""
+    for name, value in values.items():
+        if not (_is_number(value) and math.isfinite(value) and value >= low):
+            raise FxShardError(f"{owner} {name} must be a finite number >= {low}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -38,8 +50,11 @@ class AdamW:
 
     def __post_init__(self):
         _check_lr(self.lr)
-        if not all(0.0 <= b < 1.0 for b in self.betas):
-            raise FxShardError(f"AdamW betas must lie in [0, 1), got {self.betas}")
+        if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2
+                and all(_is_number(b) and 0.0 <= b < 1.0 for b in self.betas)):
+            raise FxShardError(f"AdamW betas must be two numbers in [0, 1), got {self.betas!r}")
+        object.__setattr__(self, "betas", tuple(self.betas))
+        _check_numbers("AdamW", 0.0, eps=self.eps, weight_decay=self.weight_decay)
 
     def init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
@@ -73,6 +88,9 @@ class SGD:
 
     def __post_init__(self):
         _check_lr(self.lr)
+        _check_numbers("SGD", 0.0, momentum=self.momentum, weight_decay=self.weight_decay, dampening=self.dampening)
+        if not isinstance(self.nesterov, bool):
+            raise FxShardError(f"SGD nesterov must be True or False, got {self.nesterov!r}")
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise FxShardError("SGD nesterov needs momentum > 0 and dampening == 0 (as torch.optim.SGD)")
 

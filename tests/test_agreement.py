@@ -153,14 +153,15 @@ def starts_apart():
 
     rank = dist.get_rank()
     said = {}
-    for case in ("seed", "lr", "rows", "none", "seed unchecked"):
+    for case in ("seed", "lr", "rows", "none", "seed unchecked", "mesh"):
         torch.manual_seed(1 if case.startswith("seed") and rank else 0)
         model = MLPStack([4, 4])
         optimizer = fxshard.optim.AdamW(lr=2e-3 if case == "lr" and rank else 1e-3)
         batch = regression_batch(torch.Generator().manual_seed(rank), 2 if case == "rows" and rank else 4)
         try:
             config = fxshard.Config(check_initial_weights=case != "seed unchecked")  # e.g. ranks about to load
-            fxshard.shard(model, mse, batch, optimizer=optimizer, mesh=fxshard.Mesh(dp=2), config=config)
+            mesh = fxshard.Mesh(pp=2) if case == "mesh" and rank else fxshard.Mesh(dp=2)  # groups made apart: a hang
+            fxshard.shard(model, mse, batch, optimizer=optimizer, mesh=mesh, config=config)
             said[case] = None
         except fxshard.FxShardError as error:
             said[case] = str(error)
@@ -171,6 +172,9 @@ def test_ranks_that_start_from_other_weights_optimizer_or_batch_shapes_fail_toge
     """Their programs issue the same collectives, so only check_same_start can stop them: rank 1 seeded
     apart would train a mixture of both ranks' weights under ZeRO-3 (a new user's review found it)."""
     said, said_too = run_local(starts_apart, 2, backend="gloo")
+    assert said_too["mesh"].startswith("rank 1 shards with Mesh(pp=2, dp=1), collective_timeout_s=600.0") and \
+        said["mesh"].startswith("rank 0 shards with Mesh(dp=2)") and "rank 1 with Mesh(pp=2, dp=1)" in said["mesh"]
+    said.pop("mesh"), said_too.pop("mesh")
     assert said == said_too, (said, said_too)
     assert said["none"] is None and said["seed unchecked"] is None
     assert said["seed"].startswith("rank 1 starts from something else than rank 0: parameter 'inp.weight': (4, 3) "

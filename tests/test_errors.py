@@ -203,10 +203,29 @@ def test_a_model_on_another_device_than_its_batch_is_named_before_tracing():
     ("nccl_max_ctas", {"pp": 0}, "nccl_max_ctas must be an int from 1 to 64"),
     ("nccl_max_ctas", [2], "nccl_max_ctas must be an int from 1 to 64"),
     ("p2p_receives", "eager", "p2p_receives='eager'; choose one of"),
-    ("dump_dir", 5, "dump_dir must be a directory path")])
+    ("dump_dir", 5, "dump_dir must be a directory path"),
+    ("check_initial_weights", "no", "check_initial_weights must be True or False"),
+    ("seed", 1.5, "seed must be an int"),
+    ("collective_timeout_s", float("inf"), r"collective_timeout_s must be a number of seconds > 0 \(finite"),
+    ("share_compile", "yes", "share_compile='yes'; choose True, False or None")])
 def test_config_fields_of_the_wrong_type_are_refused(field, value, message):
     with pytest.raises(fxshard.FxShardError, match=message):
         fxshard.Config(**{field: value})
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: fxshard.optim.AdamW(weight_decay=float("nan")), "AdamW weight_decay must be a finite number"),
+    (lambda: fxshard.optim.AdamW(eps=float("nan")), "AdamW eps must be a finite number"),
+    (lambda: fxshard.optim.AdamW(weight_decay="0.1"), "AdamW weight_decay must be a finite number"),
+    (lambda: fxshard.optim.AdamW(weight_decay=-0.1), "AdamW weight_decay must be a finite number >= 0"),
+    (lambda: fxshard.optim.AdamW(betas=(0.9,)), "AdamW betas must be two numbers"),
+    (lambda: fxshard.optim.AdamW(lr=float("nan")), "lr must be a non-negative float"),
+    (lambda: fxshard.optim.SGD(momentum=float("nan")), "SGD momentum must be a finite number")])
+def test_optimizer_hyperparameters_torch_would_refuse_are_refused(make, message):
+    """A NaN weight decay or eps makes every parameter NaN at the first update while the gradients
+    stay finite, which the non-finite guard (it checks gradients) cannot see."""
+    with pytest.raises(fxshard.FxShardError, match=message):
+        make()
 
 
 def test_nccl_max_ctas_per_axis_limits_only_the_axes_it_names():
