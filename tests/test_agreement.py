@@ -165,6 +165,18 @@ def starts_apart():
             said[case] = None
         except fxshard.FxShardError as error:
             said[case] = str(error)
+    # set_lr on rank 1 alone: the steps run (nothing in them compares lrs), the next call every rank
+    # makes says so instead of the replicas training apart
+    torch.manual_seed(0)
+    step = fxshard.shard(MLPStack([4, 4]), mse, batch, optimizer=fxshard.optim.AdamW(lr=1e-3), mesh=fxshard.Mesh(dp=2))
+    step(batch)
+    if rank == 1:
+        step.set_lr(0.5)
+    step(batch)
+    try:
+        step.parameters()
+    except fxshard.FxShardError as error:
+        said["set_lr"] = str(error)
     return said
 
 
@@ -175,6 +187,9 @@ def test_ranks_that_start_from_other_weights_optimizer_or_batch_shapes_fail_toge
     assert said_too["mesh"].startswith("rank 1 shards with Mesh(pp=2, dp=1), collective_timeout_s=600.0") and \
         said["mesh"].startswith("rank 0 shards with Mesh(dp=2)") and "rank 1 with Mesh(pp=2, dp=1)" in said["mesh"]
     said.pop("mesh"), said_too.pop("mesh")
+    assert said.pop("set_lr").startswith("the ranks trained with different learning rates within the first 2 steps "
+                                         "(rank 0: lr 0.001 now; rank 1: lr 0.5 (set_lr))")
+    assert "rank 1: lr 0.5 (set_lr) now; rank 0: lr 0.001" in said_too.pop("set_lr")
     assert said == said_too, (said, said_too)
     assert said["none"] is None and said["seed unchecked"] is None
     assert said["seed"].startswith("rank 1 starts from something else than rank 0: parameter 'inp.weight': (4, 3) "

@@ -85,6 +85,7 @@ def save(step, path: str | os.PathLike, extra=None, async_save: bool = False) ->
             raise FxShardError(f"{path} exists and is not an fxshard checkpoint (no {MANIFEST}); a save replaces the "
                                f"directory it writes to, so choose a new or checkpoint path")
     _on_every_rank(checks, f"save to {path}")
+    step._check_same_lr()  # collective: after the checks every rank passed
     distributed = _is_distributed()
     staging = f"{path}.partial"
     if _rank() == 0:

@@ -15,6 +15,8 @@ step updates), plain objects DCP pickles.
 
 from __future__ import annotations
 
+import hashlib
+
 import math
 import re
 
@@ -186,6 +188,7 @@ def set_progress(step, progress: dict | None, rng: dict | None) -> None:
     step._unchecked.clear()  # non-finite flags of steps the loaded state replaces
     # and a step that stopped mid-update: the loaded state replaces what it left
     step._interrupted = None
+    step._lr_trail = hashlib.sha256()  # every rank loads the same state: the lrs before it no longer matter
     if progress is not None:
         step.step_count = int(progress["step_count"])
         step._lr_override = progress["lr_override"]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import struct
 import sys
 import traceback
 import weakref
@@ -86,6 +88,7 @@ class CompiledStep:
         self.groups = groups or {}
         self.step_count = 0
         self._lr_override: float | None = None
+        self._lr_trail = hashlib.sha256()  # every step's lr since shard or the last load (_check_same_lr)
         self._interrupted: str | None = None  # why a step stopped while its graph ran (refuse_if_interrupted)
         self._aborted: str | None = None  # why the replay watch aborted this rank's groups: the step is unusable
         # Config(nonfinite): the program skips updates whose gradients are not finite; the runtime
@@ -222,6 +225,27 @@ class CompiledStep:
                                f"float32), got {lr!r}")
         self._lr_override = float(lr)
 
+    def _check_same_lr(self) -> None:
+        """FxShardError on every rank where the ranks' steps so far read different learning rates
+        (set_lr called on some ranks only, or an lr schedule that depends on the rank): each rank
+        applied its own update to what should be one model, and nothing else would notice. Asked where
+        every rank calls in anyway: parameters(), state_dict(), evaluate(), fxshard.save."""
+        if not self.groups:
+            return
+        import torch.distributed as dist
+
+        ours = (self._lr_trail.hexdigest(), self.step_count, self.lr, self._lr_override)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, ours)
+        other = next((rank for rank, theirs in enumerate(everyone) if theirs[0] != ours[0]), None)
+        if other is not None:
+            def said(values):
+                return f"lr {values[2]:g}" + (" (set_lr)" if values[3] is not None else "")
+            raise FxShardError(f"the ranks trained with different learning rates within the first {self.step_count} "
+                               f"steps (rank {self.rank}: {said(ours)} now; rank {other}: {said(everyone[other])}): "
+                               f"every rank must call set_lr alike, and an lr schedule must not depend on the rank. "
+                               f"Load the last checkpoint saved before that on every rank")
+
     @property
     def lr(self) -> float:
         return self._lr_override if self._lr_override is not None else lr_at(self.optimizer, self.step_count + 1)
@@ -257,6 +281,7 @@ class CompiledStep:
             return self._run_step(leaves)
 
     def _run_step(self, leaves) -> dict[str, torch.Tensor]:
+        self._lr_trail.update(struct.pack("<f", self.lr))  # what _check_same_lr compares across ranks
         if self._replay is not None and self._replay.is_captured:
             metrics = self._replay.replay(leaves, self.lr, float(self.step_count + 1), self._skipped)
             self.step_count += 1
@@ -373,6 +398,7 @@ class CompiledStep:
         self._refuse_if_aborted()
         self.refuse_if_interrupted()  # a partly updated state: no evaluation of it
         self._raise_if_nonfinite()
+        self._check_same_lr()
         leaves = self.batch_spec.flatten(batch)
         if self._evaluation is None:
             self._evaluation = self._build_evaluation()
@@ -497,6 +523,7 @@ class CompiledStep:
         pipeline every stage's, broadcast from the stage that holds it). Every rank must call it."""
         self.refuse_if_interrupted()
         self._raise_if_nonfinite()
+        self._check_same_lr()
         local = full_parameters(self.program, self.state, self._gather)
         if self.program.stage is None:
             return local
@@ -531,6 +558,7 @@ class CompiledStep:
 
         self.refuse_if_interrupted()
         self._raise_if_nonfinite()
+        self._check_same_lr()
         return step_state_dict(self)
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
