@@ -99,6 +99,25 @@ def test_batch_with_other_shape_is_rejected_with_the_traced_shape(tiny_step):
         step({"idx": torch.zeros(2, 9, dtype=torch.long), "tgt": batch["tgt"]})
 
 
+def test_token_ids_out_of_range_are_named_and_leave_the_step_usable():
+    """A bad batch whose error comes from the forward (an index past the vocabulary) fails before anything
+    of the state is written: the step says so, stays usable, and trains on as if it had not been called.
+    An error after the first in-place update still marks the state partly updated (test_nonfinite.py)."""
+    good = {"idx": torch.randint(0, 64, (2, 8)), "tgt": torch.randint(0, 64, (2, 8))}
+
+    def tiny():
+        torch.manual_seed(0)
+        return fxshard.shard(GPT(GPTConfig.preset("tiny")), lambda m, b: m.loss(b), good)
+    steps = [tiny(), tiny()]
+    steps[0](good)
+    for bad, op in (({**good, "idx": good["idx"] + 64}, "embedding"), ({**good, "tgt": good["tgt"] + 64}, "nll_loss")):
+        with pytest.raises(FxShardError, match=rf"step 2: .*\({op}.*\) raised IndexError.*training state .*unchanged"):
+            steps[0](bad)
+    steps[1](good)
+    assert steps[0](good)["loss"].item() == steps[1](good)["loss"].item()
+    assert all(torch.equal(steps[0].parameters()[n], p) for n, p in steps[1].parameters().items())
+
+
 def test_batch_with_other_dtype_or_structure_is_rejected(tiny_step):
     step, batch = tiny_step
     with pytest.raises(FxShardError, match=r"batch\['idx'\] has dtype torch.int32, but the step was traced for "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import struct
 import sys
@@ -22,7 +23,7 @@ from ..ops.gloo import GLOO_ALL_GATHER, GLOO_ALL_GATHERS
 from ..ops.p2p import P2P_OPS
 from ..codegen import CodegenReport, compile_regions, progress_printer
 from ..share import split_compiles
-from ..graph import Graph, views_as_reshapes, lazy_module
+from ..graph import Graph, is_view, lazy_module, mutates, views_as_reshapes
 from .nonfinite import keep_buffers_when_skipped, was_skipped
 from .carveout import carve_out_sms_for_all_to_alls
 from .copy_engine import CopyEngineLowering, Watch, lower_to_copy_engines, marker, resolve_auto, resolve_own_part
@@ -456,6 +457,22 @@ class CompiledStep:
                 args.append(self.state[spec.kind, spec.name])
         return args
 
+    @functools.cached_property
+    def _writes_state(self) -> set[fx.Node]:
+        """The nodes of the graph this step runs that write (in place) a tensor of the training state."""
+        state = {node for node, spec in zip(self._run.graph.find_nodes(op="placeholder"), self.program.inputs)
+                 if spec.kind in (InputKind.PARAM, InputKind.OPT_STATE, InputKind.BUFFER)}
+        writers = set()
+        for node in self._run.graph.nodes:
+            if not mutates(node):
+                continue
+            for argument, value in zip(node.target._schema.arguments, node.args):
+                while isinstance(value, fx.Node) and is_view(value) and value.args:
+                    value = value.args[0]
+                if argument.alias_info is not None and argument.alias_info.is_write and value in state:
+                    writers.add(node)
+        return writers
+
     def _replay_graph(self, run: fx.GraphModule, args: list):
         try:
             return run(*args)
@@ -487,8 +504,22 @@ class CompiledStep:
     def _eager_step(self, leaves):
         try:
             results = self._replay_graph(self._run, self._arguments(leaves))
-        except BaseException as error:  # Ctrl-C, out of memory, a timed-out collective: the state is suspect
-            self._interrupted = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
+        except Exception as error:
+            failed = _failed_node(error, self._run)
+            if failed is None or failed in self._writes_state or failed.target in P2P_OPS or \
+                    failed.target in meta.COLLECTIVE_ISSUES or failed.target in GLOO_ALL_GATHERS or \
+                    failed.target is torch.ops._c10d_functional.wait_tensor.default or \
+                    any(n in self._writes_state for n in _nodes_before(failed)):
+                self._interrupted = _one_line(error)
+                raise
+            # compute that failed before anything wrote the state (an index past the vocabulary, a shape
+            # the model refuses): the step is unchanged and may be called again with a good batch
+            raise FxShardError(f"step {self.step_count + 1}: {failed.name} ({_op_label(failed)}) raised "
+                               f"{_one_line(error)}, before anything of the training state was written (it is "
+                               f"unchanged). Check this batch (token ids below the vocabulary size, targets in "
+                               f"range...); eager PyTorch runs the same op on it") from error
+        except BaseException as error:  # Ctrl-C, out of memory: the state is suspect
+            self._interrupted = _one_line(error)
             raise
         metrics = {}
         for spec, value in zip(self.program.outputs, results):
@@ -570,6 +601,30 @@ class CompiledStep:
         from ..checkpoint.state import load_state_dict
 
         load_state_dict(self, state, strict)
+
+
+def _failed_node(error: BaseException, run: fx.GraphModule) -> fx.Node | None:
+    """The node of `run` whose line of the generated code raised `error` (None: not found)."""
+    nodes = {n.name: n for n in run.graph.nodes}
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if frame.filename.startswith("<eval_with_key>") and frame.line:
+            return nodes.get(frame.line.split("=")[0].strip())
+    return None
+
+
+def _nodes_before(node: fx.Node):
+    while node.prev.op != "root":
+        node = node.prev
+        yield node
+
+
+def _op_label(node: fx.Node) -> str:
+    return str(node.target).replace("aten.", "").split(".default")[0] if node.op == "call_function" else node.op
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
 _EXPERT_OPS = ("grouped_mm", "grouped_mm_wgrad", "grouped_mlp_fwd", "grouped_mlp_dgrad", "grouped_mlp_wgrad")
