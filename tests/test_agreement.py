@@ -2,6 +2,8 @@
 another program fails with a message naming the first collective or transfer that differs, on every
 rank, before the first step (instead of a hang)."""
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
@@ -153,13 +155,14 @@ def starts_apart():
 
     rank = dist.get_rank()
     said = {}
-    for case in ("seed", "lr", "rows", "none", "seed unchecked", "mesh"):
+    for case in ("seed", "lr", "rows", "none", "seed unchecked", "mesh", "config"):
         torch.manual_seed(1 if case.startswith("seed") and rank else 0)
         model = MLPStack([4, 4])
         optimizer = fxshard.optim.AdamW(lr=2e-3 if case == "lr" and rank else 1e-3)
         batch = regression_batch(torch.Generator().manual_seed(rank), 2 if case == "rows" and rank else 4)
         try:
-            config = fxshard.Config(check_initial_weights=case != "seed unchecked")  # e.g. ranks about to load
+            config = fxshard.Config(check_initial_weights=case != "seed unchecked",  # e.g. ranks about to load
+                                    seed=1 if case == "config" and rank else 0)
             mesh = fxshard.Mesh(pp=2) if case == "mesh" and rank else fxshard.Mesh(dp=2)  # groups made apart: a hang
             fxshard.shard(model, mse, batch, optimizer=optimizer, mesh=mesh, config=config)
             said[case] = None
@@ -192,6 +195,8 @@ def test_ranks_that_start_from_other_weights_optimizer_or_batch_shapes_fail_toge
     assert "rank 1: lr 0.5 (set_lr) now; rank 0: lr 0.001" in said_too.pop("set_lr")
     assert said == said_too, (said, said_too)
     assert said["none"] is None and said["seed unchecked"] is None
+    assert said["config"].startswith("rank 1 starts from something else than rank 0: Config(seed=1) on rank 1, "
+                                     "Config(seed=0) on rank 0. Give every rank the same Config"), said["config"]
     assert said["seed"].startswith("rank 1 starts from something else than rank 0: parameter 'inp.weight': (4, 3) "
                                    "float32, checksum") and "torch.manual_seed(0)" in said["seed"], said["seed"]
     assert "optimizer: AdamW(lr=0.002," in said["lr"] and "AdamW(lr=0.001," in said["lr"], said["lr"]
@@ -209,16 +214,19 @@ def test_start_entries_see_every_bit_and_no_summation_order():
     spec = BatchSpec.from_example(torch.zeros(2, 5))
     optimizer, config = fxshard.optim.AdamW(lr=lambda step: 1e-3), fxshard.Config()
     before = start_entries(model, spec, optimizer, config)
-    assert [e.where for e in before] == ["example batch", "optimizer", "Config"] + ["parameter"] * 4 + ["buffer"] * 3
+    fields = len(dataclasses.fields(fxshard.Config)) - 2  # one entry per Config field, less verbose and dump_dir
+    assert [e.where for e in before] == ["example batch", "optimizer"] + ["Config"] * fields + ["parameter"] * 4 + \
+        ["buffer"] * 3
     assert "lr=<test_start_entries_see_every_bit_and_no_summation_order.<locals>.<lambda> " in before[1].key
     assert before == start_entries(model, spec, fxshard.optim.AdamW(lr=lambda step: 1e-3),
                                    fxshard.Config(verbose=True, dump_dir="elsewhere"))
     with torch.no_grad():  # the lowest bit of one weight: only that parameter's entry changes
         model[0].weight.view(-1).view(torch.int32)[7] ^= 1
     changed = start_entries(model, spec, optimizer, config)
-    assert changed[3] != before[3] and changed[:3] + changed[4:] == before[:3] + before[4:]
+    first = 2 + fields  # the first parameter's entry
+    assert changed[first] != before[first] and changed[:first] + changed[first + 1:] == before[:first] + before[first + 1:]
     meta = start_entries(torch.nn.Linear(5, 3, device="meta"), spec, optimizer, config)
-    assert meta[3].key == "parameter 'weight': (3, 5) float32, meta"
+    assert meta[first].key == "parameter 'weight': (3, 5) float32, meta"
     # a schedule with a generator expression: described by its code, not by the code object's address
     schedule = fxshard.optim.AdamW(lr=lambda step: min(x for x in (1e-3, step * 1e-4)))
     assert "0x" not in start_entries(model, spec, schedule, config)[1].key

@@ -320,8 +320,9 @@ def start_entries(model, batch_spec, optimizer, config) -> list[Entry]:
             value = f"<{getattr(value, '__qualname__', type(value).__qualname__)} {code}>"
         fields.append(f"{field.name}={value}")
     entries = [Entry(f"example batch: {leaves}", "example batch"),
-               Entry(f"optimizer: {type(optimizer).__name__}({', '.join(fields)})", "optimizer"),
-               Entry(f"Config: {dataclasses.replace(config, verbose=False, dump_dir=None)!r}", "Config")]
+               Entry(f"optimizer: {type(optimizer).__name__}({', '.join(fields)})", "optimizer")]
+    entries += [Entry(f"Config({field.name}={getattr(config, field.name)!r})", "Config")  # one per field: named
+                for field in dataclasses.fields(config) if field.name not in ("verbose", "dump_dir")]
     tensors = [(f"parameter {name!r}", t) for name, t in model.named_parameters()]
     tensors += [(f"buffer {name!r}", t) for name, t in model.named_buffers() if _persistent(model, name)]
     if not config.check_initial_weights:
