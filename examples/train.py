@@ -67,7 +67,8 @@ def parse_args(argv=None):
                         help="on GPUs: how EP all-to-alls move data (copy-engine: peer memcpys, no SMs held)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (multiplies the processes)")
     parser.add_argument("--schedule", default="1f1b", choices=PIPELINE_SCHEDULES)
-    parser.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches (with --pp > 1)")
+    parser.add_argument("--microbatches", type=int, default=None,
+                        help="gradient-accumulation microbatches per step (default: 4 with --pp > 1, else 1)")
     parser.add_argument("--virtual-stages", type=int, default=1, help="chunks per pipeline rank (interleaved)")
     parser.add_argument("--p2p-receives", default="late", choices=["early", "late"],
                         help="where each stage issues a point-to-point receive (Config(p2p_receives); README)")
@@ -102,6 +103,11 @@ def lr_schedule(base_lr, warmup, total):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.microbatches is not None and args.pp == 1 and args.ep_microbatches > 1:
+        raise SystemExit("--microbatches and --ep-microbatches both set the microbatches of a run without --pp: "
+                         "give one")
+    if args.microbatches is None:
+        args.microbatches = 4 if args.pp > 1 else args.ep_microbatches
     if min(args.steps, args.batch_size, args.copy_len, args.dp, args.pp, args.ep, args.microbatches,
            args.ep_microbatches, args.log_every, args.virtual_stages) < 1:
         raise SystemExit("--steps, --batch-size, --copy-len, --dp, --ep, --pp, --microbatches, --ep-microbatches, "
@@ -173,7 +179,7 @@ def step_config(args, rank: int) -> fxshard.Config:
     writes = rank == 0 or args.pp > 1 and fxshard.Mesh(pp=args.pp, dp=args.dp, ep=args.ep).coords(rank)["dp"] == 0
     return fxshard.Config(dump_dir=args.dump if writes else None, sharding=args.sharding, schedule=args.schedule,
                           virtual_stages=args.virtual_stages, ep_overlap=args.ep_overlap,
-                          microbatches=args.microbatches if args.pp > 1 else args.ep_microbatches,
+                          microbatches=args.microbatches,
                           ep_chunks=1, ep_interleave="combined-1f1b" if args.pp > 1 else "dual-batch",
                           ep_all_to_all=args.ep_all_to_all, p2p_receives=args.p2p_receives,
                           nccl_max_ctas={"pp": args.p2p_ctas} if args.p2p_ctas is not None else None)

@@ -14,11 +14,12 @@ def load_train(script="train.py"):
 
 
 def test_train_example_loss_falls(tmp_path, capsys):
-    result = load_train().main(["--steps", "150", "--log-every", "50", "--dump", str(tmp_path)])
+    # --microbatches without --pp: gradient accumulation (the traced step embeds each microbatch's tokens)
+    result = load_train().main(["--steps", "150", "--log-every", "50", "--dump", str(tmp_path), "--microbatches", "2"])
     assert result["last_loss"] < 0.5 * result["first_loss"], result
     out = capsys.readouterr().out
     assert "step 150 loss" in out and "done: 150 steps" in out
-    assert (tmp_path / "00_traced.summary.txt").exists()
+    assert (tmp_path / "00_traced.py").read_text().count("torch.ops.aten.embedding.default(") == 2
 
 
 def test_transformers_example_learns_saves_and_starts_from_its_weights(tmp_path):
@@ -93,6 +94,7 @@ def test_flags_that_shape_what_the_run_does_not_have_are_refused():
 
     train = load_train()
     for flags, says in ((["--ep-microbatches", "3"], "need --ep >= 2"), (["--ep-overlap"], "needs --ep >= 2"),
-                        (["--p2p-ctas", "2"], "needs --pp >= 2"), (["--ep-all-to-all", "nccl"], "need --ep >= 2")):
+                        (["--p2p-ctas", "2"], "needs --pp >= 2"), (["--ep-all-to-all", "nccl"], "need --ep >= 2"),
+                        (["--ep", "2", "--dp", "2", "--ep-microbatches", "2", "--microbatches", "2"], "give one")):
         with pytest.raises(SystemExit, match=says):
             train.main([*flags, "--steps", "1"])
