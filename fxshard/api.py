@@ -61,6 +61,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     batch_spec = BatchSpec.from_example(example_batch)
     if not is_meta:
         _check_devices(tensors, batch_spec.device)
+    _warn_if_eval_mode(model)
     stage = coords.get("pp", 0)
     programs = _compile(model, loss_fn, example_batch, optimizer, mesh, config, (stage,),
                         share=_shares_trace(mesh, config))
@@ -198,6 +199,23 @@ def _shares_trace(mesh, config: Config) -> bool:
     import torch.distributed as dist
 
     return dist.get_backend() == "gloo"
+
+
+def _warn_if_eval_mode(model: nn.Module) -> None:
+    """A model in eval mode (transformers' from_pretrained returns one) is traced in eval mode: the
+    step trains without dropout and normalizes with BatchNorm's running statistics. Said where that
+    changes what the step computes."""
+    if model.training:
+        return
+    acting = [name for name, module in model.named_modules()
+              if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0
+              or isinstance(module, nn.modules.batchnorm._BatchNorm)]
+    if acting:
+        import warnings
+
+        warnings.warn(f"the model is in eval mode (from_pretrained returns it so), so the step trains in eval mode: "
+                      f"{len(acting)} dropout / BatchNorm modules ({acting[0]}, ...) act as in evaluation. Call "
+                      f"model.train() before shard() to train in train mode", stacklevel=3)
 
 
 def _shares_compile(mesh, config: Config) -> bool:

@@ -74,8 +74,10 @@ class BatchSpec:
             if tuple(leaf.shape) != spec.shape:
                 raise FxShardError(
                     f"batch leaf {spec.path} has shape {tuple(leaf.shape)}, but the step was traced for shape "
-                    f"{spec.shape} (static shapes); pad or crop the batch to that shape, or shard() again with "
-                    f"an example of the new shape")
+                    f"{spec.shape} (static shapes); pad or crop the batch to that shape (a short last batch: drop "
+                    f"it, or pad it and mask the padding in the loss), or shard() again with an example of the new "
+                    f"shape, after copying step.parameters() (and step.buffers()) into the model: a new step starts "
+                    f"from the model's weights, not this step's")
             if leaf.dtype != spec.dtype:
                 raise FxShardError(
                     f"batch leaf {spec.path} has dtype {leaf.dtype}, but the step was traced for {spec.dtype}; "

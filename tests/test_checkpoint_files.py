@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import fxshard
 from fxshard.models import GPT, GPTConfig
@@ -88,6 +89,16 @@ def test_damaged_and_partial_checkpoints_are_refused_and_nothing_changes(saved, 
     os.rename(unfinished, tmp_path / "interrupted.partial")
     with pytest.raises(fxshard.FxShardError, match=r"interrupted.partial is an interrupted save"):
         fxshard.load(step, tmp_path / "interrupted")
+    # bytes overwritten in place (0xff...: NaN in float32), the file's length unchanged
+    overwritten = tmp_path / "overwritten"
+    shutil.copytree(saved[0], overwritten)
+    storage = dcp.FileSystemReader(str(overwritten)).read_metadata().storage_data
+    info = max((info for index, info in storage.items() if index.fqn.startswith("optim.")), key=lambda i: i.length)
+    with open(overwritten / info.relative_path, "r+b") as handle:  # the middle of the item: its data
+        handle.seek(info.offset + info.length // 2)
+        handle.write(b"\xff" * 64)
+    with pytest.raises(fxshard.FxShardError, match=r"holds values that are not finite in opt_state .*the step is unchanged"):
+        fxshard.load(step, overwritten)
     assert_unchanged(step, before)
 
 

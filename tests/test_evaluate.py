@@ -195,6 +195,15 @@ def test_switching_the_model_to_eval_after_shard_warns_once_and_changes_nothing(
         warnings.simplefilter("error")
         step(batch)  # said once
     assert not model.training  # the user's model keeps the mode they gave it
+    # the other way round (transformers' from_pretrained returns an eval-mode model): said at shard, and
+    # again, with the fix for this direction, when the model is switched to train mode after it
+    with pytest.warns(UserWarning, match=r"the model is in eval mode .* 2 dropout / BatchNorm modules \(layers.0.2, \.\.\.\)"
+                                         r".*Call model.train\(\) before shard\(\)"):
+        step = fxshard.shard(model, regression_loss, batch, optimizer=ADAMW)
+    model.train()
+    with pytest.warns(UserWarning, match=r"switched to train mode after shard\(\).*\(eval\). To train in train mode "
+                                         r"\(dropout on\), call model.train\(\) before shard\(\)"):
+        step(batch)
 
 
 def test_a_model_that_cannot_be_copied_is_kept_for_evaluate_with_a_warning():

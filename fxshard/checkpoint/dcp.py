@@ -253,6 +253,7 @@ def load(step, path: str | os.PathLike):
                  no_dist=not _is_distributed())
     for layer in conversions:
         layer.apply(step, state, copies)
+    _on_every_rank(lambda: _refuse_nonfinite(copies, path), f"load {path}")
     apply_loaded(step, copies, state[PROGRESS], state.get(rng_key(step.rank)), state.get(buffers_key(step.rank)))
     extra = state.get(own_extra)
     return pickle.loads(extra) if manifest.get("extra") == "pickled" and extra is not None else extra
@@ -390,6 +391,19 @@ def _unread_state(traced) -> set[str]:
     updated = {spec.name for spec in traced.outputs if spec.kind in (OutputKind.PARAM, OutputKind.BUFFER)}
     return {model_key(spec.name) for spec, node in zip(traced.inputs, traced.placeholders())
             if spec.kind in (InputKind.PARAM, InputKind.BUFFER) and not node.users and spec.name not in updated}
+
+
+def _refuse_nonfinite(copies: dict, path: str) -> None:
+    """FxShardError for a loaded parameter or optimizer slot with a NaN or inf (a damaged file, or a save
+    after an update that made it so): training from it would fail steps later, blaming the batch."""
+    from ..program import InputKind
+
+    for (kind, name), value in copies.items():
+        if kind in (InputKind.PARAM, InputKind.OPT_STATE) and value.is_floating_point() and \
+                not bool(torch.isfinite(value).all()):
+            raise FxShardError(f"{path} holds values that are not finite in {kind.value} {name!r} (this rank's part): "
+                               f"the checkpoint is damaged, or was saved after an update that made them so; the step "
+                               f"is unchanged. Load an earlier checkpoint")
 
 
 def _on_every_rank(check, what: str):

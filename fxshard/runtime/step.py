@@ -343,8 +343,10 @@ class CompiledStep:
 
         mode = {True: "train", False: "eval"}
         warnings.warn(f"the model was switched to {mode[model.training]} mode after shard(); the compiled step "
-                      f"keeps the mode it was traced in ({mode[self._traced_training]}). Use step.evaluate(batch) to "
-                      f"evaluate (eval mode, no update)", stacklevel=3)
+                      f"keeps the mode it was traced in ({mode[self._traced_training]}). "
+                      + ("Use step.evaluate(batch) to evaluate (eval mode, no update)" if self._traced_training else
+                         "To train in train mode (dropout on), call model.train() before shard(), and shard again")
+                      , stacklevel=3)
         self._model = None  # said once
 
     def routing(self, metrics: dict) -> dict[str, dict[str, torch.Tensor]]:
@@ -493,7 +495,10 @@ class CompiledStep:
         if self._interrupted is not None:
             raise FxShardError(f"step {self.step_count + 1} stopped while it ran ({self._interrupted}), so the training "
                                f"state may be partly updated; load the last checkpoint (fxshard.load) or a state "
-                               f"dict (step.load_state_dict) before training on or saving")
+                               f"dict (step.load_state_dict) before training on or saving"
+                               + ("; where a collective or transfer failed (a rank stalled or stopped), this job's "
+                                  "process groups cannot be trusted: restart the job from the last checkpoint"
+                                  if self.groups else ""))
 
     def _refuse_if_aborted(self) -> None:
         """FxShardError where the replay watch aborted this rank's process groups (runtime/replay_watch.py):
