@@ -155,7 +155,11 @@ def starts_apart():
 
     rank = dist.get_rank()
     said = {}
-    for case in ("seed", "lr", "rows", "none", "seed unchecked", "mesh", "config"):
+    def fails_on_rank_0(model, batch):
+        if rank == 0:
+            raise ValueError("a bug on rank 0")
+        return mse(model, batch)
+    for case in ("seed", "lr", "rows", "none", "seed unchecked", "mesh", "config", "trace"):
         torch.manual_seed(1 if case.startswith("seed") and rank else 0)
         model = MLPStack([4, 4])
         optimizer = fxshard.optim.AdamW(lr=2e-3 if case == "lr" and rank else 1e-3)
@@ -164,7 +168,8 @@ def starts_apart():
             config = fxshard.Config(check_initial_weights=case != "seed unchecked",  # e.g. ranks about to load
                                     seed=1 if case == "config" and rank else 0)
             mesh = fxshard.Mesh(pp=2) if case == "mesh" and rank else fxshard.Mesh(dp=2)  # groups made apart: a hang
-            fxshard.shard(model, mse, batch, optimizer=optimizer, mesh=mesh, config=config)
+            fxshard.shard(model, fails_on_rank_0 if case == "trace" else mse, batch, optimizer=optimizer, mesh=mesh,
+                          config=config)
             said[case] = None
         except fxshard.FxShardError as error:
             said[case] = str(error)
@@ -190,6 +195,10 @@ def test_ranks_that_start_from_other_weights_optimizer_or_batch_shapes_fail_toge
     assert said_too["mesh"].startswith("rank 1 shards with Mesh(pp=2, dp=1), collective_timeout_s=600.0") and \
         said["mesh"].startswith("rank 0 shards with Mesh(dp=2)") and "rank 1 with Mesh(pp=2, dp=1)" in said["mesh"]
     said.pop("mesh"), said_too.pop("mesh")
+    # a trace that fails on one rank only: that rank raises its error, the other says so at once
+    assert said.pop("trace").startswith("cannot trace the training step: ValueError: a bug on rank 0")
+    assert said_too.pop("trace").startswith("rank 0 could not compile the step, so no rank goes on (FxShardError: "
+                                            "cannot trace the training step: ValueError: a bug on rank 0")
     assert said.pop("set_lr").startswith("the ranks trained with different learning rates within the first 2 steps "
                                          "(rank 0: lr 0.001 now; rank 1: lr 0.5 (set_lr))")
     assert "rank 1: lr 0.5 (set_lr) now; rank 0: lr 0.001" in said_too.pop("set_lr")
