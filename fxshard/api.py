@@ -62,6 +62,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     if not is_meta:
         _check_devices(tensors, batch_spec.device)
     _warn_if_eval_mode(model)
+    _warn_unused_pipeline_settings(mesh, config)
     stage = coords.get("pp", 0)
     try:
         programs, failure = _compile(model, loss_fn, example_batch, optimizer, mesh, config, (stage,),
@@ -223,6 +224,20 @@ def _every_rank_compiled(failure: Exception | None) -> None:
                            f"its own error says why")
 
 
+def _warn_unused_pipeline_settings(mesh, config: Config) -> None:
+    """Config(schedule, virtual_stages, stage_layers) shape a pipeline: without Mesh(pp>1) they do nothing,
+    which a run that meant to pipeline (the mesh forgotten) should hear."""
+    if mesh is not None and mesh.pp > 1:
+        return
+    given = [f"{name}={getattr(config, name)!r}" for name, default in
+             (("schedule", "1f1b"), ("virtual_stages", 1), ("stage_layers", None)) if getattr(config, name) != default]
+    if given:
+        import warnings
+
+        warnings.warn(f"Config({', '.join(given)}) shapes a pipeline, but the mesh ({mesh or 'one device'}) has "
+                      f"no pp axis: it has no effect. Pass mesh=fxshard.Mesh(pp=...) to pipeline", stacklevel=3)
+
+
 def _warn_if_eval_mode(model: nn.Module) -> None:
     """A model in eval mode (transformers' from_pretrained returns one) is traced in eval mode: the
     step trains without dropout and normalizes with BatchNorm's running statistics. Said where that
@@ -264,6 +279,7 @@ def check(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     optimizer = optimizer or AdamW()
     _check_arguments(model, loss_fn, optimizer, config)
     _check_mesh(mesh)
+    _warn_unused_pipeline_settings(mesh, config)
     _compile(model, loss_fn, example_batch, optimizer, mesh, config, range(mesh.pp if mesh is not None else 1))
 
 

@@ -71,6 +71,16 @@ def test_another_optimizers_state_is_refused(saved):
         fxshard.load(step, saved[0])
 
 
+def test_a_checkpoint_saved_with_other_parameters_frozen_says_so(saved):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny"))
+    model.tok_emb.weight.requires_grad_(False)
+    step = fxshard.shard(model, lambda m, b: m.loss(b), batches()[0], ADAMW)
+    with pytest.raises(fxshard.FxShardError, match=r"saved with other parameters frozen \(requires_grad\) than this "
+                                                   r"step's \(frozen now, trained when saved: tok_emb.weight\)"):
+        fxshard.load(step, saved[0])
+
+
 def test_damaged_and_partial_checkpoints_are_refused_and_nothing_changes(saved, tmp_path):
     step = shard()
     before = snapshot(step)

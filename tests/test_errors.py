@@ -278,3 +278,12 @@ def test_a_dump_directory_that_cannot_be_made_is_refused_before_compiling(tmp_pa
     with pytest.raises(fxshard.FxShardError, match=r"Config\(dump_dir=.*\) cannot be made"):
         fxshard.shard(torch.nn.Linear(2, 1), lambda m, b: m(b["x"]).sum(), {"x": torch.randn(2, 2)},
                       config=fxshard.Config(dump_dir=str(tmp_path / "file" / "dumps")))
+
+
+def test_pipeline_settings_without_a_pipeline_are_said_to_do_nothing():
+    """A run that meant to pipeline but forgot the mesh trains on one device: shard and check say so."""
+    batch = {"idx": torch.zeros(2, 8, dtype=torch.long), "tgt": torch.zeros(2, 8, dtype=torch.long)}
+    with pytest.warns(UserWarning, match=r"Config\(schedule='zb-h1', stage_layers=\(1, 1\)\) shapes a pipeline, but "
+                                         r"the mesh \(one device\) has no pp axis"):
+        fxshard.check(GPT(GPTConfig.preset("tiny")), lambda m, b: m.loss(b), batch,
+                      config=fxshard.Config(schedule="zb-h1", stage_layers=(1, 1)))

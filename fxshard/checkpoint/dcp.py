@@ -442,6 +442,16 @@ def _check_keys(step, path, manifest, saved: dict, expected: dict) -> None:
     mis_shaped = sorted(f"{key} {tuple(tensors[key].size)} != {tuple(shape)}" for key, shape in expected.items()
                         if shape is not None and key in tensors and tuple(tensors[key].size) != tuple(shape))
     problems = key_differences(missing, unexpected, mis_shaped)
+    # only optimizer slots differ, of parameters both have: the set of trainable parameters changed
+    trained_then = {k.split(".", 1)[1].rsplit(".", 1)[0] for k in unexpected if k.startswith("optim.")}
+    trained_now = {k.split(".", 1)[1].rsplit(".", 1)[0] for k in missing if k.startswith("optim.")}
+    if problems and not mis_shaped and all(k.startswith("optim.") for k in missing + unexpected) and \
+            all(model_key(name) in tensors for name in trained_then | trained_now):
+        said = [f"frozen now, trained when saved: {', '.join(sorted(trained_then)[:4])}" if trained_then else "",
+                f"trained now, frozen when saved: {', '.join(sorted(trained_now)[:4])}" if trained_now else ""]
+        raise FxShardError(f"{path} was saved with other parameters frozen (requires_grad) than this step's "
+                           f"({'; '.join(t for t in said if t)}): their optimizer state does not fit. Freeze the "
+                           f"same parameters as when it was saved, or load the weights alone with fxshard.load_hf")
     if problems:
         raise FxShardError(f"{path} is a checkpoint of another model: {problems}. Shard the model it was "
                            f"saved from (same config), or load weights by name with fxshard.load_hf")
