@@ -66,7 +66,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     stage = coords.get("pp", 0)
     try:
         programs, failure = _compile(model, loss_fn, example_batch, optimizer, mesh, config, (stage,),
-                                     share=_shares_trace(mesh, config)), None
+                                     share=_shares(mesh, config.share_trace)), None
     except Exception as error:  # noqa: BLE001  raised below, once every rank knows
         failure = error
     if groups:  # a rank whose trace failed (its own data, its own memory) must not leave the others waiting
@@ -113,7 +113,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
 
         with EvalMode(structure):  # every rank calls evaluate(): its trace is shared as shard's is
             evaluation = forward_only(_compile(structure, loss_fn, example_batch, optimizer, mesh, config, (stage,),
-                                               share=_shares_trace(mesh, config))[-1])
+                                               share=_shares(mesh, config.share_trace))[-1])
         if config.dump_dir:
             evaluation.dump(config.dump_dir, len(programs) + 1)
         return evaluation
@@ -125,7 +125,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
                         collective_timeout_s=config.collective_timeout_s,
                         codegen=codegen,
                         codegen_by_layer=config.codegen_regions == "layer",
-                        share_compile=_shares_compile(mesh, config),
+                        share_compile=_shares(mesh, config.share_compile),
                         verbose=config.verbose, coords=coords, rank=_global_rank(),
                         mesh_description=str(mesh) if mesh is not None else "one device",
                         expert_layouts=_expert_layouts(model), model_class=type(model).__name__,
@@ -198,12 +198,14 @@ def _compile(model, loss_fn, example_batch, optimizer, mesh, config, stages=(0,)
     return [run_pipeline(program, mesh, config, stage=stage) for stage in stages][-1]
 
 
-def _shares_trace(mesh, config: Config) -> bool:
-    """Config(share_trace), where None means: on gloo, whose ranks share their host's cores."""
+def _shares(mesh, setting: bool | None) -> bool:
+    """Config(share_trace) or Config(share_compile) on this mesh, where None means: on gloo, whose
+    ranks share their host's cores (on NCCL each rank traces on its own cores, and sharing the
+    compiling did not shorten it on 2 H200s)."""
     if mesh is None or mesh.size == 1:
         return False
-    if config.share_trace is not None:
-        return config.share_trace
+    if setting is not None:
+        return setting
     import torch.distributed as dist
 
     return dist.get_backend() == "gloo"
@@ -253,17 +255,6 @@ def _warn_if_eval_mode(model: nn.Module) -> None:
         warnings.warn(f"the model is in eval mode (from_pretrained returns it so), so the step trains in eval mode: "
                       f"{len(acting)} dropout / BatchNorm modules ({acting[0]}, ...) act as in evaluation. Call "
                       f"model.train() before shard() to train in train mode", stacklevel=3)
-
-
-def _shares_compile(mesh, config: Config) -> bool:
-    """Config(share_compile), where None means: on gloo (on NCCL it did not shorten compiling)."""
-    if mesh is None or mesh.size == 1:
-        return False
-    if config.share_compile is not None:
-        return config.share_compile
-    import torch.distributed as dist
-
-    return dist.get_backend() == "gloo"
 
 
 def check(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None = None, mesh=None,
