@@ -518,11 +518,18 @@ class CompiledStep:
                 self._interrupted = _one_line(error)
                 raise
             # compute that failed before anything wrote the state (an index past the vocabulary, a shape
-            # the model refuses): the step is unchanged and may be called again with a good batch
+            # the model refuses): the step is unchanged and may be called again with a good batch, unless
+            # it had issued collectives, whose peers now wait for the rest of this step
+            issued = [n for n in _nodes_before(failed) if n.target in P2P_OPS or n.target in meta.COLLECTIVE_ISSUES
+                      or n.target in GLOO_ALL_GATHERS]
+            if issued:
+                self._interrupted = _one_line(error)
             raise FxShardError(f"step {self.step_count + 1}: {failed.name} ({_op_label(failed)}) raised "
                                f"{_one_line(error)}, before anything of the training state was written (it is "
                                f"unchanged). Check this batch (token ids below the vocabulary size, targets in "
-                               f"range...); eager PyTorch runs the same op on it") from error
+                               f"range...); eager PyTorch runs the same op on it"
+                               + (f". This rank had issued {len(issued)} collectives or transfers of the step, which "
+                                  f"its peers wait to finish: restart the job" if issued else "")) from error
         except BaseException as error:  # Ctrl-C, out of memory: the state is suspect
             self._interrupted = _one_line(error)
             raise
