@@ -70,7 +70,9 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     except Exception as error:  # noqa: BLE001  raised below, once every rank knows
         failure = error
     if groups:  # a rank whose trace failed (its own data, its own memory) must not leave the others waiting
-        _every_rank_compiled(failure)
+        from .runtime.agreement import fail_together
+
+        fail_together(failure, "compile the step")
     if failure is not None:
         raise failure
     if programs[-1].stage is not None:
@@ -209,21 +211,6 @@ def _shares(mesh, setting: bool | None) -> bool:
     import torch.distributed as dist
 
     return dist.get_backend() == "gloo"
-
-
-def _every_rank_compiled(failure: Exception | None) -> None:
-    """Collective: FxShardError on every rank whose own compile succeeded where another rank's failed,
-    naming that rank and its error (its own error is raised by the caller). Without this, the ranks
-    that compiled would wait at shard()'s next collective for the one that stopped."""
-    import torch.distributed as dist
-
-    said = None if failure is None else f"{type(failure).__name__}: {str(failure).strip()[:600]}"
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, said)
-    failed = next((rank for rank, message in enumerate(everyone) if message is not None), None)
-    if failure is None and failed is not None:
-        raise FxShardError(f"rank {failed} could not compile the step, so no rank goes on ({everyone[failed]}); "
-                           f"its own error says why")
 
 
 def _warn_unused_pipeline_settings(mesh, config: Config) -> None:

@@ -415,13 +415,9 @@ def _on_every_rank(check, what: str):
     except FxShardError as raised:
         error = raised
     if _is_distributed():
-        import torch.distributed as dist
+        from ..runtime.agreement import fail_together
 
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, None if error is None else str(error))
-        failed = next((rank for rank, message in enumerate(errors) if message is not None), None)
-        if error is None and failed is not None:
-            raise FxShardError(f"rank {failed} could not {what}, so no rank does: {errors[failed]}")
+        fail_together(error, what)
     if error is not None:
         raise error
     return result

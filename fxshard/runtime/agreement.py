@@ -185,6 +185,24 @@ def raise_together(problem: str | None, device: torch.device, elsewhere: str) ->
         raise FxShardError(problem or f"{elsewhere}, so this job stops here too: {found[0]}")
 
 
+def fail_together(failure: Exception | None, what: str) -> None:
+    """Collective over the default process group: where some rank's `failure` is not None, raise on
+    every rank (a rank's own failure is its caller's to raise; the others get an FxShardError naming
+    the first failed rank and its error), instead of leaving the others waiting at their next
+    collective for the rank that stopped. `what`: what the failed rank could not do. Unlike
+    `raise_together`, the failed rank keeps its own exception (type and traceback), and the others'
+    message names it; an object all-gather, so any backend and no device."""
+    import torch.distributed as dist
+
+    said = None if failure is None else f"{type(failure).__name__}: {str(failure).strip()[:600]}"
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, said)
+    failed = next((rank for rank, message in enumerate(everyone) if message is not None), None)
+    if failure is None and failed is not None:
+        raise FxShardError(f"rank {failed} could not {what}, so no rank goes on ({everyone[failed]}); its own "
+                           f"error says why")
+
+
 def _disagreement(graph: fx.Graph, groups: dict, device: torch.device, stage: int | None) -> str | None:
     """The first disagreement in this rank's groups, described (or None)."""
     import torch.distributed as dist
