@@ -52,8 +52,12 @@ def eager_reference(capacity, batches, world):
 
 
 # ep=4 on four ranks leaves each expert on one rank of its edp group (edp=1), where the strategies shard
-# nothing of the experts; the rest shards over dp=4 as tests/test_parity_fsdp_gloo.py checks: two suffice
-@pytest.mark.parametrize("world,ep,capacity,strategies", [(2, 2, None, STRATEGIES), (4, 2, 1.0, STRATEGIES),
+# nothing of the experts; the rest shards over dp=4 as tests/test_parity_fsdp_gloo.py checks: two suffice.
+# ep=2 on four ranks (edp=2) shards the experts: the optimizer state alone (ZeRO-1) and everything
+# (ZeRO-3) on real processes; ZeRO-2 lies between them, and the SPMD simulator's property tests draw
+# every strategy over these meshes and more (tests/passes/test_ep.py)
+@pytest.mark.parametrize("world,ep,capacity,strategies", [(2, 2, None, STRATEGIES),
+                                                          (4, 2, 1.0, ("optim", "optim_grads_params")),
                                                           (4, 4, None, ("no_shard", "optim_grads_params"))],
                          ids=["dp2-ep2", "dp4-ep2-capacity1", "dp4-ep4"])
 def test_expert_parallel_matches_single_device_eager(world, ep, capacity, strategies):
