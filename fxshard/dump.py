@@ -217,7 +217,8 @@ def peak_live_bytes(program: Program) -> int:
 
 def _updates_lines(program: Program) -> list[str]:
     """The optimizer phase (`Program.updates`): how many tensors it updates, over which axes each
-    one's squared gradient norm is summed, and which this rank leaves to another."""
+    one's squared gradient norm is summed, which this rank leaves to another, and which it updates
+    without weight decay."""
     if not program.updates:
         return []
     by_axes = Counter(" x ".join(u.norm_axes) or "this rank" for u in program.updates)
@@ -227,6 +228,9 @@ def _updates_lines(program: Program) -> list[str]:
     elsewhere = [u.name for u in program.updates if not u.counted]
     if elsewhere:
         line += "; counted by another rank: " + ", ".join(elsewhere)
+    undecayed = [u.name for u in program.updates if not u.decay]
+    if undecayed and program.train is not None and program.train.optimizer.weight_decay:
+        line += "; without weight decay (no_decay): " + ", ".join(undecayed)
     return [line, ""]
 
 

@@ -11,8 +11,10 @@ without retracing. Semantics match `torch.optim.AdamW` / `torch.optim.SGD` (sing
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from typing import Callable, Union
 
 import torch
@@ -31,6 +33,30 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _check_patterns(owner: str, optimizer) -> None:
+    """`no_decay` as a tuple of strings (a single string would be read as its characters)."""
+    patterns = optimizer.no_decay
+    if isinstance(patterns, str) or not isinstance(patterns, (tuple, list)) or \
+            not all(isinstance(p, str) and p for p in patterns):
+        raise FxShardError(f"{owner} no_decay must be a tuple of parameter-name patterns (fnmatch: '*.bias', "
+                           f"'*norm*'), got {patterns!r}")
+    object.__setattr__(optimizer, "no_decay", tuple(patterns))
+
+
+class _Decay:
+    """Weight decay by parameter name, shared by the optimizers: `no_decay` patterns (fnmatch, matched
+    against the names `model.named_parameters()` gives) exempt parameters from weight decay, as a
+    torch.optim parameter group with weight_decay=0 does (biases and norms, in most recipes)."""
+
+    def decays(self, name: str) -> bool:
+        """Whether the update of parameter `name` applies weight decay."""
+        return self.weight_decay != 0 and not any(fnmatchcase(name, p) for p in self.no_decay)
+
+    def without_decay(self):
+        """This optimizer for the parameters `no_decay` names: the same, with weight_decay 0."""
+        return dataclasses.replace(self, weight_decay=0.0, no_decay=())
+
+
 def _check_numbers(owner: str, low: float, **values) -> None:
     """Each value a finite number >= `low` (torch.optim refuses the rest; a NaN would make every
     parameter NaN at the first update, while the gradients stay finite)."""
@@ -40,11 +66,12 @@ def _check_numbers(owner: str, low: float, **values) -> None:
 
 
 @dataclass(frozen=True)
-class AdamW:
+class AdamW(_Decay):
     lr: LearningRate = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 1e-2
+    no_decay: tuple[str, ...] = ()  # parameter-name patterns without weight decay (_Decay)
 
     slots = ("exp_avg", "exp_avg_sq")
 
@@ -55,6 +82,7 @@ class AdamW:
             raise FxShardError(f"AdamW betas must be two numbers in [0, 1), got {self.betas!r}")
         object.__setattr__(self, "betas", tuple(self.betas))
         _check_numbers("AdamW", 0.0, eps=self.eps, weight_decay=self.weight_decay)
+        _check_patterns("AdamW", self)
 
     def init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
@@ -79,16 +107,18 @@ class AdamW:
 
 
 @dataclass(frozen=True)
-class SGD:
+class SGD(_Decay):
     lr: LearningRate = 1e-3
     momentum: float = 0.0
     weight_decay: float = 0.0
     dampening: float = 0.0
     nesterov: bool = False
+    no_decay: tuple[str, ...] = ()  # parameter-name patterns without weight decay (_Decay)
 
     def __post_init__(self):
         _check_lr(self.lr)
         _check_numbers("SGD", 0.0, momentum=self.momentum, weight_decay=self.weight_decay, dampening=self.dampening)
+        _check_patterns("SGD", self)
         if not isinstance(self.nesterov, bool):
             raise FxShardError(f"SGD nesterov must be True or False, got {self.nesterov!r}")
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):

@@ -68,6 +68,7 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence
     the same order: the groups of axes are reduced in sorted order, and `norm_groups` names those
     other ranks reduce though this one may update nothing summed over them (a pipeline stage without
     experts, where another stage's expert units sum over `ep`); this rank adds zero there.
+    An update whose `decay` is False runs with the optimizer's `without_decay()` (its `no_decay`).
     Updates run in `order` (names; default: as `updates` lists them), the gradient norm summed in
     `updates`' order either way. The gradients of `deferred.names` are unreduced: their reductions
     are issued at the start of the phase, and they are updated after the others but
@@ -81,6 +82,7 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence
     names = [update.name for update in updates]
     slots = [[slot for (owner, slot) in states if owner == name] for name in names]
     axes_of = {update.name: update.norm_axes for update in updates}
+    decays = {update.name: update.decay for update in updates}
     not_in_norm = frozenset(update.name for update in updates if not update.counted)
     all_groups = sorted({*axes_of.values(), *norm_groups})
     optimizer, clip = spec.optimizer, spec.clip_grad_norm
@@ -134,12 +136,22 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence
 
         shared = optimizer.scalars(lr, step)
         new_params, new_states = {}, {}
+        plain = {}  # the optimizer without weight decay and its scalars, for the updates its no_decay names
+
+        def rule(name):
+            if decays[name] or optimizer.weight_decay == 0:
+                return optimizer, shared
+            if not plain:
+                plain["optimizer"] = optimizer.without_decay()
+                plain["scalars"] = {**plain["optimizer"].scalars(lr, step), **{k: v for k, v in shared.items() if k == "skip"}}
+            return plain["optimizer"], plain["scalars"]
 
         def apply(chosen):
             for name in chosen:
+                chosen_optimizer, scalars = rule(name)
                 with fx_traceback.annotate({meta.ANNOTATION_PARAM: name}):
-                    new_params[name], new_states[name] = optimizer.update(
-                        params[names.index(name)], grads[name], states[name], shared)
+                    new_params[name], new_states[name] = chosen_optimizer.update(
+                        params[names.index(name)], grads[name], states[name], scalars)
 
         local = {name: squared(grads[name]) for name in counted_names if name not in late}
         if late:  # decide the skip from the unreduced gradients, then update while they are reduced

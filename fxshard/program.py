@@ -248,11 +248,14 @@ class Update:
     and this rank counts it in the norm unless `counted` is False (another rank does: a weight tied
     across pipeline stages). Passes that change what the optimizer sees map a program's updates to
     theirs (lower_schedule keeps its stage's and sums over `pp`; fsdp makes one per unit) and
-    rebuild the phase from them (fxshard.optimizer_graph.append_update)."""
+    rebuild the phase from them (fxshard.optimizer_graph.append_update). `decay`: the update applies
+    the optimizer's weight decay (False for the parameters its `no_decay` names; fsdp gives those units
+    of their own, so a unit's members agree)."""
 
     name: str
     norm_axes: tuple[str, ...] = ()
     counted: bool = True
+    decay: bool = True
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,22 @@ from .spmd import simulate  # noqa: F401  (part of the testing API)
 
 
 def torch_optimizer(optimizer, params):
-    """The torch.optim optimizer with the same semantics as an fxshard.optim description."""
-    params = [p for p in params if p.requires_grad]
+    """The torch.optim optimizer with the same semantics as an fxshard.optim description. `params`:
+    tensors, or (name, tensor) pairs (`model.named_parameters()`), which an optimizer with `no_decay`
+    needs: the parameters it names form a second group, with weight_decay 0."""
+    params = list(params)
+    named = bool(params) and isinstance(params[0], tuple)
+    if optimizer.no_decay and not named:
+        raise TypeError("an optimizer with no_decay needs named parameters: pass model.named_parameters()")
+    pairs = [(name, p) for name, p in (params if named else [(None, p) for p in params]) if p.requires_grad]
+    groups = [{"params": [p for name, p in pairs if name is None or optimizer.decays(name)]},
+              {"params": [p for name, p in pairs if name is not None and not optimizer.decays(name)], "weight_decay": 0.0}]
+    groups = [group for group in groups if group["params"]]
     lr = optimizer.lr if not callable(optimizer.lr) else optimizer.lr(1)
     if isinstance(optimizer, fx_optim.AdamW):
-        return torch.optim.AdamW(params, lr=lr, betas=optimizer.betas, eps=optimizer.eps,
+        return torch.optim.AdamW(groups, lr=lr, betas=optimizer.betas, eps=optimizer.eps,
                                  weight_decay=optimizer.weight_decay, foreach=False)
-    return torch.optim.SGD(params, lr=lr, momentum=optimizer.momentum, weight_decay=optimizer.weight_decay,
+    return torch.optim.SGD(groups, lr=lr, momentum=optimizer.momentum, weight_decay=optimizer.weight_decay,
                            dampening=optimizer.dampening, nesterov=optimizer.nesterov, foreach=False)
 
 
@@ -60,7 +69,7 @@ def eager_parity(model: nn.Module, loss_fn, batches, optimizer, config=None) -> 
 
     reference = copy.deepcopy(model)
     step = shard(model, loss_fn, batches[0], optimizer=optimizer, config=config)
-    torch_opt = torch_optimizer(optimizer, reference.parameters())
+    torch_opt = torch_optimizer(optimizer, reference.named_parameters())
     losses, worst = [], 0.0
     for index, batch in enumerate(batches):
         if callable(optimizer.lr):
@@ -211,7 +220,7 @@ def assert_step_like_eager(programs, model, optimizer, mesh, local_batches, piec
     ranks = SimulatedRanks(programs, model, optimizer, mesh)
     metrics = ranks.step(local_batches)
     reference = copy.deepcopy(model)
-    eager_optimizer = torch_optimizer(optimizer, reference.parameters())
+    eager_optimizer = torch_optimizer(optimizer, reference.named_parameters())
     loss = sum(loss_fn(reference, piece) for piece in pieces) / len(pieces)
     loss.backward()
     eager_optimizer.step()

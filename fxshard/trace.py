@@ -16,6 +16,7 @@ import operator
 import os
 import sys
 import time
+from fnmatch import fnmatchcase
 
 import torch
 import torch.fx as fx
@@ -378,7 +379,13 @@ class _ProgramBuilder:
         return loss, metrics, [grads.get(i) for i in range(len(self.params))], mutations
 
     def append_optimizer(self, param_nodes, grad_nodes, state_nodes, lr, step):
-        self.updates = tuple(Update(name) for name in grad_nodes)
+        optimizer = self.train.optimizer
+        for pattern in optimizer.no_decay:  # a pattern that names nothing is a typo, not a recipe
+            if not any(fnmatchcase(name, pattern) for name in grad_nodes):
+                raise FxShardError(f"{type(optimizer).__name__}(no_decay=...) pattern {pattern!r} matches no trainable "
+                                   f"parameter (they are named like {', '.join(list(grad_nodes)[:3])}); fix the "
+                                   f"pattern (fnmatch, against model.named_parameters() names) or drop it")
+        self.updates = tuple(Update(name, decay=optimizer.decays(name)) for name in grad_nodes)
         return append_update(self.graph, self.train, self.fake_mode, self.updates,
                              [param_nodes[n] for n in grad_nodes], list(grad_nodes.values()), state_nodes, lr, step)
 

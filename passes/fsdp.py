@@ -122,20 +122,23 @@ def group_into_units(program: Program, world: int, include_frozen: bool = False,
     """One unit per (layer, dtype) of trainable parameters, in order of first appearance; with
     `include_frozen` (ZeRO-3), frozen parameters get units of their own (gathered, never reduced);
     expert parameters (placed sharded(ep)) get units of their own over the `world // ep` ranks of `edp`;
-    parameters in `apart` (another stage counts them in the gradient norm) too."""
-    members: dict[tuple[str, torch.dtype, bool, bool, bool], list[tuple[str, tuple[int, ...]]]] = {}
+    parameters in `apart` (another stage counts them in the gradient norm) too, and so do those whose
+    update applies no weight decay (`Update.decay`: the optimizer's `no_decay`), one update per unit."""
+    no_decay = frozenset(u.name for u in program.updates if not u.decay)
+    members: dict[tuple[str, torch.dtype, bool, bool, bool, bool], list[tuple[str, tuple[int, ...]]]] = {}
     for spec, node in zip(program.inputs, program.placeholders()):
         if spec.kind is InputKind.PARAM and (spec.requires_grad or include_frozen):
             experts = spec.placement == EXPERT_SHARDED
-            members.setdefault((meta.layer(node), spec.dtype, spec.requires_grad, experts, spec.name in apart),
-                               []).append((spec.name, spec.shape))
+            members.setdefault((meta.layer(node), spec.dtype, spec.requires_grad, experts, spec.name in apart,
+                                spec.name in no_decay), []).append((spec.name, spec.shape))
     dtypes_per_layer = {}
     for layer_name, dtype, *_ in members:
         dtypes_per_layer.setdefault(layer_name, set()).add(dtype)
     units = []
-    for (layer_name, dtype, trainable, experts, is_apart), params in members.items():
+    for (layer_name, dtype, trainable, experts, is_apart, undecayed), params in members.items():
         name = layer_name if len(dtypes_per_layer[layer_name]) == 1 else f"{layer_name}:{dtype}".replace("torch.", "")
         name += (":experts" if experts else "") + ("" if trainable else ":frozen") + (":tied" if is_apart else "")
+        name += ":no_decay" if undecayed else ""
         units.append(FlatUnit.laid_out(name, params, dtype, world // ep if experts else world, trainable,
                                        "edp" if experts else "dp"))
     return units
@@ -685,7 +688,9 @@ class _Rewrite:
                 axes = (*outer, self.cfg.axis)
             else:
                 axes = (*outer, "ep") if unit.experts else outer
-            updates.append(Update(unit.name, axes, counted=any(m.counted for m in members)))
+            if any(m.decay != members[0].decay for m in members):
+                raise AssertionError(f"unit {unit.name}'s members differ in weight decay")
+            updates.append(Update(unit.name, axes, counted=any(m.counted for m in members), decay=members[0].decay))
         return tuple(updates)
 
     def norm_groups(self) -> tuple[tuple[str, ...], ...]:

@@ -343,7 +343,7 @@ def assert_trains_like_eager(model, loss_fn, optimizer, mesh, config, steps, key
     stages = [run_pipeline(program, mesh, config, stage=stage)[-1] for stage in range(mesh.pp)]
     ranks = SimulatedRanks(stages, model, optimizer, mesh)
     reference = copy.deepcopy(model)
-    torch_opt = torch_optimizer(optimizer, reference.parameters())
+    torch_opt = torch_optimizer(optimizer, reference.named_parameters())
     for pieces in steps:
         local = [concatenated(pieces[:microbatches]), concatenated(pieces[microbatches:])]
         metrics = ranks.step([local[mesh.coords(rank)["dp"]] for rank in range(mesh.size)])
