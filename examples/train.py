@@ -170,8 +170,9 @@ def loss_fn(args):
 
 
 def optimizer(args):
+    # the RMSNorm gains without weight decay, as most recipes train them
     return fxshard.optim.AdamW(lr=lr_schedule(args.lr, args.warmup, args.steps), betas=(0.9, 0.95), eps=1e-8,
-                               weight_decay=0.1)
+                               weight_decay=0.1, no_decay=("*norm.weight",))
 
 
 def step_config(args, rank: int) -> fxshard.Config:

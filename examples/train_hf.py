@@ -95,7 +95,10 @@ def loss_fn(model, batch):
 
 
 def optimizer(args):
-    return fxshard.optim.AdamW(lr=lr_schedule(args.lr, args.warmup, args.steps), betas=(0.9, 0.95), weight_decay=0.1)
+    # the norm gains (input_layernorm, q_norm, ...) without weight decay, as most recipes train them;
+    # these architectures have no biases
+    return fxshard.optim.AdamW(lr=lr_schedule(args.lr, args.warmup, args.steps), betas=(0.9, 0.95), weight_decay=0.1,
+                               no_decay=("*norm.weight",))
 
 
 def mesh_of(args):

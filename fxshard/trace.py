@@ -16,6 +16,7 @@ import operator
 import os
 import sys
 import time
+import warnings
 from fnmatch import fnmatchcase
 
 import torch
@@ -380,11 +381,11 @@ class _ProgramBuilder:
 
     def append_optimizer(self, param_nodes, grad_nodes, state_nodes, lr, step):
         optimizer = self.train.optimizer
-        for pattern in optimizer.no_decay:  # a pattern that names nothing is a typo, not a recipe
+        for pattern in optimizer.no_decay:  # a typo, or a recipe's pattern for parts this model lacks (biases)
             if not any(fnmatchcase(name, pattern) for name in grad_nodes):
-                raise FxShardError(f"{type(optimizer).__name__}(no_decay=...) pattern {pattern!r} matches no trainable "
-                                   f"parameter (they are named like {', '.join(list(grad_nodes)[:3])}); fix the "
-                                   f"pattern (fnmatch, against model.named_parameters() names) or drop it")
+                warnings.warn(f"fxshard: {type(optimizer).__name__}(no_decay=...) pattern {pattern!r} matches no "
+                              f"trainable parameter (they are named like {', '.join(list(grad_nodes)[:3])}): it exempts "
+                              f"nothing from weight decay (fnmatch, against model.named_parameters() names)", stacklevel=2)
         self.updates = tuple(Update(name, decay=optimizer.decays(name)) for name in grad_nodes)
         return append_update(self.graph, self.train, self.fake_mode, self.updates,
                              [param_nodes[n] for n in grad_nodes], list(grad_nodes.values()), state_nodes, lr, step)

@@ -19,7 +19,7 @@ import fxshard
 from fxshard.launch import run_local
 from fxshard.models import MoEGPT, MoEGPTConfig
 
-ADAMW = fxshard.optim.AdamW(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+ADAMW = fxshard.optim.AdamW(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, no_decay=("*norm.weight",))  # :no_decay units too
 STEPS, SAVE_AT, ROWS, SEQ = 10, 5, 8, 16
 # name -> (processes, Mesh arguments or None for one device, sharding, microbatches)
 LAYOUTS = {
