@@ -28,6 +28,10 @@ and the ratio to the single-GPU no-communication time of the same model and batc
                     so what the GEMMs beside them lose), e.g. fxshard-protoSimple; suffixes combine
                     (fxshard-ctas8-protoSimple) and apply to fsdp2 modes too
 
+A `-nodecay` suffix on a distributed mode (fxshard-nodecay, fsdp2-compile-nodecay) trains the RMSNorm
+gains without weight decay: fxshard's `AdamW(no_decay=("*norm.weight",))` (their own ZeRO units),
+FSDP2's a second torch.optim parameter group with weight_decay 0.
+
 "vs compile" is the ratio to nocomm-compile of the same batch (the issue's yardstick). `--rounds N` runs
 every mode N times in turn and adds a table of medians (the baseline moved 3% between jobs). Each fxshard
 mode prints how long fxshard.shard took (trace, passes, codegen) and what codegen compiled.
@@ -198,8 +202,11 @@ def run_eager_single(cfg, batch, seq, warmup, iters, compiled=False):
     return timed(step, warmup, iters, label), torch.cuda.max_memory_allocated()
 
 
+NO_DECAY = ("*norm.weight",)  # the -nodecay modes' parameters without weight decay
+
+
 def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None, codegen="inductor", collectives="nccl", max_ctas=None,
-                barriers="kernel"):
+                barriers="kernel", no_decay=False):
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = f"cuda:{rank}"
     torch.cuda.set_device(device)
@@ -209,8 +216,8 @@ def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None, codegen="inductor", c
                             sharding="optim_grads_params", codegen=codegen, fsdp_collectives=collectives,
                             nccl_max_ctas=max_ctas, copy_engine_barriers=barriers)
     started = time.perf_counter()
-    step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=fxshard.optim.AdamW(lr=1e-4),
-                         mesh=mesh, config=config)
+    optimizer = fxshard.optim.AdamW(lr=1e-4, no_decay=NO_DECAY if no_decay else ())
+    step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=optimizer, mesh=mesh, config=config)
     if rank == 0:
         print(f"  fxshard compiled in {time.perf_counter() - started:.1f}s: {step.program!r}; "
               f"{step.codegen.line() if step.codegen else 'no codegen'}; {step.copy_engine.line()}", flush=True)
@@ -220,14 +227,14 @@ def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None, codegen="inductor", c
     label = (f"fxshard{dist.get_world_size()}" if mesh is not None else "nocomm-fxshard") + \
         f"{'' if codegen else '-aten'}{'-ce' if collectives != 'nccl' else ''}{'s' if barriers == 'stream' else ''}" \
         f"{f'-ctas{max_ctas}' if max_ctas else ''}" \
-        f"{nccl_label() if mesh is not None else ''}_b{batch}"
+        f"{nccl_label() if mesh is not None else ''}{'-nodecay' if no_decay else ''}_b{batch}"
     ms = timed(lambda: step(data), warmup, iters, label)
     from fxshard.runtime.copy_engine import workspace_bytes
 
     return ms, torch.cuda.max_memory_allocated() + workspace_bytes()  # symmetric memory is outside the allocator
 
 
-def run_fsdp2(cfg, batch, seq, warmup, iters, compiled=False):
+def run_fsdp2(cfg, batch, seq, warmup, iters, compiled=False, no_decay=False):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     rank = dist.get_rank()
@@ -240,7 +247,13 @@ def run_fsdp2(cfg, batch, seq, warmup, iters, compiled=False):
     for block in model.layers:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    from fnmatch import fnmatchcase
+
+    named = list(model.named_parameters())
+    exempt = {name for name, _ in named if no_decay and any(fnmatchcase(name, pattern) for pattern in NO_DECAY)}
+    groups = [{"params": [p for name, p in named if name not in exempt]}] + \
+        ([{"params": [p for name, p in named if name in exempt], "weight_decay": 0.0}] if exempt else [])
+    optimizer = torch.optim.AdamW(groups, lr=1e-4, fused=True)
     data = batch_for(cfg, batch, seq, device, seed=rank)
 
     def step():
@@ -250,20 +263,22 @@ def run_fsdp2(cfg, batch, seq, warmup, iters, compiled=False):
         optimizer.zero_grad(set_to_none=True)
 
     torch.cuda.reset_peak_memory_stats()
-    label = f"fsdp2{'-compile' if compiled else ''}{nccl_label()}_{dist.get_world_size()}_b{batch}"
+    label = f"fsdp2{'-compile' if compiled else ''}{nccl_label()}{'-nodecay' if no_decay else ''}_{dist.get_world_size()}_b{batch}"
     return timed(step, warmup, iters, label), torch.cuda.max_memory_allocated()
 
 
 def distributed_mode(mode, cfg, batch, seq, warmup, iters, max_ctas=None):
+    no_decay = mode.endswith("-nodecay")
+    mode = mode.removesuffix("-nodecay")
     if mode.startswith("fxshard-ce") and mode not in ("fxshard-ce", "fxshard-ce-stream"):
         raise SystemExit(f"unknown mode {mode}: the copy-engine modes are fxshard-ce and fxshard-ce-stream")
     if mode.startswith("fsdp2"):
-        result = run_fsdp2(cfg, batch, seq, warmup, iters, compiled=mode == "fsdp2-compile")
+        result = run_fsdp2(cfg, batch, seq, warmup, iters, compiled=mode == "fsdp2-compile", no_decay=no_decay)
     else:
         result = run_fxshard(cfg, batch, seq, warmup, iters, mesh=fxshard.Mesh(dp=dist.get_world_size()),
                              codegen=None if mode == "fxshard-aten" else "inductor",
                              collectives="copy-engine" if mode.startswith("fxshard-ce") else "nccl", max_ctas=max_ctas,
-                             barriers="stream" if mode == "fxshard-ce-stream" else "kernel")
+                             barriers="stream" if mode == "fxshard-ce-stream" else "kernel", no_decay=no_decay)
     times = [None] * dist.get_world_size()
     dist.all_gather_object(times, result)
     return max(t for t, _ in times), max(m for _, m in times)
