@@ -49,8 +49,10 @@ class _Decay:
     torch.optim parameter group with weight_decay=0 does (biases and norms, in most recipes)."""
 
     def decays(self, name: str) -> bool:
-        """Whether the update of parameter `name` applies weight decay."""
-        return self.weight_decay != 0 and not any(fnmatchcase(name, p) for p in self.no_decay)
+        """Whether the update of parameter `name` applies the weight decay: False where a `no_decay`
+        pattern names it, unless the decay is 0 anyway (then every parameter updates alike, and fsdp
+        need not give the named ones units of their own)."""
+        return self.weight_decay == 0 or not any(fnmatchcase(name, p) for p in self.no_decay)
 
     def without_decay(self):
         """This optimizer for the parameters `no_decay` names: the same, with weight_decay 0."""

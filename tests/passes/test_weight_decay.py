@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, strategies as st
 
 import fxshard
+from fxshard.api import _compile
 from fxshard.dump import summarize
 from fxshard.models import GPT, GPTConfig
 from fxshard.testing import relative, torch_optimizer
@@ -85,3 +86,7 @@ def test_no_decay_patterns_are_checked():
     with pytest.warns(UserWarning, match=r"pattern '\*\.bias' matches no trainable parameter .*tok_emb.*exempts nothing"):
         step = fxshard.shard(gpt(), model_loss, batch, optimizer=fxshard.optim.SGD(weight_decay=0.1, no_decay=("*.bias",)))
     assert all(u.decay for u in step.program.updates)
+    # no weight decay to exempt from: ZeRO's units stay as they are without no_decay
+    programs = _compile(gpt(), model_loss, batch, fxshard.optim.SGD(lr=0.1, no_decay=NO_DECAY), fxshard.Mesh(dp=2),
+                        fxshard.Config(sharding="optim_grads_params"))
+    assert [u.name for u in programs[-1].units] == ["pre", "layers.0", "layers.1", "post"]
