@@ -38,8 +38,8 @@ def _check_patterns(owner: str, optimizer) -> None:
     patterns = optimizer.no_decay
     if isinstance(patterns, str) or not isinstance(patterns, (tuple, list)) or \
             not all(isinstance(p, str) and p for p in patterns):
-        raise FxShardError(f"{owner} no_decay must be a tuple of parameter-name patterns (fnmatch: '*.bias', "
-                           f"'*norm*'), got {patterns!r}")
+        raise FxShardError(f"{owner} no_decay must be a tuple of parameter-name patterns, non-empty strings "
+                           f"(fnmatch: '*.bias', '*norm*'), got {patterns!r}")
     object.__setattr__(optimizer, "no_decay", tuple(patterns))
 
 

@@ -14,16 +14,19 @@ from fxshard.testing import relative, torch_optimizer
 from test_pipeline_split import assert_trains_like_eager, model_loss, token_microbatches
 
 NO_DECAY = ("*norm.weight", "tok_emb.weight")  # GPT's RMSNorm gains and its embedding
-CASES = {  # the mesh, Config and microbatches per data-parallel rank (one without pp: the helper traces one)
-    "dp2-zero3": (fxshard.Mesh(dp=2), dict(sharding="optim_grads_params"), 1),
-    "dp2-zero1": (fxshard.Mesh(dp=2), dict(sharding="optim"), 1),
-    "pp2xdp2-zero3": (fxshard.Mesh(pp=2, dp=2), dict(sharding="optim_grads_params", microbatches=2), 2),
+CASES = {  # the mesh, Config, microbatches per data-parallel rank (one without pp: the helper traces one), layers
+    "dp2-zero3": (fxshard.Mesh(dp=2), dict(sharding="optim_grads_params"), 1, 2),
+    "dp2-zero1": (fxshard.Mesh(dp=2), dict(sharding="optim"), 1, 2),
+    "pp2xdp2-zero3": (fxshard.Mesh(pp=2, dp=2), dict(sharding="optim_grads_params", microbatches=2), 2, 2),
+    # two chunks per stage: the stage's no_decay unit spans both chunks' blocks
+    "pp2xdp2-interleaved-zero3": (fxshard.Mesh(pp=2, dp=2), dict(sharding="optim_grads_params", microbatches=2,
+                                                                schedule="interleaved-1f1b", virtual_stages=2), 2, 4),
 }
 
 
-def gpt():
+def gpt(n_layer=2):
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=40, d_model=16, n_layer=2, n_head=2, d_ff=24))
+    return GPT(GPTConfig(vocab_size=40, d_model=16, n_layer=n_layer, n_head=2, d_ff=24))
 
 
 def optimizer_of(kind):  # a decay large enough that decaying the wrong parameters shows
@@ -64,14 +67,17 @@ def test_the_named_parameters_train_without_decay_and_the_others_with_it():
 @given(case=st.sampled_from(sorted(CASES)), kind=st.sampled_from(["adamw", "sgd"]))
 def test_no_decay_groups_train_like_torch_param_groups_through_the_passes(case, kind):
     """Two steps on the simulator against eager PyTorch with the two parameter groups; under ZeRO the
-    named parameters sit in fsdp units of their own (`:no_decay`), each updated without decay."""
-    mesh, settings, microbatches = CASES[case]
+    named parameters sit in fsdp units of their own (`:no_decay`; the blocks' in one across them),
+    each updated without decay."""
+    mesh, settings, microbatches, layers = CASES[case]
     config = fxshard.Config(**settings)
     steps = [token_microbatches(40, 2 * microbatches, seed=seed) for seed in range(2)]
-    stages = assert_trains_like_eager(gpt(), model_loss, optimizer_of(kind), mesh, config, steps, key=("no_decay", kind))
+    stages = assert_trains_like_eager(gpt(layers), model_loss, optimizer_of(kind), mesh, config, steps,
+                                      key=("no_decay", kind, layers))
     for program in stages:
         undecayed = {u.name for u in program.updates if not u.decay}
         assert undecayed and undecayed == {unit.name for unit in program.units if unit.name.endswith(":no_decay")}
+        assert "layers:no_decay" in undecayed  # one unit for the norm gains of every block on this rank
         for unit in program.units:
             names = [m.name for m in unit.members]
             assert all((unit.name in undecayed) == any(n.endswith(p.lstrip("*")) for p in NO_DECAY) for n in names), \
