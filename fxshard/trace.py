@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from . import meta, moe
 from .config import Config
-from .errors import FxShardError
+from .errors import FxShardError, user_stacklevel
 from .errors_trace import explain_trace_failure
 from .graph import Graph, inline, lazy_module
 from .layers import LayerTrace, annotate_layers, find_layers
@@ -385,7 +385,8 @@ class _ProgramBuilder:
             if not any(fnmatchcase(name, pattern) for name in grad_nodes):
                 warnings.warn(f"fxshard: {type(optimizer).__name__}(no_decay=...) pattern {pattern!r} matches no "
                               f"trainable parameter (they are named like {', '.join(list(grad_nodes)[:3])}): it exempts "
-                              f"nothing from weight decay (fnmatch, against model.named_parameters() names)", stacklevel=2)
+                              f"nothing from weight decay (fnmatch, against model.named_parameters() names)",
+                              stacklevel=user_stacklevel())
         self.updates = tuple(Update(name, decay=optimizer.decays(name)) for name in grad_nodes)
         return append_update(self.graph, self.train, self.fake_mode, self.updates,
                              [param_nodes[n] for n in grad_nodes], list(grad_nodes.values()), state_nodes, lr, step)

@@ -89,8 +89,10 @@ def test_no_decay_patterns_are_checked():
         fxshard.optim.AdamW(no_decay="*.bias")  # a string would be its characters
     batch = token_microbatches(40, 1)[0]
     # a recipe's pattern for biases on a model without them: said, not refused (a typo reads the same)
-    with pytest.warns(UserWarning, match=r"pattern '\*\.bias' matches no trainable parameter .*tok_emb.*exempts nothing"):
+    with pytest.warns(UserWarning, match=r"pattern '\*\.bias' matches no trainable parameter .*tok_emb.*exempts nothing") \
+            as warned:
         step = fxshard.shard(gpt(), model_loss, batch, optimizer=fxshard.optim.SGD(weight_decay=0.1, no_decay=("*.bias",)))
+    assert warned[0].filename == __file__  # it names the user's call, not fxshard's code
     assert all(u.decay for u in step.program.updates)
     # no weight decay to exempt from: ZeRO's units stay as they are without no_decay
     programs = _compile(gpt(), model_loss, batch, fxshard.optim.SGD(lr=0.1, no_decay=NO_DECAY), fxshard.Mesh(dp=2),
