@@ -1,6 +1,7 @@
 """GPU checks (device machine): CUDA parity, CUDA-graph replay, and FSDP over NCCL."""
 
 import copy
+import dataclasses
 import math
 import os
 
@@ -16,6 +17,8 @@ from fxshard.testing import eager_parity, relative, torch_optimizer
 from test_parity_pipeline_gloo import Dropping
 
 ADAMW = fxshard.optim.AdamW(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+# the norm gains without weight decay (their own ZeRO units; a second torch.optim group in eager's)
+ADAMW_NORMS_UNDECAYED = dataclasses.replace(ADAMW, no_decay=("*norm.weight",))
 # Parameters against eager with Inductor codegen (on by default on CUDA): fused kernels round
 # differently, and AdamW's 1/sqrt(v) magnifies that where a gradient is near eps. Measured 2026-11-24
 # on 2x H200, MoEGPT tiny over NCCL, 10 steps: 2.6e-4 with codegen (capacity 1.0, whose drops follow
@@ -50,6 +53,20 @@ def test_fp32_parity_on_cuda(make_model, codegen):
     # Inductor's fused reductions sum in another order; AdamW divides near-zero gradients by their
     # near-zero second moments, so after 20 steps MoEGPT's parameters differ by 1.03e-4 (H200)
     assert parity.max_param_rel < (CODEGEN_PARAM_BOUND if codegen else 1e-4)
+
+
+@pytest.mark.gpu
+def test_parameters_without_weight_decay_train_like_a_torch_group_in_a_cuda_graph():
+    """AdamW(no_decay=...) on one GPU: the fused AdamW kernel, the exempt updates with a decay of 1,
+    replayed from a CUDA graph between Inductor's regions, against torch.optim.AdamW's two groups."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    optimizer = fxshard.optim.AdamW(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.5,
+                                    no_decay=("*norm.weight", "tok_emb.weight"))
+    parity = eager_parity(GPT(GPTConfig.preset("tiny")).cuda(), model_loss, cuda_batches(10), optimizer,
+                          config=fxshard.Config(codegen="inductor", cuda_graphs=True))
+    assert parity.max_loss_rel < 1e-5, parity.losses
+    assert parity.max_param_rel < CODEGEN_PARAM_BOUND
 
 
 @pytest.mark.gpu
@@ -319,9 +336,10 @@ def _nccl_train(model_name, batches, cuda_graphs):
         model = model.to(device)
         rows = batches[0]["idx"].shape[0] // world
         local = [{k: v[rank * rows:(rank + 1) * rows].to(device) for k, v in b.items()} for b in batches]
-        step = fxshard.shard(model, model_loss, local[0], optimizer=ADAMW, mesh=fxshard.Mesh(dp=world),
+        step = fxshard.shard(model, model_loss, local[0], optimizer=ADAMW_NORMS_UNDECAYED, mesh=fxshard.Mesh(dp=world),
                              config=fxshard.Config(sharding=strategy, cuda_graphs=cuda_graphs))
         assert ("copy-engine" in step.auto_collectives) == (world == 2 and cuda_graphs), step.auto_collectives
+        assert "layers:no_decay" in {unit.name for unit in step.program.units}
         losses = [step(b)["loss"].item() for b in local]
         results[strategy] = (losses, {k: v.cpu() for k, v in step.parameters().items()})
     return results
@@ -331,14 +349,14 @@ def _nccl_train(model_name, batches, cuda_graphs):
 @pytest.mark.parametrize("model_name, cuda_graphs", [("gpt", False), ("moe_gpt", False), ("gpt", True)])
 def test_fsdp_over_nccl_matches_single_device_eager(model_name, cuda_graphs):
     """Every ZeRO strategy with the default collectives: under CUDA graphs on 2 GPUs of one host that
-    is copy engines (Config "auto"), else NCCL's."""
+    is copy engines (Config "auto"), else NCCL's; the norm gains without weight decay."""
     world = 4 if torch.cuda.device_count() >= 4 else 2
     batches = cuda_batches(10, rows=2 * world, device="cpu")
     per_rank = run_local(_nccl_train, world, model_name, batches, cuda_graphs, backend="nccl")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
     model = (GPT(GPTConfig.preset("tiny")) if model_name == "gpt" else MoEGPT(MoEGPTConfig.preset("tiny"))).cuda()
-    optimizer = torch_optimizer(ADAMW, model.parameters())
+    optimizer = torch_optimizer(ADAMW_NORMS_UNDECAYED, model.named_parameters())
     ref_losses = []
     for batch in batches:
         batch = {k: v.cuda() for k, v in batch.items()}
