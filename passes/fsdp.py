@@ -46,6 +46,7 @@ their gradients, which already sum the ep group's contributions, are divided by 
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -125,20 +126,29 @@ def group_into_units(program: Program, world: int, include_frozen: bool = False,
     expert parameters (placed sharded(ep)) get units of their own over the `world // ep` ranks of `edp`;
     parameters in `apart` (another stage counts them in the gradient norm) too, and so do those whose
     update applies no weight decay (`Update.decay`: the optimizer's `no_decay`), one update per unit.
-    Those of the numbered blocks share one unit across the blocks ("layers:no_decay"): they are small
-    (norm gains, biases), and a unit of their own per block would add three collectives per block a
-    step (GPT 1b ZeRO-3 on 2 H200s: 4.6% slower with the 36 norm gains in 18 units than without
-    no_decay; bench/RESULTS.md, session 48)."""
+    Where they are a small part of their numbered block (norm gains, biases: under a tenth of its
+    elements), the blocks' share one unit across the blocks ("layers:no_decay"): a small unit per block
+    would add three collectives per block a step and take the big unit's prefetch slot (GPT 1b ZeRO-3
+    on 2 H200s: 4.6% slower with the 36 norm gains in 18 units than without no_decay, 0.5% with one;
+    bench/RESULTS.md, session 48). A larger exempt part keeps a unit per block, which ZeRO-3 gathers
+    with its block rather than for the whole phase."""
     no_decay = frozenset(u.name for u in program.updates if not u.decay)
+    held = [(spec, node) for spec, node in zip(program.inputs, program.placeholders())
+            if spec.kind is InputKind.PARAM and (spec.requires_grad or include_frozen)]
+    block_numel, exempt_numel = {}, {}
+    for spec, node in held:
+        numel = math.prod(spec.shape)
+        block_numel[meta.layer(node)] = block_numel.get(meta.layer(node), 0) + numel
+        if spec.name in no_decay:
+            exempt_numel[meta.layer(node)] = exempt_numel.get(meta.layer(node), 0) + numel
     members: dict[tuple[str, torch.dtype, bool, bool, bool, bool], list[tuple[str, tuple[int, ...]]]] = {}
-    for spec, node in zip(program.inputs, program.placeholders()):
-        if spec.kind is InputKind.PARAM and (spec.requires_grad or include_frozen):
-            experts = spec.placement == EXPERT_SHARDED
-            layer = meta.layer(node)
-            if spec.name in no_decay:
-                layer = re.sub(r"\.\d+$", "", layer)  # "layers.3" -> "layers"; pre and post stay
-            members.setdefault((layer, spec.dtype, spec.requires_grad, experts, spec.name in apart,
-                                spec.name in no_decay), []).append((spec.name, spec.shape))
+    for spec, node in held:
+        experts = spec.placement == EXPERT_SHARDED
+        layer = meta.layer(node)
+        if spec.name in no_decay and 10 * exempt_numel[layer] < block_numel[layer]:
+            layer = re.sub(r"\.\d+$", "", layer)  # "layers.3" -> "layers"; pre and post stay
+        members.setdefault((layer, spec.dtype, spec.requires_grad, experts, spec.name in apart,
+                            spec.name in no_decay), []).append((spec.name, spec.shape))
     dtypes_per_layer = {}
     for layer_name, dtype, *_ in members:
         dtypes_per_layer.setdefault(layer_name, set()).add(dtype)

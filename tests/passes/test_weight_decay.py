@@ -98,3 +98,8 @@ def test_no_decay_patterns_are_checked():
     programs = _compile(gpt(), model_loss, batch, fxshard.optim.SGD(lr=0.1, no_decay=NO_DECAY), fxshard.Mesh(dp=2),
                         fxshard.Config(sharding="optim_grads_params"))
     assert [u.name for u in programs[-1].units] == ["pre", "layers.0", "layers.1", "post"]
+    # whole blocks exempt: a unit per block still, gathered with its block (one across them would hold
+    # every block's weights gathered for the whole forward)
+    programs = _compile(gpt(), model_loss, batch, fxshard.optim.AdamW(weight_decay=0.1, no_decay=("layers.*",)),
+                        fxshard.Mesh(dp=2), fxshard.Config(sharding="optim_grads_params"))
+    assert [u.name for u in programs[-1].units] == ["pre", "layers.0:no_decay", "layers.1:no_decay", "post"]
