@@ -247,13 +247,11 @@ def run_fsdp2(cfg, batch, seq, warmup, iters, compiled=False, no_decay=False):
     for block in model.layers:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    from fnmatch import fnmatchcase
-
+    rule = fxshard.optim.AdamW(lr=1e-4, no_decay=NO_DECAY if no_decay else ())  # which ones fxshard exempts
     named = list(model.named_parameters())
-    exempt = {name for name, _ in named if no_decay and any(fnmatchcase(name, pattern) for pattern in NO_DECAY)}
-    groups = [{"params": [p for name, p in named if name not in exempt]}] + \
-        ([{"params": [p for name, p in named if name in exempt], "weight_decay": 0.0}] if exempt else [])
-    optimizer = torch.optim.AdamW(groups, lr=1e-4, fused=True)
+    groups = [{"params": [p for name, p in named if rule.decays(name)]},
+              {"params": [p for name, p in named if not rule.decays(name)], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW([group for group in groups if group["params"]], lr=1e-4, fused=True)
     data = batch_for(cfg, batch, seq, device, seed=rank)
 
     def step():

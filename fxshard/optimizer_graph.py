@@ -138,12 +138,14 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence
         new_params, new_states = {}, {}
         plain = {}  # the optimizer without weight decay and its scalars, for the updates its no_decay names
 
-        def rule(name):
-            if decays[name] or optimizer.weight_decay == 0:
+        def rule(name):  # (optimizer, scalars) of an update; `shared` has its skip by the time any runs
+            if decays[name]:  # Update.decay is True for every update where weight_decay is 0
                 return optimizer, shared
             if not plain:
                 plain["optimizer"] = optimizer.without_decay()
-                plain["scalars"] = {**plain["optimizer"].scalars(lr, step), **{k: v for k, v in shared.items() if k == "skip"}}
+                plain["scalars"] = plain["optimizer"].scalars(lr, step)
+                if "skip" in shared:
+                    plain["scalars"]["skip"] = shared["skip"]
             return plain["optimizer"], plain["scalars"]
 
         def apply(chosen):
