@@ -15,8 +15,9 @@ and one reduce-scatter. Strategies, with Megatron's names:
 
 A unit on an axis of one rank (expert units when N = K) is its own shard: it gets no collectives.
 
-Overlap is graph order: a unit's all-gather is issued `prefetch` units ahead of its first use and
-waited on just before it; a unit's reduce-scatter is issued as soon as its last gradient exists and
+Overlap is graph order: a unit's all-gather is issued `prefetch` units ahead of its first use (units
+under 1/SMALL_UNIT of the largest one's bytes are not counted: they ride along) and waited on just
+before it; a unit's reduce-scatter is issued as soon as its last gradient exists and
 waited on only when the optimizer phase starts. In a pipeline stage, a unit on an axis of one rank
 has nothing to reduce: its gradient is laid out flat where the optimizer phase starts, not in its
 chunk's last backward, which would send its input gradient on only after the flattening (GPT 1b,
@@ -66,6 +67,7 @@ from fxshard.schedule import COMPUTE
 STRATEGIES = SHARDING_STRATEGIES
 _c10d = torch.ops._c10d_functional
 ALL = (meta.FWD, 0)  # the one region of strategies that keep full parameters
+SMALL_UNIT = 10  # a unit under 1/SMALL_UNIT of the largest one's bytes: not counted by prefetch, merged across blocks
 # Ops that only re-view or cast a parameter: the backward recomputes them from its own all-gather
 # instead of keeping the forward's gathered copy alive.
 _CHEAP = {torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
@@ -128,10 +130,10 @@ def group_into_units(program: Program, world: int, include_frozen: bool = False,
     update applies no weight decay (`Update.decay`: the optimizer's `no_decay`), one update per unit.
     Where they are a small part of their numbered block (norm gains, biases: under a tenth of its
     elements), the blocks' share one unit across the blocks ("layers:no_decay"): a small unit per block
-    would add three collectives per block a step and take the big unit's prefetch slot (GPT 1b ZeRO-3
-    on 2 H200s: 4.6% slower with the 36 norm gains in 18 units than without no_decay, 0.5% with one;
-    bench/RESULTS.md, session 48). A larger exempt part keeps a unit per block, which ZeRO-3 gathers
-    with its block rather than for the whole phase."""
+    would add three collectives per block a step and (before prefetch counted bytes) took the big
+    unit's prefetch slot (GPT 1b ZeRO-3 on 2 H200s: 4.6% slower with the 36 norm gains in 18 units than
+    without no_decay, 0.5% with one; bench/RESULTS.md, session 48). A larger exempt part keeps a unit
+    per block, which ZeRO-3 gathers with its block rather than for the whole phase."""
     no_decay = frozenset(u.name for u in program.updates if not u.decay)
     held = [(spec, node) for spec, node in zip(program.inputs, program.placeholders())
             if spec.kind is InputKind.PARAM and (spec.requires_grad or include_frozen)]
@@ -145,7 +147,7 @@ def group_into_units(program: Program, world: int, include_frozen: bool = False,
     for spec, node in held:
         experts = spec.placement == EXPERT_SHARDED
         layer = meta.layer(node)
-        if spec.name in no_decay and 10 * exempt_numel[layer] < block_numel[layer]:
+        if spec.name in no_decay and SMALL_UNIT * exempt_numel[layer] < block_numel[layer]:
             layer = re.sub(r"\.\d+$", "", layer)  # "layers.3" -> "layers"; pre and post stay
         members.setdefault((layer, spec.dtype, spec.requires_grad, experts, spec.name in apart,
                             spec.name in no_decay), []).append((spec.name, spec.shape))
@@ -217,6 +219,7 @@ class _Rewrite:
         self.remat: dict[tuple, fx.Node] = {}              # (forward node, region) -> recomputed copy
         self.derived: dict[fx.Node, set[str]] = {}         # set by plan_gathers under ZeRO-3
         self.kept: dict[tuple, tuple] = {}                 # (region, unit name) -> region whose copy it reads
+        self.riders: list[str] = []                        # units the prefetch distance does not count
 
     def hoist_casts(self) -> dict[str, torch.dtype]:
         """Units whose every parameter is only used through one cast (mixed precision) are gathered
@@ -449,15 +452,35 @@ class _Rewrite:
                     self.kept[region, unit_name] = previous[0]
                     events.remove((region, unit_name))
         first_node = next((n for n in walk if meta.phase(n) in (meta.FWD, meta.BWD)), None)
+        ahead = None if self.windows else self.prefetch_from(events, units)
         for index, (region, unit_name) in enumerate(events):
             if self.windows:
                 anchor = anchors[self.zero.opened[region]]
             else:
-                anchor = first_use[events[index - self.cfg.prefetch]] if index >= self.cfg.prefetch else first_node
+                anchor = first_use[events[ahead[index]]] if ahead[index] is not None else first_node
             use = first_use[region, unit_name]
             issue_before.setdefault(anchor, []).append((units[unit_name], region, meta.phase(use)))
             wait_before.setdefault(use, []).append((units[unit_name], region, meta.phase(use)))
         return issue_before, wait_before
+
+    def prefetch_from(self, events: list[tuple], units: dict[str, FlatUnit]) -> list[int | None]:
+        """For each gather event, the earlier event at whose first use it is issued (None: at the
+        first compute node): `prefetch` events back, counting only units of at least a tenth of the
+        largest gathered unit's bytes. A small unit (a norm gain's `layers:no_decay`, a frozen or
+        tied unit) rides along with the others instead of taking a big unit's place, so the next
+        block's gather is still issued under the block before it."""
+        size = {name: unit.padded_numel * unit.dtype.itemsize for name, unit in units.items()}
+        largest = max((size[name] for _, name in events), default=0)
+        counts = [size[name] * SMALL_UNIT >= largest for _, name in events]
+        self.riders = sorted({name for (_, name), counted in zip(events, counts) if not counted})
+        found = []
+        for index in range(len(events)):
+            back, counted = index, 0
+            while counted < self.cfg.prefetch and back > 0:
+                back -= 1
+                counted += counts[back]
+            found.append(back if counted == self.cfg.prefetch else None)
+        return found
 
     def plan_reductions(self, walk: list[fx.Node], anchors: dict[int, fx.Node | None]):
         """(reduce_after, reduce_before): old node -> units whose gradient reduction is issued right
@@ -666,7 +689,8 @@ class _Rewrite:
         self.graph.output(tuple(values))
         self.graph.lint()
         gm = lazy_module(self.program.graph_module, self.graph)
-        notes = dict(self.program.notes, fsdp=f"{cfg.strategy}, world {cfg.world}, prefetch {cfg.prefetch}, "
+        riders = f" (not counted: {', '.join(self.riders)})" if self.riders else ""
+        notes = dict(self.program.notes, fsdp=f"{cfg.strategy}, world {cfg.world}, prefetch {cfg.prefetch}{riders}, "
                                               f"{len(self.units)} units")
         return self.program.replace(graph_module=gm, inputs=tuple(self.inputs), outputs=tuple(outputs),
                                     units=tuple(self.units), notes=notes, updates=updates)
