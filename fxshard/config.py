@@ -38,7 +38,8 @@ class Config:
 
     dump_dir: write the traced program and the program after every pass there (also `FXSHARD_DUMP`).
     layers: module paths (globs allowed, e.g. "blocks.*") whose modules are one layer each; default:
-        the children of the model's largest ModuleList/Sequential of same-type blocks. What runs
+        the children of the model's ModuleList / Sequential / ModuleDict holding the most parameters
+        (fxshard/layers.py). What runs
         between two layers outside both belongs to the one before, so ("layers.*.attn",
         "layers.*.mlp") lets a pipeline cut fall inside a block (Config(stage_layers) then counts
         half-blocks).

@@ -366,10 +366,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def dump_schedule(schedule, plan, directory, pairs=(), receives: str = "late") -> list[str]:
     """A pipeline stage's schedule next to its programs: `pipeline.txt` (every rank's actions as the
     schedule gives them and as the lowered programs issue them, the combined 1F1B's interleaved
@@ -421,3 +417,7 @@ def _zero_legend(schedule) -> list[str]:
     return ["ZeRO over dp: U c all-gathers chunk c's parameters (fsdp issues it there, waits at first use), "
             "R c frees the gathered copy, G c reduces chunk c's gradients; per rank "
             + ", ".join(f"r{rank} {c['U']} U {c['G']} G" for rank, c in enumerate(counts)), ""]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -21,7 +21,7 @@ class Mesh:
     the N/K ranks that own the same experts (axis `edp`). `Mesh(pp=P, dp=N, ep=K)`: the same inside
     each of the P stages.
     Passes see only the sizes and the axis names; the runtime binds each axis name to a real
-    process group (built with torch.distributed.device_mesh)."""
+    process group (`api._new_groups`, with torch.distributed.new_group)."""
 
     dp: int = 1
     pp: int = 1
@@ -44,10 +44,6 @@ class Mesh:
     def edp(self) -> int:
         return self.dp // self.ep
 
-    @property
-    def axes(self) -> dict[str, int]:
-        return {"pp": self.pp, "dp": self.dp, "ep": self.ep, "edp": self.edp}
-
     def coords(self, rank: int) -> dict[str, int]:
         dp_index = rank % self.dp
         coords = {"pp": rank // self.dp, "dp": dp_index}
@@ -58,9 +54,6 @@ class Mesh:
     def rank_of(self, pp: int, dp: int) -> int:
         return pp * self.dp + dp
 
-    def groups(self) -> dict[str, list[int]]:
-        """Axis name -> the global ranks of rank 0's group along it."""
-        return {axis: groups[0] for axis, groups in self.all_groups().items()}
 
     def stage_groups(self, stages) -> list[list[int]]:
         """The groups of the ranks of `stages` (pipeline stage indices), one per data-parallel index:

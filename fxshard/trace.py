@@ -323,7 +323,7 @@ class _ProgramBuilder:
             if node.op == "placeholder":
                 continue
             if node.op == "output":
-                return self.read_joint_outputs(node, env, len(tangents))
+                return self.read_joint_outputs(node, env)
             if node.op == "get_attr":
                 setattr(self.root, node.target, getattr(joint_gm, node.target))
             copy = self.graph.node_copy(node, lookup)
@@ -339,7 +339,7 @@ class _ProgramBuilder:
             env[node] = copy
         raise AssertionError("joint graph has no output node")
 
-    def read_joint_outputs(self, output_node, env, n_tangents):
+    def read_joint_outputs(self, output_node, env):
         loss, grads, mutations, metrics = None, {}, {}, []
         for value, desc in zip(output_node.args[0], output_node.meta["desc"]):
             if desc is None and value is None:  # the gradient slot of an input that needs none

@@ -482,7 +482,7 @@ class _Rewrite:
             found.append(back if counted == self.cfg.prefetch else None)
         return found
 
-    def plan_reductions(self, walk: list[fx.Node], anchors: dict[int, fx.Node | None]):
+    def plan_reductions(self, anchors: dict[int, fx.Node | None]):
         """(reduce_after, reduce_before): old node -> units whose gradient reduction is issued right
         after copying it (the unit's last gradient) or, with ZeRO actions, just before it (the first
         node after the G of the chunk whose action made the last gradient; None: after every node)."""
@@ -569,7 +569,7 @@ class _Rewrite:
                 and n not in self.member_of_node]  # a hoisted cast: the gathered views replace it
         anchors = self.anchors(walk)
         issue_before, wait_before = self.plan_gathers(walk, anchors)
-        reduce_after, reduce_before = self.plan_reductions(walk, anchors)
+        reduce_after, reduce_before = self.plan_reductions(anchors)
         self.deferred = self.deferred_units(walk, reduce_after)
         old_output = next(n for n in self.old.nodes if n.op == "output")
         old_values = list(old_output.args[0])

@@ -10,10 +10,11 @@ parameters and state out — whose graph holds, in the schedule's order, every a
     W c:m   its weight-gradient part
     send    `fxshard::send` of the values chunk c hands to its neighbour; the token is waited on
             at the end of the step
-    recv    `fxshard::recv`, issued early (fxshard.schedule.issue_order, which orders a pair's messages
-            by when the chunks' FLOP costs say they are produced: right after the previous transfer
-            with the same peer; Config(p2p_receives="late"): just before the compute that reads it or
-            the next transfer with that peer) and waited on just before the action that reads it
+    recv    `fxshard::recv`, issued late by default (Config(p2p_receives="late"): just before the
+            compute that reads it or the next transfer with that peer) or early ("early":
+            fxshard.schedule.issue_order orders a pair's messages by when the chunks' FLOP costs say
+            they are produced, right after the previous transfer with the same peer), and waited on
+            just before the action that reads it
     U/R/G   ZeRO's per-chunk collectives over dp: no nodes here. The program's StagePlan lists
             them among its actions and each node carries its action's position there
             (`meta.ACTION_INDEX`), so the fsdp pass issues a chunk's all-gathers at its U and its

@@ -115,6 +115,7 @@ def test_zero_bubble_h1_is_valid_and_fills_1f1b_bubbles_with_weight_gradients(st
     assert kinds.count("W") == kinds.count("B") == stages * microbatches
     split = simulate(schedule, schedules.unit_costs(schedule))   # B + W cost what 1F1B's B costs
     assert schedules.unit_costs(schedule) == {"F": 1.0, "B": 1.0, "W": 1.0}  # what the dump times it with
+    assert simulate(schedule).makespan == split.makespan  # the default times W too, not as free
     whole = simulate(one_f_one_b(stages, microbatches), {"F": 1.0, "B": 2.0})
     assert split.makespan <= whole.makespan
     if stages > 1 and microbatches >= stages:

@@ -1,4 +1,5 @@
-"""Executes Programs: `CompiledStep` replays one program eagerly on the host process's device."""
+"""Executes Programs: `CompiledStep` replays one per-rank program on the host process's device, op by op,
+as Inductor-compiled regions, or captured in a CUDA graph."""
 
 from .step import CompiledStep
 

@@ -38,12 +38,13 @@ from .rng import StageStream, draws_random_values
 from .state import State, every_stage_parameters, full_parameters, gather_shard
 
 
-def bind_groups(program: Program, group_names: dict[str, str]) -> fx.GraphModule:
-    """A copy of the program's graph whose collectives name real process groups instead of mesh axes."""
-    return bind_group_names(program.graph_module, group_names)
+def _communicates(node: fx.Node) -> bool:
+    """Whether `node` issues a collective or transfer (NCCL's, or the gloo all-gather's) that peers wait on."""
+    return node.target in P2P_OPS or node.target in meta.COLLECTIVE_ISSUES or node.target in GLOO_ALL_GATHERS
 
 
-def bind_group_names(graph_module: fx.GraphModule, group_names: dict[str, str]) -> fx.GraphModule:
+def bind_groups(graph_module: fx.GraphModule, group_names: dict[str, str]) -> fx.GraphModule:
+    """A copy of the graph whose collectives and transfers name real process groups instead of mesh axes."""
     graph = Graph()
     graph.output(graph.graph_copy(graph_module.graph, {}))
     for node in graph.nodes:
@@ -148,14 +149,14 @@ class CompiledStep:
         # with stream barriers the watch stops the device itself)
         self._watch = None
         if self.copy_engine.number:
-            index = device.index if device.index is not None else torch.cuda.current_device()
+            index = _device_index(device)
             self._watch = Watch(self.copy_engine, marker(index), collective_timeout_s, rank, index)
             self._watch.start()
         # under CUDA graphs NCCL's watchdog does not see the collectives: each wait for one writes its number
         # into host memory first, so a stall is reported with what the step waits for (wait_marks.py)
         self.wait_marks, self._evaluation_marks, self._marks_device = WaitMarks(), WaitMarks(), 0
         if wait_marks and cuda_graphs and self.groups and device.type == "cuda":
-            self._marks_device = device.index if device.index is not None else torch.cuda.current_device()
+            self._marks_device = _device_index(device)
             self._run, self.wait_marks = mark_waits(self._run, self._marks_device, self._group_axes())
         # last: the compute between the nodes placed above is compiled; those nodes keep their order
         self.codegen: CodegenReport | None = None
@@ -191,7 +192,7 @@ class CompiledStep:
         gloo groups issued through the entry point that is sound with several in flight)."""
         if not self.groups:
             return program.graph_module
-        run = bind_groups(program, {axis: g.group_name for axis, g in self.groups.items()})
+        run = bind_groups(program.graph_module, {axis: g.group_name for axis, g in self.groups.items()})
         return lower_gloo_all_gathers(run, gloo_group_names(self.groups))[0]
 
     def _group_axes(self) -> dict[str, str]:
@@ -511,8 +512,7 @@ class CompiledStep:
             results = self._replay_graph(self._run, self._arguments(leaves))
         except Exception as error:
             failed = _failed_node(error, self._run)
-            if failed is None or failed in self._writes_state or failed.target in P2P_OPS or \
-                    failed.target in meta.COLLECTIVE_ISSUES or failed.target in GLOO_ALL_GATHERS or \
+            if failed is None or failed in self._writes_state or _communicates(failed) or \
                     failed.target is torch.ops._c10d_functional.wait_tensor.default or \
                     any(n in self._writes_state for n in _nodes_before(failed)):
                 self._interrupted = _one_line(error)
@@ -520,8 +520,7 @@ class CompiledStep:
             # compute that failed before anything wrote the state (an index past the vocabulary, a shape
             # the model refuses): the step is unchanged and may be called again with a good batch, unless
             # it had issued collectives, whose peers now wait for the rest of this step
-            issued = [n for n in _nodes_before(failed) if n.target in P2P_OPS or n.target in meta.COLLECTIVE_ISSUES
-                      or n.target in GLOO_ALL_GATHERS]
+            issued = [n for n in _nodes_before(failed) if _communicates(n)]
             if issued:
                 self._interrupted = _one_line(error)
             raise FxShardError(f"step {self.step_count + 1}: {failed.name} ({_op_label(failed)}) raised "
@@ -547,19 +546,12 @@ class CompiledStep:
         error came from elsewhere (the graph's generated code names one node per line)."""
         from .agreement import describe
 
-        nodes = {n.name: n for n in run.graph.nodes}
-        axes = {group.group_name: axis for axis, group in self.groups.items()}
-        for frame in reversed(traceback.extract_tb(error.__traceback__)):
-            if not frame.filename.startswith("<eval_with_key>") or not frame.line:
-                continue
-            node = nodes.get(frame.line.split("=")[0].strip())
-            if node is not None and node.target is torch.ops._c10d_functional.wait_tensor.default:
-                node = node.args[0]
-            if node is None or not (node.target in P2P_OPS or node.target in meta.COLLECTIVE_ISSUES
-                                    or node.target in GLOO_ALL_GATHERS):
-                return None
-            return describe(node, axes.get(node.args[-1], node.args[-1]))
-        return None
+        node = _failed_node(error, run)
+        if node is not None and node.target is torch.ops._c10d_functional.wait_tensor.default:
+            node = node.args[0]
+        if node is None or not _communicates(node):
+            return None
+        return describe(node, self._group_axes().get(node.args[-1], node.args[-1]))
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """Parameter name -> current full parameter tensor (all-gathered where sharded; under a

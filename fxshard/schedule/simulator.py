@@ -52,8 +52,9 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None, order=Non
     done (`cost["U"]`, `cost["G"]`, default 0: free); R is free. A compute action of chunk c waits
     for the all-gather of its U c, and OPT for every collective of its rank. OPT, the optimizer
     phase, takes `cost["OPT"]` (default 0; the same on every rank). Only compute (F, B, W, OPT)
-    counts as busy: communication that compute cannot hide shows as bubble."""
-    cost = {"F": 1.0, "B": 2.0, "W": 0.0, **(cost or {})}
+    counts as busy: communication that compute cannot hide shows as bubble. A kind of compute that
+    `cost` does not give takes its `unit_costs(schedule)` time."""
+    cost = {"W": 0.0, **unit_costs(schedule), **(cost or {})}  # a kind `cost` does not give: textbook
     check_zero_actions(schedule)
     graph = nx.DiGraph()
     where: dict[tuple, tuple[int, int]] = {}
