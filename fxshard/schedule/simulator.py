@@ -56,14 +56,42 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None, order=Non
     `cost` does not give takes its `unit_costs(schedule)` time."""
     cost = {"W": 0.0, **unit_costs(schedule), **(cost or {})}  # a kind `cost` does not give: textbook
     check_zero_actions(schedule)
-    graph = nx.DiGraph()
-    where: dict[tuple, tuple[int, int]] = {}
-    streams: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (rank, peer) -> its transfers, in issue order
-    gates: dict[tuple[int, int], tuple[int, int]] = {}  # transfer -> the compute issued before it on its rank
     ranks = schedule.ranks if order is None else tuple(order)
     if order is not None and [sorted(map(str, a)) for a in ranks] != [sorted(map(str, a)) for a in schedule.ranks]:
         raise FxShardError(f"the issue order given is not an order of {schedule.name or 'the schedule'}'s own "
                            f"actions on every rank (issue_order(schedule) makes one)")
+    graph = nx.DiGraph()
+    where, streams, gates = _chain_ranks(graph, ranks, timed_transfers=order is not None)
+    _add_data_dependencies(graph, schedule, where)
+    _add_pairs_and_streams(graph, where, pairs, streams, gates)
+    _check_complete(graph, schedule, where)
+    start, end = _times(graph, schedule, cost, timed_transfers=order is not None)
+    makespan = max(end.values())
+    bubble, peaks = [], []
+    for rank, actions in enumerate(ranks):
+        busy = sum(end[rank, i] - start[rank, i] for i, a in enumerate(actions) if a.kind in COMPUTE + ("OPT",))
+        bubble.append(1 - busy / makespan if makespan else 0.0)
+        frees = "W" if any(a.kind == "W" for a in actions) else "B"  # activations live until the weight gradient
+        live = peak = 0
+        for action in actions:
+            live += action.kind == "F"
+            live -= action.kind == frees
+            peak = max(peak, live)
+        peaks.append(peak)
+    return Simulation(makespan, bubble, peaks, start, end)
+
+
+def _chain_ranks(graph: nx.DiGraph, ranks, timed_transfers: bool):
+    """Add every rank's actions to `graph` as nodes (rank, index), each compute action after the one
+    before it on its rank, each U / G on the rank's communication stream after the collective and
+    the compute action before it, each compute action after its chunk's latest U, OPT after the
+    rank's last collective. With `timed_transfers`, sends and receives stay out of the compute chain:
+    they are queued on their pair's stream, gated by the compute issued before them.
+    Returns (where: action key -> node, streams: (rank, peer) -> transfers in issue order, gates:
+    transfer -> the compute node issued before it)."""
+    where: dict[tuple, tuple[int, int]] = {}
+    streams: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    gates: dict[tuple[int, int], tuple[int, int]] = {}
     for rank, actions in enumerate(ranks):
         previous = collective = computed = None  # the rank's last action in order, collective, compute action
         gathered: dict[int, tuple[int, int]] = {}  # chunk -> the node of its latest U
@@ -87,7 +115,7 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None, order=Non
                 if action.kind == "U":
                     gathered[action.chunk] = node
                 continue
-            if order is not None and action.kind in TRANSFERS:  # on the pair's stream, not in the compute chain
+            if timed_transfers and action.kind in TRANSFERS:  # on the pair's stream, not in the compute chain
                 streams.setdefault((rank, action.peer), []).append(node)
                 if computed is not None:
                     gates[node] = computed
@@ -101,6 +129,13 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None, order=Non
                     graph.add_edge(gathered[action.chunk], node)
             if action.kind == "OPT" and collective is not None:
                 graph.add_edge(collective, node)
+    return where, streams, gates
+
+
+def _add_data_dependencies(graph: nx.DiGraph, schedule: Schedule, where: dict) -> None:
+    """Check that each action runs on its chunk's rank and each send or receive names the rank of the
+    chunk on its other end; add an edge from what each action reads (its input activation, its
+    output gradient, its own forward, the matching send) to it."""
     chunks = schedule.chunks
 
     def need(node, kind, chunk, mb, why):
@@ -148,13 +183,19 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None, order=Non
             need(node, "F", c, mb, "the value it sends")
         elif action.kind == "SB":
             need(node, "B", c, mb, "the value it sends")
-    for mine in pairs:  # a pair starts once both its actions can
+
+
+def _add_pairs_and_streams(graph: nx.DiGraph, where: dict, pairs, streams: dict, gates: dict) -> None:
+    """The first action of each interleaved pair waits for everything the second waits for; the
+    messages between two ranks go one at a time in issue order (a message is its receive: it ends
+    when the data is there), each starting once the compute issued before its transfer is done."""
+    for mine in pairs:
         for first, second in mine:
             head, tail = (where[(a.kind, a.chunk, a.mb, None)] for a in (first, second))
             for source in list(graph.predecessors(tail)):
                 if source != head:
                     graph.add_edge(source, head)
-    for (rank, peer), transfers in streams.items():  # a message is its receive: it ends when the data is there
+    for (rank, peer), transfers in streams.items():
         message = [node if graph.nodes[node]["action"].kind in ("RF", "RB") else _receive_of(where, graph, node)
                    for node in transfers]
         for node, arrives in zip(transfers, message):
@@ -162,6 +203,12 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None, order=Non
                 graph.add_edge(gates[node], arrives if node == arrives else node)
         for earlier, later in zip(message, message[1:]):
             graph.add_edge(earlier, later)
+
+
+def _check_complete(graph: nx.DiGraph, schedule: Schedule, where: dict) -> None:
+    """Every chunk's F and B of every microbatch is run, a rank with W's has one W per B, and the
+    dependencies have no cycle (a cycle is a deadlock: it is named)."""
+    chunks = schedule.chunks
     expected = {(k, c, mb) for k in ("F", "B") for c in range(chunks) for mb in range(schedule.microbatches)}
     present = {(k, c, mb) for (k, c, mb, _) in where if k in ("F", "B")}
     if present != expected:
@@ -178,13 +225,19 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None, order=Non
     if not nx.is_directed_acyclic_graph(graph):
         cycle = nx.find_cycle(graph)
         raise FxShardError("deadlock: " + " -> ".join(f"r{r}:{graph.nodes[(r, i)]['action']}" for (r, i), _ in cycle))
+
+
+def _times(graph: nx.DiGraph, schedule: Schedule, cost: dict, timed_transfers: bool):
+    """(start, end): node -> time, each node starting when its last predecessor ends. An action takes
+    its own time (`cost["F0:3"]`), else its chunk's (`cost["F0"]`), else its kind's split over the V
+    chunks; OPT `cost["OPT"]`, a timed receive `cost["P2P"]`, anything else nothing."""
     start, end = {}, {}
     for node in nx.topological_sort(graph):
         action = graph.nodes[node]["action"]
         own = f"{action.kind}{action.chunk}"
         if action.kind == "OPT":
             duration = cost.get("OPT", 0.0)
-        elif action.kind in ("RF", "RB") and order is not None:
+        elif action.kind in ("RF", "RB") and timed_transfers:
             duration = cost.get("P2P", 0.0)
         elif action.kind not in COMPUTE + ("U", "G"):
             duration = 0.0
@@ -196,19 +249,7 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None, order=Non
             duration = cost.get(action.kind, 0.0) / schedule.virtual
         start[node] = max((end[p] for p in graph.predecessors(node)), default=0.0)
         end[node] = start[node] + duration
-    makespan = max(end.values())
-    bubble, peaks = [], []
-    for rank, actions in enumerate(ranks):
-        busy = sum(end[rank, i] - start[rank, i] for i, a in enumerate(actions) if a.kind in COMPUTE + ("OPT",))
-        bubble.append(1 - busy / makespan if makespan else 0.0)
-        frees = "W" if any(a.kind == "W" for a in actions) else "B"  # activations live until the weight gradient
-        live = peak = 0
-        for action in actions:
-            live += action.kind == "F"
-            live -= action.kind == frees
-            peak = max(peak, live)
-        peaks.append(peak)
-    return Simulation(makespan, bubble, peaks, start, end)
+    return start, end
 
 
 def _receive_of(where: dict, graph: nx.DiGraph, send: tuple[int, int]) -> tuple[int, int]:
