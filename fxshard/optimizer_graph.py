@@ -81,108 +81,32 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence
     """
     names = [update.name for update in updates]
     slots = [[slot for (owner, slot) in states if owner == name] for name in names]
-    axes_of = {update.name: update.norm_axes for update in updates}
-    decays = {update.name: update.decay for update in updates}
-    not_in_norm = frozenset(update.name for update in updates if not update.counted)
-    all_groups = sorted({*axes_of.values(), *norm_groups})
-    optimizer, clip = spec.optimizer, spec.clip_grad_norm
-    count = len(names)
-    counted_names = [name for name in names if name not in not_in_norm]
     order = list(names if order is None else order)
     if sorted(order) != sorted(names):
         raise AssertionError(f"the update order {order} is not an order of the updates {names}")
     late = [name for name in order if deferred is not None and name in deferred.names]
-    if late and clip is not None:
+    if late and spec.clip_grad_norm is not None:
         raise AssertionError("deferred gradient reductions with clip_grad_norm: every update needs the reduced norm")
+    count = len(names)
+    counted_names = [update.name for update in updates if update.counted]
 
     def update(*flat):
         # Gradients come in the dtype they were computed or reduced in (bf16 under param_dtype=bf16
         # without a reduction); each optimizer applies them in the master's dtype. No fp32 copy of a
         # gradient is written for the norm (computed in fp32 from the gradient as it is) or for AdamW
         # (its fused op widens the gradient as it loads it): 8 bytes per parameter per step less.
-        params, grads = flat[:count], dict(zip(names, flat[count:2 * count]))
-        state_values, (lr, step) = flat[2 * count:-2], flat[-2:]
-        states, position = {}, 0
+        state_values, position, own_states = flat[2 * count:-2], 0, {}
         for name, own_slots in zip(names, slots):
-            states[name] = dict(zip(own_slots, state_values[position:position + len(own_slots)]))
+            own_states[name] = dict(zip(own_slots, state_values[position:position + len(own_slots)]))
             position += len(own_slots)
-
-        def squared(g):  # one reduction per gradient (vector_norm), not a squared copy summed afterwards
-            # in fp32, or fp64 for fp64 gradients (vector_norm does not narrow); the norm is reported in fp32
-            wide = torch.float64 if g.dtype == torch.float64 else torch.float32
-            return torch.linalg.vector_norm(g, dtype=wide).square().to(torch.float32)
-
-        def global_sum(local: dict) -> torch.Tensor:
-            """The sum of `local`'s squares over every rank of each update's norm axes (every rank
-            reduces every group, even one it has nothing to count for: collectives must match)."""
-            by_groups: dict[tuple[str, ...], list] = {group: [] for group in all_groups}
-            for name in counted_names:
-                by_groups[axes_of[name]].append(local[name])
-            total = flat[count].new_zeros((), dtype=torch.float32)
-            for groups, counted in by_groups.items():
-                part = torch.stack(counted or [squared(flat[count] * 0)]).sum()
-                for group in groups:
-                    part = torch.ops._c10d_functional.wait_tensor(
-                        torch.ops._c10d_functional.all_reduce(part, "sum", group))
-                total = total + part
-            return total
-
-        def nonfinite_flags(local: dict) -> list:  # before the last updates: no region after them
-            if not spec.guard_nonfinite:
-                return []
-            each = [local[name] for name in counted_names]
-            return [torch.cat([shared["skip"].reshape(1), torch.logical_not(torch.isfinite(torch.stack(each)))
-                               if each else shared["skip"].new_zeros(0)])]
-
-        shared = optimizer.scalars(lr, step)
-        new_params, new_states = {}, {}
-        plain = {}  # the optimizer without weight decay and its scalars, for the updates its no_decay names
-
-        def rule(name):  # (optimizer, scalars) of an update; `shared` has its skip by the time any runs
-            if decays[name]:  # Update.decay is True for every update where weight_decay is 0
-                return optimizer, shared
-            if not plain:
-                plain["optimizer"] = optimizer.without_decay()
-                plain["scalars"] = plain["optimizer"].scalars(lr, step)
-                if "skip" in shared:
-                    plain["scalars"]["skip"] = shared["skip"]
-            return plain["optimizer"], plain["scalars"]
-
-        def apply(chosen):
-            for name in chosen:
-                chosen_optimizer, scalars = rule(name)
-                with fx_traceback.annotate({meta.ANNOTATION_PARAM: name}):
-                    new_params[name], new_states[name] = chosen_optimizer.update(
-                        params[names.index(name)], grads[name], states[name], scalars)
-
-        local = {name: squared(grads[name]) for name in counted_names if name not in late}
-        if late:  # decide the skip from the unreduced gradients, then update while they are reduced
-            if spec.guard_nonfinite:
-                unreduced = {name: squared(grads[name]) for name in late if name not in not_in_norm}
-                bound = global_sum({**local, **unreduced})
-                shared["skip"] = torch.logical_not(torch.isfinite(bound))
-            issued = {name: deferred.issue(name, grads[name]) for name in late}
-            apply([name for name in order if name not in late and name not in deferred.after])
-            for name in late:
-                grads[name] = deferred.wait(name, issued[name])
-                if name not in not_in_norm:
-                    local[name] = squared(grads[name])
-            flags = nonfinite_flags(local)
-            apply(late)
-            apply([name for name in order if name in deferred.after and name not in late])
-            grad_norm = global_sum(local).sqrt()  # a metric only: its all-reduce waits for nothing else
+        phase = _Phase(spec, updates, norm_groups, dict(zip(names, flat[:count])),
+                       dict(zip(names, flat[count:2 * count])), own_states, *flat[-2:])
+        if late:
+            grad_norm, flags = phase.run_deferred(order, late, deferred)
         else:
-            grad_norm = global_sum(local).sqrt()
-            if clip is not None:  # scaled in the master's dtype
-                coefficient = torch.clamp(clip / (grad_norm + 1e-6), max=1.0)
-                grads = {name: g.to(p.dtype) * coefficient.to(p.dtype)
-                         for (name, g), p in zip(grads.items(), params)}
-            if spec.guard_nonfinite:  # the norm is global: every rank skips alike
-                shared["skip"] = torch.logical_not(torch.isfinite(grad_norm))
-            flags = nonfinite_flags(local)
-            apply(order)
-        return [grad_norm, *(new_params[name] for name in names),
-                *(new_states[name][slot] for name, own in zip(names, slots) for slot in own), *flags]
+            grad_norm, flags = phase.run(order)
+        return [grad_norm, *(phase.new_params[name] for name in names),
+                *(phase.new_states[name][slot] for name, own in zip(names, slots) for slot in own), *flags]
 
     state_nodes = [states[name, slot] for name, own in zip(names, slots) for slot in own]
     outputs = inline(graph, update, [*params, *grads, *state_nodes, lr, step], fake_mode=fake_mode,
@@ -195,3 +119,104 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence
         node.meta[meta.PARAM] = name
     keys = [(name, slot) for name, own in zip(names, slots) for slot in own]
     return grad_norm, dict(zip(names, new_params)), dict(zip(keys, new_state_list)), nonfinite
+
+
+def _squared(g: torch.Tensor) -> torch.Tensor:
+    """A gradient's squared norm in one reduction (vector_norm, not a squared copy summed afterwards):
+    in fp32, or fp64 for fp64 gradients (vector_norm does not narrow); reported in fp32."""
+    wide = torch.float64 if g.dtype == torch.float64 else torch.float32
+    return torch.linalg.vector_norm(g, dtype=wide).square().to(torch.float32)
+
+
+class _Phase:
+    """The optimizer phase's body while `append_update` traces it: the tensors of one call (by update
+    name) and the steps the two orders are made of (`run`, `run_deferred`), which fill `new_params`
+    and `new_states`."""
+
+    def __init__(self, spec: TrainSpec, updates: Sequence[Update], norm_groups, params: dict, grads: dict,
+                 states: dict, lr: torch.Tensor, step: torch.Tensor):
+        self.spec, self.updates = spec, {update.name: update for update in updates}
+        self.counted = [update.name for update in updates if update.counted]
+        self.groups = sorted({*(update.norm_axes for update in updates), *norm_groups})
+        self.params, self.grads, self.states, self.lr, self.step = params, grads, states, lr, step
+        self.first_grad = next(iter(grads.values()))  # as it came in: zeros for a group with nothing counted
+        self.shared = spec.optimizer.scalars(lr, step)
+        self.plain = None   # (optimizer without weight decay, its scalars), made when an update needs it
+        self.new_params, self.new_states = {}, {}
+
+    def global_sum(self, local: dict) -> torch.Tensor:
+        """The sum of `local`'s squares over every rank of each update's norm axes (every rank
+        reduces every group, even one it has nothing to count for: collectives must match)."""
+        by_groups: dict[tuple[str, ...], list] = {group: [] for group in self.groups}
+        for name in self.counted:
+            by_groups[self.updates[name].norm_axes].append(local[name])
+        total = self.first_grad.new_zeros((), dtype=torch.float32)
+        for groups, counted in by_groups.items():
+            part = torch.stack(counted or [_squared(self.first_grad * 0)]).sum()
+            for group in groups:
+                part = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(part, "sum", group))
+            total = total + part
+        return total
+
+    def nonfinite_flags(self, local: dict) -> list:
+        """Under the guard, [whether the step is skipped, then whether each counted gradient is not
+        finite]; made before the last updates (no region after them)."""
+        if not self.spec.guard_nonfinite:
+            return []
+        each = [local[name] for name in self.counted]
+        skip = self.shared["skip"].reshape(1)
+        return [torch.cat([skip, torch.logical_not(torch.isfinite(torch.stack(each))) if each else skip.new_zeros(0)])]
+
+    def rule(self, name: str):
+        """(optimizer, scalars) of an update; `shared` has its skip by the time any runs."""
+        if self.updates[name].decay:  # Update.decay is True for every update where weight_decay is 0
+            return self.spec.optimizer, self.shared
+        if self.plain is None:
+            optimizer = self.spec.optimizer.without_decay()
+            scalars = optimizer.scalars(self.lr, self.step)
+            if "skip" in self.shared:
+                scalars["skip"] = self.shared["skip"]
+            self.plain = optimizer, scalars
+        return self.plain
+
+    def apply(self, chosen) -> None:
+        for name in chosen:
+            optimizer, scalars = self.rule(name)
+            with fx_traceback.annotate({meta.ANNOTATION_PARAM: name}):
+                self.new_params[name], self.new_states[name] = optimizer.update(
+                    self.params[name], self.grads[name], self.states[name], scalars)
+
+    def run(self, order: list[str]):
+        """The norm first (clipping by it, deciding the skip from it), then every update in `order`."""
+        local = {name: _squared(self.grads[name]) for name in self.counted}
+        grad_norm = self.global_sum(local).sqrt()
+        clip = self.spec.clip_grad_norm
+        if clip is not None:  # scaled in the master's dtype
+            coefficient = torch.clamp(clip / (grad_norm + 1e-6), max=1.0)
+            self.grads = {name: g.to(self.params[name].dtype) * coefficient.to(self.params[name].dtype)
+                          for name, g in self.grads.items()}
+        if self.spec.guard_nonfinite:  # the norm is global: every rank skips alike
+            self.shared["skip"] = torch.logical_not(torch.isfinite(grad_norm))
+        flags = self.nonfinite_flags(local)
+        self.apply(order)
+        return grad_norm, flags
+
+    def run_deferred(self, order: list[str], late: list[str], deferred: Deferred):
+        """Decide the skip from the unreduced gradients (Deferred's bound), issue the late reductions,
+        update the others while they are in flight (but `deferred.after`), then the late ones, then
+        `deferred.after`; the norm, a metric only, last."""
+        local = {name: _squared(self.grads[name]) for name in self.counted if name not in late}
+        counted_late = [name for name in late if self.updates[name].counted]
+        if self.spec.guard_nonfinite:
+            bound = self.global_sum({**local, **{name: _squared(self.grads[name]) for name in counted_late}})
+            self.shared["skip"] = torch.logical_not(torch.isfinite(bound))
+        issued = {name: deferred.issue(name, self.grads[name]) for name in late}
+        self.apply([name for name in order if name not in late and name not in deferred.after])
+        for name in late:
+            self.grads[name] = deferred.wait(name, issued[name])
+            if name in counted_late:
+                local[name] = _squared(self.grads[name])
+        flags = self.nonfinite_flags(local)
+        self.apply(late)
+        self.apply([name for name in order if name in deferred.after and name not in late])
+        return self.global_sum(local).sqrt(), flags  # its all-reduce waits for nothing else
