@@ -159,12 +159,7 @@ class CompiledStep:
             self._marks_device = _device_index(device)
             self._run, self.wait_marks = mark_waits(self._run, self._marks_device, self._group_axes())
         # last: the compute between the nodes placed above is compiled; those nodes keep their order
-        self.codegen: CodegenReport | None = None
-        if codegen:
-            self._run, self.codegen = compile_regions(self._run, progress=progress_printer(verbose),
-                                                      by_layer=codegen_by_layer, split=self._compile_split)
-        else:  # aten replay: a view whose input's real layout is not its fake one copies instead of failing
-            self._run = views_as_reshapes(self._run)
+        self._run, self.codegen = self._compiled(self._run)
         # Config(direct_calls), eager replay: fxshard's ops outside the regions run their bodies, past the
         # dispatcher (direct_calls.py); a graph's replay spends no host time on them
         self.direct_calls = 0
@@ -434,12 +429,16 @@ class CompiledStep:
         run = self._bound(program)
         if self.wait_marks.count:  # its waits marked too, so a stalled evaluation's report says where it waits
             run, self._evaluation_marks = mark_waits(run, self._marks_device, self._group_axes())
-        if self._codegen_on:
-            run, _ = compile_regions(run, progress=progress_printer(self._verbose), by_layer=self._codegen_by_layer,
-                                     split=self._compile_split)
-        else:
-            run = views_as_reshapes(run)
+        run, _ = self._compiled(run)
         return program, run
+
+    def _compiled(self, run: fx.GraphModule) -> tuple[fx.GraphModule, CodegenReport | None]:
+        """`run` with the compute between its placed nodes compiled by Inductor (Config(codegen)), or for
+        aten replay with views whose input's real layout is not its fake one copying instead of failing."""
+        if self._codegen_on:
+            return compile_regions(run, progress=progress_printer(self._verbose), by_layer=self._codegen_by_layer,
+                                   split=self._compile_split)
+        return views_as_reshapes(run), None
 
     def _arguments(self, leaves, program: Program | None = None):
         leaves = iter(leaves)
