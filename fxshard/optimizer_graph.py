@@ -100,7 +100,7 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence
             own_states[name] = dict(zip(own_slots, state_values[position:position + len(own_slots)]))
             position += len(own_slots)
         phase = _Phase(spec, updates, norm_groups, dict(zip(names, flat[:count])),
-                       dict(zip(names, flat[count:2 * count])), own_states, *flat[-2:])
+                       dict(zip(names, flat[count:2 * count])), own_states, *flat[-2:], like=flat[count])
         if late:
             grad_norm, flags = phase.run_deferred(order, late, deferred)
         else:
@@ -134,12 +134,12 @@ class _Phase:
     and `new_states`."""
 
     def __init__(self, spec: TrainSpec, updates: Sequence[Update], norm_groups, params: dict, grads: dict,
-                 states: dict, lr: torch.Tensor, step: torch.Tensor):
+                 states: dict, lr: torch.Tensor, step: torch.Tensor, like: torch.Tensor):
         self.spec, self.updates = spec, {update.name: update for update in updates}
         self.counted = [update.name for update in updates if update.counted]
         self.groups = sorted({*(update.norm_axes for update in updates), *norm_groups})
         self.params, self.grads, self.states, self.lr, self.step = params, grads, states, lr, step
-        self.first_grad = next(iter(grads.values()))  # as it came in: zeros for a group with nothing counted
+        self.like = like  # the first gradient as it came in (lr without updates): a group's zero when it counts nothing
         self.shared = spec.optimizer.scalars(lr, step)
         self.plain = None   # (optimizer without weight decay, its scalars), made when an update needs it
         self.new_params, self.new_states = {}, {}
@@ -150,9 +150,9 @@ class _Phase:
         by_groups: dict[tuple[str, ...], list] = {group: [] for group in self.groups}
         for name in self.counted:
             by_groups[self.updates[name].norm_axes].append(local[name])
-        total = self.first_grad.new_zeros((), dtype=torch.float32)
+        total = self.like.new_zeros((), dtype=torch.float32)
         for groups, counted in by_groups.items():
-            part = torch.stack(counted or [_squared(self.first_grad * 0)]).sum()
+            part = torch.stack(counted or [_squared(self.like * 0)]).sum()
             for group in groups:
                 part = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(part, "sum", group))
             total = total + part
