@@ -232,10 +232,15 @@ class _Splitter:
         self.move_gradient_sums()
         self.gradient_parts = self.find_gradient_parts()
         combine = {n for parts in self.gradient_parts.values() for n in parts["tree"]}
+        self.metric_nodes = {node: spec.name for spec, node in zip(self.program.outputs, self.program.output_nodes())
+                             if spec.kind is OutputKind.METRIC}
         fwd = [[] for _ in range(count)]
         bwd = [[] for _ in range(count)]
         for node in self.graph.nodes:
-            if node.op != "call_function" or node in combine or node in self.input_free:
+            # input-free compute is copied into each chunk that reads it; a metric that is input-free
+            # (a constant count) is computed by its layer's chunk, or no chunk would report it
+            if node.op != "call_function" or node in combine or (
+                    node in self.input_free and node not in self.metric_nodes):
                 continue
             phase = meta.phase(node)
             if phase == meta.FWD:
@@ -245,10 +250,13 @@ class _Splitter:
         where = {n: ("fwd", c) for c, nodes in enumerate(fwd) for n in nodes}
         where.update({n: ("bwd", c) for c, nodes in enumerate(bwd) for n in nodes})
         loss = self.program.output_nodes()[0]
-        self.metric_nodes = {node: spec.name for spec, node in zip(self.program.outputs, self.program.output_nodes())
-                             if spec.kind is OutputKind.METRIC}
         self.buffer_nodes = {node: spec.name for spec, node in zip(self.program.outputs, self.program.output_nodes())
                              if spec.kind is OutputKind.BUFFER}
+        for node, name in self.metric_nodes.items():
+            if node not in where or where[node][0] != "fwd":  # a stage reports 0 for a metric no chunk makes
+                raise FxShardError(f"metric {name!r} is {node.name} ({node.op}), which no pipeline chunk computes "
+                                   f"in its forward: return a metric computed in loss_fn (e.g. `b['n'].sum()`, "
+                                   f"not the batch's tensor itself)")
         for node, name in self.buffer_nodes.items():
             if node not in where or where[node][0] != "fwd":
                 raise FxShardError(f"buffer {name!r} is updated outside the forward of a layer (by {node.name}); "

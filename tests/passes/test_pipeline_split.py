@@ -296,6 +296,28 @@ def test_constants_are_copied_into_every_chunk_that_reads_them(kind):
         assert any(n.op == "get_attr" for n in chunk.forward.graph.nodes), chunk.index
 
 
+@pytest.mark.parametrize("kind", ["1f1b", "dualpipev"])
+def test_a_metric_that_reads_no_input_is_summed_over_microbatches_like_the_others(kind):
+    """A constant metric (a microbatch count) is input-free compute, which the split copies into the
+    chunks that read it: it was in no chunk, so every stage reported 0 for it."""
+    torch.manual_seed(0)
+    model = Blocks(ScaledBlock, 8, 4)
+    generator = torch.Generator().manual_seed(0)
+    microbatches = [{"x": torch.randn(2, 8, generator=generator), "y": torch.randn(2, 8, generator=generator)}
+                    for _ in range(4)]
+
+    def loss_fn(m, b):
+        return ((m(b["x"]) - b["y"]) ** 2).mean(), {"microbatches": torch.ones(()), "rows": (b["y"] == b["y"]).sum()}
+
+    program = fxshard.trace(model, loss_fn, microbatches[0], optimizer=fxshard.optim.SGD(lr=1.0))
+    schedule = schedules.build(kind, 2, 4, 2 if kind == "dualpipev" else 1)
+    pipeline = split_stages(program, schedule.chunks)
+    stages = [lower_schedule(pipeline, schedule, stage) for stage in range(2)]
+    ranks = SimulatedRanks(stages, model, fxshard.optim.SGD(lr=1.0), fxshard.Mesh(pp=2))
+    for metrics in ranks.step([concatenated(microbatches)] * 2):
+        assert metrics["microbatches"].item() == 4 and metrics["rows"].item() == 4 * 2 * 8
+
+
 @given(strategy=st.sampled_from(["no_shard", "optim", "optim_grads", "optim_grads_params"]),
        kind=st.sampled_from(["1f1b", "interleaved-1f1b", "zb-h1", "gpipe", "dualpipev"]), tied=st.booleans())
 def test_fsdp_over_dp_inside_the_pipeline_trains_like_one_device(strategy, kind, tied):
