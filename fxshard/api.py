@@ -94,12 +94,14 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
         if config.verbose:
             print(f"fxshard: wrote graph dumps to {config.dump_dir}", file=sys.stderr)
     if groups:  # before anything is materialized: ranks that would issue different collectives stop here
-        from .runtime.agreement import check_agreement, check_pipeline_streams, check_same_start, connect_pipeline_peers
+        from .runtime.agreement import (check_agreement, check_pipeline_batch, check_pipeline_streams, check_same_start,
+                                        connect_pipeline_peers)
 
         check_agreement(programs[-1].graph, groups, batch_spec.device,
                         stage if programs[-1].stage is not None else None)
         check_same_start(model, batch_spec, optimizer, config, batch_spec.device)  # weights, batch, optimizer, Config
         if programs[-1].stage is not None:
+            check_pipeline_batch(example_batch, mesh, batch_spec.device)  # and its stages one batch
             check_pipeline_streams(groups["pp"], mesh, config, programs[-1].stage.costs)
             connect_pipeline_peers(programs[-1].graph, groups["pp"], batch_spec.device)
     # A meta-device model is initialized here, per module and seeded by module path (fxshard.init):

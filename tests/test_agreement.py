@@ -159,15 +159,18 @@ def starts_apart():
         if rank == 0:
             raise ValueError("a bug on rank 0")
         return mse(model, batch)
-    for case in ("seed", "lr", "rows", "none", "seed unchecked", "mesh", "config", "trace"):
+    for case in ("seed", "lr", "rows", "none", "seed unchecked", "mesh", "config", "trace", "stages", "stages alike"):
         torch.manual_seed(1 if case.startswith("seed") and rank else 0)
         model = MLPStack([4, 4])
         optimizer = fxshard.optim.AdamW(lr=2e-3 if case == "lr" and rank else 1e-3)
-        batch = regression_batch(torch.Generator().manual_seed(rank), 2 if case == "rows" and rank else 4)
+        batch = regression_batch(torch.Generator().manual_seed(0 if case == "stages alike" else rank),
+                                 2 if case == "rows" and rank else 4)
         try:
             config = fxshard.Config(check_initial_weights=case != "seed unchecked",  # e.g. ranks about to load
                                     seed=1 if case == "config" and rank else 0)
             mesh = fxshard.Mesh(pp=2) if case == "mesh" and rank else fxshard.Mesh(dp=2)  # groups made apart: a hang
+            if case.startswith("stages"):  # batches drawn by global rank: stage 0's inputs, stage 1's targets
+                mesh = fxshard.Mesh(pp=2)
             fxshard.shard(model, fails_on_rank_0 if case == "trace" else mse, batch, optimizer=optimizer, mesh=mesh,
                           config=config)
             said[case] = None
@@ -203,7 +206,9 @@ def test_ranks_that_start_from_other_weights_optimizer_or_batch_shapes_fail_toge
                                          "(rank 0: lr 0.001 now; rank 1: lr 0.5 (set_lr))")
     assert "rank 1: lr 0.5 (set_lr) now; rank 0: lr 0.001" in said_too.pop("set_lr")
     assert said == said_too, (said, said_too)
-    assert said["none"] is None and said["seed unchecked"] is None
+    assert said["none"] is None and said["seed unchecked"] is None and said["stages alike"] is None
+    assert said["stages"].startswith("rank 1 (pipeline stage 1) was given another batch than rank 0 (stage 0) of its "
+                                     "pipeline") and "mesh.coords(rank)['dp']" in said["stages"], said["stages"]
     assert said["config"].startswith("rank 1 starts from something else than rank 0: Config(seed=1) on rank 1, "
                                      "Config(seed=0) on rank 0. Give every rank the same Config"), said["config"]
     assert said["seed"].startswith("rank 1 starts from something else than rank 0: parameter 'inp.weight': (4, 3) "

@@ -75,6 +75,8 @@ def test_evaluate_after_the_last_step_of_an_lr_schedule_does_not_ask_it_for_anot
     frozen = {name: value.clone() for name, value in held.items()}
     step(batches[1])
     assert held and all(torch.equal(held[name], frozen[name]) for name in held)
+    assert sorted(held) == sorted(f"{slot}/{name}" for name, p in DropoutRegressor().named_parameters()
+                                  for slot in ("exp_avg", "exp_avg_sq"))  # as optimizer_state() documents
     assert any(not torch.equal(step.optimizer_state()[name], frozen[name]) for name in held)
     assert torch.isfinite(step.evaluate(batches[0])["loss"])
     with pytest.raises(IndexError):

@@ -572,8 +572,10 @@ class CompiledStep:
         return self._state_copies(InputKind.BUFFER)
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
-        """This rank's optimizer slots (`<param>.<slot>`, or the unit's under FSDP), as copies. Local,
-        as buffers()."""
+        """This rank's optimizer slots as the program holds them, as copies: `<slot>/<param>`, or
+        `<slot>/unit/<unit>` for parameters in flat units (FSDP's strategies, pipeline stages: a unit's
+        flat shard, whatever the sharding). Local, as buffers(). Per parameter under global names:
+        `state_dict()`'s `optim.<param>.<slot>` entries (this rank's rectangles of each), or a checkpoint."""
         return self._state_copies(InputKind.OPT_STATE)
 
     def _state_copies(self, kind: InputKind) -> dict[str, torch.Tensor]:
