@@ -100,6 +100,24 @@ class _Apply(nn.Module):
         return result
 
 
+def _refuse_untraceable_parameters(params: dict[str, nn.Parameter]) -> None:
+    """Complex trainable parameters are refused (the optimizers are real). A hook registered on a parameter tensor (`p.register_hook`, `register_post_accumulate_grad_hook`)
+    belongs to that tensor: the traced step computes gradients of its own and would skip it silently."""
+    for name, param in params.items():
+        if param.is_complex() and param.requires_grad:
+            raise FxShardError(f"parameter {name!r} is complex ({param.dtype}); fxshard trains real parameters "
+                               f"(its optimizers and gradient norm are real): store it as torch.view_as_real and "
+                               f"view it as complex in forward")
+        kinds = [kind for kind, attribute in (("register_hook", "_backward_hooks"),
+                                              ("register_post_accumulate_grad_hook", "_post_accumulate_grad_hooks"))
+                 if getattr(param, attribute, None)]
+        if kinds:
+            raise FxShardError(
+                f"parameter {name!r} has a gradient hook ({kinds[0]}), which the traced step would not run: "
+                f"fxshard computes the gradients in its own graph. Change the gradient in loss_fn or in the "
+                f"module instead (a module's register_full_backward_hook is traced), or remove the hook")
+
+
 def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None = None,
           config: Config | None = None) -> Program:
     """Trace one training step into a Program, on fake tensors (no real compute, no weight memory)."""
@@ -115,6 +133,7 @@ def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
         raise FxShardError(
             f"{type(model).__name__} has no trainable parameters ({len(params)} parameters, none with "
             f"requires_grad=True); there is nothing to train")
+    _refuse_untraceable_parameters(params)
     device = batch_spec.device
     layer_paths = find_layers(model, config.layers)
 

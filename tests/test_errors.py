@@ -287,3 +287,20 @@ def test_pipeline_settings_without_a_pipeline_are_said_to_do_nothing():
                                          r"the mesh \(one device\) has no pp axis"):
         fxshard.check(GPT(GPTConfig.preset("tiny")), lambda m, b: m.loss(b), batch,
                       config=fxshard.Config(schedule="zb-h1", stage_layers=(1, 1)))
+
+
+def test_a_parameter_gradient_hook_or_a_complex_parameter_is_refused_not_skipped():
+    """A hook on a parameter tensor belongs to that tensor, which the traced step never differentiates:
+    it was skipped silently (a hook zeroing the gradient still let the weight train)."""
+    hooked = nn.Linear(4, 4)
+    hooked.weight.register_hook(lambda grad: grad * 0)
+    with pytest.raises(FxShardError, match=r"parameter 'weight' has a gradient hook \(register_hook\)"):
+        fxshard.trace(hooked, mean_loss, torch.randn(2, 4))
+    accumulating = nn.Linear(4, 4)
+    accumulating.bias.register_post_accumulate_grad_hook(lambda param: None)
+    with pytest.raises(FxShardError, match="'bias' has a gradient hook \\(register_post_accumulate_grad_hook\\)"):
+        fxshard.trace(accumulating, mean_loss, torch.randn(2, 4))
+    complex_model = nn.Linear(4, 4)
+    complex_model.extra = nn.Parameter(torch.zeros(4, dtype=torch.complex64))
+    with pytest.raises(FxShardError, match="'extra' is complex .* torch.view_as_real"):
+        fxshard.trace(complex_model, mean_loss, torch.randn(2, 4))
