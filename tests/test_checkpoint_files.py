@@ -302,10 +302,20 @@ def test_load_state_dict_is_strict_about_keys_and_shapes_and_changes_nothing_whe
                             ({**plain, "model.head.weight": plain["model.head.weight"] * float("nan")},
                              r"not finite \(NaN or inf\): model\.head\.weight"),
                             ({**plain, "model.head.weight": plain["model.head.weight"].tolist()},
-                             r"not tensors: model\.head\.weight")):
+                             r"not tensors: model\.head\.weight"),
+                            ({**plain, "model.head.weight": plain["model.head.weight"].to("meta")},
+                             r"on the meta device \(no values\): model\.head\.weight")):
         with pytest.raises(fxshard.FxShardError, match=expected):
             step.load_state_dict(state)
         assert_unchanged(step, before)
+    # model.state_dict()'s names, without the prefix: even strict=False would load nothing, so it says so
+    unprefixed = {name.removeprefix("model."): value for name, value in plain.items()}
+    for strict in (True, False):
+        with pytest.raises(fxshard.FxShardError, match=r"none of the \d+ keys names a tensor of this step .* the prefix"):
+            step.load_state_dict(unprefixed, strict=strict)
+    with pytest.raises(fxshard.FxShardError, match="takes a dict of tensors by key, got list"):
+        step.load_state_dict(list(plain.values()))
+    assert_unchanged(step, before)
     step.load_state_dict(plain, strict=False)  # the parameters, the optimizer state as it was
     for name, value in source.parameters().items():
         assert torch.equal(step.parameters()[name], value), name

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 
 import math
+from collections.abc import Mapping
 import re
 
 import torch
@@ -221,7 +222,16 @@ def check_state_dict(step, state: dict, strict: bool) -> None:
     updated-buffer entries."""
     from ..errors import FxShardError
 
+    if not isinstance(state, Mapping):
+        raise FxShardError(f"load_state_dict takes a dict of tensors by key, got {type(state).__name__}")
     shapes = global_tensors(step.programs[0])
+    if state and not any(key in shapes or key == PROGRESS for key in state):  # strict=False would load nothing
+        example = next(iter(state))
+        hint = ("; model.state_dict()'s names need the prefix: {f'model.{name}': value for name, value in "
+                "model.state_dict().items()}" if f"model.{example}" in shapes else "")
+        raise FxShardError(f"load_state_dict: none of the {len(state)} keys names a tensor of this step (e.g. "
+                           f"{example!r}); keys are `model.<parameter or buffer>` and `optim.<parameter>.<slot>` "
+                           f"(step.state_dict() lists this rank's){hint}")
     given = {key: _global_shape(value) for key, value in state.items() if key in shapes}
     mis_shaped = sorted(f"{key} {shape} != {shapes[key][0]}" for key, shape in given.items()
                         if shape is not None and shape != shapes[key][0])
@@ -233,10 +243,12 @@ def check_state_dict(step, state: dict, strict: bool) -> None:
     problems = key_differences(missing, unexpected, mis_shaped)
     not_tensors = sorted(str(key) for key, value in state.items() if key in shapes and not (
         isinstance(value, (torch.Tensor, Boxes)) or hasattr(value, "read")))
+    on_meta = sorted(str(key) for key, value in state.items() if isinstance(value, torch.Tensor) and value.is_meta)
     not_finite = sorted(str(key) for key, value in state.items() if key in shapes and isinstance(value, torch.Tensor)
-                        and value.is_floating_point() and not bool(torch.isfinite(value).all()))
+                        and not value.is_meta and value.is_floating_point() and not bool(torch.isfinite(value).all()))
     problems = "; ".join(p for p in (problems, _progress_problem(state.get(PROGRESS)),
                                      f"not tensors: {', '.join(not_tensors[:8])}" if not_tensors else "",
+                                     f"on the meta device (no values): {', '.join(on_meta[:8])}" if on_meta else "",
                                      f"not finite (NaN or inf): {', '.join(not_finite[:8])}" if not_finite else "") if p)
     if problems:
         raise FxShardError(
