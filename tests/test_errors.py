@@ -113,6 +113,8 @@ def test_token_ids_out_of_range_are_named_and_leave_the_step_usable():
     for bad, op in (({**good, "idx": good["idx"] + 64}, "embedding"), ({**good, "tgt": good["tgt"] + 64}, "nll_loss")):
         with pytest.raises(FxShardError, match=rf"step 2: .*\({op}.*\) raised IndexError.*training state .*unchanged"):
             steps[0](bad)
+    with pytest.raises(FxShardError, match=r"the evaluation after step 1: .*\(embedding.*\) raised IndexError"):
+        steps[0].evaluate({**good, "idx": good["idx"] + 64})  # evaluate says it too (it raised a bare IndexError)
     steps[1](good)
     assert steps[0](good)["loss"].item() == steps[1](good)["loss"].item()
     assert all(torch.equal(steps[0].parameters()[n], p) for n, p in steps[1].parameters().items())

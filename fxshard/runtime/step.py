@@ -407,7 +407,15 @@ class CompiledStep:
             self._watch_replay(f"the evaluation after step {self.step_count}")
             return outputs
         with torch.no_grad():
-            results = self._replay_graph(run, self._arguments(leaves, program))
+            try:
+                results = self._replay_graph(run, self._arguments(leaves, program))
+            except Exception as error:
+                failed = _failed_node(error, run)
+                if failed is None or _communicates(failed) or \
+                        failed.target is torch.ops._c10d_functional.wait_tensor.default:
+                    raise
+                raise self._batch_error(f"the evaluation after step {self.step_count}", failed, error,
+                                        "and the training state is unchanged (an evaluation writes none)") from error
             if self._replay is not None and self._replay.is_captured:
                 # the training state no longer moves (the training graph updates it in place): capture
                 # the evaluation too, after this eager call has warmed it up
@@ -500,6 +508,19 @@ class CompiledStep:
                                   "process groups cannot be trusted: restart the job from the last checkpoint"
                                   if self.groups else ""))
 
+    def _batch_error(self, what: str, failed: fx.Node, error: Exception, unchanged: str) -> FxShardError:
+        """The error for compute that failed on this batch (`failed`, a node of no collective) while the
+        state stayed as it was; where this rank had issued collectives or transfers of the call, its
+        peers wait for the rest of them, so the step refuses further calls."""
+        issued = [n for n in _nodes_before(failed) if _communicates(n)]
+        if issued:
+            self._interrupted = _one_line(error)
+        return FxShardError(f"{what}: {failed.name} ({_op_label(failed)}) raised {_one_line(error)}, {unchanged}. "
+                            f"Check this batch (token ids below the vocabulary size, targets in range, the dtypes "
+                            f"the model takes...); eager PyTorch runs the same op on it"
+                            + (f". This rank had issued {len(issued)} collectives or transfers of the call, which "
+                               f"its peers wait to finish: restart the job" if issued else ""))
+
     def _refuse_if_aborted(self) -> None:
         """FxShardError where the replay watch aborted this rank's process groups (runtime/replay_watch.py):
         no collective can run in this process any more, and loading a checkpoint does not bring them back."""
@@ -519,15 +540,8 @@ class CompiledStep:
             # compute that failed before anything wrote the state (an index past the vocabulary, a shape
             # the model refuses): the step is unchanged and may be called again with a good batch, unless
             # it had issued collectives, whose peers now wait for the rest of this step
-            issued = [n for n in _nodes_before(failed) if _communicates(n)]
-            if issued:
-                self._interrupted = _one_line(error)
-            raise FxShardError(f"step {self.step_count + 1}: {failed.name} ({_op_label(failed)}) raised "
-                               f"{_one_line(error)}, before anything of the training state was written (it is "
-                               f"unchanged). Check this batch (token ids below the vocabulary size, targets in "
-                               f"range...); eager PyTorch runs the same op on it"
-                               + (f". This rank had issued {len(issued)} collectives or transfers of the step, which "
-                                  f"its peers wait to finish: restart the job" if issued else "")) from error
+            raise self._batch_error(f"step {self.step_count + 1}", failed, error,
+                                    "before anything of the training state was written (it is unchanged)") from error
         except BaseException as error:  # Ctrl-C, out of memory: the state is suspect
             self._interrupted = _one_line(error)
             raise
