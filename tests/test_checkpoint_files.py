@@ -343,3 +343,28 @@ def test_an_async_saves_thread_leaves_the_training_loops_warning_filters_alone()
         release.set()
         thread.join()
         assert any(f[1] is not None and f[1].pattern == "set by the training loop" for f in warnings.filters)
+
+
+def test_checkpoint_calls_given_a_model_a_bad_path_an_unpicklable_extra_or_damaged_json_say_so(tmp_path):
+    """A helper's review of user errors: each of these raised AttributeError, TypeError or OSError."""
+    step = shard()
+    model = GPT(GPTConfig.preset("tiny"))
+    for call in (fxshard.save, fxshard.load, fxshard.export_hf, fxshard.load_hf):
+        with pytest.raises(fxshard.FxShardError, match=r"takes the step fxshard.shard returned, got GPT"):
+            call(model, tmp_path / "x")
+        with pytest.raises(fxshard.FxShardError, match=r"takes a directory path \(str or os.PathLike\), got NoneType"):
+            call(step, None)
+    with pytest.raises(fxshard.FxShardError, match=r"extra=...\) must be picklable"):
+        fxshard.save(step, tmp_path / "ck", extra={"position": lambda: 1})
+    assert not (tmp_path / "ck").exists() and not (tmp_path / "ck.partial").exists()
+    fxshard.save(step, tmp_path / "ck", extra={"position": 3})
+    (tmp_path / "ck" / "fxshard.json").write_text("[]")
+    with pytest.raises(fxshard.FxShardError, match=r"is damaged: fxshard.json holds list"):
+        fxshard.load(step, tmp_path / "ck")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(fxshard.FxShardError, match=r"export_hf: .*file/hf cannot be written \(NotADirectoryError"):
+        fxshard.export_hf(step, tmp_path / "file" / "hf")
+    fxshard.export_hf(step, tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text("{not json")
+    with pytest.raises(fxshard.FxShardError, match=r"config.json is not JSON .*fix or remove it"):
+        fxshard.load_hf(step, tmp_path / "hf")

@@ -68,7 +68,8 @@ def save(step, path: str | os.PathLike, extra=None, async_save: bool = False) ->
     `async_save=True` copies the state to host memory and writes it in a background thread: the
     step stalls only for the device-to-host copy; call `.wait()` on the result before relying on
     the files (a later save waits for an earlier one itself)."""
-    path = _real(path)
+    require_step(step, "save")
+    path = _real(_path_argument(path, "save"))
 
     def checks():
         step.refuse_if_interrupted()  # a partly updated state is no checkpoint
@@ -84,14 +85,20 @@ def save(step, path: str | os.PathLike, extra=None, async_save: bool = False) ->
                                                                    os.path.exists(os.path.join(path, MANIFEST)))):
             raise FxShardError(f"{path} exists and is not an fxshard checkpoint (no {MANIFEST}); a save replaces the "
                                f"directory it writes to, so choose a new or checkpoint path")
-    _on_every_rank(checks, f"save to {path}")
+        try:  # as it is now, whatever the caller changes later
+            return pickle.dumps(extra)
+        except Exception as error:
+            raise FxShardError(f"save(extra=...) must be picklable (each rank's extra is written with pickle): "
+                               f"{type(error).__name__}: {error}; pass plain data, e.g. the data loader's position "
+                               f"as numbers") from error
+    pickled_extra = _on_every_rank(checks, f"save to {path}")
     step._check_same_lr()  # collective: after the checks every rank passed
     distributed = _is_distributed()
     staging = f"{path}.partial"
     if _rank() == 0:
         shutil.rmtree(staging, ignore_errors=True)  # what a killed save left
     state = step_state_dict(step, copy=async_save)
-    state[extra_key(_rank())] = pickle.dumps(extra)  # as it is now, whatever the caller changes later
+    state[extra_key(_rank())] = pickled_extra
     state[buffers_key(step.rank)] = own_buffers(step)
     manifest = _manifest(step)
     if not async_save:
@@ -220,6 +227,9 @@ def load(step, path: str | os.PathLike):
     """Load a checkpoint written by `save` (under any mesh) into `step`; returns this rank's `extra`
     (rank 0's where the saving job had fewer ranks). Every rank calls it. On any error the step is
     left unchanged and every rank raises `FxShardError`."""
+    require_step(step, "load")
+    path = _path_argument(path, "load")
+
     def checks():
         resolved = _resolve(_real(path))
         pending, step._pending_save = getattr(step, "_pending_save", None), None
@@ -272,6 +282,21 @@ def read_tensors(path: str | os.PathLike, prefix: str = "") -> dict[str, torch.T
     return state
 
 
+def require_step(step, what: str) -> None:
+    """FxShardError unless `step` is what fxshard.shard returned (a model given instead, say)."""
+    from ..runtime.step import CompiledStep
+
+    if not isinstance(step, CompiledStep):
+        raise FxShardError(f"fxshard.{what} takes the step fxshard.shard returned, got {type(step).__name__}; "
+                           f"the step holds the trained state (the model keeps its initial weights)")
+
+
+def _path_argument(path, what: str):
+    if not isinstance(path, (str, os.PathLike)):
+        raise FxShardError(f"fxshard.{what} takes a directory path (str or os.PathLike), got {type(path).__name__}")
+    return path
+
+
 def _real(path: str | os.PathLike) -> str:
     """The directory a checkpoint path names: "ckpt/" is "ckpt" (its ".partial" and ".previous" are
     siblings, not inside), and a symbolic link is its target (a save replaces the directory the link
@@ -302,6 +327,9 @@ def _read_checks(path: str):
         except json.JSONDecodeError as error:
             raise FxShardError(f"{path} is damaged: {MANIFEST} is not JSON ({error}); load an earlier checkpoint") \
                 from error
+    if not isinstance(manifest, dict):
+        raise FxShardError(f"{path} is damaged: {MANIFEST} holds {type(manifest).__name__}, not fxshard's object; "
+                           f"load an earlier checkpoint")
     if manifest.get("format") != FORMAT:
         raise FxShardError(f"{path} has checkpoint format {manifest.get('format')}; this fxshard reads {FORMAT}")
     problem = _missing_items(path)

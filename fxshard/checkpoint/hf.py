@@ -256,7 +256,21 @@ def export_hf(step, directory: str | os.PathLike) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    directory = os.fspath(directory)
+    from .dcp import _path_argument, require_step
+
+    require_step(step, "export_hf")
+    directory = os.fspath(_path_argument(directory, "export_hf"))
+    writer = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == dist.get_world_size() - 1
+    problem = None
+    if writer:  # before the parameters are gathered: every rank learns it, none waits for a failed writer
+        try:
+            os.makedirs(directory, exist_ok=True)
+            if not os.access(directory, os.W_OK | os.X_OK):
+                raise PermissionError(f"{directory} is not writable")
+        except OSError as error:
+            problem = (f"export_hf: {directory} cannot be written ({type(error).__name__}: {error.strerror or error}); "
+                       f"choose a directory this process can write")
+    raise_together(problem, step.device, f"export_hf: the writing rank cannot write {directory}")
     params = step.parameters()
     config, parts = hf_layout(step.model_class, step.model_config, set(params))
     params = _expert_layers_as(step, params, PLAIN)
@@ -278,9 +292,7 @@ def export_hf(step, directory: str | os.PathLike) -> None:
     dtypes = {value.dtype for value in tensors.values()}  # what the file holds: one dtype, or float32 as written
     if len(dtypes) == 1:
         config["dtype"] = str(next(iter(dtypes))).removeprefix("torch.")  # transformers >= 4.56 (torch_dtype before)
-    writer = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == dist.get_world_size() - 1
     if writer:
-        os.makedirs(directory, exist_ok=True)
         cpu = {name: value.detach().to("cpu", copy=True).contiguous() for name, value in tensors.items()}
         _replace_file(os.path.join(directory, "model.safetensors"), lambda path: save_file(cpu, path, {"format": "pt"}))
         _replace_file(os.path.join(directory, "config.json"), lambda path: _write_json(config, path))
@@ -322,7 +334,10 @@ def load_hf(step, directory: str | os.PathLike) -> None:
     (a fresh step: zeros and 0). Every rank calls it; nothing changes unless every tensor is found and
     finite, and when one rank's pieces are not (a NaN, a file cut short where only it reads), every rank
     raises."""
-    directory = os.fspath(directory)
+    from .dcp import _path_argument, require_step
+
+    require_step(step, "load_hf")
+    directory = os.fspath(_path_argument(directory, "load_hf"))
     problem, staged = None, {}
     try:
         staged = _staged(step, directory)
@@ -383,10 +398,16 @@ def _sources(step, files: SafetensorsDirectory, shapes: dict, directory: str, bu
         theirs = {}
         if os.path.exists(config_file):
             with open(config_file) as handle:
-                theirs = json.load(handle)
-        architecture = (theirs.get("architectures") or [None])[0] if isinstance(theirs, dict) else None
+                try:
+                    theirs = json.load(handle)
+                except json.JSONDecodeError as error:
+                    raise FxShardError(f"{config_file} is not JSON ({error}); fix or remove it") from None
+            if not isinstance(theirs, dict):
+                raise FxShardError(f"{config_file} holds {type(theirs).__name__}, not a model config object; fix or "
+                                   f"remove it")
+        architecture = (theirs.get("architectures") or [None])[0]
         ours, parts = hf_layout(step.model_class, step.model_config, set(shapes))
-        differences = _config_differences(theirs if isinstance(theirs, dict) else {}, ours, step.model_config)
+        differences = _config_differences(theirs, ours, step.model_config)
         if differences:
             raise FxShardError(f"{directory} ({architecture or 'no architecture'}) computes another function than this "
                                f"{step.model_class} as {HUB_ARCHITECTURES[step.model_class]}: "
