@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import dataclasses
 from dataclasses import dataclass
 
 from typing import TYPE_CHECKING
@@ -300,9 +301,8 @@ class Config:
                 raise FxShardError(f"layers must be a module path pattern or a sequence of them (strings such as "
                                    f"'layers.*'), got {self.layers!r}")
             object.__setattr__(self, "layers", tuple(self.layers))
-        # "no" would read as True
-        for name in ("cuda_graphs", "verbose", "fuse_grouped_mlp", "fuse_grad_accumulation", "ep_overlap",
-                     "nccl_high_priority", "direct_calls", "check_initial_weights"):
+        # "no" would read as True: every field whose default is a bool takes only a bool
+        for name in (field.name for field in dataclasses.fields(self) if isinstance(field.default, bool)):
             if not isinstance(getattr(self, name), bool):
                 raise FxShardError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("microbatches", "virtual_stages", "ep_chunks", "fsdp_prefetch", "seed"):  # True is an int
@@ -347,15 +347,16 @@ class Config:
                 raise FxShardError(f"stage_layers must list ints >= 0 (layers per pipeline chunk), got "
                                    f"{self.stage_layers!r}")
             object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
-        if self.moe_capacity_factor is not None and not (isinstance(self.moe_capacity_factor, (int, float))
-                                                         and self.moe_capacity_factor > 0):
+        if self.moe_capacity_factor is not None and (isinstance(self.moe_capacity_factor, bool) or not (
+                isinstance(self.moe_capacity_factor, (int, float)) and self.moe_capacity_factor > 0)):
             raise FxShardError(f"moe_capacity_factor must be a number > 0 or None (dropless), got "
                                f"{self.moe_capacity_factor!r}")
         if not isinstance(self.ep_chunks, int) or self.ep_chunks < 1:
             raise FxShardError(f"ep_chunks must be an int >= 1, got {self.ep_chunks!r}")
         if self.ep_interleave not in EP_INTERLEAVINGS:
             raise FxShardError(f"ep_interleave={self.ep_interleave!r}; choose one of {EP_INTERLEAVINGS}")
-        if self.ep_sm_carveout is not None and not (isinstance(self.ep_sm_carveout, int) and self.ep_sm_carveout >= 0):
+        if self.ep_sm_carveout is not None and (isinstance(self.ep_sm_carveout, bool) or not (
+                isinstance(self.ep_sm_carveout, int) and self.ep_sm_carveout >= 0)):
             raise FxShardError(f"ep_sm_carveout must be an int >= 0 (SMs) or None, got {self.ep_sm_carveout!r}")
         if self.ep_all_to_all not in EP_ALL_TO_ALLS:
             raise FxShardError(f"ep_all_to_all={self.ep_all_to_all!r}; choose one of {EP_ALL_TO_ALLS}")

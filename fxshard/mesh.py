@@ -30,7 +30,7 @@ class Mesh:
     def __post_init__(self):
         for axis in ("dp", "pp", "ep"):
             value = getattr(self, axis)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:  # True is an int
                 raise FxShardError(f"Mesh({axis}={value!r}): {axis} must be an int >= 1")
         if self.dp % self.ep:
             raise FxShardError(f"Mesh(dp={self.dp}, ep={self.ep}): ep must divide dp (expert-parallel groups are "

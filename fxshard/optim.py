@@ -12,6 +12,7 @@ without retracing. Semantics match `torch.optim.AdamW` / `torch.optim.SGD` (sing
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -27,6 +28,15 @@ LearningRate = Union[float, Callable[[int], float]]
 def _check_lr(lr) -> None:
     if not callable(lr) and not (_is_number(lr) and lr >= 0 and math.isfinite(lr)):
         raise FxShardError(f"lr must be a non-negative float or a callable step -> float, got {lr!r}")
+    if callable(lr):
+        try:
+            inspect.signature(lr).bind(1)
+        except TypeError as error:
+            raise FxShardError(f"the lr schedule {getattr(lr, '__qualname__', lr)!r} cannot be called as lr(step) "
+                               f"({error}); it is called with the 1-based step number, e.g. "
+                               f"lambda step: 1e-3 * min(1, step / 100)") from None
+        except ValueError:  # no signature to read (some builtins): its first call says
+            pass
 
 
 def _is_number(value) -> bool:

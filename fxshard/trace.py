@@ -134,6 +134,11 @@ def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
             f"{type(model).__name__} has no trainable parameters ({len(params)} parameters, none with "
             f"requires_grad=True); there is nothing to train")
     _refuse_untraceable_parameters(params)
+    for path, module in model.named_modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse and module.weight.requires_grad:
+            raise FxShardError(f"{path or type(model).__name__} is an {type(module).__name__} with sparse=True: its "
+                               f"gradient would be a sparse tensor, which fxshard's dense step does not make; build "
+                               f"it with sparse=False (the default)")
     device = batch_spec.device
     layer_paths = find_layers(model, config.layers)
 
@@ -437,13 +442,13 @@ _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.a
 
 
 def _check_matmul_dtypes(joint_gm: fx.GraphModule, param_dtype: torch.dtype | None, layer_trace) -> None:
-    """Refuse at shard() what would fail in the first step: a matmul or convolution of two dtypes
-    (the fake kernels accept it, the real ones do not)."""
+    """Refuse at shard() what would fail in the first step: a matmul or convolution of two dtypes,
+    floating or integer (the fake kernels accept it, the real ones do not)."""
     for node in joint_gm.graph.nodes:
         if node.target not in _MATMULS:
             continue
         dtypes = sorted({str(a.meta["val"].dtype) for a in node.args if isinstance(a, fx.Node)
-                         and isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].is_floating_point()})
+                         and isinstance(a.meta.get("val"), torch.Tensor)})
         if len(dtypes) > 1:
             annotation = (node.meta.get("custom") or {}).get(meta.ANNOTATION_LAYER)
             layer = layer_trace.layer_of(annotation) if annotation else "outside the layers"
@@ -451,7 +456,7 @@ def _check_matmul_dtypes(joint_gm: fx.GraphModule, param_dtype: torch.dtype | No
                     f"the floating-point tensors passed to the model's forward, not those that enter another way "
                     f"(loss_fn calling another method than forward, tensors made inside the model); cast them "
                     f"there with .to({param_dtype})") if param_dtype is not None else \
-                "cast one operand so that both have the same dtype"
+                "cast one operand so that both have the same dtype (an integer batch leaf fed to a Linear: .float())"
             raise FxShardError(f"the step multiplies {' by '.join(dtypes)} ({node.target.__name__} in {layer}), "
                                f"which torch's kernels refuse at run time: {hint}")
 

@@ -306,3 +306,20 @@ def test_a_parameter_gradient_hook_or_a_complex_parameter_is_refused_not_skipped
     complex_model.extra = nn.Parameter(torch.zeros(4, dtype=torch.complex64))
     with pytest.raises(FxShardError, match="'extra' is complex .* torch.view_as_real"):
         fxshard.trace(complex_model, mean_loss, torch.randn(2, 4))
+
+
+def test_mixed_integer_matmuls_sparse_embeddings_lr_schedules_and_config_flags_are_refused_early():
+    """A helper's review: these failed only in the first step (with a hint about the batch) or not at all."""
+    with pytest.raises(FxShardError, match=r"multiplies torch.float32 by torch.int64 .*\.float\(\)"):
+        fxshard.trace(nn.Linear(4, 4), mean_loss, torch.randint(0, 4, (2, 4)))
+    sparse = nn.Sequential(nn.Embedding(8, 4, sparse=True))
+    with pytest.raises(FxShardError, match=r"^0 is an Embedding with sparse=True"):
+        fxshard.trace(sparse, mean_loss, torch.randint(0, 8, (2, 4)))
+    with pytest.raises(FxShardError, match=r"cannot be called as lr\(step\)"):
+        fxshard.optim.AdamW(lr=lambda: 1e-3)
+    fxshard.optim.SGD(lr=lambda step, warmup=10: 1e-3)  # one positional argument is all it needs
+    for settings in ({"wait_marks": "no"}, {"moe_capacity_factor": True}, {"ep_sm_carveout": True}):
+        with pytest.raises(FxShardError, match=next(iter(settings))):
+            fxshard.Config(**settings)
+    with pytest.raises(FxShardError, match=r"Mesh\(dp=True\)"):
+        fxshard.Mesh(dp=True)
