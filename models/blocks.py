@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from fxshard.errors import FxShardError
 
 aten = torch.ops.aten
 
@@ -44,7 +45,9 @@ def apply_rope(x, cos, sin):
 class Attention(nn.Module):
     def __init__(self, d_model: int, n_head: int):
         super().__init__()
-        assert d_model % n_head == 0, f"d_model {d_model} must be divisible by n_head {n_head}"
+        if d_model % n_head:
+            raise FxShardError(f"d_model {d_model} must be divisible by n_head {n_head} (each head takes "
+                               f"d_model / n_head channels)")
         self.n_head = n_head
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model, bias=False)
@@ -83,7 +86,7 @@ def checkpointed(layer: nn.Module, *args, mode: bool | str):
     False: none; True or "full": everything inside computed again in the backward; "selective": the
     outputs of SAVED_BY_SELECTIVE kept (torch's selective checkpointing), the rest computed again."""
     if mode not in CHECKPOINT_MODES:
-        raise ValueError(f"checkpoint_layers={mode!r}: choose from {CHECKPOINT_MODES}")
+        raise FxShardError(f"checkpoint_layers={mode!r}: choose from {CHECKPOINT_MODES}")
     if not mode:
         return layer(*args)
     if mode == "selective":

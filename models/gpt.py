@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 import torch.nn as nn
 import torch.nn.functional as F
 from .blocks import Attention, RMSNorm, SwiGLU, checkpointed, init_weights, rope_tables
+from fxshard.errors import FxShardError
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class GPTConfig:
             "1b": cls(vocab_size=32000, d_model=2048, n_layer=18, n_head=16, d_ff=5632),       # ~1.06B
         }
         if name not in presets:
-            raise ValueError(f"unknown GPT preset {name!r}; choose from {sorted(presets)}")
+            raise FxShardError(f"unknown GPT preset {name!r}; choose from {sorted(presets)}")
         return replace(presets[name], **overrides)
 
 

@@ -19,6 +19,7 @@ from fxshard.ops import grouped_mm
 
 from .blocks import Attention, RMSNorm, SwiGLU, checkpointed, init_weights, rope_tables
 from .grouped_linear import GroupedLinear
+from fxshard.errors import FxShardError
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class MoEGPTConfig:
                       d_ff_expert=512, d_ff_shared=None),                                      # ~0.94B
         }
         if name not in presets:
-            raise ValueError(f"unknown MoEGPT preset {name!r}; choose from {sorted(presets)}")
+            raise FxShardError(f"unknown MoEGPT preset {name!r}; choose from {sorted(presets)}")
         return replace(presets[name], **overrides)
 
 
@@ -86,7 +87,7 @@ class MoE(nn.Module):
                                       cfg.glu_interleave_size)
         self.shared = SwiGLU(cfg.d_model, cfg.d_ff_shared) if cfg.d_ff_shared else None
         if cfg.routing not in ("learned", "balanced"):
-            raise ValueError(f"MoEGPTConfig(routing={cfg.routing!r}): choose 'learned' or 'balanced'")
+            raise FxShardError(f"MoEGPTConfig(routing={cfg.routing!r}): choose 'learned' or 'balanced'")
 
     def forward(self, x):
         """Returns (output, load-balancing loss, dropped assignments)."""
