@@ -46,14 +46,20 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     mesh = _one_process(mesh)
     _refuse_no_mesh_in_a_job(mesh)
     groups, coords = _process_groups(mesh, config.collective_timeout_s, config.nccl_ctas, config.nccl_high_priority)
-    if config.dump_dir is None and os.environ.get("FXSHARD_DUMP"):
-        config = dataclasses.replace(config, dump_dir=os.environ["FXSHARD_DUMP"])
+    from_environment = config.dump_dir is None and bool(os.environ.get("FXSHARD_DUMP"))
+    if from_environment:
+        try:
+            config = dataclasses.replace(config, dump_dir=os.environ["FXSHARD_DUMP"])
+        except FxShardError as error:  # a file, say: name where the path came from
+            raise FxShardError(f"the environment's FXSHARD_DUMP: {error}") from None
     if config.dump_dir is not None:  # said now, not after compiling
+        named = (f"FXSHARD_DUMP={str(config.dump_dir)!r}" if from_environment
+                 else f"Config(dump_dir={str(config.dump_dir)!r})")
         try:
             os.makedirs(config.dump_dir, exist_ok=True)
         except OSError as error:
-            raise FxShardError(f"Config(dump_dir={str(config.dump_dir)!r}) cannot be made ({error.strerror}); "
-                               f"choose a directory this process can write") from error
+            raise FxShardError(f"{named} cannot be made ({error.strerror}); choose a directory this process can "
+                               f"write") from error
     tensors = [*model.parameters(), *model.buffers()]
     is_meta = any(t.is_meta for t in tensors)
     if is_meta and not all(t.is_meta for t in tensors):

@@ -124,6 +124,8 @@ def run_local(fn, nprocs: int, *args, backend: str | None = None) -> list:
     """Run `fn(*args)` in `nprocs` fresh processes (rank = process index, process group initialized);
     return each rank's return value. `fn` must be importable (a module-level function). Each process
     sees the caller's environment as it is at this call."""
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise FxShardError(f"run_local needs a number of processes >= 1, got {nprocs!r}")
     qualname = getattr(fn, "__qualname__", "")
     if "<lambda>" in qualname or "<locals>" in qualname:  # said here, not as a pickling error in a new process
         raise FxShardError(f"run_local needs a function the ranks can import (defined at a module's top level); "

@@ -6,6 +6,7 @@ import torch.nn as nn
 
 import fxshard
 from fxshard import FxShardError
+from fxshard.launch import run_local
 from fxshard.models import GPT, GPTConfig
 
 
@@ -280,6 +281,15 @@ def test_a_dump_directory_that_cannot_be_made_is_refused_before_compiling(tmp_pa
     with pytest.raises(fxshard.FxShardError, match=r"Config\(dump_dir=.*\) cannot be made"):
         fxshard.shard(torch.nn.Linear(2, 1), lambda m, b: m(b["x"]).sum(), {"x": torch.randn(2, 2)},
                       config=fxshard.Config(dump_dir=str(tmp_path / "file" / "dumps")))
+    for environment, said in ((tmp_path / "file" / "dumps", r"FXSHARD_DUMP='.*' cannot be made"),
+                              (tmp_path / "file", r"the environment's FXSHARD_DUMP: dump_dir .* is a file")):
+        with pytest.MonkeyPatch.context() as patch, pytest.raises(fxshard.FxShardError, match=said):
+            patch.setenv("FXSHARD_DUMP", str(environment))  # named where it came from
+            fxshard.shard(torch.nn.Linear(2, 1), lambda m, b: m(b["x"]).sum(), {"x": torch.randn(2, 2)})
+    with pytest.raises(fxshard.FxShardError, match=r"Schedule.from_json\(open\(path\).read\(\)\)"):
+        fxshard.schedule.Schedule.from_json("schedule.json")
+    with pytest.raises(fxshard.FxShardError, match="needs a number of processes >= 1, got 0"):
+        run_local(print, 0)
 
 
 def test_pipeline_settings_without_a_pipeline_are_said_to_do_nothing():

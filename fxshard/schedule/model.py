@@ -112,7 +112,16 @@ class Schedule:
 
     @classmethod
     def from_json(cls, text: str) -> "Schedule":
-        data = json.loads(text)
+        """The schedule `to_json` wrote, from that text (not a path: `Schedule.from_json(open(path).read())`)."""
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, TypeError) as error:
+            raise FxShardError(f"Schedule.from_json takes the JSON text Schedule.to_json wrote ({error}); for a file, "
+                               f"pass its text: Schedule.from_json(open(path).read())") from None
+        if not isinstance(data, dict) or not all(isinstance(actions, list) and all(isinstance(t, str) for t in actions)
+                                                 for actions in data.get("ranks", [])):
+            raise FxShardError("a schedule's JSON is an object whose 'ranks' lists each rank's actions as strings "
+                               "('F0:1', 'SF0:1>1', 'OPT'), as Schedule.to_json writes it")
         missing = [key for key in ("ranks", "stages", "virtual", "microbatches") if key not in data]
         if missing:
             raise FxShardError(f"a schedule's JSON needs {missing} (Schedule.to_json writes every field)")
