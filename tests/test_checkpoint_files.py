@@ -207,6 +207,11 @@ def test_a_trailing_slash_names_the_same_checkpoint_and_extra_is_kept_as_it_was_
             failed.wait()
     fxshard.save(step, tmp_path / "after")
     assert (tmp_path / "after" / "fxshard.json").exists()
+    # a failure the caller saw through wait() is not reported again by the next save
+    seen = fxshard.save(step, tmp_path / "blocked" / "ck", async_save=True)
+    with pytest.raises(fxshard.FxShardError, match="blocked/ck is unchanged"):
+        seen.wait()
+    fxshard.save(step, tmp_path / "after")
 
 
 def test_a_symlinked_path_saves_into_its_target_and_keeps_the_link(tmp_path):

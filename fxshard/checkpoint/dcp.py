@@ -44,10 +44,11 @@ def extra_key(rank: int) -> str:
 
 class PendingSave:
     """A save in progress (`async_save=True`) or done. `wait()` returns once the checkpoint is in
-    place on every rank, and raises what the save raised (each time it is called)."""
+    place on every rank, and raises what the save raised (each time it is called; the next save
+    reports a failure its caller has not seen through wait())."""
 
     def __init__(self, thread: threading.Thread | None = None):
-        self._thread, self._error = thread, None
+        self._thread, self._error, self.reported = thread, None, False
 
     def done(self) -> bool:
         return self._thread is None or not self._thread.is_alive()
@@ -57,6 +58,7 @@ class PendingSave:
             self._thread.join()
             self._thread = None
         if self._error is not None:
+            self.reported = True
             raise self._error
 
 
@@ -75,7 +77,7 @@ def save(step, path: str | os.PathLike, extra=None, async_save: bool = False) ->
         step.refuse_if_interrupted()  # a partly updated state is no checkpoint
         step._raise_if_nonfinite()  # under Config(nonfinite="raise"), a step not checked yet (the last ones)
         previous, step._pending_save = getattr(step, "_pending_save", None), None
-        if previous is not None:  # an earlier async save's failure is reported here once (its wait() keeps it)
+        if previous is not None and not previous.reported:  # an earlier async save's failure no wait() raised yet
             try:
                 previous.wait()
             except FxShardError as error:
