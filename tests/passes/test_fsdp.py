@@ -9,7 +9,7 @@ from hypothesis import given, strategies as st
 import fxshard
 from fxshard import meta
 from fxshard.models import GPT, GPTConfig
-from fxshard.passes.fsdp import SMALL_UNIT, STRATEGIES, FSDPConfig, fsdp
+from fxshard.passes.fsdp import STRATEGIES, FSDPConfig, fsdp
 from fxshard.program import Input, InputKind, OutputKind
 from fxshard.testing import SimulatedRanks
 from strategies import MLPStack, mse, regression_batch, widths, worlds
@@ -106,11 +106,12 @@ def test_global_norm_clipping_uses_all_shards():
     check_fsdp_matches(MLPStack([5, 3]), 3, "optim_grads_params", ADAMW, clip=0.05)
 
 
-def gpt_zero3(world=2, prefetch=1, no_decay=()):
+def gpt_zero3(world=2, prefetch=1, no_decay=(), **overrides):
     torch.manual_seed(0)
     batch = {"idx": torch.zeros(2, 8, dtype=torch.long), "tgt": torch.zeros(2, 8, dtype=torch.long)}
     optimizer = fxshard.optim.AdamW(lr=1e-3, weight_decay=0.1, no_decay=no_decay)
-    program = fxshard.trace(GPT(GPTConfig.preset("tiny")), lambda m, b: m.loss(b), batch, optimizer=optimizer)
+    program = fxshard.trace(GPT(GPTConfig.preset("tiny", **overrides)), lambda m, b: m.loss(b), batch,
+                            optimizer=optimizer)
     return fsdp(program, FSDPConfig(world, "optim_grads_params", prefetch))
 
 
@@ -131,42 +132,41 @@ def test_zero3_casts_each_parameter_shard_to_the_compute_dtype_once_a_step():
     assert all(g.args[0].meta["val"].dtype == torch.bfloat16 for g in gathers)
 
 
-@pytest.mark.parametrize("no_decay", [(), ("*norm*",)])
-def test_all_gathers_are_prefetched_one_unit_ahead_and_waited_just_before_use(no_decay):
-    """Without no_decay every unit counts; with the norm gains exempt, their small units
-    (`layers:no_decay`, `post:no_decay`: under a tenth of a block) ride along and the blocks are still
-    gathered one block ahead, not one small unit ahead."""
-    program = gpt_zero3(no_decay=no_decay)
+@pytest.mark.parametrize("no_decay, vocab", [((), 64), (("*norm*",), 64), ((), 20000)])
+def test_all_gathers_are_prefetched_one_unit_ahead_and_waited_just_before_use(no_decay, vocab):
+    """Every unit waits just before its first use. The blocks are gathered one block ahead: with the
+    norm gains exempt, their small units (`layers:no_decay`, `post:no_decay`) ride along instead of
+    taking a block's place; and an embedding far larger than the blocks (vocabulary 20000) must not
+    make every block a rider (which gathered them all at once)."""
+    program = gpt_zero3(no_decay=no_decay, vocab_size=vocab, n_layer=4)
     nodes = list(program.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
-    size = {u.name: u.padded_numel for u in program.units}
-    counted = {name for name in size if SMALL_UNIT * size[name] >= max(size.values())}
     gathers = [n for n in nodes if n.target is c10d.all_gather_into_tensor.default and meta.phase(n) != meta.OPTIM]
     for phase in (meta.FWD, meta.BWD):
         ordered = [g for g in gathers if meta.phase(g) == phase]
-        # forward: pre, layers.0, layers.1, post; the backward begins with "post", whose forward copy
-        # it keeps (nothing is gathered in between), and the embedding's backward needs no weight, so
-        # neither "post" nor "pre" is gathered again
-        expected = ["pre", "layers.0", "layers.1", "post"] if phase == meta.FWD else ["layers.1", "layers.0"]
+        # forward: pre, the blocks, post; the backward begins with "post", whose forward copy it keeps
+        # (nothing is gathered in between), and the embedding's backward needs no weight, so neither
+        # "post" nor "pre" is gathered again
+        blocks = [f"layers.{i}" for i in range(4)]
+        expected = ["pre", *blocks, "post"] if phase == meta.FWD else blocks[::-1]
         assert [g.meta[meta.UNIT] for g in ordered if ":" not in g.meta[meta.UNIT]] == expected
-        first_uses = []
+        first_uses = {}
         for gather in ordered:
             (wait,) = gather.users
             views = [v for s in wait.users for v in s.users]
             users = [u for v in views for u in v.users]
-            first_use = min(users, key=position.get)
-            first_uses.append(first_use)
+            first_use = first_uses[gather] = min(users, key=position.get)
             # nothing but this unit's views sits between the wait and the first use of a parameter
             between = nodes[position[wait] + 1:position[first_use]]
             assert all(n in views or n in wait.users or n.target is c10d.all_gather_into_tensor.default
                        for n in between), [n.name for n in between]
-        big = [(g, use) for g, use in zip(ordered, first_uses) if g.meta[meta.UNIT] in counted]
-        assert len(big) >= 2 and (not no_decay or len(big) < len(ordered))
-        for index in range(1, len(big)):  # big unit k is issued before big unit k-1 is first used
-            assert position[big[index][0]] < position[big[index - 1][1]]
-        for index in range(2, len(big)):  # and after big unit k-2 is: one unit ahead, not more
-            assert position[big[index][0]] > position[big[index - 2][1]]
-    assert ("layers:no_decay" in program.notes["fsdp"]) == bool(no_decay)  # the dump names the riders
+        block = [g for g in ordered if g.meta[meta.UNIT] in blocks]
+        for index in range(1, len(block)):  # block k is issued before block k-1 is first used
+            assert position[block[index]] < position[first_uses[block[index - 1]]]
+        for index in range(2, len(block)):  # and after block k-2 is: one unit ahead, not more
+            assert position[block[index]] > position[first_uses[block[index - 2]]]
+    riders = program.notes["fsdp"].partition("not counted: ")[2]
+    assert ("layers:no_decay" in riders) == bool(no_decay) and "layers.0" not in riders  # the dump names them
 
 
 def test_reduce_scatters_follow_their_last_gradient_and_wait_in_the_optimizer_phase():
