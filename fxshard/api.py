@@ -100,14 +100,12 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
         if config.verbose:
             print(f"fxshard: wrote graph dumps to {config.dump_dir}", file=sys.stderr)
     if groups:  # before anything is materialized: ranks that would issue different collectives stop here
-        from .runtime.agreement import (check_agreement, check_pipeline_batch, check_pipeline_streams, check_same_start,
-                                        connect_pipeline_peers)
+        from .runtime.agreement import check_agreement, check_pipeline_streams, check_same_start, connect_pipeline_peers
 
         check_agreement(programs[-1].graph, groups, batch_spec.device,
                         stage if programs[-1].stage is not None else None)
         check_same_start(model, batch_spec, optimizer, config, batch_spec.device)  # weights, batch, optimizer, Config
         if programs[-1].stage is not None:
-            check_pipeline_batch(example_batch, mesh, batch_spec.device)  # and its stages one batch
             check_pipeline_streams(groups["pp"], mesh, config, programs[-1].stage.costs)
             connect_pipeline_peers(programs[-1].graph, groups["pp"], batch_spec.device)
     # A meta-device model is initialized here, per module and seeded by module path (fxshard.init):
@@ -142,7 +140,8 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
                         model_config=getattr(model, "cfg", None), hf_config=_hf_config(model),
                         nonfinite=config.nonfinite,
                         evaluation=compile_evaluation, model=model, cuda_graph_memsets=config.cuda_graph_memsets,
-                        wait_marks=config.wait_marks, direct_calls=config.direct_calls)
+                        wait_marks=config.wait_marks, direct_calls=config.direct_calls,
+                        first_batch_check=_pipeline_batch_check(mesh, groups, programs[-1], batch_spec.device))
     if config.dump_dir or config.verbose:
         _report_lowerings(step, config, len(programs))
     return step
@@ -414,6 +413,16 @@ def _refuse_no_mesh_in_a_job(mesh) -> None:
 def _check_mesh(mesh) -> None:
     if mesh is not None and not isinstance(mesh, Mesh):
         raise FxShardError(f"mesh must be fxshard.Mesh(dp=...), got {type(mesh).__name__}")
+
+
+def _pipeline_batch_check(mesh, groups, program, device):
+    """On a pipeline's ranks, the check the first step runs on its batch (runtime/agreement.py
+    check_pipeline_batch): the example batch may be a placeholder, the first real one may not."""
+    if not groups or program.stage is None:
+        return None
+    from .runtime.agreement import check_pipeline_batch
+
+    return lambda batch: check_pipeline_batch(batch, mesh, device)
 
 
 def _first_microbatch(example_batch, config: Config):

@@ -354,12 +354,12 @@ def start_entries(model, batch_spec, optimizer, config) -> list[Entry]:
 
 
 def check_pipeline_batch(example_batch, mesh, device: torch.device) -> None:
-    """Raise FxShardError on every rank when the stages of one pipeline were given different example
-    batches. Each stage reads the one batch (the first stage its inputs, the last its targets), so
-    ranks that draw batches by their global rank instead of their data-parallel coordinate would
-    train on one batch's inputs and another's targets, silently. One all-gather over the default
-    group of a digest of each rank's batch (the checksums of its tensors' bits); nothing for a
-    batch on the meta device."""
+    """Raise FxShardError on every rank when the stages of one pipeline were given different batches
+    (the first step's: the example batch given to shard may be a placeholder). Each stage reads the
+    one batch (the first stage its inputs, the last its targets), so ranks that draw batches by their
+    global rank instead of their data-parallel coordinate would train on one batch's inputs and
+    another's targets, silently. One all-gather over the default group of a digest of each rank's
+    batch (the checksums of its tensors' bits); nothing for a batch on the meta device."""
     import torch.distributed as dist
 
     leaves = [t for t in torch.utils._pytree.tree_leaves(example_batch) if isinstance(t, torch.Tensor)]
@@ -372,7 +372,7 @@ def check_pipeline_batch(example_batch, mesh, device: torch.device) -> None:
         if digest != every[first]:
             raise FxShardError(
                 f"rank {rank} (pipeline stage {mesh.coords(rank)['pp']}) was given another batch than rank {first} "
-                f"(stage 0) of its pipeline: every stage of a pipeline must get the same batch, the share of "
+                f"(stage 0) of its pipeline at the first step: every stage of a pipeline must get the same batch, the share of "
                 f"its data-parallel coordinate. Draw batches by mesh.coords(rank)['dp'] (torch's "
                 f"DistributedSampler(num_replicas=mesh.dp, rank=mesh.coords(rank)['dp'])), not by the global rank")
 

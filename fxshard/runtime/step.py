@@ -73,7 +73,8 @@ class CompiledStep:
                  mesh_description: str = "one device", expert_layouts: dict | None = None,
                  model_class: str = "", model_config=None, hf_config: dict | None = None, nonfinite: str = "ignore",
                  evaluation=None, model=None, cuda_graph_memsets: str = Config.cuda_graph_memsets,
-                 wait_marks: bool = Config.wait_marks, direct_calls: bool = Config.direct_calls):
+                 wait_marks: bool = Config.wait_marks, direct_calls: bool = Config.direct_calls,
+                 first_batch_check=None):
         self.programs = programs
         # where this rank sits, for checkpoints (fxshard/checkpoint): its index along each mesh axis,
         # its global rank, and the expert layers' storage layouts (prefix -> (ExpertLayout, experts))
@@ -103,6 +104,7 @@ class CompiledStep:
         self._compile_evaluation, self._evaluation = evaluation, None
         self._evaluation_graph: EvaluationReplay | None = None  # with cuda_graphs, once training is captured
         self._codegen_on, self._codegen_by_layer, self._verbose = codegen, codegen_by_layer, verbose
+        self._first_batch_check = first_batch_check  # a pipeline's: its stages got one batch (collective, once)
         self._compile_split = split_compiles if share_compile else None  # collective: every rank compiles
         # the model's train/eval mode at shard(): changing it later changes nothing, which __call__ says once
         # (a weak reference: the step must not keep the user's model and its weights alive)
@@ -274,6 +276,9 @@ class CompiledStep:
         self._raise_if_nonfinite(keep=1)
         self.refuse_if_interrupted()  # the replay watch may have ended the step that check waited for
         self._warn_if_mode_changed()
+        if self._first_batch_check is not None:
+            check, self._first_batch_check = self._first_batch_check, None
+            check(batch)
         with self._stream.drawn_from() if self._stream is not None else contextlib.nullcontext():
             return self._run_step(leaves)
 
