@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import fxshard
 from fxshard.launch import run_local
+from fxshard.models import GPT, GPTConfig
 from test_nonfinite import ADAMW, Regressor, poisoned, regression_batches, regression_loss
 
 
@@ -41,14 +42,28 @@ def nan_on_rank_one():
         message = None
     except fxshard.FxShardError as error:
         message = str(error)
-    return skipped, same, message
+    # a batch whose compute fails on a mesh (here on both ranks alike, before any collective): unlike one
+    # device, the step takes no further call, as peers may wait in the failed call's collectives
+    tokens = {"idx": torch.randint(0, 64, (2, 8)), "tgt": torch.randint(0, 64, (2, 8))}
+    gpt = fxshard.shard(GPT(GPTConfig.preset("tiny")), lambda m, b: m.loss(b), tokens, mesh=mesh,
+                        config=fxshard.Config(sharding="no_shard"))
+    said = []
+    for batch in ({**tokens, "idx": tokens["idx"] + 64}, tokens):
+        try:
+            gpt(batch)
+        except fxshard.FxShardError as error:
+            said.append(str(error))
+    return skipped, same, message, said
 
 
 def test_a_nan_on_one_rank_is_skipped_or_raised_on_every_rank():
     results = run_local(nan_on_rank_one, 2, backend="gloo")
-    for skipped, same, _ in results:
+    for skipped, same, _, said in results:
         assert skipped == [False, True, False, False] and same
-    messages = [message for _, _, message in results]
+        assert len(said) == 2 and "raised IndexError" in said[0] and "restart the job" in said[0], said
+        assert said[1].startswith("step 1 failed on this rank (IndexError: index out of range in self) while its "
+                                  "peers may wait"), said[1]
+    messages = [message for _, _, message, _ in results]
     assert messages[0] == messages[1] and messages[0].startswith(
         "step 2: the gradients are not finite (grad norm nan); the first parameter whose gradient is not finite "
         "is in FSDP unit 'layers.0' (layers.0.weight, layers.0.bias), in its shard on rank 0"), messages

@@ -515,16 +515,20 @@ class CompiledStep:
 
     def _batch_error(self, what: str, failed: fx.Node, error: Exception, unchanged: str) -> FxShardError:
         """The error for compute that failed on this batch (`failed`, a node of no collective) while the
-        state stayed as it was; where this rank had issued collectives or transfers of the call, its
-        peers wait for the rest of them, so the step refuses further calls."""
-        issued = [n for n in _nodes_before(failed) if _communicates(n)]
-        if issued:
-            self._interrupted = _one_line(error)
+        state stayed as it was. On one device the step may be called again. On a mesh it may not: this
+        rank's peers may wait in the call's collectives or transfers (a later stage for its input, a
+        group for a collective this rank had issued or not reached), and a next call would pair its
+        own with theirs, so the step refuses further calls."""
+        if self.groups:  # nothing to load: the process groups, not the state, are what cannot go on
+            self._aborted = (f"{what} failed on this rank ({_one_line(error)}) while its peers may wait in that "
+                             f"call's collectives or transfers, so this job's process groups cannot be trusted: "
+                             f"restart the job (from the last checkpoint)")
         return FxShardError(f"{what}: {failed.name} ({_op_label(failed)}) raised {_one_line(error)}, {unchanged}. "
                             f"Check this batch (token ids below the vocabulary size, targets in range, the dtypes "
                             f"the model takes...); eager PyTorch runs the same op on it"
-                            + (f". This rank had issued {len(issued)} collectives or transfers of the call, which "
-                               f"its peers wait to finish: restart the job" if issued else ""))
+                            + (". This rank's peers may wait in this call's collectives or transfers, so the step "
+                               "takes no further calls: restart the job (from the last checkpoint)"
+                               if self.groups else ""))
 
     def _refuse_if_aborted(self) -> None:
         """FxShardError where the replay watch aborted this rank's process groups (runtime/replay_watch.py):
