@@ -132,7 +132,7 @@ def main(argv=None) -> dict:
             raise SystemExit(f"{flag} {path} is a file; it must name a directory (new or existing)")
     try:
         MODELS[args.model][1].preset(args.preset)
-    except ValueError as error:
+    except fxshard.FxShardError as error:
         raise SystemExit(f"--preset: {error}") from None
     if args.save_every < 0 or (args.save_every and not args.save):
         raise SystemExit("--save-every needs --save DIR and a count >= 1")

@@ -110,12 +110,14 @@ def _refuse_untraceable_parameters(params: dict[str, nn.Parameter]) -> None:
                                f"view it as complex in forward")
         kinds = [kind for kind, attribute in (("register_hook", "_backward_hooks"),
                                               ("register_post_accumulate_grad_hook", "_post_accumulate_grad_hooks"))
-                 if getattr(param, attribute, None)]
+                 if param.requires_grad and getattr(param, attribute, None)]  # a frozen one's never run
         if kinds:
             raise FxShardError(
                 f"parameter {name!r} has a gradient hook ({kinds[0]}), which the traced step would not run: "
                 f"fxshard computes the gradients in its own graph. Change the gradient in loss_fn or in the "
-                f"module instead (a module's register_full_backward_hook is traced), or remove the hook")
+                f"module instead (a module's register_full_backward_hook is traced), or remove the hook (its "
+                f"handle's remove(), or param._backward_hooks.clear() / _post_accumulate_grad_hooks.clear() for "
+                f"one a library registered)")
 
 
 def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None = None,

@@ -333,3 +333,10 @@ def test_mixed_integer_matmuls_sparse_embeddings_lr_schedules_and_config_flags_a
             fxshard.Config(**settings)
     with pytest.raises(FxShardError, match=r"Mesh\(dp=True\)"):
         fxshard.Mesh(dp=True)
+
+
+def test_a_hook_on_a_frozen_parameter_never_runs_so_it_is_no_reason_to_refuse():
+    model = nn.Linear(4, 4)
+    model.bias.register_hook(lambda grad: grad * 0)
+    model.bias.requires_grad_(False)
+    assert fxshard.trace(model, mean_loss, torch.randn(2, 4)) is not None

@@ -235,7 +235,7 @@ def load(step, path: str | os.PathLike):
     def checks():
         resolved = _resolve(_real(path))
         pending, step._pending_save = getattr(step, "_pending_save", None), None
-        if pending is not None:
+        if pending is not None and not pending.reported:  # as save: a failure its wait() raised is not raised again
             pending.wait()
         manifest, metadata = _read_checks(resolved)
         expected, conversions = _expected_keys(step, manifest)

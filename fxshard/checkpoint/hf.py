@@ -260,17 +260,6 @@ def export_hf(step, directory: str | os.PathLike) -> None:
 
     require_step(step, "export_hf")
     directory = os.fspath(_path_argument(directory, "export_hf"))
-    writer = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == dist.get_world_size() - 1
-    problem = None
-    if writer:  # before the parameters are gathered: every rank learns it, none waits for a failed writer
-        try:
-            os.makedirs(directory, exist_ok=True)
-            if not os.access(directory, os.W_OK | os.X_OK):
-                raise PermissionError(f"{directory} is not writable")
-        except OSError as error:
-            problem = (f"export_hf: {directory} cannot be written ({type(error).__name__}: {error.strerror or error}); "
-                       f"choose a directory this process can write")
-    raise_together(problem, step.device, f"export_hf: the writing rank cannot write {directory}")
     params = step.parameters()
     config, parts = hf_layout(step.model_class, step.model_config, set(params))
     params = _expert_layers_as(step, params, PLAIN)
@@ -292,12 +281,19 @@ def export_hf(step, directory: str | os.PathLike) -> None:
     dtypes = {value.dtype for value in tensors.values()}  # what the file holds: one dtype, or float32 as written
     if len(dtypes) == 1:
         config["dtype"] = str(next(iter(dtypes))).removeprefix("torch.")  # transformers >= 4.56 (torch_dtype before)
+    writer = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == dist.get_world_size() - 1
+    problem = None
     if writer:
-        cpu = {name: value.detach().to("cpu", copy=True).contiguous() for name, value in tensors.items()}
-        _replace_file(os.path.join(directory, "model.safetensors"), lambda path: save_file(cpu, path, {"format": "pt"}))
-        _replace_file(os.path.join(directory, "config.json"), lambda path: _write_json(config, path))
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        try:
+            os.makedirs(directory, exist_ok=True)
+            cpu = {name: value.detach().to("cpu", copy=True).contiguous() for name, value in tensors.items()}
+            _replace_file(os.path.join(directory, "model.safetensors"),
+                          lambda path: save_file(cpu, path, {"format": "pt"}))
+            _replace_file(os.path.join(directory, "config.json"), lambda path: _write_json(config, path))
+        except OSError as error:  # every rank learns it (none waits for a failed writer at a barrier)
+            problem = (f"export_hf: {directory} cannot be written ({type(error).__name__}: {error.strerror or error}); "
+                       f"choose a directory this process can write, with room for the weights")
+    raise_together(problem, step.device, f"export_hf: the writing rank could not write {directory}")
 
 
 def _replace_file(path: str, write) -> None:

@@ -225,7 +225,8 @@ def check_state_dict(step, state: dict, strict: bool) -> None:
     if not isinstance(state, Mapping):
         raise FxShardError(f"load_state_dict takes a dict of tensors by key, got {type(state).__name__}")
     shapes = global_tensors(step.programs[0])
-    if state and not any(key in shapes or key == PROGRESS for key in state):  # strict=False would load nothing
+    if state and not any(key in shapes or key == PROGRESS or re.fullmatch(r"(rng|buffers)\.rank\d+", str(key))
+                         for key in state):  # strict=False would load nothing
         example = next(iter(state))
         hint = ("; model.state_dict()'s names need the prefix: {f'model.{name}': value for name, value in "
                 "model.state_dict().items()}" if f"model.{example}" in shapes else "")
@@ -243,7 +244,8 @@ def check_state_dict(step, state: dict, strict: bool) -> None:
     problems = key_differences(missing, unexpected, mis_shaped)
     not_tensors = sorted(str(key) for key, value in state.items() if key in shapes and not (
         isinstance(value, (torch.Tensor, Boxes)) or hasattr(value, "read")))
-    on_meta = sorted(str(key) for key, value in state.items() if isinstance(value, torch.Tensor) and value.is_meta)
+    on_meta = sorted(str(key) for key, value in state.items() if key in shapes and isinstance(value, torch.Tensor)
+                     and value.is_meta)
     not_finite = sorted(str(key) for key, value in state.items() if key in shapes and isinstance(value, torch.Tensor)
                         and not value.is_meta and value.is_floating_point() and not bool(torch.isfinite(value).all()))
     problems = "; ".join(p for p in (problems, _progress_problem(state.get(PROGRESS)),

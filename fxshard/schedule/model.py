@@ -118,8 +118,9 @@ class Schedule:
         except (json.JSONDecodeError, TypeError) as error:
             raise FxShardError(f"Schedule.from_json takes the JSON text Schedule.to_json wrote ({error}); for a file, "
                                f"pass its text: Schedule.from_json(open(path).read())") from None
-        if not isinstance(data, dict) or not all(isinstance(actions, list) and all(isinstance(t, str) for t in actions)
-                                                 for actions in data.get("ranks", [])):
+        ranks = data.get("ranks", []) if isinstance(data, dict) else None
+        if not isinstance(ranks, list) or not all(isinstance(actions, list) and all(isinstance(t, str) for t in actions)
+                                                  for actions in ranks):
             raise FxShardError("a schedule's JSON is an object whose 'ranks' lists each rank's actions as strings "
                                "('F0:1', 'SF0:1>1', 'OPT'), as Schedule.to_json writes it")
         missing = [key for key in ("ranks", "stages", "virtual", "microbatches") if key not in data]
