@@ -101,8 +101,9 @@ class _Apply(nn.Module):
 
 
 def _refuse_untraceable_parameters(params: dict[str, nn.Parameter]) -> None:
-    """Complex trainable parameters are refused (the optimizers are real). A hook registered on a parameter tensor (`p.register_hook`, `register_post_accumulate_grad_hook`)
-    belongs to that tensor: the traced step computes gradients of its own and would skip it silently."""
+    """Refuse complex trainable parameters (the optimizers are real) and hooks on trainable parameter
+    tensors (`p.register_hook`, `register_post_accumulate_grad_hook`): a hook belongs to its tensor,
+    and the traced step computes gradients of its own, so it would skip the hook silently."""
     for name, param in params.items():
         if param.is_complex() and param.requires_grad:
             raise FxShardError(f"parameter {name!r} is complex ({param.dtype}); fxshard trains real parameters "

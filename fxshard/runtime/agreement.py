@@ -372,8 +372,8 @@ def check_pipeline_batch(example_batch, mesh, device: torch.device) -> None:
         if digest != every[first]:
             raise FxShardError(
                 f"rank {rank} (pipeline stage {mesh.coords(rank)['pp']}) was given another batch than rank {first} "
-                f"(stage 0) of its pipeline at the first step: every stage of a pipeline must get the same batch, the share of "
-                f"its data-parallel coordinate. Draw batches by mesh.coords(rank)['dp'] (torch's "
+                f"(stage 0) of its pipeline at the first step: every stage of a pipeline must get the same batch, "
+                f"the share of its data-parallel coordinate. Draw batches by mesh.coords(rank)['dp'] (torch's "
                 f"DistributedSampler(num_replicas=mesh.dp, rank=mesh.coords(rank)['dp'])), not by the global rank")
 
 
