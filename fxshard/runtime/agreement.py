@@ -353,7 +353,7 @@ def start_entries(model, batch_spec, optimizer, config) -> list[Entry]:
     return entries
 
 
-def check_pipeline_batch(example_batch, mesh, device: torch.device) -> None:
+def check_pipeline_batch(batch, mesh, device: torch.device) -> None:
     """Raise FxShardError on every rank when the stages of one pipeline were given different batches
     (the first step's: the example batch given to shard may be a placeholder). Each stage reads the
     one batch (the first stage its inputs, the last its targets), so ranks that draw batches by their
@@ -362,11 +362,11 @@ def check_pipeline_batch(example_batch, mesh, device: torch.device) -> None:
     batch (the checksums of its tensors' bits); nothing for a batch on the meta device."""
     import torch.distributed as dist
 
-    leaves = [t for t in torch.utils._pytree.tree_leaves(example_batch) if isinstance(t, torch.Tensor)]
+    leaves = [t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
     sums = _checksums(leaves)
     if any(checksum is None for checksum in sums):
         return
-    every = _all_gather_lists(_digest([Entry(repr(sums), "example batch")]), dist.group.WORLD, device)
+    every = _all_gather_lists(_digest([Entry(repr(sums), "batch")]), dist.group.WORLD, device)
     for rank, digest in enumerate(every):
         first = mesh.rank_of(0, mesh.coords(rank)["dp"])
         if digest != every[first]:

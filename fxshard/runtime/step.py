@@ -547,8 +547,8 @@ class CompiledStep:
                 self._interrupted = _one_line(error)
                 raise
             # compute that failed before anything wrote the state (an index past the vocabulary, a shape
-            # the model refuses): the step is unchanged and may be called again with a good batch, unless
-            # it had issued collectives, whose peers now wait for the rest of this step
+            # the model refuses): the step is unchanged, and on one device may be called again with a good
+            # batch (on a mesh peers may wait in this call's collectives: _batch_error)
             raise self._batch_error(f"step {self.step_count + 1}", failed, error,
                                     "before anything of the training state was written (it is unchanged)") from error
         except BaseException as error:  # Ctrl-C, out of memory: the state is suspect
