@@ -71,7 +71,7 @@ def save(step, path: str | os.PathLike, extra=None, async_save: bool = False) ->
     step stalls only for the device-to-host copy; call `.wait()` on the result before relying on
     the files (a later save waits for an earlier one itself)."""
     require_step(step, "save")
-    path = _real(_path_argument(path, "save"))
+    path = _real(path_argument(path, "save"))
 
     def checks():
         step.refuse_if_interrupted()  # a partly updated state is no checkpoint
@@ -230,7 +230,7 @@ def load(step, path: str | os.PathLike):
     (rank 0's where the saving job had fewer ranks). Every rank calls it. On any error the step is
     left unchanged and every rank raises `FxShardError`."""
     require_step(step, "load")
-    path = _path_argument(path, "load")
+    path = path_argument(path, "load")
 
     def checks():
         resolved = _resolve(_real(path))
@@ -293,7 +293,7 @@ def require_step(step, what: str) -> None:
                            f"the step holds the trained state (the model keeps its initial weights)")
 
 
-def _path_argument(path, what: str):
+def path_argument(path, what: str):
     if not isinstance(path, (str, os.PathLike)):
         raise FxShardError(f"fxshard.{what} takes a directory path (str or os.PathLike), got {type(path).__name__}")
     return path

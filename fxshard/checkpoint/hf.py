@@ -32,6 +32,7 @@ from ..errors import FxShardError
 from .experts import ExpertLayout, convert_expert_tensors
 from ..program import InputKind
 from ..runtime.agreement import raise_together
+from .dcp import path_argument, require_step
 from .items import model_key
 from .state import load_state_dict_into, pieces_of, read_box
 
@@ -256,10 +257,8 @@ def export_hf(step, directory: str | os.PathLike) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from .dcp import _path_argument, require_step
-
     require_step(step, "export_hf")
-    directory = os.fspath(_path_argument(directory, "export_hf"))
+    directory = os.fspath(path_argument(directory, "export_hf"))
     params = step.parameters()
     config, parts = hf_layout(step.model_class, step.model_config, set(params))
     params = _expert_layers_as(step, params, PLAIN)
@@ -330,10 +329,8 @@ def load_hf(step, directory: str | os.PathLike) -> None:
     (a fresh step: zeros and 0). Every rank calls it; nothing changes unless every tensor is found and
     finite, and when one rank's pieces are not (a NaN, a file cut short where only it reads), every rank
     raises."""
-    from .dcp import _path_argument, require_step
-
     require_step(step, "load_hf")
-    directory = os.fspath(_path_argument(directory, "load_hf"))
+    directory = os.fspath(path_argument(directory, "load_hf"))
     problem, staged = None, {}
     try:
         staged = _staged(step, directory)

@@ -16,10 +16,9 @@ step updates), plain objects DCP pickles.
 from __future__ import annotations
 
 import hashlib
-
 import math
-from collections.abc import Mapping
 import re
+from collections.abc import Mapping
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
