@@ -100,10 +100,16 @@ class _Apply(nn.Module):
         return result
 
 
-def _refuse_untraceable_parameters(params: dict[str, nn.Parameter]) -> None:
-    """Refuse complex trainable parameters (the optimizers are real) and hooks on trainable parameter
-    tensors (`p.register_hook`, `register_post_accumulate_grad_hook`): a hook belongs to its tensor,
-    and the traced step computes gradients of its own, so it would skip the hook silently."""
+def _refuse_untraceable_parameters(model: nn.Module, params: dict[str, nn.Parameter]) -> None:
+    """Refuse complex trainable parameters (the optimizers are real), sparse embeddings (a sparse
+    gradient), and hooks on trainable parameter tensors (`p.register_hook`,
+    `register_post_accumulate_grad_hook`): a hook belongs to its tensor, and the traced step computes
+    gradients of its own, so it would skip the hook silently."""
+    for path, module in model.named_modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse and module.weight.requires_grad:
+            raise FxShardError(f"{path or type(model).__name__} is an {type(module).__name__} with sparse=True: its "
+                               f"gradient would be a sparse tensor, which fxshard's dense step does not make; build "
+                               f"it with sparse=False (the default)")
     for name, param in params.items():
         if param.is_complex() and param.requires_grad:
             raise FxShardError(f"parameter {name!r} is complex ({param.dtype}); fxshard trains real parameters "
@@ -136,12 +142,7 @@ def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
         raise FxShardError(
             f"{type(model).__name__} has no trainable parameters ({len(params)} parameters, none with "
             f"requires_grad=True); there is nothing to train")
-    _refuse_untraceable_parameters(params)
-    for path, module in model.named_modules():
-        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse and module.weight.requires_grad:
-            raise FxShardError(f"{path or type(model).__name__} is an {type(module).__name__} with sparse=True: its "
-                               f"gradient would be a sparse tensor, which fxshard's dense step does not make; build "
-                               f"it with sparse=False (the default)")
+    _refuse_untraceable_parameters(model, params)
     device = batch_spec.device
     layer_paths = find_layers(model, config.layers)
 
