@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from .batch import BatchSpec
 from .config import Config
-from .errors import FxShardError
+from .errors import FxShardError, user_stacklevel
 from .optim import AdamW, Optimizer, SGD
 from .mesh import Mesh
 from .program import Program
@@ -81,6 +81,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
         fail_together(failure, "compile the step")
     if failure is not None:
         raise failure
+    _warn_unused_moe_settings(programs, config)
     if programs[-1].stage is not None:
         groups.update(_stage_groups(programs[-1], mesh, config.collective_timeout_s, config.nccl_ctas,
                                     config.nccl_high_priority))
@@ -234,6 +235,24 @@ def _warn_unused_pipeline_settings(mesh, config: Config) -> None:
                       f"no pp axis: it has no effect. Pass mesh=fxshard.Mesh(pp=...) to pipeline", stacklevel=3)
 
 
+def _warn_unused_moe_settings(programs: list[Program], config: Config) -> None:
+    """Config(fuse_grouped_mlp, ep_overlap, moe_capacity_factor) act on MoE layers (fxshard.moe.dispatch's
+    or recognized ones): on a model with none they do nothing, which a run that set them should hear."""
+    from . import moe
+
+    given = [f"{name}={getattr(config, name)!r}" for name, default in
+             (("fuse_grouped_mlp", False), ("ep_overlap", False), ("moe_capacity_factor", None))
+             if getattr(config, name) != default]
+    if not given or any(moe.ANNOTATION in (node.meta.get("custom") or {})
+                        for program in programs for node in program.graph.nodes):
+        return
+    import warnings
+
+    warnings.warn(f"Config({', '.join(given)}) acts on MoE layers, but the step has none (no fxshard.moe.dispatch "
+                  f"call, no recognized MoE layer: the program's notes say why a candidate was not): it has no "
+                  f"effect", stacklevel=user_stacklevel())
+
+
 def _warn_if_eval_mode(model: nn.Module) -> None:
     """A model in eval mode (transformers' from_pretrained returns one) is traced in eval mode: the
     step trains without dropout and normalizes with BatchNorm's running statistics. Said where that
@@ -265,7 +284,9 @@ def check(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     _check_arguments(model, loss_fn, optimizer, config)
     _check_mesh(mesh)
     _warn_unused_pipeline_settings(mesh, config)
-    _compile(model, loss_fn, example_batch, optimizer, mesh, config, range(mesh.pp if mesh is not None else 1))
+    programs = _compile(model, loss_fn, example_batch, optimizer, mesh, config,
+                        range(mesh.pp if mesh is not None else 1))
+    _warn_unused_moe_settings(programs, config)
 
 
 def _report_lowerings(step, config: Config, index: int) -> None:

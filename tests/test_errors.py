@@ -340,3 +340,18 @@ def test_a_hook_on_a_frozen_parameter_never_runs_so_it_is_no_reason_to_refuse():
     model.bias.register_hook(lambda grad: grad * 0)
     model.bias.requires_grad_(False)
     assert fxshard.trace(model, mean_loss, torch.randn(2, 4)) is not None
+
+
+def test_moe_settings_on_a_model_without_moe_layers_are_said_to_do_nothing():
+    batch = {"idx": torch.zeros(2, 8, dtype=torch.long), "tgt": torch.zeros(2, 8, dtype=torch.long)}
+    config = fxshard.Config(fuse_grouped_mlp=True, moe_capacity_factor=1.0)
+    with pytest.warns(UserWarning, match=r"Config\(fuse_grouped_mlp=True, moe_capacity_factor=1.0\) acts on MoE "
+                                         r"layers, but the step has none"):
+        fxshard.check(GPT(GPTConfig.preset("tiny")), lambda m, b: m.loss(b), batch, config=config)
+    import warnings
+
+    from fxshard.models import MoEGPT, MoEGPTConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # MoEGPT's dispatch calls: they act
+        fxshard.check(MoEGPT(MoEGPTConfig.preset("tiny")), lambda m, b: m.loss(b), batch, config=config)
