@@ -236,21 +236,22 @@ def _warn_unused_pipeline_settings(mesh, config: Config) -> None:
 
 
 def _warn_unused_moe_settings(programs: list[Program], config: Config) -> None:
-    """Config(fuse_grouped_mlp, ep_overlap, moe_capacity_factor) act on MoE layers (fxshard.moe.dispatch's
-    or recognized ones): on a model with none they do nothing, which a run that set them should hear."""
+    """Config(fuse_grouped_mlp, ep_overlap, moe_capacity_factor) act on MoE layers (fxshard.moe.dispatch's,
+    recognized ones, experts as fxshard's grouped GEMMs): on a step with none they do nothing, which a run
+    that set them should hear."""
     from . import moe
 
     given = [f"{name}={getattr(config, name)!r}" for name, default in
              (("fuse_grouped_mlp", False), ("ep_overlap", False), ("moe_capacity_factor", None))
              if getattr(config, name) != default]
-    if not given or any(moe.ANNOTATION in (node.meta.get("custom") or {})
+    expert_ops = {torch.ops.fxshard.grouped_mm.default, torch.ops.fxshard.grouped_mlp_fwd.default}
+    if not given or any(moe.ANNOTATION in (node.meta.get("custom") or {}) or node.target in expert_ops
                         for program in programs for node in program.graph.nodes):
         return
     import warnings
 
     warnings.warn(f"Config({', '.join(given)}) acts on MoE layers, but the step has none (no fxshard.moe.dispatch "
-                  f"call, no recognized MoE layer: the program's notes say why a candidate was not): it has no "
-                  f"effect", stacklevel=user_stacklevel())
+                  f"call, no experts run as grouped GEMMs): it has no effect", stacklevel=user_stacklevel())
 
 
 def _warn_if_eval_mode(model: nn.Module) -> None:

@@ -55,7 +55,7 @@ class Config:
     sharding: on a mesh, what FSDP shards over `dp` (Megatron's names): "no_shard" (DDP), "optim"
         (ZeRO-1), "optim_grads" (ZeRO-2), "optim_grads_params" (ZeRO-3).
     fsdp_prefetch: issue a unit's all-gather this many units ahead of its first use, counting only
-        units of at least a tenth of the median unit's bytes (a norm gains' unit rides along). With Mesh(pp>1)
+        units of at least a tenth of the median all-gather's bytes (a norm gains' unit rides along). With Mesh(pp>1)
         under ZeRO-3: this many compute actions of the stage's schedule ahead of the chunk's first use
         (the schedule's U action, fxshard.schedule.add_zero_actions); the chunk then stays gathered
         while the step uses it (at most two chunks per rank at once).

@@ -16,7 +16,7 @@ and one reduce-scatter. Strategies, with Megatron's names:
 A unit on an axis of one rank (expert units when N = K) is its own shard: it gets no collectives.
 
 Overlap is graph order: a unit's all-gather is issued `prefetch` units ahead of its first use (units
-under 1/SMALL_UNIT of the median unit's bytes are not counted: they ride along) and waited on just
+under 1/SMALL_UNIT of the median all-gather's bytes are not counted: they ride along) and waited on just
 before it; a unit's reduce-scatter is issued as soon as its last gradient exists and
 waited on only when the optimizer phase starts. In a pipeline stage, a unit on an axis of one rank
 has nothing to reduce: its gradient is laid out flat where the optimizer phase starts, not in its
@@ -68,7 +68,7 @@ from fxshard.schedule import COMPUTE
 STRATEGIES = SHARDING_STRATEGIES
 _c10d = torch.ops._c10d_functional
 ALL = (meta.FWD, 0)  # the one region of strategies that keep full parameters
-SMALL_UNIT = 10  # under 1/SMALL_UNIT of the median unit's bytes: prefetch does not count it (a block's: merged)
+SMALL_UNIT = 10  # under 1/SMALL_UNIT of the median all-gather's bytes: prefetch does not count it (a block's: merged)
 # Ops that only re-view or cast a parameter: the backward recomputes them from its own all-gather
 # instead of keeping the forward's gathered copy alive.
 _CHEAP = {torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
@@ -467,13 +467,14 @@ class _Rewrite:
     def prefetch_from(self, events: list[tuple], units: dict[str, FlatUnit]) -> list[int | None]:
         """For each gather event, the earlier event at whose first use it is issued (None: at the
         first compute node): `prefetch` events back, counting only units of at least a tenth of the
-        median gathered unit's bytes. A small unit (a norm gain's `layers:no_decay`, a frozen or
+        median gather's bytes (over the events: a block is gathered in the forward and the backward, so
+        the blocks outweigh `pre` and `post` even in a model of two blocks). A small unit (a norm gain's `layers:no_decay`, a frozen or
         tied unit) rides along with the others instead of taking a big unit's place, so the next
         block's gather is still issued under the block before it. The median, not the largest: an
         embedding many times a block's size (Gemma's) must not make every block a rider, which would
         gather them all at once."""
         size = {name: unit.padded_numel * unit.dtype.itemsize for name, unit in units.items()}
-        typical = statistics.median_high([size[name] for name in {name for _, name in events}] or [0])
+        typical = statistics.median_high([size[name] for _, name in events] or [0])  # blocks: twice each
         counts = [size[name] * SMALL_UNIT >= typical for _, name in events]
         self.riders = sorted({name for (_, name), counted in zip(events, counts) if not counted})
         found = []

@@ -355,3 +355,8 @@ def test_moe_settings_on_a_model_without_moe_layers_are_said_to_do_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # MoEGPT's dispatch calls: they act
         fxshard.check(MoEGPT(MoEGPTConfig.preset("tiny")), lambda m, b: m.loss(b), batch, config=config)
+        # and torchtitan's experts (torch._grouped_mm, not recognized on one device) are fused: no warning
+        from model_zoo import masked_batches, titan_deepseek_v3, titan_loss
+
+        fxshard.check(titan_deepseek_v3(), titan_loss, masked_batches("titan_deepseek_v3", 1)[0],
+                      config=fxshard.Config(fuse_grouped_mlp=True))

@@ -48,9 +48,10 @@ def nan_on_rank_one():
     gpt = fxshard.shard(GPT(GPTConfig.preset("tiny")), lambda m, b: m.loss(b), tokens, mesh=mesh,
                         config=fxshard.Config(sharding="no_shard"))
     said = []
-    for batch in ({**tokens, "idx": tokens["idx"] + 64}, tokens):
+    for call in (lambda: gpt({**tokens, "idx": tokens["idx"] + 64}), lambda: gpt(tokens),
+                 lambda: gpt.load_state_dict({})):  # a load too: its collectives would pair with a stuck peer's
         try:
-            gpt(batch)
+            call()
         except fxshard.FxShardError as error:
             said.append(str(error))
     return skipped, same, message, said
@@ -60,9 +61,9 @@ def test_a_nan_on_one_rank_is_skipped_or_raised_on_every_rank():
     results = run_local(nan_on_rank_one, 2, backend="gloo")
     for skipped, same, _, said in results:
         assert skipped == [False, True, False, False] and same
-        assert len(said) == 2 and "raised IndexError" in said[0] and "restart the job" in said[0], said
-        assert said[1].startswith("step 1 failed on this rank (IndexError: index out of range in self) while its "
-                                  "peers may wait"), said[1]
+        assert len(said) == 3 and "raised IndexError" in said[0] and "restart the job" in said[0], said
+        assert said[1] == said[2] and said[1].startswith("step 1 failed on this rank (IndexError: index out of "
+                                                         "range in self) while its peers may wait"), said[1:]
     messages = [message for _, _, message, _ in results]
     assert messages[0] == messages[1] and messages[0].startswith(
         "step 2: the gradients are not finite (grad norm nan); the first parameter whose gradient is not finite "

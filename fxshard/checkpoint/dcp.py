@@ -80,7 +80,7 @@ def save(step, path: str | os.PathLike, extra=None, async_save: bool = False) ->
         if previous is not None and not previous.reported:  # an earlier async save's failure no wait() raised yet
             try:
                 previous.wait()
-            except FxShardError as error:
+            except Exception as error:  # noqa: BLE001  (a gloo barrier's RuntimeError too): every rank says it
                 raise FxShardError(f"an earlier asynchronous save failed, so this one did not start (call save "
                                    f"again): {error}") from error
         if os.path.exists(path) and not (os.path.isdir(path) and (not os.listdir(path) or
@@ -231,12 +231,17 @@ def load(step, path: str | os.PathLike):
     left unchanged and every rank raises `FxShardError`."""
     require_step(step, "load")
     path = path_argument(path, "load")
+    step._refuse_if_aborted()  # its process groups cannot be trusted: a load's collectives would pair with a stuck peer
 
     def checks():
         resolved = _resolve(_real(path))
         pending, step._pending_save = getattr(step, "_pending_save", None), None
         if pending is not None and not pending.reported:  # as save: a failure its wait() raised is not raised again
-            pending.wait()
+            try:
+                pending.wait()
+            except Exception as error:  # noqa: BLE001
+                raise FxShardError(f"an earlier asynchronous save failed, so this load did not start (call load "
+                                   f"again): {error}") from error
         manifest, metadata = _read_checks(resolved)
         expected, conversions = _expected_keys(step, manifest)
         _check_keys(step, resolved, manifest, metadata.state_dict_metadata, expected)

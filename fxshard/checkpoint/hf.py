@@ -289,9 +289,10 @@ def export_hf(step, directory: str | os.PathLike) -> None:
             _replace_file(os.path.join(directory, "model.safetensors"),
                           lambda path: save_file(cpu, path, {"format": "pt"}))
             _replace_file(os.path.join(directory, "config.json"), lambda path: _write_json(config, path))
-        except OSError as error:  # every rank learns it (none waits for a failed writer at a barrier)
-            problem = (f"export_hf: {directory} cannot be written ({type(error).__name__}: {error.strerror or error}); "
-                       f"choose a directory this process can write, with room for the weights")
+        except Exception as error:  # noqa: BLE001  every rank learns it (none waits for a failed writer)
+            said = getattr(error, "strerror", None) or str(error).strip().splitlines()[0][:200]
+            problem = (f"export_hf: {directory} cannot be written ({type(error).__name__}: {said}); choose a "
+                       f"directory this process can write, with room for the weights")
     raise_together(problem, step.device, f"export_hf: the writing rank could not write {directory}")
 
 
@@ -331,6 +332,7 @@ def load_hf(step, directory: str | os.PathLike) -> None:
     raises."""
     require_step(step, "load_hf")
     directory = os.fspath(path_argument(directory, "load_hf"))
+    step._refuse_if_aborted()
     problem, staged = None, {}
     try:
         staged = _staged(step, directory)

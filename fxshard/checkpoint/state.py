@@ -210,6 +210,7 @@ def load_state_dict(step, state: dict, strict: bool = True) -> None:
     plain global tensors by key. Plain tensors must have their global shapes; with `strict`, every
     tensor this rank holds must be there and every key must name something of the model's (a key held
     by another pipeline stage is not unexpected). Checked before anything is copied."""
+    step._refuse_if_aborted()
     check_state_dict(step, state, strict)
     load_state_dict_into(step, state, step.state)
     set_progress(step, state.get(PROGRESS), state.get(rng_key(step.rank)))

@@ -93,7 +93,8 @@ class CompiledStep:
         self._lr_override: float | None = None
         self._lr_trail = hashlib.sha256()  # every step's lr since shard or the last load (_check_same_lr)
         self._interrupted: str | None = None  # why a step stopped while its graph ran (refuse_if_interrupted)
-        self._aborted: str | None = None  # why the replay watch aborted this rank's groups: the step is unusable
+        self._aborted: str | None = None  # why this rank's groups cannot be trusted (the replay watch aborted them,
+        # or a call failed while peers may wait in it: _batch_error): the step is unusable, loads included
         # Config(nonfinite): the program skips updates whose gradients are not finite; the runtime
         # counts them on the device (AdamW's step input counts applied updates) and under "raise"
         # reads a step's flag two calls later, or when the state is next read (_raise_if_nonfinite)
@@ -276,9 +277,9 @@ class CompiledStep:
         self._raise_if_nonfinite(keep=1)
         self.refuse_if_interrupted()  # the replay watch may have ended the step that check waited for
         self._warn_if_mode_changed()
-        if self._first_batch_check is not None:
-            check, self._first_batch_check = self._first_batch_check, None
-            check(batch)
+        if self._first_batch_check is not None:  # cleared once it passes (every rank raises alike)
+            self._first_batch_check(batch)
+            self._first_batch_check = None
         with self._stream.drawn_from() if self._stream is not None else contextlib.nullcontext():
             return self._run_step(leaves)
 
@@ -531,8 +532,9 @@ class CompiledStep:
                                if self.groups else ""))
 
     def _refuse_if_aborted(self) -> None:
-        """FxShardError where the replay watch aborted this rank's process groups (runtime/replay_watch.py):
-        no collective can run in this process any more, and loading a checkpoint does not bring them back."""
+        """FxShardError where the replay watch aborted this rank's process groups (runtime/replay_watch.py) or a
+        call failed while peers may wait in it (_batch_error): no collective can be trusted in this process any
+        more, and loading a checkpoint does not bring them back."""
         if self._aborted is not None:
             raise FxShardError(self._aborted)
 

@@ -132,13 +132,14 @@ def test_zero3_casts_each_parameter_shard_to_the_compute_dtype_once_a_step():
     assert all(g.args[0].meta["val"].dtype == torch.bfloat16 for g in gathers)
 
 
-@pytest.mark.parametrize("no_decay, vocab", [((), 64), (("*norm*",), 64), ((), 20000)])
-def test_all_gathers_are_prefetched_one_unit_ahead_and_waited_just_before_use(no_decay, vocab):
+@pytest.mark.parametrize("no_decay, vocab, layers", [((), 64, 4), (("*norm*",), 64, 4), ((), 20000, 4),
+                                                      ((), 20000, 2)])
+def test_all_gathers_are_prefetched_one_unit_ahead_and_waited_just_before_use(no_decay, vocab, layers):
     """Every unit waits just before its first use. The blocks are gathered one block ahead: with the
     norm gains exempt, their small units (`layers:no_decay`, `post:no_decay`) ride along instead of
     taking a block's place; and an embedding far larger than the blocks (vocabulary 20000) must not
-    make every block a rider (which gathered them all at once)."""
-    program = gpt_zero3(no_decay=no_decay, vocab_size=vocab, n_layer=4)
+    make every block a rider (which gathered them all at once), even in a model of two blocks."""
+    program = gpt_zero3(no_decay=no_decay, vocab_size=vocab, n_layer=layers)
     nodes = list(program.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     gathers = [n for n in nodes if n.target is c10d.all_gather_into_tensor.default and meta.phase(n) != meta.OPTIM]
@@ -147,7 +148,7 @@ def test_all_gathers_are_prefetched_one_unit_ahead_and_waited_just_before_use(no
         # forward: pre, the blocks, post; the backward begins with "post", whose forward copy it keeps
         # (nothing is gathered in between), and the embedding's backward needs no weight, so neither
         # "post" nor "pre" is gathered again
-        blocks = [f"layers.{i}" for i in range(4)]
+        blocks = [f"layers.{i}" for i in range(layers)]
         expected = ["pre", *blocks, "post"] if phase == meta.FWD else blocks[::-1]
         assert [g.meta[meta.UNIT] for g in ordered if ":" not in g.meta[meta.UNIT]] == expected
         first_uses = {}
