@@ -467,12 +467,12 @@ class _Rewrite:
     def prefetch_from(self, events: list[tuple], units: dict[str, FlatUnit]) -> list[int | None]:
         """For each gather event, the earlier event at whose first use it is issued (None: at the
         first compute node): `prefetch` events back, counting only units of at least a tenth of the
-        median gather's bytes (over the events: a block is gathered in the forward and the backward, so
-        the blocks outweigh `pre` and `post` even in a model of two blocks). A small unit (a norm gain's `layers:no_decay`, a frozen or
-        tied unit) rides along with the others instead of taking a big unit's place, so the next
-        block's gather is still issued under the block before it. The median, not the largest: an
-        embedding many times a block's size (Gemma's) must not make every block a rider, which would
-        gather them all at once."""
+        median gather's bytes. A small unit (a norm gain's `layers:no_decay`, a frozen or tied unit)
+        rides along with the others instead of taking a big unit's place, so the next block's gather
+        is still issued under the block before it. The median over the events, not the largest unit:
+        an embedding many times a block's size (Gemma's) must not make every block a rider, which
+        would gather them all at once; a block is gathered in the forward and again in the backward,
+        so the blocks outweigh `pre` and `post` even in a model of two blocks."""
         size = {name: unit.padded_numel * unit.dtype.itemsize for name, unit in units.items()}
         typical = statistics.median_high([size[name] for _, name in events] or [0])  # blocks: twice each
         counts = [size[name] * SMALL_UNIT >= typical for _, name in events]
