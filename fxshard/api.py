@@ -239,13 +239,14 @@ def _warn_unused_moe_settings(programs: list[Program], config: Config) -> None:
     """Config(fuse_grouped_mlp, ep_overlap, moe_capacity_factor) act on MoE layers (fxshard.moe.dispatch's,
     recognized ones, experts as fxshard's grouped GEMMs): on a step with none they do nothing, which a run
     that set them should hear."""
+    from fxshard.passes.recognize_moe import EXPERT_OPS
+
     from . import moe
 
     given = [f"{name}={getattr(config, name)!r}" for name, default in
              (("fuse_grouped_mlp", False), ("ep_overlap", False), ("moe_capacity_factor", None))
              if getattr(config, name) != default]
-    expert_ops = {torch.ops.fxshard.grouped_mm.default, torch.ops.fxshard.grouped_mlp_fwd.default}
-    if not given or any(moe.ANNOTATION in (node.meta.get("custom") or {}) or node.target in expert_ops
+    if not given or any(moe.ANNOTATION in (node.meta.get("custom") or {}) or node.target in EXPERT_OPS
                         for program in programs for node in program.graph.nodes):
         return
     import warnings

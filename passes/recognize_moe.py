@@ -51,7 +51,7 @@ from .ep import first_tensor, keeps_dim0
 
 _aten = torch.ops.aten
 # forward expert ops (rows, offsets, weight [E, ...], ...), found before or after fuse_grouped_mlp
-_EXPERT_OPS = {torch.ops.fxshard.grouped_mm.default, torch.ops.fxshard.grouped_mlp_fwd.default}
+EXPERT_OPS = {torch.ops.fxshard.grouped_mm.default, torch.ops.fxshard.grouped_mlp_fwd.default}
 
 _INT_PASSTHROUGH = {_aten._to_copy.default, _aten.clone.default, _aten.alias.default, _aten.detach.default,
                     _aten.lift_fresh_copy.default}
@@ -97,7 +97,7 @@ def recognize_moe(program: Program, capacity_factor: float | None = None) -> Pro
 def _unannotated_offsets(graph: fx.Graph) -> list[fx.Node]:
     found = []
     for node in graph.nodes:
-        if node.op == "call_function" and node.target in _EXPERT_OPS and meta.phase(node) == meta.FWD:
+        if node.op == "call_function" and node.target in EXPERT_OPS and meta.phase(node) == meta.FWD:
             offsets = node.args[1]
             if moe.ANNOTATION not in (offsets.meta.get("custom") or {}) and offsets not in found:
                 found.append(offsets)
@@ -105,7 +105,7 @@ def _unannotated_offsets(graph: fx.Graph) -> list[fx.Node]:
 
 
 def _match(offsets: fx.Node) -> dict:
-    experts_ops = [u for u in offsets.users if u.target in _EXPERT_OPS and meta.phase(u) == meta.FWD]
+    experts_ops = [u for u in offsets.users if u.target in EXPERT_OPS and meta.phase(u) == meta.FWD]
     experts = {_val(op.args[2]).shape[0] for op in experts_ops}
     rows = {_val(op.args[0]).shape[0] for op in experts_ops}
     if len(experts) != 1 or len(rows) != 1:
@@ -273,7 +273,7 @@ class _RowOrder:
         if node.op != "call_function":
             return False
         target = node.target
-        if target in _EXPERT_OPS and node.args[1] is self.offsets:
+        if target in EXPERT_OPS and node.args[1] is self.offsets:
             return True
         if self.is_sorted_ids(node):
             return True  # the sorted ids (the same for every ascending sort): sort(ids).values[i] = ids[perm[i]]
