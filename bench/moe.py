@@ -38,6 +38,7 @@ compare across runs; --routing learned uses the untrained router (~35% dropped a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import faulthandler
 import gc
 import json
@@ -236,11 +237,10 @@ def run_modes(args):
             if not overlap and "ep" in step.program.notes:  # ep=1: no expert parallelism, no notes
                 print("  " + step.program.notes["ep"].replace("\n", "\n  "), flush=True)
         suffix = (f"-overlap{chunks}" if overlap else "") + CE_SUFFIX.get(choice, "")
-        codegen = step.codegen is not None  # nocomm compiles its compute as the step does
+        # nocomm runs the step's program without its all-to-alls, lowered and compiled as the step is
+        nocomm_config = dataclasses.replace(config, ep_all_to_all="nccl", nonfinite="ignore")
         nocomm = CompiledStep([without_all_to_all(step.program)], step.state, step.batch_spec, step.optimizer,
-                              step.device, step.groups, not args.eager_replay, sm_carveout=carveout, codegen=codegen,
-                              fsdp_collectives=args.fsdp_collectives, collective_timeout_s=args.collective_timeout,
-                              copy_engine_barriers=barriers)
+                              step.device, step.groups, nocomm_config)
         runs = [(f"ep{suffix}", step)]
         own_nocomm = "nocomm" + without_ce(suffix)  # the same program for every all-to-all
         if own_nocomm not in results:
@@ -250,10 +250,7 @@ def run_modes(args):
             # they are compared with has no copy either
             runs.insert(1, ("nocomm-nocopy", CompiledStep([without_all_to_all(step.program, copy=False)], step.state,
                                                           step.batch_spec, step.optimizer, step.device, step.groups,
-                                                          not args.eager_replay, codegen=codegen,
-                                                          fsdp_collectives=args.fsdp_collectives,
-                                                          copy_engine_barriers=barriers,
-                                                          collective_timeout_s=args.collective_timeout)))
+                                                          dataclasses.replace(nocomm_config, ep_sm_carveout=None))))
         for label, runner in runs:
             torch.cuda.reset_peak_memory_stats()
             ms = timed(lambda: runner(data), args.warmup, args.iters)

@@ -18,6 +18,7 @@ from .optim import AdamW, Optimizer, SGD
 from .mesh import Mesh
 from .program import Program
 from .runtime import CompiledStep
+from .runtime.step import StepOrigin
 from .init import MetaInit
 from .runtime.state import initial_state
 from .trace import trace as _trace
@@ -113,7 +114,6 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     # each rank materializes only its own shards.
     source = MetaInit(model, config.seed, batch_spec.device) if is_meta else model
     state = initial_state(programs[-1], source, optimizer, coords, batch_spec.device)
-    codegen = config.codegen == "inductor" or (config.codegen == "auto" and batch_spec.device.type == "cuda")
 
     structure = _structure_of(model)
 
@@ -127,21 +127,11 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
             evaluation.dump(config.dump_dir, len(programs) + 1)
         return evaluation
 
-    step = CompiledStep(programs, state, batch_spec, optimizer, batch_spec.device, groups, config.cuda_graphs,
-                        sm_carveout=config.ep_sm_carveout, all_to_all=config.ep_all_to_all,
-                        fsdp_collectives=config.fsdp_collectives, copy_engine_barriers=config.copy_engine_barriers,
-                        copy_engine_own_part=config.copy_engine_own_part,
-                        collective_timeout_s=config.collective_timeout_s,
-                        codegen=codegen,
-                        codegen_by_layer=config.codegen_regions == "layer",
-                        share_compile=_shares(mesh, config.share_compile),
-                        verbose=config.verbose, coords=coords, rank=_global_rank(),
-                        mesh_description=str(mesh) if mesh is not None else "one device",
-                        expert_layouts=_expert_layouts(model), model_class=type(model).__name__,
-                        model_config=getattr(model, "cfg", None), hf_config=_hf_config(model),
-                        nonfinite=config.nonfinite,
-                        evaluation=compile_evaluation, model=model, cuda_graph_memsets=config.cuda_graph_memsets,
-                        wait_marks=config.wait_marks, direct_calls=config.direct_calls,
+    origin = StepOrigin(coords, _global_rank(), str(mesh) if mesh is not None else "one device",
+                        _expert_layouts(model), type(model).__name__, getattr(model, "cfg", None), _hf_config(model))
+    step = CompiledStep(programs, state, batch_spec, optimizer, batch_spec.device, groups, config,
+                        share_compile=_shares(mesh, config.share_compile), origin=origin,
+                        evaluation=compile_evaluation, model=model,
                         first_batch_check=_pipeline_batch_check(mesh, groups, programs[-1], batch_spec.device))
     if config.dump_dir or config.verbose:
         _report_lowerings(step, config, len(programs))

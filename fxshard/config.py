@@ -276,6 +276,10 @@ class Config:
             return dict(self.nccl_max_ctas).get(axis)
         return self.nccl_max_ctas
 
+    def compiles_on(self, device) -> bool:
+        """Whether Config(codegen) compiles the step's compute with Inductor on `device` ("auto": on CUDA)."""
+        return self.codegen == "inductor" or (self.codegen == "auto" and device.type == "cuda")
+
     def _check_nccl_max_ctas(self) -> None:
         """An int for every group, or {axis: int} (kept as sorted pairs: a Config stays hashable)."""
         ctas = self.nccl_max_ctas

@@ -17,6 +17,7 @@ names whose time differs most between nocomm and nocomm-overlap1 (DIR/<variant>.
 """
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -102,7 +103,8 @@ def main():
         compile_s = time.perf_counter() - started
         del model
         runner = CompiledStep([without_all_to_all(step.program)], step.state, step.batch_spec, step.optimizer,
-                              step.device, step.groups, True, codegen=codegen)
+                              step.device, step.groups,
+                              dataclasses.replace(config, dump_dir=None, nonfinite="ignore"))
         ms, times, counts = time_and_profile(lambda: runner(data), args.warmup, args.iters,
                                              os.path.join(args.out, f"{label}.txt"))
         regions = len(runner.codegen.regions) if getattr(runner, "codegen", None) else 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import struct
@@ -54,6 +55,20 @@ def bind_groups(graph_module: fx.GraphModule, group_names: dict[str, str]) -> fx
     return lazy_module(graph_module, graph)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepOrigin:
+    """Where a step's rank sits and what model it was traced from: what checkpoints and the Hugging
+    Face export record and check (fxshard/checkpoint)."""
+
+    coords: dict = dataclasses.field(default_factory=dict)  # this rank's index along each mesh axis
+    rank: int = 0  # its global rank
+    mesh_description: str = "one device"
+    expert_layouts: dict = dataclasses.field(default_factory=dict)  # prefix -> (ExpertLayout, experts)
+    model_class: str = ""  # the architecture's name, for the export
+    model_config: object = None  # the reference models' config (their `cfg`)
+    hf_config: dict | None = None  # a transformers model's own config, which load_hf checks against
+
+
 class CompiledStep:
     """`step(batch)` runs forward, backward and the optimizer update of the compiled program.
 
@@ -63,27 +78,23 @@ class CompiledStep:
     """
 
     def __init__(self, programs: list[Program], state: State, batch_spec: BatchSpec, optimizer: Optimizer,
-                 device: torch.device, groups: dict | None = None, cuda_graphs: bool = False,
-                 sm_carveout: int | None = None, all_to_all: str = "nccl", fsdp_collectives: str = "nccl",
-                 copy_engine_barriers: str = "kernel", copy_engine_own_part: str = "auto",
-                 collective_timeout_s: float | None = Config.collective_timeout_s,
-                 codegen: bool = False,
-                 codegen_by_layer: bool = True, share_compile: bool = False,
-                 verbose: bool = False, coords: dict[str, int] | None = None, rank: int = 0,
-                 mesh_description: str = "one device", expert_layouts: dict | None = None,
-                 model_class: str = "", model_config=None, hf_config: dict | None = None, nonfinite: str = "ignore",
-                 evaluation=None, model=None, cuda_graph_memsets: str = Config.cuda_graph_memsets,
-                 wait_marks: bool = Config.wait_marks, direct_calls: bool = Config.direct_calls,
+                 device: torch.device, groups: dict | None = None, config: Config = Config(), *,
+                 share_compile: bool = False, origin: StepOrigin | None = None, evaluation=None, model=None,
                  first_batch_check=None):
+        """`config` says how to run the program (the runtime lowerings, codegen, CUDA graphs, the
+        non-finite policy); `share_compile` is Config(share_compile) resolved for the mesh; `origin`
+        where this rank sits and what the model was (checkpoints); `evaluation` compiles evaluate()'s
+        program on first use; `first_batch_check` a pipeline's check of its first batch."""
         self.programs = programs
+        self.program = programs[-1]
+        origin = origin or StepOrigin()
         # where this rank sits, for checkpoints (fxshard/checkpoint): its index along each mesh axis,
         # its global rank, and the expert layers' storage layouts (prefix -> (ExpertLayout, experts))
-        self.coords, self.rank, self.mesh_description = dict(coords or {}), rank, mesh_description
-        self.expert_layouts = dict(expert_layouts or {})
+        self.coords, self.rank, self.mesh_description = dict(origin.coords), origin.rank, origin.mesh_description
+        self.expert_layouts = dict(origin.expert_layouts)
         # what the Hugging Face export needs to name the architecture, and a transformers model's own
         # config, which load_hf checks a directory against (fxshard/checkpoint/hf.py)
-        self.model_class, self.model_config, self.hf_config = model_class, model_config, hf_config
-        self.program = programs[-1]
+        self.model_class, self.model_config, self.hf_config = origin.model_class, origin.model_config, origin.hf_config
         self.state = state
         self.batch_spec = batch_spec
         self.optimizer = optimizer
@@ -98,13 +109,14 @@ class CompiledStep:
         # Config(nonfinite): the program skips updates whose gradients are not finite; the runtime
         # counts them on the device (AdamW's step input counts applied updates) and under "raise"
         # reads a step's flag two calls later, or when the state is next read (_raise_if_nonfinite)
-        self.nonfinite = nonfinite if self.program.outputs_of(OutputKind.NONFINITE) else "ignore"
+        self.nonfinite = config.nonfinite if self.program.outputs_of(OutputKind.NONFINITE) else "ignore"
         self._skipped = torch.zeros((), dtype=torch.float32, device=device)
         self._unchecked: list[tuple[int, dict]] = []
         # evaluate(): `evaluation` compiles the eval-mode program on first use (runtime/evaluate.py)
         self._compile_evaluation, self._evaluation = evaluation, None
         self._evaluation_graph: EvaluationReplay | None = None  # with cuda_graphs, once training is captured
-        self._codegen_on, self._codegen_by_layer, self._verbose = codegen, codegen_by_layer, verbose
+        self._codegen_on = config.compiles_on(device)
+        self._codegen_by_layer, self._verbose = config.codegen_regions == "layer", config.verbose
         self._first_batch_check = first_batch_check  # a pipeline's: its stages got one batch (collective, once)
         self._compile_split = split_compiles if share_compile else None  # collective: every rank compiles
         # the model's train/eval mode at shard(): changing it later changes nothing, which __call__ says once
@@ -112,73 +124,82 @@ class CompiledStep:
         self._model = weakref.ref(model) if model is not None else None
         self._traced_training = model.training if model is not None else None
         # a pipeline stage that draws random values draws them from a stream of its own (runtime/rng.py)
-        self._stream = (StageStream(device, self.program.stage.stage, mesh_description)
+        self._stream = (StageStream(device, self.program.stage.stage, self.mesh_description)
                         if self.program.stage is not None and draws_random_values(self.program.graph) else None)
-        run = self._bound(self.program)
+        if config.cuda_graphs and device.type != "cuda":
+            raise FxShardError(f"Config(cuda_graphs=True) needs a CUDA device; the batch is on {device}")
+        self._run = self._lower(self._bound(self.program), config)
+        self._replay = (CudaGraphReplay(memsets_to_kernels=config.cuda_graph_memsets == "kernels")
+                        if config.cuda_graphs else None)
+        # NCCL's watchdog does not see collectives replayed from a graph: this one does (replay_watch.py)
+        self._replay_watch = None
+        if config.cuda_graphs and self.groups and config.collective_timeout_s:
+            self._replay_watch = ReplayWatch(config.collective_timeout_s, self.rank,
+                                             _expire_replay(weakref.ref(self), config.collective_timeout_s),
+                                             where=_waiting_in(weakref.ref(self)))
+
+    def _lower(self, run: fx.GraphModule, config: Config) -> fx.GraphModule:
+        """The runtime lowerings, in order: the graph this rank runs. Each records how often it applied
+        in an attribute that lowerings() reports (and tests read)."""
+        device = self.device
         # a skipped step (Config(nonfinite)) leaves the buffers it updated as they were, too
         run, self.buffers_kept_when_skipped = keep_buffers_when_skipped(run, self.program)
         # all-gathers issued through gloo's _allgather_base (runtime/gloo.py)
         self.gloo_all_gathers = sum(node.target is GLOO_ALL_GATHER for node in run.graph.nodes)
         # optimizer updates write into the state tensors they read, and ZeRO-1/2's gathers of updated
         # shards into the flat parameters they update (see runtime/reinplace.py)
-        self._run, self.in_place_updates = reinplace(run)
+        run, self.in_place_updates = reinplace(run)
         # Config(fuse_grad_accumulation)'s GEMMs add into the gradient totals where they lie
-        self._run, self.accumulations_in_place = accumulate_in_place(self._run)
+        run, self.accumulations_in_place = accumulate_in_place(run)
         # ... and write the flat gradients the reductions and the optimizer read, with no cat (flat_gradients.py)
-        self._run, self.flat_gradients_in_place = flat_gradients_in_place(self._run)
-        self._run, self.gathers_in_place = gather_updates_in_place(self._run, write_back_positions(self.program))
+        run, self.flat_gradients_in_place = flat_gradients_in_place(run)
+        run, self.gathers_in_place = gather_updates_in_place(run, write_back_positions(self.program))
         if self.groups:  # the program agrees across ranks (checked at shard()); how it is run must too
             from .agreement import check_runtime_agreement
 
-            check_runtime_agreement(f"ep_all_to_all={all_to_all!r}, fsdp_collectives={fsdp_collectives!r}, "
-                                    f"copy_engine_barriers={copy_engine_barriers!r}, cuda_graphs={cuda_graphs}",
-                                    device)
+            check_runtime_agreement(f"ep_all_to_all={config.ep_all_to_all!r}, "
+                                    f"fsdp_collectives={config.fsdp_collectives!r}, "
+                                    f"copy_engine_barriers={config.copy_engine_barriers!r}, "
+                                    f"cuda_graphs={config.cuda_graphs}", device)
         # Config "auto" collectives made concrete (the same on every rank: runtime/copy_engine.py resolve_auto)
-        all_to_all, fsdp_collectives, self.auto_collectives = resolve_auto(all_to_all, fsdp_collectives, device,
-                                                                                meshed=bool(self.groups),
-                                                                                graphed=cuda_graphs)
+        all_to_all, fsdp_collectives, self.auto_collectives = resolve_auto(
+            config.ep_all_to_all, config.fsdp_collectives, device, meshed=bool(self.groups),
+            graphed=config.cuda_graphs)
         self.sm_carveout_stretches = 0  # runs of matmuls inside all-to-all windows that run narrower, CUDA only
-        if sm_carveout is not None and device.type == "cuda" and all_to_all == "nccl":  # copy engines hold no SMs
-            self._run, self.sm_carveout_stretches = carve_out_sms_for_all_to_alls(self._run, sm_carveout)
+        if config.ep_sm_carveout is not None and device.type == "cuda" and all_to_all == "nccl":
+            run, self.sm_carveout_stretches = carve_out_sms_for_all_to_alls(run, config.ep_sm_carveout)  # (copy
+            # engines hold no SMs)
         # collectives moved by peer memcpys through symmetric memory (no SMs), CUDA only
         self.copy_engine = CopyEngineLowering()
         if device.type == "cuda" and "copy-engine" in (all_to_all, fsdp_collectives):
-            self._run, self.copy_engine = lower_to_copy_engines(
-                self._run, all_to_alls=all_to_all == "copy-engine",
-                gathers_and_scatters=fsdp_collectives == "copy-engine", timeout_s=collective_timeout_s,
-                axes=self._group_axes(), barriers=copy_engine_barriers,
-                own_part=resolve_own_part(copy_engine_own_part, codegen))
+            run, self.copy_engine = lower_to_copy_engines(
+                run, all_to_alls=all_to_all == "copy-engine",
+                gathers_and_scatters=fsdp_collectives == "copy-engine", timeout_s=config.collective_timeout_s,
+                axes=self._group_axes(), barriers=config.copy_engine_barriers,
+                own_part=resolve_own_part(config.copy_engine_own_part, self._codegen_on))
         # names the copy-engine collective a device stopped in (kernel barriers trap after the timeout;
         # with stream barriers the watch stops the device itself)
         self._watch = None
         if self.copy_engine.number:
             index = _device_index(device)
-            self._watch = Watch(self.copy_engine, marker(index), collective_timeout_s, rank, index)
+            self._watch = Watch(self.copy_engine, marker(index), config.collective_timeout_s, self.rank, index)
             self._watch.start()
         # under CUDA graphs NCCL's watchdog does not see the collectives: each wait for one writes its number
         # into host memory first, so a stall is reported with what the step waits for (wait_marks.py)
         self.wait_marks, self._evaluation_marks, self._marks_device = WaitMarks(), WaitMarks(), 0
-        if wait_marks and cuda_graphs and self.groups and device.type == "cuda":
+        if config.wait_marks and config.cuda_graphs and self.groups and device.type == "cuda":
             self._marks_device = _device_index(device)
-            self._run, self.wait_marks = mark_waits(self._run, self._marks_device, self._group_axes())
+            run, self.wait_marks = mark_waits(run, self._marks_device, self._group_axes())
         # last: the compute between the nodes placed above is compiled; those nodes keep their order
-        self._run, self.codegen = self._compiled(self._run)
+        run, self.codegen = self._compiled(run)
         # Config(direct_calls), eager replay: fxshard's ops outside the regions run their bodies, past the
         # dispatcher (direct_calls.py); a graph's replay spends no host time on them
         self.direct_calls = 0
-        if direct_calls and not cuda_graphs:
-            self._run, self.direct_calls = call_directly(self._run)
-        if cuda_graphs and device.type != "cuda":
-            raise FxShardError(f"Config(cuda_graphs=True) needs a CUDA device; the batch is on {device}")
-        if cuda_graphs:
+        if config.direct_calls and not config.cuda_graphs:
+            run, self.direct_calls = call_directly(run)
+        if config.cuda_graphs:
             _check_capturable(self.program)
-        self._replay = CudaGraphReplay(memsets_to_kernels=cuda_graph_memsets == "kernels") if cuda_graphs else None
-        # NCCL's watchdog does not see collectives replayed from a graph: this one does (replay_watch.py)
-        self._replay_watch = None
-        if cuda_graphs and self.groups and collective_timeout_s:
-            self._replay_watch = ReplayWatch(collective_timeout_s, rank,
-                                             _expire_replay(weakref.ref(self), collective_timeout_s),
-                                             where=_waiting_in(weakref.ref(self)))
+        return run
 
     @property
     def copy_engine_all_to_alls(self) -> int:
