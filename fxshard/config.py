@@ -21,13 +21,13 @@ if TYPE_CHECKING:
 # FSDP strategies, Megatron's names (ZeRO: none, 1, 2, 3); passes/fsdp.py documents each.
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe", "zb-h1", "dualpipev")
-P2P_RECEIVES = ("early", "late")  # fxshard.schedule.order.RECEIVES
+P2P_RECEIVES = ("early", "late")  # where fxshard.schedule.issue_order issues a receive
 EP_INTERLEAVINGS = ("combined-1f1b", "dual-batch")
 EP_ALL_TO_ALLS = ("auto", "nccl", "copy-engine")
 FSDP_COLLECTIVES = ("auto", "nccl", "copy-engine")
 CUDA_GRAPH_MEMSETS = ("kernels", "keep")  # runtime/graph_memsets.py
-COPY_ENGINE_BARRIERS = ("kernel", "stream")  # runtime/copy_engine.py BARRIERS
-COPY_ENGINE_OWN_PARTS = ("auto", "copy", "input")  # runtime/copy_engine.py OWN_PARTS, and "auto"
+COPY_ENGINE_BARRIERS = ("kernel", "stream")  # runtime/copy_engine.py
+COPY_ENGINE_OWN_PARTS = ("auto", "copy", "input")  # runtime/copy_engine.py resolve_own_part
 CODEGENS = ("auto", "inductor", None)
 CODEGEN_REGIONS = ("layer", "communication")
 NONFINITE_MODES = ("raise", "skip", "ignore")

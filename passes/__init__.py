@@ -88,8 +88,9 @@ PIPELINE: list[Pass] = [
 def _pipeline(program: Program, mesh, config, stage: int) -> Program:
     schedule, _ = lowered_schedule(mesh, config)
     pipeline = split_stages(program, schedule.chunks, config.stage_layers)
-    schedule, pairs = lowered_schedule(mesh, config, tuple(chunk_costs(pipeline, schedule).items()))
-    return lower_schedule(pipeline, schedule, stage, pairs, config.p2p_receives)
+    costs = tuple(chunk_costs(pipeline, schedule).items())
+    schedule, pairs = lowered_schedule(mesh, config, costs)
+    return lower_schedule(pipeline, schedule, stage, pairs, config.p2p_receives, costs)
 
 
 def _interleaves(mesh, config) -> bool:

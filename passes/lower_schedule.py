@@ -68,16 +68,17 @@ _CAST = torch.ops.aten._to_copy.default
 
 
 def lower_schedule(pipeline: PipelineProgram, schedule: Schedule, stage: int, pairs=(),
-                   receives: str = "late") -> Program:
+                   receives: str = "late", costs: tuple | None = None) -> Program:
     """Stage `stage`'s per-rank Program for one training step. See the module docstring. `pairs`:
     each rank's actions that the interleave pass will run interleaved (fxshard.schedule.combine_pairs),
     checked here with the rest of the transfer order. `receives`: where receives are issued
-    (Config(p2p_receives); fxshard.schedule.issue_order)."""
+    (Config(p2p_receives); fxshard.schedule.issue_order). `costs`: the items of
+    `chunk_costs(pipeline, schedule)`, where the caller has them already."""
     if schedule.chunks != len(pipeline.chunks):
         raise FxShardError(f"the schedule has {schedule.chunks} chunks, the pipeline program {len(pipeline.chunks)}")
     if not 0 <= stage < schedule.stages:
         raise FxShardError(f"stage {stage} is not one of the schedule's {schedule.stages} stages")
-    costs = tuple(chunk_costs(pipeline, schedule).items())
+    costs = tuple(chunk_costs(pipeline, schedule).items()) if costs is None else costs
     order = issue_order(schedule, costs, receives, pairs)
     check_point_to_point(schedule, order, pairs)
     return _Lowering(pipeline, schedule, stage, order[stage], costs).run()

@@ -63,6 +63,7 @@ import torch.fx as fx
 from torch import Tensor
 
 from .. import meta
+from ..config import COPY_ENGINE_BARRIERS, COPY_ENGINE_OWN_PARTS
 from ..errors import FxShardError
 from ..graph import Graph, is_view, mutates, lazy_module
 from .workspace_plan import plan_regions
@@ -190,7 +191,7 @@ class _Done(torch._C._distributed_c10d.Work):
         return True
 
 
-BARRIERS = ("kernel", "stream")  # Config(copy_engine_barriers)
+BARRIERS = COPY_ENGINE_BARRIERS  # Config(copy_engine_barriers)
 _WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
 
 
@@ -510,7 +511,7 @@ def resolve_auto(ep_all_to_all: str, fsdp_collectives: str, device: torch.device
     return ep_all_to_all, fsdp_collectives, f"collectives 'auto': {pick} ({why})"
 
 
-OWN_PARTS = ("copy", "input")  # where an all-to-all's readers take this rank's own rows
+OWN_PARTS = tuple(p for p in COPY_ENGINE_OWN_PARTS if p != "auto")  # where an all-to-all's readers take this rank's own rows
 
 
 def resolve_own_part(own_part: str, codegen: bool) -> str:

@@ -7,12 +7,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from ..config import P2P_RECEIVES as RECEIVES  # where issue_order issues a receive
 from ..errors import FxShardError
 from .model import COMPUTE, TRANSFERS, Action, Schedule, matching
 from .simulator import simulate, unit_costs
 
 MIN_COST = 1e-3  # the least time issue_order gives an action (costs are ~1 per stage's forward)
-RECEIVES = ("early", "late")  # where issue_order issues a receive (Config(p2p_receives))
 
 
 def issue_order(schedule: Schedule, cost=None, receives: str = "late", pairs=()) -> tuple[tuple[Action, ...], ...]:
