@@ -47,20 +47,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     mesh = _one_process(mesh)
     _refuse_no_mesh_in_a_job(mesh)
     groups, coords = _process_groups(mesh, config.collective_timeout_s, config.nccl_ctas, config.nccl_high_priority)
-    from_environment = config.dump_dir is None and bool(os.environ.get("FXSHARD_DUMP"))
-    if from_environment:
-        try:
-            config = dataclasses.replace(config, dump_dir=os.environ["FXSHARD_DUMP"])
-        except FxShardError as error:  # a file, say: name where the path came from
-            raise FxShardError(f"the environment's FXSHARD_DUMP: {error}") from None
-    if config.dump_dir is not None:  # said now, not after compiling
-        named = (f"FXSHARD_DUMP={str(config.dump_dir)!r}" if from_environment
-                 else f"Config(dump_dir={str(config.dump_dir)!r})")
-        try:
-            os.makedirs(config.dump_dir, exist_ok=True)
-        except OSError as error:
-            raise FxShardError(f"{named} cannot be made ({error.strerror}); choose a directory this process can "
-                               f"write") from error
+    config = _with_dump_dir(config)
     tensors = [*model.parameters(), *model.buffers()]
     is_meta = any(t.is_meta for t in tensors)
     if is_meta and not all(t.is_meta for t in tensors):
@@ -71,45 +58,14 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     _warn_if_eval_mode(model)
     _warn_unused_pipeline_settings(mesh, config)
     stage = coords.get("pp", 0)
-    try:
-        programs, failure = _compile(model, loss_fn, example_batch, optimizer, mesh, config, (stage,),
-                                     share=_shares(mesh, config.share_trace)), None
-    except Exception as error:  # noqa: BLE001  raised below, once every rank knows
-        failure = error
-    if groups:  # a rank whose trace failed (its own data, its own memory) must not leave the others waiting
-        from .runtime.agreement import fail_together
-
-        fail_together(failure, "compile the step")
-    if failure is not None:
-        raise failure
+    programs = _compile_together(model, loss_fn, example_batch, optimizer, mesh, config, stage, groups)
     _warn_unused_moe_settings(programs, config)
     if programs[-1].stage is not None:
         groups.update(_stage_groups(programs[-1], mesh, config.collective_timeout_s, config.nccl_ctas,
                                     config.nccl_high_priority))
-        # one dump per stage, written by its first data-parallel rank
-        dump_dir = os.path.join(config.dump_dir, f"stage{stage}") if config.dump_dir and coords["dp"] == 0 else None
-        config = dataclasses.replace(config, dump_dir=dump_dir)
-    elif config.dump_dir and any(coords.values()):  # without stages, the mesh's first rank writes the dump
-        config = dataclasses.replace(config, dump_dir=None)
-    if config.dump_dir:  # one writer per folder: it clears what an earlier run left there
-        from .dump import clear_stale_dumps, dump_programs
-
-        clear_stale_dumps(config.dump_dir, stage=stage if programs[-1].stage is not None else None,
-                          stages=mesh.pp if mesh is not None else 1)
-        dump_programs(programs, config.dump_dir)
-        if programs[-1].stage is not None:
-            _dump_schedule(programs, mesh, config)
-        if config.verbose:
-            print(f"fxshard: wrote graph dumps to {config.dump_dir}", file=sys.stderr)
+    config = _write_dumps(programs, mesh, config, coords)
     if groups:  # before anything is materialized: ranks that would issue different collectives stop here
-        from .runtime.agreement import check_agreement, check_pipeline_streams, check_same_start, connect_pipeline_peers
-
-        check_agreement(programs[-1].graph, groups, batch_spec.device,
-                        stage if programs[-1].stage is not None else None)
-        check_same_start(model, batch_spec, optimizer, config, batch_spec.device)  # weights, batch, optimizer, Config
-        if programs[-1].stage is not None:
-            check_pipeline_streams(groups["pp"], mesh, config, programs[-1].stage.costs)
-            connect_pipeline_peers(programs[-1].graph, groups["pp"], batch_spec.device)
+        _check_ranks_agree(programs[-1], model, batch_spec, optimizer, mesh, config, groups, stage)
     # A meta-device model is initialized here, per module and seeded by module path (fxshard.init):
     # each rank materializes only its own shards.
     source = MetaInit(model, config.seed, batch_spec.device) if is_meta else model
@@ -136,6 +92,81 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     if config.dump_dir or config.verbose:
         _report_lowerings(step, config, len(programs))
     return step
+
+
+def _with_dump_dir(config: Config) -> Config:
+    """`config` with FXSHARD_DUMP as its dump_dir where it names none, the directory made now (not
+    after compiling) or refused."""
+    from_environment = config.dump_dir is None and bool(os.environ.get("FXSHARD_DUMP"))
+    if from_environment:
+        try:
+            config = dataclasses.replace(config, dump_dir=os.environ["FXSHARD_DUMP"])
+        except FxShardError as error:  # a file, say: name where the path came from
+            raise FxShardError(f"the environment's FXSHARD_DUMP: {error}") from None
+    if config.dump_dir is not None:
+        named = (f"FXSHARD_DUMP={str(config.dump_dir)!r}" if from_environment
+                 else f"Config(dump_dir={str(config.dump_dir)!r})")
+        try:
+            os.makedirs(config.dump_dir, exist_ok=True)
+        except OSError as error:
+            raise FxShardError(f"{named} cannot be made ({error.strerror}); choose a directory this process can "
+                               f"write") from error
+    return config
+
+
+def _compile_together(model, loss_fn, example_batch, optimizer, mesh, config: Config, stage: int,
+                      groups: dict) -> list[Program]:
+    """This rank's programs (the trace and each pass's result). A rank whose trace failed (its own
+    data, its own memory) does not leave the others waiting: on a mesh every rank raises."""
+    try:
+        programs, failure = _compile(model, loss_fn, example_batch, optimizer, mesh, config, (stage,),
+                                     share=_shares(mesh, config.share_trace)), None
+    except Exception as error:  # noqa: BLE001  raised below, once every rank knows
+        failure = error
+    if groups:
+        from .runtime.agreement import fail_together
+
+        fail_together(failure, "compile the step")
+    if failure is not None:
+        raise failure
+    return programs
+
+
+def _write_dumps(programs: list[Program], mesh, config: Config, coords: dict) -> Config:
+    """Writes the programs' dumps where this rank is their one writer (a pipeline: a folder per stage,
+    its first data-parallel rank's; otherwise the mesh's first rank), clearing what an earlier run left
+    there. Returns `config` with the dump_dir this rank writes to (None: none)."""
+    stage = coords.get("pp", 0)
+    if programs[-1].stage is not None:
+        dump_dir = os.path.join(config.dump_dir, f"stage{stage}") if config.dump_dir and coords["dp"] == 0 else None
+        config = dataclasses.replace(config, dump_dir=dump_dir)
+    elif config.dump_dir and any(coords.values()):
+        config = dataclasses.replace(config, dump_dir=None)
+    if config.dump_dir:
+        from .dump import clear_stale_dumps, dump_programs
+
+        clear_stale_dumps(config.dump_dir, stage=stage if programs[-1].stage is not None else None,
+                          stages=mesh.pp if mesh is not None else 1)
+        dump_programs(programs, config.dump_dir)
+        if programs[-1].stage is not None:
+            _dump_schedule(programs, mesh, config)
+        if config.verbose:
+            print(f"fxshard: wrote graph dumps to {config.dump_dir}", file=sys.stderr)
+    return config
+
+
+def _check_ranks_agree(program: Program, model, batch_spec: BatchSpec, optimizer, mesh, config: Config,
+                       groups: dict, stage: int) -> None:
+    """Before anything is materialized, every rank of the mesh raises where they would issue different
+    collectives, or start from different weights, batch shapes, optimizer or Config; a pipeline's
+    stages also agree on their random streams and connect their point-to-point peers."""
+    from .runtime.agreement import check_agreement, check_pipeline_streams, check_same_start, connect_pipeline_peers
+
+    check_agreement(program.graph, groups, batch_spec.device, stage if program.stage is not None else None)
+    check_same_start(model, batch_spec, optimizer, config, batch_spec.device)
+    if program.stage is not None:
+        check_pipeline_streams(groups["pp"], mesh, config, program.stage.costs)
+        connect_pipeline_peers(program.graph, groups["pp"], batch_spec.device)
 
 
 def _structure_of(model: nn.Module) -> nn.Module:
