@@ -83,7 +83,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
             evaluation.dump(config.dump_dir, len(programs) + 1)
         return evaluation
 
-    origin = StepOrigin(coords, _global_rank(), str(mesh) if mesh is not None else "one device",
+    origin = StepOrigin(coords, _global_rank(), mesh,
                         _expert_layouts(model), type(model).__name__, getattr(model, "cfg", None), _hf_config(model))
     step = CompiledStep(programs, state, batch_spec, optimizer, batch_spec.device, groups, config,
                         share_compile=_shares(mesh, config.share_compile), origin=origin,

@@ -93,3 +93,29 @@ def test_pieces_hold_the_global_tensors_and_are_written_once(case):
     for key, count in written.items():
         assert torch.all(count == 1), (case, key, count.unique())
     assert model_key("tok_emb.weight") in written or model_key("wte.weight") in written
+
+
+def test_a_ranks_own_buffer_copies_are_those_of_the_saved_ranks_at_its_dp_index():
+    """Per-rank copies of updated buffers (BatchNorm statistics) follow the data-parallel index, not the
+    global rank: the same dp size with other stages or another cut gives each rank the copies of every
+    saved stage at its dp index; another dp size none (the first dp rank's model.<name> stays)."""
+    from types import SimpleNamespace
+
+    from fxshard.checkpoint.dcp import _own_buffer_keys
+    from fxshard.checkpoint.state import buffers_key
+
+    def step(mesh, rank):
+        return SimpleNamespace(mesh=mesh, rank=rank, coords=mesh.coords(rank), mesh_description=str(mesh))
+
+    saved_mesh = fxshard.Mesh(pp=2, dp=2)  # ranks 0, 1 stage 0 (dp 0, 1); ranks 2, 3 stage 1
+    manifest = {"mesh": str(saved_mesh), "sizes": {"pp": 2, "dp": 2}}
+    saved = {buffers_key(r) for r in range(4)}
+    for rank in range(4):  # the same mesh (with any cut): both stages' copies at this rank's dp index
+        dp = rank % 2
+        assert _own_buffer_keys(step(saved_mesh, rank), manifest, saved) == [buffers_key(dp), buffers_key(2 + dp)]
+    assert _own_buffer_keys(step(fxshard.Mesh(dp=2), 1), manifest, saved) == [buffers_key(1), buffers_key(3)]
+    assert _own_buffer_keys(step(fxshard.Mesh(dp=4), 1), manifest, saved) == []  # another dp size
+    # a checkpoint from before `sizes`: its own rank's copy under the same mesh only
+    old = {"mesh": str(saved_mesh)}
+    assert _own_buffer_keys(step(saved_mesh, 3), old, saved) == [buffers_key(3)]
+    assert _own_buffer_keys(step(fxshard.Mesh(dp=2), 1), old, saved) == []

@@ -272,7 +272,11 @@ class Attending(torch.nn.Module):
 
 
 def test_a_stage_stream_is_the_stages_own_and_restored_only_into_its_stage():
+    from fxshard.program import StagePlan
     from fxshard.runtime.rng import StageStream, draws_random_values
+
+    def plan(stage, cut=(("a", "b"), ("c",))):
+        return StagePlan(stage, 2, cut)
 
     # attention kernels carry the random tag for their dropout: a stream only where they draw
     draws = [draws_random_values(fxshard.trace(Attending(p), lambda m, b: m(b["x"]), {"x": torch.randn(2, 3, 4)}).graph)
@@ -280,7 +284,7 @@ def test_a_stage_stream_is_the_stages_own_and_restored_only_into_its_stage():
     assert draws == [False, True]
     cpu = torch.device("cpu")
     torch.manual_seed(0)
-    streams = [StageStream(cpu, stage, "pp=2") for stage in (0, 1)]
+    streams = [StageStream(cpu, plan(stage), "pp=2") for stage in (0, 1)]
     assert not torch.equal(streams[0].state["cpu"], streams[1].state["cpu"])
     before = torch.get_rng_state()
     with streams[1].drawn_from():
@@ -289,10 +293,11 @@ def test_a_stage_stream_is_the_stages_own_and_restored_only_into_its_stage():
         assert not torch.equal(first, torch.rand(4))  # the stream went on from where it stopped
     assert torch.equal(before, torch.get_rng_state())  # the process's generator never moved
     saved = streams[1].saved()
-    same, other_layout = StageStream(cpu, 1, "pp=2"), StageStream(cpu, 1, "pp=2 x dp=2")
-    other_device = StageStream(torch.device("meta"), 1, "pp=2")  # stands for CUDA: the key has the device type
-    for stream in (same, other_layout, other_device, streams[0]):
+    same, other_layout = StageStream(cpu, plan(1), "pp=2"), StageStream(cpu, plan(1), "pp=2 x dp=2")
+    other_device = StageStream(torch.device("meta"), plan(1), "pp=2")  # stands for CUDA: the key has the device type
+    other_cut = StageStream(cpu, plan(1, (("a",), ("b", "c"))), "pp=2")  # the same mesh, the layers cut elsewhere
+    for stream in (same, other_layout, other_device, other_cut, streams[0]):
         stream.restore(saved)
     assert torch.equal(same.state["cpu"], saved["cpu"])
-    others = (other_layout, other_device, streams[0])
+    others = (other_layout, other_device, other_cut, streams[0])
     assert not any(torch.equal(stream.state["cpu"], saved["cpu"]) for stream in others)

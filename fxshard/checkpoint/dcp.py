@@ -203,6 +203,7 @@ def _manifest(step) -> dict:
     optimizer = step.optimizer
     return {"format": FORMAT, "optimizer": type(optimizer).__name__, "slots": list(optimizer.slots),
             "step_count": step.step_count, "mesh": step.mesh_description, "extra": "pickled",
+            "sizes": _sizes(step.mesh),
             "expert_layouts": {prefix: layout.as_dict() for prefix, (layout, _) in step.expert_layouts.items()}}
 
 
@@ -261,9 +262,8 @@ def load(step, path: str | os.PathLike):
     saved = metadata.state_dict_metadata
     own_extra = extra_key(_rank()) if extra_key(_rank()) in saved else extra_key(0)
     objects = [own_extra] + ([rng_key(step.rank)] if rng_key(step.rank) in saved else [])
-    # this rank's own copies of the buffers the step updates, where the layout is the one saved
-    same_layout = manifest.get("mesh") == step.mesh_description
-    objects += [buffers_key(step.rank)] if same_layout and buffers_key(step.rank) in saved else []
+    own = _own_buffer_keys(step, manifest, saved)
+    objects += own
     state.update({key: None for key in objects})
     with _quiet(_is_distributed()), _as_fxshard_error(f"reading {path}; the step is unchanged"):
         dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=LoadPlanner(),
@@ -271,9 +271,38 @@ def load(step, path: str | os.PathLike):
     for layer in conversions:
         layer.apply(step, state, copies)
     _on_every_rank(lambda: _refuse_nonfinite(copies, path), f"load {path}")
-    apply_loaded(step, copies, state[PROGRESS], state.get(rng_key(step.rank)), state.get(buffers_key(step.rank)))
+    buffers = {name: value for key in own for name, value in state[key].items()}
+    apply_loaded(step, copies, state[PROGRESS], state.get(rng_key(step.rank)), buffers)
+    if rng_key(step.rank) not in saved:
+        warnings.warn(f"fxshard: {path} holds no random state for rank {step.rank} (the saving job had fewer "
+                      f"ranks): this rank keeps its generators' own state, and its extra is rank 0's. Stages of a "
+                      f"pipeline that draw batches from torch's generator then draw different ones; keep the data "
+                      f"loader's state in extra instead", stacklevel=2)
     extra = state.get(own_extra)
     return pickle.loads(extra) if manifest.get("extra") == "pickled" and extra is not None else extra
+
+
+def _sizes(mesh) -> dict[str, int]:
+    """The mesh's pipeline and data-parallel sizes, as the manifest records them."""
+    return {"pp": mesh.pp if mesh is not None else 1, "dp": mesh.dp if mesh is not None else 1}
+
+
+def _own_buffer_keys(step, manifest: dict, saved) -> list[str]:
+    """The keys of the saved per-rank copies of updated buffers (`buffers_key`) that are this rank's own.
+    Each data-parallel rank updates them from its own batches, and a pipeline stage holds only its
+    layers': so, where the saving job had as many data-parallel ranks, the copies of every saved rank
+    at this rank's data-parallel index (whatever the stages or their cut); otherwise none, and the
+    first dp rank's copy in `model.<name>` stays. A checkpoint without `sizes` (before session 50)
+    gives this rank its own rank's copy under the same mesh only."""
+    sizes = manifest.get("sizes")
+    if not isinstance(sizes, dict):
+        same = manifest.get("mesh") == step.mesh_description and buffers_key(step.rank) in saved
+        return [buffers_key(step.rank)] if same else []
+    if sizes.get("dp") != _sizes(step.mesh)["dp"]:
+        return []
+    dp, index = sizes["dp"], step.coords.get("dp", 0)
+    return [key for key in (buffers_key(stage * dp + index) for stage in range(int(sizes.get("pp", 1))))
+            if key in saved]
 
 
 def read_tensors(path: str | os.PathLike, prefix: str = "") -> dict[str, torch.Tensor]:

@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from ..graph import draws_random
+from ..program import StagePlan
 
 
 def rng_state(device: torch.device) -> dict:
@@ -46,13 +47,16 @@ def draws_random_values(graph: fx.Graph) -> bool:
 
 
 class StageStream:
-    """Pipeline stage `stage`'s own generator states (see the module docstring). `key` names the
-    layout and stage, so a checkpoint's stream is restored only into the stage that drew from it."""
+    """A pipeline stage's own generator states (see the module docstring). `key` names the mesh, the
+    stage and the parameters it holds, so a checkpoint's stream is restored only into the stage that
+    drew from it (the same mesh cut another way, or scheduled with other virtual stages, derives anew)."""
 
-    def __init__(self, device: torch.device, stage: int, layout: str):
+    def __init__(self, device: torch.device, plan: StagePlan, mesh: str):
         # a checkpoint's stream is this one's only under the same layout, stage and device type (a CPU
         # checkpoint has no CUDA state to restore)
-        self.device, self.stage, self.key = device, stage, f"{layout}, stage {stage}, {device.type}"
+        holds = hashlib.blake2b("\n".join(plan.params_by_stage[plan.stage]).encode(), digest_size=8).hexdigest()
+        self.device, self.stage = device, plan.stage
+        self.key = f"{mesh}, stage {plan.stage} holding {holds}, {device.type}"
         self.state = self.derived()
 
     def derived(self) -> dict:

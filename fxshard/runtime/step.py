@@ -62,7 +62,7 @@ class StepOrigin:
 
     coords: dict = dataclasses.field(default_factory=dict)  # this rank's index along each mesh axis
     rank: int = 0  # its global rank
-    mesh_description: str = "one device"
+    mesh: object = None  # the Mesh (None: one device)
     expert_layouts: dict = dataclasses.field(default_factory=dict)  # prefix -> (ExpertLayout, experts)
     model_class: str = ""  # the architecture's name, for the export
     model_config: object = None  # the reference models' config (their `cfg`)
@@ -90,7 +90,8 @@ class CompiledStep:
         origin = origin or StepOrigin()
         # where this rank sits, for checkpoints (fxshard/checkpoint): its index along each mesh axis,
         # its global rank, and the expert layers' storage layouts (prefix -> (ExpertLayout, experts))
-        self.coords, self.rank, self.mesh_description = dict(origin.coords), origin.rank, origin.mesh_description
+        self.coords, self.rank, self.mesh = dict(origin.coords), origin.rank, origin.mesh
+        self.mesh_description = str(origin.mesh) if origin.mesh is not None else "one device"
         self.expert_layouts = dict(origin.expert_layouts)
         # what the Hugging Face export needs to name the architecture, and a transformers model's own
         # config, which load_hf checks a directory against (fxshard/checkpoint/hf.py)
@@ -124,7 +125,7 @@ class CompiledStep:
         self._model = weakref.ref(model) if model is not None else None
         self._traced_training = model.training if model is not None else None
         # a pipeline stage that draws random values draws them from a stream of its own (runtime/rng.py)
-        self._stream = (StageStream(device, self.program.stage.stage, self.mesh_description)
+        self._stream = (StageStream(device, self.program.stage, self.mesh_description)
                         if self.program.stage is not None and draws_random_values(self.program.graph) else None)
         if config.cuda_graphs and device.type != "cuda":
             raise FxShardError(f"Config(cuda_graphs=True) needs a CUDA device; the batch is on {device}")
