@@ -31,6 +31,12 @@ COPY_ENGINE_OWN_PARTS = ("auto", "copy", "input")  # runtime/copy_engine.py reso
 CODEGENS = ("auto", "inductor", None)
 CODEGEN_REGIONS = ("layer", "communication")
 NONFINITE_MODES = ("raise", "skip", "ignore")
+# the settings that take one of a few values, and those values
+CHOICES = {"sharding": SHARDING_STRATEGIES, "p2p_receives": P2P_RECEIVES, "ep_interleave": EP_INTERLEAVINGS,
+           "ep_all_to_all": EP_ALL_TO_ALLS, "fsdp_collectives": FSDP_COLLECTIVES,
+           "copy_engine_barriers": COPY_ENGINE_BARRIERS, "copy_engine_own_part": COPY_ENGINE_OWN_PARTS,
+           "cuda_graph_memsets": CUDA_GRAPH_MEMSETS, "nonfinite": NONFINITE_MODES, "codegen": CODEGENS,
+           "codegen_regions": CODEGEN_REGIONS}
 
 
 @dataclass(frozen=True)
@@ -309,6 +315,9 @@ class Config:
         for name in (field.name for field in dataclasses.fields(self) if isinstance(field.default, bool)):
             if not isinstance(getattr(self, name), bool):
                 raise FxShardError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name, choices in CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise FxShardError(f"{name}={getattr(self, name)!r}; choose one of {choices}")
         for name in ("microbatches", "virtual_stages", "ep_chunks", "fsdp_prefetch", "seed"):  # True is an int
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
                 raise FxShardError(f"{name} must be an int, got {getattr(self, name)!r}")
@@ -316,8 +325,6 @@ class Config:
             raise FxShardError(f"dump_dir must be a directory path or None, got {self.dump_dir!r}")
         if self.dump_dir is not None and os.path.exists(self.dump_dir) and not os.path.isdir(self.dump_dir):
             raise FxShardError(f"dump_dir {os.fspath(self.dump_dir)!r} is a file; name a directory (new or existing)")
-        if self.sharding not in SHARDING_STRATEGIES:
-            raise FxShardError(f"sharding={self.sharding!r}; choose one of {SHARDING_STRATEGIES}")
         if not isinstance(self.fsdp_prefetch, int) or self.fsdp_prefetch < 0:
             raise FxShardError(f"fsdp_prefetch must be an int >= 0, got {self.fsdp_prefetch!r}")
         for name in ("param_dtype", "reduce_dtype"):
@@ -334,8 +341,6 @@ class Config:
         elif self.schedule not in PIPELINE_SCHEDULES:
             raise FxShardError(f"schedule={self.schedule!r}; choose one of {PIPELINE_SCHEDULES}, or pass an "
                                f"fxshard.schedule.Schedule")
-        if self.p2p_receives not in P2P_RECEIVES:
-            raise FxShardError(f"p2p_receives={self.p2p_receives!r}; choose one of {P2P_RECEIVES}")
         if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
             raise FxShardError(f"virtual_stages must be an int >= 1, got {self.virtual_stages!r}")
         if self.virtual_stages > 1 and self.schedule == "1f1b":
@@ -357,35 +362,15 @@ class Config:
                                f"{self.moe_capacity_factor!r}")
         if not isinstance(self.ep_chunks, int) or self.ep_chunks < 1:
             raise FxShardError(f"ep_chunks must be an int >= 1, got {self.ep_chunks!r}")
-        if self.ep_interleave not in EP_INTERLEAVINGS:
-            raise FxShardError(f"ep_interleave={self.ep_interleave!r}; choose one of {EP_INTERLEAVINGS}")
         if self.ep_sm_carveout is not None and (isinstance(self.ep_sm_carveout, bool) or not (
                 isinstance(self.ep_sm_carveout, int) and self.ep_sm_carveout >= 0)):
             raise FxShardError(f"ep_sm_carveout must be an int >= 0 (SMs) or None, got {self.ep_sm_carveout!r}")
-        if self.ep_all_to_all not in EP_ALL_TO_ALLS:
-            raise FxShardError(f"ep_all_to_all={self.ep_all_to_all!r}; choose one of {EP_ALL_TO_ALLS}")
-        if self.fsdp_collectives not in FSDP_COLLECTIVES:
-            raise FxShardError(f"fsdp_collectives={self.fsdp_collectives!r}; choose one of {FSDP_COLLECTIVES}")
-        if self.copy_engine_barriers not in COPY_ENGINE_BARRIERS:
-            raise FxShardError(f"copy_engine_barriers={self.copy_engine_barriers!r}; choose one of "
-                               f"{COPY_ENGINE_BARRIERS}")
-        if self.cuda_graph_memsets not in CUDA_GRAPH_MEMSETS:
-            raise FxShardError(f"cuda_graph_memsets={self.cuda_graph_memsets!r}; choose one of {CUDA_GRAPH_MEMSETS}")
-        if self.copy_engine_own_part not in COPY_ENGINE_OWN_PARTS:
-            raise FxShardError(f"copy_engine_own_part={self.copy_engine_own_part!r}; choose one of "
-                               f"{COPY_ENGINE_OWN_PARTS}")
         if self.nccl_max_ctas is not None:
             self._check_nccl_max_ctas()
         if self.share_trace is not None and not isinstance(self.share_trace, bool):
             raise FxShardError(f"share_trace={self.share_trace!r}; choose True, False or None (on for gloo)")
         if self.share_compile is not None and not isinstance(self.share_compile, bool):
             raise FxShardError(f"share_compile={self.share_compile!r}; choose True, False or None (on for gloo)")
-        if self.nonfinite not in NONFINITE_MODES:
-            raise FxShardError(f"nonfinite={self.nonfinite!r}; choose one of {NONFINITE_MODES}")
-        if self.codegen not in CODEGENS:
-            raise FxShardError(f"codegen={self.codegen!r}; choose one of {CODEGENS}")
-        if self.codegen_regions not in CODEGEN_REGIONS:
-            raise FxShardError(f"codegen_regions={self.codegen_regions!r}; choose one of {CODEGEN_REGIONS}")
         if not isinstance(self.collective_timeout_s, (int, float)) or isinstance(self.collective_timeout_s, bool) \
                 or not 0 < self.collective_timeout_s < 1e7:  # inf: torch's timedelta cannot hold it
             raise FxShardError(f"collective_timeout_s must be a number of seconds > 0 (finite; under 1e7), got "
