@@ -229,6 +229,7 @@ class _Splitter:
         count = len(self.groups)
         self.moved: dict[fx.Node, int] = {}
         self.input_free = self.find_input_free()
+        self.input_free |= self.casts_read_by_several_chunks()
         self.move_gradient_sums()
         self.gradient_parts = self.find_gradient_parts()
         combine = {n for parts in self.gradient_parts.values() for n in parts["tree"]}
@@ -307,6 +308,21 @@ class _Splitter:
                     and all(i.op == "get_attr" or i in free for i in node.all_input_nodes)):
                 free.add(node)
         return free
+
+    def casts_read_by_several_chunks(self) -> set[fx.Node]:
+        """A parameter's cast to the compute dtype (Config(param_dtype)) that chunks other than its own
+        read (a tied embedding and head): each reading chunk casts the parameter itself, as the copied
+        input-free compute does, instead of receiving the cast weight with every microbatch (and
+        producing a partial gradient of a parameter it would not hold)."""
+        shared = set()
+        for node in self.graph.nodes:
+            if (node.op == "call_function" and node.target is _CAST and meta.phase(node) == meta.FWD
+                    and isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder"
+                    and self.specs[node.args[0]].kind is InputKind.PARAM):
+                readers = {self.chunk(user) for user in node.users if user.op == "call_function"}
+                if len(readers | {self.chunk(node)}) > 1:
+                    shared.add(node)
+        return shared
 
     def move_gradient_sums(self) -> None:
         """A backward node that only combines values of one later chunk's backward (the terms of an
@@ -387,8 +403,11 @@ class _Splitter:
                 if (source in fwd_set or source in recv_set) and source not in saved:
                     saved.append(source)
         saved.sort(key=self.order.get)
+        # the parameters cast by copied casts that this chunk reads (casts_read_by_several_chunks)
+        cast_here = {i.args[0] for n in [*fwd_nodes, *bwd_nodes] for i in n.all_input_nodes
+                     if i in self.input_free and i.target is _CAST}
         external = [n for n in self.program.placeholders()
-                    if any(u in fwd_set or u in bwd_set for u in n.users) or n in extra_bwd_outputs]
+                    if any(u in fwd_set or u in bwd_set for u in n.users) or n in extra_bwd_outputs or n in cast_here]
         params = [n for n in external if self.specs[n].kind in (InputKind.PARAM, InputKind.BUFFER)]
         batch = [n for n in external if self.specs[n].kind is InputKind.BATCH]
         other = [n for n in external if n not in params and n not in batch]
