@@ -83,8 +83,8 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
             evaluation.dump(config.dump_dir, len(programs) + 1)
         return evaluation
 
-    origin = StepOrigin(coords, _global_rank(), mesh,
-                        _expert_layouts(model), type(model).__name__, getattr(model, "cfg", None), _hf_config(model))
+    origin = StepOrigin(coords, _global_rank(), mesh, _expert_layouts(model), type(model).__name__,
+                        getattr(model, "cfg", None), _hf_config(model), _transient_buffers(model))
     step = CompiledStep(programs, state, batch_spec, optimizer, batch_spec.device, groups, config,
                         share_compile=_shares(mesh, config.share_compile), origin=origin,
                         evaluation=compile_evaluation, model=model,
@@ -167,6 +167,12 @@ def _check_ranks_agree(program: Program, model, batch_spec: BatchSpec, optimizer
     if program.stage is not None:
         check_pipeline_streams(groups["pp"], mesh, config, program.stage.costs)
         connect_pipeline_peers(program.graph, groups["pp"], batch_spec.device)
+
+
+def _transient_buffers(model: nn.Module) -> frozenset[str]:
+    """The names of the model's buffers registered with persistent=False, under every path that reaches them."""
+    return frozenset(f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules(remove_duplicate=False)
+                     for name in module._non_persistent_buffers_set)
 
 
 def _structure_of(model: nn.Module) -> nn.Module:

@@ -269,6 +269,38 @@ def test_a_zero_element_buffer_round_trips(tmp_path):
     assert fresh.step_count == 1 and torch.equal(fresh.parameters()["lin.weight"], step.parameters()["lin.weight"])
 
 
+class Rotary(torch.nn.Module):
+    """A table the model computes from its config (RoPE's), registered persistent or not."""
+
+    def __init__(self, base: float, persistent: bool = False):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+        self.register_buffer("table", base ** -torch.arange(4.0), persistent=persistent)
+
+    def forward(self, x):
+        return self.lin(x * self.table)
+
+
+def test_buffers_registered_not_persistent_are_neither_saved_nor_loaded(tmp_path):
+    """As torch's state_dict: a resume with another RoPE base computes with its own table, not the
+    checkpoint's; a checkpoint that holds the table (saved while it was persistent, or before
+    session 50) loads all the same, the table left as the model has it."""
+    batch = {"x": torch.randn(4, 4), "y": torch.randn(4, 1)}
+
+    def loss(model, b):
+        return ((model(b["x"]) - b["y"]) ** 2).mean()
+    for persistent in (False, True):
+        torch.manual_seed(0)
+        step = fxshard.shard(Rotary(2.0, persistent), loss, batch, ADAMW)
+        step(batch)
+        assert ("model.table" in step.state_dict()) == persistent
+        fxshard.save(step, tmp_path / f"saved_{persistent}")
+        fresh = fxshard.shard(Rotary(3.0), loss, batch, ADAMW)
+        fxshard.load(fresh, tmp_path / f"saved_{persistent}")
+        assert torch.equal(fresh.buffers()["table"], 3.0 ** -torch.arange(4.0))
+        assert torch.equal(fresh.parameters()["lin.weight"], step.parameters()["lin.weight"])
+
+
 EXITS_DURING_ASYNC_SAVE = """
 import sys, fxshard
 sys.path.insert(0, {tests!r})

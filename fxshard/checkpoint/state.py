@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from ..program import InputKind, OutputKind
 from ..runtime.rng import rng_state, set_rng_state
-from .items import Piece, boxes, global_tensors, state_pieces
+from .items import Piece, boxes, global_tensors, model_key, state_pieces
 
 PROGRESS = "fxshard.progress"
 
@@ -95,7 +95,11 @@ class LoadPlanner(DefaultLoadPlanner):
 
 
 def pieces_of(step) -> list[Piece]:
-    return state_pieces(step.program, step.programs[0], step.coords)
+    """This rank's pieces of the checkpoint's tensors: its state but the buffers registered with
+    persistent=False, which torch's state_dict leaves out too (a RoPE table is the model's code's: a
+    resume with another base computes with the new one)."""
+    transient = {model_key(name) for name in step.transient_buffers}
+    return [piece for piece in state_pieces(step.program, step.programs[0], step.coords) if piece.key not in transient]
 
 
 def boxes_of(step, pieces: list[Piece], tensors: dict) -> dict[str, Boxes]:
@@ -137,7 +141,7 @@ def step_state_dict(step, copy: bool = False) -> dict:
 
 def own_buffers(step) -> dict:
     """`buffers_key`'s value: host copies of this rank's buffers that its step updates."""
-    updated = {spec.name for spec in step.program.outputs_of(OutputKind.BUFFER)}
+    updated = {spec.name for spec in step.program.outputs_of(OutputKind.BUFFER)} - set(step.transient_buffers)
     return {name: value.detach().cpu().clone() for (kind, name), value in step.state.items()
             if kind is InputKind.BUFFER and name in updated}
 

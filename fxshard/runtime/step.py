@@ -67,6 +67,8 @@ class StepOrigin:
     model_class: str = ""  # the architecture's name, for the export
     model_config: object = None  # the reference models' config (their `cfg`)
     hf_config: dict | None = None  # a transformers model's own config, which load_hf checks against
+    # buffers registered with persistent=False (RoPE tables): as torch's state_dict, checkpoints leave them out
+    transient_buffers: frozenset = frozenset()
 
 
 class CompiledStep:
@@ -96,6 +98,7 @@ class CompiledStep:
         # what the Hugging Face export needs to name the architecture, and a transformers model's own
         # config, which load_hf checks a directory against (fxshard/checkpoint/hf.py)
         self.model_class, self.model_config, self.hf_config = origin.model_class, origin.model_config, origin.hf_config
+        self.transient_buffers = origin.transient_buffers
         self.state = state
         self.batch_spec = batch_spec
         self.optimizer = optimizer
