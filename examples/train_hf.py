@@ -187,9 +187,9 @@ def train(args) -> dict:
     first, last = sum(losses[:10]) / len(losses[:10]), sum(losses[-10:]) / len(losses[-10:])
     say(f"done: {len(losses)} steps in {time.perf_counter() - started:.1f}s; mean loss of first 10 steps "
         f"{first:.3f} -> last 10 steps {last:.3f}; evaluation loss {evaluated:.3f}")
-    parameters = step.parameters()  # every rank takes part (gathered over shards and stages)
+    if args.save:
+        step.copy_to(model)  # every rank takes part (the parameters are gathered over shards and stages)
     if args.save and rank == 0:  # transformers' save_pretrained writes on torch.distributed's rank 0 only
-        model.load_state_dict(parameters, strict=False)  # tied weights appear once
         model.save_pretrained(args.save)
         print(f"saved the trained model to {args.save}", flush=True)
     return {"first_loss": first, "last_loss": last, "eval_loss": evaluated, "losses": losses}

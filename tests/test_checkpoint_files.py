@@ -405,3 +405,34 @@ def test_checkpoint_calls_given_a_model_a_bad_path_an_unpicklable_extra_or_damag
     (tmp_path / "hf" / "config.json").write_text("{not json")
     with pytest.raises(fxshard.FxShardError, match=r"config.json is not JSON .*fix or remove it"):
         fxshard.load_hf(step, tmp_path / "hf")
+
+
+def test_copy_to_puts_trained_weights_and_buffers_into_a_model_whose_wrappers_rename_its_state_dict():
+    """torch's checkpoint_wrapper (torchtitan's activation checkpointing) names parameters
+    `..._checkpoint_wrapped_module.weight` but strips that from state_dict keys and adds it back on
+    load: the README's earlier recipe, load_state_dict(step.parameters(), strict=False), dropped every
+    wrapped block's weights silently. copy_to copies by named_parameters() / named_buffers()."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    def build():
+        torch.manual_seed(0)
+        blocks = [checkpoint_wrapper(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)),
+                                     preserve_rng_state=False) for _ in range(2)]
+        return torch.nn.Sequential(*blocks, torch.nn.Linear(4, 1))
+    batch = {"x": torch.randn(8, 4), "y": torch.randn(8, 1)}
+
+    def loss(model, b):
+        return ((model(b["x"]) - b["y"]) ** 2).mean()
+    model = build()
+    step = fxshard.shard(model, loss, batch, ADAMW)
+    for _ in range(2):
+        step(batch)
+    step.copy_to(model)
+    trained, buffers = step.parameters(), step.buffers()
+    assert "0._checkpoint_wrapped_module.0.weight" in trained
+    for name, value in model.named_parameters():
+        assert torch.equal(value, trained[name]), name
+    for name, value in model.named_buffers():
+        assert torch.equal(value, buffers[name]), name
+    with pytest.raises(fxshard.FxShardError, match="copy_to: the model has no parameter"):
+        step.copy_to(torch.nn.Linear(4, 1))

@@ -616,6 +616,31 @@ class CompiledStep:
     def _gather(self, axis: str, shard: torch.Tensor) -> torch.Tensor:
         return gather_shard(shard, self.groups[axis])
 
+    def copy_to(self, model: torch.nn.Module) -> None:
+        """Copy the trained parameters and this rank's buffers into `model` (the one `shard` was given,
+        or one built alike), by the names `named_parameters()` / `named_buffers()` give, so wrappers
+        whose state_dict renames keys (torch's checkpoint_wrapper, torch.compile's `_orig_mod`) do not
+        drop them. Every rank must call it (parameters() gathers)."""
+        params, buffers = self.parameters(), self.buffers()
+        targets = {**dict(model.named_parameters(remove_duplicate=False)),
+                   **dict(model.named_buffers(remove_duplicate=False))}
+        missing = sorted(name for name in params if name not in targets)
+        if missing:
+            raise FxShardError(f"copy_to: the model has no parameter {missing[0]!r} (of {len(missing)} the step "
+                               f"trains); pass the model shard() was given, or one built the same way")
+        meta_device = sorted(name for name, t in targets.items() if t.is_meta and (name in params or name in buffers))
+        if meta_device:
+            raise FxShardError(f"copy_to: the model's {meta_device[0]!r} is on the meta device; give it storage "
+                               f"first (model.to_empty(device='cpu'))")
+        with torch.no_grad():
+            for name, target in targets.items():
+                value = params.get(name, buffers.get(name))
+                if value is not None:
+                    if value.shape != target.shape:
+                        raise FxShardError(f"copy_to: {name!r} is {tuple(target.shape)} in the model, "
+                                           f"{tuple(value.shape)} in the step; pass a model built alike")
+                    target.copy_(value)
+
     def buffers(self) -> dict[str, torch.Tensor]:
         """This rank's buffers, as copies (later steps do not change them). Local: one rank may call it
         alone (a pending non-finite step is reported by the next step or parameters() call)."""
