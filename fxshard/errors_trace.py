@@ -20,7 +20,8 @@ _CAUSES = {
     "GuardOnDataDependentSymNode":
         "control flow depends on tensor values (data-dependent control flow)",
     "DynamicOutputShapeException":
-        "an op's output shape depends on tensor values (nonzero, unique, masked_select, boolean indexing)",
+        "an op's output shape depends on tensor values (nonzero, unique, masked_select, bincount, boolean "
+        "indexing)",
 }
 # causes recognised by their message: (text in torch's message, cause, fix)
 _MESSAGES = (
@@ -32,6 +33,16 @@ _MESSAGES = (
     ("Cannot backprop through mirrored meta",
      "loss_fn calls .backward() (or torch.autograd.grad) itself",
      "return the loss instead: fxshard traces the backward and the optimizer update into the step"),
+    ("Please convert all Tensors to FakeTensors first",
+     "the model reads a real tensor that is neither a parameter, a buffer nor part of the batch (a plain "
+     "attribute such as `self.scale = torch.tensor(2.0)`, a class attribute, a global)",
+     "register it as a buffer (self.register_buffer('scale', torch.tensor(2.0), persistent=False)), make it "
+     "inside forward from a Python number, or use the number itself"),
+    ("mutating a non-functional tensor with a functional tensor",
+     "a backward hook or autograd.Function's backward updates a tensor of the model (a buffer), which the "
+     "traced step cannot carry",
+     "update it in the forward instead (under torch.no_grad()), where the step carries the update as eager "
+     "PyTorch does"),
     (".numpy() is not supported for tensor subclasses",
      "the model converts a tensor to NumPy (.numpy()), which needs its values on the host",
      "keep the computation in torch ops"),

@@ -51,9 +51,9 @@ class _LossStep(nn.Module):
     (`model.loss(batch)`), not only its forward.
     """
 
-    def __init__(self, model, loss_fn, batch_spec, param_names, buffer_names):
+    def __init__(self, model, loss_fn, batch_spec, param_names, buffer_names, layer_paths=()):
         super().__init__()
-        self.target = (_Apply(model, loss_fn),)
+        self.target = (_Apply(model, loss_fn, layer_paths),)
         self.batch_spec = batch_spec
         self.names = [f"model.{n}" for n in [*param_names, *buffer_names]]
 
@@ -79,10 +79,11 @@ class _LossStep(nn.Module):
 
 
 class _Apply(nn.Module):
-    def __init__(self, model, loss_fn):
+    def __init__(self, model, loss_fn, layer_paths=()):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.layer_paths = tuple(layer_paths)  # a rebound buffer's write-back belongs to its layer
 
     def forward(self, batch):
         swapped_in = dict(self.model.named_buffers())  # the step's buffer inputs (functional_call's)
@@ -95,7 +96,9 @@ class _Apply(nn.Module):
                     raise FxShardError(f"the model rebinds buffer {name!r} to a tensor of shape {tuple(value.shape)}; "
                                        f"it was {tuple(swapped_in[name].shape)}: shapes are static, so a buffer "
                                        f"keeps its shape (update it in place, or keep the new value elsewhere)")
-                with torch.no_grad():
+                layer = max((p for p in self.layer_paths if name.startswith(p + ".")), key=len, default=None)
+                with torch.no_grad(), (fx_traceback.annotate({meta.ANNOTATION_LAYER: layer}) if layer
+                                       else contextlib.nullcontext()):
                     swapped_in[name].copy_(value)
         return result
 
@@ -155,7 +158,7 @@ def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
         fake_leaves = [torch.empty(_microbatch_shape(s, config.microbatches), dtype=s.dtype, device=device)
                        for s in batch_spec.leaves]
 
-    step_module = _LossStep(model, loss_fn, batch_spec, list(params), list(buffers))
+    step_module = _LossStep(model, loss_fn, batch_spec, list(params), list(buffers), layer_paths)
     try:
         with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta(), \
                 annotate_layers(step_module.target[0], model, layer_paths) as layer_trace, \
@@ -396,10 +399,17 @@ class _ProgramBuilder:
                 grads[desc.grad_of.idx] = mapped
             elif kind == "InputMutationAOTOutput":
                 index = desc.mutated_input.idx
-                if index < len(self.params) or index >= len(self.params) + len(self.buffers):
-                    raise FxShardError(
-                        "the forward mutates a parameter or the batch in place; only buffers may be "
-                        "mutated (as BatchNorm's running statistics are)")
+                if index < len(self.params):
+                    name, param = list(self.params.items())[index]
+                    fix = (f"a constraint on a trained weight (clamp_) belongs outside the step, or in a "
+                           f"parametrization (torch.nn.utils.parametrize)" if param.requires_grad else
+                           f"a value updated outside the gradient (a router's score-correction bias) belongs in "
+                           f"a buffer: register_buffer({name.rsplit('.', 1)[-1]!r}, ...) instead of "
+                           f"nn.Parameter(..., requires_grad=False)")
+                    raise FxShardError(f"the forward mutates parameter {name!r} in place; only buffers may be "
+                                       f"mutated (as BatchNorm's running statistics are): {fix}")
+                if index >= len(self.params) + len(self.buffers):
+                    raise FxShardError("the forward mutates the batch in place; copy it first (x = x.clone())")
                 mutations[index] = mapped
             else:
                 raise FxShardError(f"unsupported traced output {desc}; loss_fn must return one scalar")
@@ -680,6 +690,12 @@ def _joint_placeholders(joint_gm):
             flat[desc.idx] = node
         elif type(desc).__name__ == "TangentAOTInput":
             tangents.append(node)
+        elif "Token" in type(desc).__name__:  # AOT autograd threads effectful ops through tokens
+            raise FxShardError(
+                "cannot trace the training step: the model or loss_fn calls an op with side effects, such as "
+                "an in-place torch.distributed collective (dist.all_reduce(t)), which one traced graph cannot "
+                "order. Use a functional collective, whose result is a new tensor "
+                "(torch.distributed._functional_collectives.all_reduce(t, 'sum', group)), or call it outside the step")
         else:
             raise FxShardError(f"unsupported traced input {desc}")
     return [flat[i] for i in range(len(flat))], tangents

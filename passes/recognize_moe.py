@@ -8,7 +8,7 @@ no facts. This pass finds them by matching the dataflow that makes such a layer 
 
     ids      = the flattened indices of a `topk` over [T, E] router scores     [T*k], k distinct per token
     perm     = sort(ids).indices  (or argsort(ids), stable or not)             [T*k]
-    offsets  = cumsum(count of each expert in ids or in sort(ids).values)      [E]  (histc, bincount,
+    offsets  = cumsum(count of each expert in ids or in sort(ids).values)      [E]  (histc,
                scatter_add of ones, or the sum over tokens of a one-hot routing map
                zeros[..., E].scatter(-1, ids, True), torchtitan's; an int cast anywhere on the way)
     rows     = tokens[perm // k] (index, index_select or gather), or tokens[perm], then any row-wise
@@ -156,13 +156,11 @@ def _counted_key(offsets: fx.Node) -> tuple[fx.Node, int]:
         if low != 0 or high not in (bins - 1, bins):  # one bin per expert id
             raise _NoMatch(f"histc(bins={bins}, min={low}, max={high}) does not count one expert id per bin")
         return _through(counts.args[0], _INT_PASSTHROUGH), bins
-    if counts.target is _aten.bincount.default:
-        return counts.args[0], bins
     if counts.target is _aten.scatter_add.default and counts.args[1] == 0 and _is_ones(counts.args[3]):
         return counts.args[2], bins
     if counts.target is _aten.sum.dim_IntList:
         return _one_hot_key(counts), bins
-    raise _NoMatch(f"the offsets accumulate {counts.target}, not a per-expert count (histc, bincount, "
+    raise _NoMatch(f"the offsets accumulate {counts.target}, not a per-expert count (histc, "
                    f"scatter_add of ones, or the sum of a one-hot routing map)")
 
 

@@ -1,5 +1,7 @@
 """Errors users can cause raise FxShardError with the cause, the user's line and the fix."""
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -272,8 +274,80 @@ def test_a_parameter_clamped_in_place_in_forward_is_named_as_such_not_as_a_non_s
                 self.linear.weight.clamp_(-1, 1)  # a weight constraint, written in place
             return self.linear(x)
 
-    with pytest.raises(fxshard.FxShardError, match="the forward mutates a parameter or the batch in place"):
+    with pytest.raises(fxshard.FxShardError, match="the forward mutates parameter 'linear.weight' in place.*parametriz"):
         fxshard.trace(Clamped(), lambda m, b: m(b["x"]).square().mean(), {"x": torch.randn(8, 4)})
+
+
+class _FrozenBias(nn.Module):
+    """DeepSeek-V3's score-correction bias kept as a frozen Parameter, updated in the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bias = nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def forward(self, x):
+        y = self.lin(x)
+        with torch.no_grad():
+            self.bias.add_(0.01 * torch.sign(y.mean(0)))
+        return y + self.bias
+
+
+class _PlainTensorAttribute(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.scale = nn.Linear(4, 4), torch.tensor(2.0)
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+class _BackwardHookUpdate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("seen", torch.zeros(()))
+        self.register_full_backward_hook(lambda module, grad_in, grad_out: module.seen.add_(grad_out[0].sum()))
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("model, expected", [
+    (_FrozenBias(), "mutates parameter 'bias' in place.*register_buffer\\('bias'"),
+    (_PlainTensorAttribute(), "reads a real tensor that is neither a parameter.*self.lin\\(x\\) \\* self.scale.*register"),
+    (_BackwardHookUpdate(), "a backward hook .* updates a tensor of the model.*in the forward instead"),
+])
+def test_state_kept_or_updated_where_the_step_cannot_carry_it_is_named_with_the_fix(model, expected):
+    with pytest.raises(fxshard.FxShardError, match=re.compile(expected, re.S)):
+        fxshard.trace(model, lambda m, b: m(b["x"]).square().mean(), {"x": torch.randn(8, 4)})
+
+
+def _all_reduce_in_forward_job():
+    import torch.distributed as dist
+
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("counts", torch.zeros(4))
+
+        def forward(self, x):
+            y = self.lin(x)
+            with torch.no_grad():
+                counts = y.detach().sum(0)
+                dist.all_reduce(counts)  # in place: an effectful op the trace cannot order
+                self.counts.add_(counts)
+            return y
+    try:
+        fxshard.trace(Counting(), lambda m, b: m(b["x"]).square().mean(), {"x": torch.randn(8, 4)})
+    except FxShardError as error:
+        return str(error)
+
+
+def test_an_in_place_collective_in_the_forward_names_the_functional_one():
+    (message,) = run_local(_all_reduce_in_forward_job, 1, backend="gloo")
+    assert "in-place torch.distributed collective" in message and "_functional_collectives.all_reduce" in message
 
 
 def test_a_dump_directory_that_cannot_be_made_is_refused_before_compiling(tmp_path):
