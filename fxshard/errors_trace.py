@@ -39,10 +39,10 @@ _MESSAGES = (
      "register it as a buffer (self.register_buffer('scale', torch.tensor(2.0), persistent=False)), make it "
      "inside forward from a Python number, or use the number itself"),
     ("mutating a non-functional tensor with a functional tensor",
-     "a backward hook or autograd.Function's backward updates a tensor of the model (a buffer), which the "
-     "traced step cannot carry",
-     "update it in the forward instead (under torch.no_grad()), where the step carries the update as eager "
-     "PyTorch does"),
+     "the step updates in place a tensor it does not carry: a plain tensor attribute or a global "
+     "(`self.seen = torch.zeros(4)`, then `self.seen.add_(...)`), or a buffer updated in a backward hook",
+     "keep such state in a buffer (self.register_buffer('seen', torch.zeros(4))) and update it in the "
+     "forward (under torch.no_grad()), where the step carries the update as eager PyTorch does"),
     (".numpy() is not supported for tensor subclasses",
      "the model converts a tensor to NumPy (.numpy()), which needs its values on the host",
      "keep the computation in torch ops"),

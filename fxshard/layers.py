@@ -86,10 +86,11 @@ class LayerTrace:
 
 
 @contextlib.contextmanager
-def annotate_layers(root: nn.Module, model: nn.Module, layer_paths: list[str]):
+def annotate_layers(root: nn.Module, model: nn.Module, layer_paths: list[str], at_boundary=None):
     """While active, every op traced inside a layer's forward carries that layer's path, and every op
     traced after it outside any layer says so (`LayerTrace.layer_of` reads both); yields the
-    LayerTrace.
+    LayerTrace. `at_boundary()` runs as each layer starts (its ops the region's before it) and as it
+    ends (its ops the layer's).
 
     `root` is the module whose call is one traced step (it wraps loss_fn): each call starts "pre".
     aot_autograd runs it more than once (metadata pass, joint trace), so the state resets per call.
@@ -113,6 +114,8 @@ def annotate_layers(root: nn.Module, model: nn.Module, layer_paths: list[str]):
         def pre_hook(module, args):
             if not regions:
                 return
+            if at_boundary is not None:
+                at_boundary()
             cm = fx_traceback.annotate({meta.ANNOTATION_LAYER: path})
             cm.__enter__()
             open_layers[id(module)] = cm
@@ -123,6 +126,8 @@ def annotate_layers(root: nn.Module, model: nn.Module, layer_paths: list[str]):
         def hook(module, args, output):
             if id(module) not in open_layers:
                 return
+            if at_boundary is not None:
+                at_boundary()
             open_layers.pop(id(module)).__exit__(None, None, None)
             # From here on, ops outside any layer are this entry's, or "post" if no layer follows. The
             # contexts nest properly: this one opens after the layer's own context closed, and the

@@ -51,9 +51,9 @@ class _LossStep(nn.Module):
     (`model.loss(batch)`), not only its forward.
     """
 
-    def __init__(self, model, loss_fn, batch_spec, param_names, buffer_names, layer_paths=()):
+    def __init__(self, model, loss_fn, batch_spec, param_names, buffer_names):
         super().__init__()
-        self.target = (_Apply(model, loss_fn, layer_paths),)
+        self.target = (_Apply(model, loss_fn),)
         self.batch_spec = batch_spec
         self.names = [f"model.{n}" for n in [*param_names, *buffer_names]]
 
@@ -79,28 +79,36 @@ class _LossStep(nn.Module):
 
 
 class _Apply(nn.Module):
-    def __init__(self, model, loss_fn, layer_paths=()):
+    def __init__(self, model, loss_fn):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
-        self.layer_paths = tuple(layer_paths)  # a rebound buffer's write-back belongs to its layer
+        self._swapped_in: dict = {}  # during a call: the step's buffer inputs (functional_call's)
+        self._written: dict = {}  # buffer name -> the rebound value already written into its input
 
     def forward(self, batch):
-        swapped_in = dict(self.model.named_buffers())  # the step's buffer inputs (functional_call's)
+        self._swapped_in, self._written = dict(self.model.named_buffers()), {}
         result = self.loss_fn(self.model, batch)
-        for name, value in self.model.named_buffers():
-            if name in swapped_in and value is not swapped_in[name]:
-                # rebound (`self.count = self.count + 1`): functional_call would drop the new value;
-                # written into the input it is an update of the buffer, like an in-place one
-                if value.shape != swapped_in[name].shape:
-                    raise FxShardError(f"the model rebinds buffer {name!r} to a tensor of shape {tuple(value.shape)}; "
-                                       f"it was {tuple(swapped_in[name].shape)}: shapes are static, so a buffer "
-                                       f"keeps its shape (update it in place, or keep the new value elsewhere)")
-                layer = max((p for p in self.layer_paths if name.startswith(p + ".")), key=len, default=None)
-                with torch.no_grad(), (fx_traceback.annotate({meta.ANNOTATION_LAYER: layer}) if layer
-                                       else contextlib.nullcontext()):
-                    swapped_in[name].copy_(value)
+        self.write_back_rebound()
+        self._swapped_in, self._written = {}, {}
         return result
+
+    def write_back_rebound(self) -> None:
+        """Buffers rebound since the last call (`self.count = self.count + 1`), written into the step's
+        input: functional_call would drop the new value; written into the input it is an update of the
+        buffer, like an in-place one. Called at every layer boundary too (annotate_layers), so the
+        write-back belongs to the layer (or the part before the first) that rebound it."""
+        for name, value in self.model.named_buffers():
+            original = self._swapped_in.get(name)
+            if original is None or value is original or self._written.get(name) is value:
+                continue
+            if value.shape != original.shape:
+                raise FxShardError(f"the model rebinds buffer {name!r} to a tensor of shape {tuple(value.shape)}; "
+                                   f"it was {tuple(original.shape)}: shapes are static, so a buffer "
+                                   f"keeps its shape (update it in place, or keep the new value elsewhere)")
+            with torch.no_grad():
+                original.copy_(value)
+            self._written[name] = value
 
 
 def _refuse_untraceable_parameters(model: nn.Module, params: dict[str, nn.Parameter]) -> None:
@@ -158,10 +166,11 @@ def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
         fake_leaves = [torch.empty(_microbatch_shape(s, config.microbatches), dtype=s.dtype, device=device)
                        for s in batch_spec.leaves]
 
-    step_module = _LossStep(model, loss_fn, batch_spec, list(params), list(buffers), layer_paths)
+    step_module = _LossStep(model, loss_fn, batch_spec, list(params), list(buffers))
     try:
         with contextlib.ExitStack() as stack, fx_traceback.preserve_node_meta(), \
-                annotate_layers(step_module.target[0], model, layer_paths) as layer_trace, \
+                annotate_layers(step_module.target[0], model, layer_paths,
+                                step_module.target[0].write_back_rebound) as layer_trace, \
                 moe.capacity_factor_override(config.moe_capacity_factor), RouteGroupedMM(), _tracing_flags(), \
                 _cast_forward_inputs(model, config.param_dtype), _attributes_kept(model), \
                 _checkpoints_marked() as policies, swapped_forwards(model) as swapped:
@@ -401,8 +410,8 @@ class _ProgramBuilder:
                 index = desc.mutated_input.idx
                 if index < len(self.params):
                     name, param = list(self.params.items())[index]
-                    fix = (f"a constraint on a trained weight (clamp_) belongs outside the step, or in a "
-                           f"parametrization (torch.nn.utils.parametrize)" if param.requires_grad else
+                    fix = ("a constraint on a trained weight (clamp_) belongs outside the step, or in a "
+                           "parametrization (torch.nn.utils.parametrize)" if param.requires_grad else
                            f"a value updated outside the gradient (a router's score-correction bias) belongs in "
                            f"a buffer: register_buffer({name.rsplit('.', 1)[-1]!r}, ...) instead of "
                            f"nn.Parameter(..., requires_grad=False)")

@@ -270,14 +270,17 @@ def test_a_zero_element_buffer_round_trips(tmp_path):
 
 
 class Rotary(torch.nn.Module):
-    """A table the model computes from its config (RoPE's), registered persistent or not."""
+    """A table the model computes from its config (RoPE's), registered persistent or not, and a count
+    of calls the step updates (its per-rank copy is saved beside the global tensors)."""
 
     def __init__(self, base: float, persistent: bool = False):
         super().__init__()
         self.lin = torch.nn.Linear(4, 1)
         self.register_buffer("table", base ** -torch.arange(4.0), persistent=persistent)
+        self.register_buffer("calls", torch.zeros(()), persistent=persistent)
 
     def forward(self, x):
+        self.calls.add_(1)
         return self.lin(x * self.table)
 
 
@@ -298,6 +301,7 @@ def test_buffers_registered_not_persistent_are_neither_saved_nor_loaded(tmp_path
         fresh = fxshard.shard(Rotary(3.0), loss, batch, ADAMW)
         fxshard.load(fresh, tmp_path / f"saved_{persistent}")
         assert torch.equal(fresh.buffers()["table"], 3.0 ** -torch.arange(4.0))
+        assert fresh.buffers()["calls"].item() == 0  # not from the per-rank copy either
         assert torch.equal(fresh.parameters()["lin.weight"], step.parameters()["lin.weight"])
 
 
@@ -436,3 +440,32 @@ def test_copy_to_puts_trained_weights_and_buffers_into_a_model_whose_wrappers_re
         assert torch.equal(value, buffers[name]), name
     with pytest.raises(fxshard.FxShardError, match="copy_to: the model has no parameter"):
         step.copy_to(torch.nn.Linear(4, 1))
+    other = build()  # a block's BatchNorm one feature wider: refused before anything is copied
+    other[1]._checkpoint_wrapped_module[1] = torch.nn.BatchNorm1d(5)
+    before = {name: value.clone() for name, value in other.state_dict().items()}
+    with pytest.raises(fxshard.FxShardError, match="is \\(5,\\) in the model, \\(4,\\) in the step"):
+        step.copy_to(other)
+    assert all(torch.equal(value, before[name]) for name, value in other.state_dict().items())
+
+
+def test_copy_to_refuses_a_model_whose_weight_the_step_ties_is_separate():
+    class Tied(torch.nn.Module):
+        def __init__(self, tie=True):
+            super().__init__()
+            self.emb, self.head = torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8, bias=False)
+            if tie:
+                self.head.weight = self.emb.weight
+
+        def forward(self, idx):
+            return self.head(self.emb(idx))
+    batch = {"idx": torch.randint(0, 8, (2, 3))}
+
+    def loss(model, b):
+        return model(b["idx"]).square().mean()
+    tied = Tied()
+    step = fxshard.shard(tied, loss, batch, ADAMW)
+    step(batch)
+    step.copy_to(tied)  # the tie holds: one tensor, copied once
+    assert torch.equal(tied.head.weight, step.parameters()["emb.weight"])
+    with pytest.raises(fxshard.FxShardError, match="'head.weight' is none of the step's"):
+        step.copy_to(Tied(tie=False))

@@ -300,4 +300,7 @@ def test_a_stage_stream_is_the_stages_own_and_restored_only_into_its_stage():
         stream.restore(saved)
     assert torch.equal(same.state["cpu"], saved["cpu"])
     others = (other_layout, other_device, other_cut, streams[0])
+    legacy = StageStream(cpu, plan(1), "pp=2")  # a checkpoint from before the key named the parameters
+    legacy.restore({**saved, "key": "pp=2, stage 1, cpu"})
+    assert torch.equal(legacy.state["cpu"], saved["cpu"])
     assert not any(torch.equal(stream.state["cpu"], saved["cpu"]) for stream in others)

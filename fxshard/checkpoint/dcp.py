@@ -271,7 +271,8 @@ def load(step, path: str | os.PathLike):
     for layer in conversions:
         layer.apply(step, state, copies)
     _on_every_rank(lambda: _refuse_nonfinite(copies, path), f"load {path}")
-    buffers = {name: value for key in own for name, value in state[key].items()}
+    buffers = {name: value for key in own for name, value in state[key].items()
+               if name not in step.transient_buffers}  # persistent=False: not loaded (an older checkpoint has them)
     apply_loaded(step, copies, state[PROGRESS], state.get(rng_key(step.rank)), buffers)
     if rng_key(step.rank) not in saved:
         warnings.warn(f"fxshard: {path} holds no random state for rank {step.rank} (the saving job had fewer "

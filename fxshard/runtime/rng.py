@@ -57,6 +57,8 @@ class StageStream:
         holds = hashlib.blake2b("\n".join(plan.params_by_stage[plan.stage]).encode(), digest_size=8).hexdigest()
         self.device, self.stage = device, plan.stage
         self.key = f"{mesh}, stage {plan.stage} holding {holds}, {device.type}"
+        # the key of checkpoints from before session 50, which named no parameters: restored as then
+        self.legacy_key = f"{mesh}, stage {plan.stage}, {device.type}"
         self.state = self.derived()
 
     def derived(self) -> dict:
@@ -90,7 +92,7 @@ class StageStream:
     def restore(self, saved: dict | None) -> None:
         """A checkpoint's stream where it is this stage's under this layout; otherwise (another layout
         saved it, or none was saved) one derived again from the process's states just loaded."""
-        if saved is not None and saved.get("key") == self.key:
+        if saved is not None and saved.get("key") in (self.key, self.legacy_key):
             self.state = {name: value for name, value in saved.items() if name != "key"}
         else:
             self.state = self.derived()

@@ -620,26 +620,33 @@ class CompiledStep:
         """Copy the trained parameters and this rank's buffers into `model` (the one `shard` was given,
         or one built alike), by the names `named_parameters()` / `named_buffers()` give, so wrappers
         whose state_dict renames keys (torch's checkpoint_wrapper, torch.compile's `_orig_mod`) do not
-        drop them. Every rank must call it (parameters() gathers)."""
+        drop them. Values are cast to the model's dtypes, as load_state_dict casts. Under a pipeline
+        the buffers are this rank's stage's; other stages' stay as they were. Every rank must call it
+        (parameters() gathers). Everything is checked before anything is copied."""
         params, buffers = self.parameters(), self.buffers()
         targets = {**dict(model.named_parameters(remove_duplicate=False)),
                    **dict(model.named_buffers(remove_duplicate=False))}
         missing = sorted(name for name in params if name not in targets)
-        if missing:
-            raise FxShardError(f"copy_to: the model has no parameter {missing[0]!r} (of {len(missing)} the step "
-                               f"trains); pass the model shard() was given, or one built the same way")
-        meta_device = sorted(name for name, t in targets.items() if t.is_meta and (name in params or name in buffers))
-        if meta_device:
-            raise FxShardError(f"copy_to: the model's {meta_device[0]!r} is on the meta device; give it storage "
-                               f"first (model.to_empty(device='cpu'))")
+        copied = {id(targets[name]) for name in params if name in targets}  # tied names share a tensor
+        untrained = sorted(name for name, p in model.named_parameters(remove_duplicate=False)
+                           if name not in params and id(p) not in copied)
+        if missing or untrained:
+            what = (f"the model has no parameter {missing[0]!r} ({len(missing)} of the step's missing)" if missing
+                    else f"the model's parameter {untrained[0]!r} is none of the step's (a weight the step ties "
+                         f"is separate in this model?)")
+            raise FxShardError(f"copy_to: {what}; pass the model shard() was given, or one built the same way")
+        pairs = [(name, target, params.get(name, buffers.get(name))) for name, target in targets.items()]
+        pairs = [(name, target, value) for name, target, value in pairs if value is not None]
+        for name, target, value in pairs:
+            if target.is_meta:
+                raise FxShardError(f"copy_to: the model's {name!r} is on the meta device; give it storage "
+                                   f"first (model.to_empty(device='cpu'))")
+            if value.shape != target.shape:
+                raise FxShardError(f"copy_to: {name!r} is {tuple(target.shape)} in the model, "
+                                   f"{tuple(value.shape)} in the step; pass a model built alike")
         with torch.no_grad():
-            for name, target in targets.items():
-                value = params.get(name, buffers.get(name))
-                if value is not None:
-                    if value.shape != target.shape:
-                        raise FxShardError(f"copy_to: {name!r} is {tuple(target.shape)} in the model, "
-                                           f"{tuple(value.shape)} in the step; pass a model built alike")
-                    target.copy_(value)
+            for _, target, value in pairs:
+                target.copy_(value)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """This rank's buffers, as copies (later steps do not change them). Local: one rank may call it

@@ -699,3 +699,61 @@ def test_a_tied_weight_under_param_dtype_is_cast_by_each_chunk_that_reads_it(kin
     params, trained, initial = ranks.parameters(rank=1), one.parameters(), model.state_dict()
     for name in trained:
         assert relative(params[name], trained[name]) <= 0.05 * relative(initial[name], trained[name]), name
+
+
+class _RebindingEmbedding(torch.nn.Module):
+    """Not a layer (it runs in `pre`): keeps a running mean of its output by rebinding."""
+
+    def __init__(self, vocab, width):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, width)
+        self.register_buffer("ema", torch.zeros(width))
+
+    def forward(self, idx):
+        y = self.emb(idx)
+        self.ema = self.ema * 0.9 + 0.1 * y.detach().mean((0, 1))
+        return y + self.ema
+
+
+class _RebindingModel(torch.nn.Module):
+    def __init__(self, vocab=20, width=8):
+        super().__init__()
+        self.embed = _RebindingEmbedding(vocab, width)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(4))
+        self.blocks[0].register_buffer("last_loss", torch.zeros(()))
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return self.head(x)
+
+
+def test_a_rebound_buffers_write_back_belongs_to_where_it_was_rebound():
+    """`self.ema = ...` in the embedding (before the first layer) is written back in `pre`, and a
+    statistic of the loss kept in an early layer's buffer (`m.blocks[0].last_loss = loss.detach()`
+    in loss_fn) in `post`, where its value is made: both train under Mesh(pp=2) as on one device.
+    Tagging the write-back with the owner's layer made the first read as the head's and the second
+    read a later chunk's value."""
+    def loss_fn(m, b):
+        loss = torch.nn.functional.cross_entropy(m(b["idx"]).flatten(0, 1), b["tgt"].flatten())
+        m.blocks[0].last_loss = loss.detach()
+        return loss
+    torch.manual_seed(0)
+    model = _RebindingModel()
+    pieces = token_microbatches(20, 2, rows=2, seq=6)
+    optimizer, mesh = fxshard.optim.SGD(lr=0.1), fxshard.Mesh(pp=2)
+    config = fxshard.Config(microbatches=2)
+    reference = copy.deepcopy(model)
+    stages = [_compile(model, loss_fn, concatenated(pieces), optimizer, mesh, config, (s,))[-1] for s in range(2)]
+    ranks = SimulatedRanks(stages, model, optimizer, mesh)
+    ranks.step([concatenated(pieces)] * 2)
+    with torch.no_grad():
+        for piece in pieces:
+            loss_fn(reference, piece)
+    held = {o.name: state[InputKind.BUFFER, o.name] for p, state in zip(stages, ranks.states)
+            for o in p.outputs_of(OutputKind.BUFFER)}
+    assert held.keys() == {"embed.ema", "blocks.0.last_loss"}
+    for name, value in reference.named_buffers():
+        torch.testing.assert_close(held[name], value, rtol=1e-5, atol=1e-6)
