@@ -169,10 +169,10 @@ class CompiledStep:
         all_to_all, fsdp_collectives, self.auto_collectives = resolve_auto(
             config.ep_all_to_all, config.fsdp_collectives, device, meshed=bool(self.groups),
             graphed=config.cuda_graphs)
-        self.sm_carveout_stretches = 0  # runs of matmuls inside all-to-all windows that run narrower, CUDA only
+        # runs of matmuls inside all-to-all windows that run narrower, CUDA only (copy engines hold no SMs)
+        self.sm_carveout_stretches = 0
         if config.ep_sm_carveout is not None and device.type == "cuda" and all_to_all == "nccl":
-            run, self.sm_carveout_stretches = carve_out_sms_for_all_to_alls(run, config.ep_sm_carveout)  # (copy
-            # engines hold no SMs)
+            run, self.sm_carveout_stretches = carve_out_sms_for_all_to_alls(run, config.ep_sm_carveout)
         # collectives moved by peer memcpys through symmetric memory (no SMs), CUDA only
         self.copy_engine = CopyEngineLowering()
         if device.type == "cuda" and "copy-engine" in (all_to_all, fsdp_collectives):
