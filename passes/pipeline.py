@@ -15,7 +15,9 @@ Each `Chunk` has two graphs with explicit boundaries:
 `sent` of chunk c is every forward value made in chunks <= c that a later chunk reads (an activation
 a later chunk needs passes through the chunks between: point-to-point only ever goes c -> c+1); the
 backward's sent gradients likewise flow c -> c-1. A parameter read by several chunks (tied
-embedding and head) gets a partial gradient from each; the runtime sums them before the update.
+embedding and head) gets a partial gradient from each; the runtime sums them before the update. Its
+cast to `param_dtype`, like compute that reads no input (RoPE's tables), is made by each chunk that
+reads it, never sent.
 
 Metrics a loss_fn reports next to the loss ((loss, {name: value})) are outputs of the forward of
 the chunk that computes them, after the loss; the runtime sums them over microbatches and stages.
