@@ -182,6 +182,43 @@ def test_pipeline_reports_metrics_summed_over_microbatches_and_stages():
     assert [r[0] for r in results] == [expected, expected]
 
 
+class _Counting(torch.nn.Module):
+    """A block with a buffer its forward updates (as BatchNorm's statistics): each stage holds its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("seen", torch.zeros(8))
+
+    def forward(self, x):
+        self.seen.add_(x.detach().mean(0))
+        return x + torch.tanh(self.lin(x))
+
+
+def copied_back(_):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_Counting() for _ in range(4)])
+    data = {"x": torch.randn(4, 8), "y": torch.randn(4, 8)}
+    step = fxshard.shard(model, lambda m, b: ((m(b["x"]) - b["y"]) ** 2).mean(), data, optimizer=ADAMW,
+                         mesh=fxshard.Mesh(pp=2), config=fxshard.Config(microbatches=2))
+    step(data)
+    step.copy_to(model)
+    return step.buffers(), dict(model.named_buffers()), step.parameters(), dict(model.named_parameters())
+
+
+def test_copy_to_gives_every_rank_of_a_pipeline_every_stages_parameters_and_buffers():
+    (own0, model0, params0, model_params0), (own1, model1, params1, _) = run_local(copied_back, 2, None,
+                                                                                   backend="gloo")
+    assert own0.keys() and own1.keys() and not own0.keys() & own1.keys()  # each stage holds its blocks' buffers
+    for model_buffers in (model0, model1):
+        assert model_buffers.keys() == own0.keys() | own1.keys()
+        for name, value in model_buffers.items():
+            assert torch.equal(value, (own0 if name in own0 else own1)[name]), name
+            assert value.abs().sum() > 0, name  # updated by the step, not the model's zeros
+    assert all(torch.equal(model_params0[name], params0[name]) for name in params0)
+    assert all(torch.equal(params0[name], params1[name]) for name in params0)
+
+
 def meta_pipeline(data):
     with torch.device("meta"):
         model = GPT(GPTConfig.preset("tiny", n_layer=4))

@@ -131,13 +131,15 @@ def local_parameters(program: Program, state: State, gather) -> dict[str, torch.
 
 
 def every_stage_parameters(traced: Program, plan, local: dict[str, torch.Tensor], group,
-                           device: torch.device) -> dict[str, torch.Tensor]:
-    """Every parameter of the model, in the traced program's order, on every stage of a pipeline:
-    each stage's `local` parameters (full tensors) broadcast over `group` (this rank's `pp` group) by
-    the first stage holding them (`plan`: the program's StagePlan), one flat buffer per stage and dtype."""
+                           device: torch.device, kind: InputKind = InputKind.PARAM) -> dict[str, torch.Tensor]:
+    """Every parameter of the model (with `kind` BUFFER: every buffer some stage holds), in the traced
+    program's order, on every stage of a pipeline: each stage's `local` tensors (full tensors) broadcast
+    over `group` (this rank's `pp` group) by the first stage holding them (`plan`: the program's
+    StagePlan), one flat buffer per stage and dtype."""
     import torch.distributed as dist
 
-    specs = {spec.name: spec for spec in traced.inputs if spec.kind is InputKind.PARAM}
+    held = {name for names in plan.params_by_stage for name in names}
+    specs = {spec.name: spec for spec in traced.inputs if spec.kind is kind and spec.name in held}
     result = {}
     for stage in range(plan.stages):
         owned = [name for name in specs if plan.owner(name) == stage]

@@ -621,9 +621,12 @@ class CompiledStep:
         or one built alike), by the names `named_parameters()` / `named_buffers()` give, so wrappers
         whose state_dict renames keys (torch's checkpoint_wrapper, torch.compile's `_orig_mod`) do not
         drop them. Values are cast to the model's dtypes, as load_state_dict casts. Under a pipeline
-        the buffers are this rank's stage's; other stages' stay as they were. Every rank must call it
-        (parameters() gathers). Everything is checked before anything is copied."""
+        the buffers are every stage's, those of this rank's data-parallel index (each stage's broadcast
+        over `pp`). Every rank must call it (it gathers). Everything is checked before anything is copied."""
         params, buffers = self.parameters(), self.buffers()
+        if self.program.stage is not None:
+            buffers = every_stage_parameters(self.programs[0], self.program.stage, buffers, self.groups["pp"],
+                                             self.device, InputKind.BUFFER)
         targets = {**dict(model.named_parameters(remove_duplicate=False)),
                    **dict(model.named_buffers(remove_duplicate=False))}
         missing = sorted(name for name in params if name not in targets)
