@@ -130,7 +130,7 @@ def local_parameters(program: Program, state: State, gather) -> dict[str, torch.
     return result
 
 
-def every_stage_parameters(traced: Program, plan, local: dict[str, torch.Tensor], group,
+def every_stage_tensors(traced: Program, plan, local: dict[str, torch.Tensor], group,
                            device: torch.device, kind: InputKind = InputKind.PARAM) -> dict[str, torch.Tensor]:
     """Every parameter of the model (with `kind` BUFFER: every buffer some stage holds), in the traced
     program's order, on every stage of a pipeline: each stage's `local` tensors (full tensors) broadcast

@@ -36,7 +36,7 @@ from .reinplace import WRITE_BACK, accumulate_in_place, gather_updates_in_place,
 from .replay_watch import ReplayWatch, abort_groups, expire_process_groups
 from .wait_marks import WaitMarks, mark_waits, words as wait_marks_words
 from .rng import StageStream, draws_random_values
-from .state import State, every_stage_parameters, full_parameters, gather_shard
+from .state import State, every_stage_tensors, full_parameters, gather_shard
 
 
 def _communicates(node: fx.Node) -> bool:
@@ -611,7 +611,7 @@ class CompiledStep:
         local = full_parameters(self.program, self.state, self._gather)
         if self.program.stage is None:
             return local
-        return every_stage_parameters(self.programs[0], self.program.stage, local, self.groups["pp"], self.device)
+        return every_stage_tensors(self.programs[0], self.program.stage, local, self.groups["pp"], self.device)
 
     def _gather(self, axis: str, shard: torch.Tensor) -> torch.Tensor:
         return gather_shard(shard, self.groups[axis])
@@ -625,7 +625,7 @@ class CompiledStep:
         over `pp`). Every rank must call it (it gathers). Everything is checked before anything is copied."""
         params, buffers = self.parameters(), self.buffers()
         if self.program.stage is not None:
-            buffers = every_stage_parameters(self.programs[0], self.program.stage, buffers, self.groups["pp"],
+            buffers = every_stage_tensors(self.programs[0], self.program.stage, buffers, self.groups["pp"],
                                              self.device, InputKind.BUFFER)
         targets = {**dict(model.named_parameters(remove_duplicate=False)),
                    **dict(model.named_buffers(remove_duplicate=False))}
