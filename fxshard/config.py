@@ -57,7 +57,10 @@ class Config:
         that compile at different speeds. Under CUDA graphs on a mesh, where NCCL's watchdog does not
         see the replayed collectives, it is also the longest one step's replay may run: a longer one is
         reported on stderr and this rank's process groups are aborted, so the job fails instead of
-        hanging (fxshard/runtime/replay_watch.py).
+        hanging (fxshard/runtime/replay_watch.py). Tested on gloo; in eager replay on NCCL the
+        watchdog's own timeout error is raised, not yet mapped to the node that waited.
+    verbose: print what the runtime lowered (`step.lowerings()`) and every codegen region's progress to
+        stderr (without it, only compiles longer than 5 s report progress).
     sharding: on a mesh, what FSDP shards over `dp` (Megatron's names): "no_shard" (DDP), "optim"
         (ZeRO-1), "optim_grads" (ZeRO-2), "optim_grads_params" (ZeRO-3).
     fsdp_prefetch: issue a unit's all-gather this many units ahead of its first use, counting only
@@ -109,6 +112,8 @@ class Config:
         `Schedule.from_json`; its `placement` says which rank holds each chunk, "loop" or "v"): it
         sets `microbatches` and `virtual_stages`, and `shard` checks it with
         the simulator (every dependency met, point-to-point deadlock-free) before lowering it.
+    virtual_stages: with Mesh(pp=P), the chunks V each rank holds (P*V chunks in all); more than 1 needs
+        an interleaved schedule ("interleaved-1f1b"; "dualpipev" sets 2).
     stage_layers: layers per pipeline chunk (P*V counts); default: balanced by FLOPs (head and embedding counted).
     p2p_receives: where a stage's program issues each point-to-point receive: "late" (default: just
         before the compute that reads it, or the next transfer with that peer) or "early" (right after
@@ -134,6 +139,8 @@ class Config:
         split, which measured faster on H200s: the split's own compute cost more than it hid), and
         with `microbatches` > 1 interleave two microbatches, switching at each all-to-all
         (passes/interleave.py; which two: `ep_interleave`).
+    ep_chunks: with ep_overlap, split each rank's experts into this many groups, each with its own
+        dispatch / experts / combine (default 1: no split).
     ep_interleave: "combined-1f1b" (backward m with forward m+1; Megatron) or "dual-batch" (forward
         m with forward m+1, backward m with backward m+1; DeepSeek's dual-batch overlap: every
         all-to-all has the other microbatch's compute to hide behind, two microbatches' activations
@@ -194,8 +201,8 @@ class Config:
         An NCCL kernel issued beside a kernel of many thread blocks otherwise gets SMs only as that
         kernel's blocks drain: 2x H200, MoE with ZeRO-1 (session 29), each all-gather of an updated
         shard started only when the expert AdamW kernel launched before it had finished, which left
-        ~0.7 ms of gathers at the end of the step with no compute beside them. False (default): not
-        measured yet (bench/pending_2gpu.sh priority). Ignored by gloo.
+        ~0.7 ms of gathers at the end of the step with no compute beside them. False (default): measured
+        in session 31 it changed nothing (MoE and pipelines; bench/RESULTS.md). Ignored by gloo.
     codegen: "inductor" compiles the step's compute with Inductor, region by region between the nodes
         whose order fxshard chose (communication, custom ops), which keep their order
         (fxshard/codegen.py); None replays it aten op by op; "auto" (default): "inductor" on CUDA,

@@ -38,13 +38,17 @@ class Mesh:
 
     @property
     def size(self) -> int:
+        """The number of ranks: pp x dp (ep splits dp; it adds none)."""
         return self.dp * self.pp
 
     @property
     def edp(self) -> int:
+        """The expert-data-parallel size: how many ranks of a stage hold the same experts (dp / ep)."""
         return self.dp // self.ep
 
     def coords(self, rank: int) -> dict[str, int]:
+        """`rank`'s index on each axis: {"pp", "dp"} (and "ep", "edp" with ep > 1). Draw a rank's batch
+        by its "dp" index: the stages of one pipeline read the same batch."""
         dp_index = rank % self.dp
         coords = {"pp": rank // self.dp, "dp": dp_index}
         if self.ep > 1:
@@ -52,8 +56,8 @@ class Mesh:
         return coords
 
     def rank_of(self, pp: int, dp: int) -> int:
+        """The global rank at pipeline stage `pp` and data-parallel index `dp`."""
         return pp * self.dp + dp
-
 
     def stage_groups(self, stages) -> list[list[int]]:
         """The groups of the ranks of `stages` (pipeline stage indices), one per data-parallel index:

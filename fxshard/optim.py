@@ -79,6 +79,12 @@ def _check_numbers(owner: str, low: float, **values) -> None:
 
 @dataclass(frozen=True)
 class AdamW(_Decay):
+    """torch.optim.AdamW's update (decoupled weight decay, bias-corrected moments; default
+    weight_decay 1e-2, as torch's), traced into the step's optimizer phase as one fused
+    `fxshard::adamw_update` per tensor. `lr` is a number or a schedule `lr(step)` (1 for the first
+    step); `no_decay` holds fnmatch patterns over `model.named_parameters()` names that train with
+    weight_decay 0. Its state is two slots per parameter, `exp_avg` and `exp_avg_sq`."""
+
     lr: LearningRate = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -120,6 +126,10 @@ class AdamW(_Decay):
 
 @dataclass(frozen=True)
 class SGD(_Decay):
+    """torch.optim.SGD's update, with its `momentum`, `dampening`, `nesterov` and (coupled, L2)
+    `weight_decay`, all 0 / False by default as torch's; `lr` and `no_decay` as AdamW's. With
+    momentum it keeps one slot per parameter, `momentum_buffer`."""
+
     lr: LearningRate = 1e-3
     momentum: float = 0.0
     weight_decay: float = 0.0

@@ -674,10 +674,10 @@ def test_auto_collectives_pick_copy_engines_only_where_they_were_measured_faster
     monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
     assert choose_auto(cuda, 2, both) == (False, "NCCL_P2P_DISABLE is set")
     assert resolve_auto("auto", "copy-engine", torch.device("cpu")) == (
-        "nccl", "copy-engine", "collectives 'auto': nccl (not CUDA)")
+        "nccl", "copy-engine", "collectives 'auto': nccl, i.e. the process group's own collectives (not CUDA)")
     assert resolve_auto("nccl", "nccl", torch.device("cpu")) == ("nccl", "nccl", None)
     assert resolve_auto("auto", "auto", cuda, meshed=False) == (  # nothing gathered: no other rank may be here
         "nccl", "nccl", "collectives 'auto': nccl (no process groups)")
     assert fxshard.Config().fsdp_collectives == fxshard.Config().ep_all_to_all == "auto"
     step = fxshard.shard(MLPStack([3, 4, 1]), mse, regression_batch(torch.Generator().manual_seed(0), 4))
-    assert "collectives 'auto': nccl (no process groups)" in step.lowerings()
+    assert "collectives 'auto': nccl, i.e. the process group's own collectives (no process groups)" in step.lowerings()

@@ -508,7 +508,8 @@ def resolve_auto(ep_all_to_all: str, fsdp_collectives: str, device: torch.device
     chosen, why = choose_auto(device, world, places, graphed) if meshed else (False, "no process groups")
     pick = "copy-engine" if chosen else "nccl"
     ep_all_to_all, fsdp_collectives = (pick if v == "auto" else v for v in (ep_all_to_all, fsdp_collectives))
-    return ep_all_to_all, fsdp_collectives, f"collectives 'auto': {pick} ({why})"
+    said = pick if device.type == "cuda" else f"{pick}, i.e. the process group's own collectives"  # gloo's on CPU
+    return ep_all_to_all, fsdp_collectives, f"collectives 'auto': {said} ({why})"
 
 
 OWN_PARTS = tuple(p for p in COPY_ENGINE_OWN_PARTS if p != "auto")  # where an all-to-all's readers take this rank's own rows

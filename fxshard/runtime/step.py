@@ -273,6 +273,8 @@ class CompiledStep:
 
     @property
     def lr(self) -> float:
+        """The learning rate the next step applies: set_lr's value, else the optimizer's (its schedule
+        at step_count + 1)."""
         return self._lr_override if self._lr_override is not None else lr_at(self.optimizer, self.step_count + 1)
 
     def __call__(self, batch) -> dict[str, torch.Tensor]:
