@@ -65,7 +65,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
                                     config.nccl_high_priority))
     config = _write_dumps(programs, mesh, config, coords)
     if groups:  # before anything is materialized: ranks that would issue different collectives stop here
-        _check_ranks_agree(programs[-1], model, batch_spec, optimizer, mesh, config, groups, stage)
+        _check_ranks_agree(programs, model, batch_spec, optimizer, mesh, config, groups, stage)
     # A meta-device model is initialized here, per module and seeded by module path (fxshard.init):
     # each rank materializes only its own shards.
     source = MetaInit(model, config.seed, batch_spec.device) if is_meta else model
@@ -155,15 +155,17 @@ def _write_dumps(programs: list[Program], mesh, config: Config, coords: dict) ->
     return config
 
 
-def _check_ranks_agree(program: Program, model, batch_spec: BatchSpec, optimizer, mesh, config: Config,
+def _check_ranks_agree(programs: list[Program], model, batch_spec: BatchSpec, optimizer, mesh, config: Config,
                        groups: dict, stage: int) -> None:
     """Before anything is materialized, every rank of the mesh raises where they would issue different
-    collectives, or start from different weights, batch shapes, optimizer or Config; a pipeline's
-    stages also agree on their random streams and connect their point-to-point peers."""
+    collectives, traced different steps, or start from different weights, batch shapes, optimizer or
+    Config; a pipeline's stages also agree on their random streams and connect their point-to-point
+    peers. `programs`: the traced program, then each pass's."""
+    program = programs[-1]
     from .runtime.agreement import check_agreement, check_pipeline_streams, check_same_start, connect_pipeline_peers
 
     check_agreement(program.graph, groups, batch_spec.device, stage if program.stage is not None else None)
-    check_same_start(model, batch_spec, optimizer, config, batch_spec.device)
+    check_same_start(model, batch_spec, optimizer, config, batch_spec.device, programs[0])
     if program.stage is not None:
         check_pipeline_streams(groups["pp"], mesh, config, program.stage.costs)
         connect_pipeline_peers(program.graph, groups["pp"], batch_spec.device)

@@ -14,7 +14,8 @@ parameters' and buffers' names, shapes, dtypes and devices, the loss function's 
 values, the batch's structure, the optimizer and the Config (less `verbose` and `dump_dir`, which only
 report: each pipeline stage dumps into its own folder, and the trace does not read it). That is
 SPMD's premise (every rank runs the same code); a forward that branches on the rank itself is
-outside it (set share_trace=False).
+outside it: with share_trace=False each rank traces its own step, and `shard()` refuses ranks whose
+traced steps differ (runtime/agreement.py check_same_start).
 Nothing is lost when sharing fails: a trace that raises is broadcast as "none", and every rank then
 traces itself (and raises its own error); a program that does not serialize is traced again by each.
 """

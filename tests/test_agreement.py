@@ -159,9 +159,15 @@ def starts_apart():
         if rank == 0:
             raise ValueError("a bug on rank 0")
         return mse(model, batch)
-    for case in ("seed", "lr", "rows", "none", "seed unchecked", "mesh", "config", "trace", "stages", "stages alike"):
+    def scaled(model, batch):  # another objective on rank 1: the same collectives
+        return mse(model, batch) * (10.0 if rank else 1.0)
+    for case in ("seed", "lr", "rows", "none", "seed unchecked", "mesh", "config", "trace", "stages", "stages alike",
+                 "loss scale", "table"):
         torch.manual_seed(1 if case.startswith("seed") and rank else 0)
         model = MLPStack([4, 4])
+        if case == "table":  # a non-persistent buffer the step reads (a RoPE table built with another base)
+            model.register_buffer("table", torch.full((3,), float(rank)), persistent=False)
+            model.inp.register_forward_pre_hook(lambda module, args: (args[0] + model.table,))
         optimizer = fxshard.optim.AdamW(lr=2e-3 if case == "lr" and rank else 1e-3)
         batch = regression_batch(torch.Generator().manual_seed(0 if case == "stages alike" else rank),
                                  2 if case == "rows" and rank else 4)
@@ -171,8 +177,8 @@ def starts_apart():
             mesh = fxshard.Mesh(pp=2) if case == "mesh" and rank else fxshard.Mesh(dp=2)  # groups made apart: a hang
             if case.startswith("stages"):  # batches drawn by global rank: stage 0's inputs, stage 1's targets
                 mesh = fxshard.Mesh(pp=2)
-            step = fxshard.shard(model, fails_on_rank_0 if case == "trace" else mse, batch, optimizer=optimizer,
-                                 mesh=mesh, config=config)
+            loss_fn = {"trace": fails_on_rank_0, "loss scale": scaled}.get(case, mse)
+            step = fxshard.shard(model, loss_fn, batch, optimizer=optimizer, mesh=mesh, config=config)
             if case.startswith("stages"):  # compared at the first step: the example may be a placeholder
                 step(batch)
             said[case] = None
@@ -215,6 +221,10 @@ def test_ranks_that_start_from_other_weights_optimizer_or_batch_shapes_fail_toge
                                      "Config(seed=0) on rank 0. Give every rank the same Config"), said["config"]
     assert said["seed"].startswith("rank 1 starts from something else than rank 0: parameter 'inp.weight': (4, 3) "
                                    "float32, checksum") and "torch.manual_seed(0)" in said["seed"], said["seed"]
+    assert said["loss scale"].startswith("rank 1 starts from something else than rank 0: traced step: mul") \
+        and "10.0" in said["loss scale"] and "the same model code and loss_fn" in said["loss scale"], said["loss scale"]
+    assert said["table"].startswith("rank 1 starts from something else than rank 0: buffer 'table': (3,) float32, "
+                                    "checksum"), said["table"]
     assert "optimizer: AdamW(lr=0.002," in said["lr"] and "AdamW(lr=0.001," in said["lr"], said["lr"]
     assert "example batch: batch['x'] (2, 3) float32; batch['y'] (2, 1) float32 on rank 1" in said["rows"] \
         and "batch['x'] (4, 3) float32" in said["rows"] and "equal share of the global batch" in said["rows"], said["rows"]
@@ -259,3 +269,43 @@ def test_checksums_read_every_bit_at_any_offset_and_in_chunks():
     flat[3] = 100.0
     changed = _checksums([odd, whole])
     assert changed[0] != sums[0] and changed[1] != sums[1]
+
+
+def test_traced_entries_name_what_a_step_computes_and_not_the_gpu_it_was_traced_on():
+    """check_same_start compares each rank's traced step node by node: another activation or
+    constant differs, the device index each rank traces on does not; a non-persistent buffer is
+    compared where the step reads it, and scratch it never reads is not."""
+    import torch.fx as fx
+    from fxshard.batch import BatchSpec
+    from fxshard.runtime.agreement import start_entries, traced_entries
+
+    def graph(device, scale):
+        g = fx.Graph()
+        x = g.placeholder("x")
+        ones = g.call_function(torch.ones, (2,), {"device": device})
+        g.output(g.call_function(torch.mul, (g.call_function(torch.add, (x, ones)), scale)))
+        return g
+    on_gpu_0, on_gpu_1 = traced_entries(graph(torch.device("cuda", 0), 2.0)), traced_entries(graph(torch.device("cuda", 1), 2.0))
+    assert on_gpu_0 == on_gpu_1 and len(on_gpu_0) == 3
+    assert [e.key for e in traced_entries(graph(torch.device("cuda", 0), 3.0))][2] != on_gpu_0[2].key
+
+    class Tabled(torch.nn.Module):
+        def __init__(self, activation):
+            super().__init__()
+            self.linear, self.activation = torch.nn.Linear(3, 1), activation
+            self.register_buffer("table", torch.ones(3), persistent=False)
+            self.register_buffer("scratch", torch.empty(8), persistent=False)  # never read
+
+        def forward(self, x):
+            return self.activation(self.linear(x + self.table))
+    batch = torch.zeros(2, 3)
+
+    def entries(activation):
+        model = Tabled(activation)
+        traced = fxshard.trace(model, lambda m, b: m(b).sum(), batch, optimizer=fxshard.optim.SGD(lr=0.1))
+        return start_entries(model, BatchSpec.from_example(batch), fxshard.optim.SGD(lr=0.1), fxshard.Config(), traced)
+    relu = entries(torch.relu)
+    assert [e.key.split(":")[0] for e in relu if e.where == "buffer"] == ["buffer 'table'"]
+    step_nodes = [e.key for e in relu if e.where == "traced step"]
+    assert any("relu" in key for key in step_nodes)
+    assert step_nodes != [e.key for e in entries(torch.tanh) if e.where == "traced step"]

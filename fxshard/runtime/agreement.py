@@ -9,7 +9,8 @@ exchange mismatched buffers; instead, `check_agreement` compares, right after co
     per pair of stages the sequence of sends and receives between them (one rank's sends are the
                        other's receives, in the same order)
 
-and then, over the whole job, what the programs do not show (`check_same_start`): every rank starts
+and then, over the whole job, what the collectives do not show (`check_same_start`): every rank traced
+the same step (its nodes: another activation, epsilon or loss scale issues the same collectives), starts
 from the same weights (a checksum of each parameter's and buffer's bits), the same optimizer, Config
 and example batch structure, shapes and dtypes. Ranks whose models were seeded differently run the
 same collectives and would train a mixture of their models (ZeRO) or drift apart (replicated).
@@ -314,18 +315,24 @@ _START_FIXES = {
                      "the global batch): the gradient average weighs every rank alike",
     "optimizer": "give every rank the same optimizer and hyperparameters",
     "Config": "give every rank the same Config",
+    "traced step": "every rank must run the same model code and loss_fn (the same modules and settings, e.g. "
+                   "activation, epsilon, RoPE base, loss scale; a forward or loss_fn that branches on the rank "
+                   "computes another function on each): their gradients would be averaged as if they were one "
+                   "model's",
 }
 _START_FIXES["buffer"] = _START_FIXES["parameter"]
 
 
-def start_entries(model, batch_spec, optimizer, config) -> list[Entry]:
+def start_entries(model, batch_spec, optimizer, config, traced=None) -> list[Entry]:
     """What every rank of a job must start from, one Entry per item (`where`: what it is): the example
-    batch's leaves, the optimizer, the Config (less `verbose` and `dump_dir`, which may differ), and
-    each parameter and persistent buffer of `model` (what a checkpoint holds: a non-persistent one may be
-    scratch, allocated uninitialized) by shape, dtype and a checksum of its bits (two int64 sums of
-    its 32-bit words, all and odd ones; exact, so summation order cannot make equal tensors differ;
-    "meta" for a meta-device model, which fxshard initializes the same way on every rank). With
-    Config(check_initial_weights=False), no tensor entries."""
+    batch's leaves, the optimizer, the Config (less `verbose` and `dump_dir`, which may differ), each
+    node of the `traced` program (the step before any pass, the same on every rank: `traced_entries`),
+    and each parameter and persistent buffer of `model` (what a checkpoint holds) by shape, dtype and a
+    checksum of its bits (two int64 sums of its 32-bit words, all and odd ones; exact, so summation
+    order cannot make equal tensors differ; "meta" for a meta-device model, which fxshard initializes
+    the same way on every rank). A non-persistent buffer may be scratch, allocated uninitialized: it is
+    compared only where the traced step reads it (a RoPE table). With Config(check_initial_weights=False),
+    no tensor entries."""
     from ..share import _describe_callable
 
     leaves = "; ".join(f"{leaf.path} {tuple(leaf.shape)} {str(leaf.dtype).replace('torch.', '')}"
@@ -341,8 +348,12 @@ def start_entries(model, batch_spec, optimizer, config) -> list[Entry]:
                Entry(f"optimizer: {type(optimizer).__name__}({', '.join(fields)})", "optimizer")]
     entries += [Entry(f"Config({field.name}={getattr(config, field.name)!r})", "Config")  # one per field: named
                 for field in dataclasses.fields(config) if field.name not in ("verbose", "dump_dir")]
+    read = set()
+    if traced is not None:
+        entries += traced_entries(traced.graph)
+        read = {i.name for i, node in zip(traced.inputs, traced.placeholders()) if i.kind.value == "buffer" and node.users}
     tensors = [(f"parameter {name!r}", t) for name, t in model.named_parameters()]
-    tensors += [(f"buffer {name!r}", t) for name, t in model.named_buffers() if _persistent(model, name)]
+    tensors += [(f"buffer {name!r}", t) for name, t in model.named_buffers() if _persistent(model, name) or name in read]
     if not config.check_initial_weights:
         tensors = []
     sums = _checksums([t for _, t in tensors])
@@ -350,6 +361,26 @@ def start_entries(model, batch_spec, optimizer, config) -> list[Entry]:
         dtype = str(tensor.dtype).replace("torch.", "")
         bits = "meta" if checksum is None else f"checksum {checksum[0] & (2**64 - 1):016x}.{checksum[1] & (2**64 - 1):016x}"
         entries.append(Entry(f"{what}: {tuple(tensor.shape)} {dtype}, {bits}", what.split(" ")[0]))
+    return entries
+
+
+def traced_entries(graph: fx.Graph) -> list[Entry]:
+    """One Entry per computing node of a traced step: its op and arguments (other nodes by name,
+    constants by value, devices by type: each rank traces on its own GPU), where "traced step: ..."
+    names it. Ranks whose steps issue the same collectives may still compute different functions."""
+    def said(value):
+        if isinstance(value, torch.device):
+            return value.type
+        return value.name if isinstance(value, fx.Node) else value
+
+    entries = []
+    for node in graph.nodes:
+        if node.op not in ("call_function", "call_method", "get_attr"):
+            continue
+        args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), said)
+        call = ", ".join([*(repr(a) for a in args), *(f"{k}={v!r}" for k, v in kwargs.items())])
+        entries.append(Entry(f"traced step: {node.name} = {getattr(node.target, '__name__', node.target)}({call}) "
+                             f"[{_where(node)}]", "traced step"))
     return entries
 
 
@@ -411,16 +442,17 @@ def _checksums(tensors: list[torch.Tensor], chunk_words: int = 1 << 24) -> list[
     return [None if index is None else tuple(values[index]) for index in sums]
 
 
-def check_same_start(model, batch_spec, optimizer, config, device: torch.device) -> None:
-    """Raise FxShardError on every rank of the job when some rank starts from other weights, another
-    optimizer, Config or example batch than rank 0 (`start_entries`), naming the first item that
+def check_same_start(model, batch_spec, optimizer, config, device: torch.device, traced=None) -> None:
+    """Raise FxShardError on every rank of the job when some rank traced another step (`traced`: its
+    program before any pass), starts from other weights, another optimizer, Config or example batch
+    than rank 0 (`start_entries`), naming the first item that
     differs and each side of it. One small all-gather of digests over the default group; the items
     themselves are exchanged only when the digests differ. Nothing to compare in one process."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return
-    mine = start_entries(model, batch_spec, optimizer, config)
+    mine = start_entries(model, batch_spec, optimizer, config, traced)
     if len({tuple(d) for d in _all_gather_lists(_digest(mine), dist.group.WORLD, device)}) == 1:
         return
     every = [_decode(text) for text in _all_gather_text(_encode(mine), dist.group.WORLD, device)]
