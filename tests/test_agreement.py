@@ -196,6 +196,17 @@ def starts_apart():
         step.parameters()
     except fxshard.FxShardError as error:
         said["set_lr"] = str(error)
+    # evaluate()'s first call compiles; a trace that fails on one rank (each traces its own) stops both
+    def fails_in_eval_on_rank_0(model, batch):
+        if rank == 0 and not model.training:
+            raise ValueError("an eval-mode bug on rank 0")
+        return mse(model, batch)
+    step = fxshard.shard(MLPStack([4, 4]), fails_in_eval_on_rank_0, batch, mesh=fxshard.Mesh(dp=2),
+                         config=fxshard.Config(share_trace=False))
+    try:
+        step.evaluate(batch)
+    except Exception as error:  # noqa: BLE001  rank 0's own error, whatever its type
+        said["evaluate"] = str(error)
     return said
 
 
@@ -213,6 +224,8 @@ def test_ranks_that_start_from_other_weights_optimizer_or_batch_shapes_fail_toge
     assert said.pop("set_lr").startswith("the ranks trained with different learning rates within the first 2 steps "
                                          "(rank 0: lr 0.001 now; rank 1: lr 0.5 (set_lr))")
     assert "rank 1: lr 0.5 (set_lr) now; rank 0: lr 0.001" in said_too.pop("set_lr")
+    assert "an eval-mode bug on rank 0" in said.pop("evaluate")
+    assert said_too.pop("evaluate").startswith("rank 0 could not compile the evaluation, so no rank goes on (")
     assert said == said_too, (said, said_too)
     assert said["none"] is None and said["seed unchecked"] is None and said["stages alike"] is None
     assert said["stages"].startswith("rank 1 (pipeline stage 1) was given another batch than rank 0 (stage 0) of its "

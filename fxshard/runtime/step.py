@@ -457,13 +457,20 @@ class CompiledStep:
         return {spec.name: value.detach() for spec, value in zip(program.outputs, results)}
 
     def _build_evaluation(self):
-        from .agreement import check_agreement
+        from .agreement import check_agreement, fail_together
         from .evaluate import check_reads_training_state
 
         if self._compile_evaluation is None:
             raise FxShardError("this step was not built by fxshard.shard, which gives it what evaluate() compiles")
-        program = self._compile_evaluation()
-        check_reads_training_state(program, self.program, self.state)
+        try:
+            program, failure = self._compile_evaluation(), None
+            check_reads_training_state(program, self.program, self.state)
+        except Exception as error:  # noqa: BLE001  raised below, once every rank knows (as shard's compile)
+            failure = error
+        if self.groups:  # a rank whose trace failed must not leave the others waiting in the check below
+            fail_together(failure, "compile the evaluation")
+        if failure is not None:
+            raise failure
         if self.groups:  # the eval programs' communication must agree across ranks too
             check_agreement(program.graph, self.groups, self.device,
                             self.program.stage.stage if self.program.stage is not None else None)
