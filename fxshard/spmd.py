@@ -182,8 +182,20 @@ def combine(requests: list[Collective]) -> list[torch.Tensor]:
 
 
 def _check_matching(group: str, requests: list[Collective]) -> None:
+    """The members' requests of one collective fit together as NCCL and gloo need them to: the same op,
+    reduction, dtype and copy-engine region, the same shape (an all-to-all: the same row shape, and each
+    member's rows for a peer what that peer expects from it), else FxShardError, as a real job would
+    hang or fail there."""
     kinds = {(r.op, r.reduce_op, r.tensor.dtype, r.region) for r in requests}
-    if len(kinds) != 1:
+    if requests[0].op == "all_to_all_single":
+        shapes = {tuple(r.tensor.shape[1:]) for r in requests}
+        sent = [r.input_split_sizes or [r.tensor.shape[0] // len(requests)] * len(requests) for r in requests]
+        expected = [r.output_split_sizes for r in requests]
+        fits = all(expected[dest] is None or expected[dest][source] == sent[source][dest]
+                   for source in range(len(requests)) for dest in range(len(requests)))
+    else:
+        shapes, fits = {tuple(r.tensor.shape) for r in requests}, True
+    if len(kinds) != 1 or len(shapes) != 1 or not fits:
         raise FxShardError(f"mismatched collectives on group {group!r}: " + ", ".join(map(str, requests)))
 
 

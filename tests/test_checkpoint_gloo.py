@@ -246,6 +246,12 @@ def own_buffers_job(directory: str):
         missing = None
     except fxshard.FxShardError as raised:
         missing = str(raised)
+    fxshard.save(step, os.path.join(directory, "ck_later"))  # each rank its own "latest": refused, not mixed
+    try:
+        fxshard.load(resumed, os.path.join(directory, "ck" if rank == 0 else "ck_later"))
+        mixed = None
+    except fxshard.FxShardError as raised:
+        mixed = str(raised)
 
     def swap_fails(staging, path):
         raise OSError(28, "No space left on device")
@@ -256,11 +262,13 @@ def own_buffers_job(directory: str):
         error = None
     except fxshard.FxShardError as raised:
         error = str(raised)
-    return got == want, error, missing
+    return got == want, error, missing, mixed
 
 
 def test_own_buffers_resume_per_rank_and_a_failed_swap_on_rank_0_fails_every_rank(tmp_path):
-    for rank, (exact, error, missing) in enumerate(run_local(own_buffers_job, 2, str(tmp_path), backend="gloo")):
+    for rank, (exact, error, missing, mixed) in enumerate(run_local(own_buffers_job, 2, str(tmp_path), backend="gloo")):
         assert exact
+        assert mixed is not None and mixed.startswith("the ranks were given different checkpoints: rank 0 loads ") \
+            and "(step 3), rank 1 " in mixed and "ck_later (step 5)" in mixed, mixed
         assert missing.startswith("rank 1 could not load" if rank == 0 else "no checkpoint at"), missing
         assert error is not None and "rank 0 could not put the written checkpoint in place (OSError: " in error

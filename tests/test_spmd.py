@@ -110,3 +110,14 @@ def test_subgroups_run_independently_and_mismatches_are_reported():
     mixed = [build_graph("all_reduce", 2, "a", 0), build_graph("all_gather", 2, "a", 1)]
     with pytest.raises(FxShardError, match="mismatched"):
         simulate(mixed, [[torch.zeros(5)], [torch.zeros(3, 2)]], {"a": [0, 1]})
+    # the same collective with shapes a real group would refuse or hang on (a pass that shapes ranks apart)
+    for case, shapes in (("all_gather", [(2,), (4,)]), ("all_reduce", [(5,), (3,)])):
+        graphs = [build_graph(case, 2, "a", r) for r in range(2)]
+        with pytest.raises(FxShardError, match="mismatched collectives on group 'a'"):
+            simulate(graphs, [[torch.zeros(shape)] for shape in shapes], {"a": [0, 1]})
+    graphs = [build_graph("all_to_all_uneven", 2, "a", r) for r in range(2)]
+    inputs = [[rank_input("all_to_all_uneven", r, 2)] for r in range(2)]
+    graphs[1].graph.find_nodes(op="call_function", target=c10d.all_to_all_single.default)[0].update_arg(1, [9, 9])
+    graphs[1].recompile()  # rank 1 expects 9 rows from each peer, which sends it fewer
+    with pytest.raises(FxShardError, match="mismatched collectives"):
+        simulate(graphs, inputs, {"a": [0, 1]})

@@ -22,6 +22,7 @@ import shutil
 import sys
 import threading
 import time
+import uuid
 import warnings
 import weakref
 
@@ -203,7 +204,7 @@ def _manifest(step) -> dict:
     optimizer = step.optimizer
     return {"format": FORMAT, "optimizer": type(optimizer).__name__, "slots": list(optimizer.slots),
             "step_count": step.step_count, "mesh": step.mesh_description, "extra": "pickled",
-            "sizes": _sizes(step.mesh),
+            "sizes": _sizes(step.mesh), "save_id": uuid.uuid4().hex,  # rank 0's: load compares it across ranks
             "expert_layouts": {prefix: layout.as_dict() for prefix, (layout, _) in step.expert_layouts.items()}}
 
 
@@ -250,6 +251,7 @@ def load(step, path: str | os.PathLike):
             layer.check_shapes(resolved, metadata.state_dict_metadata)
         return resolved, manifest, metadata, conversions
     path, manifest, metadata, conversions = _on_every_rank(checks, f"load {path}")
+    _check_same_checkpoint(path, manifest)
     state, copies = staging_state_dict(step)
     for key in _unread_state(step.programs[0]) - set(metadata.state_dict_metadata):
         state.pop(key, None)  # saved by a layout none of whose programs held it: this step's value stays
@@ -281,6 +283,26 @@ def load(step, path: str | os.PathLike):
                       f"loader's state in extra instead", stacklevel=2)
     extra = state.get(own_extra)
     return pickle.loads(extra) if manifest.get("extra") == "pickled" and extra is not None else extra
+
+
+def _check_same_checkpoint(path: str, manifest: dict) -> None:
+    """Raise FxShardError on every rank where the ranks resolved different checkpoints (each its own
+    "latest", or a path that differs by rank): their pieces would make one mixed state, at different
+    step counts, silently. Compared by the manifest, which names the save (`save_id`)."""
+    if not _is_distributed():
+        return
+    import torch.distributed as dist
+
+    mine = (json.dumps({k: v for k, v in manifest.items() if k != "seconds_to_write"}, sort_keys=True),
+            path, manifest.get("step_count"))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    other = next((rank for rank, theirs in enumerate(everyone) if theirs[0] != everyone[0][0]), None)
+    if other is not None:
+        raise FxShardError(f"the ranks were given different checkpoints: rank 0 loads {everyone[0][1]} (step "
+                           f"{everyone[0][2]}), rank {other} {everyone[other][1]} (step {everyone[other][2]}); every "
+                           f"rank must load the same one (resolve the path once, e.g. on rank 0, and broadcast it). "
+                           f"The steps are unchanged")
 
 
 def _sizes(mesh) -> dict[str, int]:
