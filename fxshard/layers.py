@@ -37,17 +37,40 @@ def find_layers(model: nn.Module, patterns: tuple[str, ...] | None = None) -> li
                 f"Config(layers={list(patterns)}) matched no module; module paths look like "
                 f"{[n for n, _ in model.named_modules() if n][:6]}")
         return paths
+    sizes = {name: sum(p.numel() for p in module.parameters())
+             for name, module in model.named_modules() if _holds_blocks(module)}
     best, best_size = None, 0
-    for name, module in model.named_modules():
-        if not _holds_blocks(module):
-            continue
-        size = sum(p.numel() for p in module.parameters())
+    for name, size in sizes.items():
         if size > best_size:
             best, best_size = name, size
     if best is None:
         return []
+    _warn_other_block_lists(best, sizes)
     prefix = f"{best}." if best else ""
     return [f"{prefix}{key}" for key in _children(model.get_submodule(best))]
+
+
+def _warn_other_block_lists(best: str, sizes: dict[str, int]) -> None:
+    """An encoder-decoder model (T5, Bart) has two lists of blocks: the default takes the larger (the
+    decoder, with its cross-attention), and the encoder's blocks run inside `pre`, one ZeRO unit that
+    a pipeline never cuts. Said, with the Config(layers) that takes both, where another outermost block
+    list outside `best` holds at least a quarter of its parameters."""
+    def inside(name: str, other: str) -> bool:
+        return other == "" or name == other or name.startswith(other + ".")
+
+    others = [name for name, size in sizes.items() if 4 * size >= sizes[best] and not inside(name, best)
+              and not inside(best, name) and not any(inside(name, o) for o in sizes if o != name and not inside(o, best)
+                                                     and not inside(best, o))]
+    if others:
+        import warnings
+
+        from .errors import user_stacklevel
+
+        patterns = ", ".join(f'"{name}.*"' for name in sizes if name in (best, *others))  # in model order
+        warnings.warn(f"fxshard: the layers are {best}'s children; {', '.join(others)} also holds blocks "
+                      f"({', '.join(f'{sizes[o]:,}' for o in others)} parameters against {sizes[best]:,}), which run "
+                      f"inside 'pre' or 'post' as one unit that ZeRO gathers whole and a pipeline does not cut. "
+                      f"Config(layers=({patterns})) makes them layers too", stacklevel=user_stacklevel())
 
 
 def _holds_blocks(module: nn.Module) -> bool:

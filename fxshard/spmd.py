@@ -119,6 +119,9 @@ class _Posted:
     request: Collective
 
 
+_VIEW, _RESHAPE = torch.ops.aten.view.default, torch.ops.aten.reshape.default
+
+
 def _run_rank(gm: fx.GraphModule, inputs: Sequence[Any]):
     """Generator: yields a Collective at each collective node and expects its result back (a
     receive: its ticket where it is issued, its message where it is waited for)."""
@@ -147,7 +150,10 @@ def _run_rank(gm: fx.GraphModule, inputs: Sequence[Any]):
                 yield request  # numbered among the receives from its peer; the rank goes on
                 env[node] = _Posted(request)
                 continue
-            env[node] = (yield request) if request is not None else node.target(*args, **kwargs)
+            # a view runs as a reshape, as CompiledStep's aten replay runs it (graph.views_as_reshapes): the
+            # same view wherever the view is valid, where a kernel's real layout is not its fake one a copy
+            target = _RESHAPE if node.target is _VIEW else node.target
+            env[node] = (yield request) if request is not None else target(*args, **kwargs)
         elif node.op == "call_module":  # a compiled region (fxshard/codegen.py): compute only, no collectives
             args = fx.node.map_arg(node.args, env.__getitem__)
             env[node] = gm.get_submodule(node.target)(*args)

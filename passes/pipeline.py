@@ -104,7 +104,8 @@ def assign_layers(layers: list[str], chunks: int, costs: dict[str, float],
     if chunks > max(len(layers), 1):
         raise FxShardError(f"{chunks} pipeline chunks (stages x virtual stages) but the model has only "
                            f"{len(layers)} layers to cut between; use fewer stages or virtual stages (dualpipev "
-                           f"always has 2 per stage: fewer stages)")
+                           f"always has 2 per stage: fewer stages), or name more layers with Config(layers=...) "
+                           f"(an encoder-decoder model's encoder blocks, or each block's attention and MLP)")
     if stage_layers is not None:
         if len(stage_layers) != chunks or sum(stage_layers) != len(layers) or min(stage_layers) < 1:
             raise FxShardError(f"stage_layers={list(stage_layers)} must give {chunks} positive layer counts "

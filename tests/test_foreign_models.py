@@ -204,3 +204,34 @@ def test_transformers_llama_with_packed_sequences_trains_like_eager():
     parity = eager_parity(model, lambda m, b: m(**b, use_cache=False).loss, batches, ADAMW)
     assert parity.max_loss_rel < 1e-5 and parity.max_param_rel < 1e-4, parity.losses
     assert not torch.compiler.is_compiling() and not torch.compiler.is_exporting()  # the flags are restored
+
+
+def test_an_encoder_decoder_model_hears_that_its_encoder_blocks_are_not_layers_and_how_to_make_them_so():
+    """T5 / Bart keep their blocks in two lists; the default layers are the larger list's (the decoder,
+    with cross-attention), and the encoder runs inside 'pre': find_layers says so, naming the
+    Config(layers) that takes both (a new user's review of transformers models found it silent)."""
+    import warnings
+
+    from fxshard.layers import find_layers
+
+    class Stack(nn.Module):
+        def __init__(self, width, cross):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(width, width * (2 if cross else 1)) for _ in range(2))
+
+    class EncoderDecoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(16, 8)
+            self.encoder, self.decoder = Stack(8, cross=False), Stack(8, cross=True)
+    model = EncoderDecoder()
+    with pytest.warns(UserWarning, match=r"the layers are decoder.blocks's children; encoder.blocks also holds blocks "
+                                         r"\(144 parameters against 288\).*Config\(layers=\(\"encoder.blocks.\*\", "
+                                         r"\"decoder.blocks.\*\"\)\) makes them layers too"):
+        assert find_layers(model) == ["decoder.blocks.0", "decoder.blocks.1"]
+    assert find_layers(model, ("encoder.blocks.*", "decoder.blocks.*")) == [
+        "encoder.blocks.0", "encoder.blocks.1", "decoder.blocks.0", "decoder.blocks.1"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one list of blocks (a small one beside it is no encoder): nothing said
+        model.encoder.blocks = nn.ModuleList(nn.Linear(8, 1) for _ in range(2))
+        assert find_layers(model) == ["decoder.blocks.0", "decoder.blocks.1"]

@@ -121,3 +121,15 @@ def test_subgroups_run_independently_and_mismatches_are_reported():
     graphs[1].recompile()  # rank 1 expects 9 rows from each peer, which sends it fewer
     with pytest.raises(FxShardError, match="mismatched collectives"):
         simulate(graphs, inputs, {"a": [0, 1]})
+
+
+def test_a_view_runs_as_the_aten_replay_runs_it_where_the_real_layout_is_not_the_traced_one():
+    """A traced view was chosen from fake strides; a kernel whose real output is laid out otherwise
+    (Qwen3-Next's gated delta-net backward on CPU) makes it fail on the real tensor. CompiledStep's aten
+    replay runs views as reshapes (graph.views_as_reshapes), and so does the simulator."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(torch.ops.aten.view.default, (x, [6])))
+    transposed = torch.arange(6.0).reshape(2, 3).t()  # no view of it is flat
+    (out,) = simulate([fx.GraphModule(torch.nn.Module(), graph)], [[transposed]], {})
+    assert torch.equal(out, transposed.reshape(6))
