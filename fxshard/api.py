@@ -47,6 +47,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
     mesh = _one_process(mesh)
     _refuse_no_mesh_in_a_job(mesh)
     groups, coords = _process_groups(mesh, config.collective_timeout_s, config.nccl_ctas, config.nccl_high_priority)
+    job_group = _job_group(config.collective_timeout_s) if groups else None
     config = _with_dump_dir(config)
     tensors = [*model.parameters(), *model.buffers()]
     is_meta = any(t.is_meta for t in tensors)
@@ -87,7 +88,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
                         getattr(model, "cfg", None), _hf_config(model), _transient_buffers(model))
     step = CompiledStep(programs, state, batch_spec, optimizer, batch_spec.device, groups, config,
                         share_compile=_shares(mesh, config.share_compile), origin=origin,
-                        evaluation=compile_evaluation, model=model,
+                        evaluation=compile_evaluation, model=model, job_group=job_group,
                         first_batch_check=_pipeline_batch_check(mesh, groups, programs[-1], batch_spec.device))
     if config.dump_dir or config.verbose:
         _report_lowerings(step, config, len(programs))
@@ -367,6 +368,24 @@ def _process_groups(mesh: Mesh | None, timeout_s: float, ctas_of=lambda axis: No
                            f"{everyone[other][2]}, nccl_high_priority={everyone[other][3]}: give every rank the same "
                            f"Mesh and Config")
     return _new_groups(mesh.all_groups(), timeout_s, ctas_of, high_priority), mesh.coords(dist.get_rank())
+
+
+def _job_group(timeout_s: float):
+    """A gloo group of every rank whose waits time out after `timeout_s` (Config.collective_timeout_s),
+    for what every rank does together outside the step (the lr agreement of parameters() / state_dict()
+    / save, checkpoints, the non-finite error's gather, evaluate()'s first compile): without it those
+    waited the default group's timeout (30 minutes on gloo) for a stalled peer. Made at shard, where
+    every rank is, once per process and timeout (as _new_groups); gloo, so it holds no GPU resources."""
+    import datetime
+
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    key = (id(world), "job", tuple(range(dist.get_world_size())), timeout_s, "gloo")
+    if key not in _GROUPS:
+        _GROUPS[key] = (world, dist.new_group(list(range(dist.get_world_size())), backend="gloo",
+                                              timeout=datetime.timedelta(seconds=timeout_s)))
+    return _GROUPS[key][1]
 
 
 # (default group's id, axis, ranks, timeout, NCCL's max CTAs and priority) -> (that default group, the group): what

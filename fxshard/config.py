@@ -60,8 +60,7 @@ class Config:
         hanging (fxshard/runtime/replay_watch.py). Tested on gloo; in eager replay on NCCL the
         watchdog's own timeout error is raised, not yet mapped to the node that waited. The calls every
         rank makes outside the step (save, load, parameters(), state_dict(), evaluate()'s first
-        compile) gather over the default process group, whose own timeout bounds them
-        (init_process_group(timeout=...); torch's default is 30 minutes on gloo, 10 on NCCL).
+        compile) wait this long too, on a gloo group of every rank made at shard (api._job_group).
     verbose: print what the runtime lowered (`step.lowerings()`) and every codegen region's progress to
         stderr (without it, only compiles longer than 5 s report progress).
     sharding: on a mesh, what FSDP shards over `dp` (Megatron's names): "no_shard" (DDP), "optim"

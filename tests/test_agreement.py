@@ -322,3 +322,36 @@ def test_traced_entries_name_what_a_step_computes_and_not_the_gpu_it_was_traced_
     step_nodes = [e.key for e in relu if e.where == "traced step"]
     assert any("relu" in key for key in step_nodes)
     assert step_nodes != [e.key for e in entries(torch.tanh) if e.where == "traced step"]
+
+
+def stalls_before_parameters():
+    """Rank 1 makes a call every rank makes (parameters()) later than Config(collective_timeout_s)."""
+    import time
+
+    from strategies import MLPStack, mse, regression_batch
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    batch = regression_batch(torch.Generator().manual_seed(rank), 4)
+    step = fxshard.shard(MLPStack([4, 4]), mse, batch, mesh=fxshard.Mesh(dp=2),
+                         config=fxshard.Config(collective_timeout_s=3))
+    step(batch)
+    if rank == 1:
+        time.sleep(6)
+    started = time.monotonic()
+    try:
+        step.parameters()
+        return None, time.monotonic() - started
+    except fxshard.FxShardError as error:
+        return str(error), time.monotonic() - started
+
+
+def test_a_peer_late_for_a_call_outside_the_step_is_waited_for_collective_timeout_s_only():
+    """parameters(), state_dict(), save and load gather over a gloo group of every rank made at shard with
+    Config(collective_timeout_s) (api._job_group): a stalled peer held them for the default group's 30
+    minutes (a reliability review waited one out)."""
+    (said, waited), (said_late, _) = run_local(stalls_before_parameters, 2, backend="gloo")
+    assert said is not None and said.startswith("another rank did not join the ranks' learning rates so far within "
+                                                "Config(collective_timeout_s)=3 s"), said
+    assert waited < 5.5, waited
+    assert said_late is not None, "the late rank's peer had given up: it cannot gather either"

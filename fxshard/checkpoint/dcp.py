@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
 import json
 import math
 import os
@@ -94,7 +95,7 @@ def save(step, path: str | os.PathLike, extra=None, async_save: bool = False) ->
             raise FxShardError(f"save(extra=...) must be picklable (each rank's extra is written with pickle): "
                                f"{type(error).__name__}: {error}; pass plain data, e.g. the data loader's position "
                                f"as numbers") from error
-    pickled_extra = _on_every_rank(checks, f"save to {path}")
+    pickled_extra = _on_every_rank(checks, f"save to {path}", _job(step))
     step._check_same_lr()  # collective: after the checks every rank passed
     distributed = _is_distributed()
     staging = f"{path}.partial"
@@ -105,12 +106,16 @@ def save(step, path: str | os.PathLike, extra=None, async_save: bool = False) ->
     state[buffers_key(step.rank)] = own_buffers(step)
     manifest = _manifest(step)
     if not async_save:
-        _write(state, staging, path, manifest, None, distributed)
+        _write(state, staging, path, manifest, _job(step), distributed)
         return PendingSave()
     if distributed and getattr(step, "_checkpoint_group", None) is None:
         import torch.distributed as dist
 
-        step._checkpoint_group = dist.new_group(backend="gloo")  # the background thread's own collectives
+        from ..runtime.agreement import _group_timeout_s
+
+        timeout = _group_timeout_s(_job(step)) if _job(step) is not None else None  # collective_timeout_s
+        step._checkpoint_group = dist.new_group(  # the background thread's own collectives
+            backend="gloo", timeout=datetime.timedelta(seconds=timeout) if timeout else None)
     group = getattr(step, "_checkpoint_group", None)
     pending = PendingSave()
 
@@ -250,8 +255,8 @@ def load(step, path: str | os.PathLike):
         for layer in conversions:
             layer.check_shapes(resolved, metadata.state_dict_metadata)
         return resolved, manifest, metadata, conversions
-    path, manifest, metadata, conversions = _on_every_rank(checks, f"load {path}")
-    _check_same_checkpoint(path, manifest)
+    path, manifest, metadata, conversions = _on_every_rank(checks, f"load {path}", _job(step))
+    _check_same_checkpoint(path, manifest, _job(step))
     state, copies = staging_state_dict(step)
     for key in _unread_state(step.programs[0]) - set(metadata.state_dict_metadata):
         state.pop(key, None)  # saved by a layout none of whose programs held it: this step's value stays
@@ -269,10 +274,10 @@ def load(step, path: str | os.PathLike):
     state.update({key: None for key in objects})
     with _quiet(_is_distributed()), _as_fxshard_error(f"reading {path}; the step is unchanged"):
         dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=LoadPlanner(),
-                 no_dist=not _is_distributed())
+                 process_group=_job(step), no_dist=not _is_distributed())
     for layer in conversions:
         layer.apply(step, state, copies)
-    _on_every_rank(lambda: _refuse_nonfinite(copies, path), f"load {path}")
+    _on_every_rank(lambda: _refuse_nonfinite(copies, path), f"load {path}", _job(step))
     buffers = {name: value for key in own for name, value in state[key].items()
                if name not in step.transient_buffers}  # persistent=False: not loaded (an older checkpoint has them)
     apply_loaded(step, copies, state[PROGRESS], state.get(rng_key(step.rank)), buffers)
@@ -285,7 +290,13 @@ def load(step, path: str | os.PathLike):
     return pickle.loads(extra) if manifest.get("extra") == "pickled" and extra is not None else extra
 
 
-def _check_same_checkpoint(path: str, manifest: dict) -> None:
+def _job(step):
+    """The step's group of every rank that times out after Config(collective_timeout_s) (None: the
+    default group, as for a step built without fxshard.shard)."""
+    return getattr(step, "job_group", None)
+
+
+def _check_same_checkpoint(path: str, manifest: dict, group=None) -> None:
     """Raise FxShardError on every rank where the ranks resolved different checkpoints (each its own
     "latest", or a path that differs by rank): their pieces would make one mixed state, at different
     step counts, silently. Compared by the manifest, which names the save (`save_id`)."""
@@ -296,7 +307,7 @@ def _check_same_checkpoint(path: str, manifest: dict) -> None:
     mine = (json.dumps({k: v for k, v in manifest.items() if k != "seconds_to_write"}, sort_keys=True),
             path, manifest.get("step_count"))
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, mine, group=group)
     other = next((rank for rank, theirs in enumerate(everyone) if theirs[0] != everyone[0][0]), None)
     if other is not None:
         raise FxShardError(f"the ranks were given different checkpoints: rank 0 loads {everyone[0][1]} (step "
@@ -494,7 +505,7 @@ def _refuse_nonfinite(copies: dict, path: str) -> None:
                                f"is unchanged. Load an earlier checkpoint")
 
 
-def _on_every_rank(check, what: str):
+def _on_every_rank(check, what: str, group=None):
     """`check()`'s result; its FxShardError raised on every rank of a job, not only this one: where
     one rank's checks fail, the others would otherwise wait in DCP's collectives for it."""
     error, result = None, None
@@ -505,7 +516,7 @@ def _on_every_rank(check, what: str):
     if _is_distributed():
         from ..runtime.agreement import fail_together
 
-        fail_together(error, what)
+        fail_together(error, what, group)
     if error is not None:
         raise error
     return result

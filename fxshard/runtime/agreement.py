@@ -186,8 +186,37 @@ def raise_together(problem: str | None, device: torch.device, elsewhere: str) ->
         raise FxShardError(problem or f"{elsewhere}, so this job stops here too: {found[0]}")
 
 
-def fail_together(failure: Exception | None, what: str) -> None:
-    """Collective over the default process group: where some rank's `failure` is not None, raise on
+def waiting_for_peers(what: str, group=None):
+    """A context in which a collective over `group` (a job group, api._job_group) that times out or
+    loses a peer raises FxShardError saying what every rank was to do together, instead of gloo's
+    RuntimeError."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def mapped():
+        try:
+            yield
+        except RuntimeError as error:
+            text = str(error)
+            if not any(s in text for s in ("Timed out", "timed out", "Connection closed", "Connection reset")):
+                raise
+            seconds = None if group is None else _group_timeout_s(group)
+            after = f"within Config(collective_timeout_s)={seconds:g} s" if seconds else "in time"
+            raise FxShardError(f"another rank did not join {what} {after} (it stalled, or stopped): every rank must "
+                               f"make this call; read the other ranks' logs ({text.strip()[:300]})") from error
+    return mapped()
+
+
+def _group_timeout_s(group) -> float | None:
+    """A gloo group's timeout in seconds (None where this torch does not say)."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except Exception:  # noqa: BLE001  (a torch without these internals: the message says "in time")
+        return None
+
+
+def fail_together(failure: Exception | None, what: str, group=None) -> None:
+    """Collective over `group` (default: the default process group): where some rank's `failure` is not None, raise on
     every rank (a rank's own failure is its caller's to raise; the others get an FxShardError naming
     the first failed rank and its error), instead of leaving the others waiting at their next
     collective for the rank that stopped. `what`: what the failed rank could not do. Unlike
@@ -197,7 +226,8 @@ def fail_together(failure: Exception | None, what: str) -> None:
 
     said = None if failure is None else f"{type(failure).__name__}: {str(failure).strip()[:600]}"
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, said)
+    with waiting_for_peers(f"the check before they {what}", group):
+        dist.all_gather_object(everyone, said, group=group)
     failed = next((rank for rank, message in enumerate(everyone) if message is not None), None)
     if failure is None and failed is not None:
         raise FxShardError(f"rank {failed} could not {what}, so no rank goes on ({everyone[failed]}); its own "

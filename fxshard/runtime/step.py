@@ -82,11 +82,13 @@ class CompiledStep:
     def __init__(self, programs: list[Program], state: State, batch_spec: BatchSpec, optimizer: Optimizer,
                  device: torch.device, groups: dict | None = None, config: Config = Config(), *,
                  share_compile: bool = False, origin: StepOrigin | None = None, evaluation=None, model=None,
-                 first_batch_check=None):
+                 first_batch_check=None, job_group=None):
         """`config` says how to run the program (the runtime lowerings, codegen, CUDA graphs, the
         non-finite policy); `share_compile` is Config(share_compile) resolved for the mesh; `origin`
         where this rank sits and what the model was (checkpoints); `evaluation` compiles evaluate()'s
-        program on first use; `first_batch_check` a pipeline's check of its first batch."""
+        program on first use; `first_batch_check` a pipeline's check of its first batch; `job_group`
+        every rank's group for what they do together outside the step, which times out after
+        Config(collective_timeout_s) (api._job_group; None: the default group's)."""
         self.programs = programs
         self.program = programs[-1]
         origin = origin or StepOrigin()
@@ -104,6 +106,7 @@ class CompiledStep:
         self.optimizer = optimizer
         self.device = device
         self.groups = groups or {}
+        self.job_group = job_group
         self.step_count = 0
         self._lr_override: float | None = None
         self._lr_trail = hashlib.sha256()  # every step's lr since shard or the last load (_check_same_lr)
@@ -259,9 +262,12 @@ class CompiledStep:
             return
         import torch.distributed as dist
 
+        from .agreement import waiting_for_peers
+
         ours = (self._lr_trail.hexdigest(), self.step_count, self.lr, self._lr_override)
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, ours)
+        with waiting_for_peers("the ranks' learning rates so far", self.job_group):
+            dist.all_gather_object(everyone, ours, group=self.job_group)
         other = next((rank for rank, theirs in enumerate(everyone) if theirs[0] != ours[0]), None)
         if other is not None:
             def said(values):
@@ -468,7 +474,7 @@ class CompiledStep:
         except Exception as error:  # noqa: BLE001  raised below, once every rank knows (as shard's compile)
             failure = error
         if self.groups:  # a rank whose trace failed must not leave the others waiting in the check below
-            fail_together(failure, "compile the evaluation")
+            fail_together(failure, "compile the evaluation", self.job_group)
         if failure is not None:
             raise failure
         if self.groups:  # the eval programs' communication must agree across ranks too
