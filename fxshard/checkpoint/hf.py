@@ -293,7 +293,8 @@ def export_hf(step, directory: str | os.PathLike) -> None:
             said = getattr(error, "strerror", None) or str(error).strip().splitlines()[0][:200]
             problem = (f"export_hf: {directory} cannot be written ({type(error).__name__}: {said}); choose a "
                        f"directory this process can write, with room for the weights")
-    raise_together(problem, step.device, f"export_hf: the writing rank could not write {directory}")
+    raise_together(problem, step.device, f"export_hf: the writing rank could not write {directory}",
+                   getattr(step, "job_group", None))
 
 
 def _replace_file(path: str, write) -> None:
@@ -338,7 +339,8 @@ def load_hf(step, directory: str | os.PathLike) -> None:
         staged = _staged(step, directory)
     except FxShardError as error:
         problem = str(error)
-    raise_together(problem, step.device, f"load_hf: another rank could not load {directory}; nothing was loaded")
+    raise_together(problem, step.device, f"load_hf: another rank could not load {directory}; nothing was loaded",
+                   getattr(step, "job_group", None))
     with torch.no_grad():
         for key, value in staged.items():
             step.state[key].copy_(value)

@@ -173,15 +173,18 @@ def check_runtime_agreement(how: str, device: torch.device) -> None:
                            "copy_engine_barriers, cuda_graphs)")
 
 
-def raise_together(problem: str | None, device: torch.device, elsewhere: str) -> None:
+def raise_together(problem: str | None, device: torch.device, elsewhere: str, group=None) -> None:
     """Every rank of the job raises FxShardError when any rank found a problem (its own, else the first
     rank's, after `elsewhere`), none when no rank did: a rank whose own part went well must not go on
-    into collectives its failed peers never issue. One process alone raises its own problem."""
+    into collectives its failed peers never issue. One process alone raises its own problem. `group`: a
+    gloo group of every rank (api._job_group), else the default group on `device`."""
     import torch.distributed as dist
 
     found = [problem] if problem else []
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        found = [text for text in _all_gather_text(problem or "", dist.group.WORLD, device) if text]
+        with waiting_for_peers(elsewhere.split(":")[0], group):
+            found = [text for text in _all_gather_text(problem or "", group or dist.group.WORLD,
+                                                       device if group is None else torch.device("cpu")) if text]
     if found:
         raise FxShardError(problem or f"{elsewhere}, so this job stops here too: {found[0]}")
 
