@@ -313,6 +313,16 @@ class Config:
             object.__setattr__(self, "nccl_max_ctas", tuple(sorted(per_axis.items())) or None)
 
     def __post_init__(self):
+        """Refuse what no step could run (FxShardError naming the field and what it takes), normalize
+        sequences to tuples, and resolve the pipeline settings that imply others (a Schedule's sizes,
+        virtual stages' schedule, dualpipev's two chunks): in this order."""
+        self._normalize_layers()
+        self._check_kinds()
+        self._check_counts_and_dtypes()
+        self._resolve_pipeline()
+        self._check_limits()
+
+    def _normalize_layers(self) -> None:
         if self.layers is not None:
             if isinstance(self.layers, str):
                 object.__setattr__(self, "layers", (self.layers,))
@@ -320,6 +330,9 @@ class Config:
                 raise FxShardError(f"layers must be a module path pattern or a sequence of them (strings such as "
                                    f"'layers.*'), got {self.layers!r}")
             object.__setattr__(self, "layers", tuple(self.layers))
+
+    def _check_kinds(self) -> None:
+        """Each field's type: bools, the choice settings (CHOICES), ints, the dump directory."""
         # "no" would read as True: every field whose default is a bool takes only a bool
         for name in (field.name for field in dataclasses.fields(self) if isinstance(field.default, bool)):
             if not isinstance(getattr(self, name), bool):
@@ -334,6 +347,9 @@ class Config:
             raise FxShardError(f"dump_dir must be a directory path or None, got {self.dump_dir!r}")
         if self.dump_dir is not None and os.path.exists(self.dump_dir) and not os.path.isdir(self.dump_dir):
             raise FxShardError(f"dump_dir {os.fspath(self.dump_dir)!r} is a file; name a directory (new or existing)")
+
+    def _check_counts_and_dtypes(self) -> None:
+        """fsdp_prefetch and microbatches as counts; param_dtype and reduce_dtype floating dtypes or None."""
         if not isinstance(self.fsdp_prefetch, int) or self.fsdp_prefetch < 0:
             raise FxShardError(f"fsdp_prefetch must be an int >= 0, got {self.fsdp_prefetch!r}")
         for name in ("param_dtype", "reduce_dtype"):
@@ -342,6 +358,10 @@ class Config:
                 raise FxShardError(f"{name} must be a floating torch.dtype such as torch.bfloat16, got {value!r}")
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise FxShardError(f"microbatches must be an int >= 1, got {self.microbatches!r}")
+
+    def _resolve_pipeline(self) -> None:
+        """The schedule (a name, or a Schedule whose sizes become microbatches and virtual_stages),
+        virtual_stages (more than one makes "1f1b" interleaved; dualpipev always has two) and stage_layers."""
         from .schedule import Schedule
 
         if isinstance(self.schedule, Schedule):  # a user's own: its sizes are the pipeline's
@@ -365,6 +385,9 @@ class Config:
                 raise FxShardError(f"stage_layers must list ints >= 0 (layers per pipeline chunk), got "
                                    f"{self.stage_layers!r}")
             object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
+
+    def _check_limits(self) -> None:
+        """The numeric settings' ranges, and the settings whose None means a default."""
         if self.moe_capacity_factor is not None and (isinstance(self.moe_capacity_factor, bool) or not (
                 isinstance(self.moe_capacity_factor, (int, float)) and self.moe_capacity_factor > 0)):
             raise FxShardError(f"moe_capacity_factor must be a number > 0 or None (dropless), got "
