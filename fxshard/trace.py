@@ -140,7 +140,15 @@ def _refuse_untraceable_parameters(model: nn.Module, params: dict[str, nn.Parame
 
 def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None = None,
           config: Config | None = None) -> Program:
-    """Trace one training step into a Program, on fake tensors (no real compute, no weight memory)."""
+    """Trace one training step into a Program, on fake tensors (no real compute, no weight memory).
+    The step differentiates whatever the caller's grad mode: a shard() or a first evaluate() under
+    torch.no_grad() or torch.inference_mode() traces the same step."""
+    with torch.inference_mode(False), torch.enable_grad():
+        return _trace_step(model, loss_fn, example_batch, optimizer, config)
+
+
+def _trace_step(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None,
+                config: Config | None) -> Program:
     config = config or Config()
     optimizer = optimizer or AdamW()
     started = time.perf_counter()

@@ -300,3 +300,69 @@ def test_a_directory_in_another_layout_than_the_models_own_names_says_which_name
     with pytest.raises(fxshard.FxShardError, match=r"1 are not there \(e\.g\. gate_up_proj\) and 2 tensors there are "
                                                    r"none of them \(e\.g\. experts\.0\.gate_proj\.weight"):
         fxshard.load_hf(step, tmp_path)
+
+
+def test_transformers_directories_load_exactly_or_are_refused_with_the_cause(tmp_path):
+    """A review of weights exchanged with 17 transformers architectures: every config key that changes
+    what the model computes is compared (GPT-2's activation_function was not: a directory of another
+    function loaded silently); tensors the model has no place for are refused; GPT-NeoX's own
+    save_pretrained loads through its class's conversion (embed_out -> lm_head); an incomplete directory
+    and pickled weights are named as such; a first evaluate() under inference_mode traces the same step."""
+    import json
+
+    import transformers
+
+    def gpt2(**changes):
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, **changes))
+    batch = {"input_ids": torch.randint(0, 64, (2, 8)), "labels": torch.randint(0, 64, (2, 8))}
+
+    def loss(model, batch):
+        return model(**batch, use_cache=False).loss
+    gpt2(activation_function="relu").save_pretrained(tmp_path / "relu")
+    step = fxshard.shard(gpt2(), loss, batch, ADAMW)
+    with pytest.raises(fxshard.FxShardError, match=r"computes another function than this gpt2 model: activation_function "
+                                                   r"'relu' \(this model: 'gelu_new'\).*check_config=False"):
+        fxshard.load_hf(step, tmp_path / "relu")
+    fxshard.load_hf(step, tmp_path / "relu", check_config=False)  # meant: the same weights, another activation
+    assert torch.equal(step.parameters()["transformer.h.0.mlp.c_fc.weight"],
+                       gpt2(activation_function="relu").state_dict()["transformer.h.0.mlp.c_fc.weight"])
+
+    def llama(**changes):
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, **changes))
+    llama(attention_bias=True).save_pretrained(tmp_path / "biased")
+    os.remove(tmp_path / "biased" / "config.json")  # no config to compare: the tensors say it
+    with pytest.raises(fxshard.FxShardError, match=r"holds 4 tensors this LlamaForCausalLM has no place for \(e\.g\. "
+                                                   r"model\.layers\.0\.self_attn\.k_proj\.bias"):
+        fxshard.load_hf(fxshard.shard(llama(), loss, batch, ADAMW), tmp_path / "biased")
+
+    torch.manual_seed(0)
+    neox = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
+    neox.save_pretrained(tmp_path / "neox")
+    with torch.device("meta"):
+        empty = transformers.GPTNeoXForCausalLM(neox.config)
+    step = fxshard.shard(empty, loss, batch, ADAMW)
+    fxshard.load_hf(step, tmp_path / "neox")
+    assert all(torch.equal(step.parameters()[name], value) for name, value in neox.named_parameters())
+
+    files = tmp_path / "biased"
+    with open(files / "model.safetensors", "rb") as handle:
+        from safetensors.torch import load, save_file
+        tensors = load(handle.read())
+    save_file({k: v for k, v in tensors.items() if "mlp" not in k and "bias" not in k}, str(files / "model.safetensors"))
+    with pytest.raises(fxshard.FxShardError, match=r"lacks 3 of this LlamaForCausalLM's tensors .* it is incomplete"):
+        fxshard.load_hf(fxshard.shard(llama(), loss, batch, ADAMW), files)
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    torch.save({}, pickled / "pytorch_model.bin")
+    (pickled / "config.json").write_text(json.dumps({}))
+    with pytest.raises(fxshard.FxShardError, match=r"only pickled weights \(pytorch_model\.bin\), which fxshard does not "
+                                                   r"read: load them with from_pretrained"):
+        fxshard.load_hf(step, pickled)
+    with torch.inference_mode():
+        assert torch.isfinite(step.evaluate(batch)["loss"])

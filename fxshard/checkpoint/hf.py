@@ -20,6 +20,7 @@ so any rectangle of it reads only the stored elements it covers (`safe_open(...)
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import os
@@ -132,8 +133,12 @@ class SafetensorsDirectory:
         files = sorted(set(index.values())) if index else sorted(
             f for f in os.listdir(directory) if f.endswith(".safetensors"))
         if not files:
-            raise FxShardError(f"{directory} holds no *.safetensors files; pass a directory written by "
-                               f"save_pretrained or fxshard.export_hf")
+            pickled = [f for f in os.listdir(directory) if f.endswith((".bin", ".pt", ".pth"))]
+            raise FxShardError(f"{directory} holds no *.safetensors files"
+                               + (f", only pickled weights ({', '.join(pickled[:3])}), which fxshard does not read: load "
+                                  f"them with from_pretrained and pass that model to shard (or save_pretrained it "
+                                  f"again, which writes safetensors)" if pickled else
+                                  "; pass a directory written by save_pretrained or fxshard.export_hf"))
         for file in files:
             handle = self._open(directory, file)
             self.handles[file] = handle
@@ -324,19 +329,23 @@ def _expert_layers_as(step, params: dict, target: ExpertLayout) -> dict:
 
 
 # ---- import ------------------------------------------------------------------------------------
-def load_hf(step, directory: str | os.PathLike) -> None:
+def load_hf(step, directory: str | os.PathLike, check_config: bool = True) -> None:
     """Initialize `step`'s parameters from a Hugging Face directory (Llama for models.GPT, Mixtral for
     models.MoEGPT) or from safetensors files in the model's own parameter names. Each rank reads only
     the rectangles of each tensor it holds; optimizer state and the step count are left as they are
     (a fresh step: zeros and 0). Every rank calls it; nothing changes unless every tensor is found and
     finite, and when one rank's pieces are not (a NaN, a file cut short where only it reads), every rank
-    raises."""
+    raises. A transformers model's directory must state the model's own config (what it computes);
+    `check_config=False` loads weights into a model whose config was changed on purpose (another rope
+    scaling for a longer context)."""
+    if not isinstance(check_config, bool):
+        raise FxShardError(f"load_hf(check_config=...) must be True or False, got {check_config!r}")
     require_step(step, "load_hf")
     directory = os.fspath(path_argument(directory, "load_hf"))
     step._refuse_if_aborted()
     problem, staged = None, {}
     try:
-        staged = _staged(step, directory)
+        staged = _staged(step, directory, check_config)
     except FxShardError as error:
         problem = str(error)
     raise_together(problem, step.device, f"load_hf: another rank could not load {directory}; nothing was loaded",
@@ -346,13 +355,14 @@ def load_hf(step, directory: str | os.PathLike) -> None:
             step.state[key].copy_(value)
 
 
-def _staged(step, directory: str) -> dict:
+def _staged(step, directory: str, check_config: bool = True) -> dict:
     """Copies of this rank's state tensors that the directory holds, filled from it (buffers the directory
     does not hold stay as they are); FxShardError for anything missing, unreadable or not finite."""
     files = SafetensorsDirectory(directory)
     shapes = {spec.name: tuple(spec.shape) for spec in step.programs[0].inputs if spec.kind is InputKind.PARAM}
     buffers = {spec.name: tuple(spec.shape) for spec in step.programs[0].inputs if spec.kind is InputKind.BUFFER}
-    sources = {model_key(name): source for name, source in _sources(step, files, shapes, directory, buffers).items()}
+    sources = {model_key(name): source
+               for name, source in _sources(step, files, shapes, directory, buffers, check_config).items()}
     pieces = [piece for piece in pieces_of(step) if piece.key in sources]
     staged = {piece.state: step.state[piece.state].clone() for piece in pieces}
     load_state_dict_into(step, sources, staged)
@@ -366,17 +376,21 @@ def _staged(step, directory: str) -> dict:
     return staged
 
 
-def _sources(step, files: SafetensorsDirectory, shapes: dict, directory: str, buffers: dict) -> dict[str, Source]:
+def _sources(step, files: SafetensorsDirectory, shapes: dict, directory: str, buffers: dict,
+             check_config: bool = True) -> dict[str, Source]:
     """Our parameter name -> where its global tensor comes from, checked against its shape; and the
     buffers (`buffers`: name -> shape) the directory holds under the names the parameters are found
     by (a transformers model's persistent buffers, e.g. DeepSeek-V3's router score bias)."""
-    if step.hf_config is not None:  # a transformers model: the directory's config.json must compute the same
+    if step.hf_config is not None and check_config:  # a transformers model: config.json must compute the same
         _check_transformers_config(step.hf_config, directory)
     converted = None
     if all(name in files.shapes for name in shapes):  # the model's own names
+        _refuse_unplaced(step, directory, set(files.shapes) - set(shapes) - set(buffers))
         sources = {name: files.source(name) for name in [*shapes, *buffers] if name in files.shapes}
-    elif step.hf_config is not None and (converted := _transformers_layout(step.hf_config["model_type"], files)) \
+    elif step.hf_config is not None and (converted := _transformers_layout(
+            step.model_class, step.hf_config["model_type"], files)) \
             and all(name in converted for name in shapes):  # experts stored one by one, fused in the model
+        _refuse_unplaced(step, directory, set(converted) - set(shapes) - set(buffers))
         sources = {name: converted[name] for name in [*shapes, *buffers] if name in converted}
     elif step.model_class not in HUB_ARCHITECTURES:  # no Hugging Face layout to map: say what does not match
         lacking = sorted(set(shapes) - set(files.shapes))
@@ -384,6 +398,10 @@ def _sources(step, files: SafetensorsDirectory, shapes: dict, directory: str, bu
         still = sorted(set(shapes) - set(converted or {}))
         mapped = (f"; through transformers' conversion for model_type {step.hf_config['model_type']!r}, {len(still)} "
                   f"are still not there (e.g. {', '.join(still[:3])})" if converted else "")
+        if not spare:  # nothing under other names: files are missing, not another layout
+            raise FxShardError(f"{directory} lacks {len(lacking)} of this {step.model_class}'s tensors (e.g. "
+                               f"{', '.join(lacking[:3])}) and holds none under other names: it is incomplete (a "
+                               f"shard file missing, a download cut short); copy or download it again")
         raise FxShardError(f"{directory} does not hold this {step.model_class}'s parameters under their own names: "
                            f"{len(lacking)} are not there (e.g. {', '.join(lacking[:3])}) and {len(spare)} tensors there "
                            f"are none of them (e.g. {', '.join(spare[:3])}){mapped}. transformers' save_pretrained "
@@ -441,19 +459,31 @@ def _sources(step, files: SafetensorsDirectory, shapes: dict, directory: str, bu
     return sources
 
 
-# a transformers config's keys whose values change what the model computes but no tensor's shape
-FUNCTION_KEYS = ("model_type", "hidden_act", "rms_norm_eps", "layer_norm_eps", "rope_theta", "rope_parameters",
-                 "rope_scaling", "partial_rotary_factor", "num_attention_heads", "num_key_value_heads", "head_dim",
-                 "attention_bias", "mlp_bias", "sliding_window", "use_sliding_window", "num_experts_per_tok",
-                 "norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group", "scoring_func",
-                 "tie_word_embeddings", "final_logit_softcapping", "attn_logit_softcapping",
-                 "query_pre_attn_scalar", "logit_scale")  # not the auxiliary loss's: a training choice
+# a transformers config's keys that change nothing a training step computes from given weights:
+# bookkeeping, generation and tokenizer settings, initialization, and training choices (dropout, the
+# auxiliary losses' weights). Every other key the two configs both hold must agree (load_hf).
+NOT_COMPUTED = frozenset((
+    "transformers_version", "architectures", "_name_or_path", "name_or_path", "torch_dtype", "dtype", "auto_map",
+    "_commit_hash", "_attn_implementation", "_attn_implementation_autoset", "attn_implementation",
+    "_experts_implementation", "experts_implementation", "id2label", "label2id", "problem_type", "finetuning_task",
+    "return_dict", "use_return_dict", "output_hidden_states", "output_attentions", "output_router_logits",
+    "use_cache", "torchscript", "pruned_heads", "tf_legacy_loss", "use_bfloat16", "tokenizer_class", "prefix",
+    "task_specific_params", "initializer_range", "initializer_factor", "gradient_checkpointing",
+    "chunk_size_feed_forward", "max_length", "min_length", "do_sample", "early_stopping", "num_beams",
+    "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
+    "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
+    "num_return_sequences", "output_scores", "return_dict_in_generate", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id",
+    "forced_eos_token_id", "pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id"))
+NOT_COMPUTED_PATTERNS = ("*dropout*", "*pdrop*", "*_token_id", "*aux_loss*", "*z_loss*", "router_*_coef")
 
 
 def _check_transformers_config(ours: dict, directory: str) -> None:
     """Refuse a directory whose config.json (read by transformers, as from_pretrained would) states
-    another value than the transformers model's own config for a key in FUNCTION_KEYS: its weights
-    have the right shapes and would load into a model that computes something else."""
+    another value than the transformers model's own config for a key both hold that is not in
+    NOT_COMPUTED: its weights have the right shapes and would load into a model that computes something
+    else (another activation, epsilon, head count, rope, sliding window, ...). load_hf(check_config=False)
+    loads such weights on purpose (a longer context's rope scaling)."""
     if not os.path.exists(os.path.join(directory, "config.json")):
         return
     import transformers
@@ -463,13 +493,27 @@ def _check_transformers_config(ours: dict, directory: str) -> None:
     except (OSError, ValueError, KeyError) as error:
         raise FxShardError(f"{directory}/config.json does not read as a transformers config ({error}); fix or "
                            f"remove it") from None
-    theirs, ours = _derived(theirs), _derived(ours)
-    differences = [f"{key} {theirs[key]!r} (this model: {ours[key]!r})" for key in FUNCTION_KEYS
-                   if key in theirs and key in ours and not _same(theirs[key], ours[key])]
+    differences = _transformers_differences(_derived(theirs), _derived(ours))
     if differences:
         raise FxShardError(f"{directory} computes another function than this {ours.get('model_type')} model: "
-                           f"{'; '.join(differences)}. Its weights would load and compute something else; build "
-                           f"the model from that directory's config (AutoConfig.from_pretrained)")
+                           f"{'; '.join(differences[:6])}. Its weights would load and compute something else; build "
+                           f"the model from that directory's config (AutoConfig.from_pretrained), or pass "
+                           f"load_hf(..., check_config=False) where the change is meant")
+
+
+def _transformers_differences(theirs: dict, ours: dict, prefix: str = "") -> list[str]:
+    """Each key both configs hold, nested configs' keys as `outer.inner`, whose values differ, said as
+    "key theirs (this model: ours)"; NOT_COMPUTED keys left out."""
+    found = []
+    for key in theirs.keys() & ours.keys():
+        if key in NOT_COMPUTED or any(fnmatch.fnmatchcase(key, p) for p in NOT_COMPUTED_PATTERNS):
+            continue
+        mine, other = ours[key], theirs[key]
+        if isinstance(mine, dict) and isinstance(other, dict) and "model_type" in mine:  # a sub-model's config
+            found += _transformers_differences(other, mine, f"{prefix}{key}.")
+        elif not _same(other, mine):
+            found.append(f"{prefix}{key} {other!r} (this model: {mine!r})")
+    return sorted(found)
 
 
 def _derived(config: dict) -> dict:
@@ -488,7 +532,18 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _transformers_layout(model_type: str, files: SafetensorsDirectory) -> dict[str, Source] | None:
+def _refuse_unplaced(step, directory: str, extra: set[str]) -> None:
+    """Refuse a directory holding tensors the model has no place for (a bias, an untied head): loading
+    the rest would compute without them, silently. A non-persistent buffer a save kept (an older
+    transformers' `rotary_emb.inv_freq`) is not a weight."""
+    extra = sorted(name for name in extra if name not in step.transient_buffers and not name.endswith(".inv_freq"))
+    if extra:
+        raise FxShardError(f"{directory} holds {len(extra)} tensors this {step.model_class} has no place for (e.g. "
+                           f"{', '.join(extra[:4])}): the model they come from computes more than this one (biases, "
+                           f"an untied head, ...); build the model with the checkpoint's config")
+
+
+def _transformers_layout(model_class: str, model_type: str, files: SafetensorsDirectory) -> dict[str, Source] | None:
     """The directory's tensors under the names a transformers model of `model_type` holds them by,
     through transformers' own conversion mapping (what from_pretrained applies): renamings, and
     experts stored one by one stacked into one tensor (MergeModulelist(dim=0)), several such
@@ -501,7 +556,11 @@ def _transformers_layout(model_type: str, files: SafetensorsDirectory) -> dict[s
     except ImportError:
         return None
 
-    transforms = get_checkpoint_conversion_mapping(model_type) or []
+    # as from_pretrained gathers them: the class's own mapping (GPTNeoXForCausalLM's embed_out -> lm_head),
+    # its model_type's (for the base model inside), and the legacy renamings every model gets
+    transforms = [*(get_checkpoint_conversion_mapping(model_class) or []),
+                  *(get_checkpoint_conversion_mapping(model_type) or []),
+                  *(get_checkpoint_conversion_mapping("legacy") or [])]
     if not transforms:
         return None
     renamed = {}
