@@ -66,7 +66,7 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
                                     config.nccl_high_priority))
     config = _write_dumps(programs, mesh, config, coords)
     if groups:  # before anything is materialized: ranks that would issue different collectives stop here
-        _check_ranks_agree(programs, model, batch_spec, optimizer, mesh, config, groups, stage)
+        _check_ranks_agree(programs, model, batch_spec, optimizer, mesh, config, groups, stage, job_group)
     # A meta-device model is initialized here, per module and seeded by module path (fxshard.init):
     # each rank materializes only its own shards.
     source = MetaInit(model, config.seed, batch_spec.device) if is_meta else model
@@ -157,7 +157,7 @@ def _write_dumps(programs: list[Program], mesh, config: Config, coords: dict) ->
 
 
 def _check_ranks_agree(programs: list[Program], model, batch_spec: BatchSpec, optimizer, mesh, config: Config,
-                       groups: dict, stage: int) -> None:
+                       groups: dict, stage: int, job_group=None) -> None:
     """Before anything is materialized, every rank of the mesh raises where they would issue different
     collectives, traced different steps, or start from different weights, batch shapes, optimizer or
     Config; a pipeline's stages also agree on their random streams and connect their point-to-point
@@ -166,7 +166,7 @@ def _check_ranks_agree(programs: list[Program], model, batch_spec: BatchSpec, op
     from .runtime.agreement import check_agreement, check_pipeline_streams, check_same_start, connect_pipeline_peers
 
     check_agreement(program.graph, groups, batch_spec.device, stage if program.stage is not None else None)
-    check_same_start(model, batch_spec, optimizer, config, batch_spec.device, programs[0])
+    check_same_start(model, batch_spec, optimizer, config, batch_spec.device, programs[0], job_group)
     if program.stage is not None:
         check_pipeline_streams(groups["pp"], mesh, config, program.stage.costs)
         connect_pipeline_peers(program.graph, groups["pp"], batch_spec.device)
@@ -383,8 +383,16 @@ def _job_group(timeout_s: float):
     world = dist.group.WORLD
     key = (id(world), "job", tuple(range(dist.get_world_size())), timeout_s, "gloo")
     if key not in _GROUPS:
-        _GROUPS[key] = (world, dist.new_group(list(range(dist.get_world_size())), backend="gloo",
-                                              timeout=datetime.timedelta(seconds=timeout_s)))
+        try:
+            group = dist.new_group(list(range(dist.get_world_size())), backend="gloo",
+                                   timeout=datetime.timedelta(seconds=timeout_s))
+        except (RuntimeError, ValueError) as error:  # a build or host without gloo: the default group's waits
+            import warnings
+
+            warnings.warn(f"fxshard: no gloo group for the ranks' agreements outside the step ({error}); they wait "
+                          f"on the default process group, for its timeout", stacklevel=3)
+            group = None
+        _GROUPS[key] = (world, group)
     return _GROUPS[key][1]
 
 

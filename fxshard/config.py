@@ -60,7 +60,9 @@ class Config:
         hanging (fxshard/runtime/replay_watch.py). Tested on gloo; in eager replay on NCCL the
         watchdog's own timeout error is raised, not yet mapped to the node that waited. The calls every
         rank makes outside the step (save, load, parameters(), state_dict(), evaluate()'s first
-        compile) wait this long too, on a gloo group of every rank made at shard (api._job_group).
+        compile) start with agreements that wait this long too, on a gloo group of every rank made at
+        shard (api._job_group); a save's or load's file I/O waits on the default group, whose timeout
+        (init_process_group(timeout=...)) bounds the slowest rank's disk.
     verbose: print what the runtime lowered (`step.lowerings()`) and every codegen region's progress to
         stderr (without it, only compiles longer than 5 s report progress).
     sharding: on a mesh, what FSDP shards over `dp` (Megatron's names): "no_shard" (DDP), "optim"

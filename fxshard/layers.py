@@ -70,7 +70,9 @@ def _warn_other_block_lists(best: str, sizes: dict[str, int]) -> None:
         warnings.warn(f"fxshard: the layers are {best}'s children; {', '.join(others)} also holds blocks "
                       f"({', '.join(f'{sizes[o]:,}' for o in others)} parameters against {sizes[best]:,}), which run "
                       f"inside 'pre' or 'post' as one unit that ZeRO gathers whole and a pipeline does not cut. "
-                      f"Config(layers=({patterns})) makes them layers too", stacklevel=user_stacklevel())
+                      f"Config(layers=({patterns})) makes them layers too (listed in the order they are registered: "
+                      f"list them in the order the forward runs them, which a pipeline needs)",
+                      stacklevel=user_stacklevel())
 
 
 def _holds_blocks(module: nn.Module) -> bool:

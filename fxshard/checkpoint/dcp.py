@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import datetime
 import json
 import math
 import os
@@ -105,17 +104,13 @@ def save(step, path: str | os.PathLike, extra=None, async_save: bool = False) ->
     state[extra_key(_rank())] = pickled_extra
     state[buffers_key(step.rank)] = own_buffers(step)
     manifest = _manifest(step)
-    if not async_save:
-        _write(state, staging, path, manifest, _job(step), distributed)
+    if not async_save:  # DCP's collectives wait for every rank's I/O: the default group's timeout, not the step's
+        _write(state, staging, path, manifest, None, distributed)
         return PendingSave()
     if distributed and getattr(step, "_checkpoint_group", None) is None:
         import torch.distributed as dist
 
-        from ..runtime.agreement import _group_timeout_s
-
-        timeout = _group_timeout_s(_job(step)) if _job(step) is not None else None  # collective_timeout_s
-        step._checkpoint_group = dist.new_group(  # the background thread's own collectives
-            backend="gloo", timeout=datetime.timedelta(seconds=timeout) if timeout else None)
+        step._checkpoint_group = dist.new_group(backend="gloo")  # the background thread's own collectives
     group = getattr(step, "_checkpoint_group", None)
     pending = PendingSave()
 
@@ -273,8 +268,8 @@ def load(step, path: str | os.PathLike):
     objects += own
     state.update({key: None for key in objects})
     with _quiet(_is_distributed()), _as_fxshard_error(f"reading {path}; the step is unchanged"):
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=LoadPlanner(),
-                 process_group=_job(step), no_dist=not _is_distributed())
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=LoadPlanner(),  # waits for every
+                 no_dist=not _is_distributed())  # rank's reads: the default group's timeout, not the step's
     for layer in conversions:
         layer.apply(step, state, copies)
     _on_every_rank(lambda: _refuse_nonfinite(copies, path), f"load {path}", _job(step))
@@ -292,7 +287,9 @@ def load(step, path: str | os.PathLike):
 
 def _job(step):
     """The step's group of every rank that times out after Config(collective_timeout_s) (None: the
-    default group, as for a step built without fxshard.shard)."""
+    default group, as for a step built without fxshard.shard), for the agreements before and after a
+    save's or load's I/O; the I/O's own collectives (DCP's, the staging barriers) wait on the default
+    group, as long as the slowest rank's disk takes."""
     return getattr(step, "job_group", None)
 
 
@@ -306,8 +303,11 @@ def _check_same_checkpoint(path: str, manifest: dict, group=None) -> None:
 
     mine = (json.dumps({k: v for k, v in manifest.items() if k != "seconds_to_write"}, sort_keys=True),
             path, manifest.get("step_count"))
+    from ..runtime.agreement import waiting_for_peers
+
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine, group=group)
+    with waiting_for_peers("the comparison of the checkpoints they load", group):
+        dist.all_gather_object(everyone, mine, group=group)
     other = next((rank for rank, theirs in enumerate(everyone) if theirs[0] != everyone[0][0]), None)
     if other is not None:
         raise FxShardError(f"the ranks were given different checkpoints: rank 0 loads {everyone[0][1]} (step "

@@ -22,6 +22,7 @@ Only when hashes differ are the sequences themselves exchanged, so that every ra
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 from dataclasses import dataclass
@@ -193,8 +194,6 @@ def waiting_for_peers(what: str, group=None):
     """A context in which a collective over `group` (a job group, api._job_group) that times out or
     loses a peer raises FxShardError saying what every rank was to do together, instead of gloo's
     RuntimeError."""
-    import contextlib
-
     @contextlib.contextmanager
     def mapped():
         try:
@@ -384,7 +383,8 @@ def start_entries(model, batch_spec, optimizer, config, traced=None) -> list[Ent
     read = set()
     if traced is not None:
         entries += traced_entries(traced.graph)
-        read = {i.name for i, node in zip(traced.inputs, traced.placeholders()) if i.kind.value == "buffer" and node.users}
+        read = {i.name for i, node in zip(traced.inputs, traced.placeholders()) if i.kind.value == "buffer"
+                and any(_reads_values(user, node) for user in node.users)}
     tensors = [(f"parameter {name!r}", t) for name, t in model.named_parameters()]
     tensors += [(f"buffer {name!r}", t) for name, t in model.named_buffers() if _persistent(model, name) or name in read]
     if not config.check_initial_weights:
@@ -395,6 +395,24 @@ def start_entries(model, batch_spec, optimizer, config, traced=None) -> list[Ent
         bits = "meta" if checksum is None else f"checksum {checksum[0] & (2**64 - 1):016x}.{checksum[1] & (2**64 - 1):016x}"
         entries.append(Entry(f"{what}: {tuple(tensor.shape)} {dtype}, {bits}", what.split(" ")[0]))
     return entries
+
+
+_aten = torch.ops.aten
+# ops that read only their first argument's shape, dtype and device (a scratch buffer zeroed, filled or
+# overwritten in the forward; a tensor made like it): its initial values do not matter to the step
+_NOT_READING_FIRST = frozenset((
+    _aten.copy.default, _aten.zero.default, _aten.fill.Scalar, _aten.fill.Tensor, _aten.zeros_like.default,
+    _aten.ones_like.default, _aten.empty_like.default, _aten.full_like.default, _aten.new_zeros.default,
+    _aten.new_ones.default, _aten.new_empty.default, _aten.new_full.default, _aten.sym_size.int,
+    _aten.sym_stride.int, _aten.sym_numel.default, _aten.sym_storage_offset.default))
+
+
+def _reads_values(user: fx.Node, tensor: fx.Node) -> bool:
+    """Whether `user` reads `tensor`'s values, not only its shape (the first argument of
+    _NOT_READING_FIRST's ops, e.g. the destination of a copy)."""
+    if user.target in _NOT_READING_FIRST and user.args and user.args[0] is tensor:
+        return any(a is tensor for a in user.args[1:]) or tensor in user.kwargs.values()
+    return True
 
 
 def traced_entries(graph: fx.Graph) -> list[Entry]:
@@ -475,12 +493,14 @@ def _checksums(tensors: list[torch.Tensor], chunk_words: int = 1 << 24) -> list[
     return [None if index is None else tuple(values[index]) for index in sums]
 
 
-def check_same_start(model, batch_spec, optimizer, config, device: torch.device, traced=None) -> None:
+def check_same_start(model, batch_spec, optimizer, config, device: torch.device, traced=None, group=None) -> None:
     """Raise FxShardError on every rank of the job when some rank traced another step (`traced`: its
     program before any pass), starts from other weights, another optimizer, Config or example batch
-    than rank 0 (`start_entries`), naming the first item that
-    differs and each side of it. One small all-gather of digests over the default group; the items
-    themselves are exchanged only when the digests differ. Nothing to compare in one process."""
+    than rank 0 (`start_entries`), naming the first item that differs and each side of it. One small
+    all-gather of digests over the default group. Only when they differ, rank 0's items are broadcast
+    over `group` (a gloo group of every rank; default: the default group) and each rank gathers just
+    where its own first differ: a traced step has thousands of items, which every rank gathering every
+    rank's would multiply by the ranks. Nothing to compare in one process."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
@@ -488,10 +508,17 @@ def check_same_start(model, batch_spec, optimizer, config, device: torch.device,
     mine = start_entries(model, batch_spec, optimizer, config, traced)
     if len({tuple(d) for d in _all_gather_lists(_digest(mine), dist.group.WORLD, device)}) == 1:
         return
-    every = [_decode(text) for text in _all_gather_text(_encode(mine), dist.group.WORLD, device)]
-    _, entries = first_difference(every)
-    rank = next(r for r, entry in enumerate(entries) if entry != entries[0])
-    first, theirs = entries[0], entries[rank]
+    on_device = torch.cuda.device(device) if group is None and device.type == "cuda" else contextlib.nullcontext()
+    with on_device, waiting_for_peers("the comparison of where they start", group):
+        told = [_encode(mine) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(told, src=0, group=group)  # NCCL's object transfer uses the current device
+        found = first_difference([_decode(told[0]), mine])
+        said = None if found is None else (found[0], *found[1])
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, said, group=group)
+    index = min(entry[0] for entry in everyone if entry is not None)
+    rank = next(r for r, entry in enumerate(everyone) if entry is not None and entry[0] == index)
+    _, first, theirs = everyone[rank]
     what = (first or theirs).where
     fix = _START_FIXES.get(what, _HINT)
     raise FxShardError(f"rank {rank} starts from something else than rank 0: {theirs.key if theirs else 'nothing'} "

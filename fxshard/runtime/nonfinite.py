@@ -56,7 +56,10 @@ def nonfinite_error(step, number: int, last: int, grad_norm: float, flags: torch
         everyone = [None] * dist.get_world_size()
         group = getattr(step, "job_group", None)  # gloo, timed out after collective_timeout_s
         with (torch.cuda.device(step.device) if step.device.type == "cuda" else contextlib.nullcontext()):
-            dist.all_gather_object(everyone, mine, group=group)  # NCCL's object transfer uses the current device
+            from .agreement import waiting_for_peers
+
+            with waiting_for_peers("the gather of the non-finite gradients' names", group):
+                dist.all_gather_object(everyone, mine, group=group)  # NCCL's object transfer uses the current device
     found = sorted(entry for entries in everyone for entry in entries)
     what = "the gradients are not finite"
     if found:
