@@ -367,6 +367,10 @@ class Config:
         from .schedule import Schedule
 
         if isinstance(self.schedule, Schedule):  # a user's own: its sizes are the pipeline's
+            for name, theirs in (("microbatches", self.schedule.microbatches), ("virtual_stages", self.schedule.virtual)):
+                if getattr(self, name) not in (1, theirs):  # 1: unset (the default)
+                    raise FxShardError(f"Config({name}={getattr(self, name)}) but the Schedule given has {theirs}: "
+                                       f"a Schedule sets {name} itself; leave it unset")
             object.__setattr__(self, "microbatches", self.schedule.microbatches)
             object.__setattr__(self, "virtual_stages", self.schedule.virtual)
         elif self.schedule not in PIPELINE_SCHEDULES:
@@ -383,8 +387,8 @@ class Config:
             object.__setattr__(self, "virtual_stages", 2)
         if self.stage_layers is not None:
             if not isinstance(self.stage_layers, (tuple, list)) or \
-                    not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in self.stage_layers):
-                raise FxShardError(f"stage_layers must list ints >= 0 (layers per pipeline chunk), got "
+                    not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in self.stage_layers):
+                raise FxShardError(f"stage_layers must list ints >= 1 (layers per pipeline chunk), got "
                                    f"{self.stage_layers!r}")
             object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
 

@@ -58,8 +58,14 @@ def test_a_receive_order_that_deadlocks_is_rejected():
 def test_a_missing_action_is_rejected():
     schedule = one_f_one_b(2, 2)
     rank1 = tuple(a for a in schedule.ranks[1] if str(a) != "B1:1")
-    with pytest.raises(FxShardError, match="needs B1:1"):
-        simulate(Schedule((schedule.ranks[0], rank1), 2, 1, 2, "missing"))
+    with pytest.raises(FxShardError, match=r"schedule missing misses compute actions, e\.g\. \['B1:1'\]"):
+        simulate(Schedule((schedule.ranks[0], rank1), 2, 1, 2, "missing"))  # named before the sends it implies
+    beyond = schedule.ranks[0] + (Action("F", 2, 0, None),)  # a chunk the schedule does not have
+    with pytest.raises(FxShardError, match=r"has 2 chunks \(2 stages x 1 virtual\) and 2 microbatches, but names "
+                                           r"actions beyond them, e\.g\. \['F2:0'\]"):
+        simulate(Schedule((beyond, schedule.ranks[1]), 2, 1, 2, "beyond"))
+    with pytest.raises(FxShardError, match=r"Config\(microbatches=2\) but the Schedule given has 4"):
+        fxshard.Config(schedule=one_f_one_b(2, 4), microbatches=2)
     rank1 = tuple(a for a in schedule.ranks[1] if a.mb != 1 or a.kind not in ("B", "SB"))
     rank0 = tuple(a for a in schedule.ranks[0] if a.mb != 1 or a.kind not in ("B", "RB"))
     with pytest.raises(FxShardError, match="misses"):

@@ -62,6 +62,7 @@ def simulate(schedule: Schedule, cost: dict[str, float] | None = None, order=Non
                            f"actions on every rank (issue_order(schedule) makes one)")
     graph = nx.DiGraph()
     where, streams, gates = _chain_ranks(graph, ranks, timed_transfers=order is not None)
+    _check_compute_actions(schedule, where)  # first: the checks below name transfers a missing chunk implies
     _add_data_dependencies(graph, schedule, where)
     _add_pairs_and_streams(graph, where, pairs, streams, gates)
     _check_complete(graph, schedule, where)
@@ -205,15 +206,27 @@ def _add_pairs_and_streams(graph: nx.DiGraph, where: dict, pairs, streams: dict,
             graph.add_edge(earlier, later)
 
 
+def _check_compute_actions(schedule: Schedule, where: dict) -> None:
+    """Every chunk's F and B of every microbatch is run, and no compute action names a chunk or
+    microbatch the schedule does not have (its `virtual` x stages chunks, its `microbatches`)."""
+    chunks, microbatches = schedule.chunks, schedule.microbatches
+    named = f"schedule {schedule.name}" if schedule.name else "the schedule"
+    expected = {(k, c, mb) for k in ("F", "B") for c in range(chunks) for mb in range(microbatches)}
+    present = {(k, c, mb) for (k, c, mb, _) in where if k in ("F", "B", "W")}
+    beyond = sorted(f"{k}{c}:{mb}" for k, c, mb in present if not (0 <= c < chunks and 0 <= mb < microbatches))
+    if beyond:
+        raise FxShardError(f"{named} has {chunks} chunks ({schedule.stages} stages x "
+                           f"{schedule.virtual} virtual) and {microbatches} microbatches, but names actions beyond "
+                           f"them, e.g. {beyond[:5]}: give the Schedule the sizes its actions use")
+    missing = sorted(f"{k}{c}:{mb}" for k, c, mb in expected - present)
+    if missing:
+        raise FxShardError(f"{named} misses compute actions, e.g. {missing[:5]} (every chunk "
+                           f"of its {chunks} runs F and B for each of its {microbatches} microbatches)")
+
+
 def _check_complete(graph: nx.DiGraph, schedule: Schedule, where: dict) -> None:
-    """Every chunk's F and B of every microbatch is run, a rank with W's has one W per B, and the
-    dependencies have no cycle (a cycle is a deadlock: it is named)."""
-    chunks = schedule.chunks
-    expected = {(k, c, mb) for k in ("F", "B") for c in range(chunks) for mb in range(schedule.microbatches)}
-    present = {(k, c, mb) for (k, c, mb, _) in where if k in ("F", "B")}
-    if present != expected:
-        missing = sorted(expected - present)[:5]
-        raise FxShardError(f"schedule misses compute actions, e.g. {missing}")
+    """A rank with W's has one W per B, and the dependencies have no cycle (a cycle is a deadlock:
+    it is named)."""
     for rank, actions in enumerate(schedule.ranks):  # a rank with W's computes every weight gradient in a W
         weights = sorted((a.chunk, a.mb) for a in actions if a.kind == "W")
         inputs = sorted((a.chunk, a.mb) for a in actions if a.kind == "B")
