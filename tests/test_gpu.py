@@ -374,6 +374,47 @@ def test_fsdp_over_nccl_matches_single_device_eager(model_name, cuda_graphs):
                 assert relative(params[name], p.cpu()) < CODEGEN_PARAM_BOUND, (strategy, name)
 
 
+def _checkpoint_and_agreements_over_nccl(directory):
+    """On NCCL ranks: save, load into a new step and parameters() agree over the gloo job group; a rank
+    that traced another step (a loss scaled on rank 1) is refused at shard on both, through the
+    broadcast of rank 0's items; a rank given another checkpoint is refused at load."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    batch = {k: v[rank * 2:(rank + 1) * 2].cuda() for k, v in cuda_batches(1, rows=4, device="cpu")[0].items()}
+
+    def build(scale=1.0):
+        torch.manual_seed(0)
+        return fxshard.shard(GPT(GPTConfig.preset("tiny")).cuda(), lambda m, b: m.loss(b) * scale, batch,
+                             optimizer=ADAMW, mesh=fxshard.Mesh(dp=2))
+    step = build()
+    step(batch)
+    fxshard.save(step, f"{directory}/one")
+    step(batch)
+    fxshard.save(step, f"{directory}/two")
+    resumed = build()
+    fxshard.load(resumed, f"{directory}/two")
+    same = all(torch.equal(resumed.parameters()[k], v) for k, v in step.parameters().items())
+    said = {}
+    try:
+        fxshard.load(resumed, f"{directory}/{'one' if rank == 0 else 'two'}")
+    except fxshard.FxShardError as error:
+        said["mixed"] = str(error)
+    try:
+        build(10.0 if rank == 1 else 1.0)
+    except fxshard.FxShardError as error:
+        said["scaled"] = str(error)
+    return same, said
+
+
+@pytest.mark.multigpu
+def test_checkpoints_and_the_start_check_over_nccl(tmp_path):
+    for same, said in run_local(_checkpoint_and_agreements_over_nccl, 2, str(tmp_path), backend="nccl"):
+        assert same
+        assert said["mixed"].startswith("the ranks were given different checkpoints"), said
+        assert said["scaled"].startswith("rank 1 starts from something else than rank 0: traced step: mul"), said
+
+
 def _adamw_inputs(seed):
     """(param, grad, exp_avg, exp_avg_sq) of an odd length, and (decay, step_size, bias_correction2_sqrt)."""
     generator = torch.Generator(device="cuda").manual_seed(seed)
