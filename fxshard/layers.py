@@ -58,9 +58,9 @@ def _warn_other_block_lists(best: str, sizes: dict[str, int]) -> None:
     def inside(name: str, other: str) -> bool:
         return other == "" or name == other or name.startswith(other + ".")
 
-    others = [name for name, size in sizes.items() if 4 * size >= sizes[best] and not inside(name, best)
-              and not inside(best, name) and not any(inside(name, o) for o in sizes if o != name and not inside(o, best)
-                                                     and not inside(best, o))]
+    apart = [name for name in sizes if not inside(name, best) and not inside(best, name)]
+    outermost = [name for name in apart if not any(inside(name, other) for other in apart if other != name)]
+    others = [name for name in outermost if 4 * sizes[name] >= sizes[best]]
     if others:
         import warnings
 

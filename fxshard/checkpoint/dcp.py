@@ -301,10 +301,10 @@ def _check_same_checkpoint(path: str, manifest: dict, group=None) -> None:
         return
     import torch.distributed as dist
 
-    mine = (json.dumps({k: v for k, v in manifest.items() if k != "seconds_to_write"}, sort_keys=True),
-            path, manifest.get("step_count"))
     from ..runtime.agreement import waiting_for_peers
 
+    mine = (json.dumps({k: v for k, v in manifest.items() if k != "seconds_to_write"}, sort_keys=True),
+            path, manifest.get("step_count"))
     everyone = [None] * dist.get_world_size()
     with waiting_for_peers("the comparison of the checkpoints they load", group):
         dist.all_gather_object(everyone, mine, group=group)

@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from .. import meta
+from ..program import InputKind
 from ..errors import FxShardError
 from ..ops.gloo import GLOO_ALL_GATHERS
 from ..ops.p2p import P2P_OPS
@@ -190,23 +191,21 @@ def raise_together(problem: str | None, device: torch.device, elsewhere: str, gr
         raise FxShardError(problem or f"{elsewhere}, so this job stops here too: {found[0]}")
 
 
+@contextlib.contextmanager
 def waiting_for_peers(what: str, group=None):
     """A context in which a collective over `group` (a job group, api._job_group) that times out or
     loses a peer raises FxShardError saying what every rank was to do together, instead of gloo's
     RuntimeError."""
-    @contextlib.contextmanager
-    def mapped():
-        try:
-            yield
-        except RuntimeError as error:
-            text = str(error)
-            if not any(s in text for s in ("Timed out", "timed out", "Connection closed", "Connection reset")):
-                raise
-            seconds = None if group is None else _group_timeout_s(group)
-            after = f"within Config(collective_timeout_s)={seconds:g} s" if seconds else "in time"
-            raise FxShardError(f"another rank did not join {what} {after} (it stalled, or stopped): every rank must "
-                               f"make this call; read the other ranks' logs ({text.strip()[:300]})") from error
-    return mapped()
+    try:
+        yield
+    except RuntimeError as error:
+        text = str(error)
+        if not any(s in text for s in ("Timed out", "timed out", "Connection closed", "Connection reset")):
+            raise
+        seconds = None if group is None else _group_timeout_s(group)
+        after = f"within Config(collective_timeout_s)={seconds:g} s" if seconds else "in time"
+        raise FxShardError(f"another rank did not join {what} {after} (it stalled, or stopped): every rank must "
+                           f"make this call; read the other ranks' logs ({text.strip()[:300]})") from error
 
 
 def _group_timeout_s(group) -> float | None:
@@ -383,7 +382,7 @@ def start_entries(model, batch_spec, optimizer, config, traced=None) -> list[Ent
     read = set()
     if traced is not None:
         entries += traced_entries(traced.graph)
-        read = {i.name for i, node in zip(traced.inputs, traced.placeholders()) if i.kind.value == "buffer"
+        read = {i.name for i, node in zip(traced.inputs, traced.placeholders()) if i.kind is InputKind.BUFFER
                 and any(_reads_values(user, node) for user in node.users)}
     tensors = [(f"parameter {name!r}", t) for name, t in model.named_parameters()]
     tensors += [(f"buffer {name!r}", t) for name, t in model.named_buffers() if _persistent(model, name) or name in read]
