@@ -40,7 +40,13 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
 
     The returned step owns the training state from here on: it starts from the model's current
     parameters and buffers (the model itself is left unchanged) and `step.parameters()` reads them.
+    Called under torch.inference_mode() it builds the same step, whose state trains outside it.
     """
+    with torch.inference_mode(False):  # its state must not be inference tensors, which no update may write
+        return _shard(model, loss_fn, example_batch, optimizer, mesh, config)
+
+
+def _shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None, mesh, config: Config | None):
     config = config or Config()
     optimizer = optimizer or AdamW()
     _check_arguments(model, loss_fn, optimizer, config)
@@ -85,7 +91,8 @@ def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
         return evaluation
 
     origin = StepOrigin(coords, _global_rank(), mesh, _expert_layouts(model), type(model).__name__,
-                        getattr(model, "cfg", None), _hf_config(model), _transient_buffers(model))
+                        getattr(model, "cfg", None), _hf_config(model), _transient_buffers(model),
+                        _aliases(model), tuple(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()))
     step = CompiledStep(programs, state, batch_spec, optimizer, batch_spec.device, groups, config,
                         share_compile=_shares(mesh, config.share_compile), origin=origin,
                         evaluation=compile_evaluation, model=model, job_group=job_group,
@@ -176,6 +183,12 @@ def _transient_buffers(model: nn.Module) -> frozenset[str]:
     """The names of the model's buffers registered with persistent=False, under every path that reaches them."""
     return frozenset(f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules(remove_duplicate=False)
                      for name in module._non_persistent_buffers_set)
+
+
+def _aliases(model: nn.Module) -> frozenset[str]:
+    """The other names of tied parameters (lm_head.weight where it is embed_tokens.weight)."""
+    canonical = {name for name, _ in model.named_parameters()}
+    return frozenset(name for name, _ in model.named_parameters(remove_duplicate=False) if name not in canonical)
 
 
 def _structure_of(model: nn.Module) -> nn.Module:

@@ -367,10 +367,6 @@ class Config:
         from .schedule import Schedule
 
         if isinstance(self.schedule, Schedule):  # a user's own: its sizes are the pipeline's
-            for name, theirs in (("microbatches", self.schedule.microbatches), ("virtual_stages", self.schedule.virtual)):
-                if getattr(self, name) not in (1, theirs):  # 1: unset (the default)
-                    raise FxShardError(f"Config({name}={getattr(self, name)}) but the Schedule given has {theirs}: "
-                                       f"a Schedule sets {name} itself; leave it unset")
             object.__setattr__(self, "microbatches", self.schedule.microbatches)
             object.__setattr__(self, "virtual_stages", self.schedule.virtual)
         elif self.schedule not in PIPELINE_SCHEDULES:

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import re
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -385,12 +386,12 @@ def _sources(step, files: SafetensorsDirectory, shapes: dict, directory: str, bu
         _check_transformers_config(step.hf_config, directory)
     converted = None
     if all(name in files.shapes for name in shapes):  # the model's own names
-        _refuse_unplaced(step, directory, set(files.shapes) - set(shapes) - set(buffers))
+        _refuse_unplaced(step, directory, set(files.shapes) - set(shapes) - set(buffers), check_config)
         sources = {name: files.source(name) for name in [*shapes, *buffers] if name in files.shapes}
     elif step.hf_config is not None and (converted := _transformers_layout(
             step.model_class, step.hf_config["model_type"], files)) \
             and all(name in converted for name in shapes):  # experts stored one by one, fused in the model
-        _refuse_unplaced(step, directory, set(converted) - set(shapes) - set(buffers))
+        _refuse_unplaced(step, directory, set(converted) - set(shapes) - set(buffers), check_config)
         sources = {name: converted[name] for name in [*shapes, *buffers] if name in converted}
     elif step.model_class not in HUB_ARCHITECTURES:  # no Hugging Face layout to map: say what does not match
         lacking = sorted(set(shapes) - set(files.shapes))
@@ -532,15 +533,24 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _refuse_unplaced(step, directory: str, extra: set[str]) -> None:
+def _refuse_unplaced(step, directory: str, extra: set[str], check_config: bool = True) -> None:
     """Refuse a directory holding tensors the model has no place for (a bias, an untied head): loading
-    the rest would compute without them, silently. A non-persistent buffer a save kept (an older
-    transformers' `rotary_emb.inv_freq`) is not a weight."""
-    extra = sorted(name for name in extra if name not in step.transient_buffers and not name.endswith(".inv_freq"))
-    if extra:
-        raise FxShardError(f"{directory} holds {len(extra)} tensors this {step.model_class} has no place for (e.g. "
-                           f"{', '.join(extra[:4])}): the model they come from computes more than this one (biases, "
-                           f"an untied head, ...); build the model with the checkpoint's config")
+    the rest would compute without them, silently. Not weights of its own: a non-persistent buffer a
+    save kept (an older transformers' `rotary_emb.inv_freq`, GPT-2's `attn.masked_bias`), another name of a tied weight, what the
+    transformers class lists in _keys_to_ignore_on_load_unexpected (from_pretrained skips those too).
+    With check_config=False (a model cut down on purpose: fewer layers) a warning instead."""
+    extra = sorted(name for name in extra if name not in step.transient_buffers  # old saves' buffers:
+                   and not name.endswith((".inv_freq", ".masked_bias"))  # RoPE tables, GPT-2's attention-mask fill
+                   and name not in step.aliases and not any(re.search(p, name) for p in step.ignored_patterns))
+    if not extra:
+        return
+    said = (f"{directory} holds {len(extra)} tensors this {step.model_class} has no place for (e.g. "
+            f"{', '.join(extra[:4])}): the model they come from computes more than this one (biases, an untied "
+            f"head, more layers, ...)")
+    if check_config:
+        raise FxShardError(f"{said}; build the model with the checkpoint's config, or pass load_hf(..., "
+                           f"check_config=False) where the model is cut down on purpose")
+    warnings.warn(f"fxshard: {said}; they are left out (check_config=False)", stacklevel=4)
 
 
 def _transformers_layout(model_class: str, model_type: str, files: SafetensorsDirectory) -> dict[str, Source] | None:

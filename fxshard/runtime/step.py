@@ -69,6 +69,11 @@ class StepOrigin:
     hf_config: dict | None = None  # a transformers model's own config, which load_hf checks against
     # buffers registered with persistent=False (RoPE tables): as torch's state_dict, checkpoints leave them out
     transient_buffers: frozenset = frozenset()
+    # names a load may find beside the model's own: another name of a tied weight (lm_head.weight beside
+    # embed_tokens.weight), and the patterns of a transformers class's _keys_to_ignore_on_load_unexpected
+    # (old attention-mask buffers, multi-token-prediction layers), which from_pretrained skips too
+    aliases: frozenset = frozenset()
+    ignored_patterns: tuple = ()
 
 
 class CompiledStep:
@@ -101,6 +106,7 @@ class CompiledStep:
         # config, which load_hf checks a directory against (fxshard/checkpoint/hf.py)
         self.model_class, self.model_config, self.hf_config = origin.model_class, origin.model_config, origin.hf_config
         self.transient_buffers = origin.transient_buffers
+        self.aliases, self.ignored_patterns = origin.aliases, origin.ignored_patterns
         self.state = state
         self.batch_spec = batch_spec
         self.optimizer = optimizer
