@@ -536,8 +536,9 @@ def _same(a, b) -> bool:
 def _refuse_unplaced(step, directory: str, extra: set[str], check_config: bool = True) -> None:
     """Refuse a directory holding tensors the model has no place for (a bias, an untied head): loading
     the rest would compute without them, silently. Not weights of its own: a non-persistent buffer a
-    save kept (an older transformers' `rotary_emb.inv_freq`, GPT-2's `attn.masked_bias`), another name of a tied weight, what the
-    transformers class lists in _keys_to_ignore_on_load_unexpected (from_pretrained skips those too).
+    save kept (an older transformers' `rotary_emb.inv_freq`, GPT-2's `attn.masked_bias`), another name
+    of a tied weight, what the transformers class lists in _keys_to_ignore_on_load_unexpected
+    (from_pretrained skips those too).
     With check_config=False (a model cut down on purpose: fewer layers) a warning instead."""
     extra = sorted(name for name in extra if name not in step.transient_buffers  # old saves' buffers:
                    and not name.endswith((".inv_freq", ".masked_bias"))  # RoPE tables, GPT-2's attention-mask fill
