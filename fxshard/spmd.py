@@ -181,10 +181,14 @@ def combine(requests: list[Collective]) -> list[torch.Tensor]:
     if op == "all_to_all_single":
         pieces = []
         for request in requests:
-            splits = request.input_split_sizes or [request.tensor.shape[0] // size] * size
-            pieces.append(request.tensor.split(list(splits), dim=0))
+            pieces.append(request.tensor.split(_rows_sent(request, size), dim=0))
         return [torch.cat([pieces[source][dest] for source in range(size)], dim=0) for dest in range(size)]
     raise AssertionError(op)
+
+
+def _rows_sent(request: Collective, size: int) -> list[int]:
+    """An all-to-all member's rows for each peer: its input splits, or its rows split evenly."""
+    return list(request.input_split_sizes or [request.tensor.shape[0] // size] * size)
 
 
 def _check_matching(group: str, requests: list[Collective]) -> None:
@@ -195,7 +199,7 @@ def _check_matching(group: str, requests: list[Collective]) -> None:
     kinds = {(r.op, r.reduce_op, r.tensor.dtype, r.region) for r in requests}
     if requests[0].op == "all_to_all_single":
         shapes = {tuple(r.tensor.shape[1:]) for r in requests}
-        sent = [r.input_split_sizes or [r.tensor.shape[0] // len(requests)] * len(requests) for r in requests]
+        sent = [_rows_sent(r, len(requests)) for r in requests]
         expected = [r.output_split_sizes for r in requests]
         fits = all(expected[dest] is None or expected[dest][source] == sent[source][dest]
                    for source in range(len(requests)) for dest in range(len(requests)))
