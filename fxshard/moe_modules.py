@@ -21,7 +21,10 @@ Built in, after the user's registrations: transformers' experts modules (classes
 `use_experts_implementation`: Mixtral, Qwen2/3-MoE, DeepSeek, ...) configured with another
 implementation than "grouped_mm" ("eager" loops over experts on the host and cannot be traced;
 "batched_mm" gathers a weight matrix per token) trace with transformers' own "grouped_mm"
-implementation, which computes the same function, so that the recognizer finds them.
+implementation, which computes the same function, so that the recognizer finds them. And
+transformers' Llama 4 MoE (`Llama4TextMoe`), which runs every expert over every token (one batched
+matmul, the inputs of the experts a token did not choose scaled by a zero score), traces as the
+sparse layer it computes: `_llama4_text_moe`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import contextlib
 import types
 from typing import Callable, Iterator
 
+import torch
 import torch.nn as nn
 
 from .errors import FxShardError
@@ -56,7 +60,7 @@ def _forward_for(module: nn.Module) -> tuple[Callable, str] | None:
         if module_type in _registered:
             forward = _registered[module_type]
             return forward, f"registered {getattr(forward, '__qualname__', forward)!s}"
-    return _transformers_experts(module)
+    return _transformers_experts(module) or _llama4(module)
 
 
 # transformers' own experts implementations that compute what its "grouped_mm" one does (a loop over
@@ -80,6 +84,44 @@ def _transformers_experts(module: nn.Module) -> tuple[Callable, str] | None:
     if grouped is None:
         return None
     return grouped, f"transformers' {implementation!r} experts traced as its 'grouped_mm' experts (same function)"
+
+
+def _llama4(module: nn.Module) -> tuple[Callable, str] | None:
+    """transformers' Llama 4 MoE exactly as transformers writes it (not a subclass: it may compute
+    otherwise): `_llama4_text_moe`."""
+    kind = type(module)
+    if kind.__name__ != "Llama4TextMoe" or not kind.__module__.startswith("transformers.models.llama4"):
+        return None
+    parts = {"experts": "Llama4TextExperts", "router": "Llama4Router"}
+    if any(type(getattr(module, name, None)).__name__ != part for name, part in parts.items()):
+        return None
+    return _llama4_text_moe, ("transformers' Llama 4 MoE, every expert over every token, traced as the sparse "
+                              "layer it computes (the experts each token chose: same function)")
+
+
+def _llama4_text_moe(module: nn.Module, hidden_states: torch.Tensor):
+    """What transformers' `Llama4TextMoe.forward` computes, routing each token to its top-k experts only.
+
+    transformers runs every expert over every token, each expert's input scaled by the token's score
+    for it: sigmoid(logit) for its top-k experts, sigmoid(-inf) = 0 for the others. An expert
+    (gate_up, then up * act(gate), then down, no biases) maps a zero input to a zero output with a
+    zero input gradient, so the other experts add exact zeros to the sum and nothing to the
+    gradients: this forward computes the chosen experts only (E / k times fewer expert FLOPs), on
+    rows laid out by `fxshard.moe.dispatch`, so expert parallelism splits the layer."""
+    from . import moe
+    from .ops import grouped_mm
+
+    tokens = hidden_states.reshape(-1, module.hidden_dim)
+    scores, logits = module.router(tokens)                      # [T, E]: zero but at each token's top-k
+    chosen = torch.topk(logits, module.top_k, dim=1).indices    # the router's own top-k: same ties
+    weights = scores.gather(1, chosen)                          # [T, k]
+    routed = moe.dispatch(tokens, chosen, n_experts=module.num_experts, distinct=True)
+    rows = routed.rows * weights.reshape(-1)[routed.order].unsqueeze(-1)  # scaled before the experts
+    experts = module.experts
+    gate, up = grouped_mm(rows, routed.offsets, experts.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
+    out_rows = grouped_mm(up * experts.act_fn(gate), routed.offsets, experts.down_proj.transpose(1, 2))
+    out = module.shared_expert(tokens)
+    return out + moe.combine(out_rows, routed, torch.ones_like(weights), tokens.shape[0]), logits
 
 
 @contextlib.contextmanager

@@ -245,8 +245,8 @@ class _Rewrite:
                 f"parallelism rewrites MoE layers whose experts run as grouped GEMMs (fxshard.ops.grouped_mm, "
                 f"torch._grouped_mm, or the fused grouped MLP) on the tokens routed to them: fxshard.moe.dispatch's "
                 f"layers (fxshard.models.MoEGPT), and transformers' and torchtitan's MoE layers, which are recognized. "
-                f"This model's experts compute otherwise (e.g. one batched matmul of every expert over every token, "
-                f"as Llama 4's do). Register a forward for its MoE module that routes with fxshard.moe.dispatch "
+                f"This model's experts compute otherwise (e.g. one batched matmul of every expert over every token; "
+                f"transformers' Llama 4 MoE, which does, is traced as its sparse layer). Register a forward for its MoE module that routes with fxshard.moe.dispatch "
                 f"(fxshard.register_moe), or use ep=1 (its experts then train replicated or sharded over dp)")
         self.layers: dict[fx.Node, _Layer] = {}
         self.layer_of: dict[fx.Node, _Layer] = {}

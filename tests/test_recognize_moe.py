@@ -231,6 +231,36 @@ def test_a_custom_transformers_experts_implementation_is_traced_as_written():
         assert _transformers_experts(Experts(implementation)) is None
 
 
+
+def llama4(top_k):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Llama4TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=16, intermediate_size_mlp=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=8, num_local_experts=4, num_experts_per_tok=top_k,
+        moe_layers=[0, 1], attention_dropout=0.0)
+    torch.manual_seed(0)
+    return transformers.Llama4ForCausalLM(config)
+
+
+def test_llama4_moe_traces_as_its_sparse_layer_trains_like_its_own_forward_and_splits_over_expert_ranks():
+    """transformers' Llama 4 MoE runs every expert over every token (bmm); fxshard traces the experts
+    each token chose only (fxshard/moe_modules.py): no bmm is left, training matches the model's own
+    dense forward, and expert parallelism splits it (before, ep refused the layer)."""
+    model = llama4(top_k=1)
+    program = fxshard.trace(model, hf_loss, local_batches(1, 64)[0])
+    assert [line.split(",")[0] for line in program.notes["moe_forwards"]] == [
+        f"model.layers.{i}.feed_forward: Llama4TextMoe" for i in range(2)]
+    assert not [n for n in program.graph.nodes if n.target is torch.ops.aten.bmm.default]
+    parity = eager_parity(model, hf_loss, local_batches(3, 64), ADAMW)
+    assert parity.max_loss_rel < 1e-5 and parity.max_param_rel < 1e-5, parity.losses
+    assert "forward" not in vars(model.model.layers[0].feed_forward)
+    assert_ep_trains_like_one_device(llama4(top_k=2), hf_loss, local_batches(2, 64), fxshard.Mesh(dp=2, ep=2),
+                                     recognized_layers=0)  # moe.dispatch's layers need no recognizing
+    from fxshard.moe_modules import _llama4
+    layer = model.model.layers[0].feed_forward
+    layer.__class__ = type("MyMoE", (type(layer),), {})  # a subclass may compute otherwise: traced as written
+    assert _llama4(layer) is None
+
 @settings(max_examples=4)
 @given(mesh=st.sampled_from([(2, 2), (4, 2), (4, 4)]), experts_per_rank=st.integers(1, 2), top_k=st.integers(1, 3),
        score_before=st.booleans(), shared=st.booleans(), sharding=st.sampled_from(STRATEGIES), overlap=st.booleans(),
