@@ -271,7 +271,7 @@ class _Rewrite:
                         f"{seed.name} ({seed.target}) in {meta.layer(offsets) or 'the model'} takes offsets that "
                         f"fxshard.moe.dispatch did not compute and that fxshard did not recognize as an MoE "
                         f"layer's: {offsets.meta.get(meta.MOE_REJECTED, 'not examined')}. Expert parallelism needs "
-                        f"the experts' rows sorted by the top-k expert ids whose counts give the offsets "
+                        f"the experts' rows sorted by the expert ids whose counts give the offsets "
                         f"(passes/recognize_moe.py); register the module's forward written with fxshard.moe "
                         f"(fxshard.register_moe, README \"MoE layers from other libraries\"), or use ep=1")
                 experts = facts["experts"]

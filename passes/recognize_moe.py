@@ -6,7 +6,9 @@ plain torch ops has expert GEMMs (`fxshard::grouped_mm`: tracing routes `torch._
 `F.grouped_mm` and transformers' fallback op to it, fxshard/ops/grouped_mm.py) whose offsets carry
 no facts. This pass finds them by matching the dataflow that makes such a layer correct:
 
-    ids      = the flattened indices of a `topk` over [T, E] router scores     [T*k], k distinct per token
+    ids      = each token's k expert ids [..., k] (an integer tensor), flattened      [T*k]: the
+               indices of a `topk` over [T, E] router scores (k distinct per token), or ids chosen
+               another way (PhiMoE samples them), where a token may name an expert twice
     perm     = sort(ids).indices  (or argsort(ids), stable or not)             [T*k]
     offsets  = cumsum(count of each expert in ids or in sort(ids).values)      [E]  (histc,
                scatter_add of ones, or the sum over tokens of a one-hot routing map
@@ -25,11 +27,14 @@ facts (`capacity` None: dropless; `style` "sorted") into the offsets' metadata. 
 model wrote it: the expert-parallel pass returns the expert outputs in the original row order, so
 any combine still reads the rows it expects.
 
+`distinct` is written True only for a top-k's indices over the experts; for other ids the
+expert-parallel pass sizes its all-to-all buffers for a token that reaches one expert up to k times.
+
 Rejected (the facts are not written, and the expert-parallel pass's error says which check failed):
 offsets whose counts come from another key than the one the rows are sorted by, counts that are not
-accumulated into cumulative ends, ids that are not a top-k's indices (a token could then reach one
-expert twice, and the all-to-all buffers are sized on k distinct experts per token), rows the sort
-did not order, or a row count other than T*k.
+accumulated into cumulative ends, counts from a one-hot routing map over ids that may repeat an
+expert (the map counts a repeated expert once), ids that are not an integer tensor with each
+token's k ids in its last dim, rows the sort did not order, or a row count other than T*k.
 
 Invariant: the program is unchanged but for metadata (the same nodes compute the same values);
 `notes["moe_recognized"]` lists each recognized layer and `notes["moe_unrecognized"]` the reasons.
@@ -83,7 +88,8 @@ def recognize_moe(program: Program, capacity_factor: float | None = None) -> Pro
         offsets.meta.pop(meta.MOE_REJECTED, None)
         offsets.meta["custom"] = {**(offsets.meta.get("custom") or {}), moe.ANNOTATION: facts}
         recognized.append(f"{meta.layer(offsets) or offsets.name} (microbatch {meta.microbatch(offsets)}): "
-                          f"{facts['experts']} experts, top-{facts['top_k']}, {facts['tokens']} tokens, dropless")
+                          f"{facts['experts']} experts, top-{facts['top_k']}, {facts['tokens']} tokens, dropless"
+                          f"{'' if facts['distinct'] else ', ids not a top-k (a token may name an expert twice)'}")
     notes = {**program.notes, "moe_recognized": recognized}
     if recognized and capacity_factor is not None:
         warnings.warn(f"Config(moe_capacity_factor={capacity_factor}) bounds fxshard.moe.dispatch calls only; the "
@@ -111,27 +117,31 @@ def _match(offsets: fx.Node) -> dict:
     if len(experts) != 1 or len(rows) != 1:
         raise _NoMatch("its expert ops disagree on the number of experts or rows")
     (n_experts,), (n_rows,) = experts, rows
-    key, bins = _counted_key(offsets)
+    key, bins, one_hot = _counted_key(offsets)
     if bins != n_experts:
         raise _NoMatch(f"the offsets count {bins} bins but the expert weights hold {n_experts} experts")
-    topk = _topk_of(key)
-    if topk is None:
-        raise _NoMatch("the offsets count a key that is neither a top-k's flattened indices nor their sorted values")
-    top_k = topk.args[1]
-    scores = _val(topk.args[0])
-    tokens = scores.numel() // scores.shape[-1]
+    ids = _ids_of(key)
+    if ids is None:
+        raise _NoMatch("the offsets count a key that is neither each token's expert ids (an integer tensor "
+                       "[..., k], e.g. a top-k's indices) flattened nor their sorted values")
+    distinct = _is_topk_indices(ids)
+    if one_hot and not distinct:
+        raise _NoMatch("the offsets sum a one-hot routing map of expert ids that are not a top-k's indices: a "
+                       "token naming an expert twice would be counted once")
+    top_k = _val(ids).shape[-1]
+    tokens = _val(ids).numel() // top_k
     if tokens * top_k != n_rows:
         raise _NoMatch(f"the expert ops read {n_rows} rows, not tokens x top-k = {tokens} x {top_k}")
-    perms = _sort_permutations(topk)
+    perms = _sort_permutations(ids)
     if not perms:
-        raise _NoMatch("no sort of the top-k's flattened indices orders the rows")
-    in_order = _RowOrder(topk, perms, offsets, n_rows)
+        raise _NoMatch("no sort of the flattened expert ids the offsets count orders the rows")
+    in_order = _RowOrder(ids, perms, offsets, n_rows)
     for op in experts_ops:
         if not in_order(op.args[0]):
             raise _NoMatch(f"the rows {op.name} reads are not the tokens in the order of the sort of the "
-                           f"top-k indices (or row-wise ops of them)")
+                           f"expert ids (or row-wise ops of them)")
     return {"experts": n_experts, "top_k": top_k, "tokens": tokens, "capacity": None, "slots": False,
-            "distinct": True, "style": "sorted"}
+            "distinct": distinct, "style": "sorted"}
 
 
 def _val(node):
@@ -144,8 +154,8 @@ def _through(node, targets):
     return node
 
 
-def _counted_key(offsets: fx.Node) -> tuple[fx.Node, int]:
-    """offsets = cumsum(counts of key over `bins` experts): (key, bins)."""
+def _counted_key(offsets: fx.Node) -> tuple[fx.Node, int, bool]:
+    """offsets = cumsum(counts of key over `bins` experts): (key, bins, counted by a one-hot map)."""
     cumsum = _through(offsets, _INT_PASSTHROUGH)
     if not (isinstance(cumsum, fx.Node) and cumsum.target is _aten.cumsum.default and _val(cumsum).dim() == 1):
         raise _NoMatch("the offsets are not a cumulative sum (expected cumsum of per-expert counts)")
@@ -155,19 +165,20 @@ def _counted_key(offsets: fx.Node) -> tuple[fx.Node, int]:
         low, high = call_argument(counts, "min"), call_argument(counts, "max")
         if low != 0 or high not in (bins - 1, bins):  # one bin per expert id
             raise _NoMatch(f"histc(bins={bins}, min={low}, max={high}) does not count one expert id per bin")
-        return _through(counts.args[0], _INT_PASSTHROUGH), bins
+        return _through(counts.args[0], _INT_PASSTHROUGH), bins, False
     if counts.target is _aten.scatter_add.default and counts.args[1] == 0 and _is_ones(counts.args[3]):
-        return counts.args[2], bins
+        return counts.args[2], bins, False
     if counts.target is _aten.sum.dim_IntList:
-        return _one_hot_key(counts), bins
+        return _one_hot_key(counts), bins, True
     raise _NoMatch(f"the offsets accumulate {counts.target}, not a per-expert count (histc, "
                    f"scatter_add of ones, or the sum of a one-hot routing map)")
 
 
 def _one_hot_key(counts: fx.Node) -> fx.Node:
     """counts = sum over every dim but the last of zeros[..., E].scatter(-1, key, True): a routing map
-    with a one where a token chose an expert (torchtitan's MoE). With the key a top-k's indices (distinct
-    per token, checked by the caller) each one is one assignment, so the sum counts each expert's rows."""
+    with a one where a token chose an expert (torchtitan's MoE). Only with the key a top-k's indices
+    (distinct per token, checked by the caller) is each one an assignment, so that the sum counts each
+    expert's rows."""
     routing_map = _through(counts.args[0], _INT_PASSTHROUGH)
     if not (isinstance(routing_map, fx.Node) and routing_map.target is _aten.scatter.value):
         raise _NoMatch("the offsets sum something other than a routing map scattered from the expert ids")
@@ -196,25 +207,44 @@ def _is_ones(node) -> bool:
         node.target is _aten.full.default and node.args[1] == 1
 
 
-def _flat_indices_of(node: fx.Node) -> fx.Node | None:
-    """The topk node when `node` is its indices flattened to 1-D (views and int casts only)."""
-    node = _through(node, _INT_PASSTHROUGH | _RESHAPES | {_aten.flatten.using_ints})
-    if (isinstance(node, fx.Node) and node.target is operator.getitem and node.args[1] == 1
-            and node.args[0].target is _aten.topk.default):
-        topk = node.args[0]
-        scores = _val(topk.args[0])
-        if call_argument(topk, "dim") % scores.dim() == scores.dim() - 1:  # over the experts, per token
-            return topk
-    return None
+def _ids_source(node: fx.Node) -> fx.Node | None:
+    """What `node` views (views and int casts only) when that is expert ids [..., k]: an integer
+    tensor of two or more dims, each token's k ids in the last; else None."""
+    ids = _through(node, _INT_PASSTHROUGH | _RESHAPES | {_aten.flatten.using_ints})
+    value = _val(ids)
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.dtype.is_floating_point or \
+            value.dtype.is_complex or value.dtype == torch.bool:
+        return None
+    return ids
 
 
-def _topk_of(key: fx.Node) -> fx.Node | None:
-    """The topk whose flattened indices `key` is, directly or as the values of their ascending sort."""
-    direct = _flat_indices_of(key)
+def _flat_ids_of(node: fx.Node) -> fx.Node | None:
+    """The expert ids [..., k] that `node` flattens to 1-D, or None."""
+    value = _val(node)
+    return _ids_source(node) if isinstance(value, torch.Tensor) and value.dim() == 1 else None
+
+
+def _is_topk_indices(ids: fx.Node) -> bool:
+    """`ids` are the indices of a topk over the last dim (the experts): k distinct ids per token."""
+    if not (ids.target is operator.getitem and ids.args[1] == 1 and ids.args[0].target is _aten.topk.default):
+        return False
+    topk = ids.args[0]
+    scores = _val(topk.args[0])
+    return call_argument(topk, "dim") % scores.dim() == scores.dim() - 1
+
+
+def _ids_of(key: fx.Node) -> fx.Node | None:
+    """The expert ids whose flattening `key` is, directly or as the values of their ascending sort; or,
+    for a one-hot routing map's key (not flattened: each token's ids in its last dim), those ids."""
+    value = _val(key)
+    if isinstance(value, torch.Tensor) and value.dim() >= 2:
+        ids = _ids_source(key)
+        return ids if ids is not None and _val(ids).shape[-1] == value.shape[-1] else None
+    direct = _flat_ids_of(key)
     if direct is not None:
         return direct
     if key.target is operator.getitem and key.args[1] == 0 and _is_ascending_sort(key.args[0]):
-        return _flat_indices_of(key.args[0].args[0])
+        return _flat_ids_of(key.args[0].args[0])
     return None
 
 
@@ -224,12 +254,11 @@ def _is_ascending_sort(node) -> bool:
     return not call_argument(node, "descending") and _val(node.args[0]).dim() == 1
 
 
-def _sort_permutations(topk: fx.Node) -> set[fx.Node]:
-    """The `indices` outputs of every ascending sort of the topk's flattened indices."""
-    graph = topk.graph
+def _sort_permutations(ids: fx.Node) -> set[fx.Node]:
+    """The `indices` outputs of every ascending sort of the flattened expert ids."""
     found = set()
-    for node in graph.nodes:
-        if _is_ascending_sort(node) and _flat_indices_of(node.args[0]) is topk:
+    for node in ids.graph.nodes:
+        if _is_ascending_sort(node) and _flat_ids_of(node.args[0]) is ids:
             found |= {u for u in node.users if u.target is operator.getitem and u.args[1] == 1}
     return found
 
@@ -237,9 +266,9 @@ def _sort_permutations(topk: fx.Node) -> set[fx.Node]:
 class _RowOrder:
     """Is a row-space tensor (dim 0 = the R assignments) in the order of one of the sorts?"""
 
-    def __init__(self, topk: fx.Node, perms: set[fx.Node], offsets: fx.Node, rows: int):
-        self.topk, self.perms, self.offsets, self.rows = topk, perms, offsets, rows
-        self.top_k = topk.args[1]
+    def __init__(self, ids: fx.Node, perms: set[fx.Node], offsets: fx.Node, rows: int):
+        self.ids, self.perms, self.offsets, self.rows = ids, perms, offsets, rows
+        self.top_k = _val(ids).shape[-1]
         self.memo: dict[fx.Node, bool] = {}
 
     def __call__(self, node) -> bool:
@@ -265,7 +294,7 @@ class _RowOrder:
     def is_sorted_ids(self, node) -> bool:
         """sort(ids).values: row i's expert."""
         return isinstance(node, fx.Node) and node.target is operator.getitem and node.args[1] == 0 and \
-            _is_ascending_sort(node.args[0]) and _flat_indices_of(node.args[0].args[0]) is self.topk
+            _is_ascending_sort(node.args[0]) and _flat_ids_of(node.args[0].args[0]) is self.ids
 
     def decide(self, node: fx.Node) -> bool:
         if node.op != "call_function":

@@ -196,6 +196,12 @@ def starts_apart():
         step.parameters()
     except fxshard.FxShardError as error:
         said["set_lr"] = str(error)
+    # a schedule defined for the steps the run takes only: asked for no later step after the last one
+    step = fxshard.shard(MLPStack([4, 4]), mse, batch, mesh=fxshard.Mesh(dp=2),
+                         optimizer=fxshard.optim.AdamW(lr=lambda n: [1e-3, 5e-4][n - 1]))
+    step(batch), step(batch)
+    step.parameters(), step.evaluate(batch), step.state_dict()
+    said["schedule end"] = step.step_count
     # evaluate()'s first call compiles; a trace that fails on one rank (each traces its own) stops both
     def fails_in_eval_on_rank_0(model, batch):
         if rank == 0 and not model.training:
@@ -222,8 +228,9 @@ def test_ranks_that_start_from_other_weights_optimizer_or_batch_shapes_fail_toge
     assert said_too.pop("trace").startswith("rank 0 could not compile the step, so no rank goes on (FxShardError: "
                                             "cannot trace the training step: ValueError: a bug on rank 0")
     assert said.pop("set_lr").startswith("the ranks trained with different learning rates within the first 2 steps "
-                                         "(rank 0: lr 0.001 now; rank 1: lr 0.5 (set_lr))")
-    assert "rank 1: lr 0.5 (set_lr) now; rank 0: lr 0.001" in said_too.pop("set_lr")
+                                         "(rank 0: lr 0.001 last; rank 1: lr 0.5 last, set_lr now)")
+    assert "rank 1: lr 0.5 last, set_lr now; rank 0: lr 0.001 last)" in said_too.pop("set_lr")
+    assert said.pop("schedule end") == said_too.pop("schedule end") == 2
     assert "an eval-mode bug on rank 0" in said.pop("evaluate")
     assert said_too.pop("evaluate").startswith("rank 0 could not compile the evaluation, so no rank goes on (")
     assert said == said_too, (said, said_too)

@@ -46,8 +46,10 @@ class TitanMoE(nn.Module):
         x = x.view(-1, dim)
         scores = F.softmax(self.gate(x).float(), dim=1)
         top_scores, ids = torch.topk(scores, k=self.top_k, dim=1)
-        if self.variant == "hashed":  # expert ids that no top-k chose: a token may reach an expert twice
+        if self.variant == "hashed":  # expert ids that no top-k chose
             ids = (torch.arange(ids.numel()).view_as(ids) * 7 // 3) % self.experts
+        if self.variant == "repeated":  # each token names its first expert k times (as sampled ids may)
+            ids = torch.stack([ids[:, 0]] * self.top_k, dim=1)
         counted = ids
         if self.variant == "other_key":  # counts from another router's choice than the rows' sort
             counted = torch.topk(self.other_gate(x), k=self.top_k, dim=1).indices
@@ -198,6 +200,19 @@ def test_other_transformers_moe_families_split_over_expert_ranks(architecture):
                                      recognized_layers=moe_layers)
 
 
+def test_phimoe_whose_routing_is_not_a_topk_splits_over_expert_ranks():
+    """PhiMoE picks its two experts by two masked maxima (sampled in training), not a topk: its ids are
+    recognized as ids that may repeat an expert. In eval mode its routing is deterministic, so the
+    split is compared with one device exactly (in training each rank samples for its own tokens)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.PhimoeConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=4, num_local_experts=4,
+                                       num_experts_per_tok=2, attention_dropout=0.0)
+    torch.manual_seed(0)
+    model = transformers.PhimoeForCausalLM(config).eval()
+    assert_ep_trains_like_one_device(model, hf_loss, local_batches(2, 64), fxshard.Mesh(dp=2, ep=2))
+
+
 @pytest.mark.parametrize("implementation", ["eager", "batched_mm"])
 def test_transformers_experts_on_other_implementations_trace_as_grouped_mm_and_train_like_eager(implementation):
     """"eager" loops over the experts it finds on the host (untraceable); both trace as transformers'
@@ -290,16 +305,28 @@ def test_rows_masked_by_the_sorted_ids_are_still_in_expert_order():
     assert_ep_trains_like_one_device(model, lambda m, b: m(b), local_batches(2, 32), fxshard.Mesh(dp=2, ep=2))
 
 
-@pytest.mark.parametrize("variant, reason", [
-    ("other_key", "no sort of the top-k's flattened indices orders the rows"),
-    ("unsorted", "not the tokens in the order of the sort"),
-    ("hashed", "neither a top-k's flattened indices"),
-    ("counts", "not a cumulative sum"),
-    ("weighted_map", "not ones scattered into zeros at the expert ids"),
-])
-def test_look_alikes_are_not_split_and_the_error_says_why(variant, reason):
+@pytest.mark.parametrize("variant", ["hashed", "repeated"])
+def test_expert_ids_not_from_a_topk_are_recognized_and_a_token_may_name_an_expert_twice(variant):
+    """Ids chosen otherwise than by a top-k (PhiMoE samples them) are split too, with all-to-all
+    buffers sized for a token that reaches one expert k times ("repeated": every token does)."""
     torch.manual_seed(0)
     model = TitanStyleMoEModel(experts=4, top_k=2, variant=variant)
+    programs = assert_ep_trains_like_one_device(model, lambda m, b: m(b), local_batches(2, 32),
+                                                fxshard.Mesh(dp=2, ep=2))
+    notes = next(p for p in programs if p.name == "recognize_moe").notes["moe_recognized"]
+    assert all("may name an expert twice" in line for line in notes), notes
+
+
+@pytest.mark.parametrize("variant, counting, reason", [
+    ("other_key", "histc", "no sort of the flattened expert ids the offsets count orders the rows"),
+    ("unsorted", "histc", "not the tokens in the order of the sort"),
+    ("repeated", "one_hot", "a token naming an expert twice would be counted once"),
+    ("counts", "histc", "not a cumulative sum"),
+    ("weighted_map", "histc", "not ones scattered into zeros at the expert ids"),
+])
+def test_look_alikes_are_not_split_and_the_error_says_why(variant, counting, reason):
+    torch.manual_seed(0)
+    model = TitanStyleMoEModel(experts=4, top_k=2, variant=variant, counting=counting)
     batch = local_batches(1, 32)[0]
     fxshard.trace(model, lambda m, b: m(b), batch)  # a model fxshard traces on one device
     with pytest.raises(fxshard.FxShardError, match=re.escape(reason)) as error:

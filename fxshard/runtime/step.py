@@ -116,6 +116,7 @@ class CompiledStep:
         self.step_count = 0
         self._lr_override: float | None = None
         self._lr_trail = hashlib.sha256()  # every step's lr since shard or the last load (_check_same_lr)
+        self._last_lr: float | None = None  # the lr the last step applied (None: no step since shard)
         self._interrupted: str | None = None  # why a step stopped while its graph ran (refuse_if_interrupted)
         self._aborted: str | None = None  # why this rank's groups cannot be trusted (the replay watch aborted them,
         # or a call failed while peers may wait in it: _batch_error): the step is unusable, loads included
@@ -270,16 +271,18 @@ class CompiledStep:
 
         from .agreement import waiting_for_peers
 
-        ours = (self._lr_trail.hexdigest(), self.step_count, self.lr, self._lr_override)
+        # the last lr applied, not the next one: the schedule may end at the last training step
+        ours = (self._lr_trail.hexdigest(), self.step_count, self._last_lr, self._lr_override)
         everyone = [None] * dist.get_world_size()
         with waiting_for_peers("the ranks' learning rates so far", self.job_group):
             dist.all_gather_object(everyone, ours, group=self.job_group)
         other = next((rank for rank, theirs in enumerate(everyone) if theirs[0] != ours[0]), None)
         if other is not None:
             def said(values):
-                return f"lr {values[2]:g}" + (" (set_lr)" if values[3] is not None else "")
+                last = "no step yet" if values[2] is None else f"lr {values[2]:g} last"
+                return last + (", set_lr now" if values[3] is not None else "")
             raise FxShardError(f"the ranks trained with different learning rates within the first {self.step_count} "
-                               f"steps (rank {self.rank}: {said(ours)} now; rank {other}: {said(everyone[other])}): "
+                               f"steps (rank {self.rank}: {said(ours)}; rank {other}: {said(everyone[other])}): "
                                f"every rank must call set_lr alike, and an lr schedule must not depend on the rank. "
                                f"Load the last checkpoint saved before that on every rank")
 
@@ -323,14 +326,15 @@ class CompiledStep:
             return self._run_step(leaves)
 
     def _run_step(self, leaves) -> dict[str, torch.Tensor]:
-        self._lr_trail.update(struct.pack("<f", self.lr))  # what _check_same_lr compares across ranks
+        lr = self._last_lr = self.lr  # the schedule asked once a step
+        self._lr_trail.update(struct.pack("<f", lr))  # what _check_same_lr compares across ranks
         if self._replay is not None and self._replay.is_captured:
-            metrics = self._replay.replay(leaves, self.lr, float(self.step_count + 1), self._skipped)
+            metrics = self._replay.replay(leaves, lr, float(self.step_count + 1), self._skipped)
             self.step_count += 1
             self._watch_replay(f"step {self.step_count}")
             return self._guarded(metrics)
         eager = self._watched(f"step {self.step_count + 1}", "eagerly, before its CUDA graph was captured",
-                              lambda: self._eager_step(leaves))
+                              lambda: self._eager_step(leaves, lr))
         metrics = self._guarded(eager)
         if self._replay is not None and self.step_count >= CudaGraphReplay.WARMUP_STEPS:
             with self._capturing(f"the capture of the CUDA graph after step {self.step_count}"):
@@ -500,11 +504,11 @@ class CompiledStep:
                                    split=self._compile_split)
         return views_as_reshapes(run), None
 
-    def _arguments(self, leaves, program: Program | None = None):
+    def _arguments(self, leaves, program: Program | None = None, lr: float = 0.0):
+        """The inputs of `program` (default: the training step's) in order; `lr` the step's learning
+        rate (the evaluation program updates nothing, and a capture's is filled in at each replay)."""
         leaves = iter(leaves)
-        # the evaluation program updates nothing: it has no lr to ask the schedule for (which may end
-        # at the last training step)
-        lr = torch.tensor(self.lr if program is None else 0.0, dtype=torch.float32, device=self.device)
+        lr = torch.tensor(lr, dtype=torch.float32, device=self.device)
         # the optimizer's step count (1-based) counts applied updates: calls minus skipped steps
         step = torch.tensor(float(self.step_count + 1), dtype=torch.float32, device=self.device) - self._skipped
         args = []
@@ -584,9 +588,9 @@ class CompiledStep:
         if self._aborted is not None:
             raise FxShardError(self._aborted)
 
-    def _eager_step(self, leaves):
+    def _eager_step(self, leaves, lr: float):
         try:
-            results = self._replay_graph(self._run, self._arguments(leaves))
+            results = self._replay_graph(self._run, self._arguments(leaves, lr=lr))
         except Exception as error:
             failed = _failed_node(error, self._run)
             if failed is None or failed in self._writes_state or _communicates(failed) or \
