@@ -237,16 +237,47 @@ class CompiledRegion(nn.Module):
         self.compiled = compiled
         self.description = f"{region.name}: {len(region.nodes)} nodes, {region.where}, {region.status}"
         self.label = f"fxshard {region.name} [{region.where}]"
+        # the layout each output's consumers were compiled for (its traced metadata)
+        self.layouts = [(tuple(v.shape), tuple(v.stride())) if isinstance(v := node.meta.get("val"), torch.Tensor)
+                        else None for node in region.outputs]
+        self.restrided: list[int] | None = None  # outputs Inductor lays out otherwise: found at the first call
 
     def forward(self, *args):
         run = self.compiled or self.replay
         if torch._C._autograd._profiler_enabled():
             with torch.profiler.record_function(self.label):
-                return run(*args)
-        return run(*args)
+                return self.conformed(run(*args))
+        return self.conformed(run(*args))
+
+    def conformed(self, outputs):
+        """`outputs` in the layouts their consumers expect. Inductor may lay an output out otherwise than
+        the traced program recorded (a `cat` with an empty legacy input, as transformers' DynamicCache
+        makes, comes out in its other input's strides, where eager and the trace make it contiguous);
+        a compiled consumer then fails its input check, an aten one may read it otherwise. Such
+        outputs are copied into the recorded layout; which ones is decided at the first call."""
+        if self.compiled is None:
+            return outputs
+        if self.restrided is None:
+            self.restrided = [i for i, (out, layout) in enumerate(zip(outputs, self.layouts))
+                              if layout is not None and isinstance(out, torch.Tensor) and
+                              not _same_layout(out, *layout)]
+        if not self.restrided:
+            return outputs
+        outputs = list(outputs)
+        for i in self.restrided:
+            shape, stride = self.layouts[i]
+            outputs[i] = torch.empty_strided(shape, stride, dtype=outputs[i].dtype,
+                                             device=outputs[i].device).copy_(outputs[i])
+        return outputs
 
     def extra_repr(self) -> str:
         return self.description
+
+
+def _same_layout(tensor: torch.Tensor, shape: tuple, stride: tuple) -> bool:
+    """`tensor` has `shape` and, in every dim longer than 1, `stride` (as Inductor's input check)."""
+    return tuple(tensor.shape) == shape and all(size <= 1 or actual == expected for size, actual, expected
+                                                in zip(shape, tensor.stride(), stride))
 
 
 @dataclasses.dataclass

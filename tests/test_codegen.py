@@ -8,6 +8,8 @@ from collections import Counter
 import pytest
 import torch
 import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import fxshard
@@ -18,7 +20,7 @@ from fxshard.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig
 from fxshard.passes import run_pipeline
 from fxshard.passes.fsdp import STRATEGIES, FSDPConfig, fsdp
 from fxshard.share import CompileSplit, compile_owners
-from fxshard.testing import assert_bit_identical
+from fxshard.testing import assert_bit_identical, eager_parity
 from strategies import MLPStack, mse, regression_batch, widths
 
 ADAMW = fxshard.optim.AdamW(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -357,3 +359,35 @@ def test_a_moe_model_as_pipeline_stages_compiled_by_inductor_trains_like_eager()
     # AdamW divides by sqrt(v): a weight whose gradient is near eps (an expert that sees few tokens)
     # moves by the last bits of its gradient, which fused kernels round differently
     assert max(relative(params[n], p) for n, p in reference.named_parameters()) < 3e-4
+
+
+class CachedAttention(nn.Module):
+    """Attention whose keys and values are appended to an empty cache tensor, as transformers'
+    DynamicCache does on a model's first forward (`torch.cat([tensor([]), keys], -2)`): Inductor lays
+    that cat out in the keys' transposed strides, where eager and the trace make it contiguous."""
+
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.out = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        batch, seq, dim = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.heads, dim // self.heads).unbind(2)
+        k, v = (torch.cat([x.new_empty(0), t.transpose(1, 2)], -2) for t in (k, v))
+        attended = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True)
+        return x + self.out(attended.transpose(1, 2).reshape(batch, seq, dim))
+
+
+def test_outputs_inductor_lays_out_otherwise_than_traced_are_copied_into_the_traced_layout():
+    """Without the copy (codegen.CompiledRegion.conformed) the backward's compiled region failed its
+    input check on the saved keys, on every transformers decoder called with its default cache."""
+    torch.manual_seed(0)
+    model = nn.Sequential(CachedAttention(), CachedAttention())
+    generator = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(2, 8, 16, generator=generator), "y": torch.randn(2, 8, 16, generator=generator)}
+               for _ in range(2)]
+    parity = eager_parity(model, lambda m, b: F.mse_loss(m(b["x"]), b["y"]), batches, ADAMW,
+                          config=fxshard.Config(codegen="inductor"))
+    assert parity.max_loss_rel < 1e-5 and parity.max_param_rel < 1e-5, parity

@@ -1395,3 +1395,25 @@ def test_transformers_llama_on_cuda_runs_its_causal_mask_as_is_causal():
     # memory-efficient one; AdamW's 1/sqrt(v) magnifies the rounding difference near eps (measured
     # 1.66e-4 on an H200, the same with the pass switched off); losses agree to 1.1e-7
     assert parity.max_loss_rel < 1e-5 and parity.max_param_rel < 3e-4, parity
+
+
+@pytest.mark.gpu
+def test_transformers_llama_with_its_default_cache_trains_under_codegen_and_cuda_graphs():
+    """Called without use_cache=False, a transformers decoder appends its keys and values to an empty
+    DynamicCache tensor (torch.cat), which Inductor lays out otherwise than the trace recorded; the
+    backward's compiled region failed its input check until codegen copied such outputs into the
+    traced layout (codegen.CompiledRegion.conformed). fp32 parity against transformers run eagerly."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).cuda()
+    batches = [{"input_ids": b["idx"]} for b in cuda_batches(4, rows=2, seq=32)]
+
+    def loss_fn(m, b):
+        return m(**b, labels=b["input_ids"]).loss
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    parity = eager_parity(model, loss_fn, batches, ADAMW,
+                          config=fxshard.Config(codegen="inductor", cuda_graphs=True))
+    assert parity.max_loss_rel < 1e-5 and parity.max_param_rel < 3e-4, parity  # tolerance: the test above
