@@ -1,0 +1,159 @@
+"""transformers' Llama 4 MoE on one GPU: fxshard (its sparse trace) against the model's own code.
+
+    python bench/llama4_moe.py --out bench/llama4_moe_1xh200.json
+    python bench/llama4_moe.py --device cpu --size tiny --iters 2 --out /tmp/llama4.json   # smoke test
+
+transformers' `Llama4TextMoe` runs every expert over every token: one batched matmul over all E
+experts, each expert's input scaled by the token's routing score, zero for the experts the token did
+not choose. fxshard traces it as the sparse layer it computes (fxshard/moe_modules.py
+`_llama4_text_moe`: the chosen experts only, grouped GEMMs), E / k times fewer expert FLOPs. Modes,
+each from the same seed, fp32 masters, bf16 compute, AdamW, random tokens:
+
+    compiled   the model's own forward (dense experts) under torch.compile, torch.autocast(bf16),
+               torch.optim.AdamW(fused=True): what a user would run instead
+    eager      the same without torch.compile
+    fxshard    fxshard.shard on one device: Config(param_dtype=bf16), Inductor codegen, CUDA graphs
+
+The default size: 4 decoder layers, all MoE, hidden 2048, 16 heads of 128 (8 key/value heads), 16
+experts of width 4096 (Llama 4 Scout's count and top-1), a shared expert of width 4096, vocabulary
+32000, 1 x 4096 tokens. ms/step is the median over `--iters` steps after `--warmup`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from common import write_json  # noqa: E402
+
+SIZES = {
+    "default": dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                    intermediate_size=4096, intermediate_size_mlp=4096, num_local_experts=16, num_experts_per_tok=1,
+                    num_hidden_layers=4, vocab_size=32000, seq=4096),
+    "tiny": dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, head_dim=8, intermediate_size=16,
+                 intermediate_size_mlp=32, num_local_experts=4, num_experts_per_tok=1, num_hidden_layers=2,
+                 vocab_size=64, seq=16),
+}
+MODES = ("compiled", "eager", "fxshard")
+
+
+def build(size: str, device):
+    import transformers
+
+    shape = dict(SIZES[size])
+    seq = shape.pop("seq")
+    config = transformers.Llama4TextConfig(**shape, moe_layers=list(range(shape["num_hidden_layers"])),
+                                           attention_dropout=0.0, max_position_embeddings=max(seq, 64))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.Llama4ForCausalLM(config)
+    return model, seq
+
+
+def loss_fn(model, batch):
+    logits = model(batch["idx"]).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch["tgt"].flatten())
+
+
+def batch_for(model, seq, device):
+    generator = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    return {name: torch.randint(0, vocab, (1, seq), generator=generator).to(device) for name in ("idx", "tgt")}
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_steps(step, warmup: int, iters: int, device) -> tuple[float, list[float]]:
+    losses = []
+    for _ in range(warmup):
+        losses.append(float(step()))
+    times = []
+    for _ in range(iters):
+        synchronize(device)
+        started = time.perf_counter()
+        loss = step()
+        synchronize(device)
+        times.append((time.perf_counter() - started) * 1e3)
+        losses.append(float(loss))
+    return statistics.median(times), losses
+
+
+def run(mode: str, args) -> dict:
+    import fxshard
+
+    device = torch.device(args.device)
+    model, seq = build(args.size, device)
+    batch = batch_for(model, seq, device)
+    started = time.perf_counter()
+    if mode == "fxshard":
+        config = fxshard.Config(param_dtype=torch.bfloat16 if device.type == "cuda" else None,
+                                cuda_graphs=device.type == "cuda", codegen="inductor")
+        sharded = fxshard.shard(model, loss_fn, batch, optimizer=fxshard.optim.AdamW(lr=1e-4, weight_decay=0.0),
+                                config=config)
+        step = lambda: sharded(batch)["loss"]  # noqa: E731
+        notes = sharded.program.notes.get("moe_forwards", [])
+    else:
+        forward = torch.compile(model) if mode == "compiled" else model
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=device.type == "cuda")
+
+        def step():
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                loss = loss_fn(forward, batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.detach()
+        notes = []
+    setup_s = time.perf_counter() - started
+    ms, losses = time_steps(step, args.warmup, args.iters, device)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    return {"mode": mode, "ms_per_step": ms, "tokens_per_s": seq / ms * 1e3, "setup_s": setup_s,
+            "losses": losses, "peak_bytes": peak, "traced_as": notes[:1]}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--size", default="default", choices=sorted(SIZES))
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--out", default="bench/llama4_moe.json")
+    args = parser.parse_args(argv)
+    rows = []
+    for mode in args.modes:
+        print(f"{mode} ...", flush=True)
+        try:
+            rows.append(run(mode, args))
+        except Exception as error:  # noqa: BLE001  one failing mode is reported, the others still run
+            rows.append({"mode": mode, "error": f"{type(error).__name__}: {error}"[:2000]})
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    best = min((r["ms_per_step"] for r in rows if r.get("mode") == "compiled" and "ms_per_step" in r), default=None)
+    print(f"\n| mode | ms/step | tokens/s | vs compiled | peak GiB | setup s | first / last loss |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    for row in rows:
+        if "error" in row:
+            print(f"| {row['mode']} | failed: {row['error'][:200]} |")
+            continue
+        ratio = f"{best / row['ms_per_step']:.2f}x" if best else "-"
+        peak = f"{row['peak_bytes'] / 2**30:.1f}" if row["peak_bytes"] else "-"
+        print(f"| {row['mode']} | {row['ms_per_step']:.1f} | {row['tokens_per_s']:.0f} | {ratio} | {peak} | "
+              f"{row['setup_s']:.1f} | {row['losses'][0]:.4f} / {row['losses'][-1]:.4f} |")
+    write_json(args.out, size=args.size, shape=SIZES[args.size], warmup=args.warmup, iters=args.iters, rows=rows)
+
+
+if __name__ == "__main__":
+    main()
