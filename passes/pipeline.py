@@ -411,6 +411,11 @@ class _Splitter:
                      if i in self.input_free and i.target is _CAST}
         external = [n for n in self.program.placeholders()
                     if any(u in fwd_set or u in bwd_set for u in n.users) or n in extra_bwd_outputs or n in cast_here]
+        # a buffer this chunk's forward updates is its input too, read or not (spectral_norm writes its
+        # `_u` without reading it): the stage carries it, and keeps it where a step is skipped
+        updated = {self.buffer_nodes[n] for n in self.buffer_nodes if n in fwd_set}
+        external += [n for n in self.program.placeholders() if n not in external and
+                     self.specs[n].kind is InputKind.BUFFER and self.specs[n].name in updated]
         params = [n for n in external if self.specs[n].kind in (InputKind.PARAM, InputKind.BUFFER)]
         batch = [n for n in external if self.specs[n].kind is InputKind.BATCH]
         other = [n for n in external if n not in params and n not in batch]

@@ -757,3 +757,50 @@ def test_a_rebound_buffers_write_back_belongs_to_where_it_was_rebound():
     assert held.keys() == {"embed.ema", "blocks.0.last_loss"}
     for name, value in reference.named_buffers():
         torch.testing.assert_close(held[name], value, rtol=1e-5, atol=1e-6)
+
+
+class _SpectralModel(torch.nn.Module):
+    """spectral_norm's power iteration writes its `_u` buffer (F.normalize(..., out=_u)) without reading it."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 8)
+        self.blocks = torch.nn.ModuleList(torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(8, 8))
+                                          for _ in range(2))
+        self.head = torch.nn.Linear(8, 11)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return self.head(x)
+
+
+def test_a_buffer_a_stage_writes_without_reading_is_its_input_too():
+    """Each stage program takes every buffer it updates (a skipped step keeps the buffer as read:
+    runtime/nonfinite.py, which failed with a KeyError on spectral_norm's `_u`), and the buffers
+    after the step are eager's."""
+    from fxshard.runtime.nonfinite import keep_buffers_when_skipped
+
+    def loss_fn(m, b):
+        return torch.nn.functional.cross_entropy(m(b["idx"]).flatten(0, 1), b["tgt"].flatten())
+    torch.manual_seed(0)
+    model = _SpectralModel()
+    pieces = token_microbatches(11, 2, rows=2, seq=6)
+    optimizer, mesh = fxshard.optim.SGD(lr=0.1), fxshard.Mesh(pp=2)
+    reference = copy.deepcopy(model)
+    stages = [_compile(model, loss_fn, concatenated(pieces), optimizer, mesh, fxshard.Config(microbatches=2), (s,))[-1]
+              for s in range(2)]
+    for stage in stages:
+        updated = {o.name for o in stage.outputs_of(OutputKind.BUFFER)}
+        assert updated and updated <= {i.name for i in stage.inputs if i.kind is InputKind.BUFFER}
+        assert keep_buffers_when_skipped(stage.graph_module, stage)[1] == len(updated)
+    ranks = SimulatedRanks(stages, model, optimizer, mesh)
+    ranks.step([concatenated(pieces)] * 2)
+    for piece in pieces:
+        loss_fn(reference, piece)
+    held = {o.name: state[InputKind.BUFFER, o.name] for p, state in zip(stages, ranks.states)
+            for o in p.outputs_of(OutputKind.BUFFER)}
+    assert held.keys() == {name for name, _ in reference.named_buffers()}
+    for name, value in reference.named_buffers():
+        torch.testing.assert_close(held[name], value, rtol=1e-5, atol=1e-6)
