@@ -1,6 +1,7 @@
 """Mixed precision: bf16 compute on fp32 masters, single-device and under ZeRO-3 (cast before gather)."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -186,3 +187,25 @@ def test_batchnorm_keeps_fp32_weights_and_statistics_under_bf16_compute():
     tied[0].bias = tied[1].bias  # one tensor cannot be both fp32 (BatchNorm's) and bf16 (the Linear's)
     with pytest.raises(fxshard.FxShardError, match=r"parameter 0\.bias is also a BatchNorm's weight or bias"):
         fxshard.shard(tied, mse, data[0], optimizer=ADAMW, config=MIXED)
+
+
+def test_a_bf16_parameters_adamw_update_rounds_once_as_torchs():
+    """A parameter kept in bf16 (not fp32 masters) is updated by fxshard's AdamW bit for bit as by
+    torch.optim.AdamW, whose addcdiv_ computes in float32 and rounds once; rounding the quotient and
+    the scaled step to bf16 first moved 1 element in 10 by one bf16 step within 20 steps."""
+    from fxshard.ops.adamw import adamw_reference
+
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(4096, generator=generator).to(torch.bfloat16)
+    grads = [torch.randn(4096, generator=generator).to(torch.bfloat16) for _ in range(20)]
+    lr, beta1, beta2, eps, decay = 1e-2, 0.9, 0.95, 1e-8, 0.1
+    param = start.clone().requires_grad_(True)
+    reference = torch.optim.AdamW([param], lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=decay, foreach=False)
+    ours, exp_avg, exp_avg_sq = start.clone(), torch.zeros_like(start), torch.zeros_like(start)
+    for step, grad in enumerate(grads, 1):
+        param.grad = grad.clone()
+        reference.step()
+        ours, exp_avg, exp_avg_sq = adamw_reference(
+            ours, grad, exp_avg, exp_avg_sq, torch.tensor(1 - lr * decay), torch.tensor(lr / (1 - beta1 ** step)),
+            torch.tensor(math.sqrt(1 - beta2 ** step)), beta1, beta2, eps)
+        assert torch.equal(ours, param.detach()), step

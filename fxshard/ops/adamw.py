@@ -26,6 +26,8 @@ def adamw_reference(param, grad, exp_avg, exp_avg_sq, decay, step_size, bias_cor
     exp_avg = torch.lerp(exp_avg, grad, 1 - beta1)
     exp_avg_sq = torch.addcmul(exp_avg_sq * beta2, grad, grad, value=1 - beta2)
     denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
+    if param.dtype in (torch.bfloat16, torch.float16):  # as torch's addcdiv_: in float32, rounded once
+        return (param.float() + -step_size * exp_avg.float() / denom.float()).to(param.dtype), exp_avg, exp_avg_sq
     return param - step_size * (exp_avg / denom), exp_avg, exp_avg_sq
 
 
