@@ -329,8 +329,9 @@ class _ProgramBuilder:
         where it appears (the loss tangent of 1/microbatches already averages)."""
         if grad is None:
             raise FxShardError(
-                f"parameter {name!r} requires grad but the loss does not depend on it; freeze it "
-                f"(requires_grad_(False)) or use it in the forward")
+                f"parameter {name!r} requires grad but the loss does not depend on it (not read in the "
+                f"forward, or read only through .detach() or under torch.no_grad(), so it gets no gradient); "
+                f"freeze it (requires_grad_(False)), which trains the same, or let its gradient reach the loss")
         dtype = self.reduce_dtype or grad.meta["val"].dtype
         with self.graph.inserting_before(grad.next):
             if total is None:

@@ -434,3 +434,20 @@ def test_moe_settings_on_a_model_without_moe_layers_are_said_to_do_nothing():
 
         fxshard.check(titan_deepseek_v3(), titan_loss, masked_batches("titan_deepseek_v3", 1)[0],
                       config=fxshard.Config(fuse_grouped_mlp=True))
+
+
+class DetachedScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale.detach()  # read, but no gradient reaches it
+
+
+def test_a_parameter_read_only_through_detach_is_named_with_freezing_as_the_fix():
+    batch = {"x": torch.randn(2, 4), "y": torch.randn(2, 4)}
+    with pytest.raises(FxShardError, match=r"parameter 'scale' requires grad but the loss does not depend on it "
+                                           r"\(not read in the forward, or read only through \.detach\(\)"):
+        fxshard.trace(DetachedScale(), lambda m, b: nn.functional.mse_loss(m(b["x"]), b["y"]), batch)
