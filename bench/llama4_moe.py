@@ -89,6 +89,18 @@ def time_steps(step, warmup: int, iters: int, device) -> tuple[float, list[float
     return statistics.median(times), losses
 
 
+def print_kernels(mode: str, step, steps: int = 3, top: int = 12) -> None:
+    """The `top` CUDA kernels of `steps` steps by total time (--profile)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    print(f"{mode}: top kernels over {steps} steps")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=70))
+
+
 def run(mode: str, args) -> dict:
     import fxshard
 
@@ -117,6 +129,8 @@ def run(mode: str, args) -> dict:
         notes = []
     setup_s = time.perf_counter() - started
     ms, losses = time_steps(step, args.warmup, args.iters, device)
+    if args.profile and device.type == "cuda":
+        print_kernels(mode, step)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     return {"mode": mode, "ms_per_step": ms, "tokens_per_s": seq / ms * 1e3, "setup_s": setup_s,
             "losses": losses, "peak_bytes": peak, "traced_as": notes[:1]}
@@ -130,6 +144,7 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", default="bench/llama4_moe.json")
+    parser.add_argument("--profile", action="store_true", help="print each mode's top CUDA kernels")
     args = parser.parse_args(argv)
     rows = []
     for mode in args.modes:
