@@ -157,7 +157,7 @@ def main(argv=None):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
     best = min((r["ms_per_step"] for r in rows if r.get("mode") == "compiled" and "ms_per_step" in r), default=None)
-    print(f"\n| mode | ms/step | tokens/s | vs compiled | peak GiB | setup s | first / last loss |")
+    print("\n| mode | ms/step | tokens/s | vs compiled | peak GiB | setup s | first / last loss |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for row in rows:
         if "error" in row:
