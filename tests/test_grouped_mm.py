@@ -15,19 +15,25 @@ def loop_reference(x, counts, weight):
 
 
 @given(counts=st.lists(st.integers(0, 5), min_size=1, max_size=6), d_in=st.integers(1, 6),
-       d_out=st.integers(1, 6), padding=st.integers(0, 2), dtype=st.sampled_from([torch.float32, torch.float64]))
-def test_values_and_gradients_match_the_loop(counts, d_in, d_out, padding, dtype):
+       d_out=st.integers(1, 6), padding=st.integers(0, 2), dtype=st.sampled_from([torch.float32, torch.float64]),
+       stored_transposed=st.booleans())
+def test_values_and_gradients_match_the_loop(counts, d_in, d_out, padding, dtype, stored_transposed):
+    """`stored_transposed`: experts stored [E, in, out] (Llama 4, GPT-OSS) and passed transposed; their
+    gradient comes out in that stored layout, contiguous, not as a transposed copy."""
     torch.manual_seed(0)
     rows = sum(counts) + padding  # rows past the last offset belong to no expert
     x = torch.randn(rows, d_in, dtype=dtype, requires_grad=True)
-    weight = torch.randn(len(counts), d_out, d_in, dtype=dtype, requires_grad=True)
+    shape = (len(counts), d_in, d_out) if stored_transposed else (len(counts), d_out, d_in)
+    stored = torch.randn(*shape, dtype=dtype, requires_grad=True)
+    weight = stored.transpose(1, 2) if stored_transposed else stored
     offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
     grad_out = torch.randn(rows, d_out, dtype=dtype)
 
     out = grouped_mm(x, offsets, weight)
-    grad_x, grad_w = torch.autograd.grad(out, (x, weight), grad_out)
+    grad_x, grad_w = torch.autograd.grad(out, (x, stored), grad_out)
     expected = loop_reference(x, counts, weight)
-    expected_grad_x, expected_grad_w = torch.autograd.grad(expected, (x, weight), grad_out)
+    expected_grad_x, expected_grad_w = torch.autograd.grad(expected, (x, stored), grad_out)
+    assert grad_w.is_contiguous()
 
     tolerance = dict(rtol=1e-5, atol=1e-5)
     assert torch.allclose(out, expected, **tolerance)

@@ -64,9 +64,20 @@ def _backward(ctx, grad_out):
     x, offsets, weight = ctx.saved_tensors
     slots = () if ctx.capacity is None else (ctx.capacity,)  # ragged programs keep their three-argument calls
     grad_x = grouped_mm(grad_out, offsets, weight.transpose(1, 2), *slots) if ctx.needs_input_grad[0] else None
-    grad_weight = (grouped_mm_wgrad(grad_out, x, offsets, weight.shape[0], *slots) if ctx.needs_input_grad[2]
-                   else None)
+    grad_weight = None
+    if ctx.needs_input_grad[2] and _stored_transposed(weight):
+        # the weight is a view of experts stored [E, in, out] (Llama 4's, GPT-OSS's): its gradient made in
+        # that layout, x^T grad per expert, so the parameter's gradient, cast and update read it contiguous
+        # (a gradient [E, out, in] transposed into it made every step over it a strided copy)
+        grad_weight = grouped_mm_wgrad(x, grad_out, offsets, weight.shape[0], *slots).transpose(1, 2)
+    elif ctx.needs_input_grad[2]:
+        grad_weight = grouped_mm_wgrad(grad_out, x, offsets, weight.shape[0], *slots)
     return grad_x, None, grad_weight, None
+
+
+def _stored_transposed(weight: Tensor) -> bool:
+    """`weight` [E, out, in] is the transpose of a contiguous [E, in, out] tensor."""
+    return not weight.is_contiguous() and weight.transpose(1, 2).is_contiguous()
 
 
 grouped_mm.register_autograd(_backward, setup_context=_setup_context)
