@@ -74,13 +74,38 @@ def user_frame(error: BaseException) -> str | None:
     return best
 
 
+_NN_DIR = os.path.join(_TORCH_DIR, "nn", "")
+# fixes for torch modules that read a tensor on the host in some configurations: (text of the line, fix)
+_MODULE_FIXES = (
+    ("num_batches_tracked",
+     "a BatchNorm with momentum=None averages its running statistics by its batch count, read on the host; "
+     "give it a numeric momentum (e.g. momentum=0.1, torch's default)"),
+)
+
+
+def library_frame(error: BaseException) -> str | None:
+    """'module:line in function: source' of the deepest frame in torch.nn (a module the model calls,
+    where a host read inside torch's own code happens), or None."""
+    best = None
+    for link in _chain(error):
+        for frame in traceback.extract_tb(link.__traceback__):
+            if os.path.abspath(frame.filename).startswith(_NN_DIR):
+                source = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+                module = os.path.relpath(frame.filename, os.path.dirname(_TORCH_DIR))[:-3].replace(os.sep, ".")
+                best = f"{module}:{frame.lineno} in {frame.name}: {source}"
+    return best
+
+
 def explain_trace_failure(error: BaseException) -> FxShardError:
     where = user_frame(error)
     location = f"\n  at {where}" if where else ""
     for link in _chain(error):
         cause = _CAUSES.get(type(link).__name__)
         if cause:
-            return FxShardError(f"cannot trace the training step: {cause}.{location}\n  {_FIX}")
+            inside = library_frame(error)
+            fix = next((f for text, f in _MODULE_FIXES if inside and text in inside), _FIX)
+            location += f"\n  inside {inside}" if inside else ""
+            return FxShardError(f"cannot trace the training step: {cause}.{location}\n  {fix}")
     for link in _chain(error):
         for text, cause, fix in _MESSAGES:
             if text in str(link):

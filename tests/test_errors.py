@@ -451,3 +451,11 @@ def test_a_parameter_read_only_through_detach_is_named_with_freezing_as_the_fix(
     with pytest.raises(FxShardError, match=r"parameter 'scale' requires grad but the loss does not depend on it "
                                            r"\(not read in the forward, or read only through \.detach\(\)"):
         fxshard.trace(DetachedScale(), lambda m, b: nn.functional.mse_loss(m(b["x"]), b["y"]), batch)
+
+
+def test_a_host_read_inside_a_torch_module_names_its_line_and_batchnorms_fix():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None))
+    batch = {"x": torch.randn(8, 4), "y": torch.randn(8, 4)}
+    with pytest.raises(FxShardError, match=r"inside torch\.nn\.modules\.batchnorm:\d+ in forward: .*num_batches_tracked"
+                                           r"(.|\n)*give it a numeric momentum"):
+        fxshard.trace(model, lambda m, b: nn.functional.mse_loss(m(b["x"]), b["y"]), batch)
