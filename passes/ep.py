@@ -209,6 +209,7 @@ class _Layer:
     capacity: int | None
     rows: int
     distinct: bool = False    # each token's k experts are distinct (fxshard.moe.dispatch(distinct=True))
+    unowned_rows: bool = False  # rows may sort past the last expert's without a capacity (recognize_moe)
     local: int = 0            # experts per rank
     chunks: int = 1           # expert groups per rank (ep_overlap), at most `local`
     bounds: tuple[int, ...] = (0,)  # local expert index where each chunk's group starts, then `local`
@@ -283,7 +284,8 @@ class _Rewrite:
                 if meta.microbatch(offsets):
                     name += f"/mb{meta.microbatch(offsets)}"
                 layer = self.layers[offsets] = _Layer(offsets, name, experts, facts["top_k"], facts["tokens"],
-                                                      facts["capacity"], rows, facts.get("distinct", False))
+                                                      facts["capacity"], rows, facts.get("distinct", False),
+                                                      facts.get("unowned_rows", False))
                 self.size_buffers(layer)
             self.layer_of[seed] = layer
             for argument, role in zip(seed.args, arg_roles):
@@ -728,10 +730,13 @@ class _Rewrite:
             padded = torch.cat([*values, values[0].new_zeros(1, *values[0].shape[1:])])
             return [padded.index_select(0, slot)]
 
-        if layer.capacity is not None and not self.zero_where_unowned(node):
+        if (layer.capacity is not None or layer.unowned_rows) and not self.zero_where_unowned(node):
+            which = ("With a capacity, the rows no expert owns (dropped assignments)" if layer.capacity is not None
+                     else "Its expert ids are not known to lie below the expert count (a sentinel id for a dropped "
+                          "token sorts past the last expert's rows), so rows no expert owns")
             raise FxShardError(
                 f"{node.name} ({node.target}) is computed inside the experts of MoE layer {layer.name} and read "
-                f"outside them. With a capacity, the rows no expert owns (dropped assignments) hold there what that "
+                f"outside them. {which} hold there what that "
                 f"computation makes of a zero row; expert parallelism returns zeros for them, and only the expert "
                 f"ops' own results are zero there. Read only the experts' outputs outside them, route without a "
                 f"capacity (dropless), or train without Mesh(ep)")

@@ -27,14 +27,19 @@ facts (`capacity` None: dropless; `style` "sorted") into the offsets' metadata. 
 model wrote it: the expert-parallel pass returns the expert outputs in the original row order, so
 any combine still reads the rows it expects.
 
-`distinct` is written True only for a top-k's indices over the experts; for other ids the
+`distinct` is written True only for a top-k's indices over exactly the experts; for other ids the
 expert-parallel pass sizes its all-to-all buffers for a token that reaches one expert up to k times.
+`unowned_rows` is written True unless every id is known to lie below the expert count (indices of a
+topk, max or argmax over the experts, or a cat of such): a sentinel id that histc does not count sorts
+its rows past the last expert's, where no expert owns them, and the expert-parallel pass then refuses
+values computed there and read outside the experts, as it does under a capacity.
 
 Rejected (the facts are not written, and the expert-parallel pass's error says which check failed):
 offsets whose counts come from another key than the one the rows are sorted by, counts that are not
 accumulated into cumulative ends, counts from a one-hot routing map over ids that may repeat an
 expert (the map counts a repeated expert once), ids that are not an integer tensor with each
-token's k ids in its last dim, rows the sort did not order, or a row count other than T*k.
+token's k ids in its last dim, a cast that may change ids or counts (to bool, int8/16, half) on the
+way, rows the sort did not order, or a row count other than T*k.
 
 Invariant: the program is unchanged but for metadata (the same nodes compute the same values);
 `notes["moe_recognized"]` lists each recognized layer and `notes["moe_unrecognized"]` the reasons.
@@ -60,6 +65,8 @@ EXPERT_OPS = {torch.ops.fxshard.grouped_mm.default, torch.ops.fxshard.grouped_ml
 
 _INT_PASSTHROUGH = {_aten._to_copy.default, _aten.clone.default, _aten.alias.default, _aten.detach.default,
                     _aten.lift_fresh_copy.default}
+# casts that keep every expert id's and count's value (a cast to bool, int8/16 or half may not)
+_EXACT_DTYPES = (torch.int32, torch.int64, torch.float32, torch.float64)
 _RESHAPES = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default}
 
 
@@ -124,7 +131,7 @@ def _match(offsets: fx.Node) -> dict:
     if ids is None:
         raise _NoMatch("the offsets count a key that is neither each token's expert ids (an integer tensor "
                        "[..., k], e.g. a top-k's indices) flattened nor their sorted values")
-    distinct = _is_topk_indices(ids)
+    distinct = _is_topk_indices(ids, n_experts)
     if one_hot and not distinct:
         raise _NoMatch("the offsets sum a one-hot routing map of expert ids that are not a top-k's indices: a "
                        "token naming an expert twice would be counted once")
@@ -141,7 +148,7 @@ def _match(offsets: fx.Node) -> dict:
             raise _NoMatch(f"the rows {op.name} reads are not the tokens in the order of the sort of the "
                            f"expert ids (or row-wise ops of them)")
     return {"experts": n_experts, "top_k": top_k, "tokens": tokens, "capacity": None, "slots": False,
-            "distinct": distinct, "style": "sorted"}
+            "distinct": distinct, "style": "sorted", "unowned_rows": not _below(ids, n_experts)}
 
 
 def _val(node):
@@ -149,7 +156,10 @@ def _val(node):
 
 
 def _through(node, targets):
+    """Back from `node` through ops in `targets`; a cast only where it keeps the values (_EXACT_DTYPES)."""
     while isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets:
+        if node.target is _aten._to_copy.default and _val(node).dtype not in _EXACT_DTYPES:
+            break
         node = node.args[0]
     return node
 
@@ -224,13 +234,34 @@ def _flat_ids_of(node: fx.Node) -> fx.Node | None:
     return _ids_source(node) if isinstance(value, torch.Tensor) and value.dim() == 1 else None
 
 
-def _is_topk_indices(ids: fx.Node) -> bool:
-    """`ids` are the indices of a topk over the last dim (the experts): k distinct ids per token."""
+def _is_topk_indices(ids: fx.Node, experts: int) -> bool:
+    """`ids` are the indices of a topk over the last dim, of the experts' size: k distinct expert ids
+    per token, each below `experts`."""
     if not (ids.target is operator.getitem and ids.args[1] == 1 and ids.args[0].target is _aten.topk.default):
         return False
     topk = ids.args[0]
     scores = _val(topk.args[0])
-    return call_argument(topk, "dim") % scores.dim() == scores.dim() - 1
+    return call_argument(topk, "dim") % scores.dim() == scores.dim() - 1 and scores.shape[-1] == experts
+
+
+def _below(ids: fx.Node, experts: int) -> bool:
+    """Every id in `ids` is known to lie in [0, experts): the indices of a topk, max or argmax over a
+    last dim of `experts` entries, or a cat of such. Otherwise some rows may sort past the last
+    expert's (a sentinel id for a dropped token, which histc does not count) and belong to no expert."""
+    ids = _through(ids, _INT_PASSTHROUGH | _RESHAPES | {_aten.flatten.using_ints, _aten.unsqueeze.default})
+    if not isinstance(ids, fx.Node) or ids.op != "call_function":
+        return False
+    if ids.target is _aten.cat.default:
+        return all(_below(part, experts) for part in ids.args[0])
+    reduced = ids.args[0] if ids.target is operator.getitem and ids.args[1] == 1 else ids
+    if not isinstance(reduced, fx.Node) or reduced.target not in (_aten.topk.default, _aten.max.dim,
+                                                                   _aten.argmax.default):
+        return False
+    scores = _val(reduced.args[0])
+    dim = call_argument(reduced, "dim")
+    if reduced is ids and reduced.target is not _aten.argmax.default or dim is None:
+        return False  # a topk's or max's values, or an argmax over everything
+    return dim % scores.dim() == scores.dim() - 1 and scores.shape[-1] == experts
 
 
 def _ids_of(key: fx.Node) -> fx.Node | None:

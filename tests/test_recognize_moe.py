@@ -31,7 +31,10 @@ class TitanMoE(nn.Module):
         super().__init__()
         self.experts, self.top_k, self.score_before, self.variant = experts, top_k, score_before, variant
         self.counting = counting
-        self.gate = nn.Linear(dim, experts, bias=False)
+        # "null_expert": a router over E + 1 columns, the last one a null expert that histc counts as E - 1
+        self.gate = nn.Linear(dim, experts + (variant == "null_expert"), bias=False)
+        if variant == "dropped":  # a shared bias after the first expert GEMM, also read outside the experts
+            self.b1 = nn.Parameter(torch.randn(hidden) * 0.5)
         if variant == "other_key":  # a second router, frozen: only its choice is read
             self.other_gate = nn.Linear(dim, experts, bias=False).requires_grad_(False)
         self.w1 = nn.Parameter(torch.randn(experts, hidden, dim) * dim ** -0.5)
@@ -50,13 +53,17 @@ class TitanMoE(nn.Module):
             ids = (torch.arange(ids.numel()).view_as(ids) * 7 // 3) % self.experts
         if self.variant == "repeated":  # each token names its first expert k times (as sampled ids may)
             ids = torch.stack([ids[:, 0]] * self.top_k, dim=1)
+        if self.variant == "dropped":  # low-scoring assignments dropped by hand: id E, which histc below skips
+            ids = torch.where(top_scores < top_scores.mean(), self.experts, ids)
         counted = ids
         if self.variant == "other_key":  # counts from another router's choice than the rows' sort
             counted = torch.topk(self.other_gate(x), k=self.top_k, dim=1).indices
         if self.counting == "one_hot":
             counts = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, counted, True).sum(dim=0)
         else:
-            counts = torch.histc(counted.view(-1).float(), bins=self.experts, min=0, max=self.experts)
+            top = self.experts - 1 if self.variant == "dropped" else self.experts
+            flat = counted.view(-1).bool() if self.variant == "lossy_cast" else counted.view(-1)  # ids -> 0/1
+            counts = torch.histc(flat.float(), bins=self.experts, min=0, max=top)
         if self.variant == "weighted_map":  # a map of twos: each count doubled
             counts = torch.zeros_like(scores).scatter_(-1, counted, 2.0).sum(dim=0)
         with torch.no_grad():
@@ -74,13 +81,19 @@ class TitanMoE(nn.Module):
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         if self.variant == "counts":  # group sizes where cumulative ends belong
             offsets = counts.to(torch.int32)
-        h = F.silu(torch._grouped_mm(rows, self.w1.transpose(-2, -1), offs=offsets))
+        h = torch._grouped_mm(rows, self.w1.transpose(-2, -1), offs=offsets)
+        if self.variant == "dropped":
+            h = h + self.b1
+            penalty = h.pow(2).mean()
+        h = F.silu(h)
         h = h * torch._grouped_mm(rows, self.w3.transpose(-2, -1), offs=offsets)
         out_rows = torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offsets)
         if not self.score_before:
             out_rows = out_rows * sorted_scores.reshape(-1, 1)
         out = self.shared(x) if self.shared is not None else torch.zeros_like(x)
         out = out.scatter_add(0, token_of_row, out_rows)
+        if self.variant == "dropped":
+            out = out + 1e-2 * penalty
         return out.view(bs, slen, dim)
 
 
@@ -305,10 +318,12 @@ def test_rows_masked_by_the_sorted_ids_are_still_in_expert_order():
     assert_ep_trains_like_one_device(model, lambda m, b: m(b), local_batches(2, 32), fxshard.Mesh(dp=2, ep=2))
 
 
-@pytest.mark.parametrize("variant", ["hashed", "repeated"])
+@pytest.mark.parametrize("variant", ["hashed", "repeated", "null_expert"])
 def test_expert_ids_not_from_a_topk_are_recognized_and_a_token_may_name_an_expert_twice(variant):
     """Ids chosen otherwise than by a top-k (PhiMoE samples them) are split too, with all-to-all
-    buffers sized for a token that reaches one expert k times ("repeated": every token does)."""
+    buffers sized for a token that reaches one expert k times ("repeated": every token does). So are
+    a top-k's over more columns than experts ("null_expert", whose null column histc counts as the
+    last expert's: its buffers had been sized for distinct experts, and overflowed)."""
     torch.manual_seed(0)
     model = TitanStyleMoEModel(experts=4, top_k=2, variant=variant)
     programs = assert_ep_trains_like_one_device(model, lambda m, b: m(b), local_batches(2, 32),
@@ -323,6 +338,7 @@ def test_expert_ids_not_from_a_topk_are_recognized_and_a_token_may_name_an_exper
     ("repeated", "one_hot", "a token naming an expert twice would be counted once"),
     ("counts", "histc", "not a cumulative sum"),
     ("weighted_map", "histc", "not ones scattered into zeros at the expert ids"),
+    ("lossy_cast", "histc", "neither each token's expert ids"),
 ])
 def test_look_alikes_are_not_split_and_the_error_says_why(variant, counting, reason):
     torch.manual_seed(0)
@@ -332,6 +348,17 @@ def test_look_alikes_are_not_split_and_the_error_says_why(variant, counting, rea
     with pytest.raises(fxshard.FxShardError, match=re.escape(reason)) as error:
         fxshard.check(model, lambda m, b: m(b), batch, mesh=fxshard.Mesh(dp=2, ep=2))
     assert "in layers.0 " in str(error.value) and "fxshard.register_moe" in str(error.value)
+
+
+def test_rows_of_ids_past_the_experts_read_outside_them_are_refused():
+    """Dropped assignments written by hand as the sentinel id E, which histc(max=E-1) does not count:
+    their rows belong to no expert, and a value computed there (a bias after the first GEMM, read by a
+    penalty outside the experts) is not zero on one device, while expert parallelism returns zeros."""
+    torch.manual_seed(0)
+    model = TitanStyleMoEModel(experts=4, top_k=2, variant="dropped")
+    batch = local_batches(1, 32)[0]
+    with pytest.raises(fxshard.FxShardError, match="expert ids are not known to lie below the expert count"):
+        fxshard.check(model, lambda m, b: m(b), batch, mesh=fxshard.Mesh(dp=2, ep=2))
 
 
 class LoopMoE(nn.Module):
