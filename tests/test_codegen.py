@@ -380,14 +380,24 @@ class CachedAttention(nn.Module):
         return x + self.out(attended.transpose(1, 2).reshape(batch, seq, dim))
 
 
-def test_outputs_inductor_lays_out_otherwise_than_traced_are_copied_into_the_traced_layout():
+def test_outputs_inductor_lays_out_otherwise_than_traced_are_copied_into_the_traced_layout(monkeypatch):
     """Without the copy (codegen.CompiledRegion.conformed) the backward's compiled region failed its
-    input check on the saved keys, on every transformers decoder called with its default cache."""
+    input check on the saved keys (every transformers decoder called with its default cache, on CPU),
+    and the error blamed the batch: it now names the layout check as codegen's defect."""
+    from fxshard.codegen import CompiledRegion
+
     torch.manual_seed(0)
     model = nn.Sequential(CachedAttention(), CachedAttention())
     generator = torch.Generator().manual_seed(1)
     batches = [{"x": torch.randn(2, 8, 16, generator=generator), "y": torch.randn(2, 8, 16, generator=generator)}
                for _ in range(2)]
-    parity = eager_parity(model, lambda m, b: F.mse_loss(m(b["x"]), b["y"]), batches, ADAMW,
-                          config=fxshard.Config(codegen="inductor"))
+
+    def loss_fn(m, b):
+        return F.mse_loss(m(b["x"]), b["y"])
+    config = fxshard.Config(codegen="inductor")
+    parity = eager_parity(model, loss_fn, batches, ADAMW, config=config)
     assert parity.max_loss_rel < 1e-5 and parity.max_param_rel < 1e-5, parity
+    monkeypatch.setattr(CompiledRegion, "conformed", lambda self, outputs: outputs)  # the regions as before
+    step = fxshard.shard(model, loss_fn, batches[0], optimizer=ADAMW, config=config)
+    with pytest.raises(fxshard.FxShardError, match="a compiled region's check of its inputs' layouts, not the batch"):
+        step(batches[0])

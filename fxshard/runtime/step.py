@@ -574,9 +574,14 @@ class CompiledStep:
             self._aborted = (f"{what} failed on this rank ({_one_line(error)}) while its peers may wait in that "
                              f"call's collectives or transfers, so this job's process groups cannot be trusted: "
                              f"restart the job (from the last checkpoint)")
+        advice = ("Check this batch (token ids below the vocabulary size, targets in range, the dtypes the model "
+                  "takes...); eager PyTorch runs the same op on it")
+        if isinstance(error, AssertionError) and "expected size" in str(error) and "stride" in str(error):
+            advice = ("That is a compiled region's check of its inputs' layouts, not the batch: a defect of fxshard's "
+                      "codegen (please report it with the dump, Config(dump_dir)); Config(codegen=None) runs the step "
+                      "op by op without it")
         return FxShardError(f"{what}: {failed.name} ({_op_label(failed)}) raised {_one_line(error)}, {unchanged}. "
-                            f"Check this batch (token ids below the vocabulary size, targets in range, the dtypes "
-                            f"the model takes...); eager PyTorch runs the same op on it"
+                            f"{advice}"
                             + (". This rank's peers may wait in this call's collectives or transfers, so the step "
                                "takes no further calls: restart the job (from the last checkpoint)"
                                if self.groups else ""))
