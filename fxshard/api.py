@@ -286,13 +286,21 @@ def _warn_unused_moe_settings(programs: list[Program], config: Config) -> None:
 
     from . import moe
 
+    import warnings
+
     given = [f"{name}={getattr(config, name)!r}" for name, default in
              (("fuse_grouped_mlp", False), ("ep_overlap", False), ("moe_capacity_factor", None))
              if getattr(config, name) != default]
     if not given or any(moe.ANNOTATION in (node.meta.get("custom") or {}) or node.target in EXPERT_OPS
                         for program in programs for node in program.graph.nodes):
+        fusing = [p for p in programs if p.name == "fuse_grouped_mlp"]
+        if fusing and not any(p.notes.get("fused_grouped_mlp") for p in fusing):
+            warnings.warn("Config(fuse_grouped_mlp=True) fused none of the step's expert MLPs: it fuses a grouped GEMM, "
+                          "a gated activation (swiglu, geglu) and a grouped GEMM on weights "
+                          "stored [E, out, in]; experts stored [E, in, out] (Llama 4's, GPT-OSS's) are not fused yet. "
+                          "The step runs them unfused (the dump's fuse_grouped_mlp notes list what was fused)",
+                          stacklevel=user_stacklevel())
         return
-    import warnings
 
     warnings.warn(f"Config({', '.join(given)}) acts on MoE layers, but the step has none (no fxshard.moe.dispatch "
                   f"call, no experts run as grouped GEMMs): it has no effect", stacklevel=user_stacklevel())
