@@ -296,10 +296,9 @@ def _warn_unused_moe_settings(programs: list[Program], config: Config) -> None:
         fusing = [p for p in programs if p.name == "fuse_grouped_mlp"]
         if fusing and not any(p.notes.get("fused_grouped_mlp") for p in fusing):
             warnings.warn("Config(fuse_grouped_mlp=True) fused none of the step's expert MLPs: it fuses a grouped GEMM, "
-                          "a gated activation (swiglu, geglu) and a grouped GEMM on weights "
-                          "stored [E, out, in]; experts stored [E, in, out] (Llama 4's, GPT-OSS's) are not fused yet. "
-                          "The step runs them unfused (the dump's fuse_grouped_mlp notes list what was fused)",
-                          stacklevel=user_stacklevel())
+                          "an activation it knows op for op (swiglu, geglu, clamped quick_geglu, gelu, relu) and a "
+                          "grouped GEMM, with no bias between and no other reader of what lies between "
+                          "(passes/fuse_grouped_mlp.py). The step runs them unfused", stacklevel=user_stacklevel())
         return
 
     warnings.warn(f"Config({', '.join(given)}) acts on MoE layers, but the step has none (no fxshard.moe.dispatch "

@@ -83,13 +83,24 @@ _MODULE_FIXES = (
 )
 
 
+_MODULE_CALL = os.path.join(_TORCH_DIR, "nn", "modules", "module.py")  # nn.Module.__call__'s dispatch
+
+
+def _is_user(path: str) -> bool:
+    return not (path.startswith((_TORCH_DIR, _FXSHARD_DIR, _STDLIB_DIR)) or path.startswith("<"))
+
+
 def library_frame(error: BaseException) -> str | None:
-    """'module:line in function: source' of the deepest frame in torch.nn (a module the model calls,
-    where a host read inside torch's own code happens), or None."""
+    """'module:line in function: source' of the deepest frame in a torch.nn module's own code below
+    the user's deepest frame (a host read inside torch's BatchNorm, say), or None: a read in the
+    user's own code has no such frame (nn.Module's call dispatch does not count)."""
     best = None
     for link in _chain(error):
-        for frame in traceback.extract_tb(link.__traceback__):
-            if os.path.abspath(frame.filename).startswith(_NN_DIR):
+        frames = traceback.extract_tb(link.__traceback__)
+        paths = [os.path.abspath(frame.filename) for frame in frames]
+        last_user = max((i for i, path in enumerate(paths) if _is_user(path)), default=-1)
+        for frame, path in list(zip(frames, paths))[last_user + 1:]:
+            if path.startswith(_NN_DIR) and path != _MODULE_CALL:
                 source = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
                 module = os.path.relpath(frame.filename, os.path.dirname(_TORCH_DIR))[:-3].replace(os.sep, ".")
                 best = f"{module}:{frame.lineno} in {frame.name}: {source}"

@@ -107,7 +107,9 @@ def _llama4_text_moe(module: nn.Module, hidden_states: torch.Tensor):
     (gate_up, then up * act(gate), then down, no biases) maps a zero input to a zero output with a
     zero input gradient, so the other experts add exact zeros to the sum and nothing to the
     gradients: this forward computes the chosen experts only (E / k times fewer expert FLOPs), on
-    rows laid out by `fxshard.moe.dispatch`, so expert parallelism splits the layer."""
+    rows laid out by `fxshard.moe.dispatch`, so expert parallelism splits the layer. Being a dispatch
+    call, it is bounded by Config(moe_capacity_factor) where one is set: tokens over an expert's
+    capacity are then dropped, which the model's own code never does."""
     from . import moe
     from .ops import grouped_mm
 
@@ -119,7 +121,7 @@ def _llama4_text_moe(module: nn.Module, hidden_states: torch.Tensor):
     rows = routed.rows * weights.reshape(-1)[routed.order].unsqueeze(-1)  # scaled before the experts
     experts = module.experts
     gate, up = grouped_mm(rows, routed.offsets, experts.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
-    out_rows = grouped_mm(up * experts.act_fn(gate), routed.offsets, experts.down_proj.transpose(1, 2))
+    out_rows = grouped_mm(experts.act_fn(gate) * up, routed.offsets, experts.down_proj.transpose(1, 2))
     out = module.shared_expert(tokens)
     return out + moe.combine(out_rows, routed, torch.ones_like(weights), tokens.shape[0]), logits
 

@@ -7,6 +7,10 @@ In the traced joint graph an expert MLP is, per microbatch:
               gh = (autograd's nodes for act, from ga and the forward's intermediates)
               gw1 = grouped_mm_wgrad(gh, x, offs);  gx = grouped_mm(gh, offs, w1^T)
 
+(a weight that is the transpose of experts stored [E, in, out] gets its gradient in that layout,
+grouped_mm_wgrad(a, gy, offs) / grouped_mm_wgrad(x, gh, offs), transposed: fxshard/ops/grouped_mm.py;
+its fused gradient is then copied into that layout, so what the optimizer reads stays contiguous)
+
 The pass replaces each such group by three nodes: `grouped_mlp_fwd` where y was computed, and
 `grouped_mlp_dgrad` followed by `grouped_mlp_wgrad` where the backward started (a scheduler may
 move the weight-gradient node later; it is one node, so it runs once). A group is fused only when
@@ -69,6 +73,8 @@ class _Group:
     grad_w1: fx.Node
     grad_x: fx.Node | None
     capacity: int | None  # the rows' layout: ragged (None) or capacity slots
+    stored_w1: bool = False  # grad_w1 / grad_w2 are grouped_mm_wgrad(rows, grad): the stored [E, in, out] layout
+    stored_w2: bool = False
 
 
 def fuse_grouped_mlp(program: Program) -> Program:
@@ -123,25 +129,31 @@ def _match(y: fx.Node) -> _Group | None:
     x, _, w1 = h.args[:3]
     if not _fits_the_fused_op(x, offsets, w1, w2, activation, capacity):  # e.g. D -> F -> D2 with D2 != D
         return None
-    grad_w2 = _only(u for u in a.users if u.target is _WGRAD and u.args[1] is a and u.args[2] is offsets
-                    and _capacity(u) == capacity)
+    grad_w2, stored_w2 = _wgrad_of(a, offsets, capacity)
     if grad_w2 is None:
         return None
-    grad_y = grad_w2.args[0]
+    grad_y = grad_w2.args[0 if not stored_w2 else 1]
     grad_a = _only(u for u in grad_y.users if u.target is _GROUPED_MM and u.args[1] is offsets
                    and _is_transpose_of(u.args[2], w2) and _capacity(u) == capacity)
-    grad_w1 = _only(u for u in x.users if u.target is _WGRAD and u.args[1] is x and u.args[2] is offsets
-                    and meta.phase(u) == meta.BWD and meta.microbatch(u) == meta.microbatch(y)
-                    and _capacity(u) == capacity)
+    grad_w1, stored_w1 = _wgrad_of(x, offsets, capacity, lambda u: meta.phase(u) == meta.BWD and
+                                   meta.microbatch(u) == meta.microbatch(y))
     if grad_a is None or grad_w1 is None:
         return None
-    grad_h = grad_w1.args[0]
+    grad_h = grad_w1.args[0 if not stored_w1 else 1]
     grad_x = _only(u for u in grad_h.users if u.target is _GROUPED_MM and _is_transpose_of(u.args[2], w1)
                    and _capacity(u) == capacity)
     act_backward = _between(sources={grad_a, h, *chain}, sink=grad_h)
     group = _Group(x, offsets, w1, w2, h, chain, y, activation, limit, grad_y, grad_a, grad_w2, act_backward,
-                   grad_h, grad_w1, grad_x, capacity)
+                   grad_h, grad_w1, grad_x, capacity, stored_w1, stored_w2)
     return group if _self_contained(group) else None
+
+
+def _wgrad_of(rows: fx.Node, offsets: fx.Node, capacity, also=lambda u: True) -> tuple[fx.Node | None, bool]:
+    """The weight gradient read from `rows`: grouped_mm_wgrad(grad, rows) ([E, out, in]), or
+    grouped_mm_wgrad(rows, grad) for a weight stored [E, in, out] (True); (None, False) if not exactly one."""
+    found = [(u, u.args[0] is rows) for u in rows.users if u.target is _WGRAD and u.args[2] is offsets and
+             (u.args[1] is rows) != (u.args[0] is rows) and _capacity(u) == capacity and also(u)]
+    return found[0] if len(found) == 1 else (None, False)
 
 
 def _fits_the_fused_op(x, offsets, w1, w2, activation, capacity) -> bool:
@@ -300,6 +312,11 @@ def _rewrite(graph: fx.Graph, g: _Group, fake) -> None:
     def backward(grad_y, h, x, offsets, w1, w2):
         grad_x, grad_h, act = grouped_mlp_dgrad(grad_y, h, offsets, w1, w2, activation, limit, *slots)
         grad_w1, grad_w2, _, _ = grouped_mlp_wgrad(grad_y, grad_h, x, act, offsets, False, *slots)
+        # where the unfused graph made a weight's gradient in its stored [E, in, out] layout, so does this
+        if g.stored_w1:
+            grad_w1 = grad_w1.transpose(1, 2).contiguous()
+        if g.stored_w2:
+            grad_w2 = grad_w2.transpose(1, 2).contiguous()
         return grad_x, grad_w1, grad_w2
 
     with graph.inserting_before(g.y):

@@ -427,11 +427,13 @@ def test_moe_settings_on_a_model_without_moe_layers_are_said_to_do_nothing():
     from fxshard.models import MoEGPT, MoEGPTConfig
 
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # MoEGPT's dispatch calls: they act
+        warnings.simplefilter("error")  # MoEGPT's dispatch calls: they act, and its expert MLPs fuse
         fxshard.check(MoEGPT(MoEGPTConfig.preset("tiny")), lambda m, b: m.loss(b), batch, config=config)
-        # and torchtitan's experts (torch._grouped_mm, not recognized on one device) are fused: no warning
-        from model_zoo import masked_batches, titan_deepseek_v3, titan_loss
+    # torchtitan's experts run gate and up as two grouped GEMMs, which the fused op (one GEMM, then
+    # the gated activation) does not take: the setting acts on nothing there, and says so
+    from model_zoo import masked_batches, titan_deepseek_v3, titan_loss
 
+    with pytest.warns(UserWarning, match=r"fuse_grouped_mlp=True\) fused none of the step's expert MLPs"):
         fxshard.check(titan_deepseek_v3(), titan_loss, masked_batches("titan_deepseek_v3", 1)[0],
                       config=fxshard.Config(fuse_grouped_mlp=True))
 
@@ -459,3 +461,10 @@ def test_a_host_read_inside_a_torch_module_names_its_line_and_batchnorms_fix():
     with pytest.raises(FxShardError, match=r"inside torch\.nn\.modules\.batchnorm:\d+ in forward: .*num_batches_tracked"
                                            r"(.|\n)*give it a numeric momentum"):
         fxshard.trace(model, lambda m, b: nn.functional.mse_loss(m(b["x"]), b["y"]), batch)
+
+
+def test_a_host_read_in_the_users_own_module_names_no_torch_line():
+    batch = {"x": torch.randn(2, 4), "y": torch.randn(2, 4)}
+    with pytest.raises(FxShardError) as error:
+        fxshard.trace(ReadsItem(), lambda m, b: nn.functional.mse_loss(m(b["x"]), b["y"]), batch)
+    assert "scale = x.abs().max().item()" in str(error.value) and "inside torch.nn" not in str(error.value)

@@ -284,8 +284,11 @@ def test_llama4_moe_traces_as_its_sparse_layer_trains_like_its_own_forward_and_s
     assert "forward" not in vars(model.model.layers[0].feed_forward)
     assert_ep_trains_like_one_device(llama4(top_k=2), hf_loss, local_batches(2, 64), fxshard.Mesh(dp=2, ep=2),
                                      recognized_layers=0)  # moe.dispatch's layers need no recognizing
+    fused = run_pipeline(program, None, fxshard.Config(fuse_grouped_mlp=True))[-1]
+    assert len(fused.notes["fused_grouped_mlp"]) == 2, fused.notes  # experts stored [E, in, out] fuse too
     with pytest.warns(UserWarning, match=r"fuse_grouped_mlp=True\) fused none of the step's expert MLPs"):
-        fxshard.check(model, hf_loss, local_batches(1, 64)[0], config=fxshard.Config(fuse_grouped_mlp=True))
+        gpt_oss = transformers_moe("GptOss", "grouped_mm")  # its expert biases keep the unfused form
+        fxshard.check(gpt_oss, hf_loss, local_batches(1, 64)[0], config=fxshard.Config(fuse_grouped_mlp=True))
     from fxshard.moe_modules import _llama4
     layer = model.model.layers[0].feed_forward
     layer.__class__ = type("MyMoE", (type(layer),), {})  # a subclass may compute otherwise: traced as written

@@ -37,6 +37,8 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.randn(experts, width, d_model) * 0.3)
         self.w_mid = nn.Parameter(torch.randn(experts, d_ff, d_ff) * 0.3) if extra == "chain" else None
         self.w2 = nn.Parameter(torch.randn(experts, d_model + (extra == "wider_output"), d_ff) * 0.3)
+        if extra == "stored":  # experts stored [E, in, out] (Llama 4's layout), passed to the GEMMs transposed
+            self.w1, self.w2 = (nn.Parameter(w.detach().transpose(1, 2).contiguous()) for w in (self.w1, self.w2))
         self.b1 = nn.Parameter(torch.randn(width) * 0.1) if extra == "bias" else None
         self.kind, self.extra, self.d_ff = kind, extra, d_ff
 
@@ -46,7 +48,8 @@ class Experts(nn.Module):
         counts = torch.full((experts,), tokens // experts, dtype=torch.int32)
         counts[0] += tokens % experts
         offsets = counts.cumsum(0).to(torch.int32)
-        h = grouped_mm(x, offsets, self.w1)
+        w1, w2 = (w.transpose(1, 2) for w in (self.w1, self.w2)) if self.extra == "stored" else (self.w1, self.w2)
+        h = grouped_mm(x, offsets, w1)
         if self.b1 is not None:
             h = h + self.b1
         if self.kind in ACTIVATIONS:
@@ -56,7 +59,7 @@ class Experts(nn.Module):
         if self.extra == "chain":  # a third GEMM: (h, mid) and (mid, y) both match, sharing mid
             a = torch.relu(grouped_mm(a, offsets, self.w_mid))
         second = offsets.flip(0).cumsum(0).to(torch.int32) if self.extra == "other_offsets" else offsets
-        y = grouped_mm(a, second, self.w2)
+        y = grouped_mm(a, second, w2)
         if self.extra == "wider_output":  # D -> F -> D + 1: the fused op's shapes do not fit
             y = y[:, :-1]
         if self.extra == "reads_h":
@@ -110,11 +113,13 @@ def count_fused(program):
 
 @given(activation=st.sampled_from(sorted(ACTIVATIONS)), experts=st.integers(1, 4), d_model=st.integers(2, 6),
        d_ff=st.integers(1, 5), layers=st.integers(1, 2), microbatches=st.sampled_from([1, 2]),
-       rows=st.integers(4, 9))
+       rows=st.integers(4, 9), stored=st.booleans())
 def test_matching_expert_mlps_are_fused_and_results_are_unchanged(activation, experts, d_model, d_ff, layers,
-                                                                  microbatches, rows):
+                                                                  microbatches, rows, stored):
+    """`stored`: experts stored [E, in, out] and read transposed; fused too, and the gradient AdamW
+    reads stays contiguous (fxshard/ops/grouped_mm.py makes it in the stored layout)."""
     torch.manual_seed(0)
-    model = Net(d_model, d_ff, experts, activation, None, layers)
+    model = Net(d_model, d_ff, experts, activation, "stored" if stored else None, layers)
     rows = rows * microbatches
     original, fused, expected, actual = run_both(model, rows, microbatches)
     assert count_fused(fused) == layers * microbatches
@@ -124,6 +129,8 @@ def test_matching_expert_mlps_are_fused_and_results_are_unchanged(activation, ex
     assert len(wgrads) == layers * microbatches  # the weight gradient runs once per fused MLP
     for ours, want in zip(actual, expected):
         torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-6)
+    updates = [n for n in fused.graph.nodes if n.target is torch.ops.fxshard.adamw_update.default]
+    assert updates and all(n.args[1].meta["val"].is_contiguous() for n in updates)
 
 
 @given(kind=st.sampled_from(sorted(LOOK_ALIKES)), experts=st.integers(1, 3), d_ff=st.integers(1, 4))
