@@ -13,6 +13,7 @@ each from the same seed, fp32 masters, bf16 compute, AdamW, random tokens:
                torch.optim.AdamW(fused=True): what a user would run instead
     eager      the same without torch.compile
     fxshard    fxshard.shard on one device: Config(param_dtype=bf16), Inductor codegen, CUDA graphs
+    fxshard-fused  the same with Config(fuse_grouped_mlp=True): each expert MLP as fxshard::grouped_mlp
 
 The default size: 4 decoder layers, all MoE, hidden 2048, 16 heads of 128 (8 key/value heads), 16
 experts of width 4096 (Llama 4 Scout's count and top-1), a shared expert of width 4096, vocabulary
@@ -42,7 +43,7 @@ SIZES = {
                  intermediate_size_mlp=32, num_local_experts=4, num_experts_per_tok=1, num_hidden_layers=2,
                  vocab_size=64, seq=16),
 }
-MODES = ("compiled", "eager", "fxshard")
+MODES = ("compiled", "eager", "fxshard", "fxshard-fused")
 
 
 def build(size: str, device):
@@ -108,13 +109,14 @@ def run(mode: str, args) -> dict:
     model, seq = build(args.size, device)
     batch = batch_for(model, seq, device)
     started = time.perf_counter()
-    if mode == "fxshard":
+    if mode.startswith("fxshard"):
         config = fxshard.Config(param_dtype=torch.bfloat16 if device.type == "cuda" else None,
-                                cuda_graphs=device.type == "cuda", codegen="inductor")
+                                cuda_graphs=device.type == "cuda", codegen="inductor",
+                                fuse_grouped_mlp=mode == "fxshard-fused")
         sharded = fxshard.shard(model, loss_fn, batch, optimizer=fxshard.optim.AdamW(lr=1e-4, weight_decay=0.0),
                                 config=config)
         step = lambda: sharded(batch)["loss"]  # noqa: E731
-        notes = sharded.program.notes.get("moe_forwards", [])
+        notes = sharded.program.notes.get("moe_forwards", [])[:1] + sharded.program.notes.get("fused_grouped_mlp", [])
     else:
         forward = torch.compile(model) if mode == "compiled" else model
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=device.type == "cuda")
@@ -133,7 +135,7 @@ def run(mode: str, args) -> dict:
         print_kernels(mode, step)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     return {"mode": mode, "ms_per_step": ms, "tokens_per_s": seq / ms * 1e3, "setup_s": setup_s,
-            "losses": losses, "peak_bytes": peak, "traced_as": notes[:1]}
+            "losses": losses, "peak_bytes": peak, "traced_as": notes}
 
 
 def main(argv=None):
