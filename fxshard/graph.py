@@ -325,7 +325,7 @@ def _grouped_flops(name: str, args) -> int:
         return 2 * args[0].shape[0] * args[0].shape[1] * args[1].shape[1]
     if name == "grouped_mm":  # x [rows, in], weight [E, out, in]
         return 2 * args[0].shape[0] * args[2].shape[1] * args[2].shape[2]
-    if name == "grouped_mm_wgrad":  # grad_out [rows, out], x [rows, in]
+    if name == "grouped_mm_wgrad":  # a [rows, m], b [rows, n] (grad_out and x, or swapped: stored layout)
         return 2 * args[0].shape[0] * args[0].shape[1] * args[1].shape[1]
     if name in ("grouped_mlp_fwd", "grouped_mlp_dgrad"):  # both GEMMs of every row: x / grad_out, w1, w2
         w1, w2 = (args[2], args[3]) if name == "grouped_mlp_fwd" else (args[3], args[4])

@@ -43,7 +43,9 @@ def _grouped_mm_fake(x, offsets, weight, capacity=None):
 @torch.library.custom_op("fxshard::grouped_mm_wgrad", mutates_args=())
 def grouped_mm_wgrad(grad_out: Tensor, x: Tensor, offsets: Tensor, n_experts: int,
                      capacity: Optional[int] = None) -> Tensor:
-    """[E, out, in]: grad_weight[e] = grad_out[rows of e].T @ x[rows of e] (zero for empty experts)."""
+    """[E, out, in]: grad_weight[e] = grad_out[rows of e].T @ x[rows of e] (zero for empty experts).
+    With the arguments swapped, (x, grad_out), the same gradient in the [E, in, out] layout (what
+    grouped_mm's backward makes for experts stored that way)."""
     from .grouped_mlp_backends import backend_for
 
     return backend_for(grad_out, x).gemm_wgrad(grad_out, x, offsets, n_experts, capacity=capacity)
