@@ -1365,21 +1365,26 @@ def test_transformers_moe_in_bf16_runs_fxshard_grouped_ops_fused_in_a_cuda_graph
         assert abs(ours - theirs) <= 2e-2 * abs(theirs), (results[0], eager)
 
 
+def tiny_transformers_llama():
+    """A 2-layer transformers Llama on CUDA and four batches of its token ids."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).cuda()
+    return model, [{"input_ids": b["idx"]} for b in cuda_batches(4, rows=2, seq=32)]
+
+
 @pytest.mark.gpu
 def test_transformers_llama_on_cuda_runs_its_causal_mask_as_is_causal():
     """transformers builds its causal mask as a tensor while traced; on CUDA the traced attention is
     the memory-efficient kernel with that mask, which passes/causal_attention.py turns into its
     is_causal form. fp32 parity against transformers run eagerly."""
-    transformers = pytest.importorskip("transformers")
     from fxshard.graph import call_argument
     from fxshard.passes import run_pipeline
     from fxshard.passes.causal_attention import ATTENTION_MASKS
 
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).cuda()
-    batches = [{"input_ids": b["idx"]} for b in cuda_batches(4, rows=2, seq=32)]
+    model, batches = tiny_transformers_llama()
 
     def loss_fn(m, b):
         return m(**b, labels=b["input_ids"], use_cache=False).loss
@@ -1400,15 +1405,11 @@ def test_transformers_llama_on_cuda_runs_its_causal_mask_as_is_causal():
 @pytest.mark.gpu
 def test_transformers_llama_with_its_default_cache_trains_under_codegen_and_cuda_graphs():
     """Called without use_cache=False, a transformers decoder appends its keys and values to an empty
-    DynamicCache tensor (torch.cat), which Inductor lays out otherwise than the trace recorded; the
-    backward's compiled region failed its input check until codegen copied such outputs into the
-    traced layout (codegen.CompiledRegion.conformed). fp32 parity against transformers run eagerly."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).cuda()
-    batches = [{"input_ids": b["idx"]} for b in cuda_batches(4, rows=2, seq=32)]
+    DynamicCache tensor (torch.cat). On CPU, Inductor laid that cat out otherwise than the trace
+    recorded and the backward's compiled region failed its input check (tests/test_codegen.py); on
+    CUDA this test passed with and without codegen's copy (CompiledRegion.conformed), and keeps the
+    cache's path under codegen and CUDA graphs covered. fp32 parity against transformers run eagerly."""
+    model, batches = tiny_transformers_llama()
 
     def loss_fn(m, b):
         return m(**b, labels=b["input_ids"]).loss
