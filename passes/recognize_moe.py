@@ -237,11 +237,14 @@ def _flat_ids_of(node: fx.Node) -> fx.Node | None:
 def _is_topk_indices(ids: fx.Node, experts: int) -> bool:
     """`ids` are the indices of a topk over the last dim, of the experts' size: k distinct expert ids
     per token, each below `experts`."""
-    if not (ids.target is operator.getitem and ids.args[1] == 1 and ids.args[0].target is _aten.topk.default):
-        return False
-    topk = ids.args[0]
-    scores = _val(topk.args[0])
-    return call_argument(topk, "dim") % scores.dim() == scores.dim() - 1 and scores.shape[-1] == experts
+    return (ids.target is operator.getitem and ids.args[1] == 1 and ids.args[0].target is _aten.topk.default
+            and _over_the_experts(ids.args[0], experts))
+
+
+def _over_the_experts(reduction: fx.Node, experts: int) -> bool:
+    """`reduction` (a topk, max or argmax) runs over the last dim of its input, which has `experts` entries."""
+    scores, dim = _val(reduction.args[0]), call_argument(reduction, "dim")
+    return dim is not None and dim % scores.dim() == scores.dim() - 1 and scores.shape[-1] == experts
 
 
 def _below(ids: fx.Node, experts: int) -> bool:
@@ -257,11 +260,9 @@ def _below(ids: fx.Node, experts: int) -> bool:
     if not isinstance(reduced, fx.Node) or reduced.target not in (_aten.topk.default, _aten.max.dim,
                                                                    _aten.argmax.default):
         return False
-    scores = _val(reduced.args[0])
-    dim = call_argument(reduced, "dim")
-    if reduced is ids and reduced.target is not _aten.argmax.default or dim is None:
-        return False  # a topk's or max's values, or an argmax over everything
-    return dim % scores.dim() == scores.dim() - 1 and scores.shape[-1] == experts
+    if reduced is ids and reduced.target is not _aten.argmax.default:
+        return False  # a topk's or max's values
+    return _over_the_experts(reduced, experts)
 
 
 def _ids_of(key: fx.Node) -> fx.Node | None:
