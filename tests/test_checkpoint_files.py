@@ -1,6 +1,7 @@
 """Checkpoint directories on one process: what a bad input says (and that it changes nothing), a save
 killed while writing, and asynchronous saves."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -12,6 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import fxshard
+from fxshard.checkpoint import read_tensors
 from fxshard.models import GPT, GPTConfig
 
 ADAMW = fxshard.optim.AdamW(lr=3e-3)
@@ -107,9 +109,65 @@ def test_damaged_and_partial_checkpoints_are_refused_and_nothing_changes(saved, 
     with open(overwritten / info.relative_path, "r+b") as handle:  # the middle of the item: its data
         handle.seek(info.offset + info.length // 2)
         handle.write(b"\xff" * 64)
+    with pytest.raises(fxshard.FxShardError, match=rf"is damaged: {info.relative_path} is not the file the save wrote "
+                                                   r"\(CRC-32 [0-9a-f]{8}, recorded [0-9a-f]{8}\)"):
+        fxshard.load(step, overwritten)
+    without_checksums(overwritten)  # as a checkpoint from before 2026-12-01: the values are still checked
     with pytest.raises(fxshard.FxShardError, match=r"holds values that are not finite in opt_state .*the step is unchanged"):
         fxshard.load(step, overwritten)
     assert_unchanged(step, before)
+
+
+def without_checksums(path):
+    manifest = json.loads((path / "fxshard.json").read_text())
+    del manifest["checksums"], manifest["manifest_crc32"]
+    (path / "fxshard.json").write_text(json.dumps(manifest))
+
+
+def test_a_flipped_bit_anywhere_in_a_checkpoint_is_refused_naming_the_file(saved, tmp_path):
+    """A bit flipped in a tensor's bytes (a finite value still), in DCP's metadata, or in the manifest's
+    step count loads nothing; the same checkpoint without checksums (older) loads the flipped weight."""
+    step = shard()
+    before = snapshot(step)
+    storage = dcp.FileSystemReader(str(saved[0])).read_metadata().storage_data
+    info = next(info for index, info in storage.items() if index.fqn == "model.tok_emb.weight")
+    for name, offset in ((info.relative_path, info.offset + info.length // 2), (".metadata", None)):
+        damaged = tmp_path / name.strip(".")
+        shutil.copytree(saved[0], damaged)
+        with open(damaged / name, "r+b") as handle:
+            handle.seek(offset if offset is not None else os.path.getsize(damaged / name) // 2)
+            byte = handle.read(1)[0]
+            handle.seek(-1, os.SEEK_CUR)
+            handle.write(bytes([byte ^ 0x01]))  # the lowest mantissa bit of a float32 element
+        with pytest.raises(fxshard.FxShardError, match=rf"is damaged: {name} is not the file the save wrote"):
+            fxshard.load(step, damaged)
+        with pytest.raises(fxshard.FxShardError, match=rf"is damaged: {name} is not the file"):
+            read_tensors(damaged)
+    without_checksums(tmp_path / info.relative_path.strip("."))
+    fxshard.load(step, tmp_path / info.relative_path.strip("."))  # unchecked: the flip is not noticed
+    assert not torch.equal(step.parameters()["tok_emb.weight"], read_tensors(saved[0])["model.tok_emb.weight"])
+    step = shard()
+    manifest = tmp_path / "manifest"
+    shutil.copytree(saved[0], manifest)
+    text = (manifest / "fxshard.json").read_text()
+    assert '"step_count": 3' in text
+    (manifest / "fxshard.json").write_text(text.replace('"step_count": 3', '"step_count": 7'))
+    with pytest.raises(fxshard.FxShardError, match=r"is damaged: fxshard.json changed after the save"):
+        fxshard.load(step, manifest)
+    assert_unchanged(step, before)
+    os.remove(manifest / os.path.basename(info.relative_path))
+    (manifest / "fxshard.json").write_text(text)
+    with pytest.raises(fxshard.FxShardError, match=rf"is damaged: {info.relative_path} is missing"):
+        fxshard.load(step, manifest)
+
+
+def test_checksum_shares_cover_every_file_once():
+    from fxshard.checkpoint.dcp import _share
+
+    files = [f"f{i}" for i in range(7)]
+    for world in (1, 2, 3, 8):
+        shares = [_share(files, rank, world) for rank in range(world)]
+        assert sorted(f for share in shares for f in share) == files
 
 
 def test_a_save_never_replaces_a_directory_that_is_not_a_checkpoint(tmp_path):

@@ -10,6 +10,7 @@ runs all 25 and prints the table (recorded in bench/RESULTS.md).
 """
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -101,9 +102,27 @@ def check(table: dict) -> None:
         assert worst < 1e-6, (source, target, worst, uninterrupted, resumed)
 
 
+def damaged_load_job(path: str, layout: str) -> str:
+    step, _ = shard(layout)
+    with pytest.raises(fxshard.FxShardError) as raised:
+        fxshard.load(step, path)
+    return str(raised.value)
+
+
 def test_resume_is_exact_on_the_same_layout_and_across_layouts(tmp_path):
     # ZeRO-1 over 2 ranks and pipeline x data parallel, each into itself (bit for bit) and into the other
     check(resume_table(["dp2-zero1", "pp2dp2"], ["dp2-zero1", "pp2dp2"], str(tmp_path)))
+    # a flipped bit in the file only rank 1 checksums: both ranks refuse it, rank 0 naming rank 1
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tmp_path / "dp2-zero1", damaged)
+    name = sorted(f for f in os.listdir(damaged) if f != "fxshard.json")[1]
+    with open(damaged / name, "r+b") as handle:
+        handle.seek(os.path.getsize(damaged / name) // 2)
+        byte = handle.read(1)[0]
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte ^ 0x10]))
+    said = run_local(damaged_load_job, 2, str(damaged), "dp2-zero1", backend="gloo")
+    assert f"{name} is not the file the save wrote" in said[1] and "rank 1 could not load" in said[0], said
 
 
 @pytest.mark.skipif(os.environ.get("FXSHARD_CHECKPOINT_MATRIX") != "all",

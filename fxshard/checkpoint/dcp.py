@@ -2,12 +2,14 @@
 torch.distributed.checkpoint, loadable under any other mesh, strategy, pipeline cut or ep size.
 
 A checkpoint directory holds DCP's files (`.metadata` and one data file per rank) and `fxshard.json`
-(what was saved: optimizer, expert layouts, step count, mesh). A save writes `<path>.partial`, checks
-that every item DCP recorded is in its file, and only then swaps it in for `<path>` (the previous
-checkpoint moves to `<path>.previous` for the instant of the swap): a save killed at any point leaves
-the last good checkpoint loadable. A load checks the directory (complete, same keys and shapes, same
-optimizer) before it touches the step, reads into copies of the state, and swaps them in only after
-every rank read everything.
+(what was saved: optimizer, expert layouts, step count, mesh, and a CRC-32 of every other file and of
+itself). A save writes `<path>.partial`, checks that every item DCP recorded is in its file, records
+the checksums, and only then swaps it in for `<path>` (the previous checkpoint moves to
+`<path>.previous` for the instant of the swap): a save killed at any point leaves the last good
+checkpoint loadable. A load checks the directory (complete, every file as it was written, same keys
+and shapes, same optimizer) before it touches the step, reads into copies of the state, and swaps
+them in only after every rank read everything. The ranks share the checksum work: each reads every
+world-size-th file.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import time
 import uuid
 import warnings
 import weakref
+import zlib
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -149,11 +152,14 @@ def _write(state, staging, path, manifest, group, distributed):
     problem = _missing_items(staging)  # every rank reads the same files: every rank raises, or none
     if problem:
         raise FxShardError(f"the checkpoint written to {staging} is incomplete ({problem}); {path} is unchanged")
+    checksums = _checksums(staging, group, distributed)  # collective; every rank's share, on every rank
     _barrier(group, distributed)  # every rank has checked the staging directory before it moves
     failed = None
     if _rank() == 0:
         try:
             manifest["seconds_to_write"] = round(time.perf_counter() - started, 3)
+            manifest["checksums"] = checksums
+            manifest["manifest_crc32"] = _manifest_crc(manifest)
             with open(os.path.join(staging, MANIFEST), "w") as handle:
                 json.dump(manifest, handle, indent=1)
                 handle.flush()
@@ -227,6 +233,74 @@ def _missing_items(directory: str) -> str | None:
     return None
 
 
+def _data_files(directory: str) -> list[str]:
+    """The files a checksum covers: every file of the directory but the manifest, sorted (the order
+    that shares them out among the ranks)."""
+    return sorted(name for name in os.listdir(directory)
+                  if name != MANIFEST and os.path.isfile(os.path.join(directory, name)))
+
+
+def _crc32(file: str) -> str:
+    """The file's CRC-32 as 8 hex digits, read in 16 MiB pieces (zlib releases the GIL: an async save's
+    thread does not stall the training loop)."""
+    crc, piece = 0, bytearray(16 << 20)
+    with open(file, "rb", buffering=0) as handle:
+        while read := handle.readinto(piece):
+            crc = zlib.crc32(memoryview(piece)[:read], crc)
+    return f"{crc:08x}"
+
+
+def _share(files: list[str], rank: int, world: int) -> list[str]:
+    """The files rank `rank` of `world` checksums: every world-size-th, so the ranks read each file once."""
+    return files[rank::world]
+
+
+def _checksums(directory: str, group, distributed: bool) -> dict:
+    """`{"algorithm": "crc32", "files": {name: crc}}` of the files DCP wrote into `directory`, each rank
+    reading its share; every rank gets the whole map (collective where `distributed`)."""
+    files = _data_files(directory)
+    world = _world_size() if distributed else 1
+    mine = {name: _crc32(os.path.join(directory, name)) for name in _share(files, _rank(), world)}
+    if distributed:
+        import torch.distributed as dist
+
+        everyone = [None] * world
+        dist.all_gather_object(everyone, mine, group=group)
+        mine = {name: crc for part in everyone for name, crc in part.items()}
+    return {"algorithm": "crc32", "files": mine}
+
+
+def _manifest_crc(manifest: dict) -> str:
+    """The CRC-32 of the manifest's own content (without this field), as canonical JSON: a flipped
+    digit in the step count or a checksum is caught, not only text that is no longer JSON."""
+    content = json.dumps({k: v for k, v in manifest.items() if k != "manifest_crc32"}, sort_keys=True)
+    return f"{zlib.crc32(content.encode()):08x}"
+
+
+def _changed_files(path: str, manifest: dict, rank: int = 0, world: int = 1) -> str | None:
+    """Why `path`'s files are not the ones the save wrote, or None: checked against the manifest's
+    checksums, this rank's share of the files (all of them for one process). A checkpoint written
+    before 2026-12-01 has no checksums and is not checked."""
+    if "manifest_crc32" in manifest and manifest["manifest_crc32"] != _manifest_crc(manifest):
+        return f"{MANIFEST} changed after the save (its own checksum differs)"
+    checksums = manifest.get("checksums")
+    if checksums is None:
+        return None
+    recorded = checksums.get("files", {}) if isinstance(checksums, dict) else {}
+    if not isinstance(checksums, dict) or checksums.get("algorithm") != "crc32" or not isinstance(recorded, dict):
+        return f"{MANIFEST} records checksums this fxshard cannot read ({str(checksums)[:80]})"
+    present = _data_files(path)
+    missing = sorted(set(recorded) - set(present))
+    if missing:
+        return f"{missing[0]} is missing"
+    for name in _share(sorted(recorded), rank, world):
+        crc = _crc32(os.path.join(path, name))
+        if crc != recorded[name]:
+            return (f"{name} is not the file the save wrote (CRC-32 {crc}, recorded {recorded[name]}): it changed "
+                    f"on disk since")
+    return None
+
+
 def load(step, path: str | os.PathLike):
     """Load a checkpoint written by `save` (under any mesh) into `step`; returns this rank's `extra`
     (rank 0's where the saving job had fewer ranks). Every rank calls it. On any error the step is
@@ -244,7 +318,7 @@ def load(step, path: str | os.PathLike):
             except Exception as error:  # noqa: BLE001
                 raise FxShardError(f"an earlier asynchronous save failed, so this load did not start (call load "
                                    f"again): {error}") from error
-        manifest, metadata = _read_checks(resolved)
+        manifest, metadata = _read_checks(resolved, _rank(), _world_size())
         expected, conversions = _expected_keys(step, manifest)
         _check_keys(step, resolved, manifest, metadata.state_dict_metadata, expected)
         for layer in conversions:
@@ -386,7 +460,9 @@ def _resolve(path: str) -> str:
     raise FxShardError(f"no checkpoint at {path}{hint}; pass the directory fxshard.save wrote")
 
 
-def _read_checks(path: str):
+def _read_checks(path: str, rank: int = 0, world: int = 1):
+    """The checkpoint's manifest and DCP metadata, after checking that it is complete and (this rank's
+    share of) its files are the ones the save wrote; FxShardError naming what is damaged."""
     manifest_file = os.path.join(path, MANIFEST)
     if not os.path.exists(manifest_file):
         raise FxShardError(f"{path} is not a complete fxshard checkpoint (no {MANIFEST}: the save that wrote it did "
@@ -402,7 +478,7 @@ def _read_checks(path: str):
                            f"load an earlier checkpoint")
     if manifest.get("format") != FORMAT:
         raise FxShardError(f"{path} has checkpoint format {manifest.get('format')}; this fxshard reads {FORMAT}")
-    problem = _missing_items(path)
+    problem = _missing_items(path) or _changed_files(path, manifest, rank, world)
     if problem:
         raise FxShardError(f"{path} is damaged: {problem}; load an earlier checkpoint")
     return manifest, dcp.FileSystemReader(path).read_metadata()
@@ -593,6 +669,12 @@ def _rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if _is_distributed() else 0
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if _is_distributed() else 1
 
 
 def _barrier(group, distributed: bool) -> None:
