@@ -1,7 +1,14 @@
-"""transformers' Llama 4 MoE on one GPU: fxshard (its sparse trace) against the model's own code.
+"""transformers' Llama 4 MoE (or GPT-OSS) on one GPU: fxshard against the model's own code.
 
     python bench/llama4_moe.py --out bench/llama4_moe_1xh200.json
+    python bench/llama4_moe.py --model gpt-oss --out bench/gpt_oss_moe_1xh200.json
     python bench/llama4_moe.py --device cpu --size tiny --iters 2 --out /tmp/llama4.json   # smoke test
+
+`--model gpt-oss`: transformers' GPT-OSS (experts stored [E, in, out] with biases, its clamped
+SwiGLU, attention sinks), whose experts run with transformers' default implementation ("grouped_mm"
+on CUDA) in the compiled and eager modes, and which fxshard traces through the same function. Its
+size: 4 layers (sliding and full attention alternating), hidden 2048, 32 heads of 64 (8 key/value
+heads), 16 experts of width 2048, top-4, vocabulary 32000, 1 x 4096 tokens.
 
 transformers' `Llama4TextMoe` runs every expert over every token: one batched matmul over all E
 experts, each expert's input scaled by the token's routing score, zero for the experts the token did
@@ -43,14 +50,27 @@ SIZES = {
                  intermediate_size_mlp=32, num_local_experts=4, num_experts_per_tok=1, num_hidden_layers=2,
                  vocab_size=64, seq=16),
 }
+GPT_OSS_SIZES = {
+    "default": dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                    intermediate_size=2048, num_local_experts=16, num_experts_per_tok=4, num_hidden_layers=4,
+                    vocab_size=32000, sliding_window=128, seq=4096),
+    "tiny": dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=16,
+                 num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2, vocab_size=64, sliding_window=8,
+                 seq=16),
+}
 MODES = ("compiled", "eager", "fxshard", "fxshard-fused")
 
 
-def build(size: str, device):
+def build(size: str, device, model: str = "llama4"):
     import transformers
 
-    shape = dict(SIZES[size])
+    shape = dict((GPT_OSS_SIZES if model == "gpt-oss" else SIZES)[size])
     seq = shape.pop("seq")
+    if model == "gpt-oss":
+        config = transformers.GptOssConfig(**shape, attention_dropout=0.0, max_position_embeddings=max(seq, 64))
+        torch.manual_seed(0)
+        with torch.device(device):
+            return transformers.GptOssForCausalLM(config), seq
     config = transformers.Llama4TextConfig(**shape, moe_layers=list(range(shape["num_hidden_layers"])),
                                            attention_dropout=0.0, max_position_embeddings=max(seq, 64))
     torch.manual_seed(0)
@@ -106,7 +126,7 @@ def run(mode: str, args) -> dict:
     import fxshard
 
     device = torch.device(args.device)
-    model, seq = build(args.size, device)
+    model, seq = build(args.size, device, args.model)
     batch = batch_for(model, seq, device)
     started = time.perf_counter()
     if mode.startswith("fxshard"):
@@ -128,7 +148,8 @@ def run(mode: str, args) -> dict:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             return loss.detach()
-        notes = []
+        notes = [f"transformers experts implementation {getattr(model.config, '_experts_implementation', None)!r}, "
+                 f"attention {model.config._attn_implementation!r}"]
     setup_s = time.perf_counter() - started
     ms, losses = time_steps(step, args.warmup, args.iters, device)
     if args.profile and device.type == "cuda":
@@ -141,6 +162,7 @@ def run(mode: str, args) -> dict:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--model", default="llama4", choices=["llama4", "gpt-oss"])
     parser.add_argument("--size", default="default", choices=sorted(SIZES))
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--warmup", type=int, default=5)
@@ -169,7 +191,11 @@ def main(argv=None):
         peak = f"{row['peak_bytes'] / 2**30:.1f}" if row["peak_bytes"] else "-"
         print(f"| {row['mode']} | {row['ms_per_step']:.1f} | {row['tokens_per_s']:.0f} | {ratio} | {peak} | "
               f"{row['setup_s']:.1f} | {row['losses'][0]:.4f} / {row['losses'][-1]:.4f} |")
-    write_json(args.out, size=args.size, shape=SIZES[args.size], warmup=args.warmup, iters=args.iters, rows=rows)
+    for row in rows:
+        for note in row.get("traced_as", []):
+            print(f"{row['mode']}: {note}")
+    write_json(args.out, model=args.model, size=args.size,
+               shape=(GPT_OSS_SIZES if args.model == "gpt-oss" else SIZES)[args.size], warmup=args.warmup, iters=args.iters, rows=rows)
 
 
 if __name__ == "__main__":

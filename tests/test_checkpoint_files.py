@@ -110,7 +110,7 @@ def test_damaged_and_partial_checkpoints_are_refused_and_nothing_changes(saved, 
         handle.seek(info.offset + info.length // 2)
         handle.write(b"\xff" * 64)
     with pytest.raises(fxshard.FxShardError, match=rf"is damaged: {info.relative_path} is not the file the save wrote "
-                                                   r"\(CRC-32 [0-9a-f]{8}, recorded [0-9a-f]{8}\)"):
+                                                   r"\(CRC-32 [0-9a-f]{8} of bytes 0-\d+, recorded [0-9a-f]{8}\)"):
         fxshard.load(step, overwritten)
     without_checksums(overwritten)  # as a checkpoint from before 2026-12-01: the values are still checked
     with pytest.raises(fxshard.FxShardError, match=r"holds values that are not finite in opt_state .*the step is unchanged"):
@@ -159,6 +159,39 @@ def test_a_flipped_bit_anywhere_in_a_checkpoint_is_refused_naming_the_file(saved
     (manifest / "fxshard.json").write_text(text)
     with pytest.raises(fxshard.FxShardError, match=rf"is damaged: {info.relative_path} is missing"):
         fxshard.load(step, manifest)
+
+
+def test_checksums_cover_pieces_of_files_and_name_the_piece_that_changed(tmp_path, monkeypatch):
+    import fxshard.checkpoint.dcp as checkpoint
+
+    monkeypatch.setattr(checkpoint, "PIECE", 4096)
+    step = shard()
+    step(batches()[0])
+    fxshard.save(step, tmp_path / "ck")
+    manifest = json.loads((tmp_path / "ck" / "fxshard.json").read_text())
+    data = next(name for name in manifest["checksums"]["files"] if name.endswith(".distcp"))
+    size = os.path.getsize(tmp_path / "ck" / data)
+    recorded = manifest["checksums"]["files"][data]
+    assert manifest["checksums"]["piece"] == 4096 and recorded["bytes"] == size
+    assert len(recorded["crc32"]) == -(-size // 4096) > 2
+    monkeypatch.setattr(checkpoint, "PIECE", 64 << 20)  # a load checks in the pieces the save recorded
+    with open(tmp_path / "ck" / data, "r+b") as handle:
+        handle.seek(4096 + 100)
+        byte = handle.read(1)[0]
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte ^ 0x80]))
+    with pytest.raises(fxshard.FxShardError, match=rf"{data} is not the file the save wrote \(CRC-32 [0-9a-f]{{8}} of "
+                                                   r"bytes 4096-8191, recorded"):
+        fxshard.load(shard(), tmp_path / "ck")
+    with open(tmp_path / "ck" / data, "r+b") as handle:
+        handle.seek(4096 + 100)
+        handle.write(bytes([byte]))  # as saved again ...
+    fxshard.load(shard(), tmp_path / "ck")
+    with open(tmp_path / "ck" / data, "ab") as handle:  # ... but one byte longer
+        handle.write(b"\0")
+    with pytest.raises(fxshard.FxShardError, match=rf"{data} is not the file the save wrote: {size + 1} bytes, "
+                                                   rf"{size} when saved"):
+        fxshard.load(shard(), tmp_path / "ck")
 
 
 def test_checksum_shares_cover_every_file_once():

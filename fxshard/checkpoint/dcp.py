@@ -240,14 +240,52 @@ def _data_files(directory: str) -> list[str]:
                   if name != MANIFEST and os.path.isfile(os.path.join(directory, name)))
 
 
-def _crc32(file: str) -> str:
-    """The file's CRC-32 as 8 hex digits, read in 16 MiB pieces (zlib releases the GIL: an async save's
+PIECE = 64 << 20  # bytes a checksum covers: the pieces of a file are read by threads side by side
+
+
+def _piece_crc(file: str, start: int, piece: int) -> str:
+    """CRC-32 (8 hex digits) of the `piece` bytes of `file` from `start` (fewer at its end), read in
+    16 MiB blocks (zlib and the reads release the GIL: threads run side by side, and an async save's
     thread does not stall the training loop)."""
-    crc, piece = 0, bytearray(16 << 20)
+    crc, block, done = 0, bytearray(16 << 20), 0
     with open(file, "rb", buffering=0) as handle:
-        while read := handle.readinto(piece):
-            crc = zlib.crc32(memoryview(piece)[:read], crc)
+        handle.seek(start)
+        while done < piece and (read := handle.readinto(memoryview(block)[:min(len(block), piece - done)])):
+            crc, done = zlib.crc32(memoryview(block)[:read], crc), done + read
     return f"{crc:08x}"
+
+
+def _crcs(directory: str, names: list[str], piece: int) -> dict[str, dict]:
+    """Each named file's size and CRC-32 per `piece` bytes (`{"bytes": n, "crc32": [...]}`, one CRC for
+    an empty file), computed by up to 8 threads."""
+    sizes = {name: os.path.getsize(os.path.join(directory, name)) for name in names}
+    pieces = [(name, start) for name in names for start in range(0, max(sizes[name], 1), piece)]
+    crcs, failures, taken = [None] * len(pieces), [], iter(range(len(pieces)))
+    lock = threading.Lock()
+
+    def work():  # plain threads, not concurrent.futures: an async save may run on at interpreter exit
+        while True:
+            with lock:
+                index = next(taken, None)
+            if index is None:
+                return
+            try:
+                crcs[index] = _piece_crc(os.path.join(directory, pieces[index][0]), pieces[index][1], piece)
+            except OSError as error:
+                failures.append(error)
+                return
+    threads = [threading.Thread(target=work, name="fxshard-crc", daemon=True)
+               for _ in range(min(8, os.cpu_count() or 1, len(pieces)))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
+    result = {name: {"bytes": sizes[name], "crc32": []} for name in names}
+    for (name, _), crc in zip(pieces, crcs):
+        result[name]["crc32"].append(crc)
+    return result
 
 
 def _share(files: list[str], rank: int, world: int) -> list[str]:
@@ -256,18 +294,26 @@ def _share(files: list[str], rank: int, world: int) -> list[str]:
 
 
 def _checksums(directory: str, group, distributed: bool) -> dict:
-    """`{"algorithm": "crc32", "files": {name: crc}}` of the files DCP wrote into `directory`, each rank
-    reading its share; every rank gets the whole map (collective where `distributed`)."""
+    """`{"algorithm": "crc32", "piece": PIECE, "files": {name: {"bytes", "crc32": [per piece]}}}` of the files DCP wrote
+    into `directory`, each rank reading its share; every rank gets the whole map (collective where
+    `distributed`)."""
     files = _data_files(directory)
     world = _world_size() if distributed else 1
-    mine = {name: _crc32(os.path.join(directory, name)) for name in _share(files, _rank(), world)}
+    try:
+        mine = _crcs(directory, _share(files, _rank(), world), PIECE)
+    except OSError as error:  # gathered like a result: every rank raises, none waits for this one
+        mine = f"rank {_rank()} could not read what it wrote: {type(error).__name__}: {error}"
+    everyone = [mine]
     if distributed:
         import torch.distributed as dist
 
         everyone = [None] * world
         dist.all_gather_object(everyone, mine, group=group)
-        mine = {name: crc for part in everyone for name, crc in part.items()}
-    return {"algorithm": "crc32", "files": mine}
+    failed = next((part for part in everyone if isinstance(part, str)), None)
+    if failed is not None:
+        raise FxShardError(f"checksumming the checkpoint written to {directory}: {failed}; the checkpoint it "
+                           f"replaces is unchanged")
+    return {"algorithm": "crc32", "piece": PIECE, "files": {name: crcs for part in everyone for name, crcs in part.items()}}
 
 
 def _manifest_crc(manifest: dict) -> str:
@@ -286,18 +332,28 @@ def _changed_files(path: str, manifest: dict, rank: int = 0, world: int = 1) -> 
     checksums = manifest.get("checksums")
     if checksums is None:
         return None
-    recorded = checksums.get("files", {}) if isinstance(checksums, dict) else {}
-    if not isinstance(checksums, dict) or checksums.get("algorithm") != "crc32" or not isinstance(recorded, dict):
+    recorded = checksums.get("files") if isinstance(checksums, dict) else None
+    piece = checksums.get("piece") if isinstance(checksums, dict) else None
+    if not isinstance(recorded, dict) or checksums.get("algorithm") != "crc32" or not isinstance(piece, int) or piece < 1:
         return f"{MANIFEST} records checksums this fxshard cannot read ({str(checksums)[:80]})"
-    present = _data_files(path)
-    missing = sorted(set(recorded) - set(present))
+    missing = sorted(set(recorded) - set(_data_files(path)))
     if missing:
         return f"{missing[0]} is missing"
-    for name in _share(sorted(recorded), rank, world):
-        crc = _crc32(os.path.join(path, name))
-        if crc != recorded[name]:
-            return (f"{name} is not the file the save wrote (CRC-32 {crc}, recorded {recorded[name]}): it changed "
-                    f"on disk since")
+    names = _share(sorted(recorded), rank, world)
+    try:
+        found = _crcs(path, names, piece)  # in the saving fxshard's pieces
+    except OSError as error:
+        return f"its files cannot be read ({type(error).__name__}: {error})"
+    for name in names:
+        ours, theirs = found[name], recorded[name]
+        if not isinstance(theirs, dict) or ours["bytes"] != theirs.get("bytes"):
+            return (f"{name} is not the file the save wrote: {ours['bytes']} bytes, "
+                    f"{theirs.get('bytes') if isinstance(theirs, dict) else '?'} when saved")
+        wrong = next((i for i, (a, b) in enumerate(zip(ours["crc32"], theirs.get("crc32", []))) if a != b), None)
+        if wrong is not None:
+            return (f"{name} is not the file the save wrote (CRC-32 {ours['crc32'][wrong]} of bytes {wrong * piece}-"
+                    f"{min((wrong + 1) * piece, ours['bytes']) - 1}, recorded {theirs['crc32'][wrong]}): it changed on "
+                    f"disk since")
     return None
 
 
