@@ -73,11 +73,16 @@ def run_fxshard(cfg, args) -> dict:
     moved = any(saved_checksum[k] != step.state[k].double().sum().item() for k in saved_checksum)
     load_s, _ = seconds(lambda: fxshard.load(step, path))
     restored = all(saved_checksum[k] == step.state[k].double().sum().item() for k in saved_checksum)
+    from fxshard.checkpoint.dcp import PIECE, _crcs, _data_files  # the CRC-32s a save records and a load checks
+
+    started = time.perf_counter()  # the files as a save or load finds them: in the page cache
+    _crcs(path, _data_files(path), PIECE)
+    checksum_s = time.perf_counter() - started
     shutil.rmtree(path, ignore_errors=True)
     assert moved
     return {"mode": "fxshard", "state_gb": state_bytes / 1e9, "save_s": save_s, "async_stall_s": stalls,
             "async_total_s": totals, "step_ms": idle, "step_ms_during_async_write": during, "load_s": load_s,
-            "load_restores_saved_state": restored}
+            "load_restores_saved_state": restored, "checksum_s": checksum_s}
 
 
 def run_torch_dcp(cfg, args) -> dict:
