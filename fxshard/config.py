@@ -218,7 +218,8 @@ class Config:
     nonfinite: what a step does whose gradients are not all finite (a NaN or inf anywhere, on any rank;
         checked in the graph from the global gradient norm; under a sharded optimizer without
         clipping or pipeline, the last units' part from their gradients before reduction, which
-        skips alike except where their squares overflow float32: fxshard/optimizer_graph.py Deferred). "raise" (default): the update is not
+        skips alike except where their squares overflow float32: fxshard/optimizer_graph.py Deferred;
+        not for gradients reduced in fp16, whose sum over the ranks can overflow). "raise" (default): the update is not
         applied and an FxShardError names the step and the first parameter (or FSDP unit) whose
         gradient was not finite, raised by the call after next (a call reads the flag of the step
         before the last, which is done by then, so the host keeps running one step ahead) or by the

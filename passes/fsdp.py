@@ -514,11 +514,19 @@ class _Rewrite:
         it ends with has begun. Such a reduction has little compute left to hide behind; issued
         with the others' updates after it, it runs under them, and the non-finite guard decides the
         skip from the unreduced gradients first. Only where no update needs the reduced norm first:
-        a sharded optimizer (each unit's norm sums over dp), no clipping, no pipeline."""
+        a sharded optimizer (each unit's norm sums over dp), no clipping, no pipeline; and only for
+        gradients reduced in a dtype with float32's range (fp32, bf16): an fp16 sum over the ranks
+        overflows (65504) where each rank's gradient and the bound are finite, and the guard would
+        apply the update that made it inf."""
         if (not self.cfg.shards_optimizer or self.zero is not None or self.program.stage is not None
                 or self.program.train.clip_grad_norm is not None):
             return {}
-        order = [unit for node in walk for unit in reduce_after.get(node, []) if unit.world > 1 and not unit.experts]
+
+        def wide(unit):
+            return all(torch.finfo(self.grad_nodes[m.name].meta["val"].dtype).max >= torch.finfo(torch.float32).max
+                       for m in unit.members)
+        order = [unit for node in walk for unit in reduce_after.get(node, [])
+                 if unit.world > 1 and not unit.experts and wide(unit)]
         if not order:
             return {}
         layer_of = {unit.name: meta.layer(self.old_placeholders[unit.members[0].name]) for unit in order}

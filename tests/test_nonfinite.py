@@ -210,6 +210,30 @@ def test_a_gradient_reduced_under_the_updates_that_is_not_finite_on_one_rank_ski
             assert torch.equal(value, expected[name]), (name, rank)
 
 
+def test_gradients_reduced_in_fp16_are_checked_after_the_reduction_whose_sum_can_overflow():
+    """An fp16 mean over the ranks sums first: 4e4 on each of two ranks is finite there, 8e4 is not
+    (fp16's largest is 65504). The skip is then decided from the reduced gradients (none deferred),
+    so the step that reduced to inf is skipped instead of applied."""
+    from fxshard.passes.fsdp import FSDPConfig, fsdp
+
+    torch.manual_seed(0)
+    model, mesh = Shifted(), fxshard.Mesh(dp=2)
+    batches = [[dict(batch, w=torch.ones(8)) for batch in regression_batches(2, seed=step)] for step in range(2)]
+    config = fxshard.Config(nonfinite="skip", reduce_dtype=torch.float16)
+    program = fsdp(fxshard.trace(model, shifted_loss, batches[0][0], optimizer=ADAMW, config=config),
+                   FSDPConfig(2, "optim_grads_params"))
+    assert not [n for n in program.graph.nodes if n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default
+                and n.meta["fxshard_phase"] == "optim"]  # fp32 gradients would defer "pre" (test above)
+    ranks = SimulatedRanks(program, model, ADAMW, mesh)
+    before = ranks.parameters(0)
+    large = torch.ones(8)
+    large[0] = 4e4 * 2  # the loss tangent halves it: 4e4 on each rank
+    metrics = ranks.step([dict(batch, w=large) for batch in batches[1]])
+    assert not torch.isfinite(metrics[0]["grad_norm"]) and ranks.skipped == 1
+    for rank in range(2):
+        assert all(torch.equal(value, before[name]) for name, value in ranks.parameters(rank).items())
+
+
 @pytest.mark.parametrize("poisoned_param", ["shift", "head.bias"])
 def test_raise_names_the_one_parameter_whose_gradient_is_not_finite(poisoned_param):
     torch.manual_seed(0)
