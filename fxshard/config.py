@@ -39,6 +39,9 @@ CHOICES = {"sharding": SHARDING_STRATEGIES, "p2p_receives": P2P_RECEIVES, "ep_in
            "codegen_regions": CODEGEN_REGIONS}
 
 
+_COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
 @dataclass(frozen=True)
 class Config:
     """How `fxshard.shard` compiles a step.
@@ -77,7 +80,9 @@ class Config:
         all-gather. BatchNorm's weight and bias stay in the model's dtype, next to its statistics (as
         torch FSDP's MixedPrecision keeps their weights; their gradients are still reduced in
         reduce_dtype). None: no cast.
-    reduce_dtype: gradients are cast to this dtype before they are reduced (None: param_dtype's).
+    reduce_dtype: gradients are cast to this dtype before they are reduced, and summed over
+        microbatches in it (None: param_dtype's; with param_dtype=torch.bfloat16 and microbatches,
+        torch.float32 keeps the sum in fp32, as Megatron and torchtitan do).
     microbatches: split each step's batch into this many microbatches along dim 0 and accumulate their
         gradients before one reduction and one update (the loss is their mean).
     cuda_graphs: after two eager warm-up steps, capture the whole step into one CUDA graph and replay it
@@ -357,8 +362,18 @@ class Config:
             raise FxShardError(f"fsdp_prefetch must be an int >= 0, got {self.fsdp_prefetch!r}")
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
-                raise FxShardError(f"{name} must be a floating torch.dtype such as torch.bfloat16, got {value!r}")
+            if value is not None and value not in _COMPUTE_DTYPES:  # float8 has no matmul, norm or reduction of its own
+                raise FxShardError(f"{name} must be one of torch.bfloat16, torch.float16, torch.float32, torch.float64 "
+                                   f"or None, got {value!r}")
+        if torch.float16 in (self.param_dtype, self.reduce_dtype):
+            import warnings
+
+            warnings.warn("fxshard: Config(param_dtype / reduce_dtype=torch.float16) without loss scaling (fxshard "
+                          "has no torch.amp.GradScaler): gradients below fp16's 6e-8 become zero and training can "
+                          "stall silently; steps whose gradients overflow 65504 are skipped or raise "
+                          "(Config(nonfinite)). torch.bfloat16 has float32's range and needs no scaling; or multiply "
+                          "the loss by a constant in loss_fn (AdamW is invariant to it if eps and clip_grad_norm "
+                          "are multiplied too)", stacklevel=3)
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise FxShardError(f"microbatches must be an int >= 1, got {self.microbatches!r}")
 

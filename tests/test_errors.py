@@ -231,10 +231,19 @@ def test_a_model_on_another_device_than_its_batch_is_named_before_tracing():
     ("check_initial_weights", "no", "check_initial_weights must be True or False"),
     ("seed", 1.5, "seed must be an int"),
     ("collective_timeout_s", float("inf"), r"collective_timeout_s must be a number of seconds > 0 \(finite"),
-    ("share_compile", "yes", "share_compile='yes'; choose True, False or None")])
+    ("share_compile", "yes", "share_compile='yes'; choose True, False or None"),
+    ("param_dtype", torch.float8_e4m3fn, "param_dtype must be one of torch.bfloat16, torch.float16"),
+    ("reduce_dtype", torch.float8_e5m2, "reduce_dtype must be one of"),
+    ("param_dtype", torch.int8, "param_dtype must be one of")])
 def test_config_fields_of_the_wrong_type_are_refused(field, value, message):
     with pytest.raises(fxshard.FxShardError, match=message):
         fxshard.Config(**{field: value})
+
+
+def test_fp16_compute_warns_that_there_is_no_loss_scaling():
+    for field in ("param_dtype", "reduce_dtype"):
+        with pytest.warns(UserWarning, match=r"float16\) without loss scaling .* torch.bfloat16 has float32's range"):
+            fxshard.Config(**{field: torch.float16})
 
 
 @pytest.mark.parametrize("make, message", [
