@@ -161,8 +161,14 @@ def listing(program: Program) -> str:
             continue
         inputs = ", ".join(n.name for n in node.all_input_nodes)
         extra = f"  param={meta.param(node)}" if meta.param(node) else ""
-        if meta.COMM_BYTES in node.meta:
-            extra += f"  unit={node.meta.get(meta.UNIT)} bytes={node.meta[meta.COMM_BYTES]}"
+        if meta.ACTION in node.meta:  # a pipeline stage's schedule action (and so its microbatch)
+            extra += f"  action={node.meta[meta.ACTION]}"
+        elif meta.MICROBATCH in node.meta:
+            extra += f"  mb={node.meta[meta.MICROBATCH]}"
+        if _is_communication(node):
+            extra += f"  unit={node.meta.get(meta.UNIT, '-')} bytes={_communication_bytes(node)} group={_group(node)}"
+            if _op_name(node) in ("send", "recv"):
+                extra += f" peer={node.args[-2]}"
         lines.append(f"{node.name} = {_op_name(node)}({inputs})  [{meta.phase(node)} {meta.layer(node)}] "
                      f"{_shape(_value(node))}{extra}")
     return "\n".join(lines) + "\n"
@@ -175,13 +181,40 @@ def saved_activation_bytes(program: Program) -> int:
                and any(meta.phase(u) == meta.BWD for u in n.users))
 
 
+def _aliases(node: fx.Node) -> bool:
+    """A node whose result is memory another node made: a view, or the wait of a collective (it
+    returns the collective's own output)."""
+    return is_view(node) or _op_name(node) == "wait_tensor"
+
+
+def _is_communication(node: fx.Node) -> bool:
+    """A collective's issue or a point-to-point send / receive."""
+    return node.op == "call_function" and (node.target in meta.COLLECTIVE_ISSUES or
+                                           _op_name(node) in ("send", "recv"))
+
+
+def _communication_bytes(node: fx.Node) -> int:
+    """The bytes a collective or transfer moves per rank as its pass recorded them (meta.COMM_BYTES),
+    else its input's (a receive: its output's)."""
+    if meta.COMM_BYTES in node.meta:
+        return node.meta[meta.COMM_BYTES]
+    if _op_name(node) == "recv":
+        return _nbytes(_value(node))
+    return _nbytes(_value(node.args[0])) if isinstance(node.args[0], fx.Node) else 0
+
+
+def _group(node: fx.Node) -> str:
+    """The process group (mesh axis) a collective or transfer runs on: its last string argument."""
+    return next((a for a in reversed(node.args) if isinstance(a, str) and a not in ("sum", "avg")), "-")
+
+
 def written_bytes_by_op(program: Program) -> Counter:
     """Bytes each op writes per step (the sizes of the new tensors it produces; views and
-    placeholders write nothing), keyed by op name. Memory traffic the GEMM count does not show:
-    casts, flattening copies, temporaries."""
+    placeholders write nothing, nor does a collective's wait, which returns the collective's output),
+    keyed by op name. Memory traffic the GEMM count does not show: casts, flattening copies, temporaries."""
     written = Counter()
     for node in program.graph.nodes:
-        if node.op == "call_function" and not is_view(node):
+        if node.op == "call_function" and not _aliases(node):
             written[_op_name(node)] += _nbytes(_value(node))
     return written
 
@@ -190,11 +223,12 @@ def peak_live_bytes(program: Program) -> int:
     """Peak bytes of live tensors while the graph runs in order: all inputs, plus every produced
     tensor from its node until the last use of it or of any view of it (views cost nothing but keep
     their base alive: the members viewed out of an all-gathered flat unit; multi-output nodes count
-    once). This is the per-rank memory the program asks for, before allocator effects."""
+    once; a collective's wait is its output, not a new tensor). This is the per-rank memory the
+    program asks for, before allocator effects."""
     nodes = list(program.graph.nodes)
     base = {}  # a view -> the node whose memory it aliases
     for node in nodes:
-        if node.op == "call_function" and is_view(node) and node.all_input_nodes:
+        if node.op == "call_function" and _aliases(node) and node.all_input_nodes:
             source = node.all_input_nodes[0]
             base[node] = base.get(source, source)
     last_use = {}
@@ -206,7 +240,7 @@ def peak_live_bytes(program: Program) -> int:
     inputs = sum(_nbytes(_value(n)) for n in nodes if n.op == "placeholder")
     live, peak, frees = 0, 0, defaultdict(list)
     for index, node in enumerate(nodes):
-        if node.op in ("call_function", "call_module") and not is_view(node):
+        if node.op in ("call_function", "call_module") and not _aliases(node):
             size = _nbytes(_value(node))
             live += size
             frees[last_use.get(node, index)].append(size)
@@ -258,10 +292,10 @@ def summarize(program: Program) -> str:
     for node in nodes:
         table[meta.layer(node)][meta.phase(node)] += 1
     lines.append(f"{'layer':<24} " + " ".join(f"{p:>6}" for p in meta.PHASES))
-    for layer_name in _layer_order(program):
+    for layer_name in [*_layer_order(program), None]:
         counts = table.get(layer_name)
-        if counts:
-            lines.append(f"{layer_name:<24} " + " ".join(f"{counts[p]:>6}" for p in meta.PHASES))
+        if counts:  # None: nodes a pass added without a layer (the optimizer phase it rebuilt)
+            lines.append(f"{layer_name or '(no layer)':<24} " + " ".join(f"{counts[p]:>6}" for p in meta.PHASES))
     lines.extend(_collectives_table(program))
     lines.append("")
     ops = Counter(_op_name(n) for n in nodes if n.op == "call_function")
@@ -289,23 +323,27 @@ def _format_flops(n: float) -> str:
 
 
 def _collectives_table(program: Program) -> list[str]:
-    """Every collective a pass inserted: position, op, unit, phase, bytes, and what overlaps it (the
-    GEMM-class ops between its issue and its wait, and their FLOPs); then totals per op."""
+    """Every collective and point-to-point transfer in the program: position, op, unit (or, for one
+    no unit owns, its group: the gradient norm's and the loss's all-reduces, a pipeline's sends and
+    receives), phase, bytes, and what overlaps it (the GEMM-class ops between its issue and its
+    wait, and their FLOPs); then totals per op. Bytes: each rank's input, as the passes count them
+    (an all-gather's shard, a reduce-scatter's whole input; a receive's output)."""
     nodes = list(program.graph.nodes)
     position_of = {node: i for i, node in enumerate(nodes)}
     rows, totals = [], Counter()
     for position, node in enumerate(nodes):
-        if meta.COMM_BYTES not in node.meta:
+        if not _is_communication(node):
             continue
-        op = _op_name(node)
-        totals[op] += node.meta[meta.COMM_BYTES]
+        op, size = _op_name(node), _communication_bytes(node)
+        totals[op] += size
         waits = [position_of[u] for u in node.users if _op_name(u) == "wait_tensor"]
         window = nodes[position + 1:min(waits)] if waits else []
         gemms = sum(_op_name(n) in _GEMMS for n in window)
         work = _format_flops(sum(flops(n) for n in window))
         overlap = f"{gemms} GEMM{'s' if gemms != 1 else ''}, {work} / {len(window)} ops" if waits else "-"
-        rows.append(f"{position:>8} {op:<24} {node.meta.get(meta.UNIT, '-'):<20} {meta.phase(node):<6} "
-                    f"{_format_bytes(node.meta[meta.COMM_BYTES]):>12}   {overlap}")
+        owner = node.meta.get(meta.UNIT) or f"({_group(node)}" + (f" peer {node.args[-2]})" if op in ("send", "recv")
+                                                                   else ")")
+        rows.append(f"{position:>8} {op:<24} {owner:<20} {meta.phase(node):<6} {_format_bytes(size):>12}   {overlap}")
     if not rows:
         return []
     lines = ["", f"{'position':>8} {'collective':<24} {'unit':<20} {'phase':<6} {'bytes/rank':>12}   "

@@ -163,3 +163,56 @@ def test_a_reused_dump_folder_shows_this_run_only_and_stage_folders_are_read(tmp
     clear_stale_dumps(tmp_path / "stage0", stage=0, stages=2)
     assert sorted(os.listdir(tmp_path)) == ["00_setup.py", "notes.md", "pipeline.txt", "stage0", "stage1", "stage7"]
     assert os.listdir(tmp_path / "stage0") == [] and os.listdir(tmp_path / "stage1")
+
+
+def summary_tables(program):
+    """The summary's per-layer node counts summed, and its collective rows (op, owner, phase)."""
+    from fxshard.dump import summarize
+
+    lines = summarize(program).splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("layer "))
+    counted, index = 0, header + 1
+    while index < len(lines) and lines[index].strip():
+        counted += sum(int(x) for x in lines[index][25:].split())  # after the layer's name
+        index += 1
+    start = next((i for i, line in enumerate(lines) if line.strip().startswith("position")), None)
+    rows = []
+    for line in lines[start + 1:] if start is not None else []:
+        if line.startswith("collective bytes"):
+            break
+        rows.append(line.split()[1:4])
+    return lines, counted, rows
+
+
+def test_the_summary_lists_every_collective_and_transfer_counts_every_node_and_no_wait_as_a_write():
+    """The collective table lists what no unit owns too (the gradient norm's all-reduce, a pipeline's
+    loss all-reduce, sends and receives, with their peer), the per-layer table adds up to the node
+    count (nodes a pass added without a layer in a row of their own), and a collective's wait, which
+    returns the collective's output, neither writes bytes nor adds to the peak."""
+    from fxshard import meta
+    from fxshard.api import _compile
+    from fxshard.dump import peak_live_bytes, written_bytes_by_op
+    from fxshard.graph import is_view
+
+    torch.manual_seed(0)
+    batch = {"idx": torch.zeros(2, 8, dtype=torch.long), "tgt": torch.zeros(2, 8, dtype=torch.long)}
+    cases = [(fxshard.Mesh(dp=2), fxshard.Config(sharding="optim_grads_params"), 0),
+             (fxshard.Mesh(pp=2), fxshard.Config(microbatches=2, schedule="1f1b"), 0)]
+    for mesh, config, stage in cases:
+        program = _compile(GPT(GPTConfig.preset("tiny")), lambda m, b: m.loss(b), batch, fxshard.optim.AdamW(),
+                           mesh, config, (stage,))[-1]
+        nodes = [n for n in program.graph.nodes if n.op not in ("placeholder", "output")]
+        lines, counted, rows = summary_tables(program)
+        assert counted == len(nodes), lines[0]
+        communication = [n for n in nodes if n.target in meta.COLLECTIVE_ISSUES or
+                         n.target in (torch.ops.fxshard.send.default, torch.ops.fxshard.recv.default)]
+        assert len(rows) == len(communication) and communication
+        assert ["all_reduce", "(dp)" if mesh.dp > 1 else "(pp)", "optim"] in rows  # the gradient norm's
+        if mesh.pp > 1:
+            assert {"send", "recv"} <= {row[0] for row in rows} and "(pp" in " ".join(r[1] for r in rows)
+            assert "peer 1)" in "\n".join(lines)
+        assert "wait_tensor" not in written_bytes_by_op(program)
+        waits = [n for n in nodes if n.target is torch.ops._c10d_functional.wait_tensor.default]
+        assert waits and not any(is_view(n) for n in waits)  # the schema does not say the wait aliases
+        written = {n: n.meta["val"].numel() * n.meta["val"].element_size() for n in waits}
+        assert sum(written.values()) > 0 and peak_live_bytes(program) > 0
