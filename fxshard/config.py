@@ -69,7 +69,8 @@ class Config:
     verbose: print what the runtime lowered (`step.lowerings()`) and every codegen region's progress to
         stderr (without it, only compiles longer than 5 s report progress).
     sharding: on a mesh, what FSDP shards over `dp` (Megatron's names): "no_shard" (DDP), "optim"
-        (ZeRO-1), "optim_grads" (ZeRO-2), "optim_grads_params" (ZeRO-3).
+        (ZeRO-1), "optim_grads" (ZeRO-2; today the same program as "optim": gradients accumulate whole
+        over microbatches and are reduce-scattered once a step), "optim_grads_params" (ZeRO-3).
     fsdp_prefetch: issue a unit's all-gather this many units ahead of its first use, counting only
         units of at least a tenth of the median all-gather's bytes (a norm gains' unit rides along). With Mesh(pp>1)
         under ZeRO-3: this many compute actions of the stage's schedule ahead of the chunk's first use

@@ -7,7 +7,9 @@ and one reduce-scatter. Strategies, with Megatron's names:
     no_shard            full params and state; gradients all-reduced (DDP)
     optim               ZeRO-1: state sharded; gradients reduce-scattered; each rank updates its
                         shard, the updated shards are all-gathered into the full params
-    optim_grads         ZeRO-2: as optim; in one step without accumulation the two programs coincide
+    optim_grads         ZeRO-2: today the same program as optim, with or without microbatches
+                        (gradients are accumulated whole and reduce-scattered once a step; a ZeRO-2
+                        that reduce-scatters each microbatch to hold only a shard is not built)
     optim_grads_params  ZeRO-3: params stay sharded; all-gathered before the forward uses a unit and
                         again before the backward does (the forward's copy is dead by then), except
                         the unit the forward ends with, which the backward begins with: nothing is
@@ -702,7 +704,8 @@ class _Rewrite:
         self.graph.lint()
         gm = lazy_module(self.program.graph_module, self.graph)
         riders = f" (not counted: {', '.join(self.riders)})" if self.riders else ""
-        notes = dict(self.program.notes, fsdp=f"{cfg.strategy}, world {cfg.world}, prefetch {cfg.prefetch}{riders}, "
+        strategy = f"{cfg.strategy} (the same program as optim)" if cfg.strategy == "optim_grads" else cfg.strategy
+        notes = dict(self.program.notes, fsdp=f"{strategy}, world {cfg.world}, prefetch {cfg.prefetch}{riders}, "
                                               f"{len(self.units)} units")
         return self.program.replace(graph_module=gm, inputs=tuple(self.inputs), outputs=tuple(outputs),
                                     units=tuple(self.units), notes=notes, updates=updates)
