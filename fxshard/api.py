@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import os
 import sys
+import warnings
 
 import torch
 import torch.nn as nn
@@ -87,7 +88,14 @@ def _shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None
             evaluation = forward_only(_compile(structure, loss_fn, example_batch, optimizer, mesh, config, (stage,),
                                                share=_shares(mesh, config.share_trace))[-1])
         if config.dump_dir:
-            evaluation.dump(config.dump_dir, len(programs) + 1)
+            from .dump import still_dumped
+
+            if still_dumped(programs[-1], config.dump_dir, len(programs) - 1):
+                evaluation.dump(config.dump_dir, len(programs) + 1)
+            else:  # a later shard() dumped into the folder (and cleared this run's files)
+                warnings.warn(f"fxshard: step.evaluate's program is not dumped to {config.dump_dir}: another run "
+                              f"has dumped there since this step was built, and the folder shows that run alone",
+                              stacklevel=3)
         return evaluation
 
     origin = StepOrigin(coords, _global_rank(), mesh, _expert_layouts(model), type(model).__name__,

@@ -102,6 +102,17 @@ def dump_program(program: Program, directory, index: int = 0) -> list[str]:
     return [write_dump_file(directory, name, text) for name, text in files.items()]
 
 
+def still_dumped(program: Program, directory, index: int) -> bool:
+    """Whether `directory` still holds `program`'s dump at `index` (its summary as written), so a file
+    written there later (evaluate's program, compiled on its first call) belongs with it: a later run
+    that dumped into the same folder cleared it."""
+    try:
+        with open(os.path.join(directory, f"{index:02d}_{program.name}.summary.txt")) as handle:
+            return handle.read() == summarize(program)
+    except OSError:
+        return False
+
+
 def dump_routing(routing: dict, directory) -> str | None:
     """Write the MoE routing a step reported (`step.routing(metrics)`, i.e. `Program.routing`: per
     layer, kept rows per expert and drops, summed over the ranks) to `routing.txt`; returns the

@@ -216,3 +216,18 @@ def test_the_summary_lists_every_collective_and_transfer_counts_every_node_and_n
         assert waits and not any(is_view(n) for n in waits)  # the schema does not say the wait aliases
         written = {n: n.meta["val"].numel() * n.meta["val"].element_size() for n in waits}
         assert sum(written.values()) > 0 and peak_live_bytes(program) > 0
+
+
+def test_evaluates_program_is_dumped_beside_its_step_and_not_into_a_later_runs_folder(tmp_path):
+    torch.manual_seed(0)
+    batch = {"idx": torch.zeros(2, 8, dtype=torch.long), "tgt": torch.zeros(2, 8, dtype=torch.long)}
+    first = fxshard.shard(GPT(GPTConfig.preset("tiny")), lambda m, b: m.loss(b), batch,
+                          config=fxshard.Config(dump_dir=str(tmp_path)))
+    second = fxshard.shard(GPT(GPTConfig.preset("tiny")), lambda m, b: m.loss(b), batch,
+                           config=fxshard.Config(dump_dir=str(tmp_path), microbatches=2))
+    with pytest.warns(UserWarning, match="evaluate's program is not dumped .* another run has dumped there"):
+        first.evaluate(batch)
+    assert not [name for name in os.listdir(tmp_path) if "evaluate" in name]
+    second.evaluate(batch)
+    evaluate = [name for name in os.listdir(tmp_path) if name.endswith("evaluate.summary.txt")]
+    assert len(evaluate) == 1 and evaluate[0].startswith(f"{len(second.programs) + 1:02d}_")
