@@ -33,6 +33,7 @@ from .errors_trace import explain_trace_failure
 from .graph import Graph, inline, lazy_module
 from .layers import LayerTrace, annotate_layers, find_layers
 from .moe_modules import swapped_forwards
+from .sink_attention import swapped_attention
 from .ops.grouped_mm import RouteGroupedMM
 from .optim import AdamW, Optimizer
 from .optimizer_graph import TrainSpec, append_update
@@ -181,7 +182,8 @@ def _trace_step(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer |
                                 step_module.target[0].write_back_rebound) as layer_trace, \
                 moe.capacity_factor_override(config.moe_capacity_factor), RouteGroupedMM(), _tracing_flags(), \
                 _cast_forward_inputs(model, config.param_dtype), _attributes_kept(model), \
-                _checkpoints_marked() as policies, swapped_forwards(model) as swapped:
+                _checkpoints_marked() as policies, swapped_forwards(model) as swapped, \
+                swapped_attention(model) as attention_swapped:
             joint = aot_export_joint_with_descriptors(
                 stack, step_module, (fake_params, fake_buffers, fake_leaves))
             joint_gm = joint.graph_module
@@ -197,6 +199,8 @@ def _trace_step(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer |
     program = builder.build(joint_gm)
     program.notes["trace_seconds"] = round(time.perf_counter() - started, 3)
     program.notes["layers"] = layer_paths
+    if attention_swapped:
+        program.notes["attention_forwards"] = attention_swapped
     if swapped:
         program.notes["moe_forwards"] = swapped
     return program
