@@ -10,6 +10,7 @@ by one), or safetensors in the model's own names (read by `fxshard.load_hf`). Th
     python examples/train_hf.py                            # Llama-like, one process, CPU
     python examples/train_hf.py --arch qwen3_moe --dp 2    # MoE, 2 processes, ZeRO-3
     python examples/train_hf.py --arch qwen3_moe --dp 2 --ep 2   # the experts split over the 2 ranks
+    python examples/train_hf.py --arch gpt_oss --steps 100  # GPT-OSS: attention with sinks, biased experts
     python examples/train_hf.py --pp 2 --dp 2              # 4 processes: 2 stages x 2 data-parallel
     python examples/train_hf.py --save hf_out && python examples/train_hf.py --weights hf_out --steps 20
 
@@ -43,6 +44,10 @@ ARCHITECTURES = {  # tiny presets: CPU-sized, the shapes of the real ones
                   dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=4,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
                        num_experts_per_tok=2)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",  # sliding and full attention with sinks, biased experts
+                dict(hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                     sliding_window=8)),
 }
 
 
