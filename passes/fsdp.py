@@ -516,17 +516,16 @@ class _Rewrite:
         it ends with has begun. Such a reduction has little compute left to hide behind; issued
         with the others' updates after it, it runs under them, and the non-finite guard decides the
         skip from the unreduced gradients first. Only where no update needs the reduced norm first:
-        a sharded optimizer (each unit's norm sums over dp), no clipping, no pipeline; and only for
-        gradients reduced in a dtype with float32's range (fp32, bf16): an fp16 sum over the ranks
+        a sharded optimizer (each unit's norm sums over dp), no clipping, no pipeline; and not for
+        gradients reduced in fp16, whose range is narrow (bf16's is float32's): an fp16 sum over the ranks
         overflows (65504) where each rank's gradient and the bound are finite, and the guard would
         apply the update that made it inf."""
         if (not self.cfg.shards_optimizer or self.zero is not None or self.program.stage is not None
                 or self.program.train.clip_grad_norm is not None):
             return {}
 
-        def wide(unit):
-            return all(torch.finfo(self.grad_nodes[m.name].meta["val"].dtype).max >= torch.finfo(torch.float32).max
-                       for m in unit.members)
+        def wide(unit):  # bf16's largest (3.39e38) is a hair under fp32's: range, not equality
+            return all(self.grad_nodes[m.name].meta["val"].dtype is not torch.float16 for m in unit.members)
         order = [unit for node in walk for unit in reduce_after.get(node, [])
                  if unit.world > 1 and not unit.experts and wide(unit)]
         if not order:

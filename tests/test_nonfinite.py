@@ -222,8 +222,14 @@ def test_gradients_reduced_in_fp16_are_checked_after_the_reduction_whose_sum_can
     config = fxshard.Config(nonfinite="skip", reduce_dtype=torch.float16)
     program = fsdp(fxshard.trace(model, shifted_loss, batches[0][0], optimizer=ADAMW, config=config),
                    FSDPConfig(2, "optim_grads_params"))
-    assert not [n for n in program.graph.nodes if n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default
-                and n.meta["fxshard_phase"] == "optim"]  # fp32 gradients would defer "pre" (test above)
+    def deferred(program):
+        return [n.meta["fxshard_unit"] for n in program.graph.nodes if n.meta.get("fxshard_phase") == "optim"
+                and n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default]
+    assert not deferred(program)
+    for wide in (torch.float32, torch.bfloat16):  # their range is float32's: "pre" deferred (test above)
+        config_wide = fxshard.Config(nonfinite="skip", reduce_dtype=wide)
+        assert "pre" in deferred(fsdp(fxshard.trace(model, shifted_loss, batches[0][0], optimizer=ADAMW,
+                                                    config=config_wide), FSDPConfig(2, "optim_grads_params")))
     ranks = SimulatedRanks(program, model, ADAMW, mesh)
     before = ranks.parameters(0)
     large = torch.ones(8)
