@@ -73,10 +73,10 @@ def run_fxshard(cfg, args) -> dict:
     moved = any(saved_checksum[k] != step.state[k].double().sum().item() for k in saved_checksum)
     load_s, _ = seconds(lambda: fxshard.load(step, path))
     restored = all(saved_checksum[k] == step.state[k].double().sum().item() for k in saved_checksum)
-    from fxshard.checkpoint.dcp import PIECE, _crcs, _data_files  # the CRC-32s a save records and a load checks
+    from fxshard.checkpoint.dcp import PIECE, _checkpoint_files, _crcs, _metadata  # the CRC-32s a save records
 
     started = time.perf_counter()  # the files as a save or load finds them: in the page cache
-    _crcs(path, _data_files(path), PIECE)
+    _crcs(path, _checkpoint_files(_metadata(path)[0]), PIECE)
     checksum_s = time.perf_counter() - started
     shutil.rmtree(path, ignore_errors=True)
     assert moved

@@ -371,10 +371,10 @@ class Config:
 
             warnings.warn("fxshard: Config(param_dtype / reduce_dtype=torch.float16) without loss scaling (fxshard "
                           "has no torch.amp.GradScaler): gradients below fp16's 6e-8 become zero and training can "
-                          "stall silently; steps whose gradients overflow 65504 are skipped or raise "
-                          "(Config(nonfinite)). torch.bfloat16 has float32's range and needs no scaling; or multiply "
+                          "stall silently; steps whose gradients overflow 65504 raise, or are skipped (Config(nonfinite); "
+                          "\"ignore\" applies them). torch.bfloat16 has float32's range and needs no scaling; or multiply "
                           "the loss by a constant in loss_fn (AdamW is invariant to it if eps and clip_grad_norm "
-                          "are multiplied too)", stacklevel=3)
+                          "are multiplied too)", stacklevel=4)  # the user's Config(...) line
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise FxShardError(f"microbatches must be an int >= 1, got {self.microbatches!r}")
 

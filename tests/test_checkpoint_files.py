@@ -194,6 +194,61 @@ def test_checksums_cover_pieces_of_files_and_name_the_piece_that_changed(tmp_pat
         fxshard.load(shard(), tmp_path / "ck")
 
 
+def test_any_flipped_byte_of_the_manifest_or_metadata_is_an_fxshard_error(saved, tmp_path):
+    """Every byte of fxshard.json and of DCP's .metadata, its high bit flipped (a byte that is no longer
+    UTF-8, a pickle that unpickles to anything): the load refuses with FxShardError, never a raw error;
+    a flipped .metadata is caught by its checksum before it is unpickled."""
+    step = shard()
+    copy = tmp_path / "copy"
+    for name, stride in (("fxshard.json", 7), (".metadata", 97)):
+        original = (saved[0] / name).read_bytes()
+        for at in range(0, len(original), stride):
+            shutil.rmtree(copy, ignore_errors=True)
+            shutil.copytree(saved[0], copy)
+            (copy / name).write_bytes(original[:at] + bytes([original[at] ^ 0x80]) + original[at + 1:])
+            with pytest.raises(fxshard.FxShardError) as raised:
+                fxshard.load(step, copy)
+            message = str(raised.value)
+            assert "is damaged" in message or "checkpoint format" in message, (name, at, message)
+            if name == ".metadata":
+                assert ".metadata is not the file the save wrote" in message, (at, message)
+
+
+def test_checksums_edited_out_of_shape_or_a_reader_that_fails_are_refused(saved, tmp_path, monkeypatch):
+    """A checksum map edited by hand (its own CRC removed) that no longer fits is refused, not half
+    used; a save whose checksum reading fails (in any thread, with any error) raises and leaves the
+    checkpoint it would have replaced."""
+    import fxshard.checkpoint.dcp as checkpoint
+
+    step = shard()
+    for edit, expected in ((lambda files, data: files[data].update(crc32=None), "an unreadable checksum for"),
+                           (lambda files, data: files[data].update(crc32=[]), "an unreadable checksum for"),
+                           (lambda files, data: files.pop(data), "has no checksum in fxshard.json"),
+                           (lambda files, data: files.pop(".metadata"), "records no checksum of .metadata")):
+        edited = tmp_path / "edited"
+        shutil.rmtree(edited, ignore_errors=True)
+        shutil.copytree(saved[0], edited)
+        manifest = json.loads((edited / "fxshard.json").read_text())
+        del manifest["manifest_crc32"]
+        files = manifest["checksums"]["files"]
+        edit(files, next(name for name in files if name.endswith(".distcp")))
+        (edited / "fxshard.json").write_text(json.dumps(manifest))
+        with pytest.raises(fxshard.FxShardError, match=expected):
+            fxshard.load(step, edited)
+    step(batches()[0])
+    fxshard.save(step, tmp_path / "ck", extra="first")
+    calls = []
+
+    def failing(file, start, piece):
+        calls.append(file)
+        raise MemoryError("no memory for the block")
+    monkeypatch.setattr(checkpoint, "_piece_crc", failing)
+    with pytest.raises(fxshard.FxShardError, match=r"could not checksum what it wrote: MemoryError"):
+        fxshard.save(step, tmp_path / "ck", extra="second")
+    monkeypatch.undo()
+    assert calls and fxshard.load(shard(), tmp_path / "ck") == "first"
+
+
 def test_checksum_shares_cover_every_file_once():
     from fxshard.checkpoint.dcp import _share
 

@@ -214,8 +214,16 @@ def test_the_summary_lists_every_collective_and_transfer_counts_every_node_and_n
         assert "wait_tensor" not in written_bytes_by_op(program)
         waits = [n for n in nodes if n.target is torch.ops._c10d_functional.wait_tensor.default]
         assert waits and not any(is_view(n) for n in waits)  # the schema does not say the wait aliases
-        written = {n: n.meta["val"].numel() * n.meta["val"].element_size() for n in waits}
-        assert sum(written.values()) > 0 and peak_live_bytes(program) > 0
+        import fxshard.dump as dump
+
+        aliases, dump._aliases = dump._aliases, is_view  # as before: each wait a new tensor
+        try:
+            counted_twice = peak_live_bytes(program)
+        finally:
+            dump._aliases = aliases
+        if mesh.dp > 1:  # the gathered units' waits made the ZeRO-3 peak larger; a stage's receives do not
+            assert peak_live_bytes(program) < counted_twice
+        assert peak_live_bytes(program) <= counted_twice
 
 
 def test_evaluates_program_is_dumped_beside_its_step_and_not_into_a_later_runs_folder(tmp_path):

@@ -214,18 +214,27 @@ def _manifest(step) -> dict:
             "expert_layouts": {prefix: layout.as_dict() for prefix, (layout, _) in step.expert_layouts.items()}}
 
 
-def _missing_items(directory: str) -> str | None:
+def _metadata(directory: str):
+    """(DCP's metadata of `directory`, None) or (None, why it cannot be read): any failure to unpickle
+    a damaged `.metadata` is a reason, not a raw exception."""
+    try:
+        return dcp.FileSystemReader(directory).read_metadata(), None
+    except Exception as error:  # noqa: BLE001  a flipped bit makes unpickling raise almost anything
+        return None, f"no readable .metadata: {type(error).__name__}: {str(error)[:200]}"
+
+
+def _missing_items(directory: str, metadata=None) -> str | None:
     """Why `directory` is not a complete DCP checkpoint, or None: `.metadata` readable, and every
     item it records inside a file that is long enough."""
-    try:
-        metadata = dcp.FileSystemReader(directory).read_metadata()
-    except (OSError, EOFError, pickle.UnpicklingError) as error:
-        return f"no readable .metadata: {type(error).__name__}: {error}"
+    if metadata is None:
+        metadata, problem = _metadata(directory)
+        if problem:
+            return problem
     sizes = {}
     for info in (metadata.storage_data or {}).values():
         if info.relative_path not in sizes:
             file = os.path.join(directory, info.relative_path)
-            sizes[info.relative_path] = os.path.getsize(file) if os.path.exists(file) else -1
+            sizes[info.relative_path] = os.path.getsize(file) if os.path.isfile(file) else -1
         if sizes[info.relative_path] < info.offset + info.length:
             return (f"{info.relative_path} is missing" if sizes[info.relative_path] < 0 else
                     f"{info.relative_path} is truncated: {sizes[info.relative_path]} bytes, items end at "
@@ -233,11 +242,11 @@ def _missing_items(directory: str) -> str | None:
     return None
 
 
-def _data_files(directory: str) -> list[str]:
-    """The files a checksum covers: every file of the directory but the manifest, sorted (the order
-    that shares them out among the ranks)."""
-    return sorted(name for name in os.listdir(directory)
-                  if name != MANIFEST and os.path.isfile(os.path.join(directory, name)))
+def _checkpoint_files(metadata) -> list[str]:
+    """The files a checksum covers: `.metadata` and every data file it names, sorted (the order that
+    shares them out among the ranks). Taken from the metadata, which every rank reads alike, not from
+    a directory listing, which ranks on different hosts may see differently."""
+    return sorted({".metadata", *(info.relative_path for info in (metadata.storage_data or {}).values())})
 
 
 PIECE = 64 << 20  # bytes a checksum covers: the pieces of a file are read by threads side by side
@@ -257,27 +266,33 @@ def _piece_crc(file: str, start: int, piece: int) -> str:
 
 def _crcs(directory: str, names: list[str], piece: int) -> dict[str, dict]:
     """Each named file's size and CRC-32 per `piece` bytes (`{"bytes": n, "crc32": [...]}`, one CRC for
-    an empty file), computed by up to 8 threads."""
+    an empty file), computed by up to 8 threads (plain threads, not concurrent.futures: an async save
+    may checksum at interpreter exit; where no thread can be started, this one reads them all).
+    Raises what reading a piece raised."""
     sizes = {name: os.path.getsize(os.path.join(directory, name)) for name in names}
     pieces = [(name, start) for name in names for start in range(0, max(sizes[name], 1), piece)]
     crcs, failures, taken = [None] * len(pieces), [], iter(range(len(pieces)))
     lock = threading.Lock()
 
-    def work():  # plain threads, not concurrent.futures: an async save may run on at interpreter exit
-        while True:
+    def work():
+        while not failures:
             with lock:
                 index = next(taken, None)
             if index is None:
                 return
             try:
                 crcs[index] = _piece_crc(os.path.join(directory, pieces[index][0]), pieces[index][1], piece)
-            except OSError as error:
+            except BaseException as error:  # noqa: BLE001  handed to the caller: no piece left unchecked
                 failures.append(error)
-                return
-    threads = [threading.Thread(target=work, name="fxshard-crc", daemon=True)
-               for _ in range(min(8, os.cpu_count() or 1, len(pieces)))]
-    for thread in threads:
-        thread.start()
+    threads = []
+    for _ in range(min(8, os.cpu_count() or 1, len(pieces)) - 1):
+        thread = threading.Thread(target=work, name="fxshard-crc", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # no new thread (a process limit, or Python 3.12.0-1 at exit): fewer readers
+            break
+        threads.append(thread)
+    work()  # this thread reads too
     for thread in threads:
         thread.join()
     if failures:
@@ -294,15 +309,17 @@ def _share(files: list[str], rank: int, world: int) -> list[str]:
 
 
 def _checksums(directory: str, group, distributed: bool) -> dict:
-    """`{"algorithm": "crc32", "piece": PIECE, "files": {name: {"bytes", "crc32": [per piece]}}}` of the files DCP wrote
-    into `directory`, each rank reading its share; every rank gets the whole map (collective where
-    `distributed`)."""
-    files = _data_files(directory)
+    """`{"algorithm": "crc32", "piece": PIECE, "files": {name: {"bytes", "crc32": [per piece]}}}` of
+    the files DCP wrote into `directory`, each rank reading its share; every rank gets the whole map
+    (collective where `distributed`), or every rank raises FxShardError where one could not read."""
     world = _world_size() if distributed else 1
     try:
-        mine = _crcs(directory, _share(files, _rank(), world), PIECE)
-    except OSError as error:  # gathered like a result: every rank raises, none waits for this one
-        mine = f"rank {_rank()} could not read what it wrote: {type(error).__name__}: {error}"
+        metadata, problem = _metadata(directory)
+        if problem:
+            raise OSError(problem)
+        mine = _crcs(directory, _share(_checkpoint_files(metadata), _rank(), world), PIECE)
+    except Exception as error:  # noqa: BLE001  gathered like a result: every rank raises, none waits for this one
+        mine = f"rank {_rank()} could not checksum what it wrote: {type(error).__name__}: {error}"
     everyone = [mine]
     if distributed:
         import torch.distributed as dist
@@ -323,36 +340,48 @@ def _manifest_crc(manifest: dict) -> str:
     return f"{zlib.crc32(content.encode()):08x}"
 
 
-def _changed_files(path: str, manifest: dict, rank: int = 0, world: int = 1) -> str | None:
-    """Why `path`'s files are not the ones the save wrote, or None: checked against the manifest's
-    checksums, this rank's share of the files (all of them for one process). A checkpoint written
-    before 2026-12-01 has no checksums and is not checked."""
-    if "manifest_crc32" in manifest and manifest["manifest_crc32"] != _manifest_crc(manifest):
-        return f"{MANIFEST} changed after the save (its own checksum differs)"
+def _recorded_checksums(manifest: dict) -> tuple[dict | None, int, str | None]:
+    """(the manifest's checksums by file, their piece size, None), (None, 0, None) for a checkpoint
+    written before 2026-12-01 (none recorded), or (None, 0, why they cannot be used)."""
     checksums = manifest.get("checksums")
     if checksums is None:
-        return None
-    recorded = checksums.get("files") if isinstance(checksums, dict) else None
-    piece = checksums.get("piece") if isinstance(checksums, dict) else None
-    if not isinstance(recorded, dict) or checksums.get("algorithm") != "crc32" or not isinstance(piece, int) or piece < 1:
-        return f"{MANIFEST} records checksums this fxshard cannot read ({str(checksums)[:80]})"
-    missing = sorted(set(recorded) - set(_data_files(path)))
-    if missing:
-        return f"{missing[0]} is missing"
-    names = _share(sorted(recorded), rank, world)
+        return None, 0, None
+    unreadable = f"{MANIFEST} records checksums this fxshard cannot read ({str(checksums)[:80]})"
+    if not isinstance(checksums, dict) or checksums.get("algorithm") != "crc32":
+        return None, 0, unreadable
+    piece, files = checksums.get("piece"), checksums.get("files")
+    if not isinstance(piece, int) or isinstance(piece, bool) or piece < 1 or not isinstance(files, dict):
+        return None, 0, unreadable
+    for name, entry in files.items():
+        size = entry.get("bytes") if isinstance(entry, dict) else None
+        crcs = entry.get("crc32") if isinstance(entry, dict) else None
+        if not isinstance(size, int) or size < 0 or not isinstance(crcs, list) or \
+                len(crcs) != max(1, -(-size // piece)) or \
+                not all(isinstance(c, str) and len(c) == 8 and all(ch in "0123456789abcdef" for ch in c) for c in crcs):
+            return None, 0, f"{MANIFEST} records an unreadable checksum for {name} ({str(entry)[:80]})"
+    return files, piece, None
+
+
+def _changed_files(path: str, recorded: dict, piece: int, names: list[str]) -> str | None:
+    """Why a file of `names` is not as the save wrote it (its size, or a piece's CRC-32), or None."""
+    present = [name for name in names if os.path.isfile(os.path.join(path, name))]
+    if len(present) < len(names):
+        return f"{next(name for name in names if name not in present)} is missing"
+    for name in names:
+        size, saved = os.path.getsize(os.path.join(path, name)), recorded[name]["bytes"]
+        if size != saved:
+            return (f"{name} is {'truncated' if size < saved else 'not the file the save wrote'}: {size} bytes, "
+                    f"{saved} when saved")
     try:
         found = _crcs(path, names, piece)  # in the saving fxshard's pieces
-    except OSError as error:
+    except Exception as error:  # noqa: BLE001
         return f"its files cannot be read ({type(error).__name__}: {error})"
     for name in names:
-        ours, theirs = found[name], recorded[name]
-        if not isinstance(theirs, dict) or ours["bytes"] != theirs.get("bytes"):
-            return (f"{name} is not the file the save wrote: {ours['bytes']} bytes, "
-                    f"{theirs.get('bytes') if isinstance(theirs, dict) else '?'} when saved")
-        wrong = next((i for i, (a, b) in enumerate(zip(ours["crc32"], theirs.get("crc32", []))) if a != b), None)
+        ours, theirs = found[name]["crc32"], recorded[name]["crc32"]
+        wrong = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
         if wrong is not None:
-            return (f"{name} is not the file the save wrote (CRC-32 {ours['crc32'][wrong]} of bytes {wrong * piece}-"
-                    f"{min((wrong + 1) * piece, ours['bytes']) - 1}, recorded {theirs['crc32'][wrong]}): it changed on "
+            return (f"{name} is not the file the save wrote (CRC-32 {ours[wrong]} of bytes {wrong * piece}-"
+                    f"{min((wrong + 1) * piece, found[name]['bytes']) - 1}, recorded {theirs[wrong]}): it changed on "
                     f"disk since")
     return None
 
@@ -517,27 +546,49 @@ def _resolve(path: str) -> str:
 
 
 def _read_checks(path: str, rank: int = 0, world: int = 1):
-    """The checkpoint's manifest and DCP metadata, after checking that it is complete and (this rank's
-    share of) its files are the ones the save wrote; FxShardError naming what is damaged."""
+    """The checkpoint's manifest and DCP metadata, after checking that it is complete and its files
+    are the ones the save wrote: the manifest against its own CRC, `.metadata` against its CRC before
+    it is unpickled, then (this rank's share of) the data files; FxShardError naming what is damaged.
+    A checkpoint written before 2026-12-01 has no checksums: only its completeness is checked."""
     manifest_file = os.path.join(path, MANIFEST)
-    if not os.path.exists(manifest_file):
+    if not os.path.isfile(manifest_file):
         raise FxShardError(f"{path} is not a complete fxshard checkpoint (no {MANIFEST}: the save that wrote it did "
                            f"not finish, or it is not an fxshard checkpoint); load an earlier one")
-    with open(manifest_file) as handle:
+
+    def damaged(problem):
+        return FxShardError(f"{path} is damaged: {problem}; load an earlier checkpoint")
+    with open(manifest_file, "rb") as handle:
         try:
-            manifest = json.load(handle)
-        except json.JSONDecodeError as error:
-            raise FxShardError(f"{path} is damaged: {MANIFEST} is not JSON ({error}); load an earlier checkpoint") \
-                from error
+            manifest = json.loads(handle.read().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise damaged(f"{MANIFEST} is not JSON ({error})") from error
     if not isinstance(manifest, dict):
-        raise FxShardError(f"{path} is damaged: {MANIFEST} holds {type(manifest).__name__}, not fxshard's object; "
-                           f"load an earlier checkpoint")
+        raise damaged(f"{MANIFEST} holds {type(manifest).__name__}, not fxshard's object")
+    if "manifest_crc32" in manifest and manifest["manifest_crc32"] != _manifest_crc(manifest):
+        raise damaged(f"{MANIFEST} changed after the save (its own checksum differs)")
     if manifest.get("format") != FORMAT:
         raise FxShardError(f"{path} has checkpoint format {manifest.get('format')}; this fxshard reads {FORMAT}")
-    problem = _missing_items(path) or _changed_files(path, manifest, rank, world)
+    recorded, piece, problem = _recorded_checksums(manifest)
+    if recorded is not None and ".metadata" not in recorded:
+        problem = f"{MANIFEST} records no checksum of .metadata"
+    if recorded is not None and not problem:
+        problem = _changed_files(path, recorded, piece, [".metadata"])  # on every rank: it is unpickled next
     if problem:
-        raise FxShardError(f"{path} is damaged: {problem}; load an earlier checkpoint")
-    return manifest, dcp.FileSystemReader(path).read_metadata()
+        raise damaged(problem)
+    metadata, problem = _metadata(path)
+    if problem:
+        raise damaged(problem)
+    files = _checkpoint_files(metadata)
+    if recorded is not None:
+        unrecorded = sorted(set(files) - set(recorded))
+        if unrecorded:
+            raise damaged(f"{unrecorded[0]} has no checksum in {MANIFEST} (the files do not belong together)")
+    problem = _missing_items(path, metadata)
+    if not problem and recorded is not None:
+        problem = _changed_files(path, recorded, piece, _share([f for f in files if f != ".metadata"], rank, world))
+    if problem:
+        raise damaged(problem)
+    return manifest, metadata
 
 
 class _ExpertConversion:
