@@ -64,6 +64,7 @@ def _shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None
     if not is_meta:
         _check_devices(tensors, batch_spec.device)
     _warn_if_eval_mode(model)
+    _warn_torchtitan_load_balancing(model)
     _warn_unused_pipeline_settings(mesh, config)
     stage = coords.get("pp", 0)
     programs = _compile_together(model, loss_fn, example_batch, optimizer, mesh, config, stage, groups)
@@ -311,6 +312,22 @@ def _warn_unused_moe_settings(programs: list[Program], config: Config) -> None:
 
     warnings.warn(f"Config({', '.join(given)}) acts on MoE layers, but the step has none (no fxshard.moe.dispatch "
                   f"call, no experts run as grouped GEMMs): it has no effect", stacklevel=user_stacklevel())
+
+
+def _warn_torchtitan_load_balancing(model: nn.Module) -> None:
+    """torchtitan's MoE layers with `load_balance_coeff` update their routing bias (`expert_bias_E`)
+    from the counts they keep (`tokens_per_expert_E`) in an optimizer step pre-hook, outside the model:
+    fxshard's step runs no such hook, so the bias stays and the counts grow. Said once per shard()."""
+    layers = [name for name, module in model.named_modules()
+              if type(module).__module__.startswith("torchtitan.")
+              and getattr(module, "load_balance_coeff", None) is not None
+              and getattr(module, "expert_bias_E", None) is not None]
+    if layers:
+        warnings.warn(f"fxshard: {len(layers)} torchtitan MoE layers ({layers[0]}, ...) have load_balance_coeff set: "
+                      f"torchtitan updates their expert_bias_E from tokens_per_expert_E in an optimizer step "
+                      f"pre-hook, which fxshard's compiled step does not run, so the routing bias stays as it is "
+                      f"(no auxiliary-loss-free load balancing) and the counts keep growing. Build the model with "
+                      f"load_balance_coeff=None, or balance with an auxiliary loss in loss_fn", stacklevel=3)
 
 
 def _warn_if_eval_mode(model: nn.Module) -> None:

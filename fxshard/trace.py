@@ -181,6 +181,7 @@ def _trace_step(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer |
                 annotate_layers(step_module.target[0], model, layer_paths,
                                 step_module.target[0].write_back_rebound) as layer_trace, \
                 moe.capacity_factor_override(config.moe_capacity_factor), RouteGroupedMM(), _tracing_flags(), \
+                _compiled_callables_as_python(), \
                 _cast_forward_inputs(model, config.param_dtype), _attributes_kept(model), \
                 _checkpoints_marked() as policies, swapped_forwards(model) as swapped, \
                 swapped_attention(model) as attention_swapped:
@@ -495,6 +496,16 @@ def _check_matmul_dtypes(joint_gm: fx.GraphModule, param_dtype: torch.dtype | No
                 "cast one operand so that both have the same dtype (an integer batch leaf fed to a Linear: .float())"
             raise FxShardError(f"the step multiplies {' by '.join(dtypes)} ({node.target.__name__} in {layer}), "
                                f"which torch's kernels refuse at run time: {hint}")
+
+
+@contextlib.contextmanager
+def _compiled_callables_as_python():
+    """A `torch.compile`d function or module inside the model's forward (torchtitan compiles
+    flex_attention and its block-mask builder at module level) runs as its own Python while fxshard
+    traces: the trace records its ops, which fxshard then compiles with the rest of the step. Run
+    compiled, Inductor's generated code would read the trace's fake tensors' memory."""
+    with torch.compiler.set_stance("force_eager"):
+        yield
 
 
 @contextlib.contextmanager

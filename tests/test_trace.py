@@ -222,3 +222,57 @@ def test_a_module_registered_under_two_paths_trains_like_eager_and_keeps_its_own
     parity = eager_parity(model, loss, batches, fxshard.optim.AdamW(lr=1e-2))
     assert parity.max_loss_rel < 1e-6 and parity.max_param_rel < 1e-5, parity
     assert all(p is before[name] and type(p) is torch.nn.Parameter for name, p in model.named_parameters())
+
+
+def test_a_torch_compiled_function_or_module_in_the_forward_is_traced_as_its_python():
+    """torchtitan compiles flex_attention and its mask builder at module level; a user may call
+    module.compile(). While fxshard traces they run as their Python (fxshard compiles the step), so
+    the step trains as the same model written without torch.compile (never run compiled here)."""
+    import torch.nn.functional as F
+
+    compiled_gelu = torch.compile(F.gelu)
+
+    class Model(torch.nn.Module):
+        def __init__(self, compiled):
+            super().__init__()
+            self.first, self.second = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+            self.compiled = compiled
+            if compiled:
+                self.second.compile()
+
+        def forward(self, x):
+            return self.second((compiled_gelu if self.compiled else F.gelu)(self.first(x)))
+
+    torch.manual_seed(0)
+    batches = [{"x": torch.randn(4, 8)} for _ in range(3)]
+    losses = []
+    for compiled in (True, False):
+        torch.manual_seed(1)
+        step = fxshard.shard(Model(compiled), lambda m, b: (m(b["x"]) ** 2).mean(), batches[0],
+                             optimizer=fxshard.optim.AdamW(lr=1e-2))
+        losses.append([step(batch)["loss"].item() for batch in batches])
+    assert losses[0] == losses[1]
+
+
+def test_torchtitan_moe_load_balancing_which_runs_in_an_optimizer_hook_is_said_to_be_off():
+    """torchtitan updates expert_bias_E in an optimizer step pre-hook (outside the model), which the
+    compiled step does not run: shard() says so. A stand-in with torchtitan's module path and
+    attributes (torchtitan itself is not a test dependency)."""
+    class MoE(torch.nn.Module):
+        def __init__(self, coeff):
+            super().__init__()
+            self.linear, self.load_balance_coeff = torch.nn.Linear(4, 4), coeff
+            self.register_buffer("expert_bias_E", torch.zeros(4) if coeff else None)
+            self.register_buffer("tokens_per_expert_E", torch.zeros(4))
+
+        def forward(self, x):
+            return self.linear(x)
+    MoE.__module__ = "torchtitan.models.common.moe"
+    batch = {"x": torch.randn(2, 4)}
+    with pytest.warns(UserWarning, match=r"1 torchtitan MoE layers \(moe, \.\.\.\) have load_balance_coeff set"):
+        fxshard.shard(torch.nn.ModuleDict({"moe": MoE(1e-3)}), lambda m, b: m["moe"](b["x"]).sum(), batch)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        fxshard.shard(torch.nn.ModuleDict({"moe": MoE(None)}), lambda m, b: m["moe"](b["x"]).sum(), batch)
