@@ -127,14 +127,15 @@ def test_sink_attention_on_cuda_memory_efficient_kernel_matches_the_eager_functi
 def test_gpt_oss_on_cuda_trains_like_its_eager_attention():
     """On CUDA: the memory-efficient kernel with the sliding-window mask as its bias, and with the
     full layers' causal mask turned into is_causal by the causal_attention pass, fp32, three SGD
-    steps against the model's own eager code (codegen and CUDA graphs, the defaults there)."""
+    steps against the model's own eager code (with codegen; fp32 experts run on the grouped-GEMM
+    reference backend, which CUDA graphs cannot capture)."""
     model = gpt_oss().cuda()
     generator = torch.Generator().manual_seed(1)
     batches = [{"idx": torch.randint(0, 64, (2, 48), generator=generator).cuda(),
                 "tgt": torch.randint(0, 64, (2, 48), generator=generator).cuda()} for _ in range(3)]
     optimizer = fxshard.optim.SGD(lr=0.1, momentum=0.9)
     reference = copy.deepcopy(model)
-    step = fxshard.shard(model, hf_loss, batches[0], optimizer, config=fxshard.Config(cuda_graphs=True))
+    step = fxshard.shard(model, hf_loss, batches[0], optimizer, config=fxshard.Config(cuda_graphs=False))
     assert "causal_attention" in step.program.notes  # the full layers' masks
     assert sum(node.target is torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
                for node in step.program.graph.nodes) == 2
