@@ -62,6 +62,21 @@ def hf_loss(model, batch):
     return F.cross_entropy(model(batch["idx"]).logits.flatten(0, 1), batch["tgt"].flatten())
 
 
+def assert_trains_like(reference, step, optimizer, batches, tolerance):
+    """`step` and the eager `reference` model under torch's version of `optimizer`: each batch's loss
+    and, at the end, every parameter within `tolerance`, relative."""
+    eager_optimizer = torch_optimizer(optimizer, reference.named_parameters())
+    for batch in batches:
+        loss = hf_loss(reference, batch)
+        loss.backward()
+        eager_optimizer.step()
+        eager_optimizer.zero_grad()
+        assert abs(step(batch)["loss"].item() - loss.item()) < tolerance * loss.item()
+    trained = step.parameters()
+    for name, param in reference.named_parameters():
+        assert relative(trained[name], param) < tolerance, name
+
+
 def test_gpt_oss_trains_like_its_eager_attention_with_sinks_on_the_fused_kernel():
     """Both of GPT-OSS's attention kinds (a sliding window, full) traced as `sink_attention`, three
     SGD steps against the model's own eager code. (SGD: under AdamW at lr 1e-2 the experts' weights
@@ -81,16 +96,7 @@ def test_gpt_oss_trains_like_its_eager_attention_with_sinks_on_the_fused_kernel(
                for node in nodes) == 2
     assert not [node for node in nodes if node.target is torch.ops.aten._softmax.default
                 and node.args[0].meta["val"].shape[-1] == 12 + 1]  # the eager softmax over scores and sink
-    eager_optimizer = torch_optimizer(optimizer, reference.named_parameters())
-    for batch in batches:
-        loss = hf_loss(reference, batch)
-        loss.backward()
-        eager_optimizer.step()
-        eager_optimizer.zero_grad()
-        assert abs(step(batch)["loss"].item() - loss.item()) < 1e-5 * loss.item()
-    trained = step.parameters()
-    for name, param in reference.named_parameters():
-        assert relative(trained[name], param) < 1e-5, name
+    assert_trains_like(reference, step, optimizer, batches, 1e-5)
 
 
 def test_gpt_oss_asked_for_its_attention_weights_keeps_the_eager_attention():
@@ -139,13 +145,4 @@ def test_gpt_oss_on_cuda_trains_like_its_eager_attention():
     assert "causal_attention" in step.program.notes  # the full layers' masks
     assert sum(node.target is torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
                for node in step.program.graph.nodes) == 2
-    eager_optimizer = torch_optimizer(optimizer, reference.named_parameters())
-    for batch in batches:
-        loss = hf_loss(reference, batch)
-        loss.backward()
-        eager_optimizer.step()
-        eager_optimizer.zero_grad()
-        assert abs(step(batch)["loss"].item() - loss.item()) < 1e-4 * loss.item()
-    trained = step.parameters()
-    for name, param in reference.named_parameters():
-        assert relative(trained[name], param) < 1e-4, name
+    assert_trains_like(reference, step, optimizer, batches, 1e-4)
