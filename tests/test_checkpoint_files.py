@@ -615,3 +615,18 @@ def test_copy_to_refuses_a_model_whose_weight_the_step_ties_is_separate():
     assert torch.equal(tied.head.weight, step.parameters()["emb.weight"])
     with pytest.raises(fxshard.FxShardError, match="'head.weight' is none of the step's"):
         step.copy_to(Tied(tie=False))
+
+
+def test_a_save_or_load_longer_than_a_few_seconds_says_so(tmp_path, monkeypatch, capsys):
+    import fxshard.checkpoint.dcp as checkpoint
+
+    step = shard()
+    fxshard.save(step, tmp_path / "quick")
+    fxshard.load(step, tmp_path / "quick")
+    assert "fxshard: saved" not in capsys.readouterr().err  # under REPORT_AFTER_S: quiet
+    monkeypatch.setattr(checkpoint, "REPORT_AFTER_S", 0.0)
+    fxshard.save(step, tmp_path / "slow")
+    fxshard.load(step, tmp_path / "slow")
+    said = capsys.readouterr().err
+    assert f"fxshard: saved {tmp_path / 'slow'}: 0.00 GB in 2 files" in said and \
+        f"fxshard: loaded {tmp_path / 'slow'} (step 0)" in said, said

@@ -177,6 +177,17 @@ def _write(state, staging, path, manifest, group, distributed):
         raise FxShardError(f"saving to {path}: rank 0 could not put the written checkpoint in place ({failed}); "
                            f"{path} is unchanged, or, if the swap was cut, {path}.previous holds the last "
                            f"checkpoint (load finds it)")
+    size = sum(entry["bytes"] for entry in checksums["files"].values())
+    _report(f"saved {path}: {size / 1e9:.2f} GB in {len(checksums['files'])} files", started)
+
+
+REPORT_AFTER_S = 5.0  # a save or load that takes longer says so on stderr (rank 0), as a long compile does
+
+
+def _report(what: str, started: float) -> None:
+    elapsed = time.perf_counter() - started
+    if elapsed > REPORT_AFTER_S and _rank() == 0:
+        print(f"fxshard: {what}, {elapsed:.1f} s", file=sys.stderr, flush=True)
 
 
 def _swap_in(staging: str, path: str) -> None:
@@ -392,6 +403,7 @@ def load(step, path: str | os.PathLike):
     left unchanged and every rank raises `FxShardError`."""
     require_step(step, "load")
     path = path_argument(path, "load")
+    started = time.perf_counter()
     step._refuse_if_aborted()  # its process groups cannot be trusted: a load's collectives would pair with a stuck peer
 
     def checks():
@@ -441,6 +453,7 @@ def load(step, path: str | os.PathLike):
                       f"pipeline that draw batches from torch's generator then draw different ones; keep the data "
                       f"loader's state in extra instead", stacklevel=2)
     extra = state.get(own_extra)
+    _report(f"loaded {path} (step {manifest.get('step_count')})", started)
     return pickle.loads(extra) if manifest.get("extra") == "pickled" and extra is not None else extra
 
 
