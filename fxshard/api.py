@@ -318,16 +318,18 @@ def _warn_torchtitan_load_balancing(model: nn.Module) -> None:
     """torchtitan's MoE layers with `load_balance_coeff` update their routing bias (`expert_bias_E`)
     from the counts they keep (`tokens_per_expert_E`) in an optimizer step pre-hook, outside the model:
     fxshard's step runs no such hook, so the bias stays and the counts grow. Said once per shard()."""
-    layers = [name for name, module in model.named_modules()
+    layers = [(name, bias) for name, module in model.named_modules()
               if type(module).__module__.startswith("torchtitan.")
               and getattr(module, "load_balance_coeff", None) is not None
-              and getattr(module, "expert_bias_E", None) is not None]
+              for bias in ("expert_bias_E", "expert_bias")  # 0.3.0's name, and earlier releases'
+              if getattr(module, bias, None) is not None][:1]
     if layers:
-        warnings.warn(f"fxshard: {len(layers)} torchtitan MoE layers ({layers[0]}, ...) have load_balance_coeff set: "
-                      f"torchtitan updates their expert_bias_E from tokens_per_expert_E in an optimizer step "
-                      f"pre-hook, which fxshard's compiled step does not run, so the routing bias stays as it is "
-                      f"(no auxiliary-loss-free load balancing) and the counts keep growing. Build the model with "
-                      f"load_balance_coeff=None, or balance with an auxiliary loss in loss_fn", stacklevel=3)
+        (name, bias), = layers
+        warnings.warn(f"fxshard: torchtitan MoE layers ({name}, ...) have load_balance_coeff set: torchtitan updates "
+                      f"their {bias} from the tokens they count in an optimizer step pre-hook, which fxshard's "
+                      f"compiled step does not run, so the routing bias stays as it is (no auxiliary-loss-free load "
+                      f"balancing) and the counts keep growing. Build the model with load_balance_coeff=None, or "
+                      f"balance with an auxiliary loss in loss_fn", stacklevel=user_stacklevel())
 
 
 def _warn_if_eval_mode(model: nn.Module) -> None:

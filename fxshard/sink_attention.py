@@ -79,7 +79,10 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
     """softmax([q k^T * scale + bias, sinks]) without the sink column, times v; [B, H, S, D] (module
     docstring). k and v have as many heads as q."""
     if bias is not None:
-        bias = _aligned(bias.to(q.dtype).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+        bias = bias.to(q.dtype)
+        if q.is_cuda:  # padded before it is expanded: the heads stay a stride-0 view
+            bias = _aligned(bias)
+        bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     return _SinkAttention.apply(q, k, v, bias, sinks, scale)
 
 
@@ -87,19 +90,22 @@ def _aligned(bias: torch.Tensor) -> torch.Tensor:
     """`bias` with its rows 16-element aligned, as the memory-efficient kernel requires (what torch's
     scaled_dot_product_attention does to a mask: pad the last dimension, view the columns back)."""
     columns = bias.shape[-1]
-    if columns % 16 == 0 and bias.stride(-1) == 1 and all(s % 16 == 0 for s in bias.stride()[:-1]):
+    if columns % 16 == 0 and bias.stride(-1) == 1 and all(s % 16 == 0 for s, n in zip(bias.stride()[:-1],
+                                                                                         bias.shape[:-1]) if n > 1):
         return bias
     padded = torch.nn.functional.pad(bias, (0, -columns % 16))
     return padded[..., :columns]
 
 
-def _gpt_oss_attention(original):
+def _gpt_oss_attention(original, swapped: set):
     """transformers' GPT-OSS `eager_attention_forward`, on `sink_attention` where it computes the same
-    function (no dropout; the weights, its second result, are not returned: None)."""
+    function: no dropout, and the weights (its second result, then None) not asked for, by the config
+    or by the call. `swapped` collects the modules whose calls ran `sink_attention`."""
 
     def forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-        if dropout:
+        if dropout or kwargs.get("output_attentions"):
             return original(module, query, key, value, attention_mask, scaling, dropout=dropout, **kwargs)
+        swapped.add(module)
         groups = module.num_key_value_groups
         key = key.repeat_interleave(groups, dim=1) if groups > 1 else key  # transformers' repeat_kv
         value = value.repeat_interleave(groups, dim=1) if groups > 1 else value
@@ -113,7 +119,8 @@ def _gpt_oss_attention(original):
 def swapped_attention(model: nn.Module) -> Iterator[list[str]]:
     """While fxshard traces `model`: transformers' GPT-OSS attention layers on the eager
     implementation (the only one transformers ships for sinks without extra kernels) run
-    `sink_attention`. Not where the model asks for attention weights. Yields "path: how" lines."""
+    `sink_attention`. Not where the model asks for attention weights. Yields a list that holds, once
+    the block ends, a "path: how" line per layer whose calls ran it."""
     layers = [(path, module) for path, module in model.named_modules()
               if type(module).__name__ == "GptOssAttention"
               and type(module).__module__.startswith("transformers.models.gpt_oss")]
@@ -124,10 +131,12 @@ def swapped_attention(model: nn.Module) -> Iterator[list[str]]:
         return
     from transformers.models.gpt_oss import modeling_gpt_oss
 
-    original = modeling_gpt_oss.eager_attention_forward
-    modeling_gpt_oss.eager_attention_forward = _gpt_oss_attention(original)
+    original, swapped, lines = modeling_gpt_oss.eager_attention_forward, set(), []
+    modeling_gpt_oss.eager_attention_forward = _gpt_oss_attention(original, swapped)
     try:
-        yield [f"{path}: GptOssAttention, transformers' eager attention with sinks traced as the fused attention "
-               f"kernel and a sink correction (fxshard/sink_attention.py: same function)" for path, _ in layers]
+        yield lines  # filled once the trace is done: the layers whose calls did run sink_attention
     finally:
         modeling_gpt_oss.eager_attention_forward = original
+        lines.extend(f"{path}: GptOssAttention, transformers' eager attention with sinks traced as the fused "
+                     f"attention kernel and a sink correction (fxshard/sink_attention.py: same function)"
+                     for path, module in layers if module in swapped)

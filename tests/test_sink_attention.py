@@ -99,12 +99,25 @@ def test_gpt_oss_trains_like_its_eager_attention_with_sinks_on_the_fused_kernel(
     assert_trains_like(reference, step, optimizer, batches, 1e-5)
 
 
-def test_gpt_oss_asked_for_its_attention_weights_keeps_the_eager_attention():
+def test_gpt_oss_asked_for_its_attention_weights_or_with_dropout_keeps_the_eager_attention():
+    """Weights asked for by the config or by the call, or attention dropout in training: the eager
+    attention, and the notes list no layer as swapped."""
+    batch = {"idx": torch.zeros(1, 8, dtype=torch.long), "tgt": torch.zeros(1, 8, dtype=torch.long)}
+
+    def attention_entropy_loss(model, batch):  # a loss on the weights themselves
+        out = model(batch["idx"], output_attentions=True)
+        weights = torch.stack(out.attentions)
+        return F.cross_entropy(out.logits.flatten(0, 1), batch["tgt"].flatten()) + (weights * weights).sum()
+
     model = gpt_oss()
     model.config.output_attentions = True
-    batch = {"idx": torch.zeros(1, 8, dtype=torch.long), "tgt": torch.zeros(1, 8, dtype=torch.long)}
-    program = fxshard.trace(model, hf_loss, batch)
+    assert "attention_forwards" not in fxshard.trace(model, hf_loss, batch).notes
+    program = fxshard.trace(gpt_oss(), attention_entropy_loss, batch)
     assert "attention_forwards" not in program.notes
+    model = gpt_oss()
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    assert "attention_forwards" not in fxshard.trace(model, hf_loss, batch).notes
 
 
 @pytest.mark.gpu
