@@ -207,6 +207,22 @@ def _trace_step(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer |
     return program
 
 
+def _no_gradient_error(names: list[str]) -> FxShardError:
+    """All the trainable parameters the loss does not depend on, at once: as names, and as patterns
+    (layer indices as *) that the fix freezes in one loop (DeepSeek-V3.2's indexers: every layer's)."""
+    import re
+
+    patterns = list(dict.fromkeys(re.sub(r"(^|\.)\d+(?=\.)", r"\1*", name) for name in names))
+    listed = ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
+    which = f"parameter {names[0]!r} requires" if len(names) == 1 else f"{len(names)} parameters require"
+    return FxShardError(
+        f"{which} grad but the loss does not depend on {'it' if len(names) == 1 else 'them'} (not read in the "
+        f"forward, or read only through .detach() or under torch.no_grad(), so no gradient reaches them; eager "
+        f"torch.optim skips such parameters): {listed}. Freeze them, which trains the same: "
+        f"`for name, p in model.named_parameters(): p.requires_grad_(p.requires_grad and not any("
+        f"fnmatch.fnmatch(name, pattern) for pattern in {patterns[:30]!r}))`, or let their gradient reach the loss")
+
+
 class _ProgramBuilder:
     """Assembles the joint graph and the traced optimizer into one graph with a typed signature."""
 
@@ -270,6 +286,9 @@ class _ProgramBuilder:
             metrics.append(metric_values)
             for index, node in mutations.items():  # the next microbatch sees the updated buffers
                 buffers[index - len(self.params)] = node
+            ungraded = [name for i, name in enumerate(self.params) if name in trainable and grads[i] is None]
+            if ungraded:
+                raise _no_gradient_error(ungraded)
             for i, name in enumerate(self.params):
                 if name in trainable:
                     grad_nodes[name] = self.accumulate(name, grad_nodes.get(name), grads[i])
@@ -332,11 +351,6 @@ class _ProgramBuilder:
     def accumulate(self, name: str, total: fx.Node | None, grad: fx.Node | None) -> fx.Node:
         """Cast a microbatch's gradient to the reduce dtype and add it to the running sum, right
         where it appears (the loss tangent of 1/microbatches already averages)."""
-        if grad is None:
-            raise FxShardError(
-                f"parameter {name!r} requires grad but the loss does not depend on it (not read in the "
-                f"forward, or read only through .detach() or under torch.no_grad(), so it gets no gradient); "
-                f"freeze it (requires_grad_(False)), which trains the same, or let its gradient reach the loss")
         dtype = self.reduce_dtype or grad.meta["val"].dtype
         with self.graph.inserting_before(grad.next):
             if total is None:

@@ -464,6 +464,36 @@ def test_a_parameter_read_only_through_detach_is_named_with_freezing_as_the_fix(
         fxshard.trace(DetachedScale(), lambda m, b: nn.functional.mse_loss(m(b["x"]), b["y"]), batch)
 
 
+def test_every_parameter_without_a_gradient_is_named_at_once_with_a_loop_that_freezes_them():
+    """DeepSeek-V3.2's indexer weights feed only a top-k: no gradient, in every layer. One error names
+    them all, as patterns over the layers, with a loop that freezes them; after it the step traces."""
+    import fnmatch  # noqa: F401  (the message's loop uses it)
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.indexer = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            chosen = self.indexer(x).topk(2, dim=-1).indices  # an index only: no gradient
+            return self.lin(x) + x.gather(-1, chosen).sum(-1, keepdim=True)
+
+    model = nn.Sequential(Layer(), Layer(), Layer())
+    batch = {"x": torch.randn(2, 4), "y": torch.randn(2, 4)}
+
+    def loss(m, b):
+        return nn.functional.mse_loss(m(b["x"]), b["y"])
+    with pytest.raises(FxShardError, match=r"6 parameters require grad but the loss does not depend on them .*"
+                                           r"0\.indexer\.weight, 0\.indexer\.bias, 1\.indexer\.weight") as raised:
+        fxshard.trace(model, loss, batch)
+    assert "['*.indexer.weight', '*.indexer.bias']" in str(raised.value)  # the layers' index as *
+    fix = re.search(r"`(for name, p in .*)`", str(raised.value)).group(1)
+    exec(fix, {"model": model, "fnmatch": __import__("fnmatch")})
+    assert sorted(n for n, p in model.named_parameters() if not p.requires_grad) == \
+        [f"{i}.indexer.{k}" for i in range(3) for k in ("bias", "weight")]
+    fxshard.trace(model, loss, batch)
+
+
 def test_a_host_read_inside_a_torch_module_names_its_line_and_batchnorms_fix():
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None))
     batch = {"x": torch.randn(8, 4), "y": torch.randn(8, 4)}
