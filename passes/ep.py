@@ -52,7 +52,7 @@ import torch.fx as fx
 
 from fxshard import meta, moe
 from fxshard.errors import FxShardError
-from fxshard.graph import Graph, call_argument, fake_mode_of, inline, lazy_module
+from fxshard.graph import Graph, ancestors, call_argument, fake_mode_of, inline, lazy_module
 from fxshard.ops.grouped_mlp_backends import expert_of_rows
 from fxshard.optimizer_graph import append_update
 from fxshard.program import EXPERT_SHARDED, Input, InputKind, Output, OutputKind, Program
@@ -170,6 +170,29 @@ def keeps_dim0(node: fx.Node) -> bool:
         dims = node.args[1:3] if target is _aten.transpose.int else node.args[1]
         return all(d % source.dim() != 0 for d in dims)
     return False
+
+
+def _mixed_experts_error(node: fx.Node, placeholders: dict, experts: int) -> FxShardError:
+    """Why the weight an expert op reads cannot be split by expert: the parameters it comes from, and
+    what lies between (per-expert parameters stacked: an indexed layout; a parameter whose dim 0 is
+    not the experts reshaped into [E, ...], as Dbrx stores its experts [E * F, H])."""
+    sources = [placeholders[n].name for n in ancestors([node]) | {node}
+               if n.op == "placeholder" and placeholders[n].kind is InputKind.PARAM]
+    out, source = first_tensor(_val(node)), first_tensor(_val(node.args[0])) if node.args and \
+        isinstance(node.args[0], fx.Node) else None
+    if node.target in (_aten.stack.default, _aten.cat.default):
+        how = (f"{node.name} ({node.target}) stacks per-expert parameters ({', '.join(sorted(sources)[:3])}, ...): "
+               f"expert parallelism splits one [{experts}, ...] parameter per weight by its dim 0 (fxshard's "
+               f"MoEGPT: expert_weights='grouped')")
+    elif node.target in _VIEWS and source is not None and out is not None:
+        how = (f"{node.name} ({node.target}) reshapes {', '.join(sorted(sources)[:3])} from {tuple(source.shape)} into "
+               f"{tuple(out.shape)}: the parameter's dim 0 is not the {experts} experts, and expert parallelism "
+               f"splits a parameter by its dim 0. Store the weights as [{experts}, ...] parameters (reshape them "
+               f"once in the model, before shard()), or train this model without ep")
+    else:
+        how = (f"{node.name} ({node.target}) mixes experts between {', '.join(sorted(sources)[:3]) or 'a parameter'} "
+               f"and the expert op: expert parallelism splits a parameter by its dim 0, expert by expert")
+    return FxShardError(f"expert parallelism cannot split these expert weights: {how}")
 
 
 def receive_order(counts: torch.Tensor, buffer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -358,10 +381,7 @@ class _Rewrite:
                 self.expert_params[spec.name] = experts
                 continue
             if not keeps_dim0(node) or meta.phase(node) == meta.OPTIM:
-                raise FxShardError(
-                    f"expert parallelism splits expert weights along dim 0, but {node.name} ({node.target}) mixes "
-                    f"experts on the way from a parameter to an expert op (an indexed expert layout stacks "
-                    f"per-expert parameters: use expert_weights='grouped')")
+                raise _mixed_experts_error(node, placeholders, experts)
             stack += [(i, experts) for i in node.all_input_nodes if first_tensor(_val(i)) is not None
                       and first_tensor(_val(i)).dim() >= 1 and first_tensor(_val(i)).shape[0] == experts]
         # Everything downstream of an expert parameter or a weight gradient, outside the region.

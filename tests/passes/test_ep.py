@@ -182,7 +182,8 @@ def test_bad_meshes_and_models_are_refused():
     indexed = MoEGPT(MoEGPTConfig.preset("tiny", expert_weights="indexed"))
     program = fxshard.trace(indexed, loss_and_metrics, {"idx": torch.zeros(1, 8, dtype=torch.long),
                                                         "tgt": torch.zeros(1, 8, dtype=torch.long)})
-    with pytest.raises(fxshard.FxShardError, match="expert_weights='grouped'"):
+    with pytest.raises(fxshard.FxShardError, match=r"cannot split these expert weights: .*stacks per-expert parameters .*"
+                                                   r"expert_weights='grouped'"):
         expert_parallel(program, EPConfig(2))
 
 
@@ -312,6 +313,29 @@ def test_a_users_moe_block_gets_expert_parallelism_too(capacity, overlap, mesh):
 
     config = fxshard.Config(ep_overlap=overlap, ep_chunks=2, layers=("blocks.*",))
     assert_ep_step_like_the_traced_program(model, loss_fn, world, ep, config)
+
+
+def test_experts_stored_flat_are_refused_naming_the_parameter_and_the_reshape():
+    """Dbrx stores a layer's experts as one [E * F, H] parameter and views it [E, F, H]: its dim 0 is
+    not the experts, so ep cannot split it by dim 0; the refusal names the parameter and the reshape."""
+    class FlatExperts(ScaledExpertsMoE):
+        def __init__(self):
+            super().__init__()
+            for block in self.blocks:
+                block["fc1"].weight_flat = torch.nn.Parameter(block["fc1"].weight_grouped().detach().flatten(0, 1))
+                block["fc1"].weight_grouped = lambda fc=block["fc1"]: fc.weight_flat.view(self.experts, -1, 8)
+    model = FlatExperts()
+    for block in model.blocks:  # the grouped copy stays unread
+        for name, param in list(block["fc1"].named_parameters()):
+            if name != "weight_flat":
+                param.requires_grad_(False)
+    traced = fxshard.trace(model, lambda m, b: torch.nn.functional.cross_entropy(m(b["idx"]), b["tgt"].flatten()),
+                           {"idx": torch.zeros(1, 4, dtype=torch.long), "tgt": torch.zeros(1, 4, dtype=torch.long)},
+                           config=fxshard.Config(layers=("blocks.*",)))
+    with pytest.raises(fxshard.FxShardError, match=r"cannot split these expert weights: .* reshapes "
+                                                   r"blocks\.\d\.fc1\.weight_flat from \(24, 8\) into \(4, 6, 8\): the "
+                                                   r"parameter's dim 0 is not the 4 experts"):
+        expert_parallel(traced, EPConfig(2))
 
 
 def assert_ep_step_like_the_traced_program(model, loss_fn, world, ep, config):
