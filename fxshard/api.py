@@ -322,10 +322,11 @@ def _warn_torchtitan_load_balancing(model: nn.Module) -> None:
               if type(module).__module__.startswith("torchtitan.")
               and getattr(module, "load_balance_coeff", None) is not None
               for bias in ("expert_bias_E", "expert_bias")  # 0.3.0's name, and earlier releases'
-              if getattr(module, bias, None) is not None][:1]
+              if getattr(module, bias, None) is not None]
     if layers:
-        (name, bias), = layers
-        warnings.warn(f"fxshard: torchtitan MoE layers ({name}, ...) have load_balance_coeff set: torchtitan updates "
+        (name, bias), count = layers[0], len(layers)
+        warnings.warn(f"fxshard: {count} torchtitan MoE layer{'s' if count > 1 else ''} ({name}{', ...' if count > 1 else ''}) "
+                      f"{'have' if count > 1 else 'has'} load_balance_coeff set: torchtitan updates "
                       f"their {bias} from the tokens they count in an optimizer step pre-hook, which fxshard's "
                       f"compiled step does not run, so the routing bias stays as it is (no auxiliary-loss-free load "
                       f"balancing) and the counts keep growing. Build the model with load_balance_coeff=None, or "

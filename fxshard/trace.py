@@ -207,20 +207,28 @@ def _trace_step(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer |
     return program
 
 
-def _no_gradient_error(names: list[str]) -> FxShardError:
-    """All the trainable parameters the loss does not depend on, at once: as names, and as patterns
-    (layer indices as *) that the fix freezes in one loop (DeepSeek-V3.2's indexers: every layer's)."""
+def _no_gradient_error(names: list[str], graded: list[str]) -> FxShardError:
+    """All the trainable parameters the loss does not depend on, at once: as names, and as the patterns
+    of a loop that freezes them (DeepSeek-V3.2's indexers: every layer's). A name's layer indices
+    become * only where that matches no parameter that does get a gradient."""
+    import fnmatch
     import re
 
-    patterns = list(dict.fromkeys(re.sub(r"(^|\.)\d+(?=\.)", r"\1*", name) for name in names))
+    def pattern(name):
+        general = re.sub(r"(^|\.)\d+(?=\.)", r"\1*", re.sub(r"[[*?]", lambda m: f"[{m.group()}]", name))
+        exact = re.sub(r"[[*?]", lambda m: f"[{m.group()}]", name)
+        return general if not any(fnmatch.fnmatchcase(other, general) for other in graded) else exact
+    patterns = list(dict.fromkeys(pattern(name) for name in names))
     listed = ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
-    which = f"parameter {names[0]!r} requires" if len(names) == 1 else f"{len(names)} parameters require"
+    one = len(names) == 1
     return FxShardError(
-        f"{which} grad but the loss does not depend on {'it' if len(names) == 1 else 'them'} (not read in the "
-        f"forward, or read only through .detach() or under torch.no_grad(), so no gradient reaches them; eager "
-        f"torch.optim skips such parameters): {listed}. Freeze them, which trains the same: "
+        f"{'parameter ' + repr(names[0]) + ' requires' if one else f'{len(names)} parameters require'} grad but the "
+        f"loss does not depend on {'it' if one else 'them'} (not read in the forward, or read only through .detach() "
+        f"or under torch.no_grad(), so no gradient reaches {'it' if one else 'them'}; eager torch.optim skips such "
+        f"parameters){'' if one else ': ' + listed}. Freeze {'it' if one else 'them'}, which trains the same: "
         f"`for name, p in model.named_parameters(): p.requires_grad_(p.requires_grad and not any("
-        f"fnmatch.fnmatch(name, pattern) for pattern in {patterns[:30]!r}))`, or let their gradient reach the loss")
+        f"fnmatch.fnmatchcase(name, pattern) for pattern in {patterns!r}))` (import fnmatch), or let "
+        f"{'its' if one else 'their'} gradient reach the loss")
 
 
 class _ProgramBuilder:
@@ -288,7 +296,7 @@ class _ProgramBuilder:
                 buffers[index - len(self.params)] = node
             ungraded = [name for i, name in enumerate(self.params) if name in trainable and grads[i] is None]
             if ungraded:
-                raise _no_gradient_error(ungraded)
+                raise _no_gradient_error(ungraded, [name for name in trainable if name not in ungraded])
             for i, name in enumerate(self.params):
                 if name in trainable:
                     grad_nodes[name] = self.accumulate(name, grad_nodes.get(name), grads[i])

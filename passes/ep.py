@@ -95,7 +95,7 @@ _ALONG_DIM = {_aten.split.Tensor: 2, _aten.split_with_sizes.default: 2, _aten.ch
               _aten.slice.Tensor: 1, _aten.narrow.default: 1, _aten.select.int: 1, _aten.unsqueeze.default: 1,
               _aten.squeeze.dim: 1, _aten.index_select.default: 1, _aten.cat.default: 1,
               _aten.slice_backward.default: 2, _aten.select_backward.default: 2, _aten.slice_scatter.default: 2,
-              _aten.select_scatter.default: 2}
+              _aten.select_scatter.default: 2, _aten.stack.default: 1}
 _BACKWARD_VIEWS = {_aten.slice_backward.default, _aten.select_backward.default}  # args[1]: the input's sizes
 _PLAIN = {_aten._to_copy.default, _aten.clone.default, _aten.alias.default, _aten.detach.default,
           operator.getitem}
@@ -155,13 +155,13 @@ def keeps_dim0(node: fx.Node) -> bool:
         return True
     if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
         return True
-    source = first_tensor(_val(node.args[0][0] if target is _aten.cat.default else node.args[0]))
+    source = first_tensor(_val(node.args[0][0] if target in (_aten.cat.default, _aten.stack.default) else node.args[0]))
     if source is None:
         return False
     if target in _ALONG_DIM:
         position = _ALONG_DIM[target]
         dim = node.args[position] if len(node.args) > position else node.kwargs.get("dim", 0)
-        if target in (_aten.unsqueeze.default, _aten.select_backward.default):  # dim counts the output's dims
+        if target in (_aten.unsqueeze.default, _aten.select_backward.default, _aten.stack.default):  # the output's dims
             return dim % (source.dim() + 1) != 0
         return dim % source.dim() != 0
     if target in _VIEWS:
@@ -176,22 +176,23 @@ def _mixed_experts_error(node: fx.Node, placeholders: dict, experts: int) -> FxS
     """Why the weight an expert op reads cannot be split by expert: the parameters it comes from, and
     what lies between (per-expert parameters stacked: an indexed layout; a parameter whose dim 0 is
     not the experts reshaped into [E, ...], as Dbrx stores its experts [E * F, H])."""
-    sources = [placeholders[n].name for n in ancestors([node]) | {node}
-               if n.op == "placeholder" and placeholders[n].kind is InputKind.PARAM]
-    out, source = first_tensor(_val(node)), first_tensor(_val(node.args[0])) if node.args and \
-        isinstance(node.args[0], fx.Node) else None
-    if node.target in (_aten.stack.default, _aten.cat.default):
-        how = (f"{node.name} ({node.target}) stacks per-expert parameters ({', '.join(sorted(sources)[:3])}, ...): "
-               f"expert parallelism splits one [{experts}, ...] parameter per weight by its dim 0 (fxshard's "
+    params = {placeholders[n].name: tuple(placeholders[n].shape) for n in ancestors([node]) | {node}
+              if n.op == "placeholder" and placeholders[n].kind is InputKind.PARAM}
+    names = sorted(params)
+    named = ", ".join(f"{name} {params[name]}" for name in names[:3]) + (", ..." if len(names) > 3 else "")
+    out = first_tensor(_val(node))
+    fix = (f"store each expert weight as one [{experts}, ...] parameter (reshaped once in the model, before "
+           f"shard()), or train this model without ep")
+    if node.target in (_aten.stack.default, _aten.cat.default) and call_argument(node, "dim") in (0, None):
+        how = (f"{node.name} ({node.target}) joins parameters along dim 0 ({named}): per-expert parameters, where "
+               f"expert parallelism splits one [{experts}, ...] parameter per weight by its dim 0; {fix} (fxshard's "
                f"MoEGPT: expert_weights='grouped')")
-    elif node.target in _VIEWS and source is not None and out is not None:
-        how = (f"{node.name} ({node.target}) reshapes {', '.join(sorted(sources)[:3])} from {tuple(source.shape)} into "
-               f"{tuple(out.shape)}: the parameter's dim 0 is not the {experts} experts, and expert parallelism "
-               f"splits a parameter by its dim 0. Store the weights as [{experts}, ...] parameters (reshape them "
-               f"once in the model, before shard()), or train this model without ep")
+    elif node.target in _VIEWS and out is not None:
+        how = (f"{node.name} ({node.target}) reshapes what it reads from {named} into {tuple(out.shape)}: dim 0 is not "
+               f"the {experts} experts before it, and expert parallelism splits a parameter by its dim 0; {fix}")
     else:
-        how = (f"{node.name} ({node.target}) mixes experts between {', '.join(sorted(sources)[:3]) or 'a parameter'} "
-               f"and the expert op: expert parallelism splits a parameter by its dim 0, expert by expert")
+        how = (f"{node.name} ({node.target}) moves dim 0 between {named or 'a parameter'} and the expert op, where "
+               f"expert parallelism splits each expert weight by its dim 0, expert by expert; {fix}")
     return FxShardError(f"expert parallelism cannot split these expert weights: {how}")
 
 

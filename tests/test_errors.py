@@ -492,6 +492,16 @@ def test_every_parameter_without_a_gradient_is_named_at_once_with_a_loop_that_fr
     assert sorted(n for n, p in model.named_parameters() if not p.requires_grad) == \
         [f"{i}.indexer.{k}" for i in range(3) for k in ("bias", "weight")]
     fxshard.trace(model, loss, batch)
+    class Graded(Layer):  # its indexer's scores reach the loss too: a gradient
+        def forward(self, x):
+            return super().forward(x) + self.indexer(x).mean(-1, keepdim=True)
+
+    model = nn.Sequential(Layer(), Graded(), Graded())  # layer 0 alone gives its indexer no gradient
+    with pytest.raises(FxShardError, match=r"2 parameters require grad") as raised:
+        fxshard.trace(model, loss, batch)
+    assert "['0.indexer.weight', '0.indexer.bias']" in str(raised.value)  # '*' would freeze layers 1 and 2's
+    exec(re.search(r"`(for name, p in .*)`", str(raised.value)).group(1), {"model": model, "fnmatch": __import__("fnmatch")})
+    assert sorted(n for n, p in model.named_parameters() if not p.requires_grad) == ["0.indexer.bias", "0.indexer.weight"]
 
 
 def test_a_host_read_inside_a_torch_module_names_its_line_and_batchnorms_fix():

@@ -269,7 +269,7 @@ def test_torchtitan_moe_load_balancing_which_runs_in_an_optimizer_hook_is_said_t
     MoE.__module__ = "torchtitan.models.common.moe"
     batch = {"x": torch.randn(2, 4)}
     for bias_name in ("expert_bias_E", "expert_bias"):  # torchtitan 0.3.0's name, and earlier releases'
-        with pytest.warns(UserWarning, match=rf"torchtitan MoE layers \(moe, \.\.\.\) have load_balance_coeff set: "
+        with pytest.warns(UserWarning, match=rf"1 torchtitan MoE layer \(moe\) has load_balance_coeff set: "
                                              rf"torchtitan updates their {bias_name} ") as said:
             fxshard.shard(torch.nn.ModuleDict({"moe": MoE(1e-3, bias_name)}), lambda m, b: m["moe"](b["x"]).sum(), batch)
         assert said[0].filename == __file__  # the user's shard() line

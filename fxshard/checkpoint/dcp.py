@@ -407,6 +407,7 @@ def load(step, path: str | os.PathLike):
     step._refuse_if_aborted()  # its process groups cannot be trusted: a load's collectives would pair with a stuck peer
 
     def checks():
+        nonlocal started
         resolved = _resolve(_real(path))
         pending, step._pending_save = getattr(step, "_pending_save", None), None
         if pending is not None and not pending.reported:  # as save: a failure its wait() raised is not raised again
@@ -415,6 +416,7 @@ def load(step, path: str | os.PathLike):
             except Exception as error:  # noqa: BLE001
                 raise FxShardError(f"an earlier asynchronous save failed, so this load did not start (call load "
                                    f"again): {error}") from error
+        started = time.perf_counter()  # the load's own time, not the earlier save's it waited for
         manifest, metadata = _read_checks(resolved, _rank(), _world_size())
         expected, conversions = _expected_keys(step, manifest)
         _check_keys(step, resolved, manifest, metadata.state_dict_metadata, expected)

@@ -182,7 +182,7 @@ def test_bad_meshes_and_models_are_refused():
     indexed = MoEGPT(MoEGPTConfig.preset("tiny", expert_weights="indexed"))
     program = fxshard.trace(indexed, loss_and_metrics, {"idx": torch.zeros(1, 8, dtype=torch.long),
                                                         "tgt": torch.zeros(1, 8, dtype=torch.long)})
-    with pytest.raises(fxshard.FxShardError, match=r"cannot split these expert weights: .*stacks per-expert parameters .*"
+    with pytest.raises(fxshard.FxShardError, match=r"cannot split these expert weights: .*joins parameters along dim 0 .*"
                                                    r"expert_weights='grouped'"):
         expert_parallel(program, EPConfig(2))
 
@@ -332,10 +332,30 @@ def test_experts_stored_flat_are_refused_naming_the_parameter_and_the_reshape():
     traced = fxshard.trace(model, lambda m, b: torch.nn.functional.cross_entropy(m(b["idx"]), b["tgt"].flatten()),
                            {"idx": torch.zeros(1, 4, dtype=torch.long), "tgt": torch.zeros(1, 4, dtype=torch.long)},
                            config=fxshard.Config(layers=("blocks.*",)))
-    with pytest.raises(fxshard.FxShardError, match=r"cannot split these expert weights: .* reshapes "
-                                                   r"blocks\.\d\.fc1\.weight_flat from \(24, 8\) into \(4, 6, 8\): the "
-                                                   r"parameter's dim 0 is not the 4 experts"):
+    with pytest.raises(fxshard.FxShardError, match=r"cannot split these expert weights: .* reshapes what it "
+                                                   r"reads from blocks\.\d\.fc1\.weight_flat \(24, 8\) into \(4, 6, 8\): "
+                                                   r"dim 0 is not the 4 experts"):
         expert_parallel(traced, EPConfig(2))
+
+
+def test_expert_weights_joined_from_halves_along_another_dim_than_0_are_split():
+    """Gate and up halves, each [E, F/2, H], stacked along dim 1: dim 0 stays the experts (as with cat
+    along dim 1), so ep splits them; one step matches the traced program."""
+    class StackedHalves(ScaledExpertsMoE):
+        def __init__(self):
+            super().__init__()
+            for block in self.blocks:
+                fc = block["fc1"]
+                whole = fc.weight_grouped().detach()
+                fc.a, fc.b = (torch.nn.Parameter(half.clone()) for half in whole.chunk(2, dim=1))
+                fc.weight_grouped = lambda fc=fc, shape=whole.shape: torch.stack([fc.a, fc.b], dim=1).reshape(shape)
+                for name, param in fc.named_parameters():
+                    param.requires_grad_(name in ("a", "b"))
+
+    torch.manual_seed(0)
+    config = fxshard.Config(layers=("blocks.*",))
+    assert_ep_step_like_the_traced_program(
+        StackedHalves(), lambda m, b: torch.nn.functional.cross_entropy(m(b["idx"]), b["tgt"].flatten()), 2, 2, config)
 
 
 def assert_ep_step_like_the_traced_program(model, loss_fn, world, ep, config):
