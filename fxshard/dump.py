@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from . import meta
 from .graph import flops, is_view
+from .ops.p2p import P2P_OPS
 from .program import InputKind, Program
 
 _PHASE_COLORS = {meta.FWD: "#cfe2ff", meta.BWD: "#ffd8cc", meta.OPTIM: "#d4f0d0"}
@@ -178,7 +179,7 @@ def listing(program: Program) -> str:
             extra += f"  mb={node.meta[meta.MICROBATCH]}"
         if _is_communication(node):
             extra += f"  unit={node.meta.get(meta.UNIT, '-')} bytes={_communication_bytes(node)} group={_group(node)}"
-            if _op_name(node) in ("send", "recv"):
+            if node.target in P2P_OPS:
                 extra += f" peer={node.args[-2]}"
         lines.append(f"{node.name} = {_op_name(node)}({inputs})  [{meta.phase(node)} {meta.layer(node)}] "
                      f"{_shape(_value(node))}{extra}")
@@ -200,8 +201,7 @@ def _aliases(node: fx.Node) -> bool:
 
 def _is_communication(node: fx.Node) -> bool:
     """A collective's issue or a point-to-point send / receive."""
-    return node.op == "call_function" and (node.target in meta.COLLECTIVE_ISSUES or
-                                           _op_name(node) in ("send", "recv"))
+    return node.op == "call_function" and (node.target in meta.COLLECTIVE_ISSUES or node.target in P2P_OPS)
 
 
 def _communication_bytes(node: fx.Node) -> int:
@@ -209,7 +209,7 @@ def _communication_bytes(node: fx.Node) -> int:
     else its input's (a receive: its output's)."""
     if meta.COMM_BYTES in node.meta:
         return node.meta[meta.COMM_BYTES]
-    if _op_name(node) == "recv":
+    if node.target is torch.ops.fxshard.recv.default:
         return _nbytes(_value(node))
     return _nbytes(_value(node.args[0])) if isinstance(node.args[0], fx.Node) else 0
 
@@ -352,7 +352,7 @@ def _collectives_table(program: Program) -> list[str]:
         gemms = sum(_op_name(n) in _GEMMS for n in window)
         work = _format_flops(sum(flops(n) for n in window))
         overlap = f"{gemms} GEMM{'s' if gemms != 1 else ''}, {work} / {len(window)} ops" if waits else "-"
-        owner = node.meta.get(meta.UNIT) or f"({_group(node)}" + (f" peer {node.args[-2]})" if op in ("send", "recv")
+        owner = node.meta.get(meta.UNIT) or f"({_group(node)}" + (f" peer {node.args[-2]})" if node.target in P2P_OPS
                                                                    else ")")
         rows.append(f"{position:>8} {op:<24} {owner:<20} {meta.phase(node):<6} {_format_bytes(size):>12}   {overlap}")
     if not rows:
