@@ -27,21 +27,32 @@ def eager_sink_attention(q, k, v, mask, sinks, scale):
 @given(batch=st.integers(1, 2), heads=st.integers(1, 3), rows=st.integers(1, 20), dim=st.sampled_from([4, 8]),
        window=st.one_of(st.none(), st.integers(1, 6)), masked=st.booleans(), seed=st.integers(0, 2**16))
 def test_sink_attention_computes_the_eager_function_and_its_gradients(batch, heads, rows, dim, window, masked, seed):
-    generator = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(batch, heads, rows, dim, generator=generator, requires_grad=True) for _ in range(3))
-    sinks = (3 * torch.randn(heads, generator=generator)).requires_grad_()
-    mask = None
-    if masked:  # causal, or a sliding window (GPT-OSS alternates them), additive as transformers makes it
-        i = torch.arange(rows)
-        seen = (i[None, :] <= i[:, None]) & ((i[:, None] - i[None, :] < window) if window else True)
-        mask = torch.zeros(batch, 1, rows, rows).masked_fill(~seen, torch.finfo(torch.float32).min)
-    grad = torch.randn(batch, heads, rows, dim, generator=generator)
-    expected = eager_sink_attention(q, k, v, mask, sinks, 0.35)
-    got = sink_attention(q, k, v, mask, sinks, 0.35)
-    assert relative(got, expected) < 1e-5
+    mask = causal_mask(batch, rows, window, "cpu") if masked else None
+    assert_like_eager(batch, heads, rows, dim, mask, 3.0, 0.35, torch.Generator().manual_seed(seed), 1e-5)
+
+
+def causal_mask(batch, rows, window, device):
+    """Causal, or a sliding window of `window` keys (GPT-OSS alternates them), additive as transformers
+    makes it: [batch, 1, rows, rows]."""
+    i = torch.arange(rows, device=device)
+    seen = (i[None, :] <= i[:, None]) & ((i[:, None] - i[None, :] < window) if window else True)
+    return torch.zeros(batch, 1, rows, rows, device=device).masked_fill(~seen, torch.finfo(torch.float32).min)
+
+
+def assert_like_eager(batch, heads, rows, dim, mask, sink_scale, scale, generator, tolerance):
+    """sink_attention's output and its four gradients against eager_sink_attention's, on random
+    inputs drawn from `generator` (on its device)."""
+    device = generator.device
+    q, k, v = (torch.randn(batch, heads, rows, dim, device=device, generator=generator, requires_grad=True)
+               for _ in range(3))
+    sinks = (sink_scale * torch.randn(heads, device=device, generator=generator)).requires_grad_()
+    grad = torch.randn(batch, heads, rows, dim, device=device, generator=generator)
+    expected = eager_sink_attention(q, k, v, mask, sinks, scale)
+    got = sink_attention(q, k, v, mask, sinks, scale)
+    assert relative(got, expected) < tolerance
     for ours, theirs in zip(torch.autograd.grad(got, (q, k, v, sinks), grad),
                             torch.autograd.grad(expected, (q, k, v, sinks), grad)):
-        assert relative(ours, theirs) < 1e-5
+        assert relative(ours, theirs) < tolerance
 
 
 def gpt_oss():
@@ -126,19 +137,8 @@ def test_gpt_oss_asked_for_its_attention_weights_or_with_dropout_keeps_the_eager
 def test_sink_attention_on_cuda_memory_efficient_kernel_matches_the_eager_function(rows, window):
     """On CUDA the memory-efficient kernel (its backward given the log-sum-exp with the sink), fp32,
     a causal or sliding-window mask, rows that do and do not align the mask to 16 columns."""
-    generator = torch.Generator(device="cuda").manual_seed(rows)
-    q, k, v = (torch.randn(2, 4, rows, 64, device="cuda", generator=generator, requires_grad=True) for _ in range(3))
-    sinks = (2 * torch.randn(4, device="cuda", generator=generator)).requires_grad_()
-    i = torch.arange(rows, device="cuda")
-    seen = (i[None, :] <= i[:, None]) & ((i[:, None] - i[None, :] < window) if window else True)
-    mask = torch.zeros(2, 1, rows, rows, device="cuda").masked_fill(~seen, torch.finfo(torch.float32).min)
-    grad = torch.randn(2, 4, rows, 64, device="cuda", generator=generator)
-    expected = eager_sink_attention(q, k, v, mask, sinks, 0.125)
-    got = sink_attention(q, k, v, mask, sinks, 0.125)
-    assert relative(got, expected) < 1e-4
-    for ours, theirs in zip(torch.autograd.grad(got, (q, k, v, sinks), grad),
-                            torch.autograd.grad(expected, (q, k, v, sinks), grad)):
-        assert relative(ours, theirs) < 1e-4
+    assert_like_eager(2, 4, rows, 64, causal_mask(2, rows, window, "cuda"), 2.0, 0.125,
+                      torch.Generator(device="cuda").manual_seed(rows), 1e-4)
 
 
 @pytest.mark.gpu
