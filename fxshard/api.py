@@ -64,7 +64,6 @@ def _shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None
     if not is_meta:
         _check_devices(tensors, batch_spec.device)
     _warn_if_eval_mode(model)
-    _warn_torchtitan_load_balancing(model)
     _warn_unused_pipeline_settings(mesh, config)
     stage = coords.get("pp", 0)
     programs = _compile_together(model, loss_fn, example_batch, optimizer, mesh, config, stage, groups)
@@ -242,7 +241,8 @@ def _compile(model, loss_fn, example_batch, optimizer, mesh, config, stages=(0,)
     once (fxshard/share.py)."""
     from fxshard.passes import run_pipeline
 
-    if mesh is not None and mesh.pp > 1:
+    pipelined = mesh is not None and mesh.pp > 1
+    if pipelined:
         example_batch = _first_microbatch(example_batch, config)
         # one microbatch; a Schedule object would set microbatches back to its own count
         one = dict(schedule="1f1b", virtual_stages=1) if not isinstance(config.schedule, str) else {}
@@ -253,10 +253,10 @@ def _compile(model, loss_fn, example_batch, optimizer, mesh, config, stages=(0,)
         from .share import fingerprint, shared_trace
 
         digest = fingerprint(model, loss_fn, BatchSpec.from_example(example_batch), optimizer, traced_config)
-        program = shared_trace(lambda: _trace(model, loss_fn, example_batch, optimizer, traced_config), digest,
-                               config.verbose)
+        program = shared_trace(lambda: _trace(model, loss_fn, example_batch, optimizer, traced_config,
+                                              balance=not pipelined), digest, config.verbose)
     else:
-        program = _trace(model, loss_fn, example_batch, optimizer, traced_config)
+        program = _trace(model, loss_fn, example_batch, optimizer, traced_config, balance=not pipelined)
     return [run_pipeline(program, mesh, config, stage=stage) for stage in stages][-1]
 
 
@@ -312,25 +312,6 @@ def _warn_unused_moe_settings(programs: list[Program], config: Config) -> None:
 
     warnings.warn(f"Config({', '.join(given)}) acts on MoE layers, but the step has none (no fxshard.moe.dispatch "
                   f"call, no experts run as grouped GEMMs): it has no effect", stacklevel=user_stacklevel())
-
-
-def _warn_torchtitan_load_balancing(model: nn.Module) -> None:
-    """torchtitan's MoE layers with `load_balance_coeff` update their routing bias (`expert_bias_E`)
-    from the counts they keep (`tokens_per_expert_E`) in an optimizer step pre-hook, outside the model:
-    fxshard's step runs no such hook, so the bias stays and the counts grow. Said once per shard()."""
-    layers = [(name, bias) for name, module in model.named_modules()
-              if type(module).__module__.startswith("torchtitan.")
-              and getattr(module, "load_balance_coeff", None) is not None
-              for bias in ("expert_bias_E", "expert_bias")  # 0.3.0's name, and earlier releases'
-              if getattr(module, bias, None) is not None]
-    if layers:
-        (name, bias), count = layers[0], len(layers)
-        warnings.warn(f"fxshard: {count} torchtitan MoE layer{'s' if count > 1 else ''} ({name}{', ...' if count > 1 else ''}) "
-                      f"{'have' if count > 1 else 'has'} load_balance_coeff set: torchtitan updates "
-                      f"their {bias} from the tokens they count in an optimizer step pre-hook, which fxshard's "
-                      f"compiled step does not run, so the routing bias stays as it is (no auxiliary-loss-free load "
-                      f"balancing) and the counts keep growing. Build the model with load_balance_coeff=None, or "
-                      f"balance with an auxiliary loss in loss_fn", stacklevel=user_stacklevel())
 
 
 def _warn_if_eval_mode(model: nn.Module) -> None:

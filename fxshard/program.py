@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 if TYPE_CHECKING:
+    from .balance import Balance
     from .optimizer_graph import TrainSpec
 
 from . import meta
@@ -296,6 +297,9 @@ class Program:
     notes: dict = field(default_factory=dict)  # free-form facts a pass wants in the dump
     updates: tuple[Update, ...] = ()           # the optimizer phase, one entry per tensor it updates
     stage: StagePlan | None = None             # set by lower_schedule: one stage of a pipeline
+    # torchtitan's MoE load balancing (fxshard/balance.py), one record per layer: the traced program
+    # updates bias and counts itself, except a pipeline's, whose lower_schedule adds each stage's
+    balances: tuple["Balance", ...] = ()
 
     def replace(self, **changes) -> "Program":
         return dataclasses.replace(self, **changes)

@@ -21,6 +21,7 @@ process-local object): `dumps` raises for it rather than dropping it.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import io
 import pickle
 
@@ -89,8 +90,8 @@ def dumps(program: Program) -> bytes:
     nodes = [(node.op, node.name, node.target, node.args, node.kwargs, node.meta) for node in program.graph.nodes]
     constants = {node.target: attribute(graph_module, node.target) for node in program.graph.nodes
                  if node.op == "get_attr"}
-    fields = {name: getattr(program, name) for name in ("inputs", "outputs", "train", "units", "name", "notes",
-                                                        "updates", "stage")}
+    fields = {field.name: getattr(program, field.name) for field in dataclasses.fields(program)
+              if field.name != "graph_module"}  # the typed records: every field but the graph
     buffer = io.BytesIO()
     buffer.write(_header())
     try:

@@ -34,6 +34,7 @@ from .graph import Graph, inline, lazy_module
 from .layers import LayerTrace, annotate_layers, find_layers
 from .moe_modules import swapped_forwards
 from .sink_attention import swapped_attention
+from .balance import Balance, balanced_layers, balancing_notes, balancing_update
 from .ops.grouped_mm import RouteGroupedMM
 from .optim import AdamW, Optimizer
 from .optimizer_graph import TrainSpec, append_update
@@ -140,16 +141,17 @@ def _refuse_untraceable_parameters(model: nn.Module, params: dict[str, nn.Parame
 
 
 def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None = None,
-          config: Config | None = None) -> Program:
+          config: Config | None = None, balance: bool = True) -> Program:
     """Trace one training step into a Program, on fake tensors (no real compute, no weight memory).
     The step differentiates whatever the caller's grad mode: a shard() or a first evaluate() under
-    torch.no_grad() or torch.inference_mode() traces the same step."""
+    torch.no_grad() or torch.inference_mode() traces the same step. With `balance`, torchtitan's MoE
+    load balancing is part of the step (fxshard/balance.py; not for a pipeline's one microbatch)."""
     with torch.inference_mode(False), torch.enable_grad():
-        return _trace_step(model, loss_fn, example_batch, optimizer, config)
+        return _trace_step(model, loss_fn, example_batch, optimizer, config, balance)
 
 
 def _trace_step(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None,
-                config: Config | None) -> Program:
+                config: Config | None, balance: bool = True) -> Program:
     config = config or Config()
     optimizer = optimizer or AdamW()
     started = time.perf_counter()
@@ -197,11 +199,15 @@ def _trace_step(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer |
 
     builder = _ProgramBuilder(params, buffers, batch_spec, optimizer, config, device, fake_mode, layer_trace)
     builder.metric_names = step_module.metric_names
-    program = builder.build(joint_gm)
+    balances = balanced_layers(model)
+    builder.balances = balances if balance else []  # a pipeline's stages balance in lower_schedule
+    program = builder.build(joint_gm).replace(balances=tuple(balances))
     program.notes["trace_seconds"] = round(time.perf_counter() - started, 3)
     program.notes["layers"] = layer_paths
     if attention_swapped:
         program.notes["attention_forwards"] = attention_swapped
+    if builder.balanced:
+        program.notes["load_balancing"] = balancing_notes(builder.balanced)
     if swapped:
         program.notes["moe_forwards"] = swapped
     return program
@@ -249,6 +255,8 @@ class _ProgramBuilder:
         self.root = nn.Module()
         self.inputs: list[Input] = []
         self.metric_names: tuple[str, ...] = ()
+        self.balances: list[Balance] = []  # torchtitan's load-balancing layers (fxshard/balance.py)
+        self.balanced: list[Balance] = []  # those whose counts the step updates: balanced by it
 
     def placeholder(self, kind: InputKind, name: str, value: torch.Tensor, requires_grad=False,
                     **node_meta) -> fx.Node:
@@ -309,6 +317,7 @@ class _ProgramBuilder:
                 grad_nodes[name] = node
             claimed.add(node)
             node.meta[meta.PARAM] = name
+        self.append_balancing(buffer_nodes, buffers)
         mutations = {len(self.params) + i: node for i, node in enumerate(buffers) if node is not buffer_nodes[i]}
         if len(losses) > 1:
             (loss,) = inline(self.graph, lambda *ls: [sum(ls) / len(ls)], losses, fake_mode=self.fake_mode,
@@ -346,6 +355,22 @@ class _ProgramBuilder:
         self.graph.lint()
         return Program(lazy_module(self.root, self.graph), tuple(self.inputs), tuple(outputs), train=self.train,
                        updates=self.updates)
+
+    def append_balancing(self, inputs: list[fx.Node], buffers: list[fx.Node]) -> None:
+        """torchtitan's load-balancing update of the layers whose counts the forward updated, once the
+        last microbatch is done (fxshard/balance.py): their bias and count entries of `buffers` become
+        the updated ones."""
+        index = {name: i for i, name in enumerate(self.buffers)}
+        self.balanced = [b for b in self.balances if buffers[index[b.counts]] is not inputs[index[b.counts]]]
+        if not self.balanced:  # eval mode (evaluate's program): torchtitan counts only in training
+            return
+        n = len(self.balanced)
+        coeffs = [b.coeff for b in self.balanced]
+        new = inline(self.graph, lambda *ts: balancing_update(coeffs, list(ts[:n]), list(ts[n:])),
+                     [buffers[index[b.counts]] for b in self.balanced] + [buffers[index[b.bias]] for b in self.balanced],
+                     fake_mode=self.fake_mode, phase=meta.FWD, layer=meta.POST)
+        for b, bias, counts in zip(self.balanced, new[:n], new[n:]):
+            buffers[index[b.bias]], buffers[index[b.counts]] = bias, counts
 
     def slice_batch(self, batch_nodes: list[fx.Node], microbatch: int) -> list[fx.Node]:
         if self.microbatches == 1:

@@ -59,6 +59,7 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 
 from fxshard import meta
+from fxshard.balance import DATA_SUM
 from fxshard.config import SHARDING_STRATEGIES
 from fxshard.errors import FxShardError
 from fxshard.graph import Graph, fake_mode_of, inline, lazy_module
@@ -608,7 +609,10 @@ class _Rewrite:
             for unit, region, phase in wait_before.get(node, []):
                 self.wait_and_view(unit, issued_gathers.pop((unit.name, region)), None, region, phase)
             region = self.region(node)
-            copy = self.graph.node_copy(node, lambda n: self.lookup(n, region, meta.phase(node)))
+            if node.target is DATA_SUM and self.cfg.world > 1:  # torchtitan's balancing counts: over the ranks
+                copy = self.sum_over_ranks(self.lookup(node.args[0], region, meta.phase(node)), node)
+            else:
+                copy = self.graph.node_copy(node, lambda n: self.lookup(n, region, meta.phase(node)))
             self.env[node] = copy
             if node is loss_node:
                 (loss_reduce,) = inline(self.graph, lambda t: [_c10d.all_reduce(t, "avg", self.cfg.axis)], [copy],
@@ -628,6 +632,14 @@ class _Rewrite:
             grads = [self.env[self.grad_nodes[m.name]] for m in unit.members]
             reductions[unit.name] = self.flatten_gradient(unit, grads)
         return self.finish(old_values, loss_reduce, reductions)
+
+    def sum_over_ranks(self, value: fx.Node, node: fx.Node) -> fx.Node:
+        """`fxshard::data_sum(value)` (fxshard/balance.py) lowered: the sum over the data-parallel
+        ranks, issued and waited where the program computed it (tiny: one count per expert and layer)."""
+        (issued,) = inline(self.graph, lambda t: [_c10d.all_reduce(t, "sum", self.cfg.axis)], [value],
+                           fake_mode=self.fake, phase=meta.phase(node), layer=meta.layer(node))
+        issued.meta[meta.COMM_BYTES] = value.meta["val"].element_size() * value.meta["val"].numel()
+        return self.wait(issued, meta.phase(node), meta.layer(node))
 
     def sum_metric(self, value: fx.Node, phase: str) -> fx.Node:
         """Issue the sum over the ranks of a metric loss_fn reports (waited at the end of the step)."""

@@ -52,6 +52,7 @@ import torch
 import torch.fx as fx
 
 from fxshard import meta
+from fxshard.balance import balancing_notes, balancing_update
 from fxshard.errors import FxShardError
 from fxshard.graph import Graph, fake_mode_of, inline, is_pure, lazy_module
 from fxshard.ops.p2p import P2P_OPS  # noqa: F401  (registers fxshard::send / recv)
@@ -131,6 +132,7 @@ class _Lowering:
         self.losses: list[fx.Node] = []
         self.metrics: dict[str, fx.Node] = {}
         self.tokens: list[fx.Node] = []
+        self.balanced: list = []  # this stage's layers balanced torchtitan's way (fxshard/balance.py)
 
     # ---- inputs -------------------------------------------------------------------------------
     def make_inputs(self) -> None:
@@ -399,6 +401,22 @@ class _Lowering:
                          fake_mode=self.fake, phase=phase, layer=layer)
         return node
 
+    def balance(self) -> None:
+        """torchtitan's load-balancing update (fxshard/balance.py) of the layers on this stage whose
+        counts its forwards updated, once every microbatch's forward is done: their biases and counts
+        in `self.buffers` become the updated ones (the traced program of one microbatch leaves the bias
+        untouched, so it is no output of it)."""
+        local = [b for b in self.source.balances if b.counts in self.buffers]
+        if not local:
+            return
+        n, coeffs = len(local), [b.coeff for b in local]
+        new = inline(self.graph, lambda *ts: balancing_update(coeffs, list(ts[:n]), list(ts[n:])),
+                     [self.buffers[b.counts] for b in local] + [self.buffers.get(b.bias, self.env[b.bias]) for b in local],
+                     fake_mode=self.fake, phase=meta.FWD, layer=meta.POST)
+        for b, bias, counts in zip(local, new[:n], new[n:]):
+            self.buffers[b.bias], self.buffers[b.counts] = bias, counts
+        self.balanced = local
+
     def zeros_like_output(self, spec_name: str) -> fx.Node:
         """A zero standing for a loss or metric that another stage computes."""
         value = next(node.meta["val"] for spec, node in zip(self.source.outputs, self.source.output_nodes())
@@ -453,10 +471,12 @@ class _Lowering:
             values.append(node)
         outputs += metric_outputs
         values += metric_values
-        for spec in self.source.outputs_of(OutputKind.BUFFER):  # updated by this stage's forwards
-            if spec.name in self.buffers:
-                outputs.append(dataclasses.replace(spec, placement=STAGE_LOCAL))
-                values.append(self.buffers[spec.name])
+        self.balance()
+        traced = [spec for spec in self.source.outputs_of(OutputKind.BUFFER) if spec.name in self.buffers]
+        biases = [Output(OutputKind.BUFFER, name) for name in self.buffers if name not in {s.name for s in traced}]
+        for spec in traced + biases:  # updated by this stage's forwards; the balanced layers' routing biases
+            outputs.append(dataclasses.replace(spec, placement=STAGE_LOCAL))
+            values.append(self.buffers[spec.name])
         if nonfinite is not None:
             outputs.append(Output(OutputKind.NONFINITE, "nonfinite"))
             values.append(nonfinite)
@@ -474,5 +494,7 @@ class _Lowering:
             f"{sum(a.kind in ('SF', 'SB') for a in self.actions)} sends, {sum(a.kind in ('RF', 'RB') for a in self.actions)} receives"
             + "".join(f", {sum(a.kind == kind for a in self.actions)} {kind}" for kind in ZERO
                       if any(a.kind == kind for a in self.actions))))
+        if self.balanced:
+            notes["load_balancing"] = balancing_notes(self.balanced)
         return self.source.replace(graph_module=gm, inputs=tuple(self.inputs), outputs=tuple(outputs), notes=notes,
                                    updates=updates, stage=plan)

@@ -237,8 +237,9 @@ class MoE(Module):
     """torchtitan's MoE: the router, counts from a one-hot routing map (also accumulated into a buffer
     for the load-balancing bias that its optimizer hook updates), the routed experts, the shared ones."""
 
-    def __init__(self, dim, hidden, num_experts=4, top_k=2):
+    def __init__(self, dim, hidden, num_experts=4, top_k=2, load_balance_coeff=None):
         super().__init__()
+        self.load_balance_coeff = load_balance_coeff  # torchtitan's optimizer hook balances where it is set
         self.router = TokenChoiceTopKRouter(dim, num_experts, top_k)
         self.routed_experts = RoutedExperts(dim, hidden, num_experts, top_k)
         self.shared_experts = FeedForward(dim, hidden)
@@ -298,10 +299,11 @@ def titan_llama3(dim=32, layers=2, tie=False):
                    tie=tie)
 
 
-def titan_deepseek_v3(dim=32, layers=3):
+def titan_deepseek_v3(dim=32, layers=3, load_balance_coeff=None):
     """The first layer dense, the others MoE (4 experts, top-2, a shared expert)."""
     blocks = [TransformerBlock(MLAttention(dim, 4), FeedForward(dim, 64), dim)]
-    blocks += [TransformerBlock(MLAttention(dim, 4), MoE(dim, 16), dim, ffn_name="moe") for _ in range(layers - 1)]
+    blocks += [TransformerBlock(MLAttention(dim, 4), MoE(dim, 16, load_balance_coeff=load_balance_coeff), dim,
+                                ffn_name="moe") for _ in range(layers - 1)]
     return Decoder(blocks, dim)
 
 

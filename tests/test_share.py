@@ -44,8 +44,8 @@ CASES = {  # model, mesh, config: constants in a pipeline's chunks, recognized M
 
 def assert_same_program(ours, traced):
     assert (ours.name, ours.code) == (traced.name, traced.code)
-    assert (ours.inputs, ours.outputs, ours.units, ours.updates, ours.stage) == \
-        (traced.inputs, traced.outputs, traced.units, traced.updates, traced.stage)
+    assert (ours.inputs, ours.outputs, ours.units, ours.updates, ours.stage, ours.balances) == \
+        (traced.inputs, traced.outputs, traced.units, traced.updates, traced.stage, traced.balances)
     assert {k: v for k, v in ours.notes.items() if "seconds" not in k} == \
         {k: v for k, v in traced.notes.items() if "seconds" not in k}
     for node, other in zip(ours.graph.nodes, traced.graph.nodes):
@@ -61,10 +61,10 @@ def test_every_pass_maps_a_loaded_program_as_it_maps_the_traced_one(case):
     batch = {"x": torch.randn(4, 4)} if name == "constants" else masked_batches(name, 1, rows=4 // mesh.dp)[0]
     traced, calls = [], []
 
-    def trace(*args):  # traced once (passes are pure); each stage's second compile gets it as bytes read back
+    def trace(*args, **kwargs):  # traced once (passes are pure); each stage's second compile gets it as bytes read back
         calls.append(args)
         if not traced:
-            traced.append(real_trace(*args))
+            traced.append(real_trace(*args, **kwargs))
         return traced[0] if len(calls) % 2 else program_io.loads(program_io.dumps(traced[0]))
 
     real_trace = api._trace

@@ -252,30 +252,3 @@ def test_a_torch_compiled_function_or_module_in_the_forward_is_traced_as_its_pyt
                              optimizer=fxshard.optim.AdamW(lr=1e-2))
         losses.append([step(batch)["loss"].item() for batch in batches])
     assert losses[0] == losses[1]
-
-
-def test_torchtitan_moe_load_balancing_which_runs_in_an_optimizer_hook_is_said_to_be_off():
-    """torchtitan updates expert_bias_E in an optimizer step pre-hook (outside the model), which the
-    compiled step does not run: shard() says so. A stand-in with torchtitan's module path and
-    attributes (torchtitan itself is not a test dependency)."""
-    class MoE(torch.nn.Module):
-        def __init__(self, coeff, bias_name):
-            super().__init__()
-            self.linear, self.load_balance_coeff = torch.nn.Linear(4, 4), coeff
-            self.register_buffer(bias_name, torch.zeros(4) if coeff else None)
-
-        def forward(self, x):
-            return self.linear(x)
-    MoE.__module__ = "torchtitan.models.common.moe"
-    batch = {"x": torch.randn(2, 4)}
-    for bias_name in ("expert_bias_E", "expert_bias"):  # torchtitan 0.3.0's name, and earlier releases'
-        with pytest.warns(UserWarning, match=rf"1 torchtitan MoE layer \(moe\) has load_balance_coeff set: "
-                                             rf"torchtitan updates their {bias_name} ") as said:
-            fxshard.shard(torch.nn.ModuleDict({"moe": MoE(1e-3, bias_name)}), lambda m, b: m["moe"](b["x"]).sum(), batch)
-        assert said[0].filename == __file__  # the user's shard() line
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)
-        fxshard.shard(torch.nn.ModuleDict({"moe": MoE(None, "expert_bias_E")}), lambda m, b: m["moe"](b["x"]).sum(),
-                      batch)
