@@ -26,13 +26,15 @@ from .trace import trace as _trace
 
 
 def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None = None,
-          config: Config | None = None) -> Program:
+          config: Config | None = None, balance: bool = True) -> Program:
     """Trace `loss_fn(model, batch)`, its backward and the optimizer update into one Program.
 
     Runs on fake tensors: nothing is computed and a model on the `meta` device allocates nothing.
+    `balance=False` leaves torchtitan's MoE load balancing out of the program (fxshard/balance.py), as
+    the program of one microbatch that the pipeline pass cuts must (lower_schedule adds it per stage).
     """
     _check_arguments(model, loss_fn, optimizer, config)
-    return _trace(model, loss_fn, example_batch, optimizer, config)
+    return _trace(model, loss_fn, example_batch, optimizer, config, balance=balance)
 
 
 def shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None = None, mesh=None,

@@ -23,15 +23,20 @@ Invariant: after each step, every rank's bias and count buffers hold what torcht
 after the same step on the global batch (the bias updated from the counts summed over all ranks and
 microbatches; the counts zero), and the next step routes with that bias. A step the non-finite guard
 skips keeps them as they were (runtime/nonfinite.py), where torchtitan's hook would still run.
+Where only some MoE layers have a coefficient, those are balanced (torchtitan's hook then balances
+none); a coefficient of 0 clears the counts each step (torchtitan registers no hook).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch import Tensor
+
+from .errors import FxShardError, user_stacklevel
 
 # (bias, counts) buffer names: torchtitan 0.3.0's, and its earlier releases'
 _BUFFER_NAMES = (("expert_bias_E", "tokens_per_expert_E"), ("expert_bias", "tokens_per_expert"))
@@ -48,19 +53,43 @@ class Balance:
 
 
 def balanced_layers(model: nn.Module) -> list[Balance]:
-    """The layers of `model` that balance torchtitan's way: a float `load_balance_coeff` and the two
-    buffers (by their names in torchtitan; any module so written, a copy or a fork included)."""
-    found = []
+    """The layers of `model` that balance torchtitan's way: a real `load_balance_coeff` that is not
+    None (torchtitan's hook multiplies by any number) and the two buffers, by their names in torchtitan
+    (any module so written, a copy or a fork included). Buffer names are the model's (named_buffers:
+    a tensor registered twice goes by its first name). A module with a coefficient and a bias but no
+    count buffer is not balanced, and a warning says so."""
+    names = {id(tensor): name for name, tensor in model.named_buffers()}
+    found, unmatched = [], []
     for path, module in model.named_modules():
         coeff = getattr(module, "load_balance_coeff", None)
-        if coeff is None or isinstance(coeff, bool) or not isinstance(coeff, (int, float)):
+        if coeff is None or isinstance(coeff, bool):
+            continue
+        try:
+            coeff = float(coeff)
+        except (TypeError, ValueError):
             continue
         own = dict(module.named_buffers(recurse=False))
-        for bias, counts in _BUFFER_NAMES:
-            if isinstance(own.get(bias), Tensor) and isinstance(own.get(counts), Tensor):
-                prefix = f"{path}." if path else ""
-                found.append(Balance(path, prefix + bias, prefix + counts, float(coeff)))
-                break
+        pair = next(((bias, counts) for bias, counts in _BUFFER_NAMES if isinstance(own.get(bias), Tensor)
+                     and isinstance(own.get(counts), Tensor)), None)
+        if pair is None:
+            if any(isinstance(own.get(bias), Tensor) for bias, _ in _BUFFER_NAMES):
+                unmatched.append(path)
+            continue
+        found.append(Balance(path, names[id(own[pair[0]])], names[id(own[pair[1]])], coeff))
+    for what in ("bias", "counts"):
+        seen: dict[str, str] = {}
+        for b in found:
+            name = getattr(b, what)
+            if name in seen:
+                raise FxShardError(f"MoE layers {seen[name]!r} and {b.layer!r} share one load-balancing {what} buffer "
+                                   f"({name}): torchtitan's balancing keeps one per layer. Give each layer its own "
+                                   f"buffer, or build the model with load_balance_coeff=None")
+            seen[name] = b.layer
+    if unmatched:
+        warnings.warn(f"fxshard: {len(unmatched)} module(s) ({unmatched[0]}{', ...' if len(unmatched) > 1 else ''}) "
+                      f"have load_balance_coeff and a routing bias but no token-count buffer (tokens_per_expert_E or "
+                      f"tokens_per_expert): fxshard does not know how they balance, and their bias stays as it is",
+                      stacklevel=user_stacklevel())
     return found
 
 
@@ -86,7 +115,7 @@ def balancing_update(coeffs: list[float], counts: list[Tensor], biases: list[Ten
     new_biases = []
     for coeff, layer_counts, bias in zip(coeffs, total.unbind(0), biases):
         delta = coeff * torch.sign(layer_counts.mean() - layer_counts)
-        new_biases.append(bias + (delta - delta.mean()).to(bias.dtype))
+        new_biases.append((bias + (delta - delta.mean())).to(bias.dtype))  # in fp32, rounded once (as add_)
     return [*new_biases, *(torch.zeros_like(c) for c in counts)]
 
 

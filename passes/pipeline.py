@@ -35,6 +35,7 @@ import torch
 import torch.fx as fx
 
 from fxshard import meta
+from fxshard.balance import DATA_SUM
 from fxshard.errors import FxShardError
 from fxshard.graph import Graph, ancestors, flops, is_pure, lazy_module
 from fxshard.program import InputKind, OutputKind, Program
@@ -204,6 +205,10 @@ def chunk_costs(pipeline: "PipelineProgram", schedule) -> dict[str, float]:
 def split_stages(program: Program, chunks: int, stage_layers: list[int] | None = None) -> PipelineProgram:
     """Cut `program` (one microbatch, as traced) into `chunks` pipeline chunks. See the module docstring."""
     graph = program.graph
+    if any(n.target is DATA_SUM for n in graph.nodes):
+        raise FxShardError("split_stages takes the program of one microbatch without torchtitan's load-balancing "
+                           "update, which each stage adds after its last forward: trace it with "
+                           "fxshard.trace(..., balance=False)")
     if any(meta.microbatch(n) for n in graph.nodes):
         raise FxShardError("split_stages takes the program of one microbatch; the pipeline runtime "
                            "feeds microbatches itself (leave Config(microbatches) to the schedule)")

@@ -139,3 +139,38 @@ def test_pipeline_stages_balance_their_own_layers_once_a_step(mesh, schedule):
                 held.append(mesh.coords(rank)["pp"])
                 assert torch.allclose(ranks.states[rank][InputKind.BUFFER, name], value, atol=1e-6), (name, rank)
     assert sorted(held) == [0] * 2 * dp + [1] * 2 * dp, held  # a layer on each stage, each on its dp ranks
+
+
+def test_the_layers_are_found_by_their_buffers_and_unusual_ones_are_refused_or_said():
+    """A coefficient of any real type counts (torchtitan multiplies by it); two layers sharing a buffer
+    are refused; a layer with a coefficient and a bias but no counts is said to stay unbalanced; a bf16
+    bias is updated in fp32 and rounded once, as torchtitan's add_ does."""
+    from fxshard.balance import balanced_layers, balancing_update
+
+    model = balanced_model()
+    moes = moe_layers(model)
+    moes[0].load_balance_coeff = torch.tensor(COEFF)
+    assert [(b.layer, b.coeff) for b in balanced_layers(model)] == [("layers.1.moe", pytest.approx(COEFF)),
+                                                                     ("layers.2.moe", COEFF)]
+    moes[1].tokens_per_expert_E = moes[0].tokens_per_expert_E
+    with pytest.raises(fxshard.FxShardError, match="share one load-balancing counts buffer"):
+        balanced_layers(model)
+    del moes[1]._buffers["tokens_per_expert_E"]
+    with pytest.warns(UserWarning, match=r"1 module\(s\) \(layers.2.moe\) have load_balance_coeff and a routing "
+                                         r"bias but no token-count buffer"):
+        assert [b.layer for b in balanced_layers(model)] == ["layers.1.moe"]
+    generator = torch.Generator().manual_seed(0)  # 4096 experts: some entries round otherwise if rounded twice
+    bias = (torch.randn(4096, generator=generator) * 0.05).to(torch.bfloat16)
+    counts = torch.randint(0, 100, (4096,), generator=generator).float()
+    new_bias, new_counts = balancing_update([1e-3], [counts], [bias])
+    delta = 1e-3 * torch.sign(counts.mean() - counts)
+    assert torch.equal(new_bias, (bias.float() + delta - delta.mean()).to(torch.bfloat16)) and not new_counts.any()
+
+
+def test_a_program_with_its_balancing_is_refused_by_the_stage_split():
+    from fxshard.passes.pipeline import split_stages
+
+    model, batches = balanced_model(), data()
+    with pytest.raises(fxshard.FxShardError, match=r"balance=False"):
+        split_stages(fxshard.trace(model, titan_loss, batches[0]), 2)
+    assert split_stages(fxshard.trace(model, titan_loss, batches[0], balance=False), 2)
