@@ -5,13 +5,16 @@ even when the batch has no padding: transformers' masking_utils keeps the mask w
 traced, because skipping it there is a data-dependent check. Such a mask reads no input of the
 step. This pass evaluates it once (aten, on the device the graph names) and, where every slice of
 it is the causal pattern (query i sees keys 0..i: SDPA's top-left convention, as a boolean mask or
-an additive one of 0 and a large negative number), it takes the mask out of the attention forward
-and backward calls that read it and sets their `is_causal` flag instead: the kernel (the one the
-trace chose: on CUDA the memory-efficient one, as SDPA picks for a masked call) skips the blocks
-above the diagonal instead of reading a mask. Switching to another kernel (flash) is not done here.
+an additive one of 0 and a large negative number, at most -2^15), it takes the mask out of the
+attention forward and backward calls that read it and sets their `is_causal` flag instead: the kernel (the one the
+trace chose: on CUDA cuDNN's in bf16 / fp16 on Hopper, else the memory-efficient one) skips the
+blocks above the diagonal instead of reading a mask (2.2-3.2x faster forward + backward for cuDNN's
+on an H200, bench/attention_kernels.py). Switching the kernel is not done here: moving the
+memory-efficient kernel's calls to flash made GPT-OSS's step slower (bench/RESULTS.md, session 54).
 
 Invariant: the program computes the same function; an attention call with `is_causal` and with the
-equivalent mask differ only in floating-point summation order. Calls whose mask reads an input
+equivalent mask differ only in floating-point summation order (a key blocked by -2^15 or less has
+weight exactly 0 either way unless its score exceeds its row's largest by more than 2^15 - 104). Calls whose mask reads an input
 (padding), is not causal, or whose backward needs the mask's gradient are left as they are.
 """
 
@@ -24,12 +27,15 @@ from fxshard.graph import ancestors, call_argument, evaluate, is_pure, reordered
 from fxshard.program import Program
 
 aten = torch.ops.aten
+BLOCKED = 2.0 ** 15  # an additive mask at or below -BLOCKED blocks a key
 # attention op -> the name of its mask argument (each takes `is_causal` too)
 ATTENTION_MASKS = {
     aten._scaled_dot_product_flash_attention_for_cpu.default: "attn_mask",
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: "attn_mask",
     aten._scaled_dot_product_efficient_attention.default: "attn_bias",
     aten._scaled_dot_product_efficient_attention_backward.default: "attn_bias",
+    aten._scaled_dot_product_cudnn_attention.default: "attn_bias",  # what bf16 / fp16 SDPA picks on Hopper
+    aten._scaled_dot_product_cudnn_attention_backward.default: "attn_bias",
 }
 
 
@@ -93,5 +99,7 @@ def _is_causal(mask: fx.Node, graph_module: fx.GraphModule) -> bool:
         return bool((value == allowed).all())
     if not value.is_floating_point():
         return False
-    blocked = value <= torch.finfo(value.dtype).min / 2  # -inf or dtype.min: exp() of it is 0
+    # -inf, dtype.min, or the -65536 SDPA writes for a boolean mask it hands cuDNN: softmax gives such
+    # a score exactly 0 unless the row's other scores are 32768 below it
+    blocked = value <= -BLOCKED
     return bool(((value == 0) == allowed).all() and (blocked == ~allowed).all())

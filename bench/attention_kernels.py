@@ -1,0 +1,90 @@
+"""Causal attention kernels on CUDA, forward + backward, bf16: the memory-efficient kernel with
+is_causal (what sink attention and fp32 SDPA trace to, passes/causal_attention.py dropping the mask)
+against flash (passes/flash_attention.py moves the first to it), and cuDNN's (what bf16 SDPA traces to
+on Hopper) with the causal mask as a bias tensor against is_causal (passes/causal_attention.py), on the
+shapes of the models fxshard benchmarks. Prints a table, writes JSON.
+
+    python bench/attention_kernels.py --out bench/attention_kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+aten = torch.ops.aten
+SHAPES = {  # name: (batch, heads, sequence, head dim)
+    "gpt-oss bench (32 x 64)": (1, 32, 4096, 64),
+    "llama 1b-ish (32 x 64)": (4, 32, 2048, 64),
+    "llama 8b (32 x 128)": (1, 32, 4096, 128),
+    "gpt 1b bench (16 x 128)": (1, 16, 2048, 128),
+}
+
+
+def efficient(q, k, v, grad):
+    out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True)
+    return aten._scaled_dot_product_efficient_attention_backward(grad, q, k, v, None, out, lse, seed, offset, 0.0,
+                                                                 [True, True, True, False], True)
+
+
+def flash(q, k, v, grad):
+    out, lse, cq, ck, mq, mk, seed, offset, _ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)
+    return aten._scaled_dot_product_flash_attention_backward(grad, q, k, v, out, lse, cq, ck, mq, mk, 0.0, True,
+                                                             seed, offset)
+
+
+def cudnn_masked(q, k, v, grad):
+    s = q.shape[-2]
+    bias = torch.zeros(s, s, device=q.device, dtype=q.dtype).masked_fill(
+        ~torch.ones(s, s, dtype=torch.bool, device=q.device).tril(), float("-inf")).expand(q.shape[0], q.shape[1], s, s)
+    return _cudnn(q, k, v, grad, bias, False)
+
+
+def cudnn_causal(q, k, v, grad):
+    return _cudnn(q, k, v, grad, None, True)
+
+
+def _cudnn(q, k, v, grad, bias, causal):
+    out, lse, cq, ck, mq, mk, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, 0.0,
+                                                                                        causal)
+    return aten._scaled_dot_product_cudnn_attention_backward(grad, q, k, v, out, lse, seed, offset, bias, cq, ck, mq,
+                                                             mk, 0.0, causal)
+
+
+def timed(fn, args, repeats=30) -> float:
+    for _ in range(3):
+        fn(*args)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn(*args)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="attention_kernels.json")
+    args = parser.parse_args()
+    rows = []
+    print(f"{'shape':<28} {'B,H,S,D':<18} {'efficient ms':>12} {'flash ms':>9} {'ratio':>6} {'max |dq| diff':>13} "
+          f"{'cudnn mask ms':>13} {'cudnn causal ms':>15} {'ratio':>6}")
+    for name, (b, h, s, d) in SHAPES.items():
+        torch.manual_seed(0)
+        q, k, v, grad = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        e, f = timed(efficient, (q, k, v, grad)), timed(flash, (q, k, v, grad))
+        diff = (efficient(q, k, v, grad)[0].float() - flash(q, k, v, grad)[0].float()).abs().max().item()
+        cm, cc = timed(cudnn_masked, (q, k, v, grad)), timed(cudnn_causal, (q, k, v, grad))
+        rows.append(dict(shape=name, bhsd=[b, h, s, d], efficient_ms=e, flash_ms=f, ratio=e / f, dq_max_diff=diff,
+                         cudnn_masked_ms=cm, cudnn_causal_ms=cc))
+        print(f"{name:<28} {str((b, h, s, d)):<18} {e:>12.3f} {f:>9.3f} {e / f:>6.2f} {diff:>13.2e} {cm:>13.3f} "
+              f"{cc:>15.3f} {cm / cc:>6.2f}")
+    with open(args.out, "w") as file:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), file, indent=1)
+
+
+if __name__ == "__main__":
+    main()
