@@ -163,8 +163,8 @@ def run(mode: str, args) -> dict:
                                 config=config)
         step = lambda: sharded(batch)["loss"]  # noqa: E731
         notes = sharded.program.notes.get("moe_forwards", [])[:1] + sharded.program.notes.get("fused_grouped_mlp", [])
-        notes += [f"causal_attention: {sharded.program.notes['causal_attention']}"] \
-            if "causal_attention" in sharded.program.notes else []
+        notes += [f"{key}: {sharded.program.notes[key]}" for key in ("causal_attention", "flash_attention")
+                  if key in sharded.program.notes]
     else:
         forward = torch.compile(model) if mode == "compiled" else model
         autocast = mode != "fsdp2-compiled" and device.type == "cuda"

@@ -14,6 +14,7 @@ from fxshard.program import Program
 
 from .causal_attention import causal_attention
 from .ep import EPConfig, expert_parallel
+from .flash_attention import flash_attention
 from .fsdp import FSDPConfig, fsdp
 from .fuse_grad_accumulation import fuse_grad_accumulation
 from .fuse_grouped_mlp import fuse_grouped_mlp
@@ -36,6 +37,10 @@ PIPELINE: list[Pass] = [
     # attention masks that are the causal pattern (built by the model's own code) -> is_causal
     Pass("causal_attention",
          lambda program, mesh, config, stage: causal_attention(program),
+         lambda mesh, config: True),
+    # CUDA attention on the memory-efficient kernel with no mask left or a sliding window -> flash
+    Pass("flash_attention",
+         lambda program, mesh, config, stage: flash_attention(program),
          lambda mesh, config: True),
     # MoE layers written with plain torch ops (transformers, torchtitan): their facts, for the ep pass
     Pass("recognize_moe",

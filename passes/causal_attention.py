@@ -9,8 +9,8 @@ an additive one of 0 and a large negative number, at most -2^15), it takes the m
 attention forward and backward calls that read it and sets their `is_causal` flag instead: the kernel (the one the
 trace chose: on CUDA cuDNN's in bf16 / fp16 on Hopper, else the memory-efficient one) skips the
 blocks above the diagonal instead of reading a mask (2.2-3.2x faster forward + backward for cuDNN's
-on an H200, bench/attention_kernels.py). Switching the kernel is not done here: moving the
-memory-efficient kernel's calls to flash made GPT-OSS's step slower (bench/RESULTS.md, session 54).
+on an H200, bench/attention_kernels.py). Switching the kernel is passes/flash_attention.py's (the
+memory-efficient kernel's calls without a mask or with a sliding window move to flash).
 
 Invariant: the program computes the same function; an attention call with `is_causal` and with the
 equivalent mask differ only in floating-point summation order (a key blocked by -2^15 or less has
