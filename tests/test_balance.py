@@ -72,10 +72,11 @@ def test_one_device_with_microbatches_balances_like_torchtitans_hook():
     assert [line.split(":")[0] for line in step.program.notes["load_balancing"]] == ["layers.1.moe", "layers.2.moe"]
 
 
-@pytest.mark.parametrize("mesh", [fxshard.Mesh(dp=2), fxshard.Mesh(dp=2, ep=2)], ids=["dp2", "dp2-ep2"])
-def test_the_counts_are_summed_over_the_data_ranks_before_the_update(mesh):
-    """Two simulated ranks, each on its half of the global batch: every rank's bias is the one
-    torchtitan's hook computes from the whole batch's counts (not from its own half's)."""
+def test_the_counts_are_summed_over_the_data_ranks_before_the_update():
+    """Two simulated ranks (dp=2 x ep=2: the experts split too), each on its half of the global batch:
+    every rank's bias is the one torchtitan's hook computes from the whole batch's counts (not from
+    its own half's)."""
+    mesh = fxshard.Mesh(dp=2, ep=2)
     model, batches = balanced_model(), data(seed=1)
     half = ROWS // 2
     assert _halves_would_update_otherwise(model, batches[0], half)  # so the test sees the sum
@@ -114,11 +115,11 @@ def _halves_would_update_otherwise(model, batch, half) -> bool:
                for mine in per_half for layer in range(len(mine)))
 
 
-@pytest.mark.parametrize("mesh, schedule", [(fxshard.Mesh(pp=2), "1f1b"), (fxshard.Mesh(pp=2, dp=2), "zb-h1")],
-                         ids=["pp2", "pp2-dp2"])
-def test_pipeline_stages_balance_their_own_layers_once_a_step(mesh, schedule):
+def test_pipeline_stages_balance_their_own_layers_once_a_step():
     """Each stage updates the layers it holds after its last microbatch's forward (the traced program
-    of one microbatch does not): the stage holding a layer has torchtitan's bias for it."""
+    of one microbatch does not), its counts summed over its dp ranks: the stage holding a layer has
+    torchtitan's bias for it (pp=2 x dp=2, zero-bubble schedule)."""
+    mesh, schedule = fxshard.Mesh(pp=2, dp=2), "zb-h1"
     model, batches = balanced_model(), data(seed=1)
     dp = mesh.dp
     reference = copy.deepcopy(model)
@@ -173,4 +174,4 @@ def test_a_program_with_its_balancing_is_refused_by_the_stage_split():
     model, batches = balanced_model(), data()
     with pytest.raises(fxshard.FxShardError, match=r"balance=False"):
         split_stages(fxshard.trace(model, titan_loss, batches[0]), 2)
-    assert split_stages(fxshard.trace(model, titan_loss, batches[0], balance=False), 2)
+    # traced with balance=False (as shard does under Mesh(pp>1)) it splits: the pipeline test above
