@@ -1,6 +1,8 @@
-"""The flash_attention pass (CUDA only): attention left on the memory-efficient kernel without a mask
-or with a sliding-window mask moves to flash, forward and backward, and the step computes what it
-computed before, up to the kernels' rounding in bf16."""
+"""The attention passes on CUDA in bf16: causal_attention drops a causal mask from cuDNN's kernel
+(what bf16 SDPA traces as on Hopper; SDPA writes a boolean mask as 0 / -65536 for it), and
+flash_attention moves attention left on the memory-efficient kernel without a mask or with a
+sliding-window mask to flash, forward and backward. The step computes what it computed before, up
+to the kernels' rounding in bf16."""
 
 import pytest
 import torch
@@ -10,12 +12,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from hypothesis import given, strategies as st
 
 import fxshard
+from fxshard.graph import call_argument
 from fxshard.passes import run_pipeline
+from fxshard.passes.causal_attention import ATTENTION_MASKS
 from fxshard.passes.flash_attention import EFFICIENT, EFFICIENT_BACKWARD, FLASH, FLASH_BACKWARD
+from fxshard.testing import SimulatedRanks
 
 EFFICIENT_PAIR = ["_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward"]
 FLASH_PAIR = ["_flash_attention_backward", "_flash_attention_forward"]
-from fxshard.testing import SimulatedRanks
+CUDNN = (torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+         torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default)
 
 pytestmark = pytest.mark.gpu
 BF16 = fxshard.Config(param_dtype=torch.bfloat16)
@@ -23,13 +29,13 @@ SGD = fxshard.optim.SGD(lr=1.0)  # a step moves each parameter by its gradient: 
 
 
 class Attention(nn.Module):
-    """One attention layer on the memory-efficient kernel: a causal mask it builds
-    itself (which causal_attention turns into is_causal), no mask (full attention), or a sliding
-    window of 8 keys (flash's window)."""
+    """One attention layer on `backend` (by default the memory-efficient kernel): a causal mask it
+    builds itself (which causal_attention turns into is_causal), no mask (full attention), or a
+    sliding window of 8 keys (flash's window)."""
 
-    def __init__(self, kind, heads, head_dim, vocab=32):
+    def __init__(self, kind, heads, head_dim, vocab=32, backend=SDPBackend.EFFICIENT_ATTENTION):
         super().__init__()
-        self.kind, self.heads = kind, heads
+        self.kind, self.heads, self.backend = kind, heads, backend
         width = heads * head_dim
         self.embed = nn.Embedding(vocab, width)
         self.qkv = nn.Linear(width, 3 * width)
@@ -43,7 +49,7 @@ class Attention(nn.Module):
         if self.kind == "window":
             allowed = allowed & (positions[:, None] - positions[None, :] < 8)
         mask = None if self.kind == "none" else allowed
-        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):  # bf16 SDPA would pick cuDNN's on Hopper
+        with sdpa_kernel([self.backend]):  # bf16 SDPA would pick cuDNN's on Hopper
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.out(y.transpose(1, 2).reshape(rows, length, -1))
 
@@ -132,3 +138,20 @@ def test_gpt_oss_sink_attention_runs_on_flash_with_its_sliding_window():
     assert kernels(final) == sorted(FLASH_PAIR * 2)
     assert "2 attention calls (1 with a sliding window) and 2 backward calls" in final.notes["flash_attention"]
     assert_same_step(programs["causal_attention"], final, model, batch)
+
+
+@given(kind=st.sampled_from(["causal", "window"]), heads=st.integers(1, 3), head_dim=st.sampled_from([16, 64, 128]),
+       length=st.sampled_from([16, 64, 100]), seed=st.integers(0, 2))
+def test_a_causal_mask_on_cudnn_becomes_is_causal_and_the_step_computes_the_same(kind, heads, head_dim, length, seed):
+    torch.manual_seed(seed)
+    model = Attention(kind, heads, head_dim, backend=SDPBackend.CUDNN_ATTENTION).cuda()
+    batch = {"idx": torch.randint(0, 32, (2, length), device="cuda"),
+             "tgt": torch.randint(0, 32, (2, length), device="cuda")}
+    programs = programs_of(model, batch)
+    if kind == "window":  # not the causal pattern (and flash_attention moves the memory-efficient kernel only)
+        assert list(programs) == ["traced"]
+        return
+    calls = [n for n in programs["causal_attention"].graph.nodes if n.target in ATTENTION_MASKS]
+    assert tuple(n.target for n in calls) == CUDNN
+    assert all(call_argument(n, "attn_bias") is None and call_argument(n, "is_causal") for n in calls)
+    assert_same_step(programs["traced"], programs["causal_attention"], model, batch)
