@@ -14,9 +14,10 @@ viewed as batch, sequence, heads), with the same causality, window and scale; th
 output and log-sum-exp it was given (sink attention gives others than the forward's). The mask is
 recognized by evaluating it (it must read no input of the step, like causal_attention's): every
 (L, S) slice is the causal pattern within the last W keys, allowed entries 0 and blocked ones at
-most -2^15. Only where flash computes the same: bf16 or fp16 on CUDA, no dropout, as many key and
-value heads as query heads, one head size (a multiple of 8, at most 256), and the kernels' results of
-the same shapes (the memory-efficient kernel pads its log-sum-exp to 32 rows: the query length must
+most -2^15. Only where flash computes the same: bf16 or fp16 on NVIDIA sm80 or newer, no dropout,
+as many key and value heads as query heads, one head size (a multiple of 8, at most 256), a causal
+call's query and key lengths equal (the kernels align a causal mask at opposite corners otherwise),
+the log-sum-exp a backward is given contiguous fp32, and the kernels' results of the same shapes (the memory-efficient kernel pads its log-sum-exp to 32 rows: the query length must
 be a multiple of 32); the others stay. A result flash lays out otherwise than the program was traced
 with is copied into that layout (permuted, made contiguous, permuted back: ops Inductor compiles).
 
@@ -61,8 +62,9 @@ def flash_attention(program: Program) -> Program:
     """`program` with its eligible memory-efficient attention calls on flash (module docstring); the
     same program where none is."""
     graph_module = program.graph_module
+    windows: dict = {}
     names = [node.name for node in graph_module.graph.nodes
-             if node.target is EFFICIENT and _plan(node, graph_module) is not None]
+             if node.target is EFFICIENT and _plan(node, graph_module, windows) is not None]
     if not names:
         return program
     graph_module = reordered(graph_module, list(graph_module.graph.nodes))  # a copy to rewrite
@@ -70,7 +72,7 @@ def flash_attention(program: Program) -> Program:
     copies = {node.name: node for node in graph.nodes}
     windowed, backwards, masks = 0, 0, []
     for name in names:
-        plan = _plan(copies[name], graph_module)
+        plan = _plan(copies[name], graph_module, windows)  # the copy's nodes keep their names
         windowed += plan.window is not None
         masks.append(call_argument(plan.forward, "attn_bias"))
         backwards += _rewrite(graph, plan)
@@ -139,8 +141,9 @@ def _in_layout(call, node: fx.Node, like: torch.Tensor) -> fx.Node:
     return made
 
 
-def _plan(forward: fx.Node, graph_module: fx.GraphModule) -> _Plan | None:
-    """How `forward` moves to flash, or None where flash would not compute the same (module docstring)."""
+def _plan(forward: fx.Node, graph_module: fx.GraphModule, windows: dict) -> _Plan | None:
+    """How `forward` moves to flash, or None where flash would not compute the same (module docstring).
+    `windows` caches each mask's window (`_window`) by the mask node's name."""
     q, k, v = (call_argument(forward, name) for name in ("query", "key", "value"))
     if not all(isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor) for n in (q, k, v)):
         return None
@@ -150,14 +153,19 @@ def _plan(forward: fx.Node, graph_module: fx.GraphModule) -> _Plan | None:
             or call_argument(forward, "dropout_p") != 0 or not call_argument(forward, "compute_log_sumexp")
             or not query.shape[1] == key.shape[1] == value.shape[1]
             or not query.shape[-1] == key.shape[-1] == value.shape[-1]
-            or query.shape[-1] % 8 or query.shape[-1] > 256 or query.shape[-2] % 32):
+            or query.shape[-1] % 8 or query.shape[-1] > 256 or query.shape[-2] % 32
+            or not _flash_trains_on(query.device, query.shape[-1])):
         return None
     is_causal, scale, mask = (call_argument(forward, name) for name in ("is_causal", "scale", "attn_bias"))
+    if is_causal and query.shape[-2] != key.shape[-2]:
+        return None  # the memory-efficient kernel aligns a causal mask top-left, flash bottom-right
     window = None
     if mask is not None:
         if is_causal:
             return None
-        window = _window(mask, graph_module, query.shape[-2], key.shape[-2])
+        if mask.name not in windows:
+            windows[mask.name] = _window(mask, graph_module, query.shape[-2], key.shape[-2])
+        window = windows[mask.name]
         if window is None:
             return None
         is_causal = True
@@ -178,12 +186,28 @@ def _plan(forward: fx.Node, graph_module: fx.GraphModule) -> _Plan | None:
                 or call_argument(backward, "scale") != scale
                 or any(call_argument(backward, name) is not node for name, node in (("query", q), ("key", k),
                                                                                    ("value", v)))
-                or any(u.target is not operator.getitem or u.args[1] > 2 for u in backward.users)):
-            return None
+                or any(u.target is not operator.getitem or u.args[1] > 2 for u in backward.users)
+                or not _flat_lse(call_argument(backward, "logsumexp"), query)):
+            return None  # flash's backward reads its log-sum-exp as a contiguous fp32 [B, H, S], strides unchecked
     old_lse = items[1].meta["val"] if 1 in items else None
     if old_lse is not None and tuple(old_lse.shape) != (*query.shape[:2], query.shape[-2]):
         return None  # padded (a length that is no multiple of 32): what reads it was traced for that
     return _Plan(forward, q, k, v, is_causal, window, scale, items, backwards)
+
+
+def _flat_lse(node, query: torch.Tensor) -> bool:
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return (isinstance(value, torch.Tensor) and value.dtype == torch.float32 and value.is_contiguous()
+            and tuple(value.shape) == (*query.shape[:2], query.shape[-2]))
+
+
+def _flash_trains_on(device: torch.device, head_dim: int) -> bool:
+    """Flash's training kernels run on `device` at `head_dim`: NVIDIA sm80 or newer (not ROCm, whose
+    flash differs), and not 192 < head_dim <= 224 on sm86 / sm89 (as SDPA's own checks say)."""
+    if torch.version.hip is not None or not torch.cuda.is_available():
+        return False
+    capability = torch.cuda.get_device_capability(device)
+    return capability >= (8, 0) and not (capability in ((8, 6), (8, 9)) and 192 < head_dim <= 224)
 
 
 def _window(mask: fx.Node, graph_module: fx.GraphModule, rows: int, columns: int) -> int | None:
@@ -196,10 +220,14 @@ def _window(mask: fx.Node, graph_module: fx.GraphModule, rows: int, columns: int
         value = evaluate(graph_module.graph, graph_module, needed)[mask]
     except (RuntimeError, NotImplementedError):
         return None
-    if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dim() < 2 or \
-            tuple(value.shape[-2:]) != (rows, columns) or rows != columns:
+    if not isinstance(value, torch.Tensor) or value.is_meta or not value.is_floating_point() or value.dim() < 2 \
+            or tuple(value.shape[-2:]) != (rows, columns) or rows != columns:
         return None
-    allowed_last = int((value[(0,) * (value.dim() - 2)][-1] == 0).sum())
+    # the same slice repeated (an expanded mask): compared once
+    value = value[tuple(0 if stride == 0 else slice(None) for stride in value.stride()[:-2])]
+    allowed_last = int((value.reshape(-1, rows, columns)[0, -1] == 0).sum())
+    if allowed_last < 1:
+        return None  # every key blocked: no window of flash's computes that
     i = torch.arange(rows, device=value.device)
     pattern = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < allowed_last)
     if not (((value == 0) == pattern).all() and ((value <= -BLOCKED) == ~pattern).all()):

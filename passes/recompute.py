@@ -40,6 +40,7 @@ _ATTENTION = frozenset({
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._flash_attention_forward.default,  # passes/flash_attention.py's
 })
 
 
