@@ -17,6 +17,10 @@ of out: it recomputes the probabilities from the log-sum-exp it is given (the si
 its row term D = rowsum(dout * out_sink) is the softmax Jacobian's (the sink column has no value, so
 it adds nothing to D). The sink's own gradient is -sum over rows of exp(s_h - L') * D.
 
+The trace calls the memory-efficient kernel on CUDA (the only one that takes a mask and returns its
+log-sum-exp for any dtype); in bf16 passes/causal_attention.py and passes/flash_attention.py then move
+full and sliding-window layers to flash, whose backward takes L' alike.
+
 Invariant: `sink_attention` computes the function transformers' `eager_attention_forward` of GPT-OSS
 computes (outputs and the gradients of queries, keys, values and sinks), up to floating-point
 rounding: the kernels accumulate in fp32 where the eager softmax runs in the scores' dtype. It is
