@@ -33,10 +33,13 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 from torch import Tensor
 
+from . import meta
 from .errors import FxShardError, user_stacklevel
+from .graph import inline
 
 # (bias, counts) buffer names: torchtitan 0.3.0's, and its earlier releases'
 _BUFFER_NAMES = (("expert_bias_E", "tokens_per_expert_E"), ("expert_bias", "tokens_per_expert"))
@@ -117,6 +120,16 @@ def balancing_update(coeffs: list[float], counts: list[Tensor], biases: list[Ten
         delta = coeff * torch.sign(layer_counts.mean() - layer_counts)
         new_biases.append((bias + (delta - delta.mean())).to(bias.dtype))  # in fp32, rounded once (as add_)
     return [*new_biases, *(torch.zeros_like(c) for c in counts)]
+
+
+def append_balancing(graph: fx.Graph, fake_mode, balances: list[Balance], counts: list[fx.Node],
+                     biases: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """Insert `balancing_update` for `balances` (their current count and bias values as nodes) at the
+    graph's insertion point, in the forward phase at layer "post"; returns the new biases and counts."""
+    n, coeffs = len(balances), [b.coeff for b in balances]
+    new = inline(graph, lambda *ts: balancing_update(coeffs, list(ts[:n]), list(ts[n:])), [*counts, *biases],
+                 fake_mode=fake_mode, phase=meta.FWD, layer=meta.POST)
+    return new[:n], new[n:]
 
 
 def balancing_notes(balances: list[Balance]) -> list[str]:

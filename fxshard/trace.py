@@ -34,7 +34,7 @@ from .graph import Graph, inline, lazy_module
 from .layers import LayerTrace, annotate_layers, find_layers
 from .moe_modules import swapped_forwards
 from .sink_attention import swapped_attention
-from .balance import Balance, balanced_layers, balancing_notes, balancing_update
+from .balance import Balance, append_balancing, balanced_layers, balancing_notes
 from .ops.grouped_mm import RouteGroupedMM
 from .optim import AdamW, Optimizer
 from .optimizer_graph import TrainSpec, append_update
@@ -364,13 +364,11 @@ class _ProgramBuilder:
         self.balanced = [b for b in self.balances if buffers[index[b.counts]] is not inputs[index[b.counts]]]
         if not self.balanced:  # eval mode (evaluate's program): torchtitan counts only in training
             return
-        n = len(self.balanced)
-        coeffs = [b.coeff for b in self.balanced]
-        new = inline(self.graph, lambda *ts: balancing_update(coeffs, list(ts[:n]), list(ts[n:])),
-                     [buffers[index[b.counts]] for b in self.balanced] + [buffers[index[b.bias]] for b in self.balanced],
-                     fake_mode=self.fake_mode, phase=meta.FWD, layer=meta.POST)
-        for b, bias, counts in zip(self.balanced, new[:n], new[n:]):
-            buffers[index[b.bias]], buffers[index[b.counts]] = bias, counts
+        biases, counts = append_balancing(self.graph, self.fake_mode, self.balanced,
+                                          [buffers[index[b.counts]] for b in self.balanced],
+                                          [buffers[index[b.bias]] for b in self.balanced])
+        for b, bias, count in zip(self.balanced, biases, counts):
+            buffers[index[b.bias]], buffers[index[b.counts]] = bias, count
 
     def slice_batch(self, batch_nodes: list[fx.Node], microbatch: int) -> list[fx.Node]:
         if self.microbatches == 1:

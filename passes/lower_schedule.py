@@ -52,7 +52,7 @@ import torch
 import torch.fx as fx
 
 from fxshard import meta
-from fxshard.balance import balancing_notes, balancing_update
+from fxshard.balance import append_balancing, balancing_notes
 from fxshard.errors import FxShardError
 from fxshard.graph import Graph, fake_mode_of, inline, is_pure, lazy_module
 from fxshard.ops.p2p import P2P_OPS  # noqa: F401  (registers fxshard::send / recv)
@@ -409,12 +409,10 @@ class _Lowering:
         local = [b for b in self.source.balances if b.counts in self.buffers]
         if not local:
             return
-        n, coeffs = len(local), [b.coeff for b in local]
-        new = inline(self.graph, lambda *ts: balancing_update(coeffs, list(ts[:n]), list(ts[n:])),
-                     [self.buffers[b.counts] for b in local] + [self.buffers.get(b.bias, self.env[b.bias]) for b in local],
-                     fake_mode=self.fake, phase=meta.FWD, layer=meta.POST)
-        for b, bias, counts in zip(local, new[:n], new[n:]):
-            self.buffers[b.bias], self.buffers[b.counts] = bias, counts
+        biases, counts = append_balancing(self.graph, self.fake, local, [self.buffers[b.counts] for b in local],
+                                          [self.buffers.get(b.bias, self.env[b.bias]) for b in local])
+        for b, bias, count in zip(local, biases, counts):
+            self.buffers[b.bias], self.buffers[b.counts] = bias, count
         self.balanced = local
 
     def zeros_like_output(self, spec_name: str) -> fx.Node:
