@@ -359,7 +359,9 @@ MODELS = {  # name: (build, loss, is_moe)
     "mixtral": (lambda: transformers_model("mixtral"), transformers_loss, True),
     "qwen3_moe": (lambda: transformers_model("qwen3_moe"), transformers_loss, True),
     "titan_llama3": (titan_llama3, titan_loss, False),
-    "titan_deepseek_v3": (titan_deepseek_v3, titan_loss, True),
+    # torchtitan's default coefficient: its load balancing runs in the step (fxshard/balance.py), and in
+    # eager_losses as torchtitan's optimizer hook
+    "titan_deepseek_v3": (lambda: titan_deepseek_v3(load_balance_coeff=1e-3), titan_loss, True),
 }
 
 
@@ -408,9 +410,22 @@ def eager_losses(name, batches, pieces, optimizer):
         torch_opt.zero_grad()
         loss = sum(loss_fn(model, rows_of(batch, i * rows, (i + 1) * rows)) for i in range(pieces)) / pieces
         loss.backward()
+        torchtitan_balancing_hook(model)
         torch_opt.step()
         losses.append(loss.item())
     return losses, dict(model.named_parameters()), dict(model.named_buffers())
+
+
+def torchtitan_balancing_hook(model):
+    """torchtitan's optimizer pre-step hook for its MoE load balancing (components/optimizer/optimizer.py,
+    `_update_expert_bias`), on one process (its counts are the whole batch's already)."""
+    with torch.no_grad():
+        for moe in model.modules():
+            if getattr(moe, "load_balance_coeff", None) is not None:
+                counts = moe.tokens_per_expert_E.float()
+                delta = moe.load_balance_coeff * torch.sign(counts.mean() - counts)
+                moe.expert_bias_E.add_(delta - delta.mean())
+                moe.tokens_per_expert_E.zero_()
 
 
 def within(ours: float, eager: float, tolerance: float) -> bool:

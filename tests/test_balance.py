@@ -12,7 +12,7 @@ from fxshard import program_io
 from fxshard.api import _compile
 from fxshard.program import InputKind
 from fxshard.testing import SimulatedRanks, relative, torch_optimizer
-from model_zoo import titan_deepseek_v3, titan_loss
+from model_zoo import titan_deepseek_v3, titan_loss, torchtitan_balancing_hook
 
 ADAMW = fxshard.optim.AdamW(lr=1e-2)
 COEFF = 0.05  # large enough that the bias moves the routing within the test's steps
@@ -46,12 +46,7 @@ def eager(model, batches, pieces):
         loss = sum(titan_loss(model, {k: v[i * rows:(i + 1) * rows] for k, v in batch.items()})
                    for i in range(pieces)) / pieces
         loss.backward()
-        with torch.no_grad():
-            for moe in moe_layers(model):
-                counts = moe.tokens_per_expert_E.float()
-                delta = moe.load_balance_coeff * torch.sign(counts.mean() - counts)
-                moe.expert_bias_E.add_(delta - delta.mean())
-                moe.tokens_per_expert_E.zero_()
+        torchtitan_balancing_hook(model)
         optimizer.step()
         losses.append(loss.item())
     return losses
