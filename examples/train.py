@@ -101,6 +101,30 @@ def lr_schedule(base_lr, warmup, total):
     return lr
 
 
+
+def check_output_directory(flag: str, path: str | None, checkpoint: bool = False) -> None:
+    """Before anything trains: `path` (from `flag`) names a directory this process can make or write in
+    (a `{step}` in it stands for a step number); with `checkpoint`, an existing one is empty or an fxshard
+    checkpoint (fxshard.save replaces nothing else). So a bad path fails now, not after training."""
+    if not path:
+        return
+    concrete = path.replace("{step}", "1")
+    if os.path.exists(concrete) and not os.path.isdir(concrete):
+        raise SystemExit(f"{flag} {path} is a file; it must name a directory (new or existing)")
+    existing = concrete
+    while not os.path.exists(existing):  # the nearest existing ancestor is where a new directory goes
+        existing = os.path.dirname(os.path.abspath(existing))
+    places = [existing]
+    if checkpoint and existing == concrete:  # fxshard.save writes <dir>.partial beside it, then swaps
+        places.append(os.path.dirname(os.path.abspath(concrete)))
+    if not all(os.access(place, os.W_OK | os.X_OK) for place in places):
+        raise SystemExit(f"{flag} {path}: this process cannot write there; choose a directory it can write")
+    if checkpoint and existing == concrete and os.listdir(concrete) \
+            and not os.path.exists(os.path.join(concrete, "fxshard.json")):
+        raise SystemExit(f"{flag} {path} exists and is not an fxshard checkpoint (no fxshard.json): choose a new "
+                         f"directory, or an earlier checkpoint's, which the save replaces")
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.microbatches is not None and args.pp == 1 and args.ep_microbatches > 1:
@@ -127,9 +151,8 @@ def main(argv=None) -> dict:
                          f"use --device cpu")
     if args.model != "moe_gpt" and (args.capacity_factor is not None or args.expert_slots):
         raise SystemExit("--capacity-factor and --expert-slots bound MoE experts: they need --model moe_gpt")
-    for flag, path in (("--save", args.save), ("--dump", args.dump)):
-        if path and os.path.exists(path) and not os.path.isdir(path):
-            raise SystemExit(f"{flag} {path} is a file; it must name a directory (new or existing)")
+    check_output_directory("--save", args.save, checkpoint=True)
+    check_output_directory("--dump", args.dump)
     try:
         MODELS[args.model][1].preset(args.preset)
     except fxshard.FxShardError as error:
@@ -238,8 +261,9 @@ def train(args) -> dict:
     if not losses:
         raise SystemExit(f"nothing to train: the checkpoint is at step {step.step_count}, --steps is {args.steps}")
     seconds = time.perf_counter() - started
-    first = sum(losses[:10]) / len(losses[:10])
-    last = sum(losses[-10:]) / len(losses[-10:])
+    window = max(1, min(10, len(losses) // 2))  # first and last apart where the run is short
+    first = sum(losses[:window]) / window
+    last = sum(losses[-window:]) / window
     tokens = len(losses) * args.batch_size * world * 2 * args.copy_len
     routing = step.routing(metrics)
     if routing:  # the expert-parallel pass reports each MoE layer's routing (summed over the ranks)
@@ -250,7 +274,7 @@ def train(args) -> dict:
 
             say(f"routing of the last step in {dump_routing(routing, args.dump)}")
     say(f"done: {len(losses)} steps in {seconds:.1f}s ({tokens / seconds:,.0f} tokens/s over {processes} process(es)); "
-        f"mean loss of first 10 steps {first:.3f} -> last 10 steps {last:.3f}")
+        f"mean loss of first {window} steps {first:.3f} -> last {window} steps {last:.3f}")
     return {"first_loss": first, "last_loss": last, "seconds": seconds, "losses": losses}
 
 

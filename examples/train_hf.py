@@ -116,17 +116,43 @@ def config_of(args, rank: int) -> fxshard.Config:
                           sharding="optim" if args.pp > 1 else "optim_grads_params")
 
 
+
+def check_output_directory(flag: str, path: str | None, checkpoint: bool = False) -> None:
+    """Before anything trains: `path` (from `flag`) names a directory this process can make or write in
+    (a `{step}` in it stands for a step number); with `checkpoint`, an existing one is empty or an fxshard
+    checkpoint (fxshard.save replaces nothing else). So a bad path fails now, not after training."""
+    if not path:
+        return
+    concrete = path.replace("{step}", "1")
+    if os.path.exists(concrete) and not os.path.isdir(concrete):
+        raise SystemExit(f"{flag} {path} is a file; it must name a directory (new or existing)")
+    existing = concrete
+    while not os.path.exists(existing):  # the nearest existing ancestor is where a new directory goes
+        existing = os.path.dirname(os.path.abspath(existing))
+    places = [existing]
+    if checkpoint and existing == concrete:  # fxshard.save writes <dir>.partial beside it, then swaps
+        places.append(os.path.dirname(os.path.abspath(concrete)))
+    if not all(os.access(place, os.W_OK | os.X_OK) for place in places):
+        raise SystemExit(f"{flag} {path}: this process cannot write there; choose a directory it can write")
+    if checkpoint and existing == concrete and os.listdir(concrete) \
+            and not os.path.exists(os.path.join(concrete, "fxshard.json")):
+        raise SystemExit(f"{flag} {path} exists and is not an fxshard checkpoint (no fxshard.json): choose a new "
+                         f"directory, or an earlier checkpoint's, which the save replaces")
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if min(args.steps, args.batch_size, args.dp, args.pp, args.ep, args.microbatches, args.log_every) < 1 \
             or args.copy_len < 2:
         raise SystemExit("--steps, --batch-size, --dp, --pp, --ep, --microbatches and --log-every must be >= 1, "
                          "--copy-len >= 2")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: this torch sees no CUDA device ({torch.__version__}); "
+                         f"use --device cpu")
     if args.weights and not os.path.isdir(args.weights):
         raise SystemExit(f"--weights {args.weights}: no such directory")
-    for flag, path in (("--save", args.save), ("--dump", args.dump)):
-        if path and os.path.exists(path) and not os.path.isdir(path):
-            raise SystemExit(f"{flag} {path} is a file; it must name a directory (new or existing)")
+    check_output_directory("--save", args.save, checkpoint=False)
+    check_output_directory("--dump", args.dump)
     if args.dp * args.pp == 1 and args.ep == 1:
         return train(args)
     with torch.device("meta"):  # a bad mesh or cut fails here, once, before processes start
@@ -189,9 +215,10 @@ def train(args) -> dict:
         if index % args.log_every == 0 or index == args.steps:
             say(f"step {index} loss {losses[-1]:.4f}", flush=True)
     evaluated = step.evaluate(next_batch())["loss"].item()  # eval mode, no update, on a fresh batch
-    first, last = sum(losses[:10]) / len(losses[:10]), sum(losses[-10:]) / len(losses[-10:])
-    say(f"done: {len(losses)} steps in {time.perf_counter() - started:.1f}s; mean loss of first 10 steps "
-        f"{first:.3f} -> last 10 steps {last:.3f}; evaluation loss {evaluated:.3f}")
+    window = max(1, min(10, len(losses) // 2))  # first and last apart where the run is short
+    first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
+    say(f"done: {len(losses)} steps in {time.perf_counter() - started:.1f}s; mean loss of first {window} steps "
+        f"{first:.3f} -> last {window} steps {last:.3f}; evaluation loss {evaluated:.3f}")
     if args.save:
         step.copy_to(model)  # every rank takes part (the parameters are gathered over shards and stages)
     if args.save and rank == 0:  # transformers' save_pretrained writes on torch.distributed's rank 0 only

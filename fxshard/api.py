@@ -129,6 +129,8 @@ def _with_dump_dir(config: Config) -> Config:
         except OSError as error:
             raise FxShardError(f"{named} cannot be made ({error.strerror}); choose a directory this process can "
                                f"write") from error
+        if not os.access(config.dump_dir, os.W_OK | os.X_OK):  # an existing directory: makedirs says nothing
+            raise FxShardError(f"{named} exists but this process cannot write in it; choose a directory it can write")
     return config
 
 

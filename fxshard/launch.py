@@ -88,7 +88,11 @@ def _worker(rank, nprocs, port, backend, out_dir, fn, args, environ, launcher):
         # said now: tearing the groups down below can wait forever on a peer still inside a collective,
         # and then the error would never reach run_local (2x H200, session 30: benchmark runs that went
         # silent for minutes)
-        if not isinstance(error, (KeyboardInterrupt, SystemExit)):
+        if isinstance(error, FxShardError):  # the user's to mend: the message says how, run_local raises it
+            print(f"fxshard: rank {rank} failed: {error}", file=sys.stderr, flush=True)
+            with open(os.path.join(out_dir, f"rank{rank}.error"), "w") as file:
+                file.write(str(error))
+        elif not isinstance(error, (KeyboardInterrupt, SystemExit)):
             print(f"fxshard: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         failed = True
         if backend == "nccl":
@@ -144,5 +148,10 @@ def run_local(fn, nprocs: int, *args, backend: str | None = None) -> list:
                     process.terminate()
             for process in context.processes:
                 process.join(10)
+            said = sorted(name for name in os.listdir(out_dir) if name.endswith(".error"))
+            if said:  # a rank's FxShardError: the caller gets it as one, not as a page of tracebacks
+                with open(os.path.join(out_dir, said[0])) as file:
+                    message = file.read()
+                raise FxShardError(f"{said[0][:-len('.error')].replace('rank', 'rank ')}: {message}") from None
             raise
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(nprocs)]

@@ -369,6 +369,12 @@ def test_a_dump_directory_that_cannot_be_made_is_refused_before_compiling(tmp_pa
         with pytest.MonkeyPatch.context() as patch, pytest.raises(fxshard.FxShardError, match=said):
             patch.setenv("FXSHARD_DUMP", str(environment))  # named where it came from
             fxshard.shard(torch.nn.Linear(2, 1), lambda m, b: m(b["x"]).sum(), {"x": torch.randn(2, 2)})
+    (tmp_path / "existing").mkdir()
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(
+            fxshard.FxShardError, match=r"Config\(dump_dir=.*\) exists but this process cannot write in it"):
+        patch.setattr(fxshard.api.os, "access", lambda path, mode: False)  # (a root process passes mode bits)
+        fxshard.shard(torch.nn.Linear(2, 1), lambda m, b: m(b["x"]).sum(), {"x": torch.randn(2, 2)},
+                      config=fxshard.Config(dump_dir=str(tmp_path / "existing")))
     with pytest.raises(fxshard.FxShardError, match=r"Schedule.from_json\(open\(path\).read\(\)\)"):
         fxshard.schedule.Schedule.from_json("schedule.json")
     with pytest.raises(fxshard.FxShardError, match="needs a number of processes >= 1, got 0"):

@@ -52,6 +52,19 @@ def test_a_failing_rank_says_why_before_its_groups_are_torn_down(capfd, monkeypa
     assert "fxshard: rank 1 failed:" in err and "ValueError: rank one's own error" in err.split("rank 1 failed:")[1]
 
 
+def _rank_one_refuses():
+    if dist.get_rank() == 1:
+        raise fxshard.FxShardError("the cause; the fix")
+    return dist.get_rank()
+
+
+def test_a_ranks_fxshard_error_reaches_the_caller_as_one(capfd):
+    """An error the user can mend, raised in a rank, is raised by run_local as FxShardError naming the
+    rank (a launcher prints one line), not as torch.multiprocessing's page of tracebacks."""
+    with pytest.raises(fxshard.FxShardError, match=r"^rank 1: the cause; the fix$"):
+        run_local(_rank_one_refuses, 2, backend="gloo")
+
+
 def test_ranks_fork_from_the_server_only_for_gloo_without_cuda(monkeypatch):
     """A process forked after CUDA was asked anything cannot use CUDA: NCCL ranks, and any rank on a
     machine with a GPU, start as fresh interpreters."""

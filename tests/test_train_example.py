@@ -4,6 +4,8 @@ import importlib.util
 import os
 import pathlib
 
+import pytest
+
 
 def load_train(script="train.py"):
     path = pathlib.Path(__file__).resolve().parents[1] / "examples" / script
@@ -98,3 +100,17 @@ def test_flags_that_shape_what_the_run_does_not_have_are_refused():
                         (["--ep", "2", "--dp", "2", "--ep-microbatches", "2", "--microbatches", "2"], "give one")):
         with pytest.raises(SystemExit, match=says):
             train.main([*flags, "--steps", "1"])
+
+
+def test_an_output_directory_that_would_fail_the_save_is_refused_before_training(tmp_path, capsys):
+    """A --save directory holding other files (fxshard.save replaces only a checkpoint) and a --dump
+    that cannot be written fail at the start, not after the run trained (nothing is lost)."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(SystemExit, match="exists and is not an fxshard checkpoint"):
+        load_train().main(["--steps", "2", "--save", str(tmp_path / "mine")])
+    assert "step" not in capsys.readouterr().out  # nothing trained
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    with pytest.raises(SystemExit, match="this process cannot write there"):
+        load_train("train_hf.py").main(["--steps", "2", "--dump", str(blocked / "under_a_file")])
