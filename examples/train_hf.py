@@ -32,7 +32,7 @@ import fxshard
 from fxshard.launch import run_local
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train import lr_schedule  # noqa: E402  (the same warm-up + cosine schedule)
+from train import check_output_directory, lr_schedule  # noqa: E402  (the same schedule and checks)
 
 PAD, SEPARATOR, IGNORE = 0, 1, -100
 VOCAB = 64
@@ -115,29 +115,6 @@ def config_of(args, rank: int) -> fxshard.Config:
     return fxshard.Config(dump_dir=args.dump if writes else None, microbatches=args.microbatches if args.pp > 1 else 1,
                           sharding="optim" if args.pp > 1 else "optim_grads_params")
 
-
-
-def check_output_directory(flag: str, path: str | None, checkpoint: bool = False) -> None:
-    """Before anything trains: `path` (from `flag`) names a directory this process can make or write in
-    (a `{step}` in it stands for a step number); with `checkpoint`, an existing one is empty or an fxshard
-    checkpoint (fxshard.save replaces nothing else). So a bad path fails now, not after training."""
-    if not path:
-        return
-    concrete = path.replace("{step}", "1")
-    if os.path.exists(concrete) and not os.path.isdir(concrete):
-        raise SystemExit(f"{flag} {path} is a file; it must name a directory (new or existing)")
-    existing = concrete
-    while not os.path.exists(existing):  # the nearest existing ancestor is where a new directory goes
-        existing = os.path.dirname(os.path.abspath(existing))
-    places = [existing]
-    if checkpoint and existing == concrete:  # fxshard.save writes <dir>.partial beside it, then swaps
-        places.append(os.path.dirname(os.path.abspath(concrete)))
-    if not all(os.access(place, os.W_OK | os.X_OK) for place in places):
-        raise SystemExit(f"{flag} {path}: this process cannot write there; choose a directory it can write")
-    if checkpoint and existing == concrete and os.listdir(concrete) \
-            and not os.path.exists(os.path.join(concrete, "fxshard.json")):
-        raise SystemExit(f"{flag} {path} exists and is not an fxshard checkpoint (no fxshard.json): choose a new "
-                         f"directory, or an earlier checkpoint's, which the save replaces")
 
 
 def main(argv=None) -> dict:
