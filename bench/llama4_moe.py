@@ -1,7 +1,10 @@
-"""transformers' Llama 4 MoE (or GPT-OSS) on one GPU: fxshard against the model's own code.
+"""transformers' Llama 4 MoE (or GPT-OSS, or dense Gemma 3) on one GPU: fxshard against the model's
+own code.
 
     python bench/llama4_moe.py --out bench/llama4_moe_1xh200.json
     python bench/llama4_moe.py --model gpt-oss --out bench/gpt_oss_moe_1xh200.json
+    python bench/llama4_moe.py --model gemma3 --modes fsdp2-compiled fxshard --out bench/gemma3.json
+    python bench/llama4_moe.py --model gemma3 --modes fxshard --without flash_attention   # an ablation
     python bench/llama4_moe.py --device cpu --size tiny --iters 2 --out /tmp/llama4.json   # smoke test
 
 `--model gpt-oss`: transformers' GPT-OSS (experts stored [E, in, out] with biases, its clamped
@@ -9,6 +12,14 @@ SwiGLU, attention sinks), whose experts run with transformers' default implement
 on CUDA) in the compiled and eager modes, and which fxshard traces through the same function. Its
 size: 4 layers (sliding and full attention alternating), hidden 2048, 32 heads of 64 (8 key/value
 heads), 16 experts of width 2048, top-4, vocabulary 32000, 1 x 4096 tokens.
+
+`--model gemma3`: transformers' Gemma 3 (dense), Gemma 3 4B's layer shape (hidden 2560, 8 heads of
+256, 4 key/value heads, MLP width 10240, five sliding-window layers of 1024 keys to one full one): 6
+layers, vocabulary 32000, 1 x 4096 tokens. In bf16 its attention traces as cuDNN's kernel with the
+masks as bias tensors (passes/causal_attention.py, passes/flash_attention.py).
+
+`--without PASS ...` takes the named passes out of fxshard's pass list for the fxshard modes (an
+ablation in the same job).
 
 transformers' `Llama4TextMoe` runs every expert over every token: one batched matmul over all E
 experts, each expert's input scaled by the token's routing score, zero for the experts the token did
@@ -62,14 +73,29 @@ GPT_OSS_SIZES = {
                  num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2, vocab_size=64, sliding_window=8,
                  seq=16),
 }
+GEMMA3_SIZES = {
+    "default": dict(hidden_size=2560, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                    intermediate_size=10240, num_hidden_layers=6, vocab_size=32000, sliding_window=1024, seq=4096),
+    "tiny": dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=16,
+                 num_hidden_layers=2, vocab_size=64, sliding_window=8, seq=16),
+}
+MODELS = {"llama4": SIZES, "gpt-oss": GPT_OSS_SIZES, "gemma3": GEMMA3_SIZES}
 MODES = ("compiled", "fsdp2-compiled", "eager", "fxshard", "fxshard-fused")
 
 
 def build(size: str, device, model: str = "llama4"):
     import transformers
 
-    shape = dict((GPT_OSS_SIZES if model == "gpt-oss" else SIZES)[size])
+    shape = dict(MODELS[model][size])
     seq = shape.pop("seq")
+    if model == "gemma3":
+        layers = shape["num_hidden_layers"]
+        config = transformers.Gemma3TextConfig(**shape, attention_dropout=0.0, max_position_embeddings=max(seq, 64),
+                                               layer_types=["full_attention" if (i + 1) % 6 == 0 else
+                                                            "sliding_attention" for i in range(layers)])
+        torch.manual_seed(0)
+        with torch.device(device):
+            return transformers.Gemma3ForCausalLM(config), seq
     if model == "gpt-oss":
         config = transformers.GptOssConfig(**shape, attention_dropout=0.0, max_position_embeddings=max(seq, 64))
         torch.manual_seed(0)
@@ -159,8 +185,14 @@ def run(mode: str, args) -> dict:
         config = fxshard.Config(param_dtype=torch.bfloat16 if device.type == "cuda" else None,
                                 cuda_graphs=device.type == "cuda", codegen="inductor",
                                 fuse_grouped_mlp=mode == "fxshard-fused")
-        sharded = fxshard.shard(model, loss_fn, batch, optimizer=fxshard.optim.AdamW(lr=1e-4, weight_decay=0.0),
-                                config=config)
+        passes = sys.modules["fxshard.passes"]
+        kept = passes.PIPELINE
+        passes.PIPELINE = [p for p in kept if p.name not in args.without]
+        try:
+            sharded = fxshard.shard(model, loss_fn, batch, optimizer=fxshard.optim.AdamW(lr=1e-4, weight_decay=0.0),
+                                    config=config)
+        finally:
+            passes.PIPELINE = kept
         step = lambda: sharded(batch)["loss"]  # noqa: E731
         notes = sharded.program.notes.get("moe_forwards", [])[:1] + sharded.program.notes.get("fused_grouped_mlp", [])
         notes += [f"{key}: {sharded.program.notes[key]}" for key in ("causal_attention", "flash_attention")
@@ -193,14 +225,22 @@ def run(mode: str, args) -> dict:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--model", default="llama4", choices=["llama4", "gpt-oss"])
+    parser.add_argument("--model", default="llama4", choices=sorted(MODELS))
     parser.add_argument("--size", default="default", choices=sorted(SIZES))
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", default="bench/llama4_moe.json")
     parser.add_argument("--profile", action="store_true", help="print each mode's top CUDA kernels")
+    parser.add_argument("--without", nargs="*", default=[], metavar="PASS",
+                        help="take these passes out of fxshard's pass list (an ablation)")
     args = parser.parse_args(argv)
+    import fxshard.passes
+
+    unknown = set(args.without) - {p.name for p in fxshard.passes.PIPELINE}
+    if unknown:
+        parser.error(f"--without {sorted(unknown)}: no such pass (fxshard's: "
+                     f"{[p.name for p in fxshard.passes.PIPELINE]})")
     rows = []
     for mode in args.modes:
         print(f"{mode} ...", flush=True)
@@ -226,8 +266,8 @@ def main(argv=None):
     for row in rows:
         for note in row.get("traced_as", []):
             print(f"{row['mode']}: {note}")
-    write_json(args.out, model=args.model, size=args.size,
-               shape=(GPT_OSS_SIZES if args.model == "gpt-oss" else SIZES)[args.size], warmup=args.warmup, iters=args.iters, rows=rows)
+    write_json(args.out, model=args.model, size=args.size, shape=MODELS[args.model][args.size], warmup=args.warmup,
+               iters=args.iters, without=args.without, rows=rows)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""flash_attention: attention the trace left on the memory-efficient kernel runs on flash instead.
+"""flash_attention: attention the trace left on the memory-efficient kernel, or on cuDNN's with a
+sliding window, runs on flash instead.
 
 On CUDA, an attention call the trace put on the memory-efficient kernel reads its mask as a bias
 tensor and computes every block of the score matrix. GPT-OSS's attention with sinks (fxshard/
@@ -7,6 +8,10 @@ sink_attention.py) calls that kernel for all its layers: its full-attention laye
 kernel reads and computes in full although only a band of width W is live. Flash computes both
 without a mask, the window as `window_size_left = W - 1` (only the band's blocks), about 2x faster
 forward + backward causal (bench/attention_kernels.py) and in proportion to S / W faster windowed.
+In bf16 on Hopper, SDPA traces as cuDNN's kernel instead (transformers' Mistral, Qwen2 and Gemma 3
+sliding-window layers): cuDNN's op takes no window, so it reads the window as a bias over all S x S
+scores, 2-7.7x slower than flash's window on an H200 (bench/attention_kernels.py). Those calls move
+too; cuDNN's causal calls and calls without a mask stay (faster than flash there).
 
 Each such forward call and every backward call made from it (they share its random-number state)
 become flash's forward and backward (`_flash_attention_forward` / `_backward`, on the same tensors
@@ -17,17 +22,20 @@ recognized by evaluating it (it must read no input of the step, like causal_atte
 most -2^15. Only where flash computes the same: bf16 or fp16 on NVIDIA sm80 or newer, no dropout,
 as many key and value heads as query heads, one head size (a multiple of 8, at most 256), a causal
 call's query and key lengths equal (the kernels align a causal mask at opposite corners otherwise),
-the log-sum-exp a backward is given contiguous fp32, and the kernels' results of the same shapes (the memory-efficient kernel pads its log-sum-exp to 32 rows: the query length must
-be a multiple of 32); the others stay. A result flash lays out otherwise than the program was traced
-with is copied into that layout (permuted, made contiguous, permuted back: ops Inductor compiles).
+the log-sum-exp a backward is given contiguous fp32, and the kernels' results of the same shapes
+(the memory-efficient kernel pads its log-sum-exp to 32 rows: the query length must be a multiple of
+32; cuDNN's has a trailing dimension of 1, a view of flash's); the others stay. A result flash lays
+out otherwise than the program was traced with is copied into that layout (permuted, made
+contiguous, permuted back: ops Inductor compiles).
 
 Invariant: the program computes the same function; the kernels differ in floating-point summation
-order only (both accumulate in fp32; a blocked key has weight exactly 0 in both unless its score
+order only (all accumulate in fp32; a blocked key has weight exactly 0 in each unless its score
 exceeds its row's largest by more than 2^15 - 104).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -39,17 +47,42 @@ from fxshard.program import Program
 aten = torch.ops.aten
 EFFICIENT = aten._scaled_dot_product_efficient_attention.default
 EFFICIENT_BACKWARD = aten._scaled_dot_product_efficient_attention_backward.default
+CUDNN = aten._scaled_dot_product_cudnn_attention.default
+CUDNN_BACKWARD = aten._scaled_dot_product_cudnn_attention_backward.default
 FLASH = aten._flash_attention_forward.default
 FLASH_BACKWARD = aten._flash_attention_backward.default
 BLOCKED = 2.0 ** 15  # an additive mask at or below -BLOCKED blocks a key (as in causal_attention)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Kernel:
+    """What differs between the kernels whose calls move: their backward op, the name of its output
+    gradient argument, the backward's arguments that are the forward's results besides output and
+    log-sum-exp (random state, cuDNN's sequence bookkeeping) with their indices, the trailing
+    dimensions of the log-sum-exp after flash's [B, H, S], and whether calls without a window move
+    (cuDNN's own causal kernel is faster than flash's)."""
+
+    backward: object
+    grad_name: str
+    state: tuple[tuple[str, int], ...]
+    lse_tail: tuple[int, ...]
+    unwindowed: bool
+
+
+KERNELS = {
+    EFFICIENT: _Kernel(EFFICIENT_BACKWARD, "grad_out_", (("philox_seed", 2), ("philox_offset", 3)), (), True),
+    CUDNN: _Kernel(CUDNN_BACKWARD, "grad_out", (("cum_seq_q", 2), ("cum_seq_k", 3), ("max_q", 4), ("max_k", 5),
+                                                ("philox_seed", 6), ("philox_offset", 7)), (1,), False),
+}
+
+
 class _Plan:
-    """How one memory-efficient forward call moves: its q, k, v, causality, window (None: all keys),
+    """How one memory-efficient or cuDNN forward call moves: its q, k, v, causality, window (None: all keys),
     scale, its getitems by output index, and the backward calls made from it."""
 
     def __init__(self, forward, q, k, v, is_causal, window, scale, items, backwards):
-        self.forward, self.q, self.k, self.v, self.is_causal = forward, q, k, v, is_causal
+        self.forward, self.kernel, self.q, self.k, self.v = forward, KERNELS[forward.target], q, k, v
+        self.is_causal = is_causal
         self.window, self.scale, self.items, self.backwards = window, scale, items, backwards
 
     @property
@@ -64,7 +97,7 @@ def flash_attention(program: Program) -> Program:
     graph_module = program.graph_module
     windows: dict = {}
     names = [node.name for node in graph_module.graph.nodes
-             if node.target is EFFICIENT and _plan(node, graph_module, windows) is not None]
+             if node.target in KERNELS and _plan(node, graph_module, windows) is not None]
     if not names:
         return program
     graph_module = reordered(graph_module, list(graph_module.graph.nodes))  # a copy to rewrite
@@ -77,18 +110,19 @@ def flash_attention(program: Program) -> Program:
         masks.append(call_argument(plan.forward, "attn_bias"))
         backwards += _rewrite(graph, plan)
     dead = ancestors(m for m in masks if m is not None)
+    moved = {*KERNELS, *(kernel.backward for kernel in KERNELS.values())}
     for node in reversed(list(graph.nodes)):  # the old calls, their getitems, the masks nothing reads
         if node.users or node.op != "call_function":
             continue
-        old = node.target in (EFFICIENT, EFFICIENT_BACKWARD) or (
-            node.target is operator.getitem and getattr(node.args[0], "target", None) in (EFFICIENT, EFFICIENT_BACKWARD))
+        old = node.target in moved or (
+            node.target is operator.getitem and getattr(node.args[0], "target", None) in moved)
         if old or (node in dead and is_pure(node)):
             graph.erase_node(node)
     graph.lint()
     graph_module.recompile()
     notes = dict(program.notes, flash_attention=f"{len(names)} attention calls ({windowed} with a sliding window) and "
                                                 f"{backwards} backward calls on the flash kernel instead of the "
-                                                f"memory-efficient one")
+                                                f"memory-efficient or cuDNN one")
     return program.replace(graph_module=graph_module, notes=notes)
 
 
@@ -110,13 +144,18 @@ def _rewrite(graph: fx.Graph, plan: _Plan) -> int:
         flash = call(FLASH, (q, k, v, None, None, rows, columns, 0.0, plan.is_causal, False), plan.flags)
         out, lse, rng, unused = (call(operator.getitem, (flash, i)) for i in range(4))
         out = _in_layout(call, call(aten.transpose.int, (out, 1, 2)), plan.items[0].meta["val"])
+        if 1 in plan.items and plan.items[1].meta["val"].dim() == 4:  # cuDNN's: [B, H, S, 1]
+            lse = call(aten.unsqueeze.default, (lse, -1))
     plan.items[0].replace_all_uses_with(out)
     if 1 in plan.items:
         plan.items[1].replace_all_uses_with(lse)
     for backward in plan.backwards:
-        grad, out_given, lse_given = (call_argument(backward, name) for name in ("grad_out_", "out", "logsumexp"))
+        grad, out_given, lse_given = (call_argument(backward, name)
+                                      for name in (plan.kernel.grad_name, "out", "logsumexp"))
         with graph.inserting_before(backward):
             grad, out_given = (call(aten.transpose.int, (t, 1, 2), like=backward) for t in (grad, out_given))
+            if lse_given.meta["val"].dim() == 4:
+                lse_given = call(aten.squeeze.dim, (lse_given, -1), like=backward)
             new = call(FLASH_BACKWARD, (grad, q, k, v, out_given, lse_given, None, None, rows, columns, 0.0,
                                         plan.is_causal, rng, unused), plan.flags, like=backward)
             for user in list(backward.users):
@@ -144,6 +183,7 @@ def _in_layout(call, node: fx.Node, like: torch.Tensor) -> fx.Node:
 def _plan(forward: fx.Node, graph_module: fx.GraphModule, windows: dict) -> _Plan | None:
     """How `forward` moves to flash, or None where flash would not compute the same (module docstring).
     `windows` caches each mask's window (`_window`) by the mask node's name."""
+    kernel = KERNELS[forward.target]
     q, k, v = (call_argument(forward, name) for name in ("query", "key", "value"))
     if not all(isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor) for n in (q, k, v)):
         return None
@@ -153,7 +193,8 @@ def _plan(forward: fx.Node, graph_module: fx.GraphModule, windows: dict) -> _Pla
             or call_argument(forward, "dropout_p") != 0 or not call_argument(forward, "compute_log_sumexp")
             or not query.shape[1] == key.shape[1] == value.shape[1]
             or not query.shape[-1] == key.shape[-1] == value.shape[-1]
-            or query.shape[-1] % 8 or query.shape[-1] > 256 or query.shape[-2] % 32
+            or query.shape[-1] % 8 or query.shape[-1] > 256
+            or (forward.target is EFFICIENT and query.shape[-2] % 32)  # its log-sum-exp padded to 32 rows
             or not _flash_trains_on(query.device, query.shape[-1])):
         return None
     is_causal, scale, mask = (call_argument(forward, name) for name in ("is_causal", "scale", "attn_bias"))
@@ -169,6 +210,8 @@ def _plan(forward: fx.Node, graph_module: fx.GraphModule, windows: dict) -> _Pla
         if window is None:
             return None
         is_causal = True
+    if window is None and not kernel.unwindowed:
+        return None
     items = {}
     for user in forward.users:
         if user.target is not operator.getitem:
@@ -176,29 +219,31 @@ def _plan(forward: fx.Node, graph_module: fx.GraphModule, windows: dict) -> _Pla
         items[user.args[1]] = user
     if 0 not in items:
         return None
-    backwards = list(dict.fromkeys(user for i in (2, 3) if i in items for user in items[i].users))
+    lse_shape = (*query.shape[:2], query.shape[-2], *kernel.lse_tail)
+    backwards = list(dict.fromkeys(u for item in items.values() for u in item.users if u.target is kernel.backward))
+    if any(u not in backwards for _, i in kernel.state if i in items for u in items[i].users):
+        return None  # its random state read by something else
     for backward in backwards:
-        if (backward.target is not EFFICIENT_BACKWARD or call_argument(backward, "philox_seed") is not items.get(2)
-                or call_argument(backward, "philox_offset") is not items.get(3)
+        if (any(isinstance(call_argument(backward, name), fx.Node) and call_argument(backward, name) is not items.get(i)
+                for name, i in kernel.state)
                 or call_argument(backward, "attn_bias") is not mask or call_argument(backward, "dropout_p") != 0
-                or call_argument(backward, "grad_input_mask")[3]
+                or (kernel.backward is EFFICIENT_BACKWARD and call_argument(backward, "grad_input_mask")[3])
                 or call_argument(backward, "is_causal") != call_argument(forward, "is_causal")
                 or call_argument(backward, "scale") != scale
                 or any(call_argument(backward, name) is not node for name, node in (("query", q), ("key", k),
                                                                                    ("value", v)))
                 or any(u.target is not operator.getitem or u.args[1] > 2 for u in backward.users)
-                or not _flat_lse(call_argument(backward, "logsumexp"), query)):
+                or not _flat_lse(call_argument(backward, "logsumexp"), lse_shape)):
             return None  # flash's backward reads its log-sum-exp as a contiguous fp32 [B, H, S], strides unchecked
-    old_lse = items[1].meta["val"] if 1 in items else None
-    if old_lse is not None and tuple(old_lse.shape) != (*query.shape[:2], query.shape[-2]):
+    if 1 in items and tuple(items[1].meta["val"].shape) != lse_shape:
         return None  # padded (a length that is no multiple of 32): what reads it was traced for that
     return _Plan(forward, q, k, v, is_causal, window, scale, items, backwards)
 
 
-def _flat_lse(node, query: torch.Tensor) -> bool:
+def _flat_lse(node, shape: tuple) -> bool:
     value = node.meta.get("val") if isinstance(node, fx.Node) else None
     return (isinstance(value, torch.Tensor) and value.dtype == torch.float32 and value.is_contiguous()
-            and tuple(value.shape) == (*query.shape[:2], query.shape[-2]))
+            and tuple(value.shape) == shape)
 
 
 def _flash_trains_on(device: torch.device, head_dim: int) -> bool:

@@ -1,7 +1,7 @@
 """The attention passes on CUDA in bf16: causal_attention drops a causal mask from cuDNN's kernel
 (what bf16 SDPA traces as on Hopper; SDPA writes a boolean mask as 0 / -65536 for it), and
 flash_attention moves attention left on the memory-efficient kernel without a mask or with a
-sliding-window mask to flash, forward and backward. The step computes what it computed before, up
+sliding-window mask, and cuDNN's with a sliding-window mask, to flash, forward and backward. The step computes what it computed before, up
 to the kernels' rounding in bf16."""
 
 import pytest
@@ -142,16 +142,43 @@ def test_gpt_oss_sink_attention_runs_on_flash_with_its_sliding_window():
 
 @given(kind=st.sampled_from(["causal", "window"]), heads=st.integers(1, 3), head_dim=st.sampled_from([16, 64, 128]),
        length=st.sampled_from([16, 64, 100]), seed=st.integers(0, 2))
-def test_a_causal_mask_on_cudnn_becomes_is_causal_and_the_step_computes_the_same(kind, heads, head_dim, length, seed):
+def test_a_causal_mask_on_cudnn_becomes_is_causal_a_window_moves_to_flash_and_the_step_computes_the_same(
+        kind, heads, head_dim, length, seed):
     torch.manual_seed(seed)
     model = Attention(kind, heads, head_dim, backend=SDPBackend.CUDNN_ATTENTION).cuda()
     batch = {"idx": torch.randint(0, 32, (2, length), device="cuda"),
              "tgt": torch.randint(0, 32, (2, length), device="cuda")}
     programs = programs_of(model, batch)
-    if kind == "window":  # not the causal pattern (and flash_attention moves the memory-efficient kernel only)
-        assert list(programs) == ["traced"]
+    if kind == "window":  # not the causal pattern: flash's window (cuDNN's op has none), any length
+        assert list(programs) == ["traced", "flash_attention"]
+        assert kernels(programs["flash_attention"]) == FLASH_PAIR
+        assert "1 attention calls (1 with a sliding window) and 1 backward calls" in \
+            programs["flash_attention"].notes["flash_attention"]
+        assert_same_step(programs["traced"], programs["flash_attention"], model, batch)
         return
     calls = [n for n in programs["causal_attention"].graph.nodes if n.target in ATTENTION_MASKS]
     assert tuple(n.target for n in calls) == CUDNN
     assert all(call_argument(n, "attn_bias") is None and call_argument(n, "is_causal") for n in calls)
     assert_same_step(programs["traced"], programs["causal_attention"], model, batch)
+
+
+def test_gemma3_sliding_window_layers_leave_cudnn_for_flash_and_its_full_layers_stay_causal_on_cudnn():
+    """transformers' Gemma 3 in bf16 (SDPA on cuDNN's kernel, the masks as bias tensors, grouped key-value
+    heads repeated): the full-attention layer's causal mask becomes cuDNN's is_causal, the sliding-window
+    layer moves to flash's window, and the step computes what the traced one does."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma3TextConfig(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                           sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                                           max_position_embeddings=128, attention_dropout=0.0)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(config).cuda()
+    batch = {"idx": torch.randint(0, 64, (2, 64), device="cuda"), "tgt": torch.randint(0, 64, (2, 64), device="cuda")}
+    programs = programs_of(model, batch)
+    final = list(programs.values())[-1]
+    cudnn = [n for n in final.graph.nodes if n.target in CUDNN]
+    assert len(cudnn) == 2 and all(call_argument(n, "is_causal") and call_argument(n, "attn_bias") is None
+                                   for n in cudnn)
+    assert kernels(final) == FLASH_PAIR
+    assert [n.kwargs["window_size_left"] for n in final.graph.nodes if n.target is FLASH] == [15]
+    assert_same_step(programs["traced"], final, model, batch)
