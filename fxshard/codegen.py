@@ -265,13 +265,21 @@ class CompiledRegion(nn.Module):
             return outputs
         outputs = list(outputs)
         for i in self.restrided:
-            shape, stride = self.layouts[i]
-            outputs[i] = torch.empty_strided(shape, stride, dtype=outputs[i].dtype,
-                                             device=outputs[i].device).copy_(outputs[i])
+            outputs[i] = _laid_out(outputs[i], *self.layouts[i])
         return outputs
 
     def extra_repr(self) -> str:
         return self.description
+
+
+def _laid_out(tensor: torch.Tensor, shape: tuple, stride: tuple) -> torch.Tensor:
+    """A copy of `tensor` in `shape` and `stride`. Where the stride is 0 in a dim longer than 1 (an
+    expanded value: its elements there are one memory location, which no copy can write), the values
+    at index 0 of such dims are copied and expanded."""
+    broadcast = [size > 1 and step == 0 for size, step in zip(shape, stride)]
+    part = tensor[tuple(slice(0, 1) if b else slice(None) for b in broadcast)] if any(broadcast) else tensor
+    copy = torch.empty_strided(part.shape, stride, dtype=tensor.dtype, device=tensor.device).copy_(part)
+    return copy.expand(shape) if any(broadcast) else copy
 
 
 def _same_layout(tensor: torch.Tensor, shape: tuple, stride: tuple) -> bool:

@@ -221,6 +221,12 @@ class Config:
         layer's forward or backward begins, so identical layers compile once (a shorter compile);
         "communication": only at those nodes (one device: the whole step is one region, which Inductor
         may fuse across layer boundaries; bench/codegen.py compares the two).
+    recompute_pointwise: the backward computes again the values it reads that pointwise ops, views and
+        casts make from other values, where that keeps fewer bytes alive between the forward and the
+        backward (a minimum cut, as torch.compile's partitioner chooses: passes/recompute_pointwise.py;
+        an RMSNorm in fp32 then keeps its bf16 input instead of two fp32 copies). None (default): where
+        the step's compute is compiled (Config(codegen)), whose kernels take the copies in; True / False:
+        on / off (without codegen each copy is a kernel of its own).
     nonfinite: what a step does whose gradients are not all finite (a NaN or inf anywhere, on any rank;
         checked in the graph from the global gradient norm; under a sharded optimizer without
         clipping or pipeline, the last units' part from their gradients before reduction, which
@@ -292,6 +298,7 @@ class Config:
     codegen_regions: str = "layer"
     nonfinite: str = "raise"
     share_trace: bool | None = None
+    recompute_pointwise: bool | None = None
     share_compile: bool | None = None
 
     def nccl_ctas(self, axis: str) -> int | None:
@@ -418,6 +425,9 @@ class Config:
             raise FxShardError(f"ep_sm_carveout must be an int >= 0 (SMs) or None, got {self.ep_sm_carveout!r}")
         if self.nccl_max_ctas is not None:
             self._check_nccl_max_ctas()
+        if self.recompute_pointwise is not None and not isinstance(self.recompute_pointwise, bool):
+            raise FxShardError(f"recompute_pointwise={self.recompute_pointwise!r}; choose True, False or None (on where "
+                               f"the step is compiled)")
         if self.share_trace is not None and not isinstance(self.share_trace, bool):
             raise FxShardError(f"share_trace={self.share_trace!r}; choose True, False or None (on for gloo)")
         if self.share_compile is not None and not isinstance(self.share_compile, bool):

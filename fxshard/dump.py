@@ -156,7 +156,7 @@ def _op_name(node: fx.Node) -> str:
     return node.op
 
 
-def _format_bytes(n: int) -> str:
+def format_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
@@ -292,10 +292,10 @@ def summarize(program: Program) -> str:
         specs = program.inputs_of(kind)
         if specs:
             size = sum(_nbytes(_value(placeholders[s])) for s in specs)
-            lines.append(f"{kind.value:<12} {len(specs):>6} {_format_bytes(size):>12}")
-    lines.append(f"{'activations':<12} {'':>6} {_format_bytes(saved_activation_bytes(program)):>12}"
+            lines.append(f"{kind.value:<12} {len(specs):>6} {format_bytes(size):>12}")
+    lines.append(f"{'activations':<12} {'':>6} {format_bytes(saved_activation_bytes(program)):>12}"
                  f"   (forward values read by the backward)")
-    lines.append(f"{'peak live':<12} {'':>6} {_format_bytes(peak_live_bytes(program)):>12}"
+    lines.append(f"{'peak live':<12} {'':>6} {format_bytes(peak_live_bytes(program)):>12}"
                  f"   (inputs + live intermediates, per rank)")
     lines.append("")
     lines.extend(_updates_lines(program))
@@ -312,7 +312,7 @@ def summarize(program: Program) -> str:
     ops = Counter(_op_name(n) for n in nodes if n.op == "call_function")
     lines.append("ops: " + ", ".join(f"{op} {count}" for op, count in ops.most_common()))
     lines.append("bytes written per step, largest: " + ", ".join(
-        f"{op} {_format_bytes(size)}" for op, size in written_bytes_by_op(program).most_common(10)))
+        f"{op} {format_bytes(size)}" for op, size in written_bytes_by_op(program).most_common(10)))
     for key, value in program.notes.items():
         lines.append(f"{key}: {value}")
     return "\n".join(lines) + "\n"
@@ -354,14 +354,14 @@ def _collectives_table(program: Program) -> list[str]:
         overlap = f"{gemms} GEMM{'s' if gemms != 1 else ''}, {work} / {len(window)} ops" if waits else "-"
         owner = node.meta.get(meta.UNIT) or f"({_group(node)}" + (f" peer {node.args[-2]})" if node.target in P2P_OPS
                                                                    else ")")
-        rows.append(f"{position:>8} {op:<24} {owner:<20} {meta.phase(node):<6} {_format_bytes(size):>12}   {overlap}")
+        rows.append(f"{position:>8} {op:<24} {owner:<20} {meta.phase(node):<6} {format_bytes(size):>12}   {overlap}")
     if not rows:
         return []
     lines = ["", f"{'position':>8} {'collective':<24} {'unit':<20} {'phase':<6} {'bytes/rank':>12}   "
                  f"overlaps (issue to wait; dropless grouped GEMMs' FLOPs an upper bound)", *rows]
     lines.append("collective bytes per step (per rank): " + ", ".join(
-        f"{op} {_format_bytes(size)}" for op, size in totals.items()) +
-        f"; total {_format_bytes(sum(totals.values()))}")
+        f"{op} {format_bytes(size)}" for op, size in totals.items()) +
+        f"; total {format_bytes(sum(totals.values()))}")
     return lines
 
 

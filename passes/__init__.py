@@ -24,6 +24,7 @@ from .narrow_grads import narrow_grads
 from .overlap import fill_ep_windows
 from .recognize_moe import recognize_moe
 from .recompute import recompute
+from .recompute_pointwise import recompute_pointwise
 from .pipeline import chunk_costs, split_stages
 
 
@@ -60,6 +61,12 @@ PIPELINE: list[Pass] = [
     Pass("recompute",
          lambda program, mesh, config, stage: recompute(program),
          lambda mesh, config: True),
+    # what the backward reads and pointwise ops, views and casts make: computed again where a minimum cut
+    # keeps fewer bytes (after recompute, whose copies it leaves; before the cut, which keeps each
+    # layer's copies in its chunk)
+    Pass("recompute_pointwise",
+         lambda program, mesh, config, stage: recompute_pointwise(program),
+         lambda mesh, config: bool(config.recompute_pointwise)),
     # Mesh(pp>1): the microbatch program cut into chunks, and this stage's actions of the schedule
     # lowered into one program for the whole step (sends, receives, accumulation, optimizer phase)
     Pass("pipeline",
