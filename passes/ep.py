@@ -264,6 +264,11 @@ class _Rewrite:
     # ---- analysis ------------------------------------------------------------------------------
     def find_layers(self):
         seeds = [n for n in self.old.nodes if n.op == "call_function" and n.target in self.roles]
+        if not seeds and not any(n.target is torch.ops.aten.topk.default for n in self.old.nodes):
+            raise FxShardError(
+                f"Mesh(ep={self.cfg.ep}) but the model has no MoE layer: its traced forward routes no token to "
+                f"experts (no top-k anywhere), and expert parallelism splits a MoE layer's experts over ranks. Use "
+                f"ep=1 (dp={self.cfg.ep} splits the batch over as many ranks)")
         if not seeds:
             raise FxShardError(
                 f"Mesh(ep={self.cfg.ep}) but the program has no MoE layer fxshard can split over ranks: expert "

@@ -195,7 +195,7 @@ def test_check_rejects_without_processes_what_shard_would_reject_on_every_rank()
 
     batch = {"idx": torch.randint(0, 64, (2, 8)), "tgt": torch.randint(0, 64, (2, 8))}
     model = GPT(GPTConfig.preset("tiny"))
-    with pytest.raises(fxshard.FxShardError, match="Mesh\\(ep=2\\) but the program has no MoE layer fxshard can split"):
+    with pytest.raises(fxshard.FxShardError, match="Mesh\\(ep=2\\) but the model has no MoE layer: its traced forward routes no token"):
         fxshard.check(model, lambda m, b: m.loss(b), batch, mesh=fxshard.Mesh(dp=2, ep=2))
     with pytest.raises(fxshard.FxShardError, match="mesh must be fxshard.Mesh"):
         fxshard.check(model, lambda m, b: m.loss(b), batch, mesh="dp=2")

@@ -177,8 +177,22 @@ def test_bad_meshes_and_models_are_refused():
 
     gpt = fxshard.trace(GPT(GPTConfig.preset("tiny")), lambda m, b: m.loss(b),
                         {"idx": torch.zeros(1, 8, dtype=torch.long), "tgt": torch.zeros(1, 8, dtype=torch.long)})
-    with pytest.raises(fxshard.FxShardError, match="no MoE layer fxshard can split"):
+    with pytest.raises(fxshard.FxShardError, match="the model has no MoE layer: its traced forward routes no token"):
         expert_parallel(gpt, EPConfig(2))
+
+    class EveryExpertOverEveryToken(torch.nn.Module):  # a top-k router, then one batched matmul of all experts
+        def __init__(self):
+            super().__init__()
+            self.router, self.experts = torch.nn.Linear(8, 4), torch.nn.Parameter(torch.randn(4, 8, 8))
+
+        def forward(self, x):
+            scores, chosen = self.router(x).topk(2)
+            gates = torch.zeros(x.shape[0], 4).scatter(1, chosen, scores.softmax(-1))
+            return torch.einsum("te,eio,ti->to", gates, self.experts, x)
+
+    dense_experts = fxshard.trace(EveryExpertOverEveryToken(), lambda m, b: m(b).square().mean(), torch.randn(6, 8))
+    with pytest.raises(fxshard.FxShardError, match="no MoE layer fxshard can split .* experts compute otherwise"):
+        expert_parallel(dense_experts, EPConfig(2))
     indexed = MoEGPT(MoEGPTConfig.preset("tiny", expert_weights="indexed"))
     program = fxshard.trace(indexed, loss_and_metrics, {"idx": torch.zeros(1, 8, dtype=torch.long),
                                                         "tgt": torch.zeros(1, 8, dtype=torch.long)})
