@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -318,6 +319,18 @@ def test_an_async_save_holds_the_state_of_when_it_was_called(saved, tmp_path):
     resumed = shard()
     fxshard.load(resumed, tmp_path / "async")
     assert [resumed(batch)["loss"].item() for batch in data[3:5]] == saved[1]
+
+
+def test_saves_in_one_process_print_no_warning_of_torch_distributed(tmp_path):
+    """One process without torch.distributed is a normal job: DCP's "assuming the intent is to save in a
+    single process" warning is not shown, from the training thread or from an async save's thread."""
+    step = shard()
+    step(batches()[0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fxshard.save(step, tmp_path / "sync")
+        fxshard.save(step, tmp_path / "async", async_save=True).wait()
+    assert not [w for w in caught if "torch.distributed is disabled" in str(w.message)]
 
 
 def test_a_trailing_slash_names_the_same_checkpoint_and_extra_is_kept_as_it_was_at_the_call(tmp_path):

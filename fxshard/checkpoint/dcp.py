@@ -123,6 +123,8 @@ def save(step, path: str | os.PathLike, extra=None, async_save: bool = False) ->
         except BaseException as error:  # noqa: BLE001 - handed to wait()
             pending._error = error
 
+    if not distributed:  # the thread cannot swap the filters (_quiet): this one message, for the process
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
     pending._thread = threading.Thread(target=run, name="fxshard-save", daemon=True)
     pending._thread.start()
     step._pending_save = pending
@@ -772,13 +774,16 @@ def _quiet(distributed: bool):
     """One process without torch.distributed is a normal fxshard job: DCP need not warn about it.
     Only on the main thread: `warnings.catch_warnings` swaps the process's filter list and puts it back
     on exit, so on an async save's thread it could undo filters the training loop sets meanwhile (an
-    async single-process save may print DCP's warning once)."""
+    async single-process save instead adds a filter for that one message before its thread starts)."""
     if distributed or threading.current_thread() is not threading.main_thread():
         yield
         return
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
         yield
+
+
+_SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to"
 
 
 def _is_distributed() -> bool:
