@@ -10,6 +10,8 @@ and the ratio to the single-GPU no-communication time of the same model and batc
     nocomm-compile  the same with torch.compile on each block (torchtitan's per-block recipe)
     nocomm-fxshard  one GPU, fxshard without a mesh, codegen by Inductor, CUDA graphs (--eager-replay: without)
     nocomm-fxshard-aten  the same without codegen (aten replay)
+    nocomm-fxshard-nopointwise  nocomm-fxshard with Config(recompute_pointwise=False): the backward reads
+                    every value autograd saves (passes/recompute_pointwise.py off)
     fsdp2           N GPUs, torch.distributed.fsdp.fully_shard per block + root, eager
     fsdp2-compile   the same with torch.compile on each block (torchtitan's recipe)
     fxshard         N GPUs, fxshard ZeRO-3 (optim_grads_params), codegen, CUDA graphs (--eager-replay: without),
@@ -206,7 +208,7 @@ NO_DECAY = ("*norm.weight",)  # the -nodecay modes' parameters without weight de
 
 
 def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None, codegen="inductor", collectives="nccl", max_ctas=None,
-                barriers="kernel", no_decay=False):
+                barriers="kernel", no_decay=False, pointwise=None):
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = f"cuda:{rank}"
     torch.cuda.set_device(device)
@@ -214,7 +216,7 @@ def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None, codegen="inductor", c
     data = batch_for(cfg, batch, seq, device, seed=rank)
     config = fxshard.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cuda_graphs=CUDA_GRAPHS,
                             sharding="optim_grads_params", codegen=codegen, fsdp_collectives=collectives,
-                            nccl_max_ctas=max_ctas, copy_engine_barriers=barriers)
+                            nccl_max_ctas=max_ctas, copy_engine_barriers=barriers, recompute_pointwise=pointwise)
     started = time.perf_counter()
     optimizer = fxshard.optim.AdamW(lr=1e-4, no_decay=NO_DECAY if no_decay else ())
     step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=optimizer, mesh=mesh, config=config)
@@ -227,7 +229,8 @@ def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None, codegen="inductor", c
     label = (f"fxshard{dist.get_world_size()}" if mesh is not None else "nocomm-fxshard") + \
         f"{'' if codegen else '-aten'}{'-ce' if collectives != 'nccl' else ''}{'s' if barriers == 'stream' else ''}" \
         f"{f'-ctas{max_ctas}' if max_ctas else ''}" \
-        f"{nccl_label() if mesh is not None else ''}{'-nodecay' if no_decay else ''}_b{batch}"
+        f"{nccl_label() if mesh is not None else ''}{'-nodecay' if no_decay else ''}" \
+        f"{'-nopointwise' if pointwise is False else ''}_b{batch}"
     ms = timed(lambda: step(data), warmup, iters, label)
     from fxshard.runtime.copy_engine import workspace_bytes
 
@@ -349,9 +352,10 @@ def main():
                         ms, peak = run_eager_single(cfg, batch, args.seq, args.warmup, args.iters,
                                                     compiled=mode == "nocomm-compile")
                         gpus = 1
-                    elif mode in ("nocomm-fxshard", "nocomm-fxshard-aten"):
+                    elif mode in ("nocomm-fxshard", "nocomm-fxshard-aten", "nocomm-fxshard-nopointwise"):
                         ms, peak = run_fxshard(cfg, batch, args.seq, args.warmup, args.iters,
-                                               codegen=None if mode.endswith("-aten") else "inductor")
+                                               codegen=None if mode.endswith("-aten") else "inductor",
+                                               pointwise=False if mode.endswith("-nopointwise") else None)
                         gpus = 1
                     else:
                         gpus = args.gpus
