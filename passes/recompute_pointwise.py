@@ -131,23 +131,29 @@ def _is_view_op(node: fx.Node) -> bool:
 
 
 def _sink_side(forward: list[fx.Node], cheap) -> set[fx.Node]:
-    """The forward nodes a minimum cut puts on the sink's side: computed again for the backward."""
+    """The forward nodes a minimum cut puts on the sink's side: computed again for the backward.
+
+    Only the nodes that may be computed again and their inputs enter the flow graph: any other node
+    hangs from the source, so its n_in is on the source's side in every cut, an edge into it is never
+    cut, and the cost of keeping it, where nothing cheap reads it, is the same in every cut."""
+    again = [node for node in forward if cheap(node)]
     cut = nx.DiGraph()
-    for node in forward:
+    for node in dict.fromkeys(n for node in again for n in (*node.all_input_nodes, node)):
         inside, outside = ("in", node), ("out", node)
         alive_anyway = node.op in ("placeholder", "get_attr") or any(
             meta.phase(u) not in (meta.FWD, meta.BWD) for u in node.users)  # an input, an output, the optimizer's
         cut.add_edge(inside, outside, capacity=0 if alive_anyway else _storage_bytes(node.meta.get("val")))
-        if not cheap(node):
-            cut.add_edge("source", inside)  # no capacity: unbounded
         if any(meta.phase(u) == meta.BWD for u in node.users):
             cut.add_edge(outside, "sink")
+        if meta.phase(node) != meta.FWD or not cheap(node):
+            cut.add_edge("source", inside)  # no capacity: unbounded
+            continue
         for source in node.all_input_nodes:
             cut.add_edge(("out", source), inside)
     if "sink" not in cut:
         return set()
     _, (_, sink_side) = nx.minimum_cut(cut, "source", "sink")
-    return {node for node in forward if ("in", node) in sink_side}
+    return {node for node in again if ("in", node) in sink_side}
 
 
 def _storage_bytes(value) -> int:
