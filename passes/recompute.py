@@ -102,9 +102,25 @@ def recompute(program: Program) -> Program:
     if not before:
         return program
 
+    new = with_copies(graph, before)
+    new.lint()
+    copied_count = sum(len(nodes) for nodes in before.values())
+    kept = sum(1 for nodes in calls.values() for n in nodes if n.meta.get(meta.SAVED))
+    notes = dict(program.notes, recompute=f"{recomputed_calls} checkpointed calls: {copied_count} forward nodes computed "
+                                          f"again in the backward, where it read {read_count} of their values"
+                                          + (f"; {kept} values kept by selective policies" if kept else ""))
+    return program.replace(graph_module=lazy_module(program.graph_module, new), notes=notes)
+
+
+def with_copies(graph: fx.Graph, before: dict[fx.Node, list[fx.Node]]) -> Graph:
+    """A copy of `graph` in which, right before each node of `before`, copies of that node's list of
+    forward nodes are made (in the list's order: each reads the copies made before it, else the
+    originals), as backward nodes named recompute_<the forward node>, and every backward node reads
+    the copies in place of their originals."""
     new = Graph()
     env: dict[fx.Node, fx.Node] = {}
     copies: dict[fx.Node, fx.Node] = {}  # a forward original -> its copy for the backward
+
     def copied_or_kept(n: fx.Node) -> fx.Node:
         return copies[n] if n in copies else env[n]
 
@@ -116,10 +132,4 @@ def recompute(program: Program) -> Program:
             copy.meta[meta.PHASE] = meta.BWD
             copies[original] = copy
         env[node] = new.node_copy(node, copied_or_kept if meta.phase(node) == meta.BWD else env.__getitem__)
-    new.lint()
-    copied_count = sum(len(nodes) for nodes in before.values())
-    kept = sum(1 for nodes in calls.values() for n in nodes if n.meta.get(meta.SAVED))
-    notes = dict(program.notes, recompute=f"{recomputed_calls} checkpointed calls: {copied_count} forward nodes computed "
-                                          f"again in the backward, where it read {read_count} of their values"
-                                          + (f"; {kept} values kept by selective policies" if kept else ""))
-    return program.replace(graph_module=lazy_module(program.graph_module, new), notes=notes)
+    return new

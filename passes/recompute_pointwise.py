@@ -41,9 +41,9 @@ import torch.fx as fx
 
 from fxshard import meta
 from fxshard.dump import format_bytes
-from fxshard.graph import Graph, is_pure, lazy_module
+from fxshard.graph import is_pure, lazy_module
 from fxshard.program import InputKind, Program
-from fxshard.passes.recompute import recomputable
+from fxshard.passes.recompute import recomputable, with_copies
 
 aten = torch.ops.aten
 CASTS = frozenset({aten._to_copy.default, aten.clone.default})
@@ -74,21 +74,7 @@ def recompute_pointwise(program: Program) -> Program:
         first = min((u for n in nodes for u in n.users if meta.phase(u) == meta.BWD), key=position.__getitem__)
         before.setdefault(first, []).extend(sorted(copied, key=position.__getitem__))
 
-    new = Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    copies: dict[fx.Node, fx.Node] = {}  # a forward original -> its copy for the backward
-
-    def copied_or_kept(n: fx.Node) -> fx.Node:
-        return copies[n] if n in copies else env[n]
-
-    for node in graph.nodes:
-        for original in before.get(node, ()):  # named for the dumps: recompute_<the forward node>
-            args, kwargs = fx.map_arg((original.args, original.kwargs), copied_or_kept)
-            copy = new.create_node(original.op, original.target, args, kwargs, name=f"recompute_{original.name}")
-            copy.meta = {k: v for k, v in original.meta.items() if k != meta.RECOMPUTE}
-            copy.meta[meta.PHASE] = meta.BWD
-            copies[original] = copy
-        env[node] = new.node_copy(node, copied_or_kept if meta.phase(node) == meta.BWD else env.__getitem__)
+    new = with_copies(graph, before)
     for node in reversed(list(new.nodes)):  # forward originals only the backward read
         if not node.users and meta.phase(node) == meta.FWD and is_pure(node):
             new.erase_node(node)
