@@ -91,14 +91,7 @@ def recompute(program: Program) -> Program:
         if not read:
             continue
         read_count, recomputed_calls = read_count + len(read), recomputed_calls + 1
-        copied, stack = set(), list(read)
-        while stack:  # what the read values are computed from inside the call
-            node = stack.pop()
-            if node not in copied:
-                copied.add(node)
-                stack.extend(n for n in node.all_input_nodes if n in inside)
-        first = min((u for n in read for u in n.users if meta.phase(u) == meta.BWD), key=position.__getitem__)
-        before.setdefault(first, []).extend(sorted(copied, key=position.__getitem__))
+        plan_copies(before, read, inside, position)
     if not before:
         return program
 
@@ -110,6 +103,21 @@ def recompute(program: Program) -> Program:
                                           f"again in the backward, where it read {read_count} of their values"
                                           + (f"; {kept} values kept by selective policies" if kept else ""))
     return program.replace(graph_module=lazy_module(program.graph_module, new), notes=notes)
+
+
+def plan_copies(before: dict[fx.Node, list[fx.Node]], read: list[fx.Node], within: set[fx.Node],
+                position: dict[fx.Node, int]) -> None:
+    """Add to `before` (the first backward reader -> the forward nodes to copy there) the forward values
+    `read` and what they are computed from within `within`, in graph order, before the first backward
+    node that reads one of them."""
+    copied, stack = set(), list(read)
+    while stack:
+        node = stack.pop()
+        if node not in copied:
+            copied.add(node)
+            stack.extend(n for n in node.all_input_nodes if n in within)
+    first = min((u for n in read for u in n.users if meta.phase(u) == meta.BWD), key=position.__getitem__)
+    before.setdefault(first, []).extend(sorted(copied, key=position.__getitem__))
 
 
 def with_copies(graph: fx.Graph, before: dict[fx.Node, list[fx.Node]]) -> Graph:

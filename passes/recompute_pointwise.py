@@ -43,7 +43,7 @@ from fxshard import meta
 from fxshard.dump import format_bytes
 from fxshard.graph import is_pure, lazy_module
 from fxshard.program import InputKind, Program
-from fxshard.passes.recompute import recomputable, with_copies
+from fxshard.passes.recompute import plan_copies, recomputable, with_copies
 
 aten = torch.ops.aten
 CASTS = frozenset({aten._to_copy.default, aten.clone.default})
@@ -65,14 +65,7 @@ def recompute_pointwise(program: Program) -> Program:
         groups.setdefault((meta.layer(node), meta.microbatch(node)), []).append(node)
     before: dict[fx.Node, list[fx.Node]] = {}  # the first backward reader -> the nodes to copy there
     for nodes in groups.values():
-        copied, stack = set(), list(nodes)
-        while stack:  # what the read values are computed from on the sink's side
-            node = stack.pop()
-            if node not in copied:
-                copied.add(node)
-                stack.extend(n for n in node.all_input_nodes if n in again)
-        first = min((u for n in nodes for u in n.users if meta.phase(u) == meta.BWD), key=position.__getitem__)
-        before.setdefault(first, []).extend(sorted(copied, key=position.__getitem__))
+        plan_copies(before, nodes, again, position)
 
     new = with_copies(graph, before)
     for node in reversed(list(new.nodes)):  # forward originals only the backward read
