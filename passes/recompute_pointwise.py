@@ -19,9 +19,9 @@ cut between layers leaves each chunk's copies reading values of its own chunk).
 The cut: each forward node n is an edge n_in -> n_out whose capacity is the bytes keeping its value
 alive costs (its storage's; nothing for an input or output of the step or a value the optimizer
 reads, which are alive anyway); the source feeds n_in of every node that may not be computed again,
-each forward edge a -> b is a_out -> b_in, and n_out feeds the sink where a backward node reads n. A minimum cut splits the nodes into
-those the forward computes (the source's side) and those the backward computes again (the sink's
-side); the cut's edges are the values kept for the backward. Each backward node reading a value of
+each forward edge a -> b is a_out -> b_in, and n_out feeds the sink where a backward node reads n.
+A minimum cut splits the nodes into those the forward computes (the source's side) and those the
+backward computes again (the sink's side); the cut's edges are the values kept for the backward. Each backward node reading a value of
 the sink's side reads a copy instead: the value's op run again on copies or kept values, the copies
 of one layer and microbatch placed before the first backward node of that layer and microbatch that
 reads one (as recompute places a checkpointed call's). Forward nodes nothing reads any more are
@@ -148,7 +148,8 @@ def _storage_bytes(value) -> int:
 
 
 def _read_bytes(graph: fx.Graph) -> int:
-    """Bytes of the forward values the backward reads, each costed by its storage."""
+    """Bytes of the forward values the backward reads, each costed by its storage, as the cut costs
+    them (fxshard.dump.saved_activation_bytes counts elements: an expanded view is larger there)."""
     return sum(_storage_bytes(n.meta.get("val")) for n in graph.nodes
                if meta.phase(n) == meta.FWD and n.op not in ("placeholder", "get_attr")
                and any(meta.phase(u) == meta.BWD for u in n.users))
