@@ -65,8 +65,6 @@ def _shard(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None
     batch_spec = BatchSpec.from_example(example_batch)
     if not is_meta:
         _check_devices(tensors, batch_spec.device)
-    if config.recompute_pointwise is None:  # where the step is compiled: its kernels take the copies in
-        config = dataclasses.replace(config, recompute_pointwise=config.compiles_on(batch_spec.device))
     _warn_if_eval_mode(model)
     _warn_unused_pipeline_settings(mesh, config)
     stage = coords.get("pp", 0)

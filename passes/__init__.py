@@ -24,7 +24,7 @@ from .narrow_grads import narrow_grads
 from .overlap import fill_ep_windows
 from .recognize_moe import recognize_moe
 from .recompute import recompute
-from .recompute_pointwise import recompute_pointwise
+from .recompute_pointwise import recompute_pointwise, runs_on
 from .pipeline import chunk_costs, split_stages
 
 
@@ -65,8 +65,8 @@ PIPELINE: list[Pass] = [
     # keeps fewer bytes (after recompute, whose copies it leaves; before the cut, which keeps each
     # layer's copies in its chunk)
     Pass("recompute_pointwise",
-         lambda program, mesh, config, stage: recompute_pointwise(program),
-         lambda mesh, config: bool(config.recompute_pointwise)),
+         lambda program, mesh, config, stage: recompute_pointwise(program) if runs_on(program, config) else program,
+         lambda mesh, config: config.recompute_pointwise is not False),
     # Mesh(pp>1): the microbatch program cut into chunks, and this stage's actions of the schedule
     # lowered into one program for the whole step (sends, receives, accumulation, optimizer phase)
     Pass("pipeline",

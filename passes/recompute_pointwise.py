@@ -22,10 +22,10 @@ reads, which are alive anyway); the source feeds n_in of every node that may not
 each forward edge a -> b is a_out -> b_in, and n_out feeds the sink where a backward node reads n.
 A minimum cut splits the nodes into those the forward computes (the source's side) and those the
 backward computes again (the sink's side); the cut's edges are the values kept for the backward. Each backward node reading a value of
-the sink's side reads a copy instead: the value's op run again on copies or kept values, the copies
-of one layer and microbatch placed before the first backward node of that layer and microbatch that
-reads one (as recompute places a checkpointed call's). Forward nodes nothing reads any more are
-dropped.
+the sink's side reads a copy instead: the value's op run again on copies or kept values, each copy
+made right before the first backward node that reads it or a copy made from it (so a value lives
+in the backward only from there, however the model names its layers), and made once. Forward
+nodes nothing reads any more are dropped.
 
 Invariant: the program computes the same values (each copy runs its original's op on the same
 inputs: on one device the same bits; compiled, Inductor may fuse a copy otherwise and round
@@ -43,7 +43,7 @@ from fxshard import meta
 from fxshard.dump import format_bytes
 from fxshard.graph import is_pure, lazy_module
 from fxshard.program import InputKind, Program
-from fxshard.passes.recompute import plan_copies, recomputable, with_copies
+from fxshard.passes.recompute import recomputable, with_copies
 
 aten = torch.ops.aten
 CASTS = frozenset({aten._to_copy.default, aten.clone.default})
@@ -60,12 +60,19 @@ def recompute_pointwise(program: Program) -> Program:
         return program
     before_bytes = _read_bytes(graph)
     position = {node: i for i, node in enumerate(graph.nodes)}
-    groups: dict[tuple, list[fx.Node]] = {}
-    for node in read:
-        groups.setdefault((meta.layer(node), meta.microbatch(node)), []).append(node)
-    before: dict[fx.Node, list[fx.Node]] = {}  # the first backward reader -> the nodes to copy there
-    for nodes in groups.values():
-        plan_copies(before, nodes, again, position)
+    first_reader = {n: min((u for u in n.users if meta.phase(u) == meta.BWD), key=position.__getitem__)
+                    for n in read}
+    before: dict[fx.Node, list[fx.Node]] = {}  # a backward node -> the nodes to copy right before it
+    planned: set[fx.Node] = set()
+    for node in sorted(read, key=lambda n: position[first_reader[n]]):  # each just before its first reader
+        chain, stack = set(), [node]
+        while stack:  # what it is computed from on the sink's side, less what earlier copies made
+            member = stack.pop()
+            if member not in chain and member not in planned:
+                chain.add(member)
+                stack.extend(n for n in member.all_input_nodes if n in again)
+        before.setdefault(first_reader[node], []).extend(sorted(chain, key=position.__getitem__))
+        planned |= chain
 
     new = with_copies(graph, before)
     for node in reversed(list(new.nodes)):  # forward originals only the backward read
@@ -77,8 +84,18 @@ def recompute_pointwise(program: Program) -> Program:
     notes = dict(program.notes, recompute_pointwise=(
         f"the backward reads {format_bytes(after_bytes)} of forward values instead of {format_bytes(before_bytes)}: "
         f"{copied_count} pointwise, view and cast nodes computed again in the backward ({len(read)} of them read "
-        f"there), in {len(before)} layers and microbatches"))
+        f"there)"))
     return program.replace(graph_module=lazy_module(program.graph_module, new), notes=notes)
+
+
+def runs_on(program: Program, config) -> bool:
+    """Whether Config(recompute_pointwise) asks for the pass on `program`: True / False, or None (the
+    default) where the step's compute is compiled on the device the program runs on (Config(codegen))."""
+    if config.recompute_pointwise is not None:
+        return config.recompute_pointwise
+    devices = [n.meta["val"].device for n, spec in zip(program.placeholders(), program.inputs)
+               if spec.kind is InputKind.BATCH and isinstance(n.meta.get("val"), torch.Tensor)]
+    return config.compiles_on(devices[0] if devices else torch.device("cpu"))  # the batch's, as shard's codegen
 
 
 def _cheap(program: Program):
