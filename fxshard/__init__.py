@@ -19,9 +19,10 @@ from .api import check, shard, trace  # noqa: E402
 from .checkpoint import export_hf, load, load_hf, save  # noqa: E402
 from .config import Config  # noqa: E402
 from .errors import FxShardError  # noqa: E402
+from .loss_scale import LossScale  # noqa: E402
 from .mesh import Mesh  # noqa: E402
 from .moe_modules import register_moe  # noqa: E402
 from .program import Input, InputKind, Output, OutputKind, Placement, Program  # noqa: E402
 
-__all__ = ["shard", "trace", "check", "save", "load", "export_hf", "load_hf", "Config", "Mesh", "FxShardError",
+__all__ = ["shard", "trace", "check", "save", "load", "export_hf", "load_hf", "Config", "LossScale", "Mesh", "FxShardError",
            "register_moe", "Program", "Input", "InputKind", "Output", "OutputKind", "Placement", "optim", "meta"]

@@ -16,6 +16,7 @@ from .errors import FxShardError
 MESH_AXES = ("pp", "dp", "ep", "edp")  # the process groups' axes (Mesh.all_groups), for nccl_max_ctas
 
 if TYPE_CHECKING:
+    from .loss_scale import LossScale
     from .schedule import Schedule
 
 # FSDP strategies, Megatron's names (ZeRO: none, 1, 2, 3); passes/fsdp.py documents each.
@@ -30,7 +31,7 @@ COPY_ENGINE_BARRIERS = ("kernel", "stream")  # runtime/copy_engine.py
 COPY_ENGINE_OWN_PARTS = ("auto", "copy", "input")  # runtime/copy_engine.py resolve_own_part
 CODEGENS = ("auto", "inductor", None)
 CODEGEN_REGIONS = ("layer", "communication")
-NONFINITE_MODES = ("raise", "skip", "ignore")
+NONFINITE_MODES = ("raise", "skip", "ignore", None)  # None: "skip" under a dynamic loss scale, else "raise"
 # the settings that take one of a few values, and those values
 CHOICES = {"sharding": SHARDING_STRATEGIES, "p2p_receives": P2P_RECEIVES, "ep_interleave": EP_INTERLEAVINGS,
            "ep_all_to_all": EP_ALL_TO_ALLS, "fsdp_collectives": FSDP_COLLECTIVES,
@@ -238,7 +239,16 @@ class Config:
         next `parameters()` / `state_dict()` / `evaluate()`.
         "skip": the update is not applied, on every rank together, and `metrics["skipped"]` says so
         (as torch.amp.GradScaler does; AdamW's bias correction counts applied updates only, the lr
-        schedule counts calls). "ignore": no check (the weights become NaN).
+        schedule counts calls). "ignore": no check (the weights become NaN). None (default): "skip"
+        under a dynamic loss scale (whose overflowing steps are expected: it backs off), else "raise".
+    loss_scale: multiply the loss by a scale before the backward and divide the gradients by it in
+        float32 before the gradient norm, clipping and the update, so that fp16 gradients below 6e-8 do
+        not become zero (fxshard/loss_scale.py). "dynamic": torch.amp.GradScaler's rule (from 2**16,
+        halved on a step whose gradients overflow, which is skipped, doubled after 2000 applied steps in
+        a row; `fxshard.LossScale(...)` sets those numbers); the scale is training state, saved by
+        checkpoints, read by `step.loss_scale`. A number: a static scale. False: none. None (default):
+        "dynamic" where param_dtype or reduce_dtype is torch.float16, else none. A dynamic scale with
+        Mesh(pp>1) is not built yet (refused; a static one works).
     seed: initializes a model built on the meta device (fxshard.init: per module, seeded by its path).
     check_initial_weights: on a mesh, `shard` compares a checksum of every rank's initial parameters
         and persistent buffers (runtime/agreement.py `check_same_start`) and refuses ranks that start
@@ -296,11 +306,37 @@ class Config:
     nccl_high_priority: bool = False
     codegen: str | None = "auto"
     codegen_regions: str = "layer"
-    nonfinite: str = "raise"
+    nonfinite: str | None = None
     share_trace: bool | None = None
     recompute_pointwise: bool | None = None
     share_compile: bool | None = None
+    loss_scale: "float | str | LossScale | bool | None" = None
 
+    def loss_scaling(self) -> "float | LossScale | None":
+        """Config(loss_scale) resolved: None (no scaling), a static scale, or a dynamic LossScale."""
+        from .loss_scale import resolve
+
+        return resolve(self.loss_scale, self.param_dtype, self.reduce_dtype)
+
+    def nonfinite_mode(self) -> str:
+        """Config(nonfinite) resolved: None is "skip" under a dynamic loss scale, else "raise"."""
+        from .loss_scale import LossScale
+
+        if self.nonfinite is not None:
+            return self.nonfinite
+        return "skip" if isinstance(self.loss_scaling(), LossScale) else "raise"
+
+    def _check_loss_scale(self) -> None:
+        """loss_scale is one the program can apply; a dynamic one needs the non-finite check to skip."""
+        from .loss_scale import LossScale
+
+        scaling = self.loss_scaling()  # raises for a value it cannot take
+        if not isinstance(scaling, LossScale):
+            return
+        if self.nonfinite in ("raise", "ignore"):
+            raise FxShardError(f"nonfinite={self.nonfinite!r} with a dynamic loss scale: its steps that overflow are "
+                               f"expected (the scale backs off from them) and must be skipped; leave nonfinite=None "
+                               f"(\"skip\" under a dynamic scale), or use a static loss_scale (a number)")
     def nccl_ctas(self, axis: str) -> int | None:
         """The CTAs Config(nccl_max_ctas) allows the process groups along mesh axis `axis` (None: NCCL's choice)."""
         if isinstance(self.nccl_max_ctas, tuple):
@@ -337,6 +373,7 @@ class Config:
         self._check_counts_and_dtypes()
         self._resolve_pipeline()
         self._check_limits()
+        self._check_loss_scale()
 
     def _normalize_layers(self) -> None:
         if self.layers is not None:
@@ -373,15 +410,13 @@ class Config:
             if value is not None and value not in _COMPUTE_DTYPES:  # float8 has no matmul, norm or reduction of its own
                 raise FxShardError(f"{name} must be one of torch.bfloat16, torch.float16, torch.float32, torch.float64 "
                                    f"or None, got {value!r}")
-        if torch.float16 in (self.param_dtype, self.reduce_dtype):
+        if torch.float16 in (self.param_dtype, self.reduce_dtype) and self.loss_scale is False:
             import warnings
 
-            warnings.warn("fxshard: Config(param_dtype / reduce_dtype=torch.float16) without loss scaling (fxshard "
-                          "has no torch.amp.GradScaler): gradients below fp16's 6e-8 become zero and training can "
-                          "stall silently; steps whose gradients overflow 65504 raise, or are skipped (Config(nonfinite); "
-                          "\"ignore\" applies them). torch.bfloat16 has float32's range and needs no scaling; or multiply "
-                          "the loss by a constant in loss_fn (AdamW is invariant to it if eps and clip_grad_norm "
-                          "are multiplied too)", stacklevel=4)  # the user's Config(...) line
+            warnings.warn("fxshard: Config(param_dtype / reduce_dtype=torch.float16, loss_scale=False): without loss "
+                          "scaling, gradients below fp16's 6e-8 become zero and training can stall silently. "
+                          "Config(loss_scale=None) (the default) scales dynamically, as torch.amp.GradScaler; "
+                          "torch.bfloat16 has float32's range and needs none", stacklevel=4)  # the user's Config(...) line
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise FxShardError(f"microbatches must be an int >= 1, got {self.microbatches!r}")
 

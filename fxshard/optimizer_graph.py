@@ -7,7 +7,7 @@ shards) rebuild the phase with the same code the tracer used.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -17,6 +17,9 @@ from . import meta
 from .graph import inline
 from .optim import Optimizer
 from .program import Update
+
+if TYPE_CHECKING:
+    from .loss_scale import LossScale
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,14 @@ class TrainSpec:
     optimizer: Optimizer
     clip_grad_norm: float | None = None
     guard_nonfinite: bool = False
+    loss_scale: "float | LossScale | None" = None  # Config(loss_scale) resolved: the gradients come in scaled by it
+
+    @property
+    def scales_dynamically(self) -> bool:
+        """Whether the program carries a dynamic loss scale (a LOSS_SCALE input and output)."""
+        from .loss_scale import LossScale
+
+        return isinstance(self.loss_scale, LossScale)
 
 
 @dataclass(frozen=True)
@@ -59,7 +70,7 @@ class Deferred:
 def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence[Update], params: list[fx.Node],
                   grads: list[fx.Node], states: dict[tuple[str, str], fx.Node], lr: fx.Node, step: fx.Node,
                   norm_groups: Sequence[tuple[str, ...]] = (), deferred: Deferred | None = None,
-                  order: Sequence[str] | None = None):
+                  order: Sequence[str] | None = None, loss_scale: fx.Node | None = None):
     """Insert the optimizer phase of `updates` at the graph's insertion point.
 
     `params[i]` and `grads[i]` are the tensor and gradient of `updates[i]`, `states[name, slot]` its
@@ -77,7 +88,12 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence
     is not finite (with deferred reductions: where the bound Deferred describes is not), and the fourth value is a bool vector node: whether the update was skipped, then
     which of this rank's counted gradients (names in its meta[meta.NONFINITE_TENSORS]) are not
     finite; else None.
-    Returns (grad_norm, {name: new tensor}, {(name, slot): new state}, nonfinite flags or None).
+    Under a loss scale (`spec.loss_scale`) the gradients come in multiplied by it: the norm and the
+    updates see them divided by it, in float32 (where clipping scales them anyway, in the same
+    multiply); a dynamic scale's state is `loss_scale` (the LOSS_SCALE input) and its next state the
+    fifth value (else None).
+    Returns (grad_norm, {name: new tensor}, {(name, slot): new state}, nonfinite flags or None,
+    the loss scale's next state or None).
     """
     names = [update.name for update in updates]
     slots = [[slot for (owner, slot) in states if owner == name] for name in names]
@@ -89,28 +105,36 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence
         raise AssertionError("deferred gradient reductions with clip_grad_norm: every update needs the reduced norm")
     count = len(names)
     counted_names = [update.name for update in updates if update.counted]
+    if spec.scales_dynamically != (loss_scale is not None):
+        raise AssertionError(f"a dynamic loss scale needs its state node and only it: {spec.loss_scale}, {loss_scale}")
+    tail = [lr, step] + ([loss_scale] if loss_scale is not None else [])
 
     def update(*flat):
         # Gradients come in the dtype they were computed or reduced in (bf16 under param_dtype=bf16
         # without a reduction); each optimizer applies them in the master's dtype. No fp32 copy of a
         # gradient is written for the norm (computed in fp32 from the gradient as it is) or for AdamW
         # (its fused op widens the gradient as it loads it): 8 bytes per parameter per step less.
-        state_values, position, own_states = flat[2 * count:-2], 0, {}
+        state_values, position, own_states = flat[2 * count:-len(tail)], 0, {}
         for name, own_slots in zip(names, slots):
             own_states[name] = dict(zip(own_slots, state_values[position:position + len(own_slots)]))
             position += len(own_slots)
+        scale_state = flat[-1] if loss_scale is not None else None
         phase = _Phase(spec, updates, norm_groups, dict(zip(names, flat[:count])),
-                       dict(zip(names, flat[count:2 * count])), own_states, *flat[-2:], like=flat[count])
+                       dict(zip(names, flat[count:2 * count])), own_states, *flat[-len(tail):][:2],
+                       like=flat[count], scale_state=scale_state)
         if late:
             grad_norm, flags = phase.run_deferred(order, late, deferred)
         else:
             grad_norm, flags = phase.run(order)
+        next_scale = [spec.loss_scale.next_state(scale_state, phase.shared["skip"])] if scale_state is not None else []
         return [grad_norm, *(phase.new_params[name] for name in names),
-                *(phase.new_states[name][slot] for name, own in zip(names, slots) for slot in own), *flags]
+                *(phase.new_states[name][slot] for name, own in zip(names, slots) for slot in own), *flags,
+                *next_scale]
 
     state_nodes = [states[name, slot] for name, own in zip(names, slots) for slot in own]
-    outputs = inline(graph, update, [*params, *grads, *state_nodes, lr, step], fake_mode=fake_mode,
+    outputs = inline(graph, update, [*params, *grads, *state_nodes, *tail], fake_mode=fake_mode,
                      phase=meta.OPTIM)
+    next_scale = outputs.pop() if loss_scale is not None else None
     nonfinite = outputs.pop() if spec.guard_nonfinite else None
     if nonfinite is not None:
         nonfinite.meta[meta.NONFINITE_TENSORS] = tuple(counted_names)
@@ -118,7 +142,7 @@ def append_update(graph: fx.Graph, spec: TrainSpec, fake_mode, updates: Sequence
     for name, node in zip(names, new_params):
         node.meta[meta.PARAM] = name
     keys = [(name, slot) for name, own in zip(names, slots) for slot in own]
-    return grad_norm, dict(zip(names, new_params)), dict(zip(keys, new_state_list)), nonfinite
+    return grad_norm, dict(zip(names, new_params)), dict(zip(keys, new_state_list)), nonfinite, next_scale
 
 
 def _squared(g: torch.Tensor) -> torch.Tensor:
@@ -134,7 +158,8 @@ class _Phase:
     and `new_states`."""
 
     def __init__(self, spec: TrainSpec, updates: Sequence[Update], norm_groups, params: dict, grads: dict,
-                 states: dict, lr: torch.Tensor, step: torch.Tensor, like: torch.Tensor):
+                 states: dict, lr: torch.Tensor, step: torch.Tensor, like: torch.Tensor,
+                 scale_state: torch.Tensor | None = None):
         self.spec, self.updates = spec, {update.name: update for update in updates}
         self.counted = [update.name for update in updates if update.counted]
         self.groups = sorted({*(update.norm_axes for update in updates), *norm_groups})
@@ -143,6 +168,21 @@ class _Phase:
         self.shared = spec.optimizer.scalars(lr, step)
         self.plain = None   # (optimizer without weight decay, its scalars), made when an update needs it
         self.new_params, self.new_states = {}, {}
+        # the gradients' loss scale divided out: a float (static), a 0-d tensor (dynamic), or None
+        self.inverse = (1.0 / scale_state[0] if scale_state is not None else
+                        1.0 / spec.loss_scale if spec.loss_scale is not None else None)
+        self.unscaled: set[str] = set()  # gradients the clip's multiply divided already
+
+    def norm(self, squares: torch.Tensor) -> torch.Tensor:
+        """The gradient norm from the sum of the (scaled) gradients' squares."""
+        return squares.sqrt() if self.inverse is None else squares.sqrt() * self.inverse
+
+    def grad(self, name: str) -> torch.Tensor:
+        """The gradient the update applies: divided by the loss scale in (at least) float32."""
+        grad = self.grads[name]
+        if self.inverse is None or name in self.unscaled:
+            return grad
+        return grad.to(torch.promote_types(self.params[name].dtype, torch.float32)) * self.inverse
 
     def global_sum(self, local: dict) -> torch.Tensor:
         """The sum of `local`'s squares over every rank of each update's norm axes (every rank
@@ -184,17 +224,21 @@ class _Phase:
             optimizer, scalars = self.rule(name)
             with fx_traceback.annotate({meta.ANNOTATION_PARAM: name}):
                 self.new_params[name], self.new_states[name] = optimizer.update(
-                    self.params[name], self.grads[name], self.states[name], scalars)
+                    self.params[name], self.grad(name), self.states[name], scalars)
 
     def run(self, order: list[str]):
         """The norm first (clipping by it, deciding the skip from it), then every update in `order`."""
         local = {name: _squared(self.grads[name]) for name in self.counted}
-        grad_norm = self.global_sum(local).sqrt()
+        grad_norm = self.norm(self.global_sum(local))
         clip = self.spec.clip_grad_norm
-        if clip is not None:  # scaled in the master's dtype
+        if clip is not None:  # scaled in the master's dtype, the loss scale divided out in the same multiply
             coefficient = torch.clamp(clip / (grad_norm + 1e-6), max=1.0)
-            self.grads = {name: g.to(self.params[name].dtype) * coefficient.to(self.params[name].dtype)
-                          for name, g in self.grads.items()}
+            dtypes = {name: self.params[name].dtype for name in self.grads}
+            if self.inverse is not None:  # not below float32: 1/scale is subnormal in fp16
+                coefficient = coefficient * self.inverse
+                dtypes = {name: torch.promote_types(dtype, torch.float32) for name, dtype in dtypes.items()}
+                self.unscaled = set(self.grads)
+            self.grads = {name: g.to(dtypes[name]) * coefficient.to(dtypes[name]) for name, g in self.grads.items()}
         if self.spec.guard_nonfinite:  # the norm is global: every rank skips alike
             self.shared["skip"] = torch.logical_not(torch.isfinite(grad_norm))
         flags = self.nonfinite_flags(local)
@@ -219,4 +263,4 @@ class _Phase:
         flags = self.nonfinite_flags(local)
         self.apply(late)
         self.apply([name for name in order if name in deferred.after and name not in late])
-        return self.global_sum(local).sqrt(), flags  # its all-reduce waits for nothing else
+        return self.norm(self.global_sum(local)), flags  # its all-reduce waits for nothing else

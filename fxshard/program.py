@@ -30,6 +30,7 @@ class InputKind(enum.Enum):
     LR = "lr"                # learning rate, a 0-d float32 tensor
     STEP = "step"            # optimizer step count (1-based), a 0-d float32 tensor
     COORD = "coord"          # this rank's index along a mesh axis (name = axis), a [1] int64 tensor
+    LOSS_SCALE = "loss_scale"  # a dynamic loss scale's state, [scale, good steps] float32 (fxshard/loss_scale.py)
 
 
 class OutputKind(enum.Enum):
@@ -39,6 +40,7 @@ class OutputKind(enum.Enum):
     OPT_STATE = "opt_state"  # the updated optimizer slot
     BUFFER = "buffer"        # the new value of a buffer the forward mutated
     METRIC = "metric"        # a scalar loss_fn reported next to the loss ((loss, {name: value}))
+    LOSS_SCALE = "loss_scale"  # the dynamic loss scale's new state (InputKind.LOSS_SCALE's)
     NONFINITE = "nonfinite"  # Config(nonfinite): bool vector, whether the update was skipped, then which
                              # of this rank's gradients are not finite (the output node's
                              # meta[meta.NONFINITE_TENSORS] names them)

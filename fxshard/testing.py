@@ -124,6 +124,7 @@ class SimulatedRanks:
     def step(self, local_batches, lr: float | None = None) -> list[dict[str, torch.Tensor]]:
         from .optim import lr_at
         from .program import InputKind, OutputKind
+        from .runtime.reinplace import WRITE_BACK
 
         self.step_count += 1
         lr = lr_at(self.optimizer, self.step_count) if lr is None else lr
@@ -142,14 +143,12 @@ class SimulatedRanks:
                     args.append(self.states[rank][spec.kind, spec.name])
             inputs.append(args)
         outputs = simulate(self.graphs, inputs, self.groups(), self.workspaces)
-        kinds = {OutputKind.PARAM: InputKind.PARAM, OutputKind.OPT_STATE: InputKind.OPT_STATE,
-                 OutputKind.BUFFER: InputKind.BUFFER}
         metrics = []
         for rank, results in enumerate(outputs):
             metrics.append({})
             for spec, value in zip(self.programs[rank].outputs, results):
-                if spec.kind in kinds:
-                    self.states[rank][kinds[spec.kind], spec.name] = value
+                if spec.kind in WRITE_BACK:
+                    self.states[rank][WRITE_BACK[spec.kind], spec.name] = value
                 else:
                     metrics[rank][spec.name] = value
         if any(spec.kind is OutputKind.NONFINITE for spec in self.program.outputs):

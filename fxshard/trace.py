@@ -32,6 +32,7 @@ from .errors import FxShardError, user_stacklevel
 from .errors_trace import explain_trace_failure
 from .graph import Graph, inline, lazy_module
 from .layers import LayerTrace, annotate_layers, find_layers
+from .loss_scale import NAME as LOSS_SCALE
 from .moe_modules import swapped_forwards
 from .sink_attention import swapped_attention
 from .balance import Balance, append_balancing, balanced_layers, balancing_notes
@@ -244,7 +245,9 @@ class _ProgramBuilder:
         self.params = params
         self.buffers = buffers
         self.batch_spec = batch_spec
-        self.train = TrainSpec(optimizer, config.clip_grad_norm, config.nonfinite != "ignore")
+        self.train = TrainSpec(optimizer, config.clip_grad_norm, config.nonfinite_mode() != "ignore",
+                               config.loss_scaling())
+        self.loss_scale: fx.Node | None = None  # a dynamic loss scale's state (InputKind.LOSS_SCALE)
         self.reduce_dtype = config.reduce_dtype or config.param_dtype
         self.microbatches = config.microbatches
         self.optimizer = optimizer
@@ -289,6 +292,8 @@ class _ProgramBuilder:
                                leaf.shape, dtype=leaf.dtype, device=self.device)) for leaf in self.batch_spec.leaves]
             lr = self.placeholder(InputKind.LR, "lr", torch.empty((), device=self.device))
             step = self.placeholder(InputKind.STEP, "step", torch.empty((), device=self.device))
+            if self.train.scales_dynamically:
+                self.loss_scale = self.placeholder(InputKind.LOSS_SCALE, LOSS_SCALE, torch.empty(2, device=self.device))
 
         # Mixed precision: the forward and backward see each parameter cast to its compute dtype;
         # gradients are cast to the reduce dtype where they appear; masters and state keep theirs.
@@ -329,7 +334,7 @@ class _ProgramBuilder:
                 (total,) = inline(self.graph, lambda *values: [sum(values)], list(per_microbatch),
                                   fake_mode=self.fake_mode, phase=meta.FWD, layer=meta.POST)
             metric_totals.append(total)
-        grad_norm, new_params, new_states, nonfinite = self.append_optimizer(
+        grad_norm, new_params, new_states, nonfinite, next_scale = self.append_optimizer(
             param_nodes, grad_nodes, state_nodes, lr, step)
 
         outputs = [Output(OutputKind.LOSS, "loss"), Output(OutputKind.GRAD_NORM, "grad_norm")]
@@ -350,6 +355,9 @@ class _ProgramBuilder:
         if nonfinite is not None:
             outputs.append(Output(OutputKind.NONFINITE, "nonfinite"))
             values.append(nonfinite)
+        if next_scale is not None:
+            outputs.append(Output(OutputKind.LOSS_SCALE, LOSS_SCALE))
+            values.append(next_scale)
         self.graph.output(tuple(values))
         _assign_layers(self.graph, param_nodes)
         self.graph.lint()
@@ -404,18 +412,25 @@ class _ProgramBuilder:
 
     def copy_joint(self, joint_gm, env, tangents, microbatch: int = 0):
         """Copy the joint graph's nodes; the loss tangent becomes a constant 1/microbatches, created
-        just before its first use so that the backward starts where the forward ends."""
+        just before its first use so that the backward starts where the forward ends. Under a loss
+        scale it is multiplied by the scale: a static one folded into the constant, a dynamic one read
+        from its state (fxshard/loss_scale.py)."""
         # a tangent that is not one element belongs to a non-scalar loss or to a parameter the forward
         # mutates in place: read_joint_outputs tells the two apart and says which
 
         def lookup(node):
             if node not in env and node in tangents:
                 value = node.meta["val"]
-                ones = self.graph.call_function(torch.ops.aten.full.default, ([], 1.0 / self.microbatches),
+                static = self.train.loss_scale if isinstance(self.train.loss_scale, float) else 1.0
+                ones = self.graph.call_function(torch.ops.aten.full.default, ([], static / self.microbatches),
                                                 {"dtype": value.dtype, "device": value.device})
                 ones.meta.update({"val": value, meta.PHASE: meta.BWD, meta.LAYER: meta.POST,
                                   meta.MICROBATCH: microbatch, meta.LOSS_TANGENT: True})
                 env[node] = ones
+                if self.loss_scale is not None:  # GradScaler's loss * scale, in the loss's dtype
+                    (env[node],) = inline(self.graph, lambda t, state: [t * state[0].to(t.dtype)],
+                                          [ones, self.loss_scale], fake_mode=self.fake_mode, phase=meta.BWD,
+                                          layer=meta.POST, extra_meta={meta.MICROBATCH: microbatch})
             return env[node]
 
         for node in joint_gm.graph.nodes:
@@ -495,7 +510,8 @@ class _ProgramBuilder:
                               stacklevel=user_stacklevel())
         self.updates = tuple(Update(name, decay=optimizer.decays(name)) for name in grad_nodes)
         return append_update(self.graph, self.train, self.fake_mode, self.updates,
-                             [param_nodes[n] for n in grad_nodes], list(grad_nodes.values()), state_nodes, lr, step)
+                             [param_nodes[n] for n in grad_nodes], list(grad_nodes.values()), state_nodes, lr, step,
+                             loss_scale=self.loss_scale)
 
 
 @contextlib.contextmanager

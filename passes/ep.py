@@ -54,6 +54,7 @@ from fxshard import meta, moe
 from fxshard.errors import FxShardError
 from fxshard.graph import Graph, ancestors, call_argument, fake_mode_of, inline, lazy_module
 from fxshard.ops.grouped_mlp_backends import expert_of_rows
+from fxshard.loss_scale import NAME as LOSS_SCALE
 from fxshard.optimizer_graph import append_update
 from fxshard.program import EXPERT_SHARDED, Input, InputKind, Output, OutputKind, Program
 
@@ -588,7 +589,8 @@ class _Rewrite:
                 continue
             if current.op == "placeholder":
                 kind, name = self.kinds[current]
-                known[current] = kind in (InputKind.PARAM, InputKind.OPT_STATE, InputKind.LR, InputKind.STEP) or (
+                known[current] = kind in (InputKind.PARAM, InputKind.OPT_STATE, InputKind.LR, InputKind.STEP,
+                                        InputKind.LOSS_SCALE) or (
                     kind is InputKind.BUFFER and name not in self.updated_buffers)
                 stack.pop()
                 continue
@@ -788,8 +790,9 @@ class _Rewrite:
         states = {(s.owner, s.slot): self.env[placeholders[s.name]]
                   for s in self.program.inputs if s.kind is InputKind.OPT_STATE}
         lr, step = (self.env[placeholders[name]] for name in ("lr", "step"))
-        grad_norm, new_params, new_states, nonfinite = append_update(self.graph, self.program.train, self.fake, updates,
-                                                                     params, grad_nodes, states, lr, step)
+        scale = self.env[placeholders[LOSS_SCALE]] if LOSS_SCALE in placeholders else None
+        grad_norm, new_params, new_states, nonfinite, next_scale = append_update(
+            self.graph, self.program.train, self.fake, updates, params, grad_nodes, states, lr, step, loss_scale=scale)
         outputs, values = [], []
         for spec, value in zip(self.program.outputs, old_values):
             if spec.kind is OutputKind.LOSS or spec.kind is OutputKind.METRIC or spec.kind is OutputKind.BUFFER:
@@ -801,6 +804,9 @@ class _Rewrite:
             elif spec.kind is OutputKind.NONFINITE:
                 outputs.append(spec)
                 values.append(nonfinite)
+            elif spec.kind is OutputKind.LOSS_SCALE:
+                outputs.append(spec)
+                values.append(next_scale)
             elif spec.kind is OutputKind.PARAM:
                 if spec.name in self.expert_params:
                     spec = replace(spec, placement=EXPERT_SHARDED)

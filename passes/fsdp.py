@@ -63,6 +63,7 @@ from fxshard.balance import DATA_SUM
 from fxshard.config import SHARDING_STRATEGIES
 from fxshard.errors import FxShardError
 from fxshard.graph import Graph, fake_mode_of, inline, lazy_module
+from fxshard.loss_scale import NAME as LOSS_SCALE
 from fxshard.optimizer_graph import Deferred, append_update
 from fxshard.program import (EXPERT_SHARDED, REPLICATED, FlatUnit, Input, InputKind, Output, OutputKind, Placement,
                              Program, Update)
@@ -674,10 +675,11 @@ class _Rewrite:
         params = [self.own_shard(unit) for unit in trained]
         states = {key: node for key, node in self.state_inputs.items()}
         lr, step = (self.env[self.old_placeholders[name]] for name in ("lr", "step"))
-        grad_norm, new_params, new_states, nonfinite = append_update(
+        scale = self.old_placeholders.get(LOSS_SCALE)
+        grad_norm, new_params, new_states, nonfinite, next_scale = append_update(
             self.graph, self.program.train, self.fake, updates, params, grads, states, lr, step,
             norm_groups=self.norm_groups(), deferred=self.deferred_reductions(reductions),
-            order=[unit.name for unit in first])
+            order=[unit.name for unit in first], loss_scale=self.env[scale] if scale is not None else None)
         gathered = {}
         for unit in first if gathers else ():
             new = new_params[unit.name]
@@ -711,6 +713,9 @@ class _Rewrite:
         if nonfinite is not None:
             outputs.append(Output(OutputKind.NONFINITE, "nonfinite"))
             values.append(nonfinite)
+        if next_scale is not None:
+            outputs.append(Output(OutputKind.LOSS_SCALE, LOSS_SCALE))
+            values.append(next_scale)
         self.graph.output(tuple(values))
         self.graph.lint()
         gm = lazy_module(self.program.graph_module, self.graph)

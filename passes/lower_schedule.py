@@ -457,7 +457,7 @@ class _Lowering:
                         for update in self.source.updates if update.name in trained)
         states = {(spec.owner, spec.slot): self.env[spec.name]
                   for spec in self.inputs if spec.kind is InputKind.OPT_STATE}
-        grad_norm, new_params, new_states, nonfinite = append_update(
+        grad_norm, new_params, new_states, nonfinite, _ = append_update(  # no dynamic loss scale (api refuses it)
             self.graph, self.source.train, self.fake, updates, [self.env[u.name] for u in updates],
             [self.grads[u.name] for u in updates], states, self.env["lr"], self.env["step"])
         values.append(grad_norm)

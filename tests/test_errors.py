@@ -240,10 +240,16 @@ def test_config_fields_of_the_wrong_type_are_refused(field, value, message):
         fxshard.Config(**{field: value})
 
 
-def test_fp16_compute_warns_that_there_is_no_loss_scaling():
+def test_fp16_compute_scales_the_loss_by_default_and_warns_when_told_not_to():
+    import warnings
+
     for field in ("param_dtype", "reduce_dtype"):
-        with pytest.warns(UserWarning, match=r"float16\) without loss scaling .* torch.bfloat16 has float32's range"):
-            fxshard.Config(**{field: torch.float16})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            config = fxshard.Config(**{field: torch.float16})
+        assert config.loss_scaling() == fxshard.LossScale() and config.nonfinite_mode() == "skip"
+        with pytest.warns(UserWarning, match=r"loss_scale=False\): without loss scaling, .* torch.bfloat16 has float32"):
+            fxshard.Config(**{field: torch.float16}, loss_scale=False)
 
 
 @pytest.mark.parametrize("make, message", [

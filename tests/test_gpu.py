@@ -129,6 +129,52 @@ def test_cuda_graph_replay_is_bit_identical_to_eager():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("codegen", ["inductor", None])
+def test_an_fp16_dynamic_loss_scale_follows_grad_scaler_and_replays_in_a_cuda_graph(codegen):
+    """fp16 compute with the default dynamic loss scale: the scale's state is written back in place,
+    so a captured step backs off and grows it as eager replay does (bit for bit without codegen), and
+    both follow an eager fp16 copy stepped through torch.amp.GradScaler: scale and skips exactly."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny")).cuda()
+    batches = cuda_batches(8)
+
+    def loss_fn(model, batch):  # 2**16 overflows these fp16 gradients at first: the scale backs off
+        return model.loss(batch) * 20.0
+
+    scale = fxshard.LossScale(growth_interval=2)
+    steps = [fxshard.shard(copy.deepcopy(model), loss_fn, batches[0], optimizer=ADAMW,
+                           config=fxshard.Config(param_dtype=torch.float16, loss_scale=scale, codegen=codegen,
+                                                 cuda_graphs=graphed)) for graphed in (False, True)]
+    master, low = copy.deepcopy(model), copy.deepcopy(model).half()
+    reference = torch_optimizer(ADAMW, master.parameters())
+    scaler = torch.amp.GradScaler("cuda", init_scale=scale.init_scale, growth_interval=scale.growth_interval)
+    skips = []
+    for batch in batches:
+        with torch.no_grad():
+            for p16, p in zip(low.parameters(), master.parameters()):
+                p16.copy_(p)
+        low.zero_grad()
+        eager = loss_fn(low, batch)
+        scaler.scale(eager).backward()
+        for p16, p in zip(low.parameters(), master.parameters()):
+            p.grad = p16.grad.float()
+        before = scaler.get_scale()
+        scaler.step(reference)
+        scaler.update()
+        metrics = [step(batch) for step in steps]
+        skips.append(scaler.get_scale() < before)
+        assert [bool(m["skipped"]) for m in metrics] == [skips[-1]] * 2
+        assert [step.loss_scale for step in steps] == [scaler.get_scale()] * 2
+        assert abs(metrics[0]["loss"].item() - eager.item()) <= 2e-3 * abs(eager.item())
+        if codegen is None:
+            assert metrics[0]["loss"].item() == metrics[1]["loss"].item()
+    assert any(skips) and not all(skips) and steps[1]._replay.is_captured
+    if codegen is None:
+        for name, value in steps[0].parameters().items():
+            assert torch.equal(value, steps[1].parameters()[name]), name
+
+
+@pytest.mark.gpu
 def test_cuda_graph_memsets_become_kernels_that_write_the_same_bytes_in_the_same_order():
     """runtime/graph_memsets.py on memsets of each element size made through the driver during capture,
     between kernels that write and read the same words; an unaligned one and one over MAX_BYTES stay."""

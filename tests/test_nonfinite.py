@@ -210,6 +210,7 @@ def test_a_gradient_reduced_under_the_updates_that_is_not_finite_on_one_rank_ski
             assert torch.equal(value, expected[name]), (name, rank)
 
 
+@pytest.mark.filterwarnings("ignore:fxshard. Config.param_dtype / reduce_dtype=torch.float16, loss_scale=False")
 def test_gradients_reduced_in_fp16_are_checked_after_the_reduction_whose_sum_can_overflow():
     """An fp16 mean over the ranks sums first: 4e4 on each of two ranks is finite there, 8e4 is not
     (fp16's largest is 65504). The skip is then decided from the reduced gradients (none deferred),
@@ -219,7 +220,7 @@ def test_gradients_reduced_in_fp16_are_checked_after_the_reduction_whose_sum_can
     torch.manual_seed(0)
     model, mesh = Shifted(), fxshard.Mesh(dp=2)
     batches = [[dict(batch, w=torch.ones(8)) for batch in regression_batches(2, seed=step)] for step in range(2)]
-    config = fxshard.Config(nonfinite="skip", reduce_dtype=torch.float16)
+    config = fxshard.Config(nonfinite="skip", reduce_dtype=torch.float16, loss_scale=False)  # the sum's own overflow
     program = fsdp(fxshard.trace(model, shifted_loss, batches[0][0], optimizer=ADAMW, config=config),
                    FSDPConfig(2, "optim_grads_params"))
     def deferred(program):

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from ..loss_scale import NAME as LOSS_SCALE
 from ..program import InputKind, OutputKind
 from ..runtime.rng import rng_state, set_rng_state
 from .items import Piece, boxes, global_tensors, model_key, state_pieces
@@ -133,6 +134,9 @@ def step_state_dict(step, copy: bool = False) -> dict:
     state = dict(boxes_of(step, pieces, tensors))
     state[PROGRESS] = {"step_count": step.step_count, "lr_override": step._lr_override,
                        "skipped_steps": step.skipped_steps}
+    scale = step.state.get((InputKind.LOSS_SCALE, LOSS_SCALE))
+    if scale is not None:  # a dynamic loss scale: [scale, good steps], the same on every rank
+        state[PROGRESS]["loss_scale"] = scale.tolist()
     state[rng_key(step.rank)] = rng_state(step.device)
     if step._stream is not None:  # a pipeline stage's own random stream (runtime/rng.py)
         state[rng_key(step.rank)]["stage_stream"] = step._stream.saved()
@@ -203,6 +207,9 @@ def set_progress(step, progress: dict | None, rng: dict | None) -> None:
                           f"which replaces this step's optimizer lr or schedule from now on; step.set_lr(None) "
                           f"returns to the optimizer's", stacklevel=3)
         step._skipped.fill_(int(progress.get("skipped_steps", 0)))
+        scale = step.state.get((InputKind.LOSS_SCALE, LOSS_SCALE))
+        if scale is not None and progress.get("loss_scale") is not None:  # else (saved without one) it stays
+            scale.copy_(torch.tensor(progress["loss_scale"], dtype=scale.dtype))
     if rng is not None:
         set_rng_state(rng, step.device)
     if step._stream is not None:  # the stage's stream where this stage saved it, else derived again
@@ -277,6 +284,11 @@ def _progress_problem(progress) -> str:
         return f"{PROGRESS} step_count must be an int >= 0, got {count!r}"
     if lr is not None and not is_learning_rate(lr):
         return f"{PROGRESS} lr_override must be None or a finite float >= 0, got {lr!r}"
+    scale = progress.get("loss_scale")
+    if scale is not None and not (isinstance(scale, (list, tuple)) and len(scale) == 2 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in scale)
+            and scale[0] > 0 and scale[1] >= 0):
+        return f"{PROGRESS} loss_scale must be [scale > 0, good steps >= 0], got {scale!r}"
     return ""
 
 

@@ -65,7 +65,7 @@ _MUTATED = {0: "param", 2: "exp_avg", 3: "exp_avg_sq"}  # argument position -> n
 _c10d = torch.ops._c10d_functional
 # the state a step's outputs become (its inputs next step): output kind -> input kind
 WRITE_BACK = {OutputKind.PARAM: InputKind.PARAM, OutputKind.OPT_STATE: InputKind.OPT_STATE,
-              OutputKind.BUFFER: InputKind.BUFFER}
+              OutputKind.BUFFER: InputKind.BUFFER, OutputKind.LOSS_SCALE: InputKind.LOSS_SCALE}
 # an all-gather -> the same gather into a given tensor (`out=`), returning it
 _INTO = {_c10d.all_gather_into_tensor.default: _c10d.all_gather_into_tensor_out.default,
          GLOO_ALL_GATHER: gloo_all_gather_into_tensor_out}

@@ -61,7 +61,7 @@ def expert_parameters(program: Program) -> dict[str, int]:
 def initial_state(program: Program, source, optimizer, coords: dict[str, int],
                   device: torch.device | None = None) -> State:
     """Parameters (whole, or this rank's slice of a flat unit), optimizer slots, buffers, coordinates,
-    on `device` (None: the model's).
+    a dynamic loss scale's state, on `device` (None: the model's).
 
     `source` is a model with real weights, or an object with `tensors_named(names)`, `unit_shard(unit,
     rank)` and `device` (fxshard.init.MetaInit for meta-device models)."""
@@ -90,6 +90,8 @@ def initial_state(program: Program, source, optimizer, coords: dict[str, int],
             state[spec.kind, spec.name] = tensors[spec.name]
         elif spec.kind is InputKind.COORD:
             state[spec.kind, spec.name] = torch.tensor([coords[spec.name]], device=source.device)
+        elif spec.kind is InputKind.LOSS_SCALE:
+            state[spec.kind, spec.name] = program.train.loss_scale.initial_state(source.device)
     return state
 
 

@@ -19,6 +19,7 @@ from ..batch import BatchSpec
 from ..config import Config
 from ..errors import FxShardError
 from ..optim import Optimizer, is_learning_rate, lr_at
+from ..loss_scale import NAME as LOSS_SCALE
 from ..program import InputKind, OutputKind, Program
 from ..ops.gloo import GLOO_ALL_GATHER, GLOO_ALL_GATHERS
 from ..ops.p2p import P2P_OPS
@@ -123,7 +124,7 @@ class CompiledStep:
         # Config(nonfinite): the program skips updates whose gradients are not finite; the runtime
         # counts them on the device (AdamW's step input counts applied updates) and under "raise"
         # reads a step's flag two calls later, or when the state is next read (_raise_if_nonfinite)
-        self.nonfinite = config.nonfinite if self.program.outputs_of(OutputKind.NONFINITE) else "ignore"
+        self.nonfinite = config.nonfinite_mode() if self.program.outputs_of(OutputKind.NONFINITE) else "ignore"
         self._skipped = torch.zeros((), dtype=torch.float32, device=device)
         self._unchecked: list[tuple[int, dict]] = []
         # evaluate(): `evaluation` compiles the eval-mode program on first use (runtime/evaluate.py)
@@ -399,6 +400,14 @@ class CompiledStep:
         {"tokens_per_expert": ..., "dropped": ...}} (`Program.routing`; empty without expert
         parallelism). `fxshard.dump.dump_routing` writes it as a table."""
         return self.program.routing(metrics)
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The loss scale the next step multiplies its loss by (Config(loss_scale); reads the device's
+        copy of a dynamic one: synchronizes), or None without loss scaling."""
+        scaling = self.program.train.loss_scale
+        state = self.state.get((InputKind.LOSS_SCALE, LOSS_SCALE))
+        return float(state[0]) if state is not None else scaling
 
     @property
     def skipped_steps(self) -> int:

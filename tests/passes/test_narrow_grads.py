@@ -113,7 +113,9 @@ def test_an_fp16_flat_gradient_scaled_by_one_over_ep_keeps_its_fp32_copy():
     torch.manual_seed(0)
     model = MoEGPT(MoEGPTConfig.preset("tiny", n_expert=4))
     optimizer = fxshard.optim.AdamW(lr=1e-2)
-    config = fxshard.Config(param_dtype=torch.float16, reduce_dtype=torch.float32, sharding="optim")
+    with pytest.warns(UserWarning, match="loss_scale=False"):  # a loss scale's unscaling keeps every fp32 copy
+        config = fxshard.Config(param_dtype=torch.float16, reduce_dtype=torch.float32, sharding="optim",
+                                loss_scale=False)
     batch = {"idx": torch.randint(0, 64, (2, 8)), "tgt": torch.randint(0, 64, (2, 8))}
     program = fxshard.trace(model, lambda m, b: m.loss(b), batch, optimizer=optimizer, config=config)
     programs = run_pipeline(program, fxshard.Mesh(dp=2, ep=2), config)

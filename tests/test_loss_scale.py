@@ -1,0 +1,179 @@
+"""Config(loss_scale): the loss is scaled before the backward and the gradients unscaled in the
+optimizer phase, static (a constant of the program) or dynamic (torch.amp.GradScaler's rule, state
+the step carries, checkpoints save and load)."""
+
+import copy
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import fxshard
+from fxshard.models import GPT, GPTConfig
+from fxshard.passes.fsdp import FSDPConfig, fsdp
+from fxshard.program import InputKind, OutputKind
+from fxshard.runtime.nonfinite import was_skipped
+from fxshard.testing import SimulatedRanks, torch_optimizer
+from test_nonfinite import Regressor, regression_batches
+
+ADAMW = fxshard.optim.AdamW(lr=1e-2, weight_decay=0.1)
+
+
+def weighted_loss(model, batch):  # batch["w"] multiplies the loss: a large one overflows the scaled gradients
+    return ((model(batch["x"]) - batch["y"]) ** 2).mean() * batch["w"]
+
+
+def weighted(batches, weights):
+    return [dict(batch, w=torch.tensor(weight)) for batch, weight in zip(batches, weights)]
+
+
+def test_a_dynamic_scale_backs_off_grows_and_skips_as_grad_scaler_does():
+    """fp16 compute on fp32 masters: fxshard's step against an eager fp16 copy stepped through
+    torch.amp.GradScaler. The loss is large enough that 2**16 overflows the fp16 gradients at first,
+    so the first steps back off, and growth_interval=2 makes later ones grow again: the scale, which
+    steps are skipped and the losses follow GradScaler's step for step."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny"))
+    generator = torch.Generator().manual_seed(0)
+    batches = [{"idx": torch.randint(0, 64, (4, 16), generator=generator),
+                "tgt": torch.randint(0, 64, (4, 16), generator=generator)} for _ in range(8)]
+
+    def loss_fn(model, batch):
+        return model.loss(batch) * 20.0
+
+    optimizer = fxshard.optim.AdamW(lr=1e-3)
+    config = fxshard.Config(param_dtype=torch.float16, loss_scale=fxshard.LossScale(growth_interval=2))
+    step = fxshard.shard(copy.deepcopy(model), loss_fn, batches[0], optimizer=optimizer, config=config)
+    assert [spec.kind for spec in step.program.inputs].count(InputKind.LOSS_SCALE) == 1
+    assert step.program.outputs_of(OutputKind.LOSS_SCALE) and step.loss_scale == 2.0 ** 16
+    master, low = copy.deepcopy(model), copy.deepcopy(model).half()
+    reference = torch_optimizer(optimizer, master.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=2)
+    scales, skips = [], []
+    for batch in batches:
+        with torch.no_grad():
+            for p16, p in zip(low.parameters(), master.parameters()):
+                p16.copy_(p)
+        low.zero_grad()
+        eager = loss_fn(low, batch)
+        scaler.scale(eager).backward()
+        for p16, p in zip(low.parameters(), master.parameters()):
+            p.grad = p16.grad.float()
+        before = scaler.get_scale()
+        scaler.step(reference)
+        scaler.update()
+        metrics = step(batch)
+        assert abs(metrics["loss"].item() - eager.item()) <= 2e-3 * abs(eager.item())
+        assert bool(metrics["skipped"]) == (scaler.get_scale() < before)
+        assert step.loss_scale == scaler.get_scale()
+        scales.append(step.loss_scale)
+        skips.append(bool(metrics["skipped"]))
+    assert any(skips) and not all(skips) and max(scales[skips.index(False):]) > min(scales)  # backed off, then grew
+    assert step.skipped_steps == sum(skips)
+    for (name, ours), theirs in zip(step.parameters().items(), master.parameters()):
+        assert torch.allclose(ours, theirs, rtol=1e-2, atol=1e-3), name
+
+
+@settings(max_examples=max(2, settings.default.max_examples // 2), deadline=None)  # ~2 s an example
+@given(exponent=st.integers(-6, 24), clip=st.sampled_from([None, 0.05]),
+       sharded=st.booleans())
+def test_a_power_of_two_static_scale_changes_no_bit_of_an_fp32_step(exponent, clip, sharded):
+    """Scaling by 2**k and unscaling by 2**-k is exact while no value leaves fp32's range: the losses
+    and updated parameters equal those of the unscaled program bit for bit, also with the gradient norm
+    clipped (where the unscaling folds into the clip coefficient) and under ZeRO-3 over two ranks."""
+    torch.manual_seed(0)
+    model = Regressor()
+    batches = regression_batches(3, rows=4)
+
+    def run(loss_scale):
+        config = fxshard.Config(loss_scale=loss_scale, clip_grad_norm=clip)
+        if not sharded:
+            step = fxshard.shard(copy.deepcopy(model), _plain, batches[0],
+                                 optimizer=ADAMW, config=config)
+            losses = [step(batch)["loss"] for batch in batches]
+            return losses, step.parameters()
+        halves = [[{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}] for batch in batches]
+        program = fsdp(fxshard.trace(model, _plain, halves[0][0], optimizer=ADAMW, config=config),
+                       FSDPConfig(2, "optim_grads_params"))
+        ranks = SimulatedRanks(program, model, ADAMW, fxshard.Mesh(dp=2))
+        losses = [ranks.step(pair)[0]["loss"] for pair in halves]
+        return losses, ranks.parameters(0)
+
+    scaled, unscaled = run(2.0 ** exponent), run(None)
+    for ours, theirs in zip(scaled[0], unscaled[0]):
+        assert torch.equal(ours, theirs)
+    for name, value in unscaled[1].items():
+        assert torch.equal(scaled[1][name], value), (name, exponent)
+
+
+def _plain(model, batch):
+    return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+
+
+def test_a_dynamic_scale_under_zero3_matches_one_device_and_survives_a_checkpoint(tmp_path):
+    """fp32 with Config(loss_scale="dynamic"): a step whose scaled gradients overflow (a loss weight of
+    1e35 times 2**16) is skipped and the scale halved, on every rank alike; two applied steps in a row
+    double it. ZeRO-3 over two simulated ranks follows the single-device step's scale and parameters,
+    and a checkpoint saved mid-count carries the scale and its count of good steps into a fresh step."""
+    torch.manual_seed(0)
+    model = Regressor()
+    weights = [1.0, 1e35, 1.0, 1.0, 1e35, 1.0]
+    batches = weighted(regression_batches(len(weights), rows=4), weights)
+    config = fxshard.Config(loss_scale=fxshard.LossScale(growth_interval=2))
+    assert config.nonfinite_mode() == "skip"
+    single = fxshard.shard(copy.deepcopy(model), weighted_loss, batches[0], optimizer=ADAMW, config=config)
+    program = fsdp(fxshard.trace(model, weighted_loss, {k: v[:2] if v.dim() else v for k, v in batches[0].items()},
+                                 optimizer=ADAMW, config=config), FSDPConfig(2, "optim_grads_params"))
+    ranks = SimulatedRanks(program, model, ADAMW, fxshard.Mesh(dp=2))
+    scales, skips = [], []
+    for index, batch in enumerate(batches):
+        if index == 3:  # scale 2**15 after one good step: a fresh step would start at 2**16 with none
+            fxshard.save(single, tmp_path / "ck")
+        metrics = single(batch)
+        skips.append(bool(metrics["skipped"]))
+        scales.append(single.loss_scale)
+        sharded = ranks.step([{k: v[half] if v.dim() else v for k, v in batch.items()}
+                              for half in (slice(0, 2), slice(2, 4))])
+        assert [bool(was_skipped(m["nonfinite"])) for m in sharded] == [skips[-1]] * 2
+        assert all(float(ranks.states[r][InputKind.LOSS_SCALE, "loss_scale"][0]) == scales[-1] for r in range(2))
+    assert skips == [False, True, False, False, True, False]
+    assert scales == [2.0 ** 16, 2.0 ** 15, 2.0 ** 15, 2.0 ** 16, 2.0 ** 15, 2.0 ** 15]
+    for name, value in single.parameters().items():
+        assert torch.allclose(ranks.parameters(0)[name], value, rtol=1e-5, atol=1e-6), name
+
+    resumed = fxshard.shard(copy.deepcopy(model), weighted_loss, batches[0], optimizer=ADAMW, config=config)
+    assert resumed.loss_scale == 2.0 ** 16
+    fxshard.load(resumed, tmp_path / "ck")
+    assert resumed.loss_scale == 2.0 ** 15 and resumed.step_count == 3
+    assert [(resumed(batch), resumed.loss_scale)[1] for batch in batches[3:]] == scales[3:]  # grows at once
+    for name, value in single.parameters().items():
+        assert torch.equal(resumed.parameters()[name], value), name
+
+
+@pytest.mark.parametrize("config, message", [
+    (dict(loss_scale="static"), "loss_scale='static'; choose \"dynamic\""),
+    (dict(loss_scale=0.0), "a number > 0"),
+    (dict(loss_scale=math.inf), "a number > 0"),
+    (dict(loss_scale="dynamic", nonfinite="raise"), "nonfinite='raise' with a dynamic loss scale"),
+    (dict(param_dtype=torch.float16, nonfinite="ignore"), "nonfinite='ignore' with a dynamic loss scale")])
+def test_loss_scales_the_step_cannot_apply_are_refused(config, message):
+    with pytest.raises(fxshard.FxShardError, match=message):
+        fxshard.Config(**config)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: fxshard.LossScale(init_scale=0), "init_scale must be a number in"),
+    (lambda: fxshard.LossScale(growth_factor=1.0), "growth_factor must be a number > 1"),
+    (lambda: fxshard.LossScale(backoff_factor=1.5), "backoff_factor must be a number in"),
+    (lambda: fxshard.LossScale(growth_interval=0), "growth_interval must be an int >= 1")])
+def test_loss_scale_parameters_grad_scaler_would_refuse_are_refused(make, message):
+    with pytest.raises(fxshard.FxShardError, match=message):
+        make()
+
+
+def test_a_dynamic_scale_inside_a_pipeline_is_refused_before_anything_is_spawned():
+    batch = {"idx": torch.randint(0, 64, (4, 16)), "tgt": torch.randint(0, 64, (4, 16))}
+    with pytest.raises(fxshard.FxShardError, match=r"a dynamic loss scale with Mesh\(pp=2\) is not built yet"):
+        fxshard.check(GPT(GPTConfig.preset("tiny")), lambda m, b: m.loss(b), batch, mesh=fxshard.Mesh(pp=2),
+                      config=fxshard.Config(param_dtype=torch.float16, microbatches=2))
