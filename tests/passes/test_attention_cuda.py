@@ -150,7 +150,8 @@ def test_a_causal_mask_on_cudnn_becomes_is_causal_a_window_moves_to_flash_and_th
              "tgt": torch.randint(0, 32, (2, length), device="cuda")}
     programs = programs_of(model, batch)
     if kind == "window":  # not the causal pattern: flash's window (cuDNN's op has none), any length
-        assert list(programs) == ["traced", "flash_attention"]
+        # recompute_pointwise follows where codegen compiles (CUDA by default); no other attention pass runs
+        assert [name for name in programs if name != "recompute_pointwise"] == ["traced", "flash_attention"]
         assert kernels(programs["flash_attention"]) == FLASH_PAIR
         assert "1 attention calls (1 with a sliding window) and 1 backward calls" in \
             programs["flash_attention"].notes["flash_attention"]
