@@ -247,13 +247,6 @@ def _compile(model, loss_fn, example_batch, optimizer, mesh, config, stages=(0,)
 
     pipelined = mesh is not None and mesh.pp > 1
     if pipelined:
-        from .loss_scale import LossScale
-
-        if isinstance(config.loss_scaling(), LossScale):
-            raise FxShardError(f"a dynamic loss scale with Mesh(pp={mesh.pp}) is not built yet (Config(loss_scale="
-                               f"{config.loss_scale!r}, param_dtype={config.param_dtype}, reduce_dtype="
-                               f"{config.reduce_dtype})); use a static scale (Config(loss_scale=1024.0), overflowing "
-                               f"steps then raise or are skipped as Config(nonfinite) says), or bf16, which needs none")
         example_batch = _first_microbatch(example_batch, config)
         # one microbatch; a Schedule object would set microbatches back to its own count
         one = dict(schedule="1f1b", virtual_stages=1) if not isinstance(config.schedule, str) else {}

@@ -55,6 +55,7 @@ from fxshard import meta
 from fxshard.balance import append_balancing, balancing_notes
 from fxshard.errors import FxShardError
 from fxshard.graph import Graph, fake_mode_of, inline, is_pure, lazy_module
+from fxshard.loss_scale import NAME as LOSS_SCALE
 from fxshard.ops.p2p import P2P_OPS  # noqa: F401  (registers fxshard::send / recv)
 from fxshard.optimizer_graph import append_update
 from fxshard.program import (REPLICATED, STAGE_LOCAL, Input, InputKind, Output, OutputKind, Program,
@@ -457,9 +458,12 @@ class _Lowering:
                         for update in self.source.updates if update.name in trained)
         states = {(spec.owner, spec.slot): self.env[spec.name]
                   for spec in self.inputs if spec.kind is InputKind.OPT_STATE}
-        grad_norm, new_params, new_states, nonfinite, _ = append_update(  # no dynamic loss scale (api refuses it)
+        # a dynamic loss scale: every stage unscales with it and updates it alike (the skip follows the
+        # norm, summed over the stages)
+        scale = self.env.get(LOSS_SCALE) if self.source.train.scales_dynamically else None
+        grad_norm, new_params, new_states, nonfinite, next_scale = append_update(
             self.graph, self.source.train, self.fake, updates, [self.env[u.name] for u in updates],
-            [self.grads[u.name] for u in updates], states, self.env["lr"], self.env["step"])
+            [self.grads[u.name] for u in updates], states, self.env["lr"], self.env["step"], loss_scale=scale)
         values.append(grad_norm)
         for update in updates:
             outputs.append(Output(OutputKind.PARAM, update.name, STAGE_LOCAL))
@@ -478,6 +482,9 @@ class _Lowering:
         if nonfinite is not None:
             outputs.append(Output(OutputKind.NONFINITE, "nonfinite"))
             values.append(nonfinite)
+        if next_scale is not None:
+            outputs.append(Output(OutputKind.LOSS_SCALE, LOSS_SCALE))
+            values.append(next_scale)
         self.graph.output(tuple(values))
         self.graph.lint()
         gm = lazy_module(self.source.graph_module, self.graph)

@@ -50,7 +50,8 @@ class Chunk:
     layers: tuple[str, ...]
     forward: fx.GraphModule
     backward: fx.GraphModule
-    params: tuple[str, ...]       # parameters (and read-only buffers) both graphs take first, in this order
+    params: tuple[str, ...]       # parameters, read-only buffers (and the loss scale's state, on the chunk
+                                  # with the loss under a dynamic scale) both graphs take first, in this order
     batch: tuple[int, ...]        # indices of the batch leaves both graphs take next
     recv: tuple[str, ...]         # activations received from chunk index-1 (forward inputs, after the batch)
     send: tuple[str, ...]         # activations sent to chunk index+1 (forward outputs, first)
@@ -421,7 +422,9 @@ class _Splitter:
         updated = {self.buffer_nodes[n] for n in self.buffer_nodes if n in fwd_set}
         external += [n for n in self.program.placeholders() if n not in external and
                      self.specs[n].kind is InputKind.BUFFER and self.specs[n].name in updated]
-        params = [n for n in external if self.specs[n].kind in (InputKind.PARAM, InputKind.BUFFER)]
+        # the dynamic loss scale's state, which the last chunk's backward multiplies its loss tangent by,
+        # travels with the parameters: every stage holds it (lower_schedule), like the learning rate
+        params = [n for n in external if self.specs[n].kind in (InputKind.PARAM, InputKind.BUFFER, InputKind.LOSS_SCALE)]
         batch = [n for n in external if self.specs[n].kind is InputKind.BATCH]
         other = [n for n in external if n not in params and n not in batch]
         if other:

@@ -172,8 +172,52 @@ def test_loss_scale_parameters_grad_scaler_would_refuse_are_refused(make, messag
         make()
 
 
-def test_a_dynamic_scale_inside_a_pipeline_is_refused_before_anything_is_spawned():
-    batch = {"idx": torch.randint(0, 64, (4, 16)), "tgt": torch.randint(0, 64, (4, 16))}
-    with pytest.raises(fxshard.FxShardError, match=r"a dynamic loss scale with Mesh\(pp=2\) is not built yet"):
-        fxshard.check(GPT(GPTConfig.preset("tiny")), lambda m, b: m.loss(b), batch, mesh=fxshard.Mesh(pp=2),
-                      config=fxshard.Config(param_dtype=torch.float16, microbatches=2))
+@pytest.mark.parametrize("dp, sharding, last", [(1, "no_shard", "pipeline"), (2, "no_shard", "fsdp"),
+                                                 (2, "optim_grads_params", "fsdp")])
+def test_a_dynamic_scale_inside_a_pipeline_follows_the_single_device_step(dp, sharding, last):
+    """Mesh(pp=2), the lowered schedule's own optimizer phase (`last="pipeline"`), or Mesh(pp=2, dp=2)
+    under DDP or ZeRO-3, whose pass rebuilds that phase; interleaved 1F1B: the last chunk's backward reads the scale,
+    every stage unscales with it and updates it alike (the skip follows the norm summed over the
+    stages). A step where one microbatch's weight overflows the scaled gradients is skipped on every
+    rank; scale, skips and parameters follow fxshard's single-device step on the same microbatches."""
+    from fxshard.passes import run_pipeline
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=40, d_model=16, n_layer=4, n_head=2, d_ff=24))
+
+    def loss_fn(model, batch):  # the rows' weights: 1e35 overflows the scaled fp32 gradients
+        return model.loss({"idx": batch["idx"], "tgt": batch["tgt"]}) * batch["w"].mean()
+
+    generator = torch.Generator().manual_seed(1)
+    weights = [[1.0] * 4, [1.0, 1e35, 1.0, 1.0], [1.0] * 4, [1.0] * 4]
+    steps = [[{"idx": torch.randint(0, 40, (2, 8), generator=generator),
+               "tgt": torch.randint(0, 40, (2, 8), generator=generator), "w": torch.full((2,), w)} for w in row]
+             for row in weights]
+    scale = fxshard.LossScale(init_scale=2.0 ** 10, growth_interval=1)
+    mesh, config = fxshard.Mesh(pp=2, dp=dp), fxshard.Config(
+        microbatches=4 // dp, schedule="interleaved-1f1b", virtual_stages=2, sharding=sharding, loss_scale=scale)
+    program = fxshard.trace(model, loss_fn, steps[0][0], optimizer=ADAMW, config=fxshard.Config(loss_scale=scale))
+    stages = [next(p for p in run_pipeline(program, mesh, config, stage=stage) if p.name == last)
+              for stage in range(mesh.pp)]
+    assert all(stage.outputs_of(OutputKind.LOSS_SCALE) for stage in stages)
+    ranks = SimulatedRanks(stages, model, ADAMW, mesh)
+    single = fxshard.shard(copy.deepcopy(model), loss_fn, _joined(steps[0]), optimizer=ADAMW,
+                           config=fxshard.Config(microbatches=4, loss_scale=scale))
+    skips = []
+    for pieces in steps:
+        metrics = single(_joined(pieces))
+        skips.append(bool(metrics["skipped"]))
+        parts = [_joined(pieces[:2]), _joined(pieces[2:])] if dp == 2 else [_joined(pieces)]
+        sharded = ranks.step([parts[mesh.coords(rank)["dp"]] for rank in range(mesh.size)])
+        assert [bool(was_skipped(m["nonfinite"])) for m in sharded] == [skips[-1]] * mesh.size
+        assert [float(state[InputKind.LOSS_SCALE, "loss_scale"][0]) for state in ranks.states] == \
+            [single.loss_scale] * mesh.size
+        if not skips[-1]:
+            assert all(abs(m["loss"].item() - metrics["loss"].item()) <= 1e-5 * metrics["loss"].item() for m in sharded)
+    assert skips == [False, True, False, False] and single.loss_scale == 2.0 ** 12  # grew, halved, grew twice
+    for name, value in single.parameters().items():
+        assert torch.allclose(ranks.parameters(mesh.size - 1)[name], value, rtol=1e-5, atol=1e-6), name
+
+
+def _joined(pieces):
+    return {key: torch.cat([piece[key] for piece in pieces]) for key in pieces[0]}
