@@ -12,6 +12,9 @@ and the ratio to the single-GPU no-communication time of the same model and batc
     nocomm-fxshard-aten  the same without codegen (aten replay)
     nocomm-fxshard-nopointwise  nocomm-fxshard with Config(recompute_pointwise=False): the backward reads
                     every value autograd saves (passes/recompute_pointwise.py off)
+    nocomm-fxshard-multiplied  nocomm-fxshard with clipping's coefficient multiplied into each gradient
+                    before AdamW (a scaled fp32 copy written and read), as before AdamW took it as its
+                    `grad_scale`: an A/B of that fusion, meaningful with --clip
     fsdp2           N GPUs, torch.distributed.fsdp.fully_shard per block + root, eager
     fsdp2-compile   the same with torch.compile on each block (torchtitan's recipe)
     fxshard         N GPUs, fxshard ZeRO-3 (optim_grads_params), codegen, CUDA graphs (--eager-replay: without),
@@ -33,6 +36,9 @@ and the ratio to the single-GPU no-communication time of the same model and batc
 A `-nodecay` suffix on a distributed mode (fxshard-nodecay, fsdp2-compile-nodecay) trains the RMSNorm
 gains without weight decay: fxshard's `AdamW(no_decay=("*norm.weight",))` (their own ZeRO units),
 FSDP2's a second torch.optim parameter group with weight_decay 0.
+
+`--clip C` clips the gradient norm to C in every mode (torch.nn.utils.clip_grad_norm_ on the fp32
+gradients, FSDP2's on its sharded ones; fxshard's Config(clip_grad_norm)), as most recipes do.
 
 "vs compile" is the ratio to nocomm-compile of the same batch (the issue's yardstick). `--rounds N` runs
 every mode N times in turn and adds a table of medians (the baseline moved 3% between jobs). Each fxshard
@@ -98,6 +104,7 @@ def batch_for(cfg, batch, seq, device, seed=0):
 
 
 PROFILE_DIR = os.environ.get("FXSHARD_BENCH_PROFILE")  # set by --profile DIR
+CLIP = float(os.environ.get("FXSHARD_BENCH_CLIP", "0")) or None  # --clip sets it, for the spawned ranks too
 CUDA_GRAPHS = os.environ.get("FXSHARD_BENCH_EAGER") != "1"  # --eager-replay sets it: fxshard modes replay the FX graph
 
 
@@ -197,6 +204,8 @@ def run_eager_single(cfg, batch, seq, warmup, iters, compiled=False):
         for p16, p in zip(low.parameters(), master.parameters()):
             p.grad = p16.grad.float()
             p16.grad = None
+        if CLIP:
+            torch.nn.utils.clip_grad_norm_(master.parameters(), CLIP, foreach=True)
         optimizer.step()
 
     torch.cuda.reset_peak_memory_stats()
@@ -208,7 +217,7 @@ NO_DECAY = ("*norm.weight",)  # the -nodecay modes' parameters without weight de
 
 
 def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None, codegen="inductor", collectives="nccl", max_ctas=None,
-                barriers="kernel", no_decay=False, pointwise=None):
+                barriers="kernel", no_decay=False, pointwise=None, multiplied=False):
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = f"cuda:{rank}"
     torch.cuda.set_device(device)
@@ -216,10 +225,17 @@ def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None, codegen="inductor", c
     data = batch_for(cfg, batch, seq, device, seed=rank)
     config = fxshard.Config(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cuda_graphs=CUDA_GRAPHS,
                             sharding="optim_grads_params", codegen=codegen, fsdp_collectives=collectives,
-                            nccl_max_ctas=max_ctas, copy_engine_barriers=barriers, recompute_pointwise=pointwise)
+                            nccl_max_ctas=max_ctas, copy_engine_barriers=barriers, recompute_pointwise=pointwise,
+                            clip_grad_norm=CLIP)
     started = time.perf_counter()
     optimizer = fxshard.optim.AdamW(lr=1e-4, no_decay=NO_DECAY if no_decay else ())
-    step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=optimizer, mesh=mesh, config=config)
+    takes_grad_scale = fxshard.optim.AdamW.takes_grad_scale
+    if multiplied:  # the A/B: the phase multiplies each gradient before AdamW, as before the fusion
+        fxshard.optim.AdamW.takes_grad_scale = lambda self, param: False
+    try:
+        step = fxshard.shard(model, lambda m, b: m.loss(b), data, optimizer=optimizer, mesh=mesh, config=config)
+    finally:
+        fxshard.optim.AdamW.takes_grad_scale = takes_grad_scale
     if rank == 0:
         print(f"  fxshard compiled in {time.perf_counter() - started:.1f}s: {step.program!r}; "
               f"{step.codegen.line() if step.codegen else 'no codegen'}; {step.copy_engine.line()}", flush=True)
@@ -230,7 +246,7 @@ def run_fxshard(cfg, batch, seq, warmup, iters, mesh=None, codegen="inductor", c
         f"{'' if codegen else '-aten'}{'-ce' if collectives != 'nccl' else ''}{'s' if barriers == 'stream' else ''}" \
         f"{f'-ctas{max_ctas}' if max_ctas else ''}" \
         f"{nccl_label() if mesh is not None else ''}{'-nodecay' if no_decay else ''}" \
-        f"{'-nopointwise' if pointwise is False else ''}_b{batch}"
+        f"{'-nopointwise' if pointwise is False else ''}{'-multiplied' if multiplied else ''}_b{batch}"
     ms = timed(lambda: step(data), warmup, iters, label)
     from fxshard.runtime.copy_engine import workspace_bytes
 
@@ -260,6 +276,8 @@ def run_fsdp2(cfg, batch, seq, warmup, iters, compiled=False, no_decay=False):
     def step():
         loss = model.loss(data)
         loss.backward()
+        if CLIP:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -303,11 +321,18 @@ def main():
                         help="activation checkpointing in every mode: GPTConfig(checkpoint_layers), each block under "
                              "torch.utils.checkpoint, 'full' or 'selective' (matmul and attention outputs kept); eager "
                              "and compiled modes: PyTorch's (compiled: inside each compiled block); fxshard: its recompute pass")
+    parser.add_argument("--clip", type=float, default=None, help="clip the gradient norm to this in every mode")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every mode this many times in turn and report each one's median (profiles: round 1)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
+    if args.clip is not None:
+        if not args.clip > 0:
+            parser.error("--clip takes a norm > 0")
+        os.environ["FXSHARD_BENCH_CLIP"] = str(args.clip)
+        global CLIP
+        CLIP = args.clip
     if args.eager_replay:
         os.environ["FXSHARD_BENCH_EAGER"] = "1"
         global CUDA_GRAPHS
@@ -321,7 +346,7 @@ def main():
     per_token = flops_per_token(cfg, args.seq)
     rows = []
     print(f"GPT {args.model}{f' ({args.checkpoint_layers} activation checkpointing)' if args.checkpoint_layers else ''}: "
-          f"{params / 1e9:.2f}B parameters, S={args.seq}, {torch.cuda.get_device_name()}, "
+          f"{params / 1e9:.2f}B parameters, S={args.seq}{f', gradient norm clipped to {CLIP}' if CLIP else ''}, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}", flush=True)
     header = (f"{'mode':<20} {'gpus':>4} {'batch':>5} {'ms/step':>9} {'tok/s/gpu':>10} {'MFU':>6} {'peak GiB':>9} "
               f"{'vs nocomm':>9} {'vs compile':>10}")
@@ -352,10 +377,12 @@ def main():
                         ms, peak = run_eager_single(cfg, batch, args.seq, args.warmup, args.iters,
                                                     compiled=mode == "nocomm-compile")
                         gpus = 1
-                    elif mode in ("nocomm-fxshard", "nocomm-fxshard-aten", "nocomm-fxshard-nopointwise"):
+                    elif mode in ("nocomm-fxshard", "nocomm-fxshard-aten", "nocomm-fxshard-nopointwise",
+                                  "nocomm-fxshard-multiplied"):
                         ms, peak = run_fxshard(cfg, batch, args.seq, args.warmup, args.iters,
                                                codegen=None if mode.endswith("-aten") else "inductor",
-                                               pointwise=False if mode.endswith("-nopointwise") else None)
+                                               pointwise=False if mode.endswith("-nopointwise") else None,
+                                               multiplied=mode.endswith("-multiplied"))
                         gpus = 1
                     else:
                         gpus = args.gpus
@@ -389,7 +416,7 @@ def main():
                 print(f"{mode:<20} {gpus:>4} {batch:>5} {ms:>9.1f} {row['tokens_per_s_per_gpu']:>10.0f} "
                       f"{mfu:>6.1%} {peak / 2**30:>9.1f} {ratio:>9} {vs_compile:>10}", flush=True)
     summary = by_median(rows, per_token, args.seq) if args.rounds > 1 else []
-    write_json(args.out, model=args.model, checkpoint_layers=args.checkpoint_layers, params=params, rounds=args.rounds, rows=rows, summary=summary)
+    write_json(args.out, model=args.model, checkpoint_layers=args.checkpoint_layers, clip=CLIP, params=params, rounds=args.rounds, rows=rows, summary=summary)
 
 
 def by_median(rows: list[dict], per_token: float, seq: int) -> list[dict]:

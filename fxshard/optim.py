@@ -68,6 +68,12 @@ class _Decay:
         """This optimizer for the parameters `no_decay` names: the same, with weight_decay 0."""
         return dataclasses.replace(self, weight_decay=0.0, no_decay=())
 
+    def takes_grad_scale(self, param: torch.Tensor) -> bool:
+        """Whether `update` applies `scalars["grad_scale"]` (a 0-d float32 multiplier of the gradient,
+        clipping's and the loss scale's) itself, exactly as `grad.to(param.dtype) * grad_scale` would;
+        else the optimizer phase multiplies the gradient before handing it over."""
+        return False
+
 
 def _check_numbers(owner: str, low: float, **values) -> None:
     """Each value a finite number >= `low` (torch.optim refuses the rest; a NaN would make every
@@ -114,13 +120,17 @@ class AdamW(_Decay):
                 "step_size": (lr.to(torch.float64) / (1 - torch.pow(beta1, step))).to(lr.dtype),
                 "bias_correction2_sqrt": torch.sqrt(1 - torch.pow(beta2, step)).to(lr.dtype)}
 
+    def takes_grad_scale(self, param: torch.Tensor) -> bool:
+        return param.dtype == torch.float32  # the masters the fused kernel updates
+
     def update(self, param, grad, state, scalars):
         from .ops.adamw import adamw_update  # one node per tensor; fused on CUDA; takes a bf16 grad as is
 
         beta1, beta2 = self.betas
+        scale = (scalars["grad_scale"],) if "grad_scale" in scalars else ()  # the node as before where none
         param, exp_avg, exp_avg_sq = adamw_update(
             param, grad, state["exp_avg"], state["exp_avg_sq"], scalars["decay"], scalars["step_size"],
-            scalars["bias_correction2_sqrt"], beta1, beta2, self.eps, scalars.get("skip"))
+            scalars["bias_correction2_sqrt"], beta1, beta2, self.eps, scalars.get("skip"), *scale)
         return param, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 

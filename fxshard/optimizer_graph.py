@@ -171,18 +171,32 @@ class _Phase:
         # the gradients' loss scale divided out: a float (static), a 0-d tensor (dynamic), or None
         self.inverse = (1.0 / scale_state[0] if scale_state is not None else
                         1.0 / spec.loss_scale if spec.loss_scale is not None else None)
-        self.unscaled: set[str] = set()  # gradients the clip's multiply divided already
+        # what every gradient is still to be multiplied by (the loss scale's inverse, times clipping's
+        # coefficient once `run` has the norm), and whether in at least float32 (1/scale is subnormal
+        # in fp16) or in the parameter's dtype (clipping alone, as torch's clip_grad_norm_)
+        self.multiplier, self.at_least_fp32 = self.inverse, self.inverse is not None
+        self.grad_scale = None  # the multiplier as the 0-d float32 tensor an optimizer applies itself
 
     def norm(self, squares: torch.Tensor) -> torch.Tensor:
         """The gradient norm from the sum of the (scaled) gradients' squares."""
         return squares.sqrt() if self.inverse is None else squares.sqrt() * self.inverse
 
-    def grad(self, name: str) -> torch.Tensor:
-        """The gradient the update applies: divided by the loss scale in (at least) float32."""
-        grad = self.grads[name]
-        if self.inverse is None or name in self.unscaled:
-            return grad
-        return grad.to(torch.promote_types(self.params[name].dtype, torch.float32)) * self.inverse
+    def arguments(self, name: str, optimizer, scalars: dict) -> tuple[torch.Tensor, dict]:
+        """The gradient and scalars `optimizer.update` takes for `name`: the gradient as it came, with
+        the multiplier as `scalars["grad_scale"]` where the optimizer applies it as it loads the
+        gradient (AdamW on fp32 masters: no clipped or unscaled copy is written), else multiplied here."""
+        grad, multiplier = self.grads[name], self.multiplier
+        if multiplier is None:
+            return grad, scalars
+        if optimizer.takes_grad_scale(self.params[name]):
+            if self.grad_scale is None:
+                self.grad_scale = (multiplier.to(torch.float32) if isinstance(multiplier, torch.Tensor) else
+                                   torch.full((), multiplier, dtype=torch.float32, device=grad.device))
+            return grad, {**scalars, "grad_scale": self.grad_scale}
+        dtype = self.params[name].dtype
+        dtype = torch.promote_types(dtype, torch.float32) if self.at_least_fp32 else dtype
+        factor = multiplier.to(dtype) if isinstance(multiplier, torch.Tensor) else multiplier
+        return grad.to(dtype) * factor, scalars
 
     def global_sum(self, local: dict) -> torch.Tensor:
         """The sum of `local`'s squares over every rank of each update's norm axes (every rank
@@ -223,22 +237,18 @@ class _Phase:
         for name in chosen:
             optimizer, scalars = self.rule(name)
             with fx_traceback.annotate({meta.ANNOTATION_PARAM: name}):
+                grad, scalars = self.arguments(name, optimizer, scalars)
                 self.new_params[name], self.new_states[name] = optimizer.update(
-                    self.params[name], self.grad(name), self.states[name], scalars)
+                    self.params[name], grad, self.states[name], scalars)
 
     def run(self, order: list[str]):
         """The norm first (clipping by it, deciding the skip from it), then every update in `order`."""
         local = {name: _squared(self.grads[name]) for name in self.counted}
         grad_norm = self.norm(self.global_sum(local))
         clip = self.spec.clip_grad_norm
-        if clip is not None:  # scaled in the master's dtype, the loss scale divided out in the same multiply
+        if clip is not None:  # the loss scale divided out in the same multiply (`arguments`)
             coefficient = torch.clamp(clip / (grad_norm + 1e-6), max=1.0)
-            dtypes = {name: self.params[name].dtype for name in self.grads}
-            if self.inverse is not None:  # not below float32: 1/scale is subnormal in fp16
-                coefficient = coefficient * self.inverse
-                dtypes = {name: torch.promote_types(dtype, torch.float32) for name, dtype in dtypes.items()}
-                self.unscaled = set(self.grads)
-            self.grads = {name: g.to(dtypes[name]) * coefficient.to(dtypes[name]) for name, g in self.grads.items()}
+            self.multiplier = coefficient if self.inverse is None else coefficient * self.inverse
         if self.spec.guard_nonfinite:  # the norm is global: every rank skips alike
             self.shared["skip"] = torch.logical_not(torch.isfinite(grad_norm))
         flags = self.nonfinite_flags(local)

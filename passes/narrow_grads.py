@@ -12,8 +12,9 @@ of its result is one that takes the bf16 gradient just as well:
     aten.new_zeros           reads only the shape (the norm's accumulator), given dtype explicitly
 
 Per parameter and step that saves writing 4 bytes and reading 2 more than it reads (a 1.6B-parameter
-MoE: ~18 GB of memory traffic). Any other reader (SGD's arithmetic, clipping's scaling, a microbatch
-sum, a reduction) keeps the cast.
+MoE: ~18 GB of memory traffic). AdamW applies clipping's coefficient and a loss scale's inverse
+itself (its `grad_scale` argument), so neither reads the copy there. Any other reader (SGD's
+arithmetic, clipping's scaling for SGD, a microbatch sum, a reduction) keeps the cast.
 
 The same holds for an FSDP unit on an axis of one rank (every unit at Mesh(dp=1), the expert units
 at Mesh(dp=N, ep=N), whose `edp` axis has one rank): its gradient is the concatenation of its

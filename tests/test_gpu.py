@@ -499,6 +499,28 @@ def test_fused_adamw_kernel_widens_a_bf16_gradient_exactly():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_adamw_kernel_applies_grad_scale_as_the_multiplied_gradient_would(dtype):
+    """`grad_scale` (clipping's coefficient times the loss scale's inverse) multiplies the widened
+    gradient in the kernel: the same bits as handing it `grad.float() * grad_scale`, functional and in
+    place, with and without a skip flag."""
+    from fxshard.ops.adamw import adamw_update, adamw_update_
+
+    (param, grad, exp_avg, exp_avg_sq), scalars = _adamw_inputs(seed=4)
+    grad = (grad * 1000).to(dtype)
+    scale = torch.tensor(0.37 / 1024, device="cuda")
+    for skip in ((), (torch.tensor(False, device="cuda"),)):
+        expected = adamw_update(param, grad.float() * scale, exp_avg, exp_avg_sq, *scalars, 0.9, 0.95, 1e-8, *skip)
+        fused = adamw_update(param, grad, exp_avg, exp_avg_sq, *scalars, 0.9, 0.95, 1e-8, skip[0] if skip else None,
+                             scale)
+        in_place = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
+        adamw_update_(in_place[0], grad, in_place[1], in_place[2], *scalars, 0.9, 0.95, 1e-8,
+                      skip[0] if skip else None, scale)
+        for ours, again, want in zip(fused, in_place, expected):
+            assert torch.equal(ours, want) and torch.equal(again, want)
+
+
+@pytest.mark.gpu
 def test_in_place_fused_adamw_kernel_matches_the_functional_one():
     from fxshard.ops.adamw import adamw_update, adamw_update_
 

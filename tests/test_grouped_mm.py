@@ -59,3 +59,8 @@ def test_adamw_update_op_schema_and_fake():
     scalars = [torch.tensor(v) for v in (0.99, 1e-2, 0.5)]
     torch.library.opcheck(torch.ops.fxshard.adamw_update.default, (*tensors, *scalars, 0.9, 0.95, 1e-8))
     assert all(o.shape == (5,) for o in adamw_update(*tensors, *scalars, 0.9, 0.95, 1e-8))
+    scale = torch.tensor(0.25)
+    torch.library.opcheck(torch.ops.fxshard.adamw_update.default, (*tensors, *scalars, 0.9, 0.95, 1e-8, None, scale))
+    scaled = adamw_update(*tensors, *scalars, 0.9, 0.95, 1e-8, None, scale)
+    multiplied = adamw_update(tensors[0], tensors[1] * scale, *tensors[2:], *scalars, 0.9, 0.95, 1e-8)
+    assert all(torch.equal(a, b) for a, b in zip(scaled, multiplied))

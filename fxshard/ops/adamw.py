@@ -9,6 +9,10 @@ Per-step scalars (decay = 1 - lr*wd, step_size = lr / bias_correction1, bias_cor
 are 0-d tensors, so a schedule changes them without retracing or recapturing. `skip`, a 0-d bool
 tensor, leaves all three tensors as they were when it is true (Config(nonfinite): a step whose
 gradients are not finite), without a host synchronization and without reading them twice.
+`grad_scale`, a 0-d float32 tensor, multiplies the widened gradient as it is loaded: the clipping
+coefficient and the loss scale's inverse (fxshard/optimizer_graph.py), so no clipped or unscaled copy
+of the gradient is written; the result is that of `adamw_update(param, grad.to(param.dtype) *
+grad_scale, ...)` bit for bit.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from torch import Tensor
 
 
 def adamw_reference(param, grad, exp_avg, exp_avg_sq, decay, step_size, bias_correction2_sqrt,
-                    beta1: float, beta2: float, eps: float):
+                    beta1: float, beta2: float, eps: float, grad_scale=None):
     grad = grad.to(param.dtype)
+    if grad_scale is not None:
+        grad = grad * grad_scale
     param = param * decay
     exp_avg = torch.lerp(exp_avg, grad, 1 - beta1)
     exp_avg_sq = torch.addcmul(exp_avg_sq * beta2, grad, grad, value=1 - beta2)
@@ -44,29 +50,32 @@ def _kept(skip, old, new):
 @torch.library.custom_op("fxshard::adamw_update", mutates_args=())
 def adamw_update(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, decay: Tensor,
                  step_size: Tensor, bias_correction2_sqrt: Tensor, beta1: float, beta2: float,
-                 eps: float, skip: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+                 eps: float, skip: Optional[Tensor] = None,
+                 grad_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     if _fused(param, grad, exp_avg, exp_avg_sq):
         from ._triton_adamw import fused_adamw
 
         return fused_adamw(param, grad, exp_avg, exp_avg_sq, decay, step_size, bias_correction2_sqrt, beta1, beta2,
-                           eps, skip=skip)
-    new = adamw_reference(param, grad, exp_avg, exp_avg_sq, decay, step_size, bias_correction2_sqrt, beta1, beta2, eps)
+                           eps, skip=skip, grad_scale=grad_scale)
+    new = adamw_reference(param, grad, exp_avg, exp_avg_sq, decay, step_size, bias_correction2_sqrt, beta1, beta2, eps,
+                          grad_scale)
     return tuple(t.contiguous() for t in _kept(skip, (param, exp_avg, exp_avg_sq), new))
 
 
 @torch.library.custom_op("fxshard::adamw_update_", mutates_args=("param", "exp_avg", "exp_avg_sq"))
 def adamw_update_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, decay: Tensor,
                   step_size: Tensor, bias_correction2_sqrt: Tensor, beta1: float, beta2: float,
-                  eps: float, skip: Optional[Tensor] = None) -> None:
+                  eps: float, skip: Optional[Tensor] = None, grad_scale: Optional[Tensor] = None) -> None:
     """The same step written into `param`, `exp_avg` and `exp_avg_sq`: what the runtime lowers
     `adamw_update` to when nothing reads the old values afterwards (fxshard.runtime.reinplace)."""
     if _fused(param, grad, exp_avg, exp_avg_sq):
         from ._triton_adamw import fused_adamw
 
         fused_adamw(param, grad, exp_avg, exp_avg_sq, decay, step_size, bias_correction2_sqrt, beta1, beta2, eps,
-                    out=(param, exp_avg, exp_avg_sq), skip=skip)
+                    out=(param, exp_avg, exp_avg_sq), skip=skip, grad_scale=grad_scale)
         return
-    new = adamw_reference(param, grad, exp_avg, exp_avg_sq, decay, step_size, bias_correction2_sqrt, beta1, beta2, eps)
+    new = adamw_reference(param, grad, exp_avg, exp_avg_sq, decay, step_size, bias_correction2_sqrt, beta1, beta2, eps,
+                          grad_scale)
     new = _kept(skip, (param, exp_avg, exp_avg_sq), new)
     for target, value in zip((param, exp_avg, exp_avg_sq), new):
         target.copy_(value)
@@ -74,5 +83,5 @@ def adamw_update_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
 
 @adamw_update.register_fake
 def _adamw_update_fake(param, grad, exp_avg, exp_avg_sq, decay, step_size, bias_correction2_sqrt,
-                       beta1, beta2, eps, skip=None):
+                       beta1, beta2, eps, skip=None, grad_scale=None):
     return torch.empty_like(param), torch.empty_like(exp_avg), torch.empty_like(exp_avg_sq)
