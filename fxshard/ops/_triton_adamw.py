@@ -15,8 +15,12 @@ def _adamw_kernel(param_ptr, grad_ptr, m_ptr, v_ptr, out_p, out_m, out_v, decay_
         mask = mask & (tl.load(skip_ptr) == 0)
     p0 = tl.load(param_ptr + offsets, mask=mask)
     g = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)  # a bf16 / fp16 gradient widened exactly
-    if SCALE:  # clipping's coefficient, the loss scale's inverse: one fp32 multiply, as grad.float() * s
-        g = g * tl.load(scale_ptr)
+    if SCALE:  # clipping's coefficient, the loss scale's inverse: one fp32 multiply, as grad.float() * s;
+        # mul.rn is never contracted into the moments' arithmetic (a plain `*` would become FMAs there),
+        # so the step has the bits of the one that reads the multiplied gradient
+        scale = tl.broadcast_to(tl.load(scale_ptr), [BLOCK])
+        g = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [g, scale], dtype=tl.float32,
+                                      is_pure=True, pack=1)
     m0 = tl.load(m_ptr + offsets, mask=mask)
     v0 = tl.load(v_ptr + offsets, mask=mask)
     decay = tl.load(decay_ptr)
