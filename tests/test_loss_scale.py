@@ -47,32 +47,46 @@ def test_a_dynamic_scale_backs_off_grows_and_skips_as_grad_scaler_does():
     step = fxshard.shard(copy.deepcopy(model), loss_fn, batches[0], optimizer=optimizer, config=config)
     assert [spec.kind for spec in step.program.inputs].count(InputKind.LOSS_SCALE) == 1
     assert step.program.outputs_of(OutputKind.LOSS_SCALE) and step.loss_scale == 2.0 ** 16
-    master, low = copy.deepcopy(model), copy.deepcopy(model).half()
-    reference = torch_optimizer(optimizer, master.parameters())
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=2)
+    reference = GradScalerReference(model, loss_fn, optimizer, config.loss_scale, "cpu")
     scales, skips = [], []
     for batch in batches:
-        with torch.no_grad():
-            for p16, p in zip(low.parameters(), master.parameters()):
-                p16.copy_(p)
-        low.zero_grad()
-        eager = loss_fn(low, batch)
-        scaler.scale(eager).backward()
-        for p16, p in zip(low.parameters(), master.parameters()):
-            p.grad = p16.grad.float()
-        before = scaler.get_scale()
-        scaler.step(reference)
-        scaler.update()
+        eager, skipped, scale = reference.step(batch)
         metrics = step(batch)
         assert abs(metrics["loss"].item() - eager.item()) <= 2e-3 * abs(eager.item())
-        assert bool(metrics["skipped"]) == (scaler.get_scale() < before)
-        assert step.loss_scale == scaler.get_scale()
+        assert bool(metrics["skipped"]) == skipped
+        assert step.loss_scale == scale
         scales.append(step.loss_scale)
         skips.append(bool(metrics["skipped"]))
     assert any(skips) and not all(skips) and max(scales[skips.index(False):]) > min(scales)  # backed off, then grew
     assert step.skipped_steps == sum(skips)
-    for (name, ours), theirs in zip(step.parameters().items(), master.parameters()):
+    for (name, ours), theirs in zip(step.parameters().items(), reference.master.parameters()):
         assert torch.allclose(ours, theirs, rtol=1e-2, atol=1e-3), name
+
+
+class GradScalerReference:
+    """Eager PyTorch's fp16 recipe: an fp16 copy of fp32 masters runs the forward and backward of the
+    loss scaled by torch.amp.GradScaler, whose step and update drive a torch.optim optimizer."""
+
+    def __init__(self, model, loss_fn, optimizer, scale: fxshard.LossScale, device: str):
+        self.master, self.low, self.loss_fn = copy.deepcopy(model), copy.deepcopy(model).half(), loss_fn
+        self.optimizer = torch_optimizer(optimizer, self.master.parameters())
+        self.scaler = torch.amp.GradScaler(device, init_scale=scale.init_scale, growth_factor=scale.growth_factor,
+                                           backoff_factor=scale.backoff_factor, growth_interval=scale.growth_interval)
+
+    def step(self, batch):
+        """One step: (the fp16 loss, whether the step was skipped, the scale after it)."""
+        with torch.no_grad():
+            for p16, p in zip(self.low.parameters(), self.master.parameters()):
+                p16.copy_(p)
+        self.low.zero_grad()
+        loss = self.loss_fn(self.low, batch)
+        self.scaler.scale(loss).backward()
+        for p16, p in zip(self.low.parameters(), self.master.parameters()):
+            p.grad = p16.grad.float()
+        before = self.scaler.get_scale()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return loss, self.scaler.get_scale() < before, self.scaler.get_scale()
 
 
 @settings(max_examples=max(2, settings.default.max_examples // 2), deadline=None)  # ~2 s an example
