@@ -31,6 +31,7 @@ from fxshard.models import GPT, GPTConfig, MoEGPT, MoEGPTConfig
 MODELS = {"moe_gpt": (MoEGPT, MoEGPTConfig), "gpt": (GPT, GPTConfig)}
 SEPARATOR = 0
 IGNORE = -100  # F.cross_entropy's default ignore_index
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # --dtype -> Config(param_dtype)
 
 
 def parse_args(argv=None):
@@ -43,6 +44,11 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=20, help="linear warm-up steps, then cosine decay")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
+                        help="compute dtype (fp32 masters and gradient reduction under bf16 / fp16; fp16 scales "
+                             "the loss dynamically, as torch.amp.GradScaler)")
+    parser.add_argument("--clip-grad-norm", type=float, default=None, metavar="C",
+                        help="clip the gradient norm to C (Config(clip_grad_norm))")
     parser.add_argument("--dump", metavar="DIR", help="write the graph dumps here")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=1)
@@ -201,7 +207,10 @@ def optimizer(args):
 def step_config(args, rank: int) -> fxshard.Config:
     # one writer per distinct program: rank 0, and under a pipeline each stage's first data-parallel rank
     writes = rank == 0 or args.pp > 1 and fxshard.Mesh(pp=args.pp, dp=args.dp, ep=args.ep).coords(rank)["dp"] == 0
+    compute = DTYPES[args.dtype]
     return fxshard.Config(dump_dir=args.dump if writes else None, sharding=args.sharding, schedule=args.schedule,
+                          param_dtype=compute, reduce_dtype=torch.float32 if compute is not None else None,
+                          clip_grad_norm=args.clip_grad_norm,
                           virtual_stages=args.virtual_stages, ep_overlap=args.ep_overlap,
                           microbatches=args.microbatches,
                           ep_chunks=1, ep_interleave="combined-1f1b" if args.pp > 1 else "dual-batch",
@@ -250,7 +259,10 @@ def train(args) -> dict:
         losses.append(metrics["loss"].item())
         if index % args.log_every == 0 or index == args.steps:
             dropped = f" dropped {metrics['moe_dropped_tokens'].item()}" if "moe_dropped_tokens" in metrics else ""
-            say(f"step {index} loss {losses[-1]:.4f} grad_norm {metrics['grad_norm'].item():.3f}{dropped}", flush=True)
+            scaled = f" loss_scale {step.loss_scale:g}" if step.loss_scale is not None else ""
+            skipped = " (skipped: gradients not finite)" if "skipped" in metrics and bool(metrics["skipped"]) else ""
+            say(f"step {index} loss {losses[-1]:.4f} grad_norm {metrics['grad_norm'].item():.3f}{dropped}{scaled}"
+                f"{skipped}", flush=True)
         if args.save and (index == args.steps or args.save_every and index % args.save_every == 0):
             stalled = time.perf_counter()  # written in the background: the step waits for the host copy only
             directory = args.save.replace("{step}", str(index))

@@ -3,6 +3,7 @@
 import importlib.util
 import os
 import pathlib
+import re
 
 import pytest
 
@@ -24,11 +25,17 @@ def test_train_example_loss_falls(tmp_path, capsys):
     assert (tmp_path / "00_traced.py").read_text().count("torch.ops.aten.embedding.default(") == 2
 
 
+def test_train_example_in_fp16_scales_its_loss_and_learns(capsys):
+    result = load_train().main(["--model", "gpt", "--dtype", "fp16", "--clip-grad-norm", "1.0", "--steps", "60",
+                                "--log-every", "30"])
+    assert result["last_loss"] < 0.95 * result["first_loss"], result
+    assert re.search(r"step 60 loss [\d.]+ grad_norm [\d.]+ loss_scale \d+", capsys.readouterr().out)  # reported
+
+
 def test_transformers_example_learns_saves_and_starts_from_its_weights(tmp_path):
     """A Llama built from a config, padded rows with attention masks, trained by two data-parallel
     processes; --save writes save_pretrained's safetensors and config.json (transformers writes on
     torch.distributed's rank 0 only), which --weights reads back (from_pretrained) into a new run."""
-    import re
     import subprocess
     import sys
 
