@@ -246,9 +246,11 @@ class Config:
         not become zero (fxshard/loss_scale.py). "dynamic": torch.amp.GradScaler's rule (from 2**16,
         halved on a step whose gradients overflow, which is skipped, doubled after 2000 applied steps in
         a row; `fxshard.LossScale(...)` sets those numbers); the scale is training state, saved by
-        checkpoints, read by `step.loss_scale`. A number: a static scale. False: none. None (default):
-        "dynamic" where param_dtype or reduce_dtype is torch.float16, else none. A dynamic scale with
-        Mesh(pp>1) is not built yet (refused; a static one works).
+        checkpoints, read by `step.loss_scale`. A number in [2**-126, 2**126]: a static scale. False:
+        none. None (default): "dynamic" where param_dtype or reduce_dtype is torch.float16, else none.
+        Pipelines (Mesh(pp>1)) take either. The gradient norm is summed from the scaled gradients: an
+        explicit scale on fp32 / bf16 gradients overflows it (the step skips or raises) where a scaled
+        element's square leaves float32 (|S * g| > 1.8e19), where GradScaler would still step.
     seed: initializes a model built on the meta device (fxshard.init: per module, seeded by its path).
     check_initial_weights: on a mesh, `shard` compares a checksum of every rank's initial parameters
         and persistent buffers (runtime/agreement.py `check_same_start`) and refuses ranks that start

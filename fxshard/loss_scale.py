@@ -27,6 +27,14 @@ import torch
 from .errors import FxShardError
 
 NAME = "loss_scale"  # the LOSS_SCALE input's and output's name
+# a scale S whose S and 1/S are both normal float32 numbers (the step multiplies by each in fp32)
+LOWEST, HIGHEST = 2.0 ** -126, 2.0 ** 126
+MAX_GROWTH_INTERVAL = 2 ** 24  # the count of good steps is a float32, exact up to here
+
+
+def in_range(scale) -> bool:
+    """Whether `scale` is a number the step can scale by and divide by in float32."""
+    return isinstance(scale, (int, float)) and not isinstance(scale, bool) and LOWEST <= scale <= HIGHEST
 
 
 @dataclass(frozen=True)
@@ -42,15 +50,17 @@ class LossScale:
         def number(value):
             return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
-        if not (number(self.init_scale) and 0 < self.init_scale <= 2.0 ** 127):
-            raise FxShardError(f"LossScale init_scale must be a number in (0, 2**127], got {self.init_scale!r}")
+        if not in_range(self.init_scale):
+            raise FxShardError(f"LossScale init_scale must be a number in [2**-126, 2**126] (it and its inverse "
+                               f"float32's normal numbers), got {self.init_scale!r}")
         if not (number(self.growth_factor) and self.growth_factor > 1):
             raise FxShardError(f"LossScale growth_factor must be a number > 1, got {self.growth_factor!r}")
         if not (number(self.backoff_factor) and 0 < self.backoff_factor < 1):
             raise FxShardError(f"LossScale backoff_factor must be a number in (0, 1), got {self.backoff_factor!r}")
         if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) or \
-                self.growth_interval < 1:
-            raise FxShardError(f"LossScale growth_interval must be an int >= 1, got {self.growth_interval!r}")
+                not 1 <= self.growth_interval <= MAX_GROWTH_INTERVAL:
+            raise FxShardError(f"LossScale growth_interval must be an int in [1, 2**24] (the step counts good steps "
+                               f"in float32), got {self.growth_interval!r}")
 
     def initial_state(self, device) -> torch.Tensor:
         """The LOSS_SCALE input's starting value: [init_scale, 0 good steps], float32."""
@@ -80,9 +90,9 @@ def resolve(loss_scale, param_dtype, reduce_dtype) -> float | LossScale | None:
         return loss_scale
     if loss_scale is False:
         return None
-    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool) and math.isfinite(loss_scale) \
-            and loss_scale > 0:
+    if in_range(loss_scale):
         return None if loss_scale == 1 else float(loss_scale)
     raise FxShardError(f"loss_scale={loss_scale!r}; choose \"dynamic\" (torch.amp.GradScaler's rule), "
-                       f"fxshard.LossScale(init_scale=..., growth_interval=...), a number > 0 (a static scale), False "
+                       f"fxshard.LossScale(init_scale=..., growth_interval=...), a number in [2**-126, 2**126] (a "
+                       f"static scale: it and its inverse float32's normal numbers), False "
                        f"(none), or None (dynamic where param_dtype or reduce_dtype is torch.float16, else none)")

@@ -499,6 +499,8 @@ def test_load_state_dict_is_strict_about_keys_and_shapes_and_changes_nothing_whe
                             ({**plain, "fxshard.progress": {"step_count": 10}}, r"progress must be a dict with step_count"),
                             ({**plain, "fxshard.progress": {"step_count": 1, "lr_override": float("nan")}},
                              r"lr_override must be None or a finite float"),
+                            ({**plain, "fxshard.progress": {"step_count": 1, "lr_override": None, "loss_scale": [1e39, 0]}},
+                             r"loss_scale must be \[scale in \[2\*\*-126, 2\*\*126\]"),  # inf in float32
                             ({**plain, "model.head.weight": plain["model.head.weight"] * float("nan")},
                              r"not finite \(NaN or inf\): model\.head\.weight"),
                             ({**plain, "model.head.weight": plain["model.head.weight"].tolist()},

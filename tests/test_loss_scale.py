@@ -167,8 +167,10 @@ def test_a_dynamic_scale_under_zero3_matches_one_device_and_survives_a_checkpoin
 
 @pytest.mark.parametrize("config, message", [
     (dict(loss_scale="static"), "loss_scale='static'; choose \"dynamic\""),
-    (dict(loss_scale=0.0), "a number > 0"),
-    (dict(loss_scale=math.inf), "a number > 0"),
+    (dict(loss_scale=0.0), r"a number in \[2\*\*-126, 2\*\*126\]"),
+    (dict(loss_scale=math.inf), r"a number in \[2\*\*-126, 2\*\*126\]"),
+    (dict(loss_scale=1e39), r"a number in \[2\*\*-126, 2\*\*126\]"),   # inf in float32
+    (dict(loss_scale=1e-50), r"a number in \[2\*\*-126, 2\*\*126\]"),  # 0 in float32
     (dict(loss_scale="dynamic", nonfinite="raise"), "nonfinite='raise' with a dynamic loss scale"),
     (dict(param_dtype=torch.float16, nonfinite="ignore"), "nonfinite='ignore' with a dynamic loss scale")])
 def test_loss_scales_the_step_cannot_apply_are_refused(config, message):
@@ -178,9 +180,11 @@ def test_loss_scales_the_step_cannot_apply_are_refused(config, message):
 
 @pytest.mark.parametrize("make, message", [
     (lambda: fxshard.LossScale(init_scale=0), "init_scale must be a number in"),
+    (lambda: fxshard.LossScale(init_scale=1e-50), "init_scale must be a number in"),  # 0 in float32: every step skipped
+    (lambda: fxshard.LossScale(growth_interval=2 ** 25), r"growth_interval must be an int in \[1, 2\*\*24\]"),
     (lambda: fxshard.LossScale(growth_factor=1.0), "growth_factor must be a number > 1"),
     (lambda: fxshard.LossScale(backoff_factor=1.5), "backoff_factor must be a number in"),
-    (lambda: fxshard.LossScale(growth_interval=0), "growth_interval must be an int >= 1")])
+    (lambda: fxshard.LossScale(growth_interval=0), r"growth_interval must be an int in \[1, 2\*\*24\]")])
 def test_loss_scale_parameters_grad_scaler_would_refuse_are_refused(make, message):
     with pytest.raises(fxshard.FxShardError, match=message):
         make()
@@ -235,3 +239,20 @@ def test_a_dynamic_scale_inside_a_pipeline_follows_the_single_device_step(dp, sh
 
 def _joined(pieces):
     return {key: torch.cat([piece[key] for piece in pieces]) for key in pieces[0]}
+
+
+@pytest.mark.parametrize("name", ["loss_scale", "lr", "step"])
+def test_a_top_level_parameter_named_like_one_of_the_steps_inputs_is_refused(name):
+    """The program's signature names the step's own inputs beside the parameters."""
+    model = Regressor()
+    model.register_parameter(name, torch.nn.Parameter(torch.ones(())))
+    batch = regression_batches(1)[0]
+    with pytest.raises(fxshard.FxShardError, match=rf"top-level parameter or buffer named '{name}'.*rename it"):
+        fxshard.trace(model, _plain, batch, optimizer=ADAMW)
+
+
+def test_a_pipeline_in_fp16_builds_with_its_dynamic_scale():
+    """What api refused before pipelines carried the scale: the launcher's check passes."""
+    batch = {"idx": torch.randint(0, 64, (4, 16)), "tgt": torch.randint(0, 64, (4, 16))}
+    fxshard.check(GPT(GPTConfig.preset("tiny")), lambda m, b: m.loss(b), batch, mesh=fxshard.Mesh(pp=2),
+                  config=fxshard.Config(param_dtype=torch.float16, microbatches=2))

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ..loss_scale import NAME as LOSS_SCALE
+from ..loss_scale import MAX_GROWTH_INTERVAL, NAME as LOSS_SCALE, in_range
 from ..program import InputKind, OutputKind
 from ..runtime.rng import rng_state, set_rng_state
 from .items import Piece, boxes, global_tensors, model_key, state_pieces
@@ -285,10 +285,11 @@ def _progress_problem(progress) -> str:
     if lr is not None and not is_learning_rate(lr):
         return f"{PROGRESS} lr_override must be None or a finite float >= 0, got {lr!r}"
     scale = progress.get("loss_scale")
-    if scale is not None and not (isinstance(scale, (list, tuple)) and len(scale) == 2 and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in scale)
-            and scale[0] > 0 and scale[1] >= 0):
-        return f"{PROGRESS} loss_scale must be [scale > 0, good steps >= 0], got {scale!r}"
+    if scale is not None and not (isinstance(scale, (list, tuple)) and len(scale) == 2 and in_range(scale[0])
+                                  and isinstance(scale[1], (int, float)) and not isinstance(scale[1], bool)
+                                  and 0 <= scale[1] <= MAX_GROWTH_INTERVAL):
+        return (f"{PROGRESS} loss_scale must be [scale in [2**-126, 2**126], good steps in [0, 2**24]], "
+                f"got {scale!r}")
     return ""
 
 

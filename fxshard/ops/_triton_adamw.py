@@ -8,7 +8,7 @@ import triton.language as tl
 @triton.jit
 def _adamw_kernel(param_ptr, grad_ptr, m_ptr, v_ptr, out_p, out_m, out_v, decay_ptr, step_size_ptr, bc2_ptr,
                   skip_ptr, scale_ptr, n, beta1, beta2, eps, BLOCK: tl.constexpr, SKIP: tl.constexpr,
-                  IN_PLACE: tl.constexpr, SCALE: tl.constexpr):
+                  IN_PLACE: tl.constexpr, SCALE: tl.constexpr, PTX: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     if SKIP and IN_PLACE:  # a skipped step reads and writes nothing
@@ -19,8 +19,11 @@ def _adamw_kernel(param_ptr, grad_ptr, m_ptr, v_ptr, out_p, out_m, out_v, decay_
         # mul.rn is never contracted into the moments' arithmetic (a plain `*` would become FMAs there),
         # so the step has the bits of the one that reads the multiplied gradient
         scale = tl.broadcast_to(tl.load(scale_ptr), [BLOCK])
-        g = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [g, scale], dtype=tl.float32,
-                                      is_pure=True, pack=1)
+        if PTX:
+            g = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [g, scale], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+        else:  # ROCm: no PTX; the product may be fused into the moments' arithmetic (rounded once less)
+            g = g * scale
     m0 = tl.load(m_ptr + offsets, mask=mask)
     v0 = tl.load(v_ptr + offsets, mask=mask)
     decay = tl.load(decay_ptr)
@@ -56,5 +59,6 @@ def fused_adamw(param, grad, exp_avg, exp_avg_sq, decay, step_size, bc2, beta1, 
                                                 skip if skip is not None else decay,
                                                 grad_scale.float() if grad_scale is not None else decay,
                                                 n, beta1, beta2, eps, BLOCK=block, SKIP=skip is not None,
-                                                IN_PLACE=in_place, SCALE=grad_scale is not None)
+                                                IN_PLACE=in_place, SCALE=grad_scale is not None,
+                                                PTX=torch.version.hip is None)
     return out_p, out_m, out_v
