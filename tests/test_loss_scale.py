@@ -91,25 +91,25 @@ class GradScalerReference:
 
 @settings(max_examples=max(2, settings.default.max_examples // 2), deadline=None)  # ~2 s an example
 @given(exponent=st.integers(-6, 24), clip=st.sampled_from([None, 0.05]),
-       sharded=st.booleans())
-def test_a_power_of_two_static_scale_changes_no_bit_of_an_fp32_step(exponent, clip, sharded):
+       sharding=st.sampled_from([None, "optim", "optim_grads_params"]))
+def test_a_power_of_two_static_scale_changes_no_bit_of_an_fp32_step(exponent, clip, sharding):
     """Scaling by 2**k and unscaling by 2**-k is exact while no value leaves fp32's range: the losses
     and updated parameters equal those of the unscaled program bit for bit, also with the gradient norm
-    clipped (where the unscaling folds into the clip coefficient) and under ZeRO-3 over two ranks."""
+    clipped (where the unscaling folds into the clip coefficient) and under ZeRO-1 or ZeRO-3 over two ranks."""
     torch.manual_seed(0)
     model = Regressor()
     batches = regression_batches(3, rows=4)
 
     def run(loss_scale):
         config = fxshard.Config(loss_scale=loss_scale, clip_grad_norm=clip)
-        if not sharded:
+        if sharding is None:
             step = fxshard.shard(copy.deepcopy(model), _plain, batches[0],
                                  optimizer=ADAMW, config=config)
             losses = [step(batch)["loss"] for batch in batches]
             return losses, step.parameters()
         halves = [[{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}] for batch in batches]
         program = fsdp(fxshard.trace(model, _plain, halves[0][0], optimizer=ADAMW, config=config),
-                       FSDPConfig(2, "optim_grads_params"))
+                       FSDPConfig(2, sharding))
         ranks = SimulatedRanks(program, model, ADAMW, fxshard.Mesh(dp=2))
         losses = [ranks.step(pair)[0]["loss"] for pair in halves]
         return losses, ranks.parameters(0)
