@@ -342,6 +342,14 @@ class Program:
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.graph.nodes if n.op == "placeholder"]
 
+    def placeholder_of(self, kind: InputKind) -> fx.Node | None:
+        """The placeholder of the program's one input of `kind` (LR, STEP, LOSS_SCALE), or None:
+        found by kind, never by name (a parameter may share the name)."""
+        found = [node for spec, node in zip(self.inputs, self.placeholders()) if spec.kind is kind]
+        if len(found) > 1:
+            raise AssertionError(f"{len(found)} inputs of kind {kind.name}; placeholder_of finds the one")
+        return found[0] if found else None
+
     def output_nodes(self) -> list[fx.Node]:
         (out,) = [n for n in self.graph.nodes if n.op == "output"]
         return list(out.args[0])

@@ -151,19 +151,6 @@ def trace(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None 
         return _trace_step(model, loss_fn, example_batch, optimizer, config, balance)
 
 
-RESERVED_INPUTS = frozenset({"lr", "step", LOSS_SCALE})  # the step's own inputs, named beside the parameters
-
-
-def _refuse_reserved_names(model: nn.Module, names: list[str]) -> None:
-    """A top-level parameter or buffer named like one of the step's own inputs would share its name
-    with that input in the program's signature, which the passes read by name."""
-    taken = sorted(set(names) & RESERVED_INPUTS)
-    if taken:
-        raise FxShardError(f"{type(model).__name__} has a top-level parameter or buffer named {taken[0]!r}, the name of "
-                           f"the step's own {taken[0]} input ({sorted(RESERVED_INPUTS)} are taken); rename it (e.g. "
-                           f"{taken[0] + '_'!r}), or move it into a submodule")
-
-
 def _trace_step(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer | None,
                 config: Config | None, balance: bool = True) -> Program:
     config = config or Config()
@@ -179,7 +166,6 @@ def _trace_step(model: nn.Module, loss_fn, example_batch, optimizer: Optimizer |
             f"{type(model).__name__} has no trainable parameters ({len(params)} parameters, none with "
             f"requires_grad=True); there is nothing to train")
     _refuse_untraceable_parameters(model, params)
-    _refuse_reserved_names(model, [*params, *buffers])
     device = batch_spec.device
     layer_paths = find_layers(model, config.layers)
 

@@ -54,7 +54,6 @@ from fxshard import meta, moe
 from fxshard.errors import FxShardError
 from fxshard.graph import Graph, ancestors, call_argument, fake_mode_of, inline, lazy_module
 from fxshard.ops.grouped_mlp_backends import expert_of_rows
-from fxshard.loss_scale import NAME as LOSS_SCALE
 from fxshard.optimizer_graph import append_update
 from fxshard.program import EXPERT_SHARDED, Input, InputKind, Output, OutputKind, Program
 
@@ -783,14 +782,16 @@ class _Rewrite:
         old_output = next(n for n in self.old.nodes if n.op == "output")
         old_values = list(old_output.args[0])
         grads = {meta.param(n): n for n in self.old.nodes if meta.phase(n) == meta.BWD and meta.param(n)}
-        placeholders = dict(zip([i.name for i in self.program.inputs], self.program.placeholders()))
+        placeholders = {spec.name: node for spec, node in zip(self.program.inputs, self.program.placeholders())
+                        if spec.kind in (InputKind.PARAM, InputKind.OPT_STATE)}
         updates = self.program.updates  # the same tensors: experts become this rank's shard of them
         params = [self.env[placeholders[u.name]] for u in updates]
         grad_nodes = [self.lookup(grads[u.name]) for u in updates]
         states = {(s.owner, s.slot): self.env[placeholders[s.name]]
                   for s in self.program.inputs if s.kind is InputKind.OPT_STATE}
-        lr, step = (self.env[placeholders[name]] for name in ("lr", "step"))
-        scale = self.env[placeholders[LOSS_SCALE]] if LOSS_SCALE in placeholders else None
+        lr, step = (self.env[self.program.placeholder_of(kind)] for kind in (InputKind.LR, InputKind.STEP))
+        scale = self.program.placeholder_of(InputKind.LOSS_SCALE)
+        scale = self.env[scale] if scale is not None else None
         grad_norm, new_params, new_states, nonfinite, next_scale = append_update(
             self.graph, self.program.train, self.fake, updates, params, grad_nodes, states, lr, step, loss_scale=scale)
         outputs, values = [], []

@@ -70,6 +70,7 @@ from fxshard.program import (EXPERT_SHARDED, REPLICATED, FlatUnit, Input, InputK
 from fxshard.schedule import COMPUTE
 
 STRATEGIES = SHARDING_STRATEGIES
+_OWN_INPUTS = (InputKind.LR, InputKind.STEP, InputKind.LOSS_SCALE)  # the step's own, one of each at most
 _c10d = torch.ops._c10d_functional
 ALL = (meta.FWD, 0)  # the one region of strategies that keep full parameters
 SMALL_UNIT = 10  # under 1/SMALL_UNIT of the median all-gather's bytes: prefetch does not count it (a block's: merged)
@@ -210,7 +211,10 @@ class _Rewrite:
         self.graph = Graph()
         self.fake = fake_mode_of(self.old)
         self.unit_of = {m.name: unit for unit in units for m in unit.members}
-        self.old_placeholders = dict(zip([i.name for i in program.inputs], program.placeholders()))
+        # by name: parameters, buffers, state, batch (the step's own LR / STEP / LOSS_SCALE inputs are found
+        # by kind, Program.placeholder_of: a parameter may share their name)
+        self.old_placeholders = {spec.name: node for spec, node in zip(program.inputs, program.placeholders())
+                                 if spec.kind not in _OWN_INPUTS}
         self.member_of_node = {self.old_placeholders[name]: name for name in self.unit_of}
         self.compute_dtype = self.hoist_casts() if cfg.shards_params else {}
         self.cast_shards: dict[str, fx.Node] = {}  # unit name -> its shard in the compute dtype
@@ -258,9 +262,9 @@ class _Rewrite:
     def make_inputs(self):
         cfg = self.cfg
         self.unit_inputs, self.state_inputs, seen = {}, {}, set()
-        for spec in self.program.inputs:
-            old = self.old_placeholders[spec.name]
-            unit = self.unit_of.get(spec.owner if spec.kind is InputKind.OPT_STATE else spec.name)
+        for spec, old in zip(self.program.inputs, self.program.placeholders()):
+            unit = (self.unit_of.get(spec.owner) if spec.kind is InputKind.OPT_STATE else
+                    self.unit_of.get(spec.name) if spec.kind is InputKind.PARAM else None)
             if unit is None:
                 self.env[old] = self.placeholder(spec, old.meta["val"], meta.layer(old))
                 continue
@@ -674,8 +678,8 @@ class _Rewrite:
                  self.wait(reductions[u.name], meta.OPTIM, meta.layer(reductions[u.name])) for u in trained]
         params = [self.own_shard(unit) for unit in trained]
         states = {key: node for key, node in self.state_inputs.items()}
-        lr, step = (self.env[self.old_placeholders[name]] for name in ("lr", "step"))
-        scale = self.old_placeholders.get(LOSS_SCALE)
+        lr, step = (self.env[self.program.placeholder_of(kind)] for kind in (InputKind.LR, InputKind.STEP))
+        scale = self.program.placeholder_of(InputKind.LOSS_SCALE)
         grad_norm, new_params, new_states, nonfinite, next_scale = append_update(
             self.graph, self.program.train, self.fake, updates, params, grads, states, lr, step,
             norm_groups=self.norm_groups(), deferred=self.deferred_reductions(reductions),

@@ -118,7 +118,8 @@ class _Lowering:
                         f"keep reading its initial value. Cut the stages so that its readers share one "
                         f"(Config(stage_layers=...)), or let its gradient flow from every reader")
         self.split_backward = any(a.kind == "W" for a in actions)
-        self.env: dict[str, fx.Node] = {}       # input name -> placeholder
+        self.env: dict[str, fx.Node] = {}       # input name -> placeholder (parameters, buffers, state, batch)
+        self.scalars: dict[InputKind, fx.Node] = {}  # the step's own inputs (LR, STEP, LOSS_SCALE) by kind
         self.inputs: list[Input] = []
         self.slices: dict[tuple[int, int], fx.Node] = {}      # (leaf, microbatch) -> rows of that microbatch
         self.once: dict[tuple, fx.Node] = {}    # what a node computes (once_key) -> its one copy per step
@@ -158,7 +159,10 @@ class _Lowering:
             placeholder = self.graph.placeholder(node.name)
             placeholder.meta.update(node.meta)
             placeholder.meta["val"] = value
-            self.env[spec.name] = placeholder
+            if spec.kind in (InputKind.LR, InputKind.STEP, InputKind.LOSS_SCALE):  # every stage takes them
+                self.scalars[spec.kind] = placeholder
+            else:
+                self.env[spec.name] = placeholder
             self.inputs.append(spec)
         self.leaves = [self.env[s.name] for s in self.inputs if s.kind is InputKind.BATCH]
         self.device = next(iter(self.env.values())).meta["val"].device
@@ -223,6 +227,10 @@ class _Lowering:
         """The chunk's parameters and buffers, each buffer as the forwards lowered so far left it."""
         return [self.buffers.get(name, self.env[name]) for name in chunk.params]
 
+    def scale_of(self, chunk: Chunk) -> list[fx.Node]:
+        """What the chunk's graphs take after its parameters: the dynamic loss scale's state, if they read it."""
+        return [self.scalars[InputKind.LOSS_SCALE]] if chunk.loss_scale else []
+
     # ---- point to point -----------------------------------------------------------------------
     def receive(self, action: Action) -> None:
         kind = action.kind[1]
@@ -283,7 +291,7 @@ class _Lowering:
         self.copy(chunk.forward, params, mb, len(chunk.params), once_only=True)
         received = self.neighbour("F", c - 1, mb, meta.FWD) if c > 0 else []
         leaves = [self.batch_rows(i, mb) for i in chunk.batch]
-        outputs = self.copy(chunk.forward, [*params, *leaves, *received], mb, len(chunk.params))
+        outputs = self.copy(chunk.forward, [*params, *self.scale_of(chunk), *leaves, *received], mb, len(chunk.params))
         for name in reversed(chunk.buffers):  # microbatch m+1's forward reads what m's wrote, as in eager
             self.buffers[name] = outputs.pop()
         for name in reversed(chunk.metrics):
@@ -303,7 +311,7 @@ class _Lowering:
         received = [] if last else self.neighbour("B", c + 1, mb, meta.BWD)
         saved = self.stash.pop((c, mb))
         leaves = [self.batch_rows(i, mb) for i in chunk.batch]
-        inputs = [*self.read.pop((c, mb)), *leaves, *[saved[n] for n in chunk.saved], *received]
+        inputs = [*self.read.pop((c, mb)), *self.scale_of(chunk), *leaves, *[saved[n] for n in chunk.saved], *received]
         sent = len(chunk.grad_send)
         if self.split_backward:
             outputs = self.copy(chunk.backward_input, inputs, mb, len(chunk.params))
@@ -460,10 +468,11 @@ class _Lowering:
                   for spec in self.inputs if spec.kind is InputKind.OPT_STATE}
         # a dynamic loss scale: every stage unscales with it and updates it alike (the skip follows the
         # norm, summed over the stages)
-        scale = self.env.get(LOSS_SCALE) if self.source.train.scales_dynamically else None
+        scale = self.scalars.get(InputKind.LOSS_SCALE)
         grad_norm, new_params, new_states, nonfinite, next_scale = append_update(
             self.graph, self.source.train, self.fake, updates, [self.env[u.name] for u in updates],
-            [self.grads[u.name] for u in updates], states, self.env["lr"], self.env["step"], loss_scale=scale)
+            [self.grads[u.name] for u in updates], states, self.scalars[InputKind.LR], self.scalars[InputKind.STEP],
+            loss_scale=scale)
         values.append(grad_norm)
         for update in updates:
             outputs.append(Output(OutputKind.PARAM, update.name, STAGE_LOCAL))

@@ -9,8 +9,11 @@ each rank's parameters after all microbatches).
 
 Each `Chunk` has two graphs with explicit boundaries:
 
-    forward   (params, batch leaves, received activations) -> (sent activations, saved values[, loss])
-    backward  (params, batch leaves, saved values, received gradients) -> (sent gradients, parameter gradients)
+    forward   (params[, scale], batch leaves, received activations) -> (sent activations, saved values[, loss])
+    backward  (params[, scale], batch leaves, saved values, received gradients) -> (sent gradients, parameter gradients)
+
+(`scale`: a dynamic loss scale's state, which the backward of the chunk computing the loss multiplies
+its loss tangent by; `Chunk.loss_scale` says whether a chunk takes it.)
 
 `sent` of chunk c is every forward value made in chunks <= c that a later chunk reads (an activation
 a later chunk needs passes through the chunks between: point-to-point only ever goes c -> c+1); the
@@ -50,8 +53,7 @@ class Chunk:
     layers: tuple[str, ...]
     forward: fx.GraphModule
     backward: fx.GraphModule
-    params: tuple[str, ...]       # parameters, read-only buffers (and the loss scale's state, on the chunk
-                                  # with the loss under a dynamic scale) both graphs take first, in this order
+    params: tuple[str, ...]       # parameters (and read-only buffers) both graphs take first, in this order
     batch: tuple[int, ...]        # indices of the batch leaves both graphs take next
     recv: tuple[str, ...]         # activations received from chunk index-1 (forward inputs, after the batch)
     send: tuple[str, ...]         # activations sent to chunk index+1 (forward outputs, first)
@@ -63,10 +65,11 @@ class Chunk:
     grads: tuple[str, ...]        # parameters whose (partial) gradient follows, in this order
     # The backward split for schedules with W actions (zero bubble): `backward_input` computes the
     # sent gradients and `carry` (values the weight part needs), `backward_weight` the rest.
-    backward_input: fx.GraphModule | None = None   # (params, batch, saved, grad_recv) -> (grad_send, carry)
-    backward_weight: fx.GraphModule | None = None  # (params, batch, saved, grad_recv, carry) -> param grads
+    backward_input: fx.GraphModule | None = None   # (params[, scale], batch, saved, grad_recv) -> (grad_send, carry)
+    backward_weight: fx.GraphModule | None = None  # (params[, scale], batch, saved, grad_recv, carry) -> param grads
     carry: tuple[str, ...] = ()
     buffers: tuple[str, ...] = ()  # buffers the forward updates (BatchNorm statistics, routing counts): its last outputs
+    loss_scale: bool = False       # both graphs take the dynamic loss scale's state right after `params`
 
     @property
     def forward_outputs(self) -> tuple[str, ...]:
@@ -422,24 +425,24 @@ class _Splitter:
         updated = {self.buffer_nodes[n] for n in self.buffer_nodes if n in fwd_set}
         external += [n for n in self.program.placeholders() if n not in external and
                      self.specs[n].kind is InputKind.BUFFER and self.specs[n].name in updated]
-        # the dynamic loss scale's state, which the last chunk's backward multiplies its loss tangent by,
-        # travels with the parameters: every stage holds it (lower_schedule), like the learning rate
-        params = [n for n in external if self.specs[n].kind in (InputKind.PARAM, InputKind.BUFFER, InputKind.LOSS_SCALE)]
+        params = [n for n in external if self.specs[n].kind in (InputKind.PARAM, InputKind.BUFFER)]
+        # the dynamic loss scale's state, which the loss chunk's backward multiplies its tangent by
+        scale = [n for n in external if self.specs[n].kind is InputKind.LOSS_SCALE]
         batch = [n for n in external if self.specs[n].kind is InputKind.BATCH]
-        other = [n for n in external if n not in params and n not in batch]
+        other = [n for n in external if n not in params and n not in scale and n not in batch]
         if other:
             raise FxShardError(f"chunk {c} reads {[self.specs[n].name for n in other]}, which only the "
                                f"optimizer may read")
         has_loss = loss in fwd_set
         metrics = [n for n in self.metric_nodes if n in fwd_set]
         buffers = [n for n in self.buffer_nodes if n in fwd_set]
-        forward = self.subgraph(fwd_nodes, [*params, *batch, *recv],
+        forward = self.subgraph(fwd_nodes, [*params, *scale, *batch, *recv],
                                 [*send, *[s for s in saved if s not in send], *([loss] if has_loss else []), *metrics,
                                  *buffers])
         partials = []
         for name, info in grads.items():
             partials.append((name, info["parts"][c], info["cast"]))
-        backward = self.subgraph(bwd_nodes, [*params, *batch, *saved, *grad_recv],
+        backward = self.subgraph(bwd_nodes, [*params, *scale, *batch, *saved, *grad_recv],
                                  [*grad_send], partials=partials)
         placeholders = self.program.placeholders()
         leaves = [n for n in placeholders if self.specs[n].kind is InputKind.BATCH]
@@ -450,7 +453,7 @@ class _Splitter:
                      has_loss, tuple(self.metric_nodes[n] for n in metrics),
                      tuple(n.name for n in grad_recv), tuple(n.name for n in grad_send),
                      tuple(name for name, _, _ in partials), backward_input, backward_weight, carry,
-                     tuple(self.buffer_nodes[n] for n in buffers))
+                     tuple(self.buffer_nodes[n] for n in buffers), bool(scale))
 
     def subgraph(self, nodes, inputs, outputs, partials=()) -> fx.GraphModule:
         graph = Graph()

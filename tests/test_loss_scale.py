@@ -3,6 +3,7 @@ optimizer phase, static (a constant of the program) or dynamic (torch.amp.GradSc
 the step carries, checkpoints save and load)."""
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -241,14 +242,78 @@ def _joined(pieces):
     return {key: torch.cat([piece[key] for piece in pieces]) for key in pieces[0]}
 
 
+class Named(torch.nn.Module):
+    """A regressor whose top-level gain parameter is named like one of the step's own inputs."""
+
+    def __init__(self, name):
+        super().__init__()
+        self.name, self.inner = name, Regressor()
+        self.register_parameter(name, torch.nn.Parameter(torch.full((), 1.5)))
+
+    def forward(self, x):
+        return self.inner(x) * getattr(self, self.name)
+
+
 @pytest.mark.parametrize("name", ["loss_scale", "lr", "step"])
-def test_a_top_level_parameter_named_like_one_of_the_steps_inputs_is_refused(name):
-    """The program's signature names the step's own inputs beside the parameters."""
-    model = Regressor()
-    model.register_parameter(name, torch.nn.Parameter(torch.ones(())))
-    batch = regression_batches(1)[0]
-    with pytest.raises(fxshard.FxShardError, match=rf"top-level parameter or buffer named '{name}'.*rename it"):
-        fxshard.trace(model, _plain, batch, optimizer=ADAMW)
+def test_a_parameter_named_like_one_of_the_steps_own_inputs_trains_as_under_any_other_name(name):
+    """The passes find the step's own inputs (lr, step, the loss scale's state) by kind, not by name:
+    a top-level parameter called `lr`, `step` or `loss_scale` trains bit for bit as one called `gain`,
+    under a dynamic loss scale, on one device and under ZeRO-3 over two simulated ranks."""
+    torch.manual_seed(0)
+    batches = weighted(regression_batches(3, rows=4), [1.0, 1e35, 1.0])
+    config = fxshard.Config(loss_scale=fxshard.LossScale(growth_interval=1))
+    results = []
+    for label in (name, "gain"):
+        torch.manual_seed(0)
+        model = Named(label)
+        single = fxshard.shard(copy.deepcopy(model), weighted_loss, batches[0], optimizer=ADAMW, config=config)
+        program = fsdp(fxshard.trace(model, weighted_loss, {k: v[:2] if v.dim() else v for k, v in batches[0].items()},
+                                     optimizer=ADAMW, config=config), FSDPConfig(2, "optim_grads_params"))
+        ranks = SimulatedRanks(program, model, ADAMW, fxshard.Mesh(dp=2))
+        losses = []
+        for batch in batches:
+            losses.append(single(batch)["loss"])
+            ranks.step([{k: v[half] if v.dim() else v for k, v in batch.items()} for half in (slice(0, 2), slice(2, 4))])
+        params = {key.replace(label, "<gain>"): value for key, value in single.parameters().items()}
+        sharded = {key.replace(label, "<gain>"): value for key, value in ranks.parameters(0).items()}
+        results.append((losses, params, sharded, single.loss_scale, single.step_count))
+    ours, theirs = results
+    assert ours[3:] == theirs[3:] and all(torch.equal(a, b) for a, b in zip(ours[0], theirs[0]))
+    for key, value in theirs[1].items():
+        assert torch.equal(ours[1][key], value) and torch.equal(ours[2][key], theirs[2][key]), key
+
+
+def test_a_parameter_named_loss_scale_in_a_pipeline_trains_as_under_any_other_name():
+    """Mesh(pp=2) under a dynamic scale: the last chunk reads both the parameter `loss_scale` and the
+    scale's state, which `Chunk.loss_scale` hands it apart from its parameters."""
+    from fxshard.passes import run_pipeline
+
+    class Gained(torch.nn.Module):
+        def __init__(self, name):
+            super().__init__()
+            self.name, self.gpt = name, GPT(GPTConfig(vocab_size=40, d_model=16, n_layer=2, n_head=2, d_ff=24))
+            self.register_parameter(name, torch.nn.Parameter(torch.full((), 1.5)))
+
+        def loss(self, batch):
+            return self.gpt.loss(batch) * getattr(self, self.name)
+
+    generator = torch.Generator().manual_seed(1)
+    pieces = [{"idx": torch.randint(0, 40, (2, 8), generator=generator),
+               "tgt": torch.randint(0, 40, (2, 8), generator=generator)} for _ in range(2)]
+    config, mesh = fxshard.Config(loss_scale=fxshard.LossScale()), fxshard.Mesh(pp=2)
+    results = []
+    for name in ("loss_scale", "gain"):
+        torch.manual_seed(0)
+        model = Gained(name)
+        program = fxshard.trace(model, lambda m, b: m.loss(b), pieces[0], optimizer=ADAMW, config=config)
+        stages = [run_pipeline(program, mesh, dataclasses.replace(config, microbatches=2), stage=s)[-1]
+                  for s in range(2)]
+        ranks = SimulatedRanks(stages, model, ADAMW, mesh)
+        losses = [ranks.step([_joined(pieces)] * 2)[0]["loss"] for _ in range(2)]
+        results.append((losses, ranks.parameters(1)[name], ranks.parameters(1)["gpt.head.weight"]))
+    (ours, theirs) = results
+    assert all(torch.equal(a, b) for a, b in zip(ours[0], theirs[0]))
+    assert torch.equal(ours[1], theirs[1]) and torch.equal(ours[2], theirs[2]) and ours[1].item() != 1.5
 
 
 def test_a_pipeline_in_fp16_builds_with_its_dynamic_scale():
