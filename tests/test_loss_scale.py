@@ -321,3 +321,34 @@ def test_a_pipeline_in_fp16_builds_with_its_dynamic_scale():
     batch = {"idx": torch.randint(0, 64, (4, 16)), "tgt": torch.randint(0, 64, (4, 16))}
     fxshard.check(GPT(GPTConfig.preset("tiny")), lambda m, b: m.loss(b), batch, mesh=fxshard.Mesh(pp=2),
                   config=fxshard.Config(param_dtype=torch.float16, microbatches=2))
+
+
+@pytest.mark.parametrize("sharding, clip, optimizer", [
+    ("optim_grads_params", None, ADAMW), ("optim", 0.05, fxshard.optim.SGD(lr=0.1, momentum=0.9))])
+def test_a_dynamic_power_of_two_scale_under_expert_parallelism_changes_no_bit(sharding, clip, optimizer):
+    """Mesh(dp=2, ep=2), whose ep pass rebuilds the optimizer phase (experts averaged over edp): the
+    default dynamic scale (2**16, grown each step here) against no scale, with ZeRO-3 and AdamW or
+    ZeRO-1, clipping and SGD (the multiply before the update): losses and parameters bit for bit."""
+    from fxshard.models import MoEGPT, MoEGPTConfig
+    from fxshard.passes import run_pipeline
+
+    mesh = fxshard.Mesh(dp=2, ep=2)
+    generator = torch.Generator().manual_seed(1)
+    steps = [[{"idx": torch.randint(0, 16, (2, 4), generator=generator),
+               "tgt": torch.randint(0, 16, (2, 4), generator=generator)} for _ in range(2)] for _ in range(3)]
+
+    def run(loss_scale):
+        torch.manual_seed(1)
+        model = MoEGPT(MoEGPTConfig(vocab_size=16, d_model=8, n_layer=2, n_head=2, n_expert=4, top_k=2,
+                                    d_ff_expert=8, d_ff_shared=None))
+        config = fxshard.Config(sharding=sharding, loss_scale=loss_scale, clip_grad_norm=clip)
+        programs = run_pipeline(fxshard.trace(model, lambda m, b: m.loss(b), steps[0][0], optimizer=optimizer,
+                                              config=config), mesh, config)
+        assert "ep" in [p.name for p in programs]
+        ranks = SimulatedRanks(programs[-1], model, optimizer, mesh)
+        return [ranks.step(local)[0]["loss"] for local in steps], ranks.parameters(1)
+
+    (scaled_losses, scaled), (losses, plain) = run(fxshard.LossScale(growth_interval=1)), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(scaled_losses, losses))
+    for name, value in plain.items():
+        assert torch.equal(scaled[name], value), name
