@@ -44,11 +44,7 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=20, help="linear warm-up steps, then cosine decay")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
-                        help="compute dtype (fp32 masters and gradient reduction under bf16 / fp16; fp16 scales "
-                             "the loss dynamically, as torch.amp.GradScaler)")
-    parser.add_argument("--clip-grad-norm", type=float, default=None, metavar="C",
-                        help="clip the gradient norm to C (Config(clip_grad_norm))")
+    add_precision_arguments(parser)
     parser.add_argument("--dump", metavar="DIR", help="write the graph dumps here")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=1)
@@ -87,6 +83,31 @@ def parse_args(argv=None):
     parser.add_argument("--resume", metavar="DIR", help="continue from this checkpoint (any --dp/--pp/--ep may have "
                         "written it; the global batch is --batch-size x --dp)")
     return parser.parse_args(argv)
+
+
+def add_precision_arguments(parser) -> None:
+    """--dtype and --clip-grad-norm (this script's and train_hf.py's): `precision(args)` reads them."""
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
+                        help="compute dtype (fp32 masters and gradient reduction under bf16 / fp16; fp16 scales "
+                             "the loss dynamically, as torch.amp.GradScaler)")
+    parser.add_argument("--clip-grad-norm", type=float, default=None, metavar="C",
+                        help="clip the gradient norm to C (Config(clip_grad_norm))")
+
+
+def precision(args) -> dict:
+    """The Config fields --dtype and --clip-grad-norm set."""
+    compute = DTYPES[args.dtype]
+    return {"param_dtype": compute, "reduce_dtype": torch.float32 if compute is not None else None,
+            "clip_grad_norm": args.clip_grad_norm}
+
+
+def step_log(step, index: int, metrics: dict) -> str:
+    """One logged step's line: loss, gradient norm, dropped tokens and the loss scale where there are."""
+    dropped = f" dropped {metrics['moe_dropped_tokens'].item()}" if "moe_dropped_tokens" in metrics else ""
+    scaled = f" loss_scale {step.loss_scale:g}" if step.loss_scale is not None else ""
+    skipped = " (skipped: gradients not finite)" if "skipped" in metrics and bool(metrics["skipped"]) else ""
+    return f"step {index} loss {metrics['loss'].item():.4f} grad_norm {metrics['grad_norm'].item():.3f}{dropped}" \
+           f"{scaled}{skipped}"
 
 
 def copy_batch(generator, batch_size, copy_len, vocab_size, device):
@@ -207,10 +228,8 @@ def optimizer(args):
 def step_config(args, rank: int) -> fxshard.Config:
     # one writer per distinct program: rank 0, and under a pipeline each stage's first data-parallel rank
     writes = rank == 0 or args.pp > 1 and fxshard.Mesh(pp=args.pp, dp=args.dp, ep=args.ep).coords(rank)["dp"] == 0
-    compute = DTYPES[args.dtype]
     return fxshard.Config(dump_dir=args.dump if writes else None, sharding=args.sharding, schedule=args.schedule,
-                          param_dtype=compute, reduce_dtype=torch.float32 if compute is not None else None,
-                          clip_grad_norm=args.clip_grad_norm,
+                          **precision(args),
                           virtual_stages=args.virtual_stages, ep_overlap=args.ep_overlap,
                           microbatches=args.microbatches,
                           ep_chunks=1, ep_interleave="combined-1f1b" if args.pp > 1 else "dual-batch",
@@ -258,11 +277,7 @@ def train(args) -> dict:
         metrics = step(next_batch())
         losses.append(metrics["loss"].item())
         if index % args.log_every == 0 or index == args.steps:
-            dropped = f" dropped {metrics['moe_dropped_tokens'].item()}" if "moe_dropped_tokens" in metrics else ""
-            scaled = f" loss_scale {step.loss_scale:g}" if step.loss_scale is not None else ""
-            skipped = " (skipped: gradients not finite)" if "skipped" in metrics and bool(metrics["skipped"]) else ""
-            say(f"step {index} loss {losses[-1]:.4f} grad_norm {metrics['grad_norm'].item():.3f}{dropped}{scaled}"
-                f"{skipped}", flush=True)
+            say(step_log(step, index, metrics), flush=True)
         if args.save and (index == args.steps or args.save_every and index % args.save_every == 0):
             stalled = time.perf_counter()  # written in the background: the step waits for the host copy only
             directory = args.save.replace("{step}", str(index))

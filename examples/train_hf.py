@@ -32,7 +32,8 @@ import fxshard
 from fxshard.launch import run_local
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train import check_output_directory, lr_schedule  # noqa: E402  (the same schedule and checks)
+from train import add_precision_arguments, check_output_directory, lr_schedule, precision, step_log  # noqa: E402
+# (the same schedule, checks, precision flags and log line)
 
 PAD, SEPARATOR, IGNORE = 0, 1, -100
 VOCAB = 64
@@ -70,6 +71,7 @@ def parse_args(argv=None):
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--microbatches", type=int, default=2, help="pipeline microbatches (with --pp > 1)")
     parser.add_argument("--dump", metavar="DIR", help="write the graph dumps here")
+    add_precision_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -113,7 +115,7 @@ def mesh_of(args):
 def config_of(args, rank: int) -> fxshard.Config:
     writes = rank == 0 or args.pp > 1 and mesh_of(args).coords(rank)["dp"] == 0
     return fxshard.Config(dump_dir=args.dump if writes else None, microbatches=args.microbatches if args.pp > 1 else 1,
-                          sharding="optim" if args.pp > 1 else "optim_grads_params")
+                          sharding="optim" if args.pp > 1 else "optim_grads_params", **precision(args))
 
 
 
@@ -188,9 +190,10 @@ def train(args) -> dict:
     losses = []
     started = time.perf_counter()
     for index in range(1, args.steps + 1):
-        losses.append(step(next_batch())["loss"].item())
+        metrics = step(next_batch())
+        losses.append(metrics["loss"].item())
         if index % args.log_every == 0 or index == args.steps:
-            say(f"step {index} loss {losses[-1]:.4f}", flush=True)
+            say(step_log(step, index, metrics), flush=True)
     evaluated = step.evaluate(next_batch())["loss"].item()  # eval mode, no update, on a fresh batch
     window = max(1, min(10, len(losses) // 2))  # first and last apart where the run is short
     first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
