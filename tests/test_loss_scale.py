@@ -191,15 +191,20 @@ def test_loss_scale_parameters_grad_scaler_would_refuse_are_refused(make, messag
         make()
 
 
-@pytest.mark.parametrize("dp, sharding, last", [(1, "no_shard", "pipeline"), (2, "no_shard", "fsdp"),
-                                                 (2, "optim_grads_params", "fsdp")])
-def test_a_dynamic_scale_inside_a_pipeline_follows_the_single_device_step(dp, sharding, last):
+@pytest.mark.parametrize("dp, sharding, last, schedule", [
+    (1, "no_shard", "pipeline", "interleaved-1f1b"), (2, "no_shard", "fsdp", "interleaved-1f1b"),
+    (2, "optim_grads_params", "fsdp", "interleaved-1f1b"),
+    (1, "no_shard", "pipeline", "zb-h1"),       # W actions: the weight gradients reuse the backward's inputs
+    (1, "no_shard", "pipeline", "dualpipev")])  # the V: the loss chunk is on rank 0
+def test_a_dynamic_scale_inside_a_pipeline_follows_the_single_device_step(dp, sharding, last, schedule):
     """Mesh(pp=2), the lowered schedule's own optimizer phase (`last="pipeline"`), or Mesh(pp=2, dp=2)
-    under DDP or ZeRO-3, whose pass rebuilds that phase; interleaved 1F1B: the last chunk's backward reads the scale,
+    under DDP or ZeRO-3, whose pass rebuilds that phase: the chunk with the loss reads the scale,
     every stage unscales with it and updates it alike (the skip follows the norm summed over the
     stages). A step where one microbatch's weight overflows the scaled gradients is skipped on every
     rank; scale, skips and parameters follow fxshard's single-device step on the same microbatches."""
+    from fxshard.loss_scale import NAME as LOSS_SCALE_NAME
     from fxshard.passes import run_pipeline
+    from fxshard.passes.pipeline import split_stages
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=40, d_model=16, n_layer=4, n_head=2, d_ff=24))
@@ -214,11 +219,15 @@ def test_a_dynamic_scale_inside_a_pipeline_follows_the_single_device_step(dp, sh
              for row in weights]
     scale = fxshard.LossScale(init_scale=2.0 ** 10, growth_interval=1)
     mesh, config = fxshard.Mesh(pp=2, dp=dp), fxshard.Config(
-        microbatches=4 // dp, schedule="interleaved-1f1b", virtual_stages=2, sharding=sharding, loss_scale=scale)
+        microbatches=4 // dp, schedule=schedule, virtual_stages=1 if schedule == "zb-h1" else 2, sharding=sharding,
+        loss_scale=scale)
     program = fxshard.trace(model, loss_fn, steps[0][0], optimizer=ADAMW, config=fxshard.Config(loss_scale=scale))
     stages = [next(p for p in run_pipeline(program, mesh, config, stage=stage) if p.name == last)
               for stage in range(mesh.pp)]
     assert all(stage.outputs_of(OutputKind.LOSS_SCALE) for stage in stages)
+    chunks = split_stages(program, 4).chunks  # the loss chunk alone takes the scale, beside its parameters
+    assert [c.loss_scale for c in chunks] == [c.has_loss for c in chunks] == [False, False, False, True]
+    assert not any(LOSS_SCALE_NAME in c.params for c in chunks)
     ranks = SimulatedRanks(stages, model, ADAMW, mesh)
     single = fxshard.shard(copy.deepcopy(model), loss_fn, _joined(steps[0]), optimizer=ADAMW,
                            config=fxshard.Config(microbatches=4, loss_scale=scale))
