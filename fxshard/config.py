@@ -339,6 +339,7 @@ class Config:
             raise FxShardError(f"nonfinite={self.nonfinite!r} with a dynamic loss scale: its steps that overflow are "
                                f"expected (the scale backs off from them) and must be skipped; leave nonfinite=None "
                                f"(\"skip\" under a dynamic scale), or use a static loss_scale (a number)")
+
     def nccl_ctas(self, axis: str) -> int | None:
         """The CTAs Config(nccl_max_ctas) allows the process groups along mesh axis `axis` (None: NCCL's choice)."""
         if isinstance(self.nccl_max_ctas, tuple):
