@@ -33,6 +33,10 @@ class InputKind(enum.Enum):
     LOSS_SCALE = "loss_scale"  # a dynamic loss scale's state, [scale, good steps] float32 (fxshard/loss_scale.py)
 
 
+# the step's own inputs, one of each at most: found by kind (Program.placeholder_of), never by name
+OWN_INPUTS = (InputKind.LR, InputKind.STEP, InputKind.LOSS_SCALE)
+
+
 class OutputKind(enum.Enum):
     LOSS = "loss"
     GRAD_NORM = "grad_norm"
@@ -343,7 +347,7 @@ class Program:
         return [n for n in self.graph.nodes if n.op == "placeholder"]
 
     def placeholder_of(self, kind: InputKind) -> fx.Node | None:
-        """The placeholder of the program's one input of `kind` (LR, STEP, LOSS_SCALE), or None:
+        """The placeholder of the program's one input of `kind` (one of OWN_INPUTS), or None:
         found by kind, never by name (a parameter may share the name)."""
         found = [node for spec, node in zip(self.inputs, self.placeholders()) if spec.kind is kind]
         if len(found) > 1:

@@ -65,12 +65,11 @@ from fxshard.errors import FxShardError
 from fxshard.graph import Graph, fake_mode_of, inline, lazy_module
 from fxshard.loss_scale import NAME as LOSS_SCALE
 from fxshard.optimizer_graph import Deferred, append_update
-from fxshard.program import (EXPERT_SHARDED, REPLICATED, FlatUnit, Input, InputKind, Output, OutputKind, Placement,
+from fxshard.program import (EXPERT_SHARDED, OWN_INPUTS, REPLICATED, FlatUnit, Input, InputKind, Output, OutputKind, Placement,
                              Program, Update)
 from fxshard.schedule import COMPUTE
 
 STRATEGIES = SHARDING_STRATEGIES
-_OWN_INPUTS = (InputKind.LR, InputKind.STEP, InputKind.LOSS_SCALE)  # the step's own, one of each at most
 _c10d = torch.ops._c10d_functional
 ALL = (meta.FWD, 0)  # the one region of strategies that keep full parameters
 SMALL_UNIT = 10  # under 1/SMALL_UNIT of the median all-gather's bytes: prefetch does not count it (a block's: merged)
@@ -214,7 +213,7 @@ class _Rewrite:
         # by name: parameters, buffers, state, batch (the step's own LR / STEP / LOSS_SCALE inputs are found
         # by kind, Program.placeholder_of: a parameter may share their name)
         self.old_placeholders = {spec.name: node for spec, node in zip(program.inputs, program.placeholders())
-                                 if spec.kind not in _OWN_INPUTS}
+                                 if spec.kind not in OWN_INPUTS}
         self.member_of_node = {self.old_placeholders[name]: name for name in self.unit_of}
         self.compute_dtype = self.hoist_casts() if cfg.shards_params else {}
         self.cast_shards: dict[str, fx.Node] = {}  # unit name -> its shard in the compute dtype

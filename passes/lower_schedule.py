@@ -58,7 +58,7 @@ from fxshard.graph import Graph, fake_mode_of, inline, is_pure, lazy_module
 from fxshard.loss_scale import NAME as LOSS_SCALE
 from fxshard.ops.p2p import P2P_OPS  # noqa: F401  (registers fxshard::send / recv)
 from fxshard.optimizer_graph import append_update
-from fxshard.program import (REPLICATED, STAGE_LOCAL, Input, InputKind, Output, OutputKind, Program,
+from fxshard.program import (OWN_INPUTS, REPLICATED, STAGE_LOCAL, Input, InputKind, Output, OutputKind, Program,
                              StagePlan)
 from fxshard.schedule import COMPUTE, ZERO, Action, Schedule, check_point_to_point, issue_order
 
@@ -159,7 +159,7 @@ class _Lowering:
             placeholder = self.graph.placeholder(node.name)
             placeholder.meta.update(node.meta)
             placeholder.meta["val"] = value
-            if spec.kind in (InputKind.LR, InputKind.STEP, InputKind.LOSS_SCALE):  # every stage takes them
+            if spec.kind in OWN_INPUTS:  # every stage takes them
                 self.scalars[spec.kind] = placeholder
             else:
                 self.env[spec.name] = placeholder
